@@ -1,0 +1,73 @@
+"""Python client for weightserver: publish and fetch versioned model weights over gRPC.
+
+>>> from weightclient import WeightClient                              # doctest: +SKIP
+>>> WeightClient("localhost:50051").publish(policy, model="policy")    # doctest: +SKIP
+1
+
+`WeightClient` needs torch and tensordict (the `client` extra); `WeightServiceClient` works on
+safetensors bytes and needs neither.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from weightclient.service_client import FetchedBytes, WeightServiceClient, default_address
+from weightclient.version_info import ModelSummary, VersionEvent, VersionInfo
+from weightserver.errors import (
+    Cancelled,
+    CursorOutOfRange,
+    DeadlineExceeded,
+    IntegrityError,
+    InternalServerError,
+    InvalidModelName,
+    InvalidRequest,
+    InvalidSafetensors,
+    ModelNotFound,
+    ModelTooLarge,
+    NotFoundError,
+    ServerUnavailable,
+    VersionConflict,
+    VersionEvicted,
+    VersionNotFound,
+    WeightServerError,
+)
+
+if TYPE_CHECKING:
+    from weightclient.client import FetchResult, WeightClient
+
+__all__ = [
+    "Cancelled",
+    "CursorOutOfRange",
+    "DeadlineExceeded",
+    "FetchResult",
+    "FetchedBytes",
+    "IntegrityError",
+    "InternalServerError",
+    "InvalidModelName",
+    "InvalidRequest",
+    "InvalidSafetensors",
+    "ModelNotFound",
+    "ModelSummary",
+    "ModelTooLarge",
+    "NotFoundError",
+    "ServerUnavailable",
+    "VersionConflict",
+    "VersionEvent",
+    "VersionEvicted",
+    "VersionInfo",
+    "VersionNotFound",
+    "WeightClient",
+    "WeightServerError",
+    "WeightServiceClient",
+    "default_address",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # The torch-backed client loads on first use, so byte-level users never import torch.
+    if name in ("WeightClient", "FetchResult"):
+        from weightclient import client
+
+        return getattr(client, name)
+    raise AttributeError(f"module 'weightclient' has no attribute {name!r}")

@@ -1,0 +1,34 @@
+"""Turns failed gRPC calls into weightserver's exception types (see weightserver.errors)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import grpc
+
+from weightserver.errors import ERROR_METADATA_KEY, WeightServerError, error_from_status
+
+
+def error_from_rpc(err: grpc.RpcError) -> WeightServerError:
+    """The domain exception for a failed call, chosen by status code and the server's error name."""
+    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    details = (err.details() if hasattr(err, "details") else None) or str(err)
+    name = None
+    trailing = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
+    for key, value in trailing or ():
+        if key == ERROR_METADATA_KEY:
+            name = value
+    return error_from_status(code, details, name)
+
+
+@contextmanager
+def translated_rpc_errors(address: str | None = None) -> Iterator[None]:
+    """Re-raise grpc.RpcError inside the block as the matching WeightServerError subclass."""
+    try:
+        yield
+    except grpc.RpcError as err:
+        error = error_from_rpc(err)
+        if address and err.code() == grpc.StatusCode.UNAVAILABLE:
+            error = type(error)(f"weight server at {address} is unavailable: {error}")
+        raise error from None

@@ -1,0 +1,127 @@
+"""Tensors <-> safetensors bytes, framed by hand so no whole-model copy is made.
+
+Encoding writes the safetensors header with `build_header` and hands out memoryviews of the
+tensors' own storage; decoding slices one received buffer into tensors with
+`torch.frombuffer`. The bytes are exactly the safetensors format: files written by the
+`safetensors` package decode here, and our bytes load with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tensordict import TensorDictBase
+
+from weightserver.errors import InvalidRequest
+from weightserver.safetensors_format import DTYPE_SIZES, SafetensorsHeader, build_header
+
+TORCH_TO_SAFETENSORS: dict[torch.dtype, str] = {
+    torch.bool: "BOOL",
+    torch.uint8: "U8",
+    torch.int8: "I8",
+    torch.int16: "I16",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int32: "I32",
+    torch.float32: "F32",
+    torch.int64: "I64",
+    torch.float64: "F64",
+}
+for _name, _st in (
+    ("uint16", "U16"),
+    ("uint32", "U32"),
+    ("uint64", "U64"),
+    ("float8_e4m3fn", "F8_E4M3"),
+    ("float8_e5m2", "F8_E5M2"),
+):
+    if hasattr(torch, _name):
+        TORCH_TO_SAFETENSORS[getattr(torch, _name)] = _st
+SAFETENSORS_TO_TORCH: dict[str, torch.dtype] = {v: k for k, v in TORCH_TO_SAFETENSORS.items()}
+
+Weights = torch.nn.Module | TensorDictBase | Mapping[str, torch.Tensor]
+
+
+def state_dict_of(weights: Weights) -> dict[str, torch.Tensor]:
+    """A flat {name: tensor} view of an nn.Module, a TensorDict or a state dict (no copies).
+
+    TensorDict keys are flattened with '.', as in a state dict.
+    """
+    if isinstance(weights, torch.nn.Module):
+        items = weights.state_dict().items()
+    elif isinstance(weights, TensorDictBase):
+        items = weights.flatten_keys(".").items()
+    elif isinstance(weights, Mapping):
+        items = weights.items()
+    else:
+        raise TypeError(
+            f"cannot publish a {type(weights).__name__}: pass an nn.Module, a TensorDict or a "
+            "state dict (a mapping of names to tensors)"
+        )
+    result: dict[str, torch.Tensor] = {}
+    for name, tensor in items:
+        if not isinstance(name, str):
+            raise InvalidRequest(f"key {name!r} is invalid: tensor names must be strings")
+        if not isinstance(tensor, torch.Tensor):
+            raise InvalidRequest(f"key {name!r} is invalid: expected torch.Tensor but received {type(tensor).__name__}")
+        result[name] = tensor
+    return result
+
+
+@dataclass(frozen=True)
+class EncodedWeights:
+    """A safetensors file as consecutive parts: the header, then each tensor's bytes."""
+
+    parts: list[memoryview]
+    nbytes: int
+
+
+def encode(weights: Weights, metadata: Mapping[str, str] | None = None) -> EncodedWeights:
+    """Frame `weights` as safetensors. Contiguous CPU tensors are not copied; the parts stay
+    valid only while the tensors are not modified."""
+    tensors = state_dict_of(weights)
+    prepared: list[tuple[str, torch.Tensor]] = []
+    for name, tensor in tensors.items():
+        if tensor.dtype not in TORCH_TO_SAFETENSORS:
+            raise InvalidRequest(
+                f"key {name!r}: dtype {tensor.dtype} has no safetensors equivalent; "
+                f"supported: {', '.join(str(d) for d in TORCH_TO_SAFETENSORS)}"
+            )
+        tensor = tensor.detach()
+        if tensor.device.type != "cpu":
+            tensor = tensor.cpu()
+        prepared.append((name, tensor.contiguous()))
+    # Largest element size first, as the safetensors package does: with the header padded to
+    # 8 bytes every tensor then starts at a multiple of its element size.
+    prepared.sort(key=lambda item: (-item[1].element_size(), item[0]))
+    prefix, _ = build_header(
+        ((name, TORCH_TO_SAFETENSORS[t.dtype], tuple(t.shape), t.numel() * t.element_size()) for name, t in prepared),
+        metadata,
+    )
+    parts = [memoryview(prefix)]
+    for _, tensor in prepared:
+        if tensor.numel():
+            parts.append(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+    return EncodedWeights(parts, sum(p.nbytes for p in parts))
+
+
+def decode(header: SafetensorsHeader, buffer: bytearray) -> dict[str, torch.Tensor]:
+    """Tensors viewing `buffer` (no copy where alignment allows), keyed and ordered by name
+    as in the header. `header` must have been parsed from `buffer`."""
+    result: dict[str, Any] = {}
+    for entry in header.tensors:
+        dtype = SAFETENSORS_TO_TORCH.get(entry.dtype)
+        if dtype is None:
+            raise InvalidRequest(f"tensor {entry.name!r}: dtype {entry.dtype} is not supported by this torch build")
+        if entry.nbytes == 0:
+            result[entry.name] = torch.empty(entry.shape, dtype=dtype)
+            continue
+        offset = header.data_start + entry.begin
+        count = entry.nbytes // DTYPE_SIZES[entry.dtype]
+        tensor = torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset).view(entry.shape)
+        if offset % DTYPE_SIZES[entry.dtype]:
+            tensor = tensor.clone()  # misaligned in a file framed by another writer
+        result[entry.name] = tensor
+    return result

@@ -1,0 +1,63 @@
+"""Server configuration: one frozen dataclass, validated when it is built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from weightserver.safetensors_format import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_TENSORS
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+
+DEFAULT_PORT = 50051
+DEFAULT_CHUNK_BYTES = 1 * MiB
+MIN_CHUNK_BYTES = 64 * KiB
+MAX_CHUNK_BYTES = 3 * MiB  # stays well below gRPC's 4 MiB default message limit
+# Received messages may be up to 4 MiB of chunk plus framing, so the server accepts a bit more.
+MAX_MESSAGE_BYTES = 8 * MiB
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How a weight server runs. Every field has a default that works on one machine.
+
+    Port 0 picks a free port (read it back from `WeightServer.port`).
+    """
+
+    host: str = "0.0.0.0"
+    port: int = DEFAULT_PORT
+    data_dir: Path | None = None
+    keep: int = 3
+    max_model_bytes: int = 16 * GiB
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
+    max_tensors: int = DEFAULT_MAX_TENSORS
+    grace_seconds: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0-65535, got {self.port}")
+        if self.keep < 1:
+            raise ValueError(f"keep must be >= 1, got {self.keep}")
+        if self.max_model_bytes < 8:
+            raise ValueError(f"max_model_bytes must be >= 8, got {self.max_model_bytes}")
+        if not MIN_CHUNK_BYTES <= self.chunk_bytes <= MAX_CHUNK_BYTES:
+            raise ValueError(f"chunk_bytes must be in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}], got {self.chunk_bytes}")
+        if self.grace_seconds < 0:
+            raise ValueError(f"grace_seconds must be >= 0, got {self.grace_seconds}")
+        if self.data_dir is not None:
+            object.__setattr__(self, "data_dir", Path(self.data_dir))
+
+    @property
+    def address(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+
+def clamp_chunk_bytes(requested: int, default: int = DEFAULT_CHUNK_BYTES) -> int:
+    """The chunk size to use for a request asking for `requested` bytes (0 = default)."""
+    if requested <= 0:
+        return default
+    return max(MIN_CHUNK_BYTES, min(MAX_CHUNK_BYTES, requested))

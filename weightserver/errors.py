@@ -1,0 +1,140 @@
+"""Domain exceptions and the one table that maps them to gRPC status codes.
+
+Exception tree::
+
+    WeightServerError
+    ├── NotFoundError                      NOT_FOUND
+    │   ├── ModelNotFound                  the model has no versions
+    │   ├── VersionNotFound                that version was never committed or was deleted
+    │   └── VersionEvicted                 the version fell out of the --keep window
+    ├── InvalidRequest                     INVALID_ARGUMENT
+    │   ├── InvalidModelName               empty, too long, path separators, '..'
+    │   └── InvalidSafetensors             the uploaded bytes are not a valid safetensors file
+    ├── IntegrityError                     DATA_LOSS (size or sha256 mismatch)
+    ├── ModelTooLarge                      RESOURCE_EXHAUSTED (over --max-model-bytes)
+    ├── VersionConflict                    FAILED_PRECONDITION (version not above the latest)
+    ├── CursorOutOfRange                   OUT_OF_RANGE (a version ahead of the latest)
+    ├── ServerUnavailable                  UNAVAILABLE (client side: server unreachable)
+    ├── DeadlineExceeded                   DEADLINE_EXCEEDED
+    ├── Cancelled                          CANCELLED
+    └── InternalServerError                INTERNAL / UNKNOWN / anything else
+
+The server aborts a call with the code from `STATUS_CODES` and puts the exception's class name
+in the trailing metadata key `weightserver-error`; the client rebuilds the same exception type
+from that name, or from the status code alone for other servers. Matching is never done on
+message text. This module imports grpc only for the StatusCode enum.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+ERROR_METADATA_KEY = "weightserver-error"
+
+
+class WeightServerError(Exception):
+    """Base class of every error weightserver and its clients raise on purpose."""
+
+
+class NotFoundError(WeightServerError):
+    """A model or version that the server does not hold."""
+
+
+class ModelNotFound(NotFoundError):
+    """The model has no versions on this server."""
+
+
+class VersionNotFound(NotFoundError):
+    """The version was never committed, or was deleted."""
+
+
+class VersionEvicted(NotFoundError):
+    """The version existed but is older than the retained window (--keep)."""
+
+
+class InvalidRequest(WeightServerError):
+    """A request the server cannot act on as sent."""
+
+
+class InvalidModelName(InvalidRequest):
+    """A model name that is empty, too long, or could escape the data directory."""
+
+
+class InvalidSafetensors(InvalidRequest):
+    """Published bytes that are not a well-formed safetensors file."""
+
+
+class IntegrityError(WeightServerError):
+    """The bytes received do not match their declared size or sha256."""
+
+
+class ModelTooLarge(WeightServerError):
+    """A version larger than the server accepts (--max-model-bytes)."""
+
+
+class VersionConflict(WeightServerError):
+    """A requested version number that is not greater than the model's latest."""
+
+
+class CursorOutOfRange(WeightServerError):
+    """A caller's version cursor is ahead of the model's latest version."""
+
+
+class ServerUnavailable(WeightServerError):
+    """The server could not be reached (down, restarting, wrong address)."""
+
+
+class DeadlineExceeded(WeightServerError):
+    """The call did not finish within its deadline."""
+
+
+class Cancelled(WeightServerError):
+    """The call was cancelled before it finished."""
+
+
+class InternalServerError(WeightServerError):
+    """A failure inside the server; its log has the details."""
+
+
+# The one table: exception type -> status code. Order matters for the reverse lookup: the
+# first class listed for a code is what a client raises when it only knows the code.
+STATUS_CODES: dict[type[WeightServerError], grpc.StatusCode] = {
+    NotFoundError: grpc.StatusCode.NOT_FOUND,
+    ModelNotFound: grpc.StatusCode.NOT_FOUND,
+    VersionNotFound: grpc.StatusCode.NOT_FOUND,
+    VersionEvicted: grpc.StatusCode.NOT_FOUND,
+    InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    InvalidModelName: grpc.StatusCode.INVALID_ARGUMENT,
+    InvalidSafetensors: grpc.StatusCode.INVALID_ARGUMENT,
+    IntegrityError: grpc.StatusCode.DATA_LOSS,
+    ModelTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    VersionConflict: grpc.StatusCode.FAILED_PRECONDITION,
+    CursorOutOfRange: grpc.StatusCode.OUT_OF_RANGE,
+    ServerUnavailable: grpc.StatusCode.UNAVAILABLE,
+    DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+    Cancelled: grpc.StatusCode.CANCELLED,
+    InternalServerError: grpc.StatusCode.INTERNAL,
+}
+
+_BY_NAME: dict[str, type[WeightServerError]] = {cls.__name__: cls for cls in STATUS_CODES}
+_BY_CODE: dict[grpc.StatusCode, type[WeightServerError]] = {}
+for _cls, _code in STATUS_CODES.items():
+    _BY_CODE.setdefault(_code, _cls)
+
+
+def status_code_for(error: WeightServerError) -> grpc.StatusCode:
+    """The status code of `error`'s class (or of its nearest listed base class)."""
+    for cls in type(error).__mro__:
+        if cls in STATUS_CODES:
+            return STATUS_CODES[cls]  # type: ignore[index]
+    return grpc.StatusCode.INTERNAL
+
+
+def error_from_status(
+    code: grpc.StatusCode, message: str, error_name: str | None = None
+) -> WeightServerError:
+    """Rebuild the domain exception for a failed call from its status and error name."""
+    cls = _BY_NAME.get(error_name or "")
+    if cls is None or STATUS_CODES[cls] != code:
+        cls = _BY_CODE.get(code, InternalServerError)
+    return cls(message)

@@ -1,0 +1,147 @@
+"""WeightServer: the gRPC server's lifecycle (start, port, stop, context manager).
+
+The server runs grpc.aio on an event loop in a background thread, so it can be embedded in a
+test or a trainer process as easily as run by `weightserver serve`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from types import TracebackType
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from weightserver.config import MAX_MESSAGE_BYTES, ServerConfig
+from weightserver.service import WeightServicer
+from weightserver.store import VersionStore
+from weightserver.v1 import weights_pb2 as pb
+from weightserver.v1 import weights_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["WeightService"].full_name
+
+GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.so_reuseport", 0),
+]
+
+
+class WeightServer:
+    """A running weight server.
+
+    >>> with WeightServer(ServerConfig(host="127.0.0.1", port=0)) as server:
+    ...     server.port > 0
+    True
+    """
+
+    def __init__(self, config: ServerConfig | None = None, store: VersionStore | None = None) -> None:
+        self.config = config or ServerConfig()
+        self.store = store or VersionStore(
+            self.config.data_dir,
+            keep=self.config.keep,
+            max_model_bytes=self.config.max_model_bytes,
+            max_header_bytes=self.config.max_header_bytes,
+            max_tensors=self.config.max_tensors,
+        )
+        self.port: int = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._stopped = threading.Event()
+        self._stop_requested: asyncio.Event | None = None
+        self._startup_error: BaseException | None = None
+        self._grace = self.config.grace_seconds
+
+    @property
+    def address(self) -> str:
+        """host:port that clients on this machine can dial."""
+        host = self.config.host
+        if host in ("0.0.0.0", "::", "[::]"):
+            host = "127.0.0.1"
+        return f"{host}:{self.port}"
+
+    def start(self) -> WeightServer:
+        """Bind the port and start serving in a background thread; return self."""
+        if self._thread is not None:
+            raise RuntimeError("server already started")
+        self._thread = threading.Thread(target=self._run, name="weightserver", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._startup_error is not None:
+            raise self._startup_error
+        return self
+
+    def stop(self, grace: float | None = None) -> None:
+        """Stop accepting calls, let running ones finish for `grace` seconds, then cancel them."""
+        if self._loop is None or self._stop_requested is None or self._stopped.is_set():
+            return
+        if grace is not None:
+            self._grace = grace
+        self._loop.call_soon_threadsafe(self._stop_requested.set)
+        self._stopped.wait()
+        if self._thread is not None:
+            self._thread.join()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the server has stopped; False if `timeout` passed first."""
+        return self._stopped.wait(timeout)
+
+    def __enter__(self) -> WeightServer:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
+
+    def _run(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        try:
+            loop.run_until_complete(self._serve())
+        except BaseException as exc:  # noqa: BLE001 - reported to start() or logged
+            if not self._ready.is_set():
+                self._startup_error = exc
+            else:
+                log.exception("server stopped on an error")
+        finally:
+            self._ready.set()
+            self._stopped.set()
+            loop.close()
+
+    async def _serve(self) -> None:
+        self._stop_requested = asyncio.Event()
+        server = grpc.aio.server(options=GRPC_OPTIONS)
+        pb_grpc.add_WeightServiceServicer_to_server(WeightServicer(self.store, self.config), server)
+        health = health_aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            server,
+        )
+        port = server.add_insecure_port(self.config.address)
+        if port == 0:
+            raise OSError(f"could not bind {self.config.address}: is the port in use?")
+        self.port = port
+        await server.start()
+        for service in ("", SERVICE_NAME):
+            await health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        log.info(
+            "serving on %s:%d (data dir: %s, keep %d, max model %d bytes)",
+            self.config.host,
+            port,
+            self.config.data_dir or "none, versions kept in memory",
+            self.config.keep,
+            self.config.max_model_bytes,
+        )
+        self._ready.set()
+        await self._stop_requested.wait()
+        log.info("shutting down (grace %.1fs)", self._grace)
+        await health.enter_graceful_shutdown()
+        await server.stop(self._grace)
+        log.info("stopped")

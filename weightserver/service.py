@@ -1,0 +1,222 @@
+"""The gRPC servicer: checks requests, calls the VersionStore, maps errors to status codes.
+
+Runs on grpc.aio. Store calls that hash, parse or fsync run in worker threads so one large
+publish never stalls the event loop that serves fetches and watchers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from weightserver import wire
+from weightserver.config import ServerConfig, clamp_chunk_bytes
+from weightserver.errors import (
+    ERROR_METADATA_KEY,
+    IntegrityError,
+    InvalidRequest,
+    WeightServerError,
+    status_code_for,
+)
+from weightserver.store import Version, VersionStore, validate_model_name
+from weightserver.v1 import weights_pb2 as pb
+from weightserver.v1 import weights_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+async def _abort(context: grpc.aio.ServicerContext, error: BaseException) -> None:
+    """End the call with the status of `error` (INTERNAL for anything unexpected)."""
+    if isinstance(error, WeightServerError):
+        code, name, message = status_code_for(error), type(error).__name__, str(error)
+    else:
+        log.exception("internal error in %s", context.peer())
+        code, name = grpc.StatusCode.INTERNAL, "InternalServerError"
+        message = f"internal server error ({type(error).__name__}); see the server log"
+    await context.abort(code, message, trailing_metadata=((ERROR_METADATA_KEY, name),))
+
+
+def _unary(method: F) -> F:
+    """Map domain exceptions raised by a unary handler to its gRPC status."""
+
+    @functools.wraps(method)
+    async def wrapper(self: WeightServicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await method(self, request, context)
+        except Exception as error:  # noqa: BLE001 - mapped, never swallowed
+            await _abort(context, error)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _streaming(method: F) -> F:
+    """Map domain exceptions raised by a server-streaming handler to its gRPC status."""
+
+    @functools.wraps(method)
+    async def wrapper(self: WeightServicer, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        try:
+            async for message in method(self, request, context):
+                yield message
+        except Exception as error:  # noqa: BLE001 - mapped, never swallowed
+            await _abort(context, error)
+
+    return wrapper  # type: ignore[return-value]
+
+
+class WeightServicer(pb_grpc.WeightServiceServicer):
+    """Implements weightserver.v1.WeightService on top of a VersionStore."""
+
+    def __init__(self, store: VersionStore, config: ServerConfig) -> None:
+        self.store = store
+        self.config = config
+
+    # ------------------------------------------------------------------ publish
+    @_unary
+    async def Publish(self, request_iterator: AsyncIterator[pb.PublishRequest], context: grpc.aio.ServicerContext) -> pb.PublishResponse:
+        started = time.perf_counter()
+        first = await anext(aiter(request_iterator), None)
+        if first is None or first.WhichOneof("kind") != "header":
+            raise InvalidRequest("a Publish stream must start with a header message (model, total_bytes, sha256)")
+        header = first.header
+        self.store.check_publish(header.model, total_bytes=header.total_bytes, version=header.version)
+        if not header.sha256:
+            raise InvalidRequest(f"model {header.model!r}: the publish header needs the sha256 of the bytes")
+        buffer = bytearray(header.total_bytes)
+        received = 0
+        async for message in request_iterator:
+            if message.WhichOneof("kind") != "chunk":
+                raise InvalidRequest("only chunk messages may follow the Publish header")
+            chunk = message.chunk
+            end = received + len(chunk)
+            if end > header.total_bytes:
+                raise IntegrityError(
+                    f"model {header.model!r}: publisher declared {header.total_bytes} bytes but sent more"
+                )
+            buffer[received:end] = chunk
+            received = end
+        if received != header.total_bytes:
+            raise IntegrityError(
+                f"model {header.model!r}: publisher declared {header.total_bytes} bytes but sent {received}; "
+                "the upload was cut short or the header is wrong"
+            )
+        record = await asyncio.to_thread(
+            self.store.publish,
+            header.model,
+            buffer,
+            sha256=header.sha256,
+            total_bytes=header.total_bytes,
+            version=header.version,
+            metadata=dict(header.metadata),
+            pin=header.pin,
+        )
+        _log_transfer("publish", record, started, context)
+        return pb.PublishResponse(version=wire.version_info(record))
+
+    # ------------------------------------------------------------------ describe
+    @_unary
+    async def GetLatest(self, request: pb.GetLatestRequest, context: grpc.aio.ServicerContext) -> pb.VersionInfo:
+        return wire.version_info(self.store.latest(request.model))
+
+    @_unary
+    async def Describe(self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext) -> pb.VersionInfo:
+        record = self.store.get(request.model, request.version) if request.version else self.store.latest(request.model)
+        return wire.version_info(record)
+
+    @_unary
+    async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
+        return pb.ListModelsResponse(models=[wire.model_summary(m) for m in self.store.models()])
+
+    @_unary
+    async def ListVersions(self, request: pb.ListVersionsRequest, context: grpc.aio.ServicerContext) -> pb.ListVersionsResponse:
+        return pb.ListVersionsResponse(versions=[wire.version_info(v) for v in self.store.versions(request.model)])
+
+    @_unary
+    async def DeleteVersion(self, request: pb.DeleteVersionRequest, context: grpc.aio.ServicerContext) -> pb.DeleteVersionResponse:
+        record = await asyncio.to_thread(self.store.delete, request.model, request.version)
+        log.info("deleted model=%s version=%d peer=%s", record.model, record.version, context.peer())
+        return pb.DeleteVersionResponse(deleted=wire.version_info(record))
+
+    @_unary
+    async def PinVersion(self, request: pb.PinVersionRequest, context: grpc.aio.ServicerContext) -> pb.VersionInfo:
+        record = await asyncio.to_thread(self.store.set_pinned, request.model, request.version, request.pinned)
+        log.info("%s model=%s version=%d peer=%s", "pinned" if record.pinned else "unpinned", record.model, record.version, context.peer())
+        return wire.version_info(record)
+
+    # ------------------------------------------------------------------ fetch
+    @_streaming
+    async def Fetch(self, request: pb.FetchRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.FetchResponse]:
+        started = time.perf_counter()
+        selector = request.WhichOneof("selector")
+        if selector == "version":
+            if request.version == 0:
+                raise InvalidRequest("version must be >= 1 (leave it unset to fetch the latest)")
+            record: Version | None = self.store.get(request.model, request.version)
+        elif selector == "newer_than":
+            record = self.store.newer_than(request.model, request.newer_than)
+            if record is None:
+                yield pb.FetchResponse(up_to_date=pb.UpToDate(latest_version=request.newer_than))
+                return
+        else:
+            record = self.store.latest(request.model)
+        assert record is not None
+        chunk = clamp_chunk_bytes(request.chunk_size, self.config.chunk_bytes)
+        yield pb.FetchResponse(header=wire.version_info(record))
+        view = memoryview(record.data)
+        for start in range(0, len(view), chunk):
+            yield pb.FetchResponse(chunk=bytes(view[start : start + chunk]))
+        _log_transfer("fetch", record, started, context)
+
+    # ------------------------------------------------------------------ watch
+    @_streaming
+    async def Watch(self, request: pb.WatchRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.VersionEvent]:
+        model = validate_model_name(request.model)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Version] = asyncio.Queue()
+
+        def on_commit(record: Version) -> None:
+            if record.model == model:
+                try:
+                    loop.call_soon_threadsafe(queue.put_nowait, record)
+                except RuntimeError:  # the loop is closed: the server is shutting down
+                    pass
+
+        # Subscribe before reading the backlog so no version can land between the two.
+        unsubscribe = self.store.subscribe(on_commit)
+        try:
+            backlog, gap = self.store.versions_after(model, request.since)
+            last = request.since
+            log.info("watch model=%s since=%d backlog=%d peer=%s", model, request.since, len(backlog), context.peer())
+            for record in backlog:
+                yield pb.VersionEvent(version=wire.version_info(record), gap=gap)
+                gap = False
+                last = record.version
+            while True:
+                record = await queue.get()
+                if record.version <= last:
+                    continue
+                yield pb.VersionEvent(version=wire.version_info(record))
+                last = record.version
+        finally:
+            unsubscribe()
+
+
+def _log_transfer(kind: str, record: Version, started: float, context: grpc.aio.ServicerContext) -> None:
+    seconds = time.perf_counter() - started
+    rate = record.byte_size / seconds / 1e9 if seconds > 0 else 0.0
+    log.info(
+        "%s model=%s version=%d bytes=%d duration_ms=%.1f rate_gbps=%.2f peer=%s",
+        kind,
+        record.model,
+        record.version,
+        record.byte_size,
+        seconds * 1e3,
+        rate,
+        context.peer(),
+    )

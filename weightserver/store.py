@@ -1,0 +1,563 @@
+"""VersionStore: the versions of every model, their retention and their persistence.
+
+Plain Python with no gRPC import, thread-safe, testable alone. A version becomes visible only
+after its bytes passed every check (size, sha256, safetensors header) and, with a data
+directory, after its file and manifest were written to a temp file, fsynced and renamed into
+place. Readers therefore only ever see complete, verified versions.
+
+On-disk layout under ``data_dir``::
+
+    <model>/<version:012d>.safetensors   the published bytes, unchanged
+    <model>/<version:012d>.json          manifest: sha256, size, created, metadata, pinned
+    <model>/high_water.json              highest version ever committed (written on delete)
+
+The manifest is written after the data file, so its presence marks a committed version; a
+data file without a manifest is debris from a crash and is removed on start.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from weightserver.errors import (
+    CursorOutOfRange,
+    IntegrityError,
+    InvalidModelName,
+    InvalidRequest,
+    ModelNotFound,
+    ModelTooLarge,
+    VersionConflict,
+    VersionEvicted,
+    VersionNotFound,
+)
+from weightserver.safetensors_format import SafetensorsHeader, parse_header
+
+log = logging.getLogger(__name__)
+
+_MODEL_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
+_DATA_SUFFIX = ".safetensors"
+_MANIFEST_SUFFIX = ".json"
+_HIGH_WATER = "high_water.json"
+
+
+def validate_model_name(model: str) -> str:
+    """Return `model` if it is a safe model name, else raise InvalidModelName.
+
+    Names become directory names under --data-dir, so only [A-Za-z0-9._-] is allowed, 1-128
+    characters, not starting with '.' or '-' (which also rules out '.' and '..').
+    """
+    if not isinstance(model, str) or not _MODEL_NAME.match(model) or ".." in model:
+        raise InvalidModelName(
+            f"invalid model name {model!r}: use 1-128 characters from A-Z a-z 0-9 . _ -, "
+            "not starting with '.' or '-' and without '..'"
+        )
+    return model
+
+
+def sha256_hex(data: bytes | bytearray | memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclass(frozen=True)
+class Version:
+    """One committed, verified version. Immutable; pinning replaces the record."""
+
+    model: str
+    version: int
+    data: bytes | bytearray | memoryview = field(repr=False)
+    sha256: str
+    created: float
+    metadata: Mapping[str, str]
+    header: SafetensorsHeader = field(repr=False)
+    pinned: bool = False
+
+    @property
+    def byte_size(self) -> int:
+        return len(self.data)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """A model at a glance."""
+
+    model: str
+    latest_version: int
+    version_count: int
+    retained_bytes: int
+
+
+@dataclass
+class _Model:
+    versions: dict[int, Version] = field(default_factory=dict)  # insertion order == version order
+    high_water: int = 0  # highest version ever committed, retained or not
+    removed: list[int] = field(default_factory=list)  # sorted; evicted or deleted (this process)
+    deleted: set[int] = field(default_factory=set)  # deleted on request (this process)
+    commit_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def latest(self) -> Version | None:
+        return next(reversed(self.versions.values()), None)
+
+
+class VersionStore:
+    """Versions of named models with retention (`keep` latest + pinned) and optional persistence.
+
+    >>> store = VersionStore()
+    >>> from weightserver.safetensors_format import build_header
+    >>> prefix, _ = build_header([("w", "U8", (2,), 2)])
+    >>> v = store.publish("policy", prefix + b"\\x01\\x02")
+    >>> (v.version, store.latest("policy").sha256 == v.sha256)
+    (1, True)
+    """
+
+    def __init__(
+        self,
+        data_dir: str | os.PathLike[str] | None = None,
+        *,
+        keep: int = 3,
+        max_model_bytes: int | None = None,
+        max_header_bytes: int | None = None,
+        max_tensors: int | None = None,
+    ) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        self.data_dir = Path(data_dir) if data_dir is not None else None
+        self.keep = keep
+        self.max_model_bytes = max_model_bytes
+        self._header_limits: dict[str, int] = {}
+        if max_header_bytes is not None:
+            self._header_limits["max_header_bytes"] = max_header_bytes
+        if max_tensors is not None:
+            self._header_limits["max_tensors"] = max_tensors
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._models: dict[str, _Model] = {}
+        self._listeners: list[Callable[[Version], None]] = []
+        if self.data_dir is not None:
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            self._load()
+
+    # ------------------------------------------------------------------ publishing
+    def check_publish(self, model: str, *, total_bytes: int, version: int = 0) -> None:
+        """Cheap checks before any byte is received: name, size limit, version order."""
+        validate_model_name(model)
+        self._check_size(model, total_bytes)
+        if version:
+            with self._lock:
+                state = self._models.get(model)
+                high = state.high_water if state else 0
+            if version <= high:
+                raise VersionConflict(
+                    f"model {model!r}: requested version {version} is not greater than the latest "
+                    f"version {high}; ask for a version > {high} or leave it unset (0) to get the next one"
+                )
+
+    def publish(
+        self,
+        model: str,
+        data: bytes | bytearray | memoryview,
+        *,
+        sha256: str | None = None,
+        total_bytes: int | None = None,
+        version: int = 0,
+        metadata: Mapping[str, str] | None = None,
+        pin: bool = False,
+    ) -> Version:
+        """Verify `data` and commit it as a new version of `model`; return the version.
+
+        `sha256` and `total_bytes`, when given, are what the publisher declared; a mismatch
+        raises IntegrityError. `version` 0 assigns latest + 1; otherwise it must exceed every
+        version the model ever had (VersionConflict). Nothing is visible until this returns.
+        """
+        validate_model_name(model)
+        if version < 0:
+            raise InvalidRequest(f"version must be >= 0, got {version}")
+        size = len(data)
+        if total_bytes is not None and total_bytes != size:
+            raise IntegrityError(
+                f"model {model!r}: publisher declared {total_bytes} bytes but sent {size}; "
+                "the upload was cut short or the header is wrong"
+            )
+        self._check_size(model, size)
+        digest = sha256_hex(data)
+        if sha256 is not None and sha256.lower() != digest:
+            raise IntegrityError(
+                f"model {model!r}: sha256 of the received bytes is {digest}, publisher declared "
+                f"{sha256.lower()}; the bytes were corrupted in transit or the digest is wrong"
+            )
+        header = parse_header(data, **self._header_limits)
+
+        state = self._model_state(model)
+        with state.commit_lock:  # one commit per model at a time, in version order
+            with self._lock:
+                if version and version <= state.high_water:
+                    raise VersionConflict(
+                        f"model {model!r}: requested version {version} is not greater than the latest "
+                        f"version {state.high_water}; ask for a version > {state.high_water} or leave "
+                        "it unset (0) to get the next one"
+                    )
+                number = version or state.high_water + 1
+            record = Version(
+                model=model,
+                version=number,
+                data=data,
+                sha256=digest,
+                created=time.time(),
+                metadata=dict(metadata or {}),
+                header=header,
+                pinned=pin,
+            )
+            if self.data_dir is not None:
+                self._write_version(record)
+            with self._lock:
+                state.versions[number] = record
+                state.high_water = number
+                evicted = self._evict(state)
+                self._changed.notify_all()
+                listeners = list(self._listeners)
+        self._remove_files(evicted)
+        for listener in listeners:
+            listener(record)
+        return record
+
+    def _check_size(self, model: str, size: int) -> None:
+        if self.max_model_bytes is not None and size > self.max_model_bytes:
+            raise ModelTooLarge(
+                f"model {model!r}: {size} bytes is over the server's limit of {self.max_model_bytes} "
+                "bytes (--max-model-bytes)"
+            )
+
+    def _model_state(self, model: str) -> _Model:
+        with self._lock:
+            return self._models.setdefault(model, _Model())
+
+    def _evict(self, state: _Model) -> list[Version]:
+        """Drop unpinned versions beyond the `keep` newest. Caller holds the lock."""
+        unpinned = [v for v in state.versions.values() if not v.pinned]
+        doomed = unpinned[: max(0, len(unpinned) - self.keep)]
+        for record in doomed:
+            del state.versions[record.version]
+            bisect.insort(state.removed, record.version)
+        return doomed
+
+    # ------------------------------------------------------------------ reading
+    def latest(self, model: str) -> Version:
+        """The newest version of `model`; ModelNotFound if it has none."""
+        validate_model_name(model)
+        with self._lock:
+            state = self._models.get(model)
+            record = state.latest() if state else None
+            if record is None:
+                raise ModelNotFound(self._no_model_message(model))
+            return record
+
+    def get(self, model: str, version: int) -> Version:
+        """Exactly `version` of `model`; VersionEvicted / VersionNotFound / ModelNotFound."""
+        validate_model_name(model)
+        with self._lock:
+            state = self._models.get(model)
+            if state is None or not state.versions:
+                raise ModelNotFound(self._no_model_message(model))
+            record = state.versions.get(version)
+            if record is not None:
+                return record
+            retained = list(state.versions)
+            if version in state.deleted:
+                raise VersionNotFound(
+                    f"model {model!r}: version {version} was deleted; retained versions: {_ranges(retained)}"
+                )
+            if 0 < version < retained[-1] and (version < retained[0] or _contains(state.removed, version)):
+                raise VersionEvicted(
+                    f"model {model!r}: version {version} is no longer retained; the oldest retained "
+                    f"is {retained[0]} (retained: {_ranges(retained)}); pin versions you need to keep"
+                )
+            raise VersionNotFound(
+                f"model {model!r} has no version {version}; retained versions: {_ranges(retained)}"
+            )
+
+    def newer_than(self, model: str, version: int) -> Version | None:
+        """The latest version if it is newer than `version`, else None (caller is up to date)."""
+        latest = self.latest(model)
+        if version > latest.version:
+            raise CursorOutOfRange(
+                f"model {model!r}: version {version} is ahead of the latest version {latest.version}; "
+                "the server may have restarted without --data-dir, or the version came from another server"
+            )
+        return latest if latest.version > version else None
+
+    def versions(self, model: str) -> list[Version]:
+        """Retained versions of `model`, oldest first."""
+        validate_model_name(model)
+        with self._lock:
+            state = self._models.get(model)
+            if state is None or not state.versions:
+                raise ModelNotFound(self._no_model_message(model))
+            return list(state.versions.values())
+
+    def versions_after(self, model: str, since: int) -> tuple[list[Version], bool]:
+        """Retained versions newer than `since`, oldest first, and whether any version after
+        `since` was evicted or deleted before it could be returned (a gap).
+
+        A model with no versions yet returns ``([], False)``: watchers wait for the first one.
+        """
+        validate_model_name(model)
+        with self._lock:
+            state = self._models.get(model)
+            if state is None:
+                return [], False
+            if since > state.high_water:
+                raise CursorOutOfRange(
+                    f"model {model!r}: since={since} is ahead of the latest version {state.high_water}; "
+                    "the server may have restarted without --data-dir; resubscribe with since=0"
+                )
+            newer = [v for v in state.versions.values() if v.version > since]
+            first = newer[0].version if newer else state.high_water + 1
+            gap = bisect.bisect_right(state.removed, since) < bisect.bisect_left(state.removed, first)
+            return newer, gap
+
+    def models(self) -> list[ModelInfo]:
+        """Every model that has retained versions, sorted by name."""
+        with self._lock:
+            return [
+                ModelInfo(
+                    model=name,
+                    latest_version=next(reversed(state.versions)),
+                    version_count=len(state.versions),
+                    retained_bytes=sum(v.byte_size for v in state.versions.values()),
+                )
+                for name, state in sorted(self._models.items())
+                if state.versions
+            ]
+
+    def wait_for_version(self, model: str, after: int, timeout: float | None = None) -> Version | None:
+        """Block until `model` has a version newer than `after`; None on timeout."""
+        validate_model_name(model)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._changed:
+            while True:
+                state = self._models.get(model)
+                record = state.latest() if state else None
+                if record is not None and record.version > after:
+                    return record
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return None
+                self._changed.wait(remaining)
+
+    def subscribe(self, listener: Callable[[Version], None]) -> Callable[[], None]:
+        """Call `listener(version)` after every commit (from the committing thread, outside the
+        store's lock; it must not block). Returns a function that unsubscribes."""
+        with self._lock:
+            self._listeners.append(listener)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                if listener in self._listeners:
+                    self._listeners.remove(listener)
+
+        return unsubscribe
+
+    # ------------------------------------------------------------------ admin
+    def delete(self, model: str, version: int) -> Version:
+        """Delete one retained version, also from disk."""
+        record = self.get(model, version)
+        state = self._model_state(model)
+        with state.commit_lock:
+            with self._lock:
+                if state.versions.pop(version, None) is None:
+                    raise VersionNotFound(f"model {model!r}: version {version} was deleted concurrently")
+                bisect.insort(state.removed, version)
+                state.deleted.add(version)
+                high_water = state.high_water
+            if self.data_dir is not None:
+                _atomic_write(self._model_dir(model) / _HIGH_WATER, json.dumps({"high_water": high_water}).encode())
+        self._remove_files([record])
+        return record
+
+    def set_pinned(self, model: str, version: int, pinned: bool) -> Version:
+        """Pin (keep beyond `keep`) or unpin a version; unpinning may evict it at once."""
+        record = self.get(model, version)
+        state = self._model_state(model)
+        with state.commit_lock:
+            updated = dataclasses.replace(record, pinned=pinned)
+            if self.data_dir is not None:
+                self._write_manifest(updated)
+            with self._lock:
+                if version not in state.versions:
+                    raise VersionNotFound(f"model {model!r}: version {version} was removed concurrently")
+                state.versions[version] = updated
+                evicted = self._evict(state)
+        self._remove_files(evicted)
+        return updated
+
+    def _no_model_message(self, model: str) -> str:
+        names = [name for name, state in sorted(self._models.items()) if state.versions]
+        known = ", ".join(repr(n) for n in names) if names else "none yet"
+        return f"no model {model!r} on this server; models: {known}"
+
+    # ------------------------------------------------------------------ persistence
+    def _model_dir(self, model: str) -> Path:
+        assert self.data_dir is not None
+        return self.data_dir / model
+
+    def _paths(self, model: str, version: int) -> tuple[Path, Path]:
+        stem = self._model_dir(model) / f"{version:012d}"
+        return stem.with_suffix(_DATA_SUFFIX), stem.with_suffix(_MANIFEST_SUFFIX)
+
+    def _write_version(self, record: Version) -> None:
+        directory = self._model_dir(record.model)
+        directory.mkdir(parents=True, exist_ok=True)
+        data_path, _ = self._paths(record.model, record.version)
+        _atomic_write(data_path, record.data)
+        self._write_manifest(record)
+
+    def _write_manifest(self, record: Version) -> None:
+        _, manifest_path = self._paths(record.model, record.version)
+        manifest = {
+            "format": 1,
+            "model": record.model,
+            "version": record.version,
+            "byte_size": record.byte_size,
+            "sha256": record.sha256,
+            "created": record.created,
+            "metadata": dict(record.metadata),
+            "pinned": record.pinned,
+        }
+        _atomic_write(manifest_path, json.dumps(manifest, indent=1).encode())
+
+    def _remove_files(self, records: list[Version]) -> None:
+        if self.data_dir is None:
+            return
+        for record in records:
+            data_path, manifest_path = self._paths(record.model, record.version)
+            # Manifest first: without it a leftover data file is debris, never a version.
+            for path in (manifest_path, data_path):
+                try:
+                    path.unlink()
+                except FileNotFoundError:
+                    pass
+                except OSError as exc:
+                    log.warning("could not remove %s: %s", path, exc)
+
+    def _load(self) -> None:
+        assert self.data_dir is not None
+        for directory in sorted(p for p in self.data_dir.iterdir() if p.is_dir()):
+            try:
+                model = validate_model_name(directory.name)
+            except InvalidModelName:
+                log.warning("ignoring %s: not a valid model name", directory)
+                continue
+            state = self._models.setdefault(model, _Model())
+            for tmp in directory.glob("*.tmp"):
+                log.warning("removing %s: an unfinished write from before a crash", tmp)
+                tmp.unlink(missing_ok=True)
+            state.high_water = _read_high_water(directory / _HIGH_WATER)
+            for record in self._load_model(model, directory):
+                state.versions[record.version] = record
+                state.high_water = max(state.high_water, record.version)
+            evicted = self._evict(state)
+            self._remove_files(evicted)
+            if state.versions:
+                log.info(
+                    "loaded model %r: versions %s (%d bytes)",
+                    model,
+                    _ranges(list(state.versions)),
+                    sum(v.byte_size for v in state.versions.values()),
+                )
+
+    def _load_model(self, model: str, directory: Path) -> Iterator[Version]:
+        manifests = {p.stem: p for p in directory.glob("*" + _MANIFEST_SUFFIX) if p.name != _HIGH_WATER}
+        for data_path in sorted(directory.glob("*" + _DATA_SUFFIX)):
+            if data_path.stem not in manifests:
+                log.warning("removing %s: data without a manifest (publish interrupted by a crash)", data_path)
+                data_path.unlink(missing_ok=True)
+        for stem, manifest_path in sorted(manifests.items()):
+            record = self._load_one(model, manifest_path, manifest_path.with_suffix(_DATA_SUFFIX))
+            if record is not None:
+                yield record
+
+    def _load_one(self, model: str, manifest_path: Path, data_path: Path) -> Version | None:
+        try:
+            manifest = json.loads(manifest_path.read_text())
+            version = int(manifest["version"])
+            data = data_path.read_bytes()
+            if len(data) != manifest["byte_size"]:
+                raise IntegrityError(f"{len(data)} bytes on disk, manifest says {manifest['byte_size']}")
+            digest = sha256_hex(data)
+            if digest != manifest["sha256"]:
+                raise IntegrityError(f"sha256 on disk is {digest}, manifest says {manifest['sha256']}")
+            header = parse_header(data)
+        except Exception as exc:  # any damage: skip this version, keep the others
+            log.error("skipping %s: torn or corrupt version (%s)", data_path, exc)
+            return None
+        return Version(
+            model=model,
+            version=version,
+            data=data,
+            sha256=digest,
+            created=float(manifest.get("created", 0.0)),
+            metadata=dict(manifest.get("metadata", {})),
+            header=header,
+            pinned=bool(manifest.get("pinned", False)),
+        )
+
+
+def _read_high_water(path: Path) -> int:
+    try:
+        return int(json.loads(path.read_text())["high_water"])
+    except FileNotFoundError:
+        return 0
+    except (ValueError, KeyError, TypeError) as exc:
+        log.error("ignoring %s: %s", path, exc)
+        return 0
+
+
+def _atomic_write(path: Path, data: bytes | bytearray | memoryview) -> None:
+    """Write `data` to `path` so that a crash leaves either the old file or the new one."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            written = os.write(fd, view)
+            view = view[written:]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def _contains(sorted_numbers: list[int], number: int) -> bool:
+    i = bisect.bisect_left(sorted_numbers, number)
+    return i < len(sorted_numbers) and sorted_numbers[i] == number
+
+
+def _ranges(numbers: list[int]) -> str:
+    """[1, 2, 3, 7] -> '1-3, 7'."""
+    if not numbers:
+        return "none"
+    parts: list[str] = []
+    start = prev = numbers[0]
+    for n in numbers[1:] + [None]:  # type: ignore[list-item]
+        if n is not None and n == prev + 1:
+            prev = n
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if n is not None:
+            start = prev = n
+    return ", ".join(parts)

@@ -1,0 +1,204 @@
+import datetime
+
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PublishRequest(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: PublishHeader
+    chunk: bytes
+    def __init__(self, header: _Optional[_Union[PublishHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+
+class PublishHeader(_message.Message):
+    __slots__ = ("model", "version", "metadata", "total_bytes", "sha256", "pin")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    PIN_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    metadata: _containers.ScalarMap[str, str]
+    total_bytes: int
+    sha256: str
+    pin: bool
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., pin: _Optional[bool] = ...) -> None: ...
+
+class PublishResponse(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: VersionInfo
+    def __init__(self, version: _Optional[_Union[VersionInfo, _Mapping]] = ...) -> None: ...
+
+class TensorInfo(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "data_begin", "data_end")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_BEGIN_FIELD_NUMBER: _ClassVar[int]
+    DATA_END_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data_begin: int
+    data_end: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data_begin: _Optional[int] = ..., data_end: _Optional[int] = ...) -> None: ...
+
+class VersionInfo(_message.Message):
+    __slots__ = ("model", "version", "byte_size", "sha256", "created", "metadata", "tensors", "pinned")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    byte_size: int
+    sha256: str
+    created: _timestamp_pb2.Timestamp
+    metadata: _containers.ScalarMap[str, str]
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorInfo]
+    pinned: bool
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., byte_size: _Optional[int] = ..., sha256: _Optional[str] = ..., created: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., tensors: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ..., pinned: _Optional[bool] = ...) -> None: ...
+
+class GetLatestRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class DescribeRequest(_message.Message):
+    __slots__ = ("model", "version")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
+class FetchRequest(_message.Message):
+    __slots__ = ("model", "version", "newer_than", "chunk_size")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    NEWER_THAN_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    newer_than: int
+    chunk_size: int
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., newer_than: _Optional[int] = ..., chunk_size: _Optional[int] = ...) -> None: ...
+
+class FetchResponse(_message.Message):
+    __slots__ = ("header", "chunk", "up_to_date")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    UP_TO_DATE_FIELD_NUMBER: _ClassVar[int]
+    header: VersionInfo
+    chunk: bytes
+    up_to_date: UpToDate
+    def __init__(self, header: _Optional[_Union[VersionInfo, _Mapping]] = ..., chunk: _Optional[bytes] = ..., up_to_date: _Optional[_Union[UpToDate, _Mapping]] = ...) -> None: ...
+
+class UpToDate(_message.Message):
+    __slots__ = ("latest_version",)
+    LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
+    latest_version: int
+    def __init__(self, latest_version: _Optional[int] = ...) -> None: ...
+
+class WatchRequest(_message.Message):
+    __slots__ = ("model", "since")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    since: int
+    def __init__(self, model: _Optional[str] = ..., since: _Optional[int] = ...) -> None: ...
+
+class VersionEvent(_message.Message):
+    __slots__ = ("version", "gap")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    GAP_FIELD_NUMBER: _ClassVar[int]
+    version: VersionInfo
+    gap: bool
+    def __init__(self, version: _Optional[_Union[VersionInfo, _Mapping]] = ..., gap: _Optional[bool] = ...) -> None: ...
+
+class ListModelsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListModelsResponse(_message.Message):
+    __slots__ = ("models",)
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[ModelSummary]
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelSummary, _Mapping]]] = ...) -> None: ...
+
+class ModelSummary(_message.Message):
+    __slots__ = ("model", "latest_version", "version_count", "retained_bytes")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
+    VERSION_COUNT_FIELD_NUMBER: _ClassVar[int]
+    RETAINED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    latest_version: int
+    version_count: int
+    retained_bytes: int
+    def __init__(self, model: _Optional[str] = ..., latest_version: _Optional[int] = ..., version_count: _Optional[int] = ..., retained_bytes: _Optional[int] = ...) -> None: ...
+
+class ListVersionsRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class ListVersionsResponse(_message.Message):
+    __slots__ = ("versions",)
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    versions: _containers.RepeatedCompositeFieldContainer[VersionInfo]
+    def __init__(self, versions: _Optional[_Iterable[_Union[VersionInfo, _Mapping]]] = ...) -> None: ...
+
+class DeleteVersionRequest(_message.Message):
+    __slots__ = ("model", "version")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
+class DeleteVersionResponse(_message.Message):
+    __slots__ = ("deleted",)
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    deleted: VersionInfo
+    def __init__(self, deleted: _Optional[_Union[VersionInfo, _Mapping]] = ...) -> None: ...
+
+class PinVersionRequest(_message.Message):
+    __slots__ = ("model", "version", "pinned")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    pinned: bool
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., pinned: _Optional[bool] = ...) -> None: ...
