@@ -1,0 +1,56 @@
+"""Shared fixtures: a real weight server on a free loopback port and clients bound to it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from weightserver import ServerConfig, WeightServer
+
+
+@pytest.fixture
+def server() -> Iterator[WeightServer]:
+    """An in-memory server on 127.0.0.1:<free port>, stopped after the test."""
+    srv = WeightServer(ServerConfig(host="127.0.0.1", port=0)).start()
+    try:
+        yield srv
+    finally:
+        srv.stop(grace=0)
+
+
+@pytest.fixture
+def make_server() -> Iterator:
+    """Factory for servers with custom settings: ``make_server(keep=2, data_dir=...)``."""
+    started: list[WeightServer] = []
+
+    def factory(**settings) -> WeightServer:
+        settings.setdefault("host", "127.0.0.1")
+        settings.setdefault("port", 0)
+        srv = WeightServer(ServerConfig(**settings)).start()
+        started.append(srv)
+        return srv
+
+    try:
+        yield factory
+    finally:
+        for srv in started:
+            srv.stop(grace=0)
+
+
+@pytest.fixture
+def client(server: WeightServer) -> Iterator:
+    """A WeightClient connected to `server`."""
+    from weightclient import WeightClient
+
+    with WeightClient(server.address) as c:
+        yield c
+
+
+@pytest.fixture
+def other_client(server: WeightServer) -> Iterator:
+    """A second, independent WeightClient on `server` (to show others keep being served)."""
+    from weightclient import WeightClient
+
+    with WeightClient(server.address) as c:
+        yield c

@@ -1,0 +1,287 @@
+"""The `weightserver` command line: serve, publish, fetch, ls, watch, delete, pin.
+
+Environment variables are read here and nowhere else: `WEIGHTSERVER_ADDRESS` (default server
+for the client commands) and `WEIGHTSERVER_LOG_LEVEL`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import signal
+import sys
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from weightserver import __version__
+from weightserver.config import DEFAULT_CHUNK_BYTES, DEFAULT_PORT, ServerConfig
+from weightserver.errors import WeightServerError
+
+if TYPE_CHECKING:
+    from weightclient.version_info import VersionInfo
+
+log = logging.getLogger("weightserver")
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "KIB": 1024, "M": 1000**2, "MB": 1000**2, "MIB": 1024**2,
+          "G": 1000**3, "GB": 1000**3, "GIB": 1024**3, "T": 1000**4, "TB": 1000**4, "TIB": 1024**4}
+
+
+def parse_size(text: str) -> int:
+    """'512MiB' -> 536870912; '2GB' -> 2000000000; '4096' -> 4096."""
+    match = _SIZE.match(text)
+    unit = (match.group(2) or "").upper() if match else None
+    if not match or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: use bytes or a unit, e.g. 512MiB, 2GiB, 1GB")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def parse_meta(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"invalid metadata {text!r}: use KEY=VALUE")
+    return key, value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="weightserver",
+        description="A gRPC weight server for distributed RL: trainers publish versioned weights, "
+        "collectors fetch or watch them.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument(
+        "--log-level",
+        default=None,
+        choices=["debug", "info", "warning", "error"],
+        help="log verbosity (default: $WEIGHTSERVER_LOG_LEVEL, else info)",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = commands.add_parser("serve", help="run the server", description="Run a weight server until SIGTERM/SIGINT.")
+    serve.add_argument("--host", default="0.0.0.0", help="address to bind (default: %(default)s)")
+    serve.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to bind, 0 for a free one (default: %(default)s)")
+    serve.add_argument("--data-dir", type=Path, default=None,
+                       help="directory to persist versions in; without it they live in memory only")
+    serve.add_argument("--keep", type=int, default=3, help="versions kept per model besides pinned ones (default: %(default)s)")
+    serve.add_argument("--max-model-bytes", type=parse_size, default=ServerConfig.max_model_bytes,
+                       help="largest version accepted, e.g. 2GiB (default: 16GiB)")
+    serve.add_argument("--chunk-bytes", type=parse_size, default=DEFAULT_CHUNK_BYTES,
+                       help="default fetch chunk size, 64KiB-3MiB (default: 1MiB)")
+    serve.add_argument("--grace", type=float, default=5.0,
+                       help="seconds running calls get to finish on shutdown (default: %(default)s)")
+    serve.add_argument("--port-file", type=Path, default=None,
+                       help="write the bound port to this file once serving (useful with --port 0)")
+    serve.set_defaults(handler=cmd_serve)
+
+    def client_command(name: str, help_text: str) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=help_text, description=help_text[0].upper() + help_text[1:] + ".")
+        sub.add_argument("--server", default=None,
+                         help="host:port of the server (default: $WEIGHTSERVER_ADDRESS, else localhost:50051)")
+        return sub
+
+    publish = client_command("publish", "publish a .safetensors file as a new version and print its number")
+    publish.add_argument("file", type=Path, help="a .safetensors file")
+    publish.add_argument("--model", required=True, help="model name, e.g. policy")
+    publish.add_argument("--version", dest="version_number", type=int, default=0,
+                         help="version number to request (default: next one)")
+    publish.add_argument("--meta", type=parse_meta, action="append", default=[], metavar="KEY=VALUE",
+                         help="metadata to store with the version (repeatable)")
+    publish.add_argument("--pin", action="store_true", help="keep this version beyond --keep")
+    publish.add_argument("--json", action="store_true", help="print the version's description as JSON")
+    publish.set_defaults(handler=cmd_publish)
+
+    fetch = client_command("fetch", "fetch a version into a .safetensors file")
+    fetch.add_argument("--model", required=True, help="model name")
+    fetch.add_argument("--version", dest="version_number", type=int, default=None, help="exact version (default: latest)")
+    fetch.add_argument("-o", "--output", type=Path, required=True, help="file to write")
+    fetch.set_defaults(handler=cmd_fetch)
+
+    ls = client_command("ls", "list models, or the versions of one model")
+    ls.add_argument("--model", default=None, help="list this model's versions and tensors")
+    ls.add_argument("--json", action="store_true", help="print JSON")
+    ls.set_defaults(handler=cmd_ls)
+
+    watch = client_command("watch", "print a line for every new version of a model until interrupted")
+    watch.add_argument("--model", required=True, help="model name")
+    watch.add_argument("--since", type=int, default=None,
+                       help="last version you know; older retained versions are printed first (default: latest)")
+    watch.add_argument("--json", action="store_true", help="print one JSON object per version")
+    watch.set_defaults(handler=cmd_watch)
+
+    delete = client_command("delete", "delete one version")
+    delete.add_argument("--model", required=True, help="model name")
+    delete.add_argument("--version", dest="version_number", type=int, required=True, help="version to delete")
+    delete.set_defaults(handler=cmd_delete)
+
+    pin = client_command("pin", "pin a version so --keep never evicts it (or --unpin)")
+    pin.add_argument("--model", required=True, help="model name")
+    pin.add_argument("--version", dest="version_number", type=int, required=True, help="version to pin")
+    pin.add_argument("--unpin", action="store_true", help="unpin instead")
+    pin.set_defaults(handler=cmd_pin)
+    return parser
+
+
+# ---------------------------------------------------------------------- commands
+def cmd_serve(args: argparse.Namespace) -> int:
+    from weightserver.server import WeightServer
+
+    config = ServerConfig(
+        host=args.host,
+        port=args.port,
+        data_dir=args.data_dir,
+        keep=args.keep,
+        max_model_bytes=args.max_model_bytes,
+        chunk_bytes=args.chunk_bytes,
+        grace_seconds=args.grace,
+    )
+    server = WeightServer(config).start()
+    if args.port_file is not None:
+        tmp = args.port_file.with_name(args.port_file.name + ".tmp")
+        tmp.write_text(f"{server.port}\n")
+        tmp.replace(args.port_file)
+
+    def on_signal(signum: int, _frame: object) -> None:
+        log.info("received %s", signal.Signals(signum).name)
+        server.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    while not server.wait(timeout=0.5):
+        pass
+    return 0
+
+
+def _client(args: argparse.Namespace):  # -> WeightServiceClient
+    from weightclient.service_client import WeightServiceClient
+
+    return WeightServiceClient(args.server)
+
+
+def cmd_publish(args: argparse.Namespace) -> int:
+    data = args.file.read_bytes()
+    with _client(args) as client:
+        info = client.publish_bytes(
+            args.model, data, version=args.version_number, metadata=dict(args.meta), pin=args.pin
+        )
+    print(json.dumps(_info_json(info), indent=1) if args.json else info.version)
+    return 0
+
+
+def cmd_fetch(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        fetched = client.fetch_bytes(args.model, version=args.version_number)
+    assert fetched is not None
+    tmp = args.output.with_name(args.output.name + ".part")
+    tmp.write_bytes(fetched.data)
+    tmp.replace(args.output)
+    info = fetched.info
+    print(f"{info.model} v{info.version} -> {args.output} ({info.byte_size} bytes, sha256 {info.sha256})")
+    return 0
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        if args.model is None:
+            models = client.list_models()
+            if args.json:
+                print(json.dumps([m.__dict__ for m in models], indent=1))
+                return 0
+            _table(["MODEL", "LATEST", "VERSIONS", "BYTES"],
+                   [[m.model, m.latest_version, m.version_count, m.retained_bytes] for m in models])
+            return 0
+        versions = client.list_versions(args.model)
+    if args.json:
+        print(json.dumps([_info_json(v) for v in versions], indent=1))
+        return 0
+    _table(
+        ["VERSION", "CREATED", "BYTES", "TENSORS", "PINNED", "SHA256", "METADATA"],
+        [[v.version, _when(v.created), v.byte_size, len(v.tensors), "yes" if v.pinned else "",
+          v.sha256[:16], " ".join(f"{k}={val}" for k, val in sorted(v.metadata.items()))] for v in versions],
+    )
+    return 0
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    from weightserver.errors import ModelNotFound
+
+    with _client(args) as client:
+        since = args.since
+        if since is None:
+            try:
+                since = client.latest(args.model).version
+            except ModelNotFound:
+                since = 0
+        print(f"watching {args.model} after version {since} on {client.address}", file=sys.stderr, flush=True)
+        for event in client.watch(args.model, since=since):
+            info = event.info
+            if args.json:
+                print(json.dumps({**_info_json(info), "gap": event.gap}), flush=True)
+            else:
+                gap = "  (some earlier versions were evicted before they could be sent)" if event.gap else ""
+                print(f"{info.model} v{info.version} {info.byte_size} bytes sha256 {info.sha256}{gap}", flush=True)
+    return 0
+
+
+def cmd_delete(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        info = client.delete(args.model, args.version_number)
+    print(f"deleted {info.model} v{info.version}")
+    return 0
+
+
+def cmd_pin(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        info = client.pin(args.model, args.version_number, pinned=not args.unpin)
+    print(f"{'pinned' if info.pinned else 'unpinned'} {info.model} v{info.version}")
+    return 0
+
+
+# ---------------------------------------------------------------------- output
+def _info_json(info: VersionInfo) -> dict[str, object]:
+    return {
+        "model": info.model,
+        "version": info.version,
+        "byte_size": info.byte_size,
+        "sha256": info.sha256,
+        "created": info.created.isoformat(),
+        "metadata": info.metadata,
+        "pinned": info.pinned,
+        "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in info.tensors],
+    }
+
+
+def _when(moment: datetime) -> str:
+    return moment.astimezone().strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _table(headers: list[str], rows: list[list[object]]) -> None:
+    cells = [headers] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    for row in cells:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    level = args.log_level or os.environ.get("WEIGHTSERVER_LOG_LEVEL", "info")
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return args.handler(args)
+    except WeightServerError as exc:
+        print(f"weightserver {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    except (OSError, ValueError) as exc:
+        print(f"weightserver {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,92 @@
+"""ServerProcess: `weightserver serve` in a child process, for demos and tests that need a
+real standalone server (restarts, SIGKILL, a separate address space)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+class ServerProcess:
+    """Runs ``python -m weightserver serve --host 127.0.0.1 --port PORT ARGS...``.
+
+    `port` 0 picks a free port the first time; later `start()` calls reuse it, so a restart
+    comes back on the same address. `start()` returns once the health service says SERVING.
+    """
+
+    def __init__(self, *args: str, port: int = 0, log_path: str | os.PathLike[str] | None = None) -> None:
+        self.args = list(args)
+        self.port = port
+        self._workdir = Path(tempfile.mkdtemp(prefix="weightserver-proc-"))
+        self.log_path = Path(log_path) if log_path else self._workdir / "server.log"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> ServerProcess:
+        port_file = self._workdir / "port"
+        port_file.unlink(missing_ok=True)
+        command = [sys.executable, "-m", "weightserver", "serve", "--host", "127.0.0.1",
+                   "--port", str(self.port), "--port-file", str(port_file), *self.args]
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while not port_file.exists():
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log()}")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise TimeoutError(f"server did not start within {timeout}s:\n{self.log()}")
+            time.sleep(0.02)
+        self.port = int(port_file.read_text())
+        self._wait_serving(deadline)
+        return self
+
+    def _wait_serving(self, deadline: float) -> None:
+        with grpc.insecure_channel(self.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while True:
+                try:
+                    reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    if time.monotonic() > deadline:
+                        raise
+                time.sleep(0.02)
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM (graceful shutdown) and wait; returns the exit code."""
+        if self.process is None or self.process.poll() is not None:
+            return self.process.returncode if self.process else 0
+        self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout)
+
+    def kill(self) -> None:
+        """SIGKILL: no chance to clean up, as in a crash."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        try:
+            self.stop(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.kill()
