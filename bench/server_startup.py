@@ -31,8 +31,10 @@ def main() -> None:
         serve.append(time.perf_counter() - start)
         server.stop()
     for name, values in (("python -c pass", bare), ("weightserver serve -> SERVING", serve)):
-        print(f"{name:32s} median {statistics.median(values) * 1e3:7.1f} ms  "
-              f"(min {min(values) * 1e3:.1f}, max {max(values) * 1e3:.1f}, {runs} runs)")
+        print(
+            f"{name:32s} median {statistics.median(values) * 1e3:7.1f} ms  "
+            f"(min {min(values) * 1e3:.1f}, max {max(values) * 1e3:.1f}, {runs} runs)"
+        )
     print(f"ratio serve / bare interpreter: {statistics.median(serve) / statistics.median(bare):.1f}x")
 
 

@@ -13,8 +13,8 @@ import tempfile
 import threading
 
 import torch
-
 from weightclient import WeightClient
+
 from weightserver.process import ServerProcess
 
 
@@ -67,8 +67,10 @@ def main() -> int:
         x = torch.randn(4, 8)
         same = torch.equal(local(x), policy(x))
         print(f"fetch     latest -> v{latest.version} {latest.metadata}; collector output == trainer output: {same}")
-        print(f"fetch     newer_than={latest.version} -> {collector.fetch(args.model, newer_than=latest.version)}"
-              " (up to date, nothing transferred)")
+        print(
+            f"fetch     newer_than={latest.version} -> {collector.fetch(args.model, newer_than=latest.version)}"
+            " (up to date, nothing transferred)"
+        )
         first = collector.fetch(args.model, version=1)
         assert first is not None
         print(f"fetch     version=1 -> v{first.version} sha256 {first.info.sha256[:16]}")

@@ -30,7 +30,9 @@ def _cli(*args: str, env: dict[str, str] | None = None, **kwargs) -> subprocess.
 @pytest.fixture
 def weights_file(tmp_path):
     path = tmp_path / "policy.safetensors"
-    save_file({"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.ones(4, dtype=torch.bfloat16)}, path)
+    save_file(
+        {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.ones(4, dtype=torch.bfloat16)}, path
+    )
     return path
 
 
@@ -97,8 +99,19 @@ def test_unreachable_server_is_reported(weights_file):
 
 def test_watch_prints_each_new_version(server, weights_file):
     watch = subprocess.Popen(
-        [sys.executable, "-m", "weightserver", "watch", "--model", "policy", "--since", "0", "--json",
-         "--server", server.address],
+        [
+            sys.executable,
+            "-m",
+            "weightserver",
+            "watch",
+            "--model",
+            "policy",
+            "--since",
+            "0",
+            "--json",
+            "--server",
+            server.address,
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

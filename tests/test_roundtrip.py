@@ -4,6 +4,7 @@ input kind, large multi-chunk models, safetensors interop, and the describe/list
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 import time
 from datetime import datetime, timezone
@@ -15,8 +16,8 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from tensordict import TensorDict
-
 from weightclient import ModelNotFound, VersionEvicted, VersionNotFound, WeightClient, tensor_codec
+
 from weightserver.config import DEFAULT_CHUNK_BYTES, MiB
 from weightserver.v1 import weights_pb2 as pb
 from weightserver.v1 import weights_pb2_grpc as pb_grpc
@@ -365,15 +366,12 @@ def test_get_latest_and_describe_report_the_published_version(client: WeightClie
     before = datetime.now(timezone.utc)
     version = client.publish(weights, model="desc", metadata={"step": "42", "run": "abc"})
     after = datetime.now(timezone.utc)
-    client.publish({"x": torch.ones(2)}, model="desc")
+    expected_manifest = {"w": ("F32", (4, 3)), "b": ("F64", (4,)), "n": ("I16", ())}
 
-    expected_manifest = {
-        "w": ("F32", (4, 3)),
-        "b": ("F64", (4,)),
-        "n": ("I16", ()),
-    }
-    described = client.describe("desc", version)
-    for info in (described,):
+    latest = client.latest("desc")  # GetLatest
+    described = client.describe("desc", version)  # Describe, exact version
+    described_latest = client.describe("desc")  # Describe, 0 = latest
+    for info in (latest, described, described_latest):
         assert info.model == "desc"
         assert info.version == version
         assert info.byte_size == len(data)
@@ -383,13 +381,21 @@ def test_get_latest_and_describe_report_the_published_version(client: WeightClie
         assert {t.name: (t.dtype, t.shape) for t in info.tensors} == expected_manifest
         assert info.pinned is False
         # Tensors come in the order of their byte offsets and tile the data section.
-        assert [t.begin for t in info.tensors] == sorted(t.begin for t in info.tensors)
+        spans = [(t.begin, t.end) for t in info.tensors]
+        assert spans == sorted(spans)
+        assert spans[0][0] == 0
+        assert all(a_end == b_begin for (_, a_end), (b_begin, _) in itertools.pairwise(spans))
+        header_len = int.from_bytes(data[:8], "little")
+        assert 8 + header_len + spans[-1][1] == info.byte_size
+    assert latest == described == described_latest
 
-    latest = client.latest("desc")
-    assert latest.version == version + 1
-    assert client.describe("desc").version == version + 1  # 0 means latest
-    assert {t.name: (t.dtype, t.shape) for t in latest.tensors} == {"x": ("F32", (2,))}
-    assert latest.created >= described.created
+    client.publish({"x": torch.ones(2)}, model="desc")
+    newer = client.latest("desc")
+    assert newer.version == version + 1
+    assert client.describe("desc").version == version + 1
+    assert {t.name: (t.dtype, t.shape) for t in newer.tensors} == {"x": ("F32", (2,))}
+    assert newer.created >= described.created
+    assert client.describe("desc", version) == described  # older versions keep their description
     fetched = client.fetch("desc", version=version)
     assert fetched is not None
     assert fetched.info == described

@@ -28,8 +28,22 @@ if TYPE_CHECKING:
 log = logging.getLogger("weightserver")
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "KIB": 1024, "M": 1000**2, "MB": 1000**2, "MIB": 1024**2,
-          "G": 1000**3, "GB": 1000**3, "GIB": 1024**3, "T": 1000**4, "TB": 1000**4, "TIB": 1024**4}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 1000,
+    "KB": 1000,
+    "KIB": 1024,
+    "M": 1000**2,
+    "MB": 1000**2,
+    "MIB": 1024**2,
+    "G": 1000**3,
+    "GB": 1000**3,
+    "GIB": 1024**3,
+    "T": 1000**4,
+    "TB": 1000**4,
+    "TIB": 1024**4,
+}
 
 
 def parse_size(text: str) -> int:
@@ -65,40 +79,76 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="run the server", description="Run a weight server until SIGTERM/SIGINT.")
     serve.add_argument("--host", default="0.0.0.0", help="address to bind (default: %(default)s)")
-    serve.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to bind, 0 for a free one (default: %(default)s)")
-    serve.add_argument("--data-dir", type=Path, default=None,
-                       help="directory to persist versions in; without it they live in memory only")
-    serve.add_argument("--keep", type=int, default=3, help="versions kept per model besides pinned ones (default: %(default)s)")
-    serve.add_argument("--max-model-bytes", type=parse_size, default=ServerConfig.max_model_bytes,
-                       help="largest version accepted, e.g. 2GiB (default: 16GiB)")
-    serve.add_argument("--chunk-bytes", type=parse_size, default=DEFAULT_CHUNK_BYTES,
-                       help="default fetch chunk size, 64KiB-3MiB (default: 1MiB)")
-    serve.add_argument("--grace", type=float, default=5.0,
-                       help="seconds running calls get to finish on shutdown (default: %(default)s)")
-    serve.add_argument("--port-file", type=Path, default=None,
-                       help="write the bound port to this file once serving (useful with --port 0)")
+    serve.add_argument(
+        "--port", type=int, default=DEFAULT_PORT, help="port to bind, 0 for a free one (default: %(default)s)"
+    )
+    serve.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help="directory to persist versions in; without it they live in memory only",
+    )
+    serve.add_argument(
+        "--keep", type=int, default=3, help="versions kept per model besides pinned ones (default: %(default)s)"
+    )
+    serve.add_argument(
+        "--max-model-bytes",
+        type=parse_size,
+        default=ServerConfig.max_model_bytes,
+        help="largest version accepted, e.g. 2GiB (default: 16GiB)",
+    )
+    serve.add_argument(
+        "--chunk-bytes",
+        type=parse_size,
+        default=DEFAULT_CHUNK_BYTES,
+        help="default fetch chunk size, 64KiB-3MiB (default: 1MiB)",
+    )
+    serve.add_argument(
+        "--grace",
+        type=float,
+        default=5.0,
+        help="seconds running calls get to finish on shutdown (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--port-file",
+        type=Path,
+        default=None,
+        help="write the bound port to this file once serving (useful with --port 0)",
+    )
     serve.set_defaults(handler=cmd_serve)
 
     def client_command(name: str, help_text: str) -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=help_text, description=help_text[0].upper() + help_text[1:] + ".")
-        sub.add_argument("--server", default=None,
-                         help="host:port of the server (default: $WEIGHTSERVER_ADDRESS, else localhost:50051)")
+        sub.add_argument(
+            "--server",
+            default=None,
+            help="host:port of the server (default: $WEIGHTSERVER_ADDRESS, else localhost:50051)",
+        )
         return sub
 
     publish = client_command("publish", "publish a .safetensors file as a new version and print its number")
     publish.add_argument("file", type=Path, help="a .safetensors file")
     publish.add_argument("--model", required=True, help="model name, e.g. policy")
-    publish.add_argument("--version", dest="version_number", type=int, default=0,
-                         help="version number to request (default: next one)")
-    publish.add_argument("--meta", type=parse_meta, action="append", default=[], metavar="KEY=VALUE",
-                         help="metadata to store with the version (repeatable)")
+    publish.add_argument(
+        "--version", dest="version_number", type=int, default=0, help="version number to request (default: next one)"
+    )
+    publish.add_argument(
+        "--meta",
+        type=parse_meta,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="metadata to store with the version (repeatable)",
+    )
     publish.add_argument("--pin", action="store_true", help="keep this version beyond --keep")
     publish.add_argument("--json", action="store_true", help="print the version's description as JSON")
     publish.set_defaults(handler=cmd_publish)
 
     fetch = client_command("fetch", "fetch a version into a .safetensors file")
     fetch.add_argument("--model", required=True, help="model name")
-    fetch.add_argument("--version", dest="version_number", type=int, default=None, help="exact version (default: latest)")
+    fetch.add_argument(
+        "--version", dest="version_number", type=int, default=None, help="exact version (default: latest)"
+    )
     fetch.add_argument("-o", "--output", type=Path, required=True, help="file to write")
     fetch.set_defaults(handler=cmd_fetch)
 
@@ -109,8 +159,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     watch = client_command("watch", "print a line for every new version of a model until interrupted")
     watch.add_argument("--model", required=True, help="model name")
-    watch.add_argument("--since", type=int, default=None,
-                       help="last version you know; older retained versions are printed first (default: latest)")
+    watch.add_argument(
+        "--since",
+        type=int,
+        default=None,
+        help="last version you know; older retained versions are printed first (default: latest)",
+    )
     watch.add_argument("--json", action="store_true", help="print one JSON object per version")
     watch.set_defaults(handler=cmd_watch)
 
@@ -192,8 +246,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
             if args.json:
                 print(json.dumps([m.__dict__ for m in models], indent=1))
                 return 0
-            _table(["MODEL", "LATEST", "VERSIONS", "BYTES"],
-                   [[m.model, m.latest_version, m.version_count, m.retained_bytes] for m in models])
+            _table(
+                ["MODEL", "LATEST", "VERSIONS", "BYTES"],
+                [[m.model, m.latest_version, m.version_count, m.retained_bytes] for m in models],
+            )
             return 0
         versions = client.list_versions(args.model)
     if args.json:
@@ -201,8 +257,18 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return 0
     _table(
         ["VERSION", "CREATED", "BYTES", "TENSORS", "PINNED", "SHA256", "METADATA"],
-        [[v.version, _when(v.created), v.byte_size, len(v.tensors), "yes" if v.pinned else "",
-          v.sha256[:16], " ".join(f"{k}={val}" for k, val in sorted(v.metadata.items()))] for v in versions],
+        [
+            [
+                v.version,
+                _when(v.created),
+                v.byte_size,
+                len(v.tensors),
+                "yes" if v.pinned else "",
+                v.sha256[:16],
+                " ".join(f"{k}={val}" for k, val in sorted(v.metadata.items())),
+            ]
+            for v in versions
+        ],
     )
     return 0
 
@@ -264,7 +330,7 @@ def _table(headers: list[str], rows: list[list[object]]) -> None:
     cells = [headers] + [[str(c) for c in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     for row in cells:
-        print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -130,9 +130,7 @@ def status_code_for(error: WeightServerError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-def error_from_status(
-    code: grpc.StatusCode, message: str, error_name: str | None = None
-) -> WeightServerError:
+def error_from_status(code: grpc.StatusCode, message: str, error_name: str | None = None) -> WeightServerError:
     """Rebuild the domain exception for a failed call from its status and error name."""
     cls = _BY_NAME.get(error_name or "")
     if cls is None or STATUS_CODES[cls] != code:

@@ -37,8 +37,19 @@ class ServerProcess:
     def start(self, timeout: float = 30.0) -> ServerProcess:
         port_file = self._workdir / "port"
         port_file.unlink(missing_ok=True)
-        command = [sys.executable, "-m", "weightserver", "serve", "--host", "127.0.0.1",
-                   "--port", str(self.port), "--port-file", str(port_file), *self.args]
+        command = [
+            sys.executable,
+            "-m",
+            "weightserver",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--port-file",
+            str(port_file),
+            *self.args,
+        ]
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
@@ -85,7 +96,9 @@ class ServerProcess:
     def __enter__(self) -> ServerProcess:
         return self.start()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         try:
             self.stop(timeout=10)
         except subprocess.TimeoutExpired:

@@ -100,8 +100,7 @@ def parse_header(
     (header_len,) = _LEN.unpack_from(view, 0)
     if header_len > max_header_bytes:
         raise InvalidSafetensors(
-            f"header is {header_len} bytes, over the limit of {max_header_bytes}; "
-            "is this a safetensors file?"
+            f"header is {header_len} bytes, over the limit of {max_header_bytes}; is this a safetensors file?"
         )
     if 8 + header_len > size:
         raise InvalidSafetensors(f"header length {header_len} runs past the end of the {size}-byte file")
@@ -113,19 +112,20 @@ def parse_header(
         obj = json.loads(text, object_pairs_hook=_reject_duplicates)
     except UnicodeDecodeError as exc:
         raise InvalidSafetensors(f"header is not UTF-8: {exc}") from None
-    except json.JSONDecodeError as exc:
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, over-long ints, deep nesting
         raise InvalidSafetensors(f"header is not valid JSON: {exc}") from None
     if not isinstance(obj, dict):
         raise InvalidSafetensors(f"header must be a JSON object, got {type(obj).__name__}")
-    if len(obj) > max_tensors + 1:
-        raise InvalidSafetensors(f"header lists {len(obj)} entries, over the limit of {max_tensors} tensors")
+    tensor_count = len(obj) - (METADATA_KEY in obj)
+    if tensor_count > max_tensors:
+        raise InvalidSafetensors(f"header lists {tensor_count} tensors, over the limit of {max_tensors} tensors")
 
     metadata = obj.pop(METADATA_KEY, None)
-    if metadata is not None:
-        if not isinstance(metadata, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
-        ):
-            raise InvalidSafetensors(f"{METADATA_KEY!r} must map strings to strings")
+    if metadata is not None and (
+        not isinstance(metadata, dict)
+        or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
+    ):
+        raise InvalidSafetensors(f"{METADATA_KEY!r} must map strings to strings")
 
     entries = [_parse_entry(name, spec) for name, spec in obj.items()]
     data_len = size - 8 - header_len
@@ -143,10 +143,8 @@ def _parse_entry(name: str, spec: object) -> TensorEntry:
     if missing:
         raise InvalidSafetensors(f"tensor {name!r}: missing {', '.join(sorted(missing))}")
     dtype = spec["dtype"]
-    if dtype not in DTYPE_SIZES:
-        raise InvalidSafetensors(
-            f"tensor {name!r}: unknown dtype {dtype!r}; known: {', '.join(DTYPE_SIZES)}"
-        )
+    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
+        raise InvalidSafetensors(f"tensor {name!r}: unknown dtype {dtype!r}; known: {', '.join(DTYPE_SIZES)}")
     shape = spec["shape"]
     if not isinstance(shape, list) or not all(_is_uint(d) for d in shape):
         raise InvalidSafetensors(f"tensor {name!r}: shape must be a list of non-negative integers, got {shape!r}")
@@ -191,8 +189,7 @@ def _check_layout(entries: list[TensorEntry], data_len: int) -> None:
         position = entry.end
     if position != data_len:
         raise InvalidSafetensors(
-            f"data section is {data_len} bytes but the tensors cover {position}; "
-            "trailing bytes or a truncated header"
+            f"data section is {data_len} bytes but the tensors cover {position}; trailing bytes or a truncated header"
         )
 
 
@@ -214,8 +211,8 @@ def build_header(
     for name, dtype, shape, nbytes in entries:
         if dtype not in DTYPE_SIZES:
             raise InvalidSafetensors(f"tensor {name!r}: unknown dtype {dtype!r}")
-        if name in header:
-            raise InvalidSafetensors(f"tensor name {name!r} appears twice")
+        if name in header or name == METADATA_KEY:
+            raise InvalidSafetensors(f"tensor name {name!r} appears twice or is reserved")
         header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [position, position + nbytes]}
         placed.append(TensorEntry(name, dtype, tuple(shape), position, position + nbytes))
         position += nbytes

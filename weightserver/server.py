@@ -96,7 +96,9 @@ class WeightServer:
     def __enter__(self) -> WeightServer:
         return self.start()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.stop()
 
     def _run(self) -> None:
@@ -104,7 +106,7 @@ class WeightServer:
         self._loop = loop
         try:
             loop.run_until_complete(self._serve())
-        except BaseException as exc:  # noqa: BLE001 - reported to start() or logged
+        except BaseException as exc:
             if not self._ready.is_set():
                 self._startup_error = exc
             else:

@@ -7,6 +7,7 @@ publish never stalls the event loop that serves fetches and watchers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -50,7 +51,7 @@ def _unary(method: F) -> F:
     async def wrapper(self: WeightServicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
             return await method(self, request, context)
-        except Exception as error:  # noqa: BLE001 - mapped, never swallowed
+        except Exception as error:
             await _abort(context, error)
 
     return wrapper  # type: ignore[return-value]
@@ -64,7 +65,7 @@ def _streaming(method: F) -> F:
         try:
             async for message in method(self, request, context):
                 yield message
-        except Exception as error:  # noqa: BLE001 - mapped, never swallowed
+        except Exception as error:
             await _abort(context, error)
 
     return wrapper  # type: ignore[return-value]
@@ -79,20 +80,27 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
 
     # ------------------------------------------------------------------ publish
     @_unary
-    async def Publish(self, request_iterator: AsyncIterator[pb.PublishRequest], context: grpc.aio.ServicerContext) -> pb.PublishResponse:
+    async def Publish(
+        self, request_iterator: AsyncIterator[pb.PublishRequest], context: grpc.aio.ServicerContext
+    ) -> pb.PublishResponse:
         started = time.perf_counter()
         first = await anext(aiter(request_iterator), None)
         if first is None or first.WhichOneof("kind") != "header":
             raise InvalidRequest("a Publish stream must start with a header message (model, total_bytes, sha256)")
         header = first.header
         self.store.check_publish(header.model, total_bytes=header.total_bytes, version=header.version)
-        if not header.sha256:
-            raise InvalidRequest(f"model {header.model!r}: the publish header needs the sha256 of the bytes")
         buffer = bytearray(header.total_bytes)
         received = 0
+        commit: pb.PublishCommit | None = None
         async for message in request_iterator:
-            if message.WhichOneof("kind") != "chunk":
-                raise InvalidRequest("only chunk messages may follow the Publish header")
+            kind = message.WhichOneof("kind")
+            if commit is not None:
+                raise InvalidRequest(f"model {header.model!r}: nothing may follow the commit message")
+            if kind == "commit":
+                commit = message.commit
+                continue
+            if kind != "chunk":
+                raise InvalidRequest(f"model {header.model!r}: only chunks and one commit may follow the header")
             chunk = message.chunk
             end = received + len(chunk)
             if end > header.total_bytes:
@@ -106,11 +114,17 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
                 f"model {header.model!r}: publisher declared {header.total_bytes} bytes but sent {received}; "
                 "the upload was cut short or the header is wrong"
             )
+        if commit is None:
+            raise InvalidRequest(
+                f"model {header.model!r}: the publish stream ended without a commit message, so nothing "
+                "was published (the publisher was cancelled or failed before finishing)"
+            )
+        sha256 = _declared_sha256(header, commit)
         record = await asyncio.to_thread(
             self.store.publish,
             header.model,
             buffer,
-            sha256=header.sha256,
+            sha256=sha256,
             total_bytes=header.total_bytes,
             version=header.version,
             metadata=dict(header.metadata),
@@ -130,15 +144,21 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         return wire.version_info(record)
 
     @_unary
-    async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
+    async def ListModels(
+        self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListModelsResponse:
         return pb.ListModelsResponse(models=[wire.model_summary(m) for m in self.store.models()])
 
     @_unary
-    async def ListVersions(self, request: pb.ListVersionsRequest, context: grpc.aio.ServicerContext) -> pb.ListVersionsResponse:
+    async def ListVersions(
+        self, request: pb.ListVersionsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListVersionsResponse:
         return pb.ListVersionsResponse(versions=[wire.version_info(v) for v in self.store.versions(request.model)])
 
     @_unary
-    async def DeleteVersion(self, request: pb.DeleteVersionRequest, context: grpc.aio.ServicerContext) -> pb.DeleteVersionResponse:
+    async def DeleteVersion(
+        self, request: pb.DeleteVersionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DeleteVersionResponse:
         record = await asyncio.to_thread(self.store.delete, request.model, request.version)
         log.info("deleted model=%s version=%d peer=%s", record.model, record.version, context.peer())
         return pb.DeleteVersionResponse(deleted=wire.version_info(record))
@@ -146,12 +166,20 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
     @_unary
     async def PinVersion(self, request: pb.PinVersionRequest, context: grpc.aio.ServicerContext) -> pb.VersionInfo:
         record = await asyncio.to_thread(self.store.set_pinned, request.model, request.version, request.pinned)
-        log.info("%s model=%s version=%d peer=%s", "pinned" if record.pinned else "unpinned", record.model, record.version, context.peer())
+        log.info(
+            "%s model=%s version=%d peer=%s",
+            "pinned" if record.pinned else "unpinned",
+            record.model,
+            record.version,
+            context.peer(),
+        )
         return wire.version_info(record)
 
     # ------------------------------------------------------------------ fetch
     @_streaming
-    async def Fetch(self, request: pb.FetchRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.FetchResponse]:
+    async def Fetch(
+        self, request: pb.FetchRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.FetchResponse]:
         started = time.perf_counter()
         selector = request.WhichOneof("selector")
         if selector == "version":
@@ -175,17 +203,17 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
 
     # ------------------------------------------------------------------ watch
     @_streaming
-    async def Watch(self, request: pb.WatchRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.VersionEvent]:
+    async def Watch(
+        self, request: pb.WatchRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.VersionEvent]:
         model = validate_model_name(request.model)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Version] = asyncio.Queue()
 
         def on_commit(record: Version) -> None:
             if record.model == model:
-                try:
+                with contextlib.suppress(RuntimeError):  # loop closed: the server is shutting down
                     loop.call_soon_threadsafe(queue.put_nowait, record)
-                except RuntimeError:  # the loop is closed: the server is shutting down
-                    pass
 
         # Subscribe before reading the backlog so no version can land between the two.
         unsubscribe = self.store.subscribe(on_commit)
@@ -201,10 +229,23 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
                 record = await queue.get()
                 if record.version <= last:
                     continue
-                yield pb.VersionEvent(version=wire.version_info(record))
+                # With an empty backlog the gap is reported on the first live event.
+                yield pb.VersionEvent(version=wire.version_info(record), gap=gap)
+                gap = False
                 last = record.version
         finally:
             unsubscribe()
+
+
+def _declared_sha256(header: pb.PublishHeader, commit: pb.PublishCommit) -> str:
+    """The digest the publisher declared in the header and/or the commit message."""
+    if not header.sha256 and not commit.sha256:
+        raise InvalidRequest(f"model {header.model!r}: give the sha256 of the bytes in the header or the commit")
+    if header.sha256 and commit.sha256 and header.sha256.lower() != commit.sha256.lower():
+        raise IntegrityError(
+            f"model {header.model!r}: header declares sha256 {header.sha256} but the commit declares {commit.sha256}"
+        )
+    return header.sha256 or commit.sha256
 
 
 def _log_transfer(kind: str, record: Version, started: float, context: grpc.aio.ServicerContext) -> None:

@@ -57,7 +57,7 @@ def validate_model_name(model: str) -> str:
     Names become directory names under --data-dir, so only [A-Za-z0-9._-] is allowed, 1-128
     characters, not starting with '.' or '-' (which also rules out '.' and '..').
     """
-    if not isinstance(model, str) or not _MODEL_NAME.match(model) or ".." in model:
+    if not isinstance(model, str) or not _MODEL_NAME.fullmatch(model) or ".." in model:
         raise InvalidModelName(
             f"invalid model name {model!r}: use 1-128 characters from A-Z a-z 0-9 . _ -, "
             "not starting with '.' or '-' and without '..'"
@@ -225,9 +225,13 @@ class VersionStore:
                 evicted = self._evict(state)
                 self._changed.notify_all()
                 listeners = list(self._listeners)
+            # Still under the commit lock, so listeners see one model's versions in order.
+            for listener in listeners:
+                try:
+                    listener(record)
+                except Exception:
+                    log.exception("version listener %r failed on %s v%d", listener, model, number)
         self._remove_files(evicted)
-        for listener in listeners:
-            listener(record)
         return record
 
     def _check_size(self, model: str, size: int) -> None:
@@ -281,9 +285,7 @@ class VersionStore:
                     f"model {model!r}: version {version} is no longer retained; the oldest retained "
                     f"is {retained[0]} (retained: {_ranges(retained)}); pin versions you need to keep"
                 )
-            raise VersionNotFound(
-                f"model {model!r} has no version {version}; retained versions: {_ranges(retained)}"
-            )
+            raise VersionNotFound(f"model {model!r} has no version {version}; retained versions: {_ranges(retained)}")
 
     def newer_than(self, model: str, version: int) -> Version | None:
         """The latest version if it is newer than `version`, else None (caller is up to date)."""
@@ -308,21 +310,24 @@ class VersionStore:
         """Retained versions newer than `since`, oldest first, and whether any version after
         `since` was evicted or deleted before it could be returned (a gap).
 
-        A model with no versions yet returns ``([], False)``: watchers wait for the first one.
+        A model with no versions yet returns ``([], False)`` for ``since=0``: watchers wait for
+        the first one. A `since` above every version ever committed raises CursorOutOfRange.
         """
         validate_model_name(model)
         with self._lock:
             state = self._models.get(model)
-            if state is None:
-                return [], False
-            if since > state.high_water:
+            high_water = state.high_water if state else 0
+            if since > high_water:
                 raise CursorOutOfRange(
-                    f"model {model!r}: since={since} is ahead of the latest version {state.high_water}; "
+                    f"model {model!r}: since={since} is ahead of the latest version {high_water}; "
                     "the server may have restarted without --data-dir; resubscribe with since=0"
                 )
+            if state is None:
+                return [], False
             newer = [v for v in state.versions.values() if v.version > since]
-            first = newer[0].version if newer else state.high_water + 1
-            gap = bisect.bisect_right(state.removed, since) < bisect.bisect_left(state.removed, first)
+            # Every removed version after `since` is missing from `newer`, also one behind a
+            # pinned version that is returned.
+            gap = bisect.bisect_right(state.removed, since) < len(state.removed)
             return newer, gap
 
     def models(self) -> list[ModelInfo]:
@@ -355,8 +360,9 @@ class VersionStore:
                 self._changed.wait(remaining)
 
     def subscribe(self, listener: Callable[[Version], None]) -> Callable[[], None]:
-        """Call `listener(version)` after every commit (from the committing thread, outside the
-        store's lock; it must not block). Returns a function that unsubscribes."""
+        """Call `listener(version)` after every commit, in version order per model (from the
+        committing thread, under that model's commit lock: it must not block). Exceptions are
+        logged, not raised. Returns a function that unsubscribes."""
         with self._lock:
             self._listeners.append(listener)
 
@@ -386,10 +392,10 @@ class VersionStore:
 
     def set_pinned(self, model: str, version: int, pinned: bool) -> Version:
         """Pin (keep beyond `keep`) or unpin a version; unpinning may evict it at once."""
-        record = self.get(model, version)
+        self.get(model, version)  # raises the right NotFound before taking the commit lock
         state = self._model_state(model)
         with state.commit_lock:
-            updated = dataclasses.replace(record, pinned=pinned)
+            updated = dataclasses.replace(self.get(model, version), pinned=pinned)
             if self.data_dir is not None:
                 self._write_manifest(updated)
             with self._lock:
@@ -465,6 +471,11 @@ class VersionStore:
             for record in self._load_model(model, directory):
                 state.versions[record.version] = record
                 state.high_water = max(state.high_water, record.version)
+            # A manifest marks a committed version even when its files are damaged and it was
+            # skipped: never hand its number out again.
+            for manifest_path in directory.glob("*" + _MANIFEST_SUFFIX):
+                if manifest_path.stem.isascii() and manifest_path.stem.isdigit():
+                    state.high_water = max(state.high_water, int(manifest_path.stem))
             evicted = self._evict(state)
             self._remove_files(evicted)
             if state.versions:
@@ -481,7 +492,7 @@ class VersionStore:
             if data_path.stem not in manifests:
                 log.warning("removing %s: data without a manifest (publish interrupted by a crash)", data_path)
                 data_path.unlink(missing_ok=True)
-        for stem, manifest_path in sorted(manifests.items()):
+        for _, manifest_path in sorted(manifests.items()):
             record = self._load_one(model, manifest_path, manifest_path.with_suffix(_DATA_SUFFIX))
             if record is not None:
                 yield record
@@ -553,7 +564,7 @@ def _ranges(numbers: list[int]) -> str:
         return "none"
     parts: list[str] = []
     start = prev = numbers[0]
-    for n in numbers[1:] + [None]:  # type: ignore[list-item]
+    for n in [*numbers[1:], None]:
         if n is not None and n == prev + 1:
             prev = n
             continue

@@ -70,9 +70,7 @@ class WeightClient(WeightServiceClient):
         mapping of names to tensors. The call returns once the server committed the version.
         """
         encoded = tensor_codec.encode(weights)
-        info = self.publish_bytes(
-            model, encoded.parts, version=version, metadata=metadata, pin=pin, timeout=timeout
-        )
+        info = self.publish_bytes(model, encoded.parts, version=version, metadata=metadata, pin=pin, timeout=timeout)
         return info.version
 
     def fetch(

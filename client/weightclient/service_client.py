@@ -73,7 +73,9 @@ class WeightServiceClient:
     def __enter__(self) -> WeightServiceClient:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
     def __repr__(self) -> str:
@@ -190,7 +192,9 @@ class WeightServiceClient:
     def delete(self, model: str, version: int) -> VersionInfo:
         """Delete one version from the server (and its data dir)."""
         with translated_rpc_errors(self.address):
-            reply = self._stub.DeleteVersion(pb.DeleteVersionRequest(model=model, version=version), timeout=self.timeout)
+            reply = self._stub.DeleteVersion(
+                pb.DeleteVersionRequest(model=model, version=version), timeout=self.timeout
+            )
         return VersionInfo.from_proto(reply.deleted)
 
     def pin(self, model: str, version: int, pinned: bool = True) -> VersionInfo:
@@ -203,7 +207,9 @@ class WeightServiceClient:
         return VersionInfo.from_proto(reply)
 
 
-def _publish_requests(header: pb.PublishHeader, views: Iterable[memoryview], chunk_bytes: int) -> Iterator[pb.PublishRequest]:
+def _publish_requests(
+    header: pb.PublishHeader, views: Iterable[memoryview], chunk_bytes: int
+) -> Iterator[pb.PublishRequest]:
     """The header, then the parts re-cut into chunks of `chunk_bytes` (small parts are merged)."""
     yield pb.PublishRequest(header=header)
     pending: list[memoryview] = []
@@ -219,6 +225,7 @@ def _publish_requests(header: pb.PublishHeader, views: Iterable[memoryview], chu
                 pending, pending_bytes = [], 0
     if pending:
         yield pb.PublishRequest(chunk=b"".join(pending))
+    yield pb.PublishRequest(commit=pb.PublishCommit())
 
 
 def _fetch_request(model: str, version: int | None, newer_than: int | None, chunk_bytes: int) -> pb.FetchRequest:

@@ -10,12 +10,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PublishRequest(_message.Message):
-    __slots__ = ("header", "chunk")
+    __slots__ = ("header", "chunk", "commit")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
     header: PublishHeader
     chunk: bytes
-    def __init__(self, header: _Optional[_Union[PublishHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+    commit: PublishCommit
+    def __init__(self, header: _Optional[_Union[PublishHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ..., commit: _Optional[_Union[PublishCommit, _Mapping]] = ...) -> None: ...
+
+class PublishCommit(_message.Message):
+    __slots__ = ("sha256",)
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    sha256: str
+    def __init__(self, sha256: _Optional[str] = ...) -> None: ...
 
 class PublishHeader(_message.Message):
     __slots__ = ("model", "version", "metadata", "total_bytes", "sha256", "pin")

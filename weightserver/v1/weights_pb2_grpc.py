@@ -87,8 +87,10 @@ class WeightServiceServicer:
     """
 
     def Publish(self, request_iterator, context):
-        """Uploads a new version of one model. The first message must be a `header`, every later
-        message a `chunk`; the chunks concatenated are one safetensors file. The server checks
+        """Uploads a new version of one model. The first message must be a `header`, then come the
+        `chunk`s, then one `commit`; the chunks concatenated are one safetensors file. A stream
+        that ends without the `commit` (a cancelled or crashed publisher) commits nothing, even
+        if every byte arrived. The server checks
         the byte count, the sha256 digest and the safetensors header (known dtypes, offsets in
         bounds, contiguous and non-overlapping, shapes matching byte lengths) before the version
         becomes visible: a publish that is cut off or fails a check is never seen by anyone.
