@@ -15,3 +15,15 @@ def test_server_cli_and_byte_client_do_not_import_torch():
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_version_store_imports_no_grpc():
+    """The store is plain Python: unit-testable and reusable without gRPC."""
+    code = (
+        "import sys\n"
+        "from weightserver.store import VersionStore\n"
+        "from weightserver.errors import STATUS_CODES\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('grpc', 'google', 'torch'))\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -3,9 +3,30 @@
 The server side never imports torch: it stores and validates safetensors bytes.
 """
 
-from weightserver.config import ServerConfig
-from weightserver.server import WeightServer
-from weightserver.store import Version, VersionStore
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from weightserver.config import ServerConfig
+    from weightserver.server import WeightServer
+    from weightserver.store import Version, VersionStore
 
 __all__ = ["ServerConfig", "Version", "VersionStore", "WeightServer"]
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "ServerConfig": "weightserver.config",
+    "WeightServer": "weightserver.server",
+    "Version": "weightserver.store",
+    "VersionStore": "weightserver.store",
+}
+
+
+def __getattr__(name: str) -> Any:
+    # Loaded on first use: importing weightserver.store must not pull in grpc.
+    if name in _EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'weightserver' has no attribute {name!r}")

@@ -22,12 +22,16 @@ Exception tree::
 The server aborts a call with the code from `STATUS_CODES` and puts the exception's class name
 in the trailing metadata key `weightserver-error`; the client rebuilds the same exception type
 from that name, or from the status code alone for other servers. Matching is never done on
-message text. This module imports grpc only for the StatusCode enum.
+message text. The table names codes as strings so that the store can raise these exceptions
+without importing grpc; `grpc_status_code` turns a name into the enum.
 """
 
 from __future__ import annotations
 
-import grpc
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import grpc
 
 ERROR_METADATA_KEY = "weightserver-error"
 
@@ -96,43 +100,46 @@ class InternalServerError(WeightServerError):
     """A failure inside the server; its log has the details."""
 
 
-# The one table: exception type -> status code. Order matters for the reverse lookup: the
-# first class listed for a code is what a client raises when it only knows the code.
-STATUS_CODES: dict[type[WeightServerError], grpc.StatusCode] = {
-    NotFoundError: grpc.StatusCode.NOT_FOUND,
-    ModelNotFound: grpc.StatusCode.NOT_FOUND,
-    VersionNotFound: grpc.StatusCode.NOT_FOUND,
-    VersionEvicted: grpc.StatusCode.NOT_FOUND,
-    InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
-    InvalidModelName: grpc.StatusCode.INVALID_ARGUMENT,
-    InvalidSafetensors: grpc.StatusCode.INVALID_ARGUMENT,
-    IntegrityError: grpc.StatusCode.DATA_LOSS,
-    ModelTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    VersionConflict: grpc.StatusCode.FAILED_PRECONDITION,
-    CursorOutOfRange: grpc.StatusCode.OUT_OF_RANGE,
-    ServerUnavailable: grpc.StatusCode.UNAVAILABLE,
-    DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
-    Cancelled: grpc.StatusCode.CANCELLED,
-    InternalServerError: grpc.StatusCode.INTERNAL,
+# The one table: exception type -> status code name (grpc.StatusCode member). Order matters
+# for the reverse lookup: the first class listed for a code is what a client raises when it
+# only knows the code.
+STATUS_CODES: dict[type[WeightServerError], str] = {
+    NotFoundError: "NOT_FOUND",
+    ModelNotFound: "NOT_FOUND",
+    VersionNotFound: "NOT_FOUND",
+    VersionEvicted: "NOT_FOUND",
+    InvalidRequest: "INVALID_ARGUMENT",
+    InvalidModelName: "INVALID_ARGUMENT",
+    InvalidSafetensors: "INVALID_ARGUMENT",
+    IntegrityError: "DATA_LOSS",
+    ModelTooLarge: "RESOURCE_EXHAUSTED",
+    VersionConflict: "FAILED_PRECONDITION",
+    CursorOutOfRange: "OUT_OF_RANGE",
+    ServerUnavailable: "UNAVAILABLE",
+    DeadlineExceeded: "DEADLINE_EXCEEDED",
+    Cancelled: "CANCELLED",
+    InternalServerError: "INTERNAL",
 }
 
 _BY_NAME: dict[str, type[WeightServerError]] = {cls.__name__: cls for cls in STATUS_CODES}
-_BY_CODE: dict[grpc.StatusCode, type[WeightServerError]] = {}
+_BY_CODE: dict[str, type[WeightServerError]] = {}
 for _cls, _code in STATUS_CODES.items():
     _BY_CODE.setdefault(_code, _cls)
 
 
 def status_code_for(error: WeightServerError) -> grpc.StatusCode:
     """The status code of `error`'s class (or of its nearest listed base class)."""
+    import grpc
+
     for cls in type(error).__mro__:
         if cls in STATUS_CODES:
-            return STATUS_CODES[cls]  # type: ignore[index]
+            return grpc.StatusCode[STATUS_CODES[cls]]  # type: ignore[index]
     return grpc.StatusCode.INTERNAL
 
 
 def error_from_status(code: grpc.StatusCode, message: str, error_name: str | None = None) -> WeightServerError:
     """Rebuild the domain exception for a failed call from its status and error name."""
     cls = _BY_NAME.get(error_name or "")
-    if cls is None or STATUS_CODES[cls] != code:
-        cls = _BY_CODE.get(code, InternalServerError)
+    if cls is None or STATUS_CODES[cls] != code.name:
+        cls = _BY_CODE.get(code.name, InternalServerError)
     return cls(message)
