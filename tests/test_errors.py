@@ -158,8 +158,8 @@ def chunks(data: bytes, size: int = 64 * 1024) -> list[pb.PublishRequest]:
     return [pb.PublishRequest(chunk=data[i : i + size]) for i in range(0, len(data), size)]
 
 
-def commit(sha256: str = "") -> pb.PublishRequest:
-    return pb.PublishRequest(commit=pb.PublishCommit(sha256=sha256))
+def commit(*sha256: str) -> pb.PublishRequest:
+    return pb.PublishRequest(commit=pb.PublishCommit(sha256=list(sha256)))
 
 
 # ---------------------------------------------------------------------- NOT_FOUND
@@ -348,7 +348,7 @@ def test_publish_stream_starting_with_a_chunk(stub, other_client, published) -> 
         stub.Publish(iter([*chunks(data), header_request(MODEL, data)]), timeout=10)
     with raw_raises(InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT, "must start with a header"):
         stub.Publish(iter([]), timeout=10)
-    with raw_raises(InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT, "only chunks and one commit"):
+    with raw_raises(InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT, "'policy' appears twice"):
         stub.Publish(
             iter([header_request(MODEL, data), header_request(MODEL, data), *chunks(data), commit()]), timeout=10
         )

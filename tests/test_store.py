@@ -691,6 +691,7 @@ def test_on_disk_layout_and_manifest(tmp_path: Path) -> None:
         "created": record.created,
         "metadata": {"step": "5"},
         "pinned": True,
+        "group": [],
     }
     store.set_pinned("policy", 1, False)
     assert json.loads((directory / "000000000001.json").read_text())["pinned"] is False

@@ -25,7 +25,7 @@ from weightserver.errors import (
     WeightServerError,
     status_code_for,
 )
-from weightserver.store import Version, VersionStore, validate_model_name
+from weightserver.store import Upload, Version, VersionStore, validate_model_name
 from weightserver.v1 import weights_pb2 as pb
 from weightserver.v1 import weights_pb2_grpc as pb_grpc
 
@@ -84,54 +84,59 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         self, request_iterator: AsyncIterator[pb.PublishRequest], context: grpc.aio.ServicerContext
     ) -> pb.PublishResponse:
         started = time.perf_counter()
-        first = await anext(aiter(request_iterator), None)
-        if first is None or first.WhichOneof("kind") != "header":
-            raise InvalidRequest("a Publish stream must start with a header message (model, total_bytes, sha256)")
-        header = first.header
-        self.store.check_publish(header.model, total_bytes=header.total_bytes, version=header.version)
-        buffer = bytearray(header.total_bytes)
-        received = 0
+        incoming: list[_IncomingModel] = []
         commit: pb.PublishCommit | None = None
         async for message in request_iterator:
             kind = message.WhichOneof("kind")
             if commit is not None:
-                raise InvalidRequest(f"model {header.model!r}: nothing may follow the commit message")
-            if kind == "commit":
-                commit = message.commit
-                continue
-            if kind != "chunk":
-                raise InvalidRequest(f"model {header.model!r}: only chunks and one commit may follow the header")
-            chunk = message.chunk
-            end = received + len(chunk)
-            if end > header.total_bytes:
-                raise IntegrityError(
-                    f"model {header.model!r}: publisher declared {header.total_bytes} bytes but sent more"
+                raise InvalidRequest(f"model {incoming[0].header.model!r}: nothing may follow the commit message")
+            if kind == "header":
+                if any(m.header.model == message.header.model for m in incoming):
+                    raise InvalidRequest(f"model {message.header.model!r} appears twice in one publish")
+                if incoming:
+                    incoming[-1].check_complete()
+                    _check_group_version(incoming[0].header, message.header)
+                header = message.header
+                self.store.check_publish(
+                    header.model,
+                    total_bytes=header.total_bytes,
+                    version=incoming[0].header.version if incoming else header.version,
                 )
-            buffer[received:end] = chunk
-            received = end
-        if received != header.total_bytes:
-            raise IntegrityError(
-                f"model {header.model!r}: publisher declared {header.total_bytes} bytes but sent {received}; "
-                "the upload was cut short or the header is wrong"
-            )
+                incoming.append(_IncomingModel(header))
+            elif not incoming:
+                raise InvalidRequest("a Publish stream must start with a header message (model, total_bytes, sha256)")
+            elif kind == "chunk":
+                incoming[-1].add(message.chunk)
+            elif kind == "commit":
+                incoming[-1].check_complete()
+                commit = message.commit
+            else:
+                raise InvalidRequest(f"model {incoming[-1].header.model!r}: unexpected {kind!r} message")
+        if not incoming:
+            raise InvalidRequest("a Publish stream must start with a header message (model, total_bytes, sha256)")
         if commit is None:
+            incoming[-1].check_complete()
             raise InvalidRequest(
-                f"model {header.model!r}: the publish stream ended without a commit message, so nothing "
+                f"model {_models(incoming)}: the publish stream ended without a commit message, so nothing "
                 "was published (the publisher was cancelled or failed before finishing)"
             )
-        sha256 = _declared_sha256(header, commit)
-        record = await asyncio.to_thread(
-            self.store.publish,
-            header.model,
-            buffer,
-            sha256=sha256,
-            total_bytes=header.total_bytes,
-            version=header.version,
-            metadata=dict(header.metadata),
-            pin=header.pin,
-        )
-        _log_transfer("publish", record, started, context)
-        return pb.PublishResponse(version=wire.version_info(record))
+        digests = _declared_sha256s(incoming, commit)
+        uploads = [
+            Upload(
+                model.header.model,
+                model.buffer,
+                sha256=digest,
+                total_bytes=model.header.total_bytes,
+                metadata=dict(model.header.metadata),
+                pin=model.header.pin,
+            )
+            for model, digest in zip(incoming, digests, strict=True)
+        ]
+        records = await asyncio.to_thread(self.store.publish_group, uploads, version=incoming[0].header.version)
+        for record in records:
+            _log_transfer("publish", record, started, context)
+        infos = [wire.version_info(r) for r in records]
+        return pb.PublishResponse(version=infos[0], versions=infos)
 
     # ------------------------------------------------------------------ describe
     @_unary
@@ -237,15 +242,63 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
             unsubscribe()
 
 
-def _declared_sha256(header: pb.PublishHeader, commit: pb.PublishCommit) -> str:
-    """The digest the publisher declared in the header and/or the commit message."""
-    if not header.sha256 and not commit.sha256:
-        raise InvalidRequest(f"model {header.model!r}: give the sha256 of the bytes in the header or the commit")
-    if header.sha256 and commit.sha256 and header.sha256.lower() != commit.sha256.lower():
-        raise IntegrityError(
-            f"model {header.model!r}: header declares sha256 {header.sha256} but the commit declares {commit.sha256}"
+class _IncomingModel:
+    """One model's bytes arriving in a Publish stream, into a buffer of the declared size."""
+
+    def __init__(self, header: pb.PublishHeader) -> None:
+        self.header = header
+        self.buffer = bytearray(header.total_bytes)
+        self.received = 0
+
+    def add(self, chunk: bytes) -> None:
+        end = self.received + len(chunk)
+        if end > self.header.total_bytes:
+            raise IntegrityError(
+                f"model {self.header.model!r}: publisher declared {self.header.total_bytes} bytes but sent more"
+            )
+        self.buffer[self.received : end] = chunk
+        self.received = end
+
+    def check_complete(self) -> None:
+        if self.received != self.header.total_bytes:
+            raise IntegrityError(
+                f"model {self.header.model!r}: publisher declared {self.header.total_bytes} bytes but sent "
+                f"{self.received}; the upload was cut short or the header is wrong"
+            )
+
+
+def _models(incoming: list[_IncomingModel]) -> str:
+    return ", ".join(repr(m.header.model) for m in incoming)
+
+
+def _check_group_version(first: pb.PublishHeader, header: pb.PublishHeader) -> None:
+    if header.version and header.version != first.version:
+        raise InvalidRequest(
+            f"model {header.model!r}: a multi-model publish has one version number; this header asks for "
+            f"{header.version} but the first asks for {first.version or 'the next one'} (leave later ones 0)"
         )
-    return header.sha256 or commit.sha256
+
+
+def _declared_sha256s(incoming: list[_IncomingModel], commit: pb.PublishCommit) -> list[str]:
+    """Each model's digest as declared in its header and/or the commit message."""
+    from_commit = list(commit.sha256)
+    if from_commit and len(from_commit) != len(incoming):
+        raise InvalidRequest(
+            f"the commit carries {len(from_commit)} sha256 digests for {len(incoming)} models; give one per header"
+        )
+    digests = []
+    for i, model in enumerate(incoming):
+        in_header, in_commit = model.header.sha256, from_commit[i] if from_commit else ""
+        if not in_header and not in_commit:
+            raise InvalidRequest(
+                f"model {model.header.model!r}: give the sha256 of the bytes in the header or the commit"
+            )
+        if in_header and in_commit and in_header.lower() != in_commit.lower():
+            raise IntegrityError(
+                f"model {model.header.model!r}: header declares sha256 {in_header} but the commit declares {in_commit}"
+            )
+        digests.append(in_header or in_commit)
+    return digests
 
 
 def _log_transfer(kind: str, record: Version, started: float, context: grpc.aio.ServicerContext) -> None:

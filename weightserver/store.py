@@ -18,6 +18,7 @@ data file without a manifest is debris from a crash and is removed on start.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -26,7 +27,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -81,10 +82,23 @@ class Version:
     metadata: Mapping[str, str]
     header: SafetensorsHeader = field(repr=False)
     pinned: bool = False
+    group: tuple[str, ...] = ()  # models committed together under this version number
 
     @property
     def byte_size(self) -> int:
         return len(self.data)
+
+
+@dataclass(frozen=True)
+class Upload:
+    """One model's bytes in a publish, with what the publisher declared about them."""
+
+    model: str
+    data: bytes | bytearray | memoryview = field(repr=False)
+    sha256: str | None = None
+    total_bytes: int | None = None
+    metadata: Mapping[str, str] | None = None
+    pin: bool = False
 
 
 @dataclass(frozen=True)
@@ -179,60 +193,91 @@ class VersionStore:
         raises IntegrityError. `version` 0 assigns latest + 1; otherwise it must exceed every
         version the model ever had (VersionConflict). Nothing is visible until this returns.
         """
-        validate_model_name(model)
+        upload = Upload(model, data, sha256=sha256, total_bytes=total_bytes, metadata=metadata, pin=pin)
+        return self.publish_group([upload], version=version)[0]
+
+    def publish_group(self, uploads: Sequence[Upload], *, version: int = 0) -> list[Version]:
+        """Verify several models' bytes and commit them under ONE version number, together.
+
+        The number is `version`, or one above the highest version any of the models ever had.
+        Readers see all of the group's versions or none of them; after a crash mid-commit the
+        partial group is dropped on restart. Returns the versions in `uploads` order.
+        """
+        if not uploads:
+            raise InvalidRequest("a publish needs at least one model")
         if version < 0:
             raise InvalidRequest(f"version must be >= 0, got {version}")
-        size = len(data)
-        if total_bytes is not None and total_bytes != size:
+        names = [validate_model_name(u.model) for u in uploads]
+        if len(set(names)) != len(names):
+            raise InvalidRequest(f"a publish names a model twice: {', '.join(names)}")
+        verified = [self._verify(u) for u in uploads]
+        group = tuple(names) if len(names) > 1 else ()
+
+        states = {name: self._model_state(name) for name in names}
+        with contextlib.ExitStack() as locks:
+            for name in sorted(names):  # one fixed order, so two groups cannot deadlock
+                locks.enter_context(states[name].commit_lock)
+            with self._lock:
+                high_water = max(state.high_water for state in states.values())
+                if version and version <= high_water:
+                    raise VersionConflict(
+                        f"model {_names(names)}: requested version {version} is not greater than the latest "
+                        f"version {high_water}; ask for a version > {high_water} or leave it unset (0) to get "
+                        "the next one"
+                    )
+                number = version or high_water + 1
+            created = time.time()
+            records = [
+                Version(
+                    model=upload.model,
+                    version=number,
+                    data=upload.data,
+                    sha256=digest,
+                    created=created,
+                    metadata=dict(upload.metadata or {}),
+                    header=header,
+                    pinned=upload.pin,
+                    group=group,
+                )
+                for upload, (digest, header) in zip(uploads, verified, strict=True)
+            ]
+            if self.data_dir is not None:
+                self._write_group(records)
+            evicted: list[Version] = []
+            with self._lock:
+                for record in records:
+                    state = states[record.model]
+                    state.versions[number] = record
+                    state.high_water = number
+                    evicted += self._evict(state)
+                self._changed.notify_all()
+                listeners = list(self._listeners)
+            # Still under the commit locks, so listeners see each model's versions in order.
+            for record in records:
+                for listener in listeners:
+                    try:
+                        listener(record)
+                    except Exception:
+                        log.exception("version listener %r failed on %s v%d", listener, record.model, number)
+        self._remove_files(evicted)
+        return records
+
+    def _verify(self, upload: Upload) -> tuple[str, SafetensorsHeader]:
+        """Size, digest and header checks of one upload; returns (sha256, parsed header)."""
+        model, size = upload.model, len(upload.data)
+        if upload.total_bytes is not None and upload.total_bytes != size:
             raise IntegrityError(
-                f"model {model!r}: publisher declared {total_bytes} bytes but sent {size}; "
+                f"model {model!r}: publisher declared {upload.total_bytes} bytes but sent {size}; "
                 "the upload was cut short or the header is wrong"
             )
         self._check_size(model, size)
-        digest = sha256_hex(data)
-        if sha256 is not None and sha256.lower() != digest:
+        digest = sha256_hex(upload.data)
+        if upload.sha256 is not None and upload.sha256.lower() != digest:
             raise IntegrityError(
                 f"model {model!r}: sha256 of the received bytes is {digest}, publisher declared "
-                f"{sha256.lower()}; the bytes were corrupted in transit or the digest is wrong"
+                f"{upload.sha256.lower()}; the bytes were corrupted in transit or the digest is wrong"
             )
-        header = parse_header(data, **self._header_limits)
-
-        state = self._model_state(model)
-        with state.commit_lock:  # one commit per model at a time, in version order
-            with self._lock:
-                if version and version <= state.high_water:
-                    raise VersionConflict(
-                        f"model {model!r}: requested version {version} is not greater than the latest "
-                        f"version {state.high_water}; ask for a version > {state.high_water} or leave "
-                        "it unset (0) to get the next one"
-                    )
-                number = version or state.high_water + 1
-            record = Version(
-                model=model,
-                version=number,
-                data=data,
-                sha256=digest,
-                created=time.time(),
-                metadata=dict(metadata or {}),
-                header=header,
-                pinned=pin,
-            )
-            if self.data_dir is not None:
-                self._write_version(record)
-            with self._lock:
-                state.versions[number] = record
-                state.high_water = number
-                evicted = self._evict(state)
-                self._changed.notify_all()
-                listeners = list(self._listeners)
-            # Still under the commit lock, so listeners see one model's versions in order.
-            for listener in listeners:
-                try:
-                    listener(record)
-                except Exception:
-                    log.exception("version listener %r failed on %s v%d", listener, model, number)
-        self._remove_files(evicted)
-        return record
+        return digest, parse_header(upload.data, **self._header_limits)
 
     def _check_size(self, model: str, size: int) -> None:
         if self.max_model_bytes is not None and size > self.max_model_bytes:
@@ -420,12 +465,14 @@ class VersionStore:
         stem = self._model_dir(model) / f"{version:012d}"
         return stem.with_suffix(_DATA_SUFFIX), stem.with_suffix(_MANIFEST_SUFFIX)
 
-    def _write_version(self, record: Version) -> None:
-        directory = self._model_dir(record.model)
-        directory.mkdir(parents=True, exist_ok=True)
-        data_path, _ = self._paths(record.model, record.version)
-        _atomic_write(data_path, record.data)
-        self._write_manifest(record)
+    def _write_group(self, records: list[Version]) -> None:
+        """Every data file first, then every manifest: a crash leaves either no manifest of the
+        group (debris, removed on start) or some, which `_drop_torn_groups` detects."""
+        for record in records:
+            self._model_dir(record.model).mkdir(parents=True, exist_ok=True)
+            _atomic_write(self._paths(record.model, record.version)[0], record.data)
+        for record in records:
+            self._write_manifest(record)
 
     def _write_manifest(self, record: Version) -> None:
         _, manifest_path = self._paths(record.model, record.version)
@@ -438,6 +485,7 @@ class VersionStore:
             "created": record.created,
             "metadata": dict(record.metadata),
             "pinned": record.pinned,
+            "group": list(record.group),
         }
         _atomic_write(manifest_path, json.dumps(manifest, indent=1).encode())
 
@@ -476,8 +524,9 @@ class VersionStore:
             for manifest_path in directory.glob("*" + _MANIFEST_SUFFIX):
                 if manifest_path.stem.isascii() and manifest_path.stem.isdigit():
                     state.high_water = max(state.high_water, int(manifest_path.stem))
-            evicted = self._evict(state)
-            self._remove_files(evicted)
+        self._drop_torn_groups()
+        for model, state in self._models.items():
+            self._remove_files(self._evict(state))
             if state.versions:
                 log.info(
                     "loaded model %r: versions %s (%d bytes)",
@@ -485,6 +534,29 @@ class VersionStore:
                     _ranges(list(state.versions)),
                     sum(v.byte_size for v in state.versions.values()),
                 )
+
+    def _drop_torn_groups(self) -> None:
+        """Drop versions of a multi-model publish that a crash left incomplete.
+
+        A member missing a group version that is above every version it has loaded never
+        got its manifest written: the group did not commit. A member missing an older one
+        merely evicted or deleted it, and the rest of the group stays.
+        """
+        for model, state in self._models.items():
+            for number, record in list(state.versions.items()):
+                for partner in record.group:
+                    other = self._models.get(partner)
+                    newest = max(other.versions, default=0) if other else 0
+                    if partner != model and number not in (other.versions if other else {}) and number > newest:
+                        log.error(
+                            "skipping %s v%d: its group publish with %s did not complete before a crash",
+                            model,
+                            number,
+                            partner,
+                        )
+                        del state.versions[number]
+                        self._remove_files([record])
+                        break
 
     def _load_model(self, model: str, directory: Path) -> Iterator[Version]:
         manifests = {p.stem: p for p in directory.glob("*" + _MANIFEST_SUFFIX) if p.name != _HIGH_WATER}
@@ -520,6 +592,7 @@ class VersionStore:
             metadata=dict(manifest.get("metadata", {})),
             header=header,
             pinned=bool(manifest.get("pinned", False)),
+            group=tuple(manifest.get("group", ())),
         )
 
 
@@ -551,6 +624,10 @@ def _atomic_write(path: Path, data: bytes | bytearray | memoryview) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def _names(names: Sequence[str]) -> str:
+    return ", ".join(repr(n) for n in names)
 
 
 def _contains(sorted_numbers: list[int], number: int) -> bool:

@@ -29,6 +29,7 @@ def version_info(record: Version) -> pb.VersionInfo:
             for t in record.header.tensors
         ],
         pinned=record.pinned,
+        group=list(record.group),
     )
 
 

@@ -73,6 +73,21 @@ class WeightClient(WeightServiceClient):
         info = self.publish_bytes(model, encoded.parts, version=version, metadata=metadata, pin=pin, timeout=timeout)
         return info.version
 
+    def publish_group(
+        self,
+        weights: Mapping[str, tensor_codec.Weights],
+        *,
+        version: int = 0,
+        metadata: Mapping[str, str] | None = None,
+        pin: bool = False,
+        timeout: float | None = None,
+    ) -> int:
+        """Publish several models (e.g. ``{"policy": actor, "critic": critic}``) under ONE
+        version number, committed together; return that number."""
+        encoded = {model: tensor_codec.encode(w).parts for model, w in weights.items()}
+        infos = self.publish_group_bytes(encoded, version=version, metadata=metadata, pin=pin, timeout=timeout)
+        return infos[0].version
+
     def fetch(
         self,
         model: str = "policy",

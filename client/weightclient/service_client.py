@@ -29,6 +29,7 @@ CHANNEL_OPTIONS = [
 ]
 
 Buffer = bytes | bytearray | memoryview
+_BUFFER_TYPES = (bytes, bytearray, memoryview)
 
 
 def default_address() -> str:
@@ -98,27 +99,43 @@ class WeightServiceClient:
         `version` 0 lets the server assign latest + 1. The parts are streamed in chunks without
         being joined first.
         """
-        if isinstance(parts, (bytes, bytearray, memoryview)):
-            parts = [parts]
-        views = [memoryview(p).cast("B") for p in parts]
-        total = sum(v.nbytes for v in views)
-        if sha256 is None:
-            hasher = hashlib.sha256()
-            for v in views:
-                hasher.update(v)
-            sha256 = hasher.hexdigest()
-        header = pb.PublishHeader(
-            model=model,
-            version=version,
-            metadata={str(k): str(v) for k, v in (metadata or {}).items()},
-            total_bytes=total,
-            sha256=sha256,
-            pin=pin,
-        )
-        requests = _publish_requests(header, views, self.chunk_bytes)
+        return self.publish_group_bytes(
+            {model: parts}, version=version, metadata=metadata, pin=pin, sha256s={model: sha256}, timeout=timeout
+        )[0]
+
+    def publish_group_bytes(
+        self,
+        files: Mapping[str, Buffer | Sequence[Buffer]],
+        *,
+        version: int = 0,
+        metadata: Mapping[str, str] | None = None,
+        pin: bool = False,
+        sha256s: Mapping[str, str | None] | None = None,
+        timeout: float | None = None,
+    ) -> list[VersionInfo]:
+        """Publish several models' safetensors files in one stream under ONE version number,
+        committed together (no reader sees one model's new version beside another's old one).
+        Returns each model's version, in `files` order."""
+        if not files:
+            raise InvalidRequest("publish needs at least one model")
+        meta = {str(k): str(v) for k, v in (metadata or {}).items()}
+        models = []
+        for i, (model, parts) in enumerate(files.items()):
+            views = [memoryview(p).cast("B") for p in ([parts] if isinstance(parts, _BUFFER_TYPES) else parts)]
+            digest = (sha256s or {}).get(model) or _sha256(views)
+            header = pb.PublishHeader(
+                model=model,
+                version=version if i == 0 else 0,
+                metadata=meta,
+                total_bytes=sum(v.nbytes for v in views),
+                sha256=digest,
+                pin=pin,
+            )
+            models.append((header, views))
+        requests = _publish_requests(models, self.chunk_bytes)
         with translated_rpc_errors(self.address):
             reply = self._stub.Publish(requests, timeout=timeout)
-        return VersionInfo.from_proto(reply.version)
+        return [VersionInfo.from_proto(v) for v in reply.versions] or [VersionInfo.from_proto(reply.version)]
 
     # ------------------------------------------------------------------ fetch
     def fetch_bytes(
@@ -207,24 +224,33 @@ class WeightServiceClient:
         return VersionInfo.from_proto(reply)
 
 
-def _publish_requests(
-    header: pb.PublishHeader, views: Iterable[memoryview], chunk_bytes: int
-) -> Iterator[pb.PublishRequest]:
-    """The header, then the parts re-cut into chunks of `chunk_bytes` (small parts are merged)."""
-    yield pb.PublishRequest(header=header)
-    pending: list[memoryview] = []
-    pending_bytes = 0
+def _sha256(views: Iterable[memoryview]) -> str:
+    hasher = hashlib.sha256()
     for view in views:
-        while view.nbytes:
-            take = min(chunk_bytes - pending_bytes, view.nbytes)
-            pending.append(view[:take])
-            pending_bytes += take
-            view = view[take:]
-            if pending_bytes == chunk_bytes:
-                yield pb.PublishRequest(chunk=b"".join(pending))
-                pending, pending_bytes = [], 0
-    if pending:
-        yield pb.PublishRequest(chunk=b"".join(pending))
+        hasher.update(view)
+    return hasher.hexdigest()
+
+
+def _publish_requests(
+    models: Iterable[tuple[pb.PublishHeader, Iterable[memoryview]]], chunk_bytes: int
+) -> Iterator[pb.PublishRequest]:
+    """Each header followed by its parts re-cut into chunks of `chunk_bytes` (small parts are
+    merged), then the commit."""
+    for header, views in models:
+        yield pb.PublishRequest(header=header)
+        pending: list[memoryview] = []
+        pending_bytes = 0
+        for view in views:
+            while view.nbytes:
+                take = min(chunk_bytes - pending_bytes, view.nbytes)
+                pending.append(view[:take])
+                pending_bytes += take
+                view = view[take:]
+                if pending_bytes == chunk_bytes:
+                    yield pb.PublishRequest(chunk=b"".join(pending))
+                    pending, pending_bytes = [], 0
+        if pending:
+            yield pb.PublishRequest(chunk=b"".join(pending))
     yield pb.PublishRequest(commit=pb.PublishCommit())
 
 

@@ -21,6 +21,7 @@ class VersionInfo:
     metadata: dict[str, str] = field(default_factory=dict)
     tensors: tuple[TensorEntry, ...] = ()
     pinned: bool = False
+    group: tuple[str, ...] = ()  # models published together under this version number
 
     @classmethod
     def from_proto(cls, message: pb.VersionInfo) -> VersionInfo:
@@ -35,6 +36,7 @@ class VersionInfo:
                 TensorEntry(t.name, t.dtype, tuple(t.shape), t.data_begin, t.data_end) for t in message.tensors
             ),
             pinned=message.pinned,
+            group=tuple(message.group),
         )
 
 

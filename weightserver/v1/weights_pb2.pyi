@@ -22,8 +22,8 @@ class PublishRequest(_message.Message):
 class PublishCommit(_message.Message):
     __slots__ = ("sha256",)
     SHA256_FIELD_NUMBER: _ClassVar[int]
-    sha256: str
-    def __init__(self, sha256: _Optional[str] = ...) -> None: ...
+    sha256: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, sha256: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PublishHeader(_message.Message):
     __slots__ = ("model", "version", "metadata", "total_bytes", "sha256", "pin")
@@ -49,10 +49,12 @@ class PublishHeader(_message.Message):
     def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., pin: _Optional[bool] = ...) -> None: ...
 
 class PublishResponse(_message.Message):
-    __slots__ = ("version",)
+    __slots__ = ("version", "versions")
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
     version: VersionInfo
-    def __init__(self, version: _Optional[_Union[VersionInfo, _Mapping]] = ...) -> None: ...
+    versions: _containers.RepeatedCompositeFieldContainer[VersionInfo]
+    def __init__(self, version: _Optional[_Union[VersionInfo, _Mapping]] = ..., versions: _Optional[_Iterable[_Union[VersionInfo, _Mapping]]] = ...) -> None: ...
 
 class TensorInfo(_message.Message):
     __slots__ = ("name", "dtype", "shape", "data_begin", "data_end")
@@ -69,7 +71,7 @@ class TensorInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data_begin: _Optional[int] = ..., data_end: _Optional[int] = ...) -> None: ...
 
 class VersionInfo(_message.Message):
-    __slots__ = ("model", "version", "byte_size", "sha256", "created", "metadata", "tensors", "pinned")
+    __slots__ = ("model", "version", "byte_size", "sha256", "created", "metadata", "tensors", "pinned", "group")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +87,7 @@ class VersionInfo(_message.Message):
     METADATA_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     PINNED_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     byte_size: int
@@ -93,7 +96,8 @@ class VersionInfo(_message.Message):
     metadata: _containers.ScalarMap[str, str]
     tensors: _containers.RepeatedCompositeFieldContainer[TensorInfo]
     pinned: bool
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., byte_size: _Optional[int] = ..., sha256: _Optional[str] = ..., created: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., tensors: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ..., pinned: _Optional[bool] = ...) -> None: ...
+    group: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., byte_size: _Optional[int] = ..., sha256: _Optional[str] = ..., created: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., tensors: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ..., pinned: _Optional[bool] = ..., group: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GetLatestRequest(_message.Message):
     __slots__ = ("model",)

@@ -90,7 +90,13 @@ class WeightServiceServicer:
         """Uploads a new version of one model. The first message must be a `header`, then come the
         `chunk`s, then one `commit`; the chunks concatenated are one safetensors file. A stream
         that ends without the `commit` (a cancelled or crashed publisher) commits nothing, even
-        if every byte arrived. The server checks
+        if every byte arrived.
+
+        One stream may publish several models at once (e.g. "policy" and "critic" of one training
+        step): each `header` is followed by that model's chunks, and the single `commit` ends the
+        stream. All of them get ONE version number (the next above every one of their versions,
+        or the first header's `version`) and become visible together: no reader sees the new
+        policy beside the old critic. The server checks
         the byte count, the sha256 digest and the safetensors header (known dtypes, offsets in
         bounds, contiguous and non-overlapping, shapes matching byte lengths) before the version
         becomes visible: a publish that is cut off or fails a check is never seen by anyone.
