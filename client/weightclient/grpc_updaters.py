@@ -1,0 +1,259 @@
+"""The TorchRL updater design over the weight server.
+
+`GrpcLocalWeightUpdater` (collector side) pulls a version newer than the one it applied and
+copies it into the policy in place. `GrpcRemoteWeightUpdater` (trainer side) publishes the
+trainer's weights as a new version; each worker id maps to the model name its workers pull.
+Both need torch and tensordict, never torchrl.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from weightclient.client import WeightClient
+from weightclient.key_mapping import IDENTITY, KeyMap, apply_strict
+from weightclient.updaters import LocalWeightUpdaterBase, RemoteWeightUpdaterBase, WorkerId
+from weightserver.errors import DeadlineExceeded, ModelNotFound, ServerUnavailable
+
+log = logging.getLogger(__name__)
+
+Weights = torch.nn.Module | TensorDictBase | Mapping[str, torch.Tensor]
+
+
+def _connect(client: WeightClient | str | None) -> WeightClient:
+    return client if isinstance(client, WeightClient) else WeightClient(client)
+
+
+def weights_of(source: Weights) -> TensorDictBase:
+    """Parameters and buffers of a module (as the live tensors), or the given weights."""
+    if isinstance(source, torch.nn.Module):
+        return TensorDict.from_module(source)
+    if isinstance(source, TensorDictBase):
+        return source
+    return TensorDict(dict(source), batch_size=[])
+
+
+class GrpcLocalWeightUpdater(LocalWeightUpdaterBase):
+    """Collector-side updater: applies the server's newest version of `model` to a policy.
+
+    Args:
+        client: a WeightClient, or the server address (default `$WEIGHTSERVER_ADDRESS`).
+        model: model name on the server.
+        policy: the module to update; default: the registered collector's ``policy``.
+        key_map: how server keys become policy keys (a KeyMap or a function of the key).
+        version: pin to this exact version instead of following the latest.
+
+    The client is created lazily and dropped when pickled, so an updater can be sent to a
+    worker process and reconnect there.
+
+    >>> updater = GrpcLocalWeightUpdater("localhost:50051", policy=policy)   # doctest: +SKIP
+    >>> updater()                      # fetches only if the server has a newer version  # doctest: +SKIP
+    >>> updater.version, updater.lag   # doctest: +SKIP
+    (7, 0)
+    """
+
+    def __init__(
+        self,
+        client: WeightClient | str | None = None,
+        *,
+        model: str = "policy",
+        policy: torch.nn.Module | None = None,
+        key_map: KeyMap | Callable[[str], str | None] = IDENTITY,
+        version: int | None = None,
+    ) -> None:
+        self._address = client.address if isinstance(client, WeightClient) else client
+        self._client = client if isinstance(client, WeightClient) else None
+        self.model = model
+        self.policy = policy
+        self.key_map = key_map
+        self.pinned_version = version
+        self.version: int | None = None  # the version applied to the policy
+        self._incoming_version: int | None = None
+        self._waiting_logged = False
+
+    @property
+    def client(self) -> WeightClient:
+        if self._client is None:
+            self._client = _connect(self._address)
+        return self._client
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_client"] = None
+        return state
+
+    @property
+    def lag(self) -> int | None:
+        """Server's latest version minus the applied one (None before any is applied)."""
+        if self.version is None:
+            return None
+        return self.client.latest(self.model).version - self.version
+
+    def _get_server_weights(self) -> TensorDictBase | None:
+        try:
+            if self.pinned_version is not None:
+                if self.version == self.pinned_version:
+                    return None
+                result = self.client.fetch(self.model, version=self.pinned_version)
+            else:
+                result = self.client.fetch(self.model, newer_than=self.version or 0)
+        except ModelNotFound:
+            if not self._waiting_logged:
+                log.info(
+                    "no version of model %r on %s yet; keeping the current weights", self.model, self.client.address
+                )
+                self._waiting_logged = True
+            return None
+        if result is None:
+            return None
+        self._incoming_version = result.version
+        return result.weights
+
+    def _get_local_weights(self) -> TensorDictBase:
+        policy = self.policy
+        if policy is None:
+            collector = self.collector
+            policy = getattr(collector, "policy", None) if collector is not None else None
+        if policy is None:
+            raise RuntimeError("GrpcLocalWeightUpdater has no policy: pass policy= or register a collector")
+        return weights_of(policy)
+
+    def _maybe_map_weights(
+        self, server_weights: TensorDictBase | None, local_weights: TensorDictBase
+    ) -> TensorDictBase | None:
+        if server_weights is None:
+            return None
+        source = f"server weights of {self.model!r} v{self._incoming_version}"
+        return apply_strict(server_weights, local_weights, self.key_map, source=source)
+
+    def _update_local_weights(self, local_weights: TensorDictBase, mapped_weights: TensorDictBase | None) -> None:
+        if mapped_weights is None:
+            return
+        with torch.no_grad():
+            # Copy into the existing tensors: shared-memory and CUDA parameters stay valid.
+            local_weights.flatten_keys(".").update_(mapped_weights)
+        self.version = self._incoming_version
+        log.debug("applied %s v%s", self.model, self.version)
+
+
+class GrpcRemoteWeightUpdater(RemoteWeightUpdaterBase):
+    """Trainer-side updater: publishes the trainer's weights as a new version.
+
+    Args:
+        client: a WeightClient, or the server address.
+        policy_weights: the trainer's module / TensorDict, or a callable returning the weights
+            (or a ``{model: weights}`` mapping to publish several models as one version).
+        models: worker id -> model name; a sequence of names means each name is its own worker
+            id. Default: one worker, ``"policy"``.
+        max_interval: as in TorchRL's Ray updater: a worker is updated at most every
+            ``max_interval + 1`` calls (0: every call).
+        retries, backoff: a publish that finds the server unavailable is retried this many
+            times with exponential backoff and jitter, then raises. Updates are never dropped
+            silently.
+
+    One `update_weights()` publishes every selected model in ONE stream under one version.
+    """
+
+    def __init__(
+        self,
+        client: WeightClient | str | None = None,
+        policy_weights: Weights | Callable[[], Any] | None = None,
+        *,
+        models: Mapping[WorkerId, str] | Sequence[str] = ("policy",),
+        max_interval: int = 0,
+        retries: int = 3,
+        backoff: float = 0.5,
+        metadata: Callable[[], Mapping[str, str]] | None = None,
+    ) -> None:
+        self._address = client.address if isinstance(client, WeightClient) else client
+        self._client = client if isinstance(client, WeightClient) else None
+        self.policy_weights = policy_weights
+        self.models: dict[WorkerId, str] = dict(models) if isinstance(models, Mapping) else {m: m for m in models}
+        if not self.models:
+            raise ValueError("models must name at least one model")
+        self.max_interval = max(0, max_interval)
+        self.retries = retries
+        self.backoff = backoff
+        self.metadata = metadata
+        self._calls_since_update = dict.fromkeys(self.models, 0)
+        self.version: int | None = None  # last version published
+
+    @property
+    def client(self) -> WeightClient:
+        if self._client is None:
+            self._client = _connect(self._address)
+        return self._client
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_client"] = None
+        return state
+
+    def all_worker_ids(self) -> list[WorkerId]:
+        return list(self.models)
+
+    def _get_server_weights(self) -> Any:
+        source = self.policy_weights
+        if source is None:
+            raise RuntimeError("GrpcRemoteWeightUpdater has no weights: pass policy_weights= or update_weights(w)")
+        if callable(source) and not isinstance(source, torch.nn.Module):
+            source = source()
+        return source
+
+    def _maybe_map_weights(self, server_weights: Any) -> Any:
+        return server_weights
+
+    def _skip_update(self, worker_id: WorkerId) -> bool:
+        self._calls_since_update[worker_id] = self._calls_since_update.get(worker_id, 0) + 1
+        return self._calls_since_update[worker_id] <= self.max_interval
+
+    def _sync_weights_with_worker(self, worker_id: WorkerId, server_weights: Any) -> None:
+        self.publish({self.models[worker_id]: self._weights_for(self.models[worker_id], server_weights)})
+        self._calls_since_update[worker_id] = 0
+
+    def update_weights(self, weights: Any = None, worker_ids: WorkerId | list[WorkerId] | None = None) -> None:
+        """Publish the weights of every selected worker's model as ONE new version."""
+        server_weights = self._maybe_map_weights(self._get_server_weights() if weights is None else weights)
+        due = [w for w in self._resolve_workers(worker_ids) if not self._skip_update(w)]
+        if not due:
+            return
+        models = dict.fromkeys(self.models[w] for w in due)
+        self.publish({model: self._weights_for(model, server_weights) for model in models})
+        for worker in due:
+            self._calls_since_update[worker] = 0
+
+    @staticmethod
+    def _weights_for(model: str, server_weights: Any) -> Weights:
+        if isinstance(server_weights, Mapping) and model in server_weights:
+            return server_weights[model]
+        return server_weights
+
+    def publish(self, weights_by_model: Mapping[str, Weights], metadata: Mapping[str, str] | None = None) -> int:
+        """Publish ``{model: weights}`` as one version, retrying while the server is unavailable."""
+        meta = dict(self.metadata() if self.metadata else {})
+        meta.update(metadata or {})
+        for attempt in range(self.retries + 1):
+            try:
+                self.version = self.client.publish_group(dict(weights_by_model), metadata=meta)
+                return self.version
+            except (ServerUnavailable, DeadlineExceeded) as exc:
+                if attempt == self.retries:
+                    raise
+                delay = self.backoff * 2**attempt * (0.5 + random.random())
+                log.warning(
+                    "publish of %s failed (%s); retry %d/%d in %.2fs",
+                    ", ".join(weights_by_model),
+                    exc,
+                    attempt + 1,
+                    self.retries,
+                    delay,
+                )
+                time.sleep(delay)
+        raise AssertionError("unreachable")

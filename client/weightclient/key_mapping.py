@@ -1,0 +1,132 @@
+"""KeyMap: how weight names on the server become parameter names of the local policy.
+
+Trainer and collector rarely name parameters alike: DDP adds ``module.``, a TensorDictModule
+names its MLP's parameters ``module.0.weight`` too, and a trainer may publish a whole loss
+module (``loss_module.actor_network.*``). A KeyMap says explicitly which prefix to select,
+strip or add, which keys to rename, or hands every key to a function. `apply_strict` then
+insists that the result matches the local weights exactly, and otherwise raises a KeyError
+that lists every missing and unexpected key and every shape or dtype mismatch: a collector is
+never left half-updated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+
+@dataclass(frozen=True)
+class KeyMap:
+    """Server key -> local key. Steps, in order, for each server key:
+
+    1. `rename` (local key -> server key) takes its keys first, exactly as given.
+    2. `select`: keep only keys under this prefix, and remove it (e.g.
+       ``"loss_module.actor_network."``).
+    3. `strip_prefix`: remove this prefix where present (e.g. DDP's ``"module."``, once).
+    4. `add_prefix`: prepend this (e.g. ``"module."`` for a TensorDictModule-wrapped MLP).
+    5. `fn`: any function of the key; returning None drops the key.
+
+    >>> KeyMap(strip_prefix="module.").map_key("module.0.weight")
+    '0.weight'
+    >>> KeyMap(select="loss_module.actor_network.", add_prefix="module.").map_key("loss_module.actor_network.0.bias")
+    'module.0.bias'
+    """
+
+    rename: Mapping[str, str] = field(default_factory=dict)
+    select: str | None = None
+    strip_prefix: str | None = None
+    add_prefix: str | None = None
+    fn: Callable[[str], str | None] | None = None
+
+    def map_key(self, key: str) -> str | None:
+        """The local key for server key `key` (ignoring `rename`), or None to drop it."""
+        if self.select is not None:
+            if not key.startswith(self.select):
+                return None
+            key = key[len(self.select) :]
+        if self.strip_prefix and key.startswith(self.strip_prefix):
+            key = key[len(self.strip_prefix) :]
+        if self.add_prefix:
+            key = self.add_prefix + key
+        if self.fn is not None:
+            return self.fn(key)
+        return key
+
+    def apply(self, server: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Rename the keys of flat `server` weights; raises KeyError on a collision."""
+        result: dict[str, torch.Tensor] = {}
+        origin: dict[str, str] = {}
+        taken = set()
+        for local_key, server_key in self.rename.items():
+            if server_key not in server:
+                raise KeyError(f"KeyMap.rename maps {local_key!r} from {server_key!r}, which the server weights lack")
+            result[local_key], origin[local_key] = server[server_key], server_key
+            taken.add(server_key)
+        for server_key, tensor in server.items():
+            if server_key in taken:
+                continue
+            local_key = self.map_key(server_key)
+            if local_key is None:
+                continue
+            if local_key in result:
+                raise KeyError(f"server keys {origin[local_key]!r} and {server_key!r} both map to {local_key!r}")
+            result[local_key], origin[local_key] = tensor, server_key
+        return result
+
+
+IDENTITY = KeyMap()
+
+
+def flat_weights(weights: TensorDictBase | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """{dotted key: tensor} from a (nested) TensorDict or a flat mapping."""
+    if isinstance(weights, TensorDictBase):
+        return dict(weights.flatten_keys(".").items())
+    return dict(weights)
+
+
+def apply_strict(
+    server: TensorDictBase | Mapping[str, torch.Tensor],
+    local: TensorDictBase,
+    key_map: KeyMap | Callable[[str], str | None] = IDENTITY,
+    *,
+    source: str = "server weights",
+) -> TensorDictBase:
+    """Map `server` onto the keys of `local` and check that they match exactly.
+
+    Returns a TensorDict shaped like ``local.flatten_keys(".")``. Raises KeyError listing
+    missing keys (local parameters the server did not send), unexpected keys (server weights
+    with no local parameter), and shape and dtype mismatches.
+    """
+    if not isinstance(key_map, KeyMap):
+        key_map = KeyMap(fn=key_map)
+    mapped = key_map.apply(flat_weights(server))
+    local_flat = flat_weights(local)
+    missing = sorted(set(local_flat) - set(mapped))
+    unexpected = sorted(set(mapped) - set(local_flat))
+    shapes, dtypes = [], []
+    for key in sorted(set(mapped) & set(local_flat)):
+        theirs, ours = mapped[key], local_flat[key]
+        if theirs.shape != ours.shape:
+            shapes.append(f"{key}: {source} {tuple(theirs.shape)} vs local {tuple(ours.shape)}")
+        if theirs.dtype != ours.dtype:
+            dtypes.append(f"{key}: {source} {theirs.dtype} vs local {ours.dtype}")
+    if missing or unexpected or shapes or dtypes:
+        problems = []
+        if missing:
+            problems.append(f"missing (local keys the {source} lack): {missing}")
+        if unexpected:
+            problems.append(f"unexpected ({source} keys with no local parameter): {unexpected}")
+        if shapes:
+            problems.append(f"shape mismatches: {shapes}")
+        if dtypes:
+            problems.append(f"dtype mismatches: {dtypes}")
+        raise KeyError(
+            f"{source} do not match the local policy; nothing was updated. "
+            + "; ".join(problems)
+            + f". Local keys: {sorted(local_flat)}. Mapped {source} keys: {sorted(mapped)}. "
+            "Pass a KeyMap (select=, strip_prefix=, add_prefix=, rename=, fn=) to line them up."
+        )
+    return TensorDict(mapped, batch_size=[])

@@ -1,0 +1,277 @@
+"""The seed updater API over gRPC, with a real server and real modules (no torchrl needed)."""
+
+from __future__ import annotations
+
+import pickle
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from tensordict.nn import TensorDictModule
+
+from weightclient import ServerUnavailable, WeightClient
+from weightclient.grpc_updaters import GrpcLocalWeightUpdater, GrpcRemoteWeightUpdater
+from weightclient.key_mapping import KeyMap
+from weightclient.publish_hook import PublishWeights, resolve_path
+from weightclient.updaters import LocalWeightUpdaterBase, RemoteWeightUpdaterBase
+
+
+def mlp(seed: int) -> torch.nn.Sequential:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+
+class CountingClient(WeightClient):
+    """A real client that records what each fetch returned (None = nothing newer)."""
+
+    def __init__(self, address: str) -> None:
+        super().__init__(address)
+        self.fetched: list[int | None] = []
+
+    def fetch_bytes(self, model, **kwargs):
+        result = super().fetch_bytes(model, **kwargs)
+        self.fetched.append(None if result is None else result.info.version)
+        return result
+
+
+def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    for (ka, va), (kb, vb) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert ka == kb and torch.equal(va, vb), ka
+
+
+def test_local_updater_pulls_only_newer_versions_in_place(server, client):
+    trainer, policy = mlp(0), mlp(1)
+    policy.share_memory()
+    pointers = [p.data_ptr() for p in policy.parameters()]
+    counting = CountingClient(server.address)
+    updater = GrpcLocalWeightUpdater(counting, policy=policy)
+
+    updater()  # nothing published yet: keeps its weights
+    assert updater.version is None and counting.fetched == []
+
+    client.publish(trainer, model="policy")
+    updater()
+    assert updater.version == 1 and updater.lag == 0
+    assert_same_weights(policy, trainer)
+    assert [p.data_ptr() for p in policy.parameters()] == pointers  # copied in place
+    assert all(p.is_shared() for p in policy.parameters())
+
+    updater()  # up to date: the server answers "nothing newer", no bytes move
+    assert counting.fetched == [1, None]
+
+    with torch.no_grad():
+        trainer[0].weight.add_(1.0)
+    client.publish(trainer, model="policy")
+    client.publish(trainer, model="policy")
+    assert updater.lag == 2
+    updater()
+    assert updater.version == 3 and updater.lag == 0
+    assert counting.fetched == [1, None, 3]
+    assert_same_weights(policy, trainer)
+
+
+def test_local_updater_pinned_version(client):
+    first, second, policy = mlp(0), mlp(1), mlp(2)
+    client.publish(first, model="policy")
+    client.publish(second, model="policy")
+    updater = GrpcLocalWeightUpdater(client, policy=policy, version=1)
+    updater()
+    assert updater.version == 1 and updater.lag == 1
+    assert_same_weights(policy, first)
+
+
+def test_local_updater_key_map_and_mismatch_leaves_policy_untouched(client):
+    trainer = mlp(0)
+    client.publish({f"module.{k}": v for k, v in trainer.state_dict().items()}, model="policy")
+    policy = mlp(1)
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    strict = GrpcLocalWeightUpdater(client, policy=policy)
+    with pytest.raises(KeyError) as info:
+        strict()
+    assert "'policy' v1" in info.value.args[0] and "module.0.weight" in info.value.args[0]
+    assert strict.version is None
+    for key, value in policy.state_dict().items():
+        assert torch.equal(value, before[key])
+
+    mapped = GrpcLocalWeightUpdater(client, policy=policy, key_map=KeyMap(strip_prefix="module."))
+    mapped()
+    assert mapped.version == 1
+    assert_same_weights(policy, trainer)
+
+
+def test_local_updater_on_a_tensordict_module(client):
+    trainer = mlp(0)
+    client.publish(trainer, model="policy")
+    policy = TensorDictModule(mlp(1), in_keys=["observation"], out_keys=["action"])
+    GrpcLocalWeightUpdater(client, policy=policy, key_map=KeyMap(add_prefix="module."))()
+    assert_same_weights(policy.module, trainer)
+
+
+def test_collector_registration_once_by_weak_reference(client):
+    class Holder:
+        def __init__(self, policy):
+            self.policy = policy
+
+    trainer = mlp(0)
+    client.publish(trainer, model="policy")
+    holder = Holder(mlp(1))
+    updater = GrpcLocalWeightUpdater(client)
+    updater.register_collector(holder)
+    assert updater.collector is holder
+    with pytest.raises(RuntimeError, match="twice"):
+        updater.register_collector(holder)
+    updater.update_weights()  # uses the collector's policy
+    assert_same_weights(holder.policy, trainer)
+    del holder
+    assert updater.collector is None
+
+
+def test_updaters_pickle_without_their_channel(server, client):
+    trainer, policy = mlp(0), mlp(1)
+    client.publish(trainer, model="policy")
+    local = GrpcLocalWeightUpdater(server.address, policy=policy)
+    local()
+    assert local._client is not None
+    clone = pickle.loads(pickle.dumps(local))
+    assert clone._client is None and clone.version == 1
+    client.publish(mlp(5), model="policy")
+    clone()  # reconnects lazily
+    assert clone.version == 2
+    remote = pickle.loads(pickle.dumps(GrpcRemoteWeightUpdater(server.address, trainer)))
+    remote.update_weights()
+    assert remote.version == 3
+
+
+def test_remote_updater_worker_ids_map_to_models_and_publish_one_version(client):
+    actor, critic = mlp(0), torch.nn.Linear(3, 1)
+    updater = GrpcRemoteWeightUpdater(
+        client,
+        lambda: {"policy": actor, "critic": critic},
+        models={0: "policy", 1: "policy", 2: "critic"},
+    )
+    assert updater.all_worker_ids() == [0, 1, 2]
+    updater.update_weights()
+    assert updater.version == 1  # workers 0 and 1 share "policy": published once, with critic
+    assert client.latest("policy").group == ("policy", "critic")
+    updater(worker_ids=2)
+    assert updater.version == 2 and client.latest("critic").version == 2 and client.latest("policy").version == 1
+    fetched = client.fetch("critic").state_dict()
+    assert all(torch.equal(fetched[k], v) for k, v in critic.state_dict().items())
+
+
+def test_remote_updater_max_interval_skips_like_the_ray_updater(client):
+    updater = GrpcRemoteWeightUpdater(client, mlp(0), max_interval=2)
+    versions = []
+    for _ in range(7):
+        updater.update_weights()
+        versions.append(updater.version)
+    assert versions == [None, None, 1, 1, 1, 2, 2]
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_remote_updater_raises_after_retries_when_the_server_is_down(caplog):
+    updater = GrpcRemoteWeightUpdater(f"127.0.0.1:{_closed_port()}", mlp(0), retries=2, backoff=0.01)
+    with pytest.raises(ServerUnavailable):
+        updater.update_weights()
+    assert updater.version is None
+    assert caplog.text.count("retry") == 2
+
+
+class FakeTrainer:
+    """The two Trainer methods a hook uses, plus a loss module with two networks."""
+
+    def __init__(self) -> None:
+        self.loss_module = torch.nn.Module()
+        self.loss_module.actor_network = mlp(0)
+        self.loss_module.critic_network = torch.nn.Linear(3, 1)
+        self.transforms = [torch.nn.Linear(2, 2)]
+        self.ops: list[tuple[str, object]] = []
+        self.modules: dict[str, object] = {}
+
+    def register_op(self, dest: str, op) -> None:
+        self.ops.append((dest, op))
+
+    def register_module(self, name: str, module) -> None:
+        self.modules[name] = module
+
+
+def test_resolve_path():
+    trainer = FakeTrainer()
+    assert resolve_path(trainer, "loss_module.actor_network") is trainer.loss_module.actor_network
+    assert resolve_path(trainer, "transforms[0]") is trainer.transforms[0]
+    assert resolve_path(trainer, "loss_module.actor_network[2]") is trainer.loss_module.actor_network[2]
+    with pytest.raises(AttributeError, match="no 'nope'"):
+        resolve_path(trainer, "loss_module.nope")
+
+
+def test_hook_with_weight_update_map_publishes_all_models_as_one_version_every_n(client):
+    trainer = FakeTrainer()
+    hook = PublishWeights(
+        GrpcRemoteWeightUpdater(client),
+        update_weights_interval=2,
+        weight_update_map={"policy": "loss_module.actor_network", "critic": "loss_module.critic_network"},
+    )
+    hook.register(trainer)
+    assert trainer.ops == [("post_steps", hook)] and trainer.modules == {"update_weights": hook}
+    for _ in range(5):
+        hook()
+    assert hook.published == [1, 2]
+    for model, module in (
+        ("policy", trainer.loss_module.actor_network),
+        ("critic", trainer.loss_module.critic_network),
+    ):
+        info = client.latest(model)
+        assert info.version == 2 and info.group == ("policy", "critic")
+        fetched = client.fetch(model).state_dict()
+        for key, value in module.state_dict().items():
+            assert torch.equal(fetched[key], value)
+
+
+def test_hook_with_a_getter_and_a_plain_client(client):
+    policy = mlp(0)
+    hook = PublishWeights(client, update_weights_interval=1, policy_weights_getter=lambda: policy)
+    hook()
+    hook()
+    assert hook.published == [1, 2] and client.latest("policy").version == 2
+    assert hook.state_dict() == {"counter": 2}
+
+
+def test_seed_classes_work_without_torchrl(server, client):
+    client.publish(mlp(0), model="policy")
+    code = textwrap.dedent(
+        f"""
+        import sys
+        sys.modules["torchrl"] = None  # any import of torchrl now fails
+        import torch
+        from weightclient.updaters import LocalWeightUpdaterBase, RemoteWeightUpdaterBase
+        from weightclient.grpc_updaters import GrpcLocalWeightUpdater
+        from weightclient.publish_hook import PublishWeights
+        torch.manual_seed(0)
+        trainer = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        policy = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        updater = GrpcLocalWeightUpdater("{server.address}", policy=policy)
+        updater()
+        assert updater.version == 1
+        assert all(torch.equal(a, b) for a, b in zip(policy.state_dict().values(), trainer.state_dict().values()))
+        assert "torchrl" not in [m for m in sys.modules if sys.modules[m] is not None]
+        print("ok")
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+
+
+def test_base_classes_are_abstract():
+    with pytest.raises(TypeError):
+        LocalWeightUpdaterBase()
+    with pytest.raises(TypeError):
+        RemoteWeightUpdaterBase()
