@@ -13,8 +13,8 @@ import tempfile
 import threading
 
 import torch
-from weightclient import WeightClient
 
+from weightclient import WeightClient
 from weightserver.process import ServerProcess
 
 

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import grpc
 import pytest
 import torch
+
 from weightclient import VersionConflict, WeightClient
 
 MODEL = "policy"

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 import grpc
 import pytest
 import torch
+
 from weightclient import (
     CursorOutOfRange,
     IntegrityError,
@@ -34,7 +35,6 @@ from weightclient import (
     tensor_codec,
 )
 from weightclient.rpc_errors import error_from_rpc
-
 from weightserver.errors import ERROR_METADATA_KEY
 from weightserver.v1 import weights_pb2 as pb
 from weightserver.v1 import weights_pb2_grpc as pb_grpc

@@ -6,8 +6,8 @@ import threading
 
 import pytest
 import torch
-from weightclient import InvalidRequest, VersionConflict, VersionEvicted, WeightClient
 
+from weightclient import InvalidRequest, VersionConflict, VersionEvicted, WeightClient
 from weightserver.safetensors_format import build_header
 from weightserver.store import Upload, VersionStore
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from weightclient import WeightClient
 
+from weightclient import WeightClient
 from weightserver.process import ServerProcess
 
 

@@ -16,8 +16,8 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from tensordict import TensorDict
-from weightclient import ModelNotFound, VersionEvicted, VersionNotFound, WeightClient, tensor_codec
 
+from weightclient import ModelNotFound, VersionEvicted, VersionNotFound, WeightClient, tensor_codec
 from weightserver.config import DEFAULT_CHUNK_BYTES, MiB
 from weightserver.v1 import weights_pb2 as pb
 from weightserver.v1 import weights_pb2_grpc as pb_grpc

@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
-from weightclient import VersionEvent, WeightClient
 
+from weightclient import VersionEvent, WeightClient
 from weightserver import WeightServer
 
 MODEL = "policy"
