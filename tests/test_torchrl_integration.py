@@ -1,0 +1,239 @@
+"""The weight server with the REAL torchrl 0.14 collectors and Trainer.
+
+CI sets WEIGHTSERVER_REQUIRE_TORCHRL=1, which turns a missing torchrl into a failure instead
+of the skip below (see conftest.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("torchrl", reason="torchrl is not installed: pip install -e '.[torchrl]'")
+
+from tensordict import TensorDict
+from torchrl.collectors import Collector, MultiAsyncCollector, MultiSyncCollector
+from torchrl.data import LazyTensorStorage, ReplayBuffer
+from torchrl.envs.utils import ExplorationType
+from torchrl.modules import ValueOperator
+from torchrl.objectives import DDPGLoss, SoftUpdate
+from torchrl.trainers import (
+    DefaultOptimizationStepper,
+    ReplayBufferTrainer,
+    TargetNetUpdaterHook,
+    Trainer,
+    UpdateWeights,
+)
+from torchrl_models import PendulumQValue, actions_of, make_env, make_policy
+
+from weightclient import WeightClient
+from weightclient.grpc_updaters import GrpcRemoteWeightUpdater
+from weightclient.key_mapping import KeyMap
+from weightclient.publish_hook import PublishWeights
+from weightclient.torchrl_adapters import (
+    GrpcCollectorWeightUpdater,
+    GrpcWeightSyncScheme,
+    ServerPolicyVersion,
+)
+
+ATOL = 1e-5  # worker processes run other thread counts: actions differ in the last bits
+
+
+def single_collector(policy, updater, frames_per_batch=8, **kwargs) -> Collector:
+    return Collector(
+        make_env(),
+        policy,
+        frames_per_batch=frames_per_batch,
+        total_frames=-1,
+        weight_updater=updater,
+        track_policy_version=ServerPolicyVersion(),
+        exploration_type=ExplorationType.DETERMINISTIC,
+        auto_register_policy_transforms=False,
+        **kwargs,
+    )
+
+
+def test_collector_pulls_through_our_updater(client: WeightClient):
+    collector_policy, trained = make_policy(0), make_policy(1)
+    updater = GrpcCollectorWeightUpdater(client)
+    collector = single_collector(collector_policy, updater)
+    try:
+        batches = iter(collector)
+        first = next(batches)
+        assert torch.allclose(first["action"], actions_of(make_policy(0), first), atol=ATOL)
+
+        collector.update_policy_weights_()  # nothing published yet: no change, no error
+        assert updater.version is None
+
+        assert client.publish(trained, model="policy") == 1
+        collector.update_policy_weights_()
+        batch = next(batches)
+        assert updater.version == 1 and updater.lag == 0
+        assert torch.allclose(batch["action"], actions_of(trained, batch), atol=ATOL)
+        assert not torch.allclose(batch["action"], actions_of(make_policy(0), batch), atol=ATOL)
+        assert batch["next", "policy_version"].unique().tolist() == [1]
+
+        collector.update_policy_weights_()  # up to date: version stays, nothing transferred
+        assert next(batches)["next", "policy_version"].unique().tolist() == [1]
+    finally:
+        collector.shutdown()
+
+
+def test_torchrl_update_weights_hook_drives_our_updater(client: WeightClient):
+    """torchrl's own UpdateWeights(collector, N, policy_weights_getter=...) on a collector
+    whose updater is ours: a getter returning None makes the collector pull from the server."""
+    trained = make_policy(1)
+    client.publish(trained, model="policy")
+    collector = single_collector(make_policy(0), GrpcCollectorWeightUpdater(client))
+    try:
+        hook = UpdateWeights(collector, 2, policy_weights_getter=lambda: None)
+        batches = iter(collector)
+        hook()  # 1st post-step: not yet
+        assert next(batches)["next", "policy_version"].unique().tolist() == [0]
+        hook()  # 2nd: pulls v1
+        batch = next(batches)
+        assert batch["next", "policy_version"].unique().tolist() == [1]
+        assert torch.allclose(batch["action"], actions_of(trained, batch), atol=ATOL)
+    finally:
+        collector.shutdown()
+
+
+def test_key_map_from_a_trainer_path(client: WeightClient):
+    """The trainer published its whole loss module; the collector selects the actor."""
+    trained = make_policy(3)
+    published = {f"loss_module.actor_network.{k}": v for k, v in trained.state_dict().items()}
+    published["loss_module.critic.w"] = torch.zeros(3)
+    client.publish(published, model="policy")
+    updater = GrpcCollectorWeightUpdater(client, key_map=KeyMap(select="loss_module.actor_network."))
+    collector = single_collector(make_policy(0), updater)
+    try:
+        collector.update_policy_weights_()
+        batch = next(iter(collector))
+        assert torch.allclose(batch["action"], actions_of(trained, batch), atol=ATOL)
+    finally:
+        collector.shutdown()
+
+
+def test_mismatched_weights_raise_and_leave_the_collector_policy_alone(client: WeightClient):
+    client.publish(make_policy(1).module, model="policy")  # "mlp.0.weight", not "module.mlp.0.weight"
+    policy = make_policy(0)
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    collector = single_collector(policy, GrpcCollectorWeightUpdater(client))
+    try:
+        with pytest.raises(KeyError) as info:
+            collector.update_policy_weights_()
+        assert "module.mlp.0.weight" in info.value.args[0] and "KeyMap" in info.value.args[0]
+        assert all(torch.equal(v, before[k]) for k, v in policy.state_dict().items())
+    finally:
+        collector.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("collector_class", [MultiSyncCollector, MultiAsyncCollector])
+def test_multiprocess_collectors_pull_through_the_sync_scheme(client: WeightClient, collector_class):
+    scheme = GrpcWeightSyncScheme(client)
+    collector = collector_class(
+        [make_env, make_env],
+        make_policy(0),
+        frames_per_batch=16,
+        total_frames=-1,
+        weight_sync_schemes={"policy": scheme},
+        track_policy_version=True,
+        exploration_type=ExplorationType.DETERMINISTIC,
+        auto_register_policy_transforms=False,
+    )
+    try:
+        batches = iter(collector)
+        next(batches)
+        for version, seed in ((1, 1), (2, 2)):
+            trained = make_policy(seed)
+            assert client.publish(trained, model="policy") == version
+            collector.update_policy_weights_()
+            assert scheme.version == version and scheme.lag == 0
+            # MultiSync is exact: the next batch is all new weights. MultiAsync applies them
+            # while rollouts run: within a few batches every frame is new.
+            for _ in range(1 if collector_class is MultiSyncCollector else 6):
+                batch = next(batches)
+                versions = batch["next", "policy_version"].unique().tolist()
+                if versions == [version]:
+                    break
+            assert versions == [version]
+            assert torch.allclose(batch["action"], actions_of(trained, batch), atol=ATOL)
+        collector.update_policy_weights_()  # up to date: nothing sent to the workers
+        assert scheme.version == 2
+    finally:
+        collector.shutdown()
+
+
+def test_sync_scheme_pickles_without_a_channel(client: WeightClient):
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+
+    scheme = GrpcWeightSyncScheme(client, key_map=lambda k: k)  # a lambda and a live channel
+    scheme.puller.client.latest  # noqa: B018 - the channel exists
+    clone = pickle.loads(ForkingPickler.dumps(scheme))  # as multiprocessing sends it to a worker
+    assert clone.puller._client is None
+    assert clone._server_version.is_shared()
+
+
+def build_trainer(collector_policy, actor, server_address, publish_every, total_batches):
+    critic = ValueOperator(PendulumQValue(), in_keys=["th", "thdot", "action"])
+    loss = DDPGLoss(actor_network=actor, value_network=critic)
+    updater = GrpcCollectorWeightUpdater(server_address)
+    collector = single_collector(collector_policy, updater, frames_per_batch=32)
+    trainer = Trainer(
+        collector=collector,
+        total_frames=32 * total_batches,
+        frame_skip=1,
+        optim_steps_per_batch=4,
+        loss_module=loss,
+        optimizer=torch.optim.Adam(loss.parameters(), lr=1e-3),
+        optimization_stepper=DefaultOptimizationStepper(),
+        progress_bar=False,
+    )
+    buffer = ReplayBufferTrainer(
+        ReplayBuffer(storage=LazyTensorStorage(10_000), batch_size=64), flatten_tensordicts=True
+    )
+    trainer.register_op("batch_process", buffer.extend)
+    trainer.register_op("process_optim_batch", buffer.sample)
+    trainer.register_module("replay_buffer", buffer)
+    trainer.register_op("post_optim", TargetNetUpdaterHook(SoftUpdate(loss, tau=0.05)))
+    return trainer, collector, updater
+
+
+@pytest.mark.parametrize("publisher", ["PublishWeights", "torchrl UpdateWeights(sender=)"])
+def test_trainer_publishes_and_collector_pulls(server, client: WeightClient, publisher):
+    """A real Trainer: DDPG on PendulumEnv, a few dozen optimisation steps. The trainer's actor
+    and the collector's policy are different objects: weights reach the collector only through
+    the server. Every 2 batches a version is published; the collector pulls before each batch."""
+    actor, collector_policy = make_policy(0), make_policy(0)
+    client.publish(actor, model="policy")  # version 1: what the collector starts from
+    trainer, collector, updater = build_trainer(collector_policy, actor, server.address, 2, total_batches=10)
+
+    sender = GrpcRemoteWeightUpdater(server.address, actor)
+    if publisher == "PublishWeights":
+        PublishWeights(sender, 2, weight_update_map={"policy": "loss_module.actor_network"}).register(trainer)
+    else:
+        UpdateWeights(sender=sender, update_weights_interval=2).register(trainer)
+    UpdateWeights(collector, 1, policy_weights_getter=lambda: None).register(trainer, name="pull_weights")
+
+    seen: list[list[int]] = []
+    lags: list[int] = []
+    trainer.register_op("batch_process", lambda batch: seen.append(batch["next", "policy_version"].unique().tolist()))
+    trainer.register_op("post_steps", lambda: lags.append(updater.lag))
+    initial = {k: v.clone() for k, v in actor.state_dict().items()}
+    trainer.train()
+
+    assert trainer._optim_count == 40
+    latest = client.latest("policy").version
+    assert latest == 1 + 10 // 2  # published every 2 batches
+    assert seen[0] == [0]  # before the first pull the collector ran its own initial weights
+    assert all(len(v) == 1 for v in seen), seen  # one server version per batch
+    versions = [v[0] for v in seen[1:]]
+    assert versions == sorted(versions) and versions[-1] == latest - 1 and versions[0] >= 1
+    assert lags == [0] * 10  # the pull hook runs after the publish hook: the collector is never behind
+    # the weights really travelled: the trainer's actor changed and the server holds it
+    assert any(not torch.equal(v, initial[k]) for k, v in actor.state_dict().items())
+    fetched = client.fetch("policy").state_dict()
+    assert all(torch.equal(fetched[k], v) for k, v in actor.state_dict().items())
+    assert isinstance(client.fetch("policy").weights, TensorDict)
