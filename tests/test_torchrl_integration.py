@@ -79,6 +79,27 @@ def test_collector_pulls_through_our_updater(client: WeightClient):
         collector.shutdown()
 
 
+def test_plain_policy_version_tracker_also_reads_the_server_version(client: WeightClient):
+    collector = Collector(
+        make_env(),
+        make_policy(0),
+        frames_per_batch=8,
+        total_frames=-1,
+        weight_updater=GrpcCollectorWeightUpdater(client),
+        track_policy_version=True,
+        auto_register_policy_transforms=False,
+    )
+    try:
+        batches = iter(collector)
+        for _ in range(3):
+            client.publish(make_policy(1), model="policy")
+        collector.update_policy_weights_()
+        collector.update_policy_weights_()  # nothing newer: the version must not drift
+        assert next(batches)["next", "policy_version"].unique().tolist() == [3]
+    finally:
+        collector.shutdown()
+
+
 def test_torchrl_update_weights_hook_drives_our_updater(client: WeightClient):
     """torchrl's own UpdateWeights(collector, N, policy_weights_getter=...) on a collector
     whose updater is ours: a getter returning None makes the collector pull from the server."""

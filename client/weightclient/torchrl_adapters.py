@@ -111,7 +111,8 @@ with warnings.catch_warnings():
             return None
 
         def _sync_weights_with_worker(self, *, worker_id: Any = None, server_weights: Any) -> None:
-            if server_weights is None:
+            if server_weights is None:  # up to date; the collector still counts an update
+                _set_pending_version(self.collector, self.puller.version)
                 return
             local = TensorDict.from_module(self.collector.policy)
             if isinstance(server_weights, torch.nn.Module):
