@@ -35,6 +35,14 @@ class ServerConfig:
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
     max_tensors: int = DEFAULT_MAX_TENSORS
     grace_seconds: float = 5.0
+    # Bulk TCP endpoint for large fetches (see weightserver.bulk); 0 picks a free port,
+    # None turns it off.
+    bulk_port: int | None = 0
+    # Directory for shared-memory payload files; "auto" uses /dev/shm when it exists, None
+    # turns the shared-memory path off.
+    shm_dir: Path | str | None = "auto"
+    # Budget for derived payloads (deltas, casts) kept in memory.
+    payload_cache_bytes: int = 1 * GiB
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -49,6 +57,10 @@ class ServerConfig:
             raise ValueError(f"grace_seconds must be >= 0, got {self.grace_seconds}")
         if self.data_dir is not None:
             object.__setattr__(self, "data_dir", Path(self.data_dir))
+        if self.bulk_port is not None and not 0 <= self.bulk_port <= 65535:
+            raise ValueError(f"bulk_port must be in 0-65535 or None, got {self.bulk_port}")
+        if self.shm_dir not in (None, "auto"):
+            object.__setattr__(self, "shm_dir", Path(self.shm_dir))
 
     @property
     def address(self) -> str:

@@ -34,6 +34,8 @@ if TYPE_CHECKING:
     import grpc
 
 ERROR_METADATA_KEY = "weightserver-error"
+# Call metadata a client may send to name itself in the server's logs (and metrics).
+CLIENT_ID_METADATA_KEY = "weightserver-client-id"
 
 
 class WeightServerError(Exception):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from pathlib import Path
 from types import TracebackType
 
 import grpc
@@ -16,11 +17,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from weightserver.bulk import BulkEndpoint
 from weightserver.config import MAX_MESSAGE_BYTES, ServerConfig
-from weightserver.service import WeightServicer
+from weightserver.service import WeightServicer, serialize_fetch_response
+from weightserver.shared_memory import SharedMemoryFiles, default_shm_dir
 from weightserver.store import VersionStore
 from weightserver.v1 import weights_pb2 as pb
-from weightserver.v1 import weights_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +33,33 @@ GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.so_reuseport", 0),
 ]
+
+
+_HANDLER_FACTORIES = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
+def add_weight_service(servicer: WeightServicer, server: grpc.aio.Server) -> None:
+    """Register WeightService like the generated `add_WeightServiceServicer_to_server`, except
+    that Fetch's responses may be pre-serialized chunk messages (see service._chunk_messages)."""
+    service = pb.DESCRIPTOR.services_by_name["WeightService"]
+    handlers = {}
+    for method in service.methods:
+        request_class = getattr(pb, method.input_type.name)
+        response_class = getattr(pb, method.output_type.name)
+        factory = _HANDLER_FACTORIES[(method.client_streaming, method.server_streaming)]
+        handlers[method.name] = factory(
+            getattr(servicer, method.name),
+            request_deserializer=request_class.FromString,
+            response_serializer=serialize_fetch_response
+            if method.name == "Fetch"
+            else response_class.SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
 
 
 class WeightServer:
@@ -51,6 +80,8 @@ class WeightServer:
             max_tensors=self.config.max_tensors,
         )
         self.port: int = 0
+        self.bulk: BulkEndpoint | None = None
+        self.shared_memory: SharedMemoryFiles | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
@@ -118,8 +149,22 @@ class WeightServer:
 
     async def _serve(self) -> None:
         self._stop_requested = asyncio.Event()
+        config = self.config
+        self.bulk = BulkEndpoint(config.host, config.bulk_port) if config.bulk_port is not None else None
+        shm_dir = default_shm_dir(config.port) if config.shm_dir == "auto" else config.shm_dir
+        self.shared_memory = SharedMemoryFiles(Path(shm_dir)) if shm_dir is not None else None
+        try:
+            await self._serve_grpc()
+        finally:
+            if self.bulk is not None:
+                self.bulk.close()
+            if self.shared_memory is not None:
+                self.shared_memory.close()
+
+    async def _serve_grpc(self) -> None:
         server = grpc.aio.server(options=GRPC_OPTIONS)
-        pb_grpc.add_WeightServiceServicer_to_server(WeightServicer(self.store, self.config), server)
+        servicer = WeightServicer(self.store, self.config, bulk=self.bulk, shared_memory=self.shared_memory)
+        add_weight_service(servicer, server)
         health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
         reflection.enable_server_reflection(
@@ -130,6 +175,10 @@ class WeightServer:
         if port == 0:
             raise OSError(f"could not bind {self.config.address}: is the port in use?")
         self.port = port
+        if self.bulk is not None:
+            log.info("bulk endpoint on %s:%d", self.config.host, self.bulk.port)
+        if self.shared_memory is not None:
+            log.info("shared-memory payloads in %s", self.shared_memory.directory)
         await server.start()
         for service in ("", SERVICE_NAME):
             await health.set(service, health_pb2.HealthCheckResponse.SERVING)

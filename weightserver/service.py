@@ -11,20 +11,24 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar
 
 import grpc
 
 from weightserver import wire
+from weightserver.bulk import BulkEndpoint
 from weightserver.config import ServerConfig, clamp_chunk_bytes
 from weightserver.errors import (
+    CLIENT_ID_METADATA_KEY,
     ERROR_METADATA_KEY,
     IntegrityError,
     InvalidRequest,
     WeightServerError,
     status_code_for,
 )
+from weightserver.payloads import PayloadCache
+from weightserver.shared_memory import SharedMemoryFiles
 from weightserver.store import Upload, Version, VersionStore, validate_model_name
 from weightserver.v1 import weights_pb2 as pb
 from weightserver.v1 import weights_pb2_grpc as pb_grpc
@@ -74,9 +78,36 @@ def _streaming(method: F) -> F:
 class WeightServicer(pb_grpc.WeightServiceServicer):
     """Implements weightserver.v1.WeightService on top of a VersionStore."""
 
-    def __init__(self, store: VersionStore, config: ServerConfig) -> None:
+    def __init__(
+        self,
+        store: VersionStore,
+        config: ServerConfig,
+        *,
+        payloads: PayloadCache | None = None,
+        bulk: BulkEndpoint | None = None,
+        shared_memory: SharedMemoryFiles | None = None,
+    ) -> None:
         self.store = store
         self.config = config
+        self.payloads = payloads or PayloadCache(config.payload_cache_bytes)
+        self.bulk = bulk
+        self.shared_memory = shared_memory
+        store.subscribe(self._forget_evicted)
+
+    def _forget_evicted(self, record: Version) -> None:
+        """After a commit, drop derived payloads and files of versions no longer retained."""
+        try:
+            retained = {v.version for v in self.store.versions(record.model)}
+        except WeightServerError:
+            return
+        for version in self._derived_versions(record.model) - retained:
+            self.payloads.forget(record.model, version)
+            if self.shared_memory is not None:
+                self.shared_memory.forget(record.model, version)
+
+    def _derived_versions(self, model: str) -> set[int]:
+        keys = list(self.payloads.keys()) + (list(self.shared_memory.keys()) if self.shared_memory else [])
+        return {v for m, version, base, _ in keys if m == model for v in (version, base) if v}
 
     # ------------------------------------------------------------------ publish
     @_unary
@@ -201,10 +232,44 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         assert record is not None
         chunk = clamp_chunk_bytes(request.chunk_size, self.config.chunk_bytes)
         yield pb.FetchResponse(header=wire.version_info(record))
-        view = memoryview(record.data)
-        for start in range(0, len(view), chunk):
-            yield pb.FetchResponse(chunk=bytes(view[start : start + chunk]))
-        _log_transfer("fetch", record, started, context)
+        wants_payload = request.base_version or request.dtype or request.accept_shared_memory or request.accept_bulk
+        if not wants_payload:
+            for message in _chunk_messages(record.data, chunk):
+                yield message
+            _log_transfer("fetch", record, started, context, transport="stream")
+            return
+
+        base = self._base_version(record, request.base_version)
+        payload = await asyncio.to_thread(self.payloads.get, record, base, request.dtype)
+        description = pb.Payload(
+            byte_size=payload.byte_size, xxh3=payload.xxh3, base_version=payload.base_version, dtype=payload.dtype
+        )
+        key = (record.model, record.version, payload.base_version, payload.dtype)
+        if request.accept_shared_memory and self.shared_memory is not None:
+            path = await asyncio.to_thread(self.shared_memory.path_for, key, payload.data)
+            description.shared_memory.path = str(path)
+            yield pb.FetchResponse(payload=description)
+            _log_transfer("fetch", record, started, context, transport="shm", sent=payload.byte_size)
+            return
+        if request.accept_bulk and self.bulk is not None:
+            description.bulk.port = self.bulk.port
+            description.bulk.ticket = self.bulk.issue(payload.data, f"{record.model} v{record.version}")
+            yield pb.FetchResponse(payload=description)
+            _log_transfer("fetch", record, started, context, transport="bulk", sent=payload.byte_size)
+            return
+        yield pb.FetchResponse(payload=description)
+        for message in _chunk_messages(payload.data, chunk):
+            yield message
+        _log_transfer("fetch", record, started, context, transport="stream", sent=payload.byte_size)
+
+    def _base_version(self, record: Version, base_version: int) -> Version | None:
+        """The caller's base version if it can serve as a delta base, else None (full payload)."""
+        if not base_version or base_version >= record.version:
+            return None
+        try:
+            return self.store.get(record.model, base_version)
+        except WeightServerError:
+            return None  # evicted or deleted: the caller gets every tensor
 
     # ------------------------------------------------------------------ watch
     @_streaming
@@ -301,16 +366,64 @@ def _declared_sha256s(incoming: list[_IncomingModel], commit: pb.PublishCommit) 
     return digests
 
 
-def _log_transfer(kind: str, record: Version, started: float, context: grpc.aio.ServicerContext) -> None:
+def _log_transfer(
+    kind: str,
+    record: Version,
+    started: float,
+    context: grpc.aio.ServicerContext,
+    *,
+    transport: str = "stream",
+    sent: int | None = None,
+) -> None:
+    """One line per publish or fetch. For shm and bulk the duration covers handing out the
+    file or ticket; the bytes then move outside this call."""
     seconds = time.perf_counter() - started
-    rate = record.byte_size / seconds / 1e9 if seconds > 0 else 0.0
+    nbytes = record.byte_size if sent is None else sent
     log.info(
-        "%s model=%s version=%d bytes=%d duration_ms=%.1f rate_gbps=%.2f peer=%s",
+        "%s model=%s version=%d bytes=%d transport=%s duration_ms=%.1f peer=%s client=%s",
         kind,
         record.model,
         record.version,
-        record.byte_size,
+        nbytes,
+        transport,
         seconds * 1e3,
-        rate,
         context.peer(),
+        _client_id(context),
     )
+
+
+def _client_id(context: grpc.aio.ServicerContext) -> str:
+    for key, value in context.invocation_metadata() or ():
+        if key == CLIENT_ID_METADATA_KEY:
+            return str(value)
+    return "-"
+
+
+# FetchResponse.chunk is field 2 (length-delimited): tag byte 0x12, varint length, bytes.
+_CHUNK_TAG = b"\x12"
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def _chunk_messages(data: bytes | bytearray | memoryview, chunk: int) -> Iterator[bytes]:
+    """Serialized FetchResponse{chunk} messages over `data`, built with one copy each (the
+    generated code would copy twice: into a message, then into its serialization)."""
+    view = memoryview(data).cast("B")
+    for start in range(0, view.nbytes, chunk):
+        part = view[start : start + chunk]
+        yield b"".join((_CHUNK_TAG, _varint(part.nbytes), part))
+
+
+def serialize_fetch_response(message: pb.FetchResponse | bytes) -> bytes:
+    """Fetch's response serializer: pre-serialized chunk messages pass through unchanged."""
+    return message if isinstance(message, bytes) else message.SerializeToString()

@@ -42,6 +42,7 @@ from weightserver.errors import (
     VersionEvicted,
     VersionNotFound,
 )
+from weightserver.payloads import tensor_digests, xxh3_hex
 from weightserver.safetensors_format import SafetensorsHeader, parse_header
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,8 @@ class Version:
     header: SafetensorsHeader = field(repr=False)
     pinned: bool = False
     group: tuple[str, ...] = ()  # models committed together under this version number
+    xxh3: str = ""  # xxh3-128 of the whole file
+    tensor_xxh3: Mapping[str, str] = field(default_factory=dict, repr=False)  # per tensor, by name
 
     @property
     def byte_size(self) -> int:
@@ -211,6 +214,9 @@ class VersionStore:
         if len(set(names)) != len(names):
             raise InvalidRequest(f"a publish names a model twice: {', '.join(names)}")
         verified = [self._verify(u) for u in uploads]
+        digests = [
+            (xxh3_hex(u.data), tensor_digests(u.data, header)) for u, (_, header) in zip(uploads, verified, strict=True)
+        ]
         group = tuple(names) if len(names) > 1 else ()
 
         states = {name: self._model_state(name) for name in names}
@@ -238,8 +244,10 @@ class VersionStore:
                     header=header,
                     pinned=upload.pin,
                     group=group,
+                    xxh3=whole,
+                    tensor_xxh3=per_tensor,
                 )
-                for upload, (digest, header) in zip(uploads, verified, strict=True)
+                for upload, (digest, header), (whole, per_tensor) in zip(uploads, verified, digests, strict=True)
             ]
             if self.data_dir is not None:
                 self._write_group(records)
@@ -593,6 +601,8 @@ class VersionStore:
             header=header,
             pinned=bool(manifest.get("pinned", False)),
             group=tuple(manifest.get("group", ())),
+            xxh3=xxh3_hex(data),
+            tensor_xxh3=tensor_digests(data, header),
         )
 
 

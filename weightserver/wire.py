@@ -25,11 +25,13 @@ def version_info(record: Version) -> pb.VersionInfo:
                 shape=list(t.shape),
                 data_begin=t.begin,
                 data_end=t.end,
+                xxh3=record.tensor_xxh3.get(t.name, ""),
             )
             for t in record.header.tensors
         ],
         pinned=record.pinned,
         group=list(record.group),
+        xxh3=record.xxh3,
     )
 
 

@@ -6,12 +6,13 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
+import xxhash
 from tensordict import TensorDict
 
 from weightclient import tensor_codec
-from weightclient.service_client import WeightServiceClient
+from weightclient.service_client import FetchStats, WeightServiceClient
 from weightclient.version_info import VersionInfo
-from weightserver.errors import NotFoundError
+from weightserver.errors import IntegrityError, NotFoundError
 from weightserver.safetensors_format import parse_header
 
 
@@ -19,12 +20,19 @@ from weightserver.safetensors_format import parse_header
 class FetchResult:
     """A fetched version: `.version`, `.metadata`, `.weights` (TensorDict), `.state_dict()`.
 
-    The tensors share one buffer holding the received bytes (no per-tensor copies).
+    The tensors share one buffer holding the received bytes (no per-tensor copies). A delta
+    fetched with ``base=<version number>`` is partial: `tensors` holds only the tensors that
+    changed since `base_version`, every other one is byte-identical to that version's.
+    `data` is the received payload (the version's own safetensors file for a plain fetch).
     """
 
     info: VersionInfo
     tensors: dict[str, torch.Tensor] = field(repr=False)
-    data: bytearray = field(repr=False)
+    data: memoryview = field(repr=False)
+    base_version: int = 0
+    dtype: str = ""
+    partial: bool = False
+    stats: FetchStats | None = None
 
     @property
     def version(self) -> int:
@@ -42,6 +50,32 @@ class FetchResult:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """A plain {name: tensor} dict, ready for `module.load_state_dict`."""
         return dict(self.tensors)
+
+
+def _check_delta(info: VersionInfo, tensors: dict[str, torch.Tensor], dtype: str) -> None:
+    """The tensors a delta carried are the target version's (by name, and by digest unless
+    they were cast)."""
+    expected = {t.name: t for t in info.tensors}
+    unknown = sorted(set(tensors) - set(expected))
+    if unknown:
+        raise IntegrityError(f"{info.model!r} v{info.version}: the delta carries unknown tensors {unknown}")
+    if dtype:
+        return
+    for name, tensor in tensors.items():
+        digest = xxhash.xxh3_128_hexdigest(tensor_codec.tensor_bytes(tensor))
+        if expected[name].xxh3 and digest != expected[name].xxh3:
+            raise IntegrityError(f"{info.model!r} v{info.version}: tensor {name!r} does not match its digest")
+
+
+def _verified_base(base: FetchResult, info: VersionInfo) -> dict[str, torch.Tensor]:
+    """The base's tensors, checked to be exactly what the target version holds for them."""
+    if base.partial or base.dtype:
+        raise IntegrityError("a delta needs a complete, uncast base FetchResult")
+    digests = {t.name: t.xxh3 for t in base.info.tensors}
+    for entry in info.tensors:
+        if entry.name not in base.tensors:
+            raise IntegrityError(f"{info.model!r} v{info.version}: the base lacks tensor {entry.name!r}")
+    return {e.name: base.tensors[e.name] for e in info.tensors if digests.get(e.name) == e.xxh3}
 
 
 class WeightClient(WeightServiceClient):
@@ -94,15 +128,50 @@ class WeightClient(WeightServiceClient):
         *,
         version: int | None = None,
         newer_than: int | None = None,
+        base: FetchResult | int | None = None,
+        dtype: str | None = None,
+        transport: str = "auto",
         timeout: float | None = None,
     ) -> FetchResult | None:
         """Fetch the latest version, exactly `version`, or the latest only if newer than
-        `newer_than` (None when it is not; no weights are transferred then)."""
-        fetched = self.fetch_bytes(model, version=version, newer_than=newer_than, timeout=timeout)
+        `newer_than` (None when it is not; no weights are transferred then).
+
+        base: a version the caller holds. Only tensors that changed since then are sent. Pass
+            the earlier FetchResult to get a complete result (unchanged tensors are taken from
+            it), or its version number to get a partial result (`partial=True`) holding only
+            the changed tensors. Every tensor is checked against the target version's digests.
+        dtype: "BF16" or "F16": float32 tensors arrive cast on the server (half the bytes).
+        transport: "auto" (shared memory on this host, else bulk TCP, else the gRPC stream),
+            "shm", "bulk" or "stream". Fast paths fall back to the stream.
+        """
+        base_version = base.version if isinstance(base, FetchResult) else int(base or 0)
+        fetched = self.fetch_bytes(
+            model,
+            version=version,
+            newer_than=newer_than,
+            base_version=base_version,
+            dtype=dtype or "",
+            transport=transport,
+            timeout=timeout,
+        )
         if fetched is None:
             return None
-        header = parse_header(fetched.data)
-        return FetchResult(fetched.info, tensor_codec.decode(header, fetched.data), fetched.data)
+        tensors = tensor_codec.decode(parse_header(fetched.data), fetched.data)
+        partial = bool(fetched.base_version)
+        if partial:
+            _check_delta(fetched.info, tensors, fetched.dtype)
+            if isinstance(base, FetchResult):
+                tensors = {**_verified_base(base, fetched.info), **tensors}
+                partial = False
+        return FetchResult(
+            fetched.info,
+            tensors,
+            fetched.data,
+            base_version=fetched.base_version,
+            dtype=fetched.dtype,
+            partial=partial,
+            stats=fetched.stats,
+        )
 
     def watch_weights(self, model: str = "policy", *, since: int = 0) -> Iterator[FetchResult]:
         """Yield the weights of every version committed after `since` as it lands.

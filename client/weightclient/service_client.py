@@ -7,21 +7,31 @@ torch, so the `weightserver` CLI uses it; `weightclient.WeightClient` adds tenso
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
+import socket
+import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Any
 
 import grpc
+import xxhash
 
 from weightclient.rpc_errors import translated_rpc_errors
 from weightclient.version_info import ModelSummary, VersionEvent, VersionInfo
 from weightserver.config import DEFAULT_CHUNK_BYTES, DEFAULT_PORT, MAX_MESSAGE_BYTES
-from weightserver.errors import IntegrityError, InvalidRequest
+from weightserver.errors import CLIENT_ID_METADATA_KEY, IntegrityError, InvalidRequest
 from weightserver.v1 import weights_pb2 as pb
 from weightserver.v1 import weights_pb2_grpc as pb_grpc
 
+log = logging.getLogger(__name__)
+
 ADDRESS_ENV = "WEIGHTSERVER_ADDRESS"
+TRANSPORTS = ("auto", "stream", "shm", "bulk")
+BULK_CONNECT_TIMEOUT = 2.0
+BULK_IDLE_TIMEOUT = 30.0
 DEFAULT_ADDRESS = f"localhost:{DEFAULT_PORT}"
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -38,11 +48,27 @@ def default_address() -> str:
 
 
 @dataclass(frozen=True)
+class FetchStats:
+    """How a fetch went: which transport carried it, payload bytes moved, wall time."""
+
+    transport: str
+    wire_bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
 class FetchedBytes:
-    """A fetched version: its description and its verified safetensors bytes."""
+    """A fetched version: its description and its verified payload (a safetensors file).
+
+    With `base_version` 0 and no `dtype` the payload is the version's own file; otherwise it
+    holds only the changed tensors, or float32 tensors cast to `dtype`.
+    """
 
     info: VersionInfo
-    data: bytearray
+    data: memoryview
+    base_version: int = 0
+    dtype: str = ""
+    stats: FetchStats | None = None
 
 
 class WeightServiceClient:
@@ -52,6 +78,7 @@ class WeightServiceClient:
         address: host:port of the server; default `$WEIGHTSERVER_ADDRESS`, then localhost:50051.
         timeout: deadline in seconds for unary calls (describe, list, delete, pin).
         chunk_bytes: size of the chunks a publish sends and a fetch asks for.
+        client_id: a name for this client in the server's logs (e.g. "collector-3").
     """
 
     def __init__(
@@ -60,12 +87,22 @@ class WeightServiceClient:
         *,
         timeout: float | None = 30.0,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        client_id: str | None = None,
     ) -> None:
         self.address = address or default_address()
         self.timeout = timeout
         self.chunk_bytes = chunk_bytes
         self._channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.WeightServiceStub(self._channel)
+        # Fetch with a deserializer that hands chunks over without a protobuf copy.
+        self._fetch = self._channel.unary_stream(
+            "/weightserver.v1.WeightService/Fetch",
+            request_serializer=pb.FetchRequest.SerializeToString,
+            response_deserializer=_deserialize_fetch_response,
+        )
+        self._metadata = ((CLIENT_ID_METADATA_KEY, client_id),) if client_id else None
+        self._shm_usable: bool | None = None  # learned on the first shared-memory fetch
+        self._bulk_usable: bool | None = None
 
     def close(self) -> None:
         """Close the channel; cancels running calls."""
@@ -134,7 +171,7 @@ class WeightServiceClient:
             models.append((header, views))
         requests = _publish_requests(models, self.chunk_bytes)
         with translated_rpc_errors(self.address):
-            reply = self._stub.Publish(requests, timeout=timeout)
+            reply = self._stub.Publish(requests, timeout=timeout, metadata=self._metadata)
         return [VersionInfo.from_proto(v) for v in reply.versions] or [VersionInfo.from_proto(reply.version)]
 
     # ------------------------------------------------------------------ fetch
@@ -144,30 +181,89 @@ class WeightServiceClient:
         *,
         version: int | None = None,
         newer_than: int | None = None,
+        base_version: int = 0,
+        dtype: str = "",
+        transport: str = "auto",
         timeout: float | None = None,
     ) -> FetchedBytes | None:
         """Fetch one version's bytes: the latest, exactly `version`, or the latest only if it is
         newer than `newer_than` (None when it is not: nothing is transferred).
 
-        The size and sha256 of what arrived are checked against the header (IntegrityError).
+        `base_version` asks for a delta (only tensors that changed since that version),
+        `dtype` ("BF16"/"F16") for float32 tensors cast on the server. `transport`: "auto"
+        (shared memory on the same host, else bulk TCP, else the gRPC stream), "shm", "bulk"
+        or "stream"; every fast path falls back to the stream. What arrived is checked
+        against the announced size and digest (IntegrityError).
         """
+        if transport not in TRANSPORTS:
+            raise InvalidRequest(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
+        started = time.perf_counter()
         request = _fetch_request(model, version, newer_than, self.chunk_bytes)
+        request.base_version = base_version
+        request.dtype = dtype
+        request.accept_shared_memory = transport == "shm" or (transport == "auto" and self._shm_usable is not False)
+        request.accept_bulk = transport == "bulk" or (transport == "auto" and self._bulk_usable is not False)
         with translated_rpc_errors(self.address):
-            stream = self._stub.Fetch(request, timeout=timeout)
+            stream = self._fetch(request, timeout=timeout, metadata=self._metadata)
             try:
                 first = next(stream, None)
-                if first is None:
-                    raise IntegrityError(f"model {model!r}: the server ended the fetch without a header")
+                if isinstance(first, memoryview) or first is None:
+                    raise IntegrityError(f"model {model!r}: the fetch stream did not start with a header")
                 kind = first.WhichOneof("kind")
                 if kind == "up_to_date":
                     return None
                 if kind != "header":
                     raise IntegrityError(f"model {model!r}: fetch stream started with {kind!r}, expected a header")
                 info = VersionInfo.from_proto(first.header)
-                data = _receive_into(info, stream)
+                wants_payload = base_version or dtype or request.accept_shared_memory or request.accept_bulk
+                if not wants_payload:
+                    data = _receive_into(info.byte_size, stream, f"{info.model!r} v{info.version}")
+                    _check_digests(data, info, xxh3=info.xxh3, sha256=info.sha256)
+                    return FetchedBytes(
+                        info, data, stats=FetchStats("stream", len(data), time.perf_counter() - started)
+                    )
+                second = next(stream, None)
+                if isinstance(second, pb.FetchResponse) and second.WhichOneof("kind") == "payload":
+                    payload = second.payload
+                else:
+                    raise IntegrityError(f"model {model!r}: expected a payload description after the header")
+                fetched = self._receive_payload(info, payload, stream, started)
             finally:
                 stream.cancel()
-        return FetchedBytes(info, data)
+        if fetched is None:  # the fast path failed: the same payload over the gRPC stream
+            return self.fetch_bytes(
+                model, version=info.version, base_version=base_version, dtype=dtype, transport="stream", timeout=timeout
+            )
+        return fetched
+
+    def _receive_payload(
+        self, info: VersionInfo, payload: pb.Payload, stream: Iterator[Any], started: float
+    ) -> FetchedBytes | None:
+        label = f"{info.model!r} v{info.version}"
+        if payload.HasField("shared_memory"):
+            data = _read_shared_memory(payload.shared_memory.path, payload.byte_size)
+            transport = "shm"
+            if data is None or xxhash.xxh3_128_hexdigest(data) != payload.xxh3:
+                self._shm_usable = False  # not this host (or a stale file): stop asking
+                log.info("shared-memory payload %s unusable here; falling back", payload.shared_memory.path)
+                return None
+            self._shm_usable = True
+        elif payload.HasField("bulk"):
+            transport = "bulk"
+            try:
+                data = _receive_bulk(_host_of(self.address), payload.bulk.port, payload.bulk.ticket, payload.byte_size)
+            except OSError as exc:
+                self._bulk_usable = False
+                log.warning("bulk transfer of %s from port %d failed (%s); falling back", label, payload.bulk.port, exc)
+                return None
+            self._bulk_usable = True
+            _check_digests(data, info, xxh3=payload.xxh3, label=label + " payload")
+        else:
+            transport = "stream"
+            data = _receive_into(payload.byte_size, stream, label)
+            _check_digests(data, info, xxh3=payload.xxh3, label=label + " payload")
+        stats = FetchStats(transport, len(data), time.perf_counter() - started)
+        return FetchedBytes(info, data, base_version=payload.base_version, dtype=payload.dtype, stats=stats)
 
     # ------------------------------------------------------------------ watch
     def watch(self, model: str, *, since: int = 0, timeout: float | None = None) -> Iterator[VersionEvent]:
@@ -178,7 +274,7 @@ class WeightServiceClient:
         """
         request = pb.WatchRequest(model=model, since=since)
         with translated_rpc_errors(self.address):
-            stream = self._stub.Watch(request, timeout=timeout)
+            stream = self._stub.Watch(request, timeout=timeout, metadata=self._metadata)
             try:
                 for event in stream:
                     yield VersionEvent(VersionInfo.from_proto(event.version), gap=event.gap)
@@ -268,30 +364,99 @@ def _fetch_request(model: str, version: int | None, newer_than: int | None, chun
     return pb.FetchRequest(model=model, chunk_size=chunk_bytes)
 
 
-def _receive_into(info: VersionInfo, stream: Iterable[pb.FetchResponse]) -> bytearray:
-    """Receive the chunks into one buffer of the announced size; check size and sha256."""
-    buffer = bytearray(info.byte_size)
-    hasher = hashlib.sha256()
+def new_buffer(size: int) -> memoryview:
+    """A writable, uninitialised byte buffer. Unlike bytearray(size) it is not zero-filled first,
+    which for a large model costs as much as receiving it."""
+    import numpy as np
+
+    return memoryview(np.empty(size, dtype=np.uint8))
+
+
+def _receive_into(size: int, stream: Iterable[Any], label: str) -> memoryview:
+    """Receive the chunks into one buffer of the announced size."""
+    buffer = new_buffer(size)
     received = 0
     for message in stream:
-        chunk = message.chunk
+        chunk = message if isinstance(message, memoryview) else message.chunk
         end = received + len(chunk)
-        if end > info.byte_size:
-            raise IntegrityError(
-                f"model {info.model!r} v{info.version}: server sent more than the announced {info.byte_size} bytes"
-            )
+        if end > size:
+            raise IntegrityError(f"model {label}: server sent more than the announced {size} bytes")
         buffer[received:end] = chunk
-        hasher.update(chunk)
         received = end
-    if received != info.byte_size:
-        raise IntegrityError(
-            f"model {info.model!r} v{info.version}: received {received} of {info.byte_size} bytes; "
-            "the stream was cut short"
-        )
-    digest = hasher.hexdigest()
-    if digest != info.sha256:
-        raise IntegrityError(
-            f"model {info.model!r} v{info.version}: sha256 of the received bytes is {digest}, "
-            f"server announced {info.sha256}"
-        )
+    if received != size:
+        raise IntegrityError(f"model {label}: received {received} of {size} bytes; the stream was cut short")
     return buffer
+
+
+def _check_digests(
+    data: memoryview, info: VersionInfo, *, xxh3: str = "", sha256: str = "", label: str | None = None
+) -> None:
+    """xxh3-128 when the server announced one (20x cheaper), else sha256."""
+    label = label or f"{info.model!r} v{info.version}"
+    if xxh3:
+        digest, expected, name = xxhash.xxh3_128_hexdigest(data), xxh3, "xxh3"
+    else:
+        digest, expected, name = hashlib.sha256(data).hexdigest(), sha256, "sha256"
+    if digest != expected:
+        raise IntegrityError(f"model {label}: {name} of the received bytes is {digest}, server announced {expected}")
+
+
+def _read_shared_memory(path: str, size: int) -> memoryview | None:
+    """The file's bytes, or None if it cannot be read here (another host) or has another size."""
+    try:
+        with open(path, "rb", buffering=0) as f:
+            if os.fstat(f.fileno()).st_size != size:
+                return None
+            buffer = new_buffer(size)
+            view = buffer
+            read = 0
+            while read < size:
+                n = f.readinto(view[read:])
+                if not n:
+                    return None
+                read += n
+            return buffer
+    except OSError:
+        return None
+
+
+def _receive_bulk(host: str, port: int, ticket: bytes, size: int) -> memoryview:
+    buffer = new_buffer(size)
+    view = buffer
+    with socket.create_connection((host, port), timeout=BULK_CONNECT_TIMEOUT) as conn:
+        conn.settimeout(BULK_IDLE_TIMEOUT)
+        conn.sendall(ticket)
+        received = 0
+        while received < size:
+            n = conn.recv_into(view[received:])
+            if not n:
+                raise OSError(f"bulk connection closed after {received} of {size} bytes")
+            received += n
+    return buffer
+
+
+def _host_of(address: str) -> str:
+    """The host part of a gRPC target: 'localhost:50051' -> 'localhost', '[::1]:5' -> '::1'."""
+    target = address.split("///", 1)[-1]
+    host = target.rsplit(":", 1)[0] if ":" in target else target
+    return host.strip("[]")
+
+
+def _read_varint(data: bytes, position: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[position]
+        position += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, position
+        shift += 7
+
+
+def _deserialize_fetch_response(raw: bytes) -> pb.FetchResponse | memoryview:
+    """Chunk messages become a view of their bytes (no protobuf copy); others parse normally."""
+    if raw[:1] == b"\x12":
+        length, position = _read_varint(raw, 1)
+        if position + length == len(raw):
+            return memoryview(raw)[position:]
+    return pb.FetchResponse.FromString(raw)

@@ -107,7 +107,12 @@ def encode(weights: Weights, metadata: Mapping[str, str] | None = None) -> Encod
     return EncodedWeights(parts, sum(p.nbytes for p in parts))
 
 
-def decode(header: SafetensorsHeader, buffer: bytearray) -> dict[str, torch.Tensor]:
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, as stored (for digests)."""
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else memoryview(b"")
+
+
+def decode(header: SafetensorsHeader, buffer: bytearray | memoryview) -> dict[str, torch.Tensor]:
     """Tensors viewing `buffer` (no copy where alignment allows), keyed and ordered by name
     as in the header. `header` must have been parsed from `buffer`."""
     result: dict[str, Any] = {}

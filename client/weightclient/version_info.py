@@ -10,6 +10,13 @@ from weightserver.v1 import weights_pb2 as pb
 
 
 @dataclass(frozen=True)
+class TensorInfo(TensorEntry):
+    """A tensor of a version's manifest, with the xxh3-128 of its bytes."""
+
+    xxh3: str = ""
+
+
+@dataclass(frozen=True)
 class VersionInfo:
     """Everything about one version except its bytes."""
 
@@ -19,9 +26,10 @@ class VersionInfo:
     sha256: str
     created: datetime
     metadata: dict[str, str] = field(default_factory=dict)
-    tensors: tuple[TensorEntry, ...] = ()
+    tensors: tuple[TensorInfo, ...] = ()
     pinned: bool = False
     group: tuple[str, ...] = ()  # models published together under this version number
+    xxh3: str = ""  # xxh3-128 of the whole file ("" from servers that predate it)
 
     @classmethod
     def from_proto(cls, message: pb.VersionInfo) -> VersionInfo:
@@ -33,10 +41,11 @@ class VersionInfo:
             created=datetime.fromtimestamp(message.created.ToNanoseconds() / 1e9, tz=timezone.utc),
             metadata=dict(message.metadata),
             tensors=tuple(
-                TensorEntry(t.name, t.dtype, tuple(t.shape), t.data_begin, t.data_end) for t in message.tensors
+                TensorInfo(t.name, t.dtype, tuple(t.shape), t.data_begin, t.data_end, t.xxh3) for t in message.tensors
             ),
             pinned=message.pinned,
             group=tuple(message.group),
+            xxh3=message.xxh3,
         )
 
 

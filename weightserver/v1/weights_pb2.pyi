@@ -57,21 +57,23 @@ class PublishResponse(_message.Message):
     def __init__(self, version: _Optional[_Union[VersionInfo, _Mapping]] = ..., versions: _Optional[_Iterable[_Union[VersionInfo, _Mapping]]] = ...) -> None: ...
 
 class TensorInfo(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "data_begin", "data_end")
+    __slots__ = ("name", "dtype", "shape", "data_begin", "data_end", "xxh3")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DATA_BEGIN_FIELD_NUMBER: _ClassVar[int]
     DATA_END_FIELD_NUMBER: _ClassVar[int]
+    XXH3_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     data_begin: int
     data_end: int
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data_begin: _Optional[int] = ..., data_end: _Optional[int] = ...) -> None: ...
+    xxh3: str
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data_begin: _Optional[int] = ..., data_end: _Optional[int] = ..., xxh3: _Optional[str] = ...) -> None: ...
 
 class VersionInfo(_message.Message):
-    __slots__ = ("model", "version", "byte_size", "sha256", "created", "metadata", "tensors", "pinned", "group")
+    __slots__ = ("model", "version", "byte_size", "sha256", "created", "metadata", "tensors", "pinned", "group", "xxh3")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +90,7 @@ class VersionInfo(_message.Message):
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     PINNED_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
+    XXH3_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     byte_size: int
@@ -97,7 +100,8 @@ class VersionInfo(_message.Message):
     tensors: _containers.RepeatedCompositeFieldContainer[TensorInfo]
     pinned: bool
     group: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., byte_size: _Optional[int] = ..., sha256: _Optional[str] = ..., created: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., tensors: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ..., pinned: _Optional[bool] = ..., group: _Optional[_Iterable[str]] = ...) -> None: ...
+    xxh3: str
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., byte_size: _Optional[int] = ..., sha256: _Optional[str] = ..., created: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., tensors: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ..., pinned: _Optional[bool] = ..., group: _Optional[_Iterable[str]] = ..., xxh3: _Optional[str] = ...) -> None: ...
 
 class GetLatestRequest(_message.Message):
     __slots__ = ("model",)
@@ -114,26 +118,66 @@ class DescribeRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("model", "version", "newer_than", "chunk_size")
+    __slots__ = ("model", "version", "newer_than", "chunk_size", "base_version", "dtype", "accept_shared_memory", "accept_bulk")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NEWER_THAN_FIELD_NUMBER: _ClassVar[int]
     CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    ACCEPT_SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    ACCEPT_BULK_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     newer_than: int
     chunk_size: int
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., newer_than: _Optional[int] = ..., chunk_size: _Optional[int] = ...) -> None: ...
+    base_version: int
+    dtype: str
+    accept_shared_memory: bool
+    accept_bulk: bool
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., newer_than: _Optional[int] = ..., chunk_size: _Optional[int] = ..., base_version: _Optional[int] = ..., dtype: _Optional[str] = ..., accept_shared_memory: _Optional[bool] = ..., accept_bulk: _Optional[bool] = ...) -> None: ...
 
 class FetchResponse(_message.Message):
-    __slots__ = ("header", "chunk", "up_to_date")
+    __slots__ = ("header", "chunk", "up_to_date", "payload")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     UP_TO_DATE_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     header: VersionInfo
     chunk: bytes
     up_to_date: UpToDate
-    def __init__(self, header: _Optional[_Union[VersionInfo, _Mapping]] = ..., chunk: _Optional[bytes] = ..., up_to_date: _Optional[_Union[UpToDate, _Mapping]] = ...) -> None: ...
+    payload: Payload
+    def __init__(self, header: _Optional[_Union[VersionInfo, _Mapping]] = ..., chunk: _Optional[bytes] = ..., up_to_date: _Optional[_Union[UpToDate, _Mapping]] = ..., payload: _Optional[_Union[Payload, _Mapping]] = ...) -> None: ...
+
+class Payload(_message.Message):
+    __slots__ = ("byte_size", "xxh3", "base_version", "dtype", "shared_memory", "bulk")
+    BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    XXH3_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    BULK_FIELD_NUMBER: _ClassVar[int]
+    byte_size: int
+    xxh3: str
+    base_version: int
+    dtype: str
+    shared_memory: SharedMemoryFile
+    bulk: BulkTicket
+    def __init__(self, byte_size: _Optional[int] = ..., xxh3: _Optional[str] = ..., base_version: _Optional[int] = ..., dtype: _Optional[str] = ..., shared_memory: _Optional[_Union[SharedMemoryFile, _Mapping]] = ..., bulk: _Optional[_Union[BulkTicket, _Mapping]] = ...) -> None: ...
+
+class SharedMemoryFile(_message.Message):
+    __slots__ = ("path",)
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    def __init__(self, path: _Optional[str] = ...) -> None: ...
+
+class BulkTicket(_message.Message):
+    __slots__ = ("port", "ticket")
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    port: int
+    ticket: bytes
+    def __init__(self, port: _Optional[int] = ..., ticket: _Optional[bytes] = ...) -> None: ...
 
 class UpToDate(_message.Message):
     __slots__ = ("latest_version",)

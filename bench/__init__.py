@@ -1,0 +1,1 @@
+"""Benchmarks for weightserver (not tests): `python bench/run.py --help`."""

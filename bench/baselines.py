@@ -1,0 +1,141 @@
+"""Baselines, measured in the same run and at the same sizes as the rows compared to them.
+
+- memcpy: torch `dst.copy_(src)` into a preallocated tensor, pages warmed first.
+- raw_tcp: a separate sender process `sendall(memoryview)` of N bytes over loopback TCP; this
+  process `recv_into` a preallocated buffer. Timed from the 1-byte 'go' to the last byte.
+- gloo_broadcast: torch.distributed gloo broadcast of N bytes between 2 spawned processes
+  (one pair per size), timed on the receiving rank after a barrier.
+- torchrl_shared_mem: TorchRL's own multiprocess weight sync (MultiSyncCollector, 2 workers,
+  default SharedMemWeightSyncScheme), in a subprocess; see bench/torchrl_sync.py for what is
+  timed.
+
+Each returns a `Row` whose samples are GB/s (10^9 B/s) per repeat, raw seconds in
+`extra["seconds"]`.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench import workers
+from bench.common import Row, gbps, log
+
+REPO = Path(__file__).resolve().parent.parent
+SPAWN = multiprocessing.get_context("spawn")
+
+
+def throughput_row(name: str, nbytes: int, seconds: list[float], note: str = "", **extra: object) -> Row:
+    """A baseline row in GB/s from per-repeat durations."""
+    row = Row(name, nbytes, "GB/s", [gbps(nbytes, s) for s in seconds], kind="baseline", note=note)
+    row.extra = {"seconds": seconds, **extra}
+    return row
+
+
+def median_seconds(row: Row) -> float:
+    """The median duration of a baseline row (for time-based ratios)."""
+    return statistics.median(row.extra["seconds"])
+
+
+def memcpy(nbytes: int, repeats: int) -> Row:
+    """torch `dst.copy_(src)` of `nbytes` (float32) into a preallocated, warmed tensor."""
+    import torch
+
+    src = torch.full((nbytes // 4,), 1.5)
+    dst = torch.zeros_like(src)
+    for _ in range(2):
+        dst.copy_(src)
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        seconds.append(time.perf_counter() - start)
+    return throughput_row("memcpy", nbytes, seconds, note=f"torch copy_, {torch.get_num_threads()} threads")
+
+
+def raw_tcp(nbytes: int, repeats: int) -> Row:
+    """Loopback TCP: a spawned sender `sendall`s, this process `recv_into`s a preallocated buffer."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        sender = SPAWN.Process(target=workers.tcp_sender, args=(port, nbytes, repeats + 1), daemon=True)
+        sender.start()
+        listener.settimeout(60)
+        conn, _ = listener.accept()
+    buffer = bytearray(nbytes)
+    view = memoryview(buffer)
+    seconds = []
+    with conn:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for i in range(repeats + 1):  # the first round is a warm-up (page faults, TCP windows)
+            start = time.perf_counter()
+            conn.sendall(b"g")
+            received = 0
+            while received < nbytes:
+                got = conn.recv_into(view[received:], nbytes - received)
+                if not got:
+                    raise ConnectionError(f"sender closed after {received} of {nbytes} bytes")
+                received += got
+            if i:
+                seconds.append(time.perf_counter() - start)
+    sender.join(30)
+    ok = buffer[0] == 0x5A and buffer[-1] == 0x5A
+    return throughput_row("raw_tcp", nbytes, seconds, note="sendall(memoryview) -> recv_into", verified=ok)
+
+
+def gloo_broadcast(nbytes: int, repeats: int) -> Row:
+    """torch.distributed gloo broadcast of `nbytes` between two spawned ranks (FileStore)."""
+    with tempfile.TemporaryDirectory(prefix="bench-gloo-") as tmp:
+        results = SPAWN.Queue()
+        init_file = os.path.join(tmp, "store")
+        ranks = [
+            SPAWN.Process(target=workers.gloo_rank, args=(rank, init_file, nbytes, repeats, results), daemon=True)
+            for rank in (0, 1)
+        ]
+        for rank in ranks:
+            rank.start()
+        report = results.get(timeout=300)
+        for rank in ranks:
+            rank.join(60)
+    return throughput_row(
+        "gloo_broadcast", nbytes, report["seconds"], note="2 processes, receiver timed", verified=report["verified"]
+    )
+
+
+def torchrl_shared_mem(sizes: list[int], repeats: int) -> list[Row]:
+    """TorchRL MultiSyncCollector weight sync, one subprocess for all sizes (see torchrl_sync.py)."""
+    command = [
+        sys.executable,
+        "-m",
+        "bench.torchrl_sync",
+        "--sizes",
+        ",".join(str(s) for s in sizes),
+        "--repeats",
+        str(repeats),
+    ]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore:Creating:DeprecationWarning"}
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    for line in done.stderr.splitlines():
+        if line.startswith("[torchrl_sync]"):
+            log(line)
+    if done.returncode != 0:
+        raise RuntimeError(f"torchrl_sync exited with {done.returncode}: {done.stderr[-2000:]}")
+    rows = []
+    for entry in json.loads(done.stdout.strip().splitlines()[-1]):
+        row = throughput_row(
+            "torchrl_shared_mem",
+            entry["param_bytes"],  # GB/s from the bytes actually moved (N + 4)
+            entry["seconds"],
+            note="MultiSyncCollector(2 workers).update_policy_weights_(TD)",
+            **{k: v for k, v in entry.items() if k != "seconds"},
+        )
+        row.size = entry["nbytes"]
+        rows.append(row)
+    return rows

@@ -1,0 +1,91 @@
+"""A pool of long-lived fetching processes, started once and driven by commands.
+
+Used by the fan-out row (8 collectors with `WeightClient`) and the server-memory row (16
+byte-level fetchers). Synchronized rounds release every worker through one barrier.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue
+import time
+from types import TracebackType
+
+from bench import workers
+
+SPAWN = multiprocessing.get_context("spawn")
+
+
+class FetchPool:
+    """`count` processes, each with its own client of the server at `address`."""
+
+    def __init__(self, count: int, address: str, *, use_torch: bool, warm_model: str | None = None) -> None:
+        self.count = count
+        self.results = SPAWN.Queue()
+        self.barrier = SPAWN.Barrier(count)
+        self.commands = [SPAWN.Queue() for _ in range(count)]
+        self.processes = [
+            SPAWN.Process(
+                target=workers.fetch_worker,
+                args=(i, address, use_torch, warm_model, self.commands[i], self.results, self.barrier),
+                daemon=True,
+                name=f"bench-fetcher-{i}",
+            )
+            for i in range(count)
+        ]
+
+    def start(self, timeout: float = 180.0) -> FetchPool:
+        for process in self.processes:
+            process.start()
+        for message in self._collect(self.count, timeout):
+            if message[0] != "ready":
+                raise RuntimeError(f"unexpected message from a fetcher: {message!r}")
+        return self
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes if p.pid is not None]
+
+    def fetch_one(self, index: int, model: str, version: int, timeout: float = 300.0) -> tuple[int, int, int, int]:
+        """Worker `index` alone fetches once; returns (index, start_ns, end_ns, bytes)."""
+        self.commands[index].put(("fetch", model, version, False))
+        return self._collect(1, timeout)[0]
+
+    def fetch_all(self, model: str, version: int, timeout: float = 600.0) -> list[tuple[int, int, int, int]]:
+        """Every worker fetches at once (released together by the barrier)."""
+        for commands in self.commands:
+            commands.put(("fetch", model, version, True))
+        return self._collect(self.count, timeout)
+
+    def _collect(self, count: int, timeout: float) -> list:
+        collected = []
+        deadline = time.monotonic() + timeout
+        while len(collected) < count:
+            try:
+                collected.append(self.results.get(timeout=1.0))
+                continue
+            except queue.Empty:
+                pass
+            dead = [p.name for p in self.processes if not p.is_alive()]
+            if dead:
+                raise RuntimeError(f"fetchers died: {', '.join(dead)}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{count - len(collected)} fetchers did not report within {timeout}s")
+        return collected
+
+    def close(self) -> None:
+        for commands in self.commands:
+            commands.put(None)
+        for process in self.processes:
+            process.join(10)
+            if process.is_alive():
+                process.terminate()
+                process.join(5)
+
+    def __enter__(self) -> FetchPool:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()

@@ -1,0 +1,430 @@
+"""The benchmark rows, each compared with a baseline measured in the same run.
+
+Every row talks to a real server in a separate process (`weightserver.process.ServerProcess`).
+Features that do not exist yet (shared-memory transport, delta fetch, dtype cast, wire-byte
+counters) are detected from `WeightClient.fetch`'s signature and the FetchResult's
+attributes; when absent the row is reported as n/a, never as a made-up number.
+"""
+
+from __future__ import annotations
+
+import inspect
+import multiprocessing
+import queue
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from bench import workers
+from bench.baselines import median_seconds
+from bench.common import MB, MiB, PeakRss, Row, format_size, gbps, hwm_bytes, log, not_available, percentile, rss_bytes
+from bench.models import FlatPolicy, copy_into, policy_from_shapes
+from bench.pool import FetchPool
+from weightclient import WeightClient
+from weightserver.process import ServerProcess
+
+SPAWN = multiprocessing.get_context("spawn")
+FANOUT = 8
+RSS_FETCHERS = 16
+RSS_SIZE = 256 * MiB
+WATCH_MIN_EVENTS = 50
+DELTA_TENSORS = 50  # one changed tensor in 50 = 2%
+REFERENCE_FILL = 1.0  # parameter i of a published reference policy holds REFERENCE_FILL + i
+
+
+@dataclass
+class Context:
+    """What the rows share: the server, a client in this process, in-run baselines."""
+
+    server: ServerProcess
+    client: WeightClient
+    repeats: int
+    baselines: dict[tuple[str, int], Row] = field(default_factory=dict)
+    references: dict[int, tuple[str, int, list[int]]] = field(default_factory=dict)
+    fanout_pool: FetchPool | None = None
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    def reference(self, size: int) -> tuple[str, int, list[int]]:
+        """Publish (once per size) a FlatPolicy of 4 float32 tensors totalling `size` bytes;
+        return (model, version, parameter lengths)."""
+        if size not in self.references:
+            policy = FlatPolicy(size, 4, fill=REFERENCE_FILL)
+            model = f"bench-{format_size(size)}"
+            version = self.client.publish(policy, model=model)
+            self.references[size] = (model, version, policy.shapes())
+        return self.references[size]
+
+    def baseline(self, name: str, size: int) -> Row | None:
+        row = self.baselines.get((name, size))
+        return row if row is not None and row.status == "ok" and row.samples else None
+
+    def close(self) -> None:
+        if self.fanout_pool is not None:
+            self.fanout_pool.close()
+            self.fanout_pool = None
+
+
+# ---------------------------------------------------------------------- helpers
+def fetch_parameters() -> dict[str, inspect.Parameter]:
+    """The parameters of `WeightClient.fetch` as it is now (feature detection)."""
+    return dict(inspect.signature(WeightClient.fetch).parameters)
+
+
+def wire_bytes(result: Any) -> int | None:
+    """`result.stats.wire_bytes` if the client reports it, else None."""
+    stats = getattr(result, "stats", None)
+    value = getattr(stats, "wire_bytes", None) if stats is not None else None
+    return int(value) if value is not None else None
+
+
+def holds_reference(policy: torch.nn.Module) -> bool:
+    """Whether a live policy holds the reference weights (parameter i == REFERENCE_FILL + i)."""
+    return all(
+        float(p[0]) == REFERENCE_FILL + i and float(p[-1]) == REFERENCE_FILL + i
+        for i, p in enumerate(policy.parameters())
+    )
+
+
+def compare(row: Row, base: Row | None, op: str, threshold: float, *, time_based: bool = False) -> Row:
+    """Set the row's ratio to `base` (higher-is-better throughput, or time over time)."""
+    if base is None:
+        row.target = f"ratio {op} {threshold:g}x"
+        row.note = (row.note + "; " if row.note else "") + "baseline missing: no ratio"
+        return row
+    row.baseline = f"{base.name} {format_size(base.size)}"
+    if time_based:
+        base_ms = median_seconds(base) * 1e3
+        row.baseline_value = base_ms
+        return row.judge(row.median / base_ms, op, threshold)
+    row.baseline_value = base.median
+    return row.judge(row.median / base.median, op, threshold)
+
+
+def live_fetch_row(name: str, ctx: Context, size: int, fetch: Callable[[str, int], Any]) -> Row:
+    """Time `fetch(model, version)` + `p.copy_` into a live policy, in GB/s of parameters."""
+    model, version, shapes = ctx.reference(size)
+    policy = policy_from_shapes(shapes, fill=-1.0)
+    copy_into(policy, fetch(model, version).state_dict())  # warm-up: channel, allocator
+    with torch.no_grad():
+        for param in policy.parameters():
+            param.fill_(-1.0)
+    seconds, wires = [], []
+    for _ in range(ctx.repeats):
+        start = time.perf_counter()
+        result = fetch(model, version)
+        copy_into(policy, result.state_dict())
+        seconds.append(time.perf_counter() - start)
+        wires.append(wire_bytes(result))
+        del result
+    row = Row(name, size, "GB/s", [gbps(size, s) for s in seconds])
+    row.extra = {"seconds": seconds, "wire_bytes": wires, "verified": holds_reference(policy), "version": version}
+    if not row.extra["verified"]:
+        row.note = "WRONG WEIGHTS after fetch"
+    return row
+
+
+# ---------------------------------------------------------------------- rows 1-2
+def fetch_live_policy(ctx: Context, size: int) -> list[Row]:
+    """Row 1: WeightClient.fetch + copy into a live policy, vs raw loopback TCP."""
+    row = live_fetch_row("fetch_live_policy", ctx, size, lambda m, v: ctx.client.fetch(m, version=v))
+    row.note = row.note or "fetch + p.copy_ into live policy (4 fp32 tensors)"
+    return [compare(row, ctx.baseline("raw_tcp", size), ">=", 0.7)]
+
+
+def fetch_shm_vs_gloo(ctx: Context, size: int) -> list[Row]:
+    """Row 2: same-host fetch through shared memory (+ copy into the policy), vs gloo broadcast."""
+    if "transport" not in fetch_parameters():
+        why = "WeightClient.fetch has no transport="
+        return [not_available("fetch_shm_vs_gloo", size, "GB/s", "ratio >= 1.5x", why)]
+    row = live_fetch_row("fetch_shm_vs_gloo", ctx, size, lambda m, v: ctx.client.fetch(m, version=v, transport="shm"))
+    row.note = row.note or 'fetch(transport="shm") + p.copy_ into live policy'
+    return [compare(row, ctx.baseline("gloo_broadcast", size), ">=", 1.5)]
+
+
+# ---------------------------------------------------------------------- row 3
+def _wait_published(handle: Any, client: WeightClient, model: str, previous: int, timeout: float = 300.0) -> None:
+    """Block until an asynchronous publish committed (future-like handle, else poll latest)."""
+    for method in ("result", "wait"):
+        if callable(getattr(handle, method, None)):
+            getattr(handle, method)()
+            return
+    deadline = time.monotonic() + timeout
+    while client.latest(model).version <= previous:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"publish(wait=False) of {model} did not commit within {timeout}s")
+        time.sleep(0.002)
+
+
+def publish_blocked(ctx: Context, size: int) -> list[Row]:
+    """Row 3: how long the trainer is blocked in publish(), vs memcpy of the same bytes."""
+    weights = FlatPolicy(size, 4, fill=2.0)
+    model = f"publish-{format_size(size)}"
+    client = ctx.client
+    client.publish(weights, model=model)  # warm-up
+    seconds = []
+    for _ in range(ctx.repeats):
+        start = time.perf_counter()
+        client.publish(weights, model=model)
+        seconds.append(time.perf_counter() - start)
+    memcpy = ctx.baseline("memcpy", size)
+    row = Row("publish_blocked", size, "ms", [s * 1e3 for s in seconds], note="publish() until committed")
+    rows = [compare(row, memcpy, "<=", 1.5, time_based=True)]
+    if "wait" in inspect.signature(WeightClient.publish).parameters:
+        blocked = []
+        for _ in range(ctx.repeats):
+            previous = client.latest(model).version
+            start = time.perf_counter()
+            handle = client.publish(weights, model=model, wait=False)
+            blocked.append(time.perf_counter() - start)
+            _wait_published(handle, client, model, previous)
+        row = Row("publish_blocked_async", size, "ms", [s * 1e3 for s in blocked], note="publish(wait=False) call")
+        rows.append(compare(row, memcpy, "<=", 1.5, time_based=True))
+    return rows
+
+
+# ---------------------------------------------------------------------- row 4
+def fanout_8(ctx: Context, size: int) -> list[Row]:
+    """Row 4: 8 collector processes fetch the same version at once (barrier), aggregate
+    throughput vs one of the same processes fetching alone."""
+    model, version, _ = ctx.reference(size)
+    if ctx.fanout_pool is None:
+        log(f"fanout_8: starting {FANOUT} collector processes (WeightClient each)")
+        ctx.fanout_pool = FetchPool(FANOUT, ctx.address, use_torch=True, warm_model=model).start()
+    pool = ctx.fanout_pool
+    single = []
+    for i in range(ctx.repeats + 1):  # the first fetch is a warm-up
+        _, start, end, _ = pool.fetch_one(0, model, version)
+        if i:
+            single.append((end - start) / 1e9)
+    aggregate, per_worker = [], []
+    for i in range(ctx.repeats + 1):
+        results = pool.fetch_all(model, version)
+        span = (max(r[2] for r in results) - min(r[1] for r in results)) / 1e9
+        if i:
+            aggregate.append(span)
+            per_worker.append([(r[2] - r[1]) / 1e9 for r in sorted(results)])
+    received_bytes = results[0][3]
+    base = Row("single_collector", size, "GB/s", [gbps(received_bytes, s) for s in single], kind="baseline")
+    base.note = "one fan-out process alone, WeightClient.fetch"
+    base.extra = {"seconds": single}
+    row = Row("fanout_8", size, "GB/s", [gbps(FANOUT * received_bytes, s) for s in aggregate])
+    row.note = f"aggregate: {FANOUT} x fetch / (last end - first start)"
+    row.extra = {"span_seconds": aggregate, "per_worker_seconds": per_worker, "bytes_per_fetch": received_bytes}
+    return [base, compare(row, base, ">=", 0.8)]
+
+
+# ---------------------------------------------------------------------- row 5
+def watch_latency(ctx: Context) -> list[Row]:
+    """Row 5: publish() returned -> a watcher in another process notified, over >= 50 publishes."""
+    count = max(WATCH_MIN_EVENTS, 12 * ctx.repeats)
+    model = "watch-tiny"
+    tiny = {"w": torch.zeros(16)}
+    first = ctx.client.publish(tiny, model=model)
+    results = SPAWN.Queue()
+    watcher = SPAWN.Process(
+        target=workers.watcher, args=(ctx.address, model, first - 1, count, results, 300.0), daemon=True
+    )
+    watcher.start()
+    try:
+        subscribed = results.get(timeout=120)
+        if subscribed[0] != "subscribed":
+            raise RuntimeError(f"watcher said {subscribed!r}")
+        committed: dict[int, tuple[int, int]] = {}
+        for i in range(count):
+            tiny["w"].fill_(float(i))
+            before = time.time_ns()
+            version = ctx.client.publish(tiny, model=model)
+            committed[version] = (before, time.time_ns())
+            time.sleep(0.01)  # one publish at a time: no queueing behind the previous event
+        arrivals = results.get(timeout=120)
+    finally:
+        watcher.join(10)
+        if watcher.is_alive():
+            watcher.terminate()
+    latencies = [(at - committed[v][1]) / 1e6 for v, at in arrivals if v in committed]
+    from_call = [(at - committed[v][0]) / 1e6 for v, at in arrivals if v in committed]
+    row = Row("watch_latency", None, "ms", latencies)
+    p50, p99 = percentile(latencies, 50), percentile(latencies, 99)
+    row.note = f"p50 {p50:.2f} ms, p99 {p99:.2f} ms over {len(latencies)} publishes (publish() return -> watcher)"
+    row.extra = {
+        "p50_ms": p50,
+        "p99_ms": p99,
+        "from_publish_call_ms": from_call,
+        "from_publish_call_p50_ms": percentile(from_call, 50),
+        "events": len(latencies),
+        "missing_events": count - len(latencies),
+    }
+    row.target = "p50 <= 5 ms"
+    row.passed = p50 <= 5.0
+    return [row]
+
+
+# ---------------------------------------------------------------------- rows 6-7
+def _wire_row_missing(name: str, size: int, target: str, param: str) -> Row | None:
+    if param not in fetch_parameters():
+        return not_available(name, size, "x", target, f"WeightClient.fetch has no {param}=")
+    return None
+
+
+def delta_bytes(ctx: Context, size: int) -> list[Row]:
+    """Row 6: wire bytes of a delta fetch (1 of 50 tensors changed = 2%) vs a full fetch."""
+    target = "ratio >= 20x"
+    missing = _wire_row_missing("delta_bytes", size, target, "base")
+    if missing:
+        return [missing]
+    client, model = ctx.client, f"delta-{format_size(size)}"
+    numel = size // 4 // DELTA_TENSORS
+    weights = {f"t{i:02d}": torch.full((numel,), float(i)) for i in range(DELTA_TENSORS)}
+    version = client.publish(weights, model=model)
+    full = client.fetch(model, version=version)
+    full_wire = wire_bytes(full)
+    if full_wire is None:
+        return [not_available("delta_bytes", size, "x", target, "FetchResult has no stats.wire_bytes")]
+    annotation = str(fetch_parameters()["base"].annotation)
+    pass_result = "FetchResult" in annotation and "int" not in annotation
+    base: Any = full if pass_result else version
+    ratios, deltas, correct = [], [], True
+    for r in range(ctx.repeats):
+        changed = f"t{r % DELTA_TENSORS:02d}"
+        weights[changed].add_(1.0)
+        version = client.publish(weights, model=model)
+        delta = client.fetch(model, version=version, base=base)
+        got = delta.state_dict()
+        correct &= torch.equal(got[changed], weights[changed]) and torch.equal(got["t49"], weights["t49"])
+        deltas.append(wire_bytes(delta) or 0)
+        ratios.append(full_wire / deltas[-1] if deltas[-1] else float("inf"))
+        base = delta if pass_result else version
+    row = Row("delta_bytes", size, "x", ratios, note="full wire bytes / delta wire bytes")
+    row.extra = {"full_wire_bytes": full_wire, "delta_wire_bytes": deltas, "verified": correct, "base_arg": annotation}
+    if not correct:
+        row.note += "; WRONG WEIGHTS after delta fetch"
+    return [row.judge(statistics.median(ratios), ">=", 20)]
+
+
+def cast_bf16_bytes(ctx: Context, size: int) -> list[Row]:
+    """Row 7: wire bytes of a fetch cast fp32 -> bf16 vs the fp32 fetch (halved: >= 1.99x)."""
+    target = "ratio >= 1.99x"
+    missing = _wire_row_missing("cast_bf16_bytes", size, target, "dtype")
+    if missing:
+        return [missing]
+    model, version, _ = ctx.reference(size)
+    full_wire = wire_bytes(ctx.client.fetch(model, version=version))
+    if full_wire is None:
+        return [not_available("cast_bf16_bytes", size, "x", target, "FetchResult has no stats.wire_bytes")]
+    ratios, casts, dtypes = [], [], set()
+    for _ in range(ctx.repeats):
+        cast = ctx.client.fetch(model, version=version, dtype=torch.bfloat16)
+        casts.append(wire_bytes(cast) or 0)
+        ratios.append(full_wire / casts[-1] if casts[-1] else float("inf"))
+        dtypes |= {str(t.dtype) for t in cast.state_dict().values()}
+    row = Row("cast_bf16_bytes", size, "x", ratios, note="fp32 wire bytes / bf16 wire bytes")
+    row.extra = {"full_wire_bytes": full_wire, "cast_wire_bytes": casts, "result_dtypes": sorted(dtypes)}
+    return [row.judge(statistics.median(ratios), ">=", 1.99)]
+
+
+# ---------------------------------------------------------------------- row 8
+def server_rss_16_fetchers(repeats: int, size: int = RSS_SIZE) -> list[Row]:
+    """Row 8: peak server RSS while 16 processes fetch the same version at once.
+
+    A fresh server holding exactly one version (so 'retained' is that version); its VmRSS is
+    sampled every 20 ms during each round. Judged on the worst round.
+    """
+    with ServerProcess("--log-level", "warning") as server, WeightClient(server.address) as client:
+        model = f"rss-{format_size(size)}"
+        version = client.publish(FlatPolicy(size, 4, fill=REFERENCE_FILL), model=model)
+        retained = sum(v.byte_size for v in client.list_versions(model))
+        pid = server.process.pid
+        idle = rss_bytes(pid)
+        log(f"server_rss_16_fetchers: starting {RSS_FETCHERS} byte-level fetcher processes")
+        peaks, spans = [], []
+        with FetchPool(RSS_FETCHERS, server.address, use_torch=False, warm_model=model) as pool:
+            for _ in range(repeats):
+                with PeakRss(pid, interval=0.02) as sampler:
+                    results = pool.fetch_all(model, version)
+                peaks.append(sampler.peak / MB)
+                spans.append((max(r[2] for r in results) - min(r[1] for r in results)) / 1e9)
+                if any(r[3] != retained for r in results):
+                    raise RuntimeError(f"a fetcher received {[r[3] for r in results]} bytes, expected {retained}")
+        hwm = hwm_bytes(pid)
+    limit = retained * 1.1 / MB + 200
+    row = Row("server_rss_16_fetchers", size, "MB", peaks)
+    row.baseline = "limit"
+    row.baseline_value = limit
+    row.note = f"{RSS_FETCHERS} procs; retained {retained / MB:.0f} MB; idle RSS {idle / MB:.0f} MB"
+    row.extra = {
+        "retained_bytes": retained,
+        "limit_mb": limit,
+        "idle_rss_mb": idle / MB,
+        "server_hwm_mb_incl_publish": hwm / MB,
+        "round_seconds": spans,
+        "aggregate_gbps": [gbps(RSS_FETCHERS * retained, s) for s in spans],
+    }
+    return [row.judge(max(peaks) / limit, "<=", 1.0, target="max <= 1.1x retained + 200MB")]
+
+
+# ---------------------------------------------------------------------- row 9
+def collector_peak_memory(ctx: Context, size: int) -> list[Row]:
+    """Row 9: peak RSS increase of a fresh collector process during one fetch + copy into its
+    live policy (allocated before the baseline reading), vs the model size. Worst run judged."""
+    model, version, shapes = ctx.reference(size)
+    increases, reports = [], []
+    for _ in range(ctx.repeats):
+        results = SPAWN.Queue()
+        probe = SPAWN.Process(
+            target=workers.memory_probe,
+            args=(ctx.address, model, version, shapes, REFERENCE_FILL, results),
+            daemon=True,
+        )
+        probe.start()
+        try:
+            report = results.get(timeout=300)
+        except queue.Empty:
+            raise TimeoutError("memory probe did not report") from None
+        finally:
+            probe.join(30)
+        reports.append(report)
+        increases.append(report["increase"] / MB)
+    row = Row("collector_peak_memory", size, "MB", increases)
+    row.baseline = "model size"
+    row.baseline_value = size / MB
+    row.note = "fresh process per run: peak RSS - RSS before fetch"
+    row.extra = {"probes": reports}
+    if not all(r["verified"] for r in reports):
+        row.note += "; WRONG WEIGHTS after fetch"
+    return [row.judge(max(increases) / (size / MB), "<=", 1.2, target="max ratio <= 1.2x")]
+
+
+SIZED_ROWS: dict[str, Callable[[Context, int], list[Row]]] = {
+    "fetch_live_policy": fetch_live_policy,
+    "fetch_shm_vs_gloo": fetch_shm_vs_gloo,
+    "publish_blocked": publish_blocked,
+    "fanout_8": fanout_8,
+    "delta_bytes": delta_bytes,
+    "cast_bf16_bytes": cast_bf16_bytes,
+    "collector_peak_memory": collector_peak_memory,
+}
+ROW_ORDER = [
+    "fetch_live_policy",
+    "fetch_shm_vs_gloo",
+    "publish_blocked",
+    "publish_blocked_async",
+    "fanout_8",
+    "watch_latency",
+    "delta_bytes",
+    "cast_bf16_bytes",
+    "server_rss_16_fetchers",
+    "collector_peak_memory",
+]
+# The in-run baselines each row is compared with (measured only when a selected row needs one).
+NEEDS = {
+    "fetch_live_policy": ["raw_tcp"],
+    "fetch_shm_vs_gloo": ["gloo_broadcast"],
+    "publish_blocked": ["memcpy"],
+}

@@ -1,0 +1,168 @@
+"""Benchmark suite for weightserver: every row against a baseline measured in the same run.
+
+    .venv/bin/python bench/run.py [--sizes 16MiB,256MiB] [--large] [--repeats 5]
+                                  [--json bench/results.json] [--only ROW,ROW]
+
+Prints a table (median of the repeats, min-max, unit, the baseline's median, the ratio, the
+target and PASS/FAIL) and writes every raw sample to JSON. Progress goes to stderr. Rows whose
+feature does not exist yet print "n/a (not implemented)". Baselines: memcpy, raw_tcp,
+gloo_broadcast, torchrl_shared_mem (see bench/baselines.py); rows: see bench/rows.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # `bench` is a package; spawned children inherit sys.path
+
+# Module level stays standard library + bench.common: spawned children re-import this file.
+from bench.common import GiB, Row, format_size, log, parse_size  # noqa: E402
+
+BASELINES = ["memcpy", "raw_tcp", "gloo_broadcast", "torchrl_shared_mem"]
+ALIASES = {"publish_blocked_async": "publish_blocked", "single_collector": "fanout_8"}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from bench.rows import ROW_ORDER
+
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--sizes", default="16MiB,256MiB", help="comma-separated sizes (default: %(default)s)")
+    parser.add_argument("--large", action="store_true", help="also run at 1GiB")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per row and size (default: 5)")
+    parser.add_argument("--json", type=Path, default=REPO / "bench" / "results.json", help="raw results file")
+    parser.add_argument("--only", default="", help=f"comma-separated rows: {', '.join(BASELINES + ROW_ORDER)}")
+    args = parser.parse_args(argv)
+    args.sizes = sorted({parse_size(s) for s in args.sizes.split(",") if s.strip()} | ({GiB} if args.large else set()))
+    known = set(BASELINES) | set(ROW_ORDER)
+    args.only = [name.strip() for name in args.only.split(",") if name.strip()]
+    unknown = [name for name in args.only if name not in known]
+    if unknown:
+        parser.error(f"unknown row(s) {', '.join(unknown)}; choose from {', '.join(BASELINES + ROW_ORDER)}")
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+    return args
+
+
+def guarded(name: str, size: int | None, fn: Callable[..., list[Row]], *args: object) -> list[Row]:
+    """Run one measurement; a failure becomes an ERROR row instead of ending the suite."""
+    label = f"{name} {format_size(size) if size else ''}".strip()
+    log(f"{label}: running")
+    started = time.perf_counter()
+    try:
+        rows = fn(*args)
+    except Exception as exc:
+        traceback.print_exc(file=sys.stderr)
+        rows = [Row(name, size, "-", status="error", note=f"{type(exc).__name__}: {exc}"[:300])]
+    for row in rows:
+        summary = f"{row.median:.4g} {row.unit}" if row.status == "ok" and row.samples else row.status
+        ratio = f", ratio {row.ratio:.3g}x" if row.ratio is not None else ""
+        took = time.perf_counter() - started
+        log(f"{row.name} {format_size(row.size) if row.size else ''}: {summary}{ratio} ({took:.1f}s)")
+    return rows
+
+
+def environment() -> dict[str, object]:
+    """What the numbers depend on: versions, cores, load, commit."""
+    import grpc
+    import torch
+
+    def git(*cmd: str) -> str:
+        try:
+            return subprocess.run(["git", *cmd], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
+        except OSError:
+            return ""
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "grpcio": grpc.__version__,
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "git_head": git("rev-parse", "HEAD"),
+        "git_dirty": bool(git("status", "--porcelain")),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from bench import baselines, rows
+    from weightclient import WeightClient
+    from weightserver.process import ServerProcess
+
+    wanted = {ALIASES.get(name, name) for name in args.only} or set(BASELINES) | set(rows.ROW_ORDER)
+    needed = {b for b in BASELINES if b in wanted}
+    for row in wanted:
+        needed |= set(rows.NEEDS.get(row, []))
+    started, load_start = time.perf_counter(), os.getloadavg()
+    if load_start[0] > 0.5:
+        log(f"warning: load average {load_start[0]:.2f} at start: other work shares the 2 cores")
+    log(f"sizes {', '.join(format_size(s) for s in args.sizes)}; repeats {args.repeats}; rows {sorted(wanted)}")
+    results: list[Row] = []
+    measured: dict[tuple[str, int], Row] = {}
+
+    for name in ("memcpy", "raw_tcp", "gloo_broadcast"):
+        if name in needed:
+            for size in args.sizes:
+                for row in guarded(name, size, getattr(baselines, name), size, args.repeats):
+                    measured[(name, size)] = row
+                    results.append(row)
+    if "torchrl_shared_mem" in needed:
+        results += guarded("torchrl_shared_mem", None, baselines.torchrl_shared_mem, args.sizes, args.repeats)
+
+    server_rows = [r for r in rows.ROW_ORDER if r in wanted and (r in rows.SIZED_ROWS or r == "watch_latency")]
+    if server_rows:
+        with ServerProcess() as server, WeightClient(server.address) as client:
+            log(f"server pid {server.process.pid} on {server.address}, log {server.log_path}")
+            ctx = rows.Context(server, client, args.repeats, baselines=measured)
+            try:
+                for name in server_rows:
+                    if name == "watch_latency":
+                        results += guarded(name, None, rows.watch_latency, ctx)
+                        continue
+                    for size in args.sizes:
+                        results += guarded(name, size, rows.SIZED_ROWS[name], ctx, size)
+            finally:
+                ctx.close()
+    if "server_rss_16_fetchers" in wanted:
+        results += guarded("server_rss_16_fetchers", rows.RSS_SIZE, rows.server_rss_16_fetchers, args.repeats)
+
+    elapsed = time.perf_counter() - started
+    order = {name: i for i, name in enumerate([*BASELINES, "single_collector", *rows.ROW_ORDER])}
+    results.sort(key=lambda r: (r.kind != "baseline", order.get(r.name, 99), r.size or 0))
+    from bench.report import format_table, write_json
+
+    print(format_table(results))
+    print(f"\n{len(results)} rows in {elapsed:.0f}s; repeats {args.repeats}; load average {load_start[0]:.2f} at start")
+    meta = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "elapsed_seconds": elapsed,
+        "sizes": args.sizes,
+        "repeats": args.repeats,
+        "only": sorted(wanted),
+        "loadavg_start": load_start,
+        "loadavg_end": os.getloadavg(),
+        "fetch_parameters": list(rows.fetch_parameters()),
+        **environment(),
+    }
+    write_json(args.json, results, meta)
+    log(f"wrote {args.json}")
+    return 1 if any(r.status == "error" for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""Entry points of the benchmark's child processes (started with multiprocessing "spawn").
+
+Only the standard library is imported at module level, so children that need no torch (the
+raw TCP sender, byte-level fetchers, the watcher) start in a fraction of a second; torch and
+the clients are imported inside the functions that use them.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import socket
+import time
+from typing import Any
+
+from bench.common import PeakRss, hwm_bytes, rss_bytes
+
+
+def tcp_sender(port: int, nbytes: int, rounds: int) -> None:
+    """Raw TCP baseline, sending side: for each 1-byte 'go' from the receiver,
+    `sendall(memoryview)` of `nbytes` from a buffer whose pages are already resident."""
+    buffer = bytearray(b"\x5a") * nbytes  # filled, so every page is touched
+    view = memoryview(buffer)
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for _ in range(rounds):
+            if not sock.recv(1):
+                return
+            sock.sendall(view)
+
+
+def gloo_rank(rank: int, init_file: str, nbytes: int, repeats: int, results: Any) -> None:
+    """gloo baseline: one of two ranks; rank 0 broadcasts `nbytes` of float32 to rank 1.
+
+    One untimed warm-up broadcast, then `repeats` timed ones, each after a barrier. Rank 1 (the
+    receiver) reports its broadcast durations in seconds, and whether the data arrived.
+    """
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        tensor = torch.full((nbytes // 4,), 1.0 if rank == 0 else 0.0)
+        times = []
+        for i in range(repeats + 1):
+            if rank == 0:
+                tensor.fill_(float(i + 1))
+            dist.barrier()
+            start = time.perf_counter()
+            dist.broadcast(tensor, src=0)
+            elapsed = time.perf_counter() - start
+            if i:
+                times.append(elapsed)
+        if rank == 1:
+            ok = bool(tensor[0] == repeats + 1 and tensor[-1] == repeats + 1)
+            results.put({"seconds": times, "verified": ok})
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def fetch_worker(
+    index: int, address: str, use_torch: bool, warm_model: str | None, commands: Any, results: Any, barrier: Any
+) -> None:
+    """A long-lived fetching collector for the fan-out and server-memory rows.
+
+    With `use_torch` it fetches through `WeightClient.fetch` (tensors viewing the received
+    buffer, as a collector would get them); otherwise through the byte-level
+    `WeightServiceClient.fetch_bytes` (no torch import, for the 16-fetcher memory row).
+    Commands: ("fetch", model, version, wait_for_barrier) or None to exit. Each fetch reports
+    (index, start time_ns, end time_ns, bytes received); times come from time.time_ns() so
+    they compare across processes.
+    """
+    if use_torch:
+        from weightclient import WeightClient
+
+        client: Any = WeightClient(address)
+        fetch = client.fetch
+    else:
+        from weightclient.service_client import WeightServiceClient
+
+        client = WeightServiceClient(address)
+        fetch = client.fetch_bytes
+    if warm_model:
+        client.latest(warm_model)  # connect the channel before anything is timed
+    results.put(("ready", index))
+    while (command := commands.get()) is not None:
+        _, model, version, synchronized = command
+        if synchronized:
+            barrier.wait()
+        start = time.time_ns()
+        fetched = fetch(model, version=version)
+        end = time.time_ns()
+        received = len(fetched.data)
+        del fetched
+        results.put((index, start, end, received))
+    client.close()
+
+
+def watcher(address: str, model: str, since: int, count: int, results: Any, timeout: float) -> None:
+    """Watch `model` from `since`, stamping each event with time.time_ns() on arrival.
+
+    Puts ("subscribed", version) after the first event (the version published before the
+    watcher started, replayed from `since`), then a list of (version, arrival time_ns) once
+    `count` further events arrived.
+    """
+    from weightclient.service_client import WeightServiceClient
+
+    arrivals: list[tuple[int, int]] = []
+    with WeightServiceClient(address) as client:
+        for event in client.watch(model, since=since, timeout=timeout):
+            arrivals.append((event.version, time.time_ns()))
+            if len(arrivals) == 1:
+                results.put(("subscribed", event.version))
+            elif len(arrivals) > count:
+                break
+    results.put(arrivals[1:])
+
+
+def memory_probe(address: str, model: str, version: int, shapes: list[int], expected: float, results: Any) -> None:
+    """Peak RSS increase of a fresh collector process during one fetch into a live policy.
+
+    The live policy is allocated (and its pages touched) and the channel connected before the
+    baseline reading. A thread samples VmRSS every 5 ms during fetch + `p.copy_`; VmHWM is
+    read too and used when it rose during the fetch (it cannot miss a short peak).
+    """
+    import torch
+
+    from bench.models import copy_into, policy_from_shapes
+    from weightclient import WeightClient
+
+    torch.set_num_threads(1)
+    policy = policy_from_shapes(shapes, fill=-1.0)
+    client = WeightClient(address)
+    client.describe(model, version)
+    gc.collect()
+    before_rss, before_hwm = rss_bytes(), hwm_bytes()
+    with PeakRss(os.getpid(), interval=0.005) as sampler:
+        result = client.fetch(model, version=version)
+        copy_into(policy, result.tensors)
+        del result
+        gc.collect()
+    after_rss, after_hwm = rss_bytes(), hwm_bytes()
+    peak = max(sampler.peak, after_hwm if after_hwm > before_hwm else 0)
+    results.put(
+        {
+            "before_rss": before_rss,
+            "peak_rss": peak,
+            "after_rss": after_rss,
+            "sampled_peak": sampler.peak,
+            "samples": sampler.count,
+            "hwm_before": before_hwm,
+            "hwm_after": after_hwm,
+            "increase": peak - before_rss,
+            "verified": bool(policy.w0[0].item() == expected),
+        }
+    )
+    client.close()

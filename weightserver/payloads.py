@@ -1,0 +1,172 @@
+"""Payloads: the bytes a fetch sends, derived from a version once and shared by every fetcher.
+
+A payload is a safetensors file: the version itself, a delta (only the tensors whose xxh3
+differs from a base version's), a cast (float32 tensors as bfloat16 or float16), or both.
+Derived payloads are built once per (version, base, dtype), even when many collectors ask at
+the same moment, and cached within a byte budget. Casting uses numpy; no torch.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import xxhash
+
+from weightserver.errors import InvalidRequest
+from weightserver.safetensors_format import DTYPE_SIZES, SafetensorsHeader, TensorEntry, build_header
+
+CAST_TARGETS = ("BF16", "F16")
+
+
+def xxh3_hex(data: bytes | bytearray | memoryview) -> str:
+    return xxhash.xxh3_128_hexdigest(data)
+
+
+def tensor_digests(data: bytes | bytearray | memoryview, header: SafetensorsHeader) -> dict[str, str]:
+    """xxh3-128 of each tensor's bytes, by name."""
+    view = memoryview(data)
+    start = header.data_start
+    return {t.name: xxh3_hex(view[start + t.begin : start + t.end]) for t in header.tensors}
+
+
+@dataclass(frozen=True)
+class Payload:
+    """A safetensors file to send, and what it is relative to the version it came from."""
+
+    data: bytes | bytearray | memoryview = field(repr=False)
+    xxh3: str
+    base_version: int = 0
+    dtype: str = ""
+
+    @property
+    def byte_size(self) -> int:
+        return len(self.data)
+
+
+def cast_f32(data: memoryview, dtype: str) -> bytes:
+    """Little-endian float32 bytes -> `dtype` bytes, rounding to nearest even like torch."""
+    import numpy as np  # only servers that cast pay for the import
+
+    values = np.frombuffer(data, dtype="<f4")
+    if dtype == "F16":
+        return values.astype("<f2").tobytes()
+    bits = values.view("<u4")
+    rounded = ((bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16).astype("<u2")
+    nan = np.isnan(values)
+    if nan.any():  # rounding could carry a NaN's payload into infinity: keep it a quiet NaN
+        rounded[nan] = ((bits[nan] >> 16) & 0x8000).astype("<u2") | 0x7FC0
+    return rounded.tobytes()
+
+
+def derive(
+    data: bytes | bytearray | memoryview,
+    header: SafetensorsHeader,
+    *,
+    keep: Callable[[TensorEntry], bool] | None = None,
+    dtype: str = "",
+) -> bytes:
+    """A new safetensors file with the tensors `keep` selects, float32 ones cast to `dtype`."""
+    view = memoryview(data)
+    start = header.data_start
+    selected: list[tuple[TensorEntry, str, memoryview | bytes]] = []
+    for entry in header.tensors:
+        if keep is not None and not keep(entry):
+            continue
+        raw = view[start + entry.begin : start + entry.end]
+        if dtype and entry.dtype == "F32":
+            selected.append((entry, dtype, cast_f32(raw, dtype)))
+        else:
+            selected.append((entry, entry.dtype, raw))
+    # Largest elements first keeps every tensor aligned, as in our own encoder.
+    selected.sort(key=lambda item: (-DTYPE_SIZES[item[1]], item[0].name))
+    prefix, _ = build_header((e.name, d, e.shape, len(raw)) for e, d, raw in selected)
+    out = bytearray(len(prefix) + sum(len(raw) for _, _, raw in selected))
+    out[: len(prefix)] = prefix
+    position = len(prefix)
+    for _, _, raw in selected:
+        out[position : position + len(raw)] = raw
+        position += len(raw)
+    return bytes(out)
+
+
+class PayloadCache:
+    """Builds derived payloads once and keeps them within `max_bytes` (least recently used
+    dropped first). Concurrent requests for the same payload wait for the one build."""
+
+    def __init__(self, max_bytes: int = 1 << 30) -> None:
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[tuple[str, int, int, str], Payload] = OrderedDict()
+        self._building: dict[tuple[str, int, int, str], threading.Event] = {}
+        self.builds = 0  # how many payloads were derived (a cast happens once per version)
+
+    @property
+    def cached_bytes(self) -> int:
+        with self._lock:
+            return sum(p.byte_size for p in self._entries.values())
+
+    def get(self, target, base=None, dtype: str = "") -> Payload:
+        """The payload for `target` (a store Version): a delta against `base` (a Version of
+        the same model, or None) and/or a cast to `dtype`."""
+        if dtype and dtype not in CAST_TARGETS:
+            raise InvalidRequest(f"cannot cast to {dtype!r}: choose one of {', '.join(CAST_TARGETS)} or ''")
+        if base is not None and not _compatible(base, target):
+            base = None  # tensors do not line up: send everything
+        if base is None and not dtype:
+            return Payload(target.data, target.xxh3)
+        key = (target.model, target.version, base.version if base is not None else 0, dtype)
+        while True:
+            with self._lock:
+                payload = self._entries.get(key)
+                if payload is not None:
+                    self._entries.move_to_end(key)
+                    return payload
+                waiter = self._building.get(key)
+                if waiter is None:
+                    self._building[key] = threading.Event()
+                    break
+            waiter.wait()
+        try:
+            payload = self._build(target, base, dtype)
+            with self._lock:
+                self.builds += 1
+                self._entries[key] = payload
+                self._trim()
+            return payload
+        finally:
+            with self._lock:
+                self._building.pop(key).set()
+
+    def keys(self) -> list[tuple[str, int, int, str]]:
+        with self._lock:
+            return list(self._entries)
+
+    def forget(self, model: str, version: int) -> None:
+        """Drop every payload derived from (or against) an evicted version."""
+        with self._lock:
+            for key in [k for k in self._entries if k[0] == model and version in (k[1], k[2])]:
+                del self._entries[key]
+
+    def _trim(self) -> None:
+        total = sum(p.byte_size for p in self._entries.values())
+        while total > self.max_bytes and len(self._entries) > 1:
+            _, dropped = self._entries.popitem(last=False)
+            total -= dropped.byte_size
+
+    @staticmethod
+    def _build(target, base, dtype: str) -> Payload:
+        if base is not None:
+            unchanged = {name for name, digest in target.tensor_xxh3.items() if base.tensor_xxh3.get(name) == digest}
+            data = derive(target.data, target.header, keep=lambda e: e.name not in unchanged, dtype=dtype)
+        else:
+            data = derive(target.data, target.header, dtype=dtype)
+        return Payload(data, xxh3_hex(data), base.version if base is not None else 0, dtype)
+
+
+def _compatible(base, target) -> bool:
+    """A delta needs the same tensor names, dtypes and shapes in both versions."""
+    layout = {(t.name, t.dtype, t.shape) for t in target.header.tensors}
+    return layout == {(t.name, t.dtype, t.shape) for t in base.header.tensors}

@@ -1,0 +1,63 @@
+"""SharedMemoryFiles: payloads as files under a shared-memory directory (/dev/shm).
+
+A collector on the same host (or sharing a /dev/shm volume in compose) reads the file named in
+the fetch reply straight into its buffer instead of receiving a stream: a page-cache copy
+instead of a socket. Each payload is written once (temp file + rename, so readers never see a
+partial file) and removed when its version is evicted. The client verifies the file's xxh3
+and falls back to streaming if it cannot open it or the digest differs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def default_shm_dir(port: int) -> Path | None:
+    """/dev/shm/weightserver-<port>-<pid> where /dev/shm exists, else None (disabled)."""
+    root = Path("/dev/shm")
+    return root / f"weightserver-{port}-{os.getpid()}" if root.is_dir() else None
+
+
+class SharedMemoryFiles:
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._files: dict[tuple[str, int, int, str], Path] = {}
+
+    def path_for(self, key: tuple[str, int, int, str], data: bytes | bytearray | memoryview) -> Path:
+        """The file holding `data` for payload `key` (model, version, base, dtype), written once."""
+        with self._lock:
+            path = self._files.get(key)
+            if path is not None and path.exists():
+                return path
+            model, version, base, dtype = key
+            suffix = (f"-delta{base}" if base else "") + (f"-{dtype}" if dtype else "")
+            path = self.directory / model / f"{version:012d}{suffix}.safetensors"
+            path.parent.mkdir(exist_ok=True)
+            tmp = path.with_name(path.name + ".tmp")
+            with open(tmp, "wb") as f:
+                f.write(memoryview(data))
+            os.chmod(tmp, 0o644)
+            tmp.replace(path)
+            self._files[key] = path
+            return path
+
+    def keys(self) -> list[tuple[str, int, int, str]]:
+        with self._lock:
+            return list(self._files)
+
+    def forget(self, model: str, version: int) -> None:
+        """Remove the files of every payload derived from (or against) `version`."""
+        with self._lock:
+            for key in [k for k in self._files if k[0] == model and version in (k[1], k[2])]:
+                self._files.pop(key).unlink(missing_ok=True)
+
+    def close(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
