@@ -10,6 +10,7 @@ import multiprocessing
 import queue
 import time
 from types import TracebackType
+from typing import Any
 
 from bench import workers
 
@@ -19,7 +20,15 @@ SPAWN = multiprocessing.get_context("spawn")
 class FetchPool:
     """`count` processes, each with its own client of the server at `address`."""
 
-    def __init__(self, count: int, address: str, *, use_torch: bool, warm_model: str | None = None) -> None:
+    def __init__(
+        self,
+        count: int,
+        address: str,
+        *,
+        use_torch: bool,
+        warm_model: str | None = None,
+        fetch_kwargs: dict[str, Any] | None = None,
+    ) -> None:
         self.count = count
         self.results = SPAWN.Queue()
         self.barrier = SPAWN.Barrier(count)
@@ -27,7 +36,16 @@ class FetchPool:
         self.processes = [
             SPAWN.Process(
                 target=workers.fetch_worker,
-                args=(i, address, use_torch, warm_model, self.commands[i], self.results, self.barrier),
+                args=(
+                    i,
+                    address,
+                    use_torch,
+                    warm_model,
+                    fetch_kwargs or {},
+                    self.commands[i],
+                    self.results,
+                    self.barrier,
+                ),
                 daemon=True,
                 name=f"bench-fetcher-{i}",
             )
@@ -46,12 +64,12 @@ class FetchPool:
     def pids(self) -> list[int]:
         return [p.pid for p in self.processes if p.pid is not None]
 
-    def fetch_one(self, index: int, model: str, version: int, timeout: float = 300.0) -> tuple[int, int, int, int]:
-        """Worker `index` alone fetches once; returns (index, start_ns, end_ns, bytes)."""
+    def fetch_one(self, index: int, model: str, version: int, timeout: float = 300.0) -> tuple[int, int, int, int, str]:
+        """Worker `index` alone fetches once; returns (index, start_ns, end_ns, bytes, transport)."""
         self.commands[index].put(("fetch", model, version, False))
         return self._collect(1, timeout)[0]
 
-    def fetch_all(self, model: str, version: int, timeout: float = 600.0) -> list[tuple[int, int, int, int]]:
+    def fetch_all(self, model: str, version: int, timeout: float = 600.0) -> list[tuple[int, int, int, int, str]]:
         """Every worker fetches at once (released together by the barrier)."""
         for commands in self.commands:
             commands.put(("fetch", model, version, True))

@@ -43,6 +43,7 @@ class Context:
     server: ServerProcess
     client: WeightClient
     repeats: int
+    transport: str = "bulk"
     baselines: dict[tuple[str, int], Row] = field(default_factory=dict)
     references: dict[int, tuple[str, int, list[int]]] = field(default_factory=dict)
     fanout_pool: FetchPool | None = None
@@ -72,9 +73,26 @@ class Context:
 
 
 # ---------------------------------------------------------------------- helpers
+def _fetch_bytes_parameters() -> dict[str, inspect.Parameter]:
+    from weightclient.service_client import WeightServiceClient
+
+    return dict(inspect.signature(WeightServiceClient.fetch_bytes).parameters)
+
+
 def fetch_parameters() -> dict[str, inspect.Parameter]:
     """The parameters of `WeightClient.fetch` as it is now (feature detection)."""
     return dict(inspect.signature(WeightClient.fetch).parameters)
+
+
+def transport_kwargs(transport: str | None) -> dict[str, str]:
+    """`{"transport": transport}` if `WeightClient.fetch` takes one; {} for a client without
+    transports (everything then goes over the gRPC stream)."""
+    return {"transport": transport} if transport and "transport" in fetch_parameters() else {}
+
+
+def used_transport(result: Any) -> str:
+    """The transport that carried a fetch (`result.stats.transport`), "stream" if not reported."""
+    return str(getattr(getattr(result, "stats", None), "transport", None) or "stream")
 
 
 def wire_bytes(result: Any) -> int | None:
@@ -107,34 +125,43 @@ def compare(row: Row, base: Row | None, op: str, threshold: float, *, time_based
     return row.judge(row.median / base.median, op, threshold)
 
 
-def live_fetch_row(name: str, ctx: Context, size: int, fetch: Callable[[str, int], Any]) -> Row:
-    """Time `fetch(model, version)` + `p.copy_` into a live policy, in GB/s of parameters."""
+def live_fetch_row(name: str, ctx: Context, size: int, transport: str | None) -> Row:
+    """Time `WeightClient.fetch` + `p.copy_` into a live policy, in GB/s of parameters.
+
+    The transport actually used (it may fall back) is read from each result and reported.
+    """
     model, version, shapes = ctx.reference(size)
+    kwargs = transport_kwargs(transport)
     policy = policy_from_shapes(shapes, fill=-1.0)
-    copy_into(policy, fetch(model, version).state_dict())  # warm-up: channel, allocator
+    copy_into(policy, ctx.client.fetch(model, version=version, **kwargs).state_dict())  # warm-up
     with torch.no_grad():
         for param in policy.parameters():
             param.fill_(-1.0)
-    seconds, wires = [], []
+    seconds, wires, used = [], [], []
     for _ in range(ctx.repeats):
         start = time.perf_counter()
-        result = fetch(model, version)
+        result = ctx.client.fetch(model, version=version, **kwargs)
         copy_into(policy, result.state_dict())
         seconds.append(time.perf_counter() - start)
         wires.append(wire_bytes(result))
+        used.append(used_transport(result))
         del result
     row = Row(name, size, "GB/s", [gbps(size, s) for s in seconds])
-    row.extra = {"seconds": seconds, "wire_bytes": wires, "verified": holds_reference(policy), "version": version}
-    if not row.extra["verified"]:
-        row.note = "WRONG WEIGHTS after fetch"
+    verified = holds_reference(policy)
+    row.extra = {"seconds": seconds, "wire_bytes": wires, "transports": used, "verified": verified, "version": version}
+    asked = kwargs.get("transport", "none (old client)")
+    row.note = f"fetch(transport={asked}) + p.copy_ into live policy; used {'/'.join(sorted(set(used)))}"
+    if transport and kwargs and set(used) != {transport}:
+        row.note += f"; FELL BACK from {transport}"
+    if not verified:
+        row.note += "; WRONG WEIGHTS after fetch"
     return row
 
 
 # ---------------------------------------------------------------------- rows 1-2
 def fetch_live_policy(ctx: Context, size: int) -> list[Row]:
-    """Row 1: WeightClient.fetch + copy into a live policy, vs raw loopback TCP."""
-    row = live_fetch_row("fetch_live_policy", ctx, size, lambda m, v: ctx.client.fetch(m, version=v))
-    row.note = row.note or "fetch + p.copy_ into live policy (4 fp32 tensors)"
+    """Row 1: WeightClient.fetch over the network path + copy into a live policy, vs raw TCP."""
+    row = live_fetch_row("fetch_live_policy", ctx, size, ctx.transport)
     return [compare(row, ctx.baseline("raw_tcp", size), ">=", 0.7)]
 
 
@@ -143,8 +170,7 @@ def fetch_shm_vs_gloo(ctx: Context, size: int) -> list[Row]:
     if "transport" not in fetch_parameters():
         why = "WeightClient.fetch has no transport="
         return [not_available("fetch_shm_vs_gloo", size, "GB/s", "ratio >= 1.5x", why)]
-    row = live_fetch_row("fetch_shm_vs_gloo", ctx, size, lambda m, v: ctx.client.fetch(m, version=v, transport="shm"))
-    row.note = row.note or 'fetch(transport="shm") + p.copy_ into live policy'
+    row = live_fetch_row("fetch_shm_vs_gloo", ctx, size, "shm")
     return [compare(row, ctx.baseline("gloo_broadcast", size), ">=", 1.5)]
 
 
@@ -196,11 +222,12 @@ def fanout_8(ctx: Context, size: int) -> list[Row]:
     model, version, _ = ctx.reference(size)
     if ctx.fanout_pool is None:
         log(f"fanout_8: starting {FANOUT} collector processes (WeightClient each)")
-        ctx.fanout_pool = FetchPool(FANOUT, ctx.address, use_torch=True, warm_model=model).start()
+        kwargs = transport_kwargs(ctx.transport)
+        ctx.fanout_pool = FetchPool(FANOUT, ctx.address, use_torch=True, warm_model=model, fetch_kwargs=kwargs).start()
     pool = ctx.fanout_pool
     single = []
     for i in range(ctx.repeats + 1):  # the first fetch is a warm-up
-        _, start, end, _ = pool.fetch_one(0, model, version)
+        _, start, end, *_ = pool.fetch_one(0, model, version)
         if i:
             single.append((end - start) / 1e9)
     aggregate, per_worker = [], []
@@ -211,11 +238,12 @@ def fanout_8(ctx: Context, size: int) -> list[Row]:
             aggregate.append(span)
             per_worker.append([(r[2] - r[1]) / 1e9 for r in sorted(results)])
     received_bytes = results[0][3]
+    used = sorted({r[4] for r in results})
     base = Row("single_collector", size, "GB/s", [gbps(received_bytes, s) for s in single], kind="baseline")
-    base.note = "one fan-out process alone, WeightClient.fetch"
+    base.note = f"one fan-out process alone, WeightClient.fetch; via {'/'.join(used)}"
     base.extra = {"seconds": single}
     row = Row("fanout_8", size, "GB/s", [gbps(FANOUT * received_bytes, s) for s in aggregate])
-    row.note = f"aggregate: {FANOUT} x fetch / (last end - first start)"
+    row.note = f"aggregate: {FANOUT} x fetch / (last end - first start); via {'/'.join(used)}"
     row.extra = {"span_seconds": aggregate, "per_worker_seconds": per_worker, "bytes_per_fetch": received_bytes}
     return [base, compare(row, base, ">=", 0.8)]
 
@@ -282,22 +310,24 @@ def delta_bytes(ctx: Context, size: int) -> list[Row]:
     client, model = ctx.client, f"delta-{format_size(size)}"
     numel = size // 4 // DELTA_TENSORS
     weights = {f"t{i:02d}": torch.full((numel,), float(i)) for i in range(DELTA_TENSORS)}
+    kwargs = transport_kwargs(ctx.transport)
     version = client.publish(weights, model=model)
-    full = client.fetch(model, version=version)
+    full = client.fetch(model, version=version, **kwargs)
     full_wire = wire_bytes(full)
     if full_wire is None:
         return [not_available("delta_bytes", size, "x", target, "FetchResult has no stats.wire_bytes")]
     annotation = str(fetch_parameters()["base"].annotation)
-    pass_result = "FetchResult" in annotation and "int" not in annotation
+    pass_result = "FetchResult" in annotation  # a complete result; else a version number
     base: Any = full if pass_result else version
     ratios, deltas, correct = [], [], True
     for r in range(ctx.repeats):
         changed = f"t{r % DELTA_TENSORS:02d}"
         weights[changed].add_(1.0)
         version = client.publish(weights, model=model)
-        delta = client.fetch(model, version=version, base=base)
+        delta = client.fetch(model, version=version, base=base, **kwargs)
         got = delta.state_dict()
-        correct &= torch.equal(got[changed], weights[changed]) and torch.equal(got["t49"], weights["t49"])
+        correct &= torch.equal(got[changed], weights[changed])
+        correct &= "t49" not in got or torch.equal(got["t49"], weights["t49"])
         deltas.append(wire_bytes(delta) or 0)
         ratios.append(full_wire / deltas[-1] if deltas[-1] else float("inf"))
         base = delta if pass_result else version
@@ -315,12 +345,15 @@ def cast_bf16_bytes(ctx: Context, size: int) -> list[Row]:
     if missing:
         return [missing]
     model, version, _ = ctx.reference(size)
-    full_wire = wire_bytes(ctx.client.fetch(model, version=version))
+    kwargs = transport_kwargs(ctx.transport)
+    annotation = str(fetch_parameters()["dtype"].annotation)
+    dtype: Any = "BF16" if "str" in annotation else torch.bfloat16  # the client takes a name or a dtype
+    full_wire = wire_bytes(ctx.client.fetch(model, version=version, **kwargs))
     if full_wire is None:
         return [not_available("cast_bf16_bytes", size, "x", target, "FetchResult has no stats.wire_bytes")]
     ratios, casts, dtypes = [], [], set()
     for _ in range(ctx.repeats):
-        cast = ctx.client.fetch(model, version=version, dtype=torch.bfloat16)
+        cast = ctx.client.fetch(model, version=version, dtype=dtype, **kwargs)
         casts.append(wire_bytes(cast) or 0)
         ratios.append(full_wire / casts[-1] if casts[-1] else float("inf"))
         dtypes |= {str(t.dtype) for t in cast.state_dict().values()}
@@ -330,7 +363,7 @@ def cast_bf16_bytes(ctx: Context, size: int) -> list[Row]:
 
 
 # ---------------------------------------------------------------------- row 8
-def server_rss_16_fetchers(repeats: int, size: int = RSS_SIZE) -> list[Row]:
+def server_rss_16_fetchers(repeats: int, transport: str | None, size: int = RSS_SIZE) -> list[Row]:
     """Row 8: peak server RSS while 16 processes fetch the same version at once.
 
     A fresh server holding exactly one version (so 'retained' is that version); its VmRSS is
@@ -344,12 +377,15 @@ def server_rss_16_fetchers(repeats: int, size: int = RSS_SIZE) -> list[Row]:
         idle = rss_bytes(pid)
         log(f"server_rss_16_fetchers: starting {RSS_FETCHERS} byte-level fetcher processes")
         peaks, spans = [], []
-        with FetchPool(RSS_FETCHERS, server.address, use_torch=False, warm_model=model) as pool:
+        kwargs = {"transport": transport} if transport and "transport" in _fetch_bytes_parameters() else {}
+        used: set[str] = set()
+        with FetchPool(RSS_FETCHERS, server.address, use_torch=False, warm_model=model, fetch_kwargs=kwargs) as pool:
             for _ in range(repeats):
                 with PeakRss(pid, interval=0.02) as sampler:
                     results = pool.fetch_all(model, version)
                 peaks.append(sampler.peak / MB)
                 spans.append((max(r[2] for r in results) - min(r[1] for r in results)) / 1e9)
+                used |= {r[4] for r in results}
                 if any(r[3] != retained for r in results):
                     raise RuntimeError(f"a fetcher received {[r[3] for r in results]} bytes, expected {retained}")
         hwm = hwm_bytes(pid)
@@ -357,7 +393,10 @@ def server_rss_16_fetchers(repeats: int, size: int = RSS_SIZE) -> list[Row]:
     row = Row("server_rss_16_fetchers", size, "MB", peaks)
     row.baseline = "limit"
     row.baseline_value = limit
-    row.note = f"{RSS_FETCHERS} procs; retained {retained / MB:.0f} MB; idle RSS {idle / MB:.0f} MB"
+    row.note = (
+        f"{RSS_FETCHERS} procs via {'/'.join(sorted(used))}; retained {retained / MB:.0f} MB; "
+        f"idle RSS {idle / MB:.0f} MB"
+    )
     row.extra = {
         "retained_bytes": retained,
         "limit_mb": limit,
@@ -379,7 +418,7 @@ def collector_peak_memory(ctx: Context, size: int) -> list[Row]:
         results = SPAWN.Queue()
         probe = SPAWN.Process(
             target=workers.memory_probe,
-            args=(ctx.address, model, version, shapes, REFERENCE_FILL, results),
+            args=(ctx.address, model, version, shapes, REFERENCE_FILL, transport_kwargs(ctx.transport), results),
             daemon=True,
         )
         probe.start()
@@ -394,7 +433,8 @@ def collector_peak_memory(ctx: Context, size: int) -> list[Row]:
     row = Row("collector_peak_memory", size, "MB", increases)
     row.baseline = "model size"
     row.baseline_value = size / MB
-    row.note = "fresh process per run: peak RSS - RSS before fetch"
+    used = "/".join(sorted({r["transport"] for r in reports}))
+    row.note = f"fresh process per run: peak RSS - RSS before fetch + copy; via {used}"
     row.extra = {"probes": reports}
     if not all(r["verified"] for r in reports):
         row.note += "; WRONG WEIGHTS after fetch"

@@ -43,6 +43,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--large", action="store_true", help="also run at 1GiB")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per row and size (default: 5)")
     parser.add_argument("--json", type=Path, default=REPO / "bench" / "results.json", help="raw results file")
+    parser.add_argument(
+        "--transport",
+        default="bulk",
+        help="transport= for the network rows (fetch_live_policy, fanout_8, delta/cast, memory rows) when the "
+        "client has one: bulk (default: what 'auto' picks for a collector on another host), stream, auto, shm",
+    )
     parser.add_argument("--only", default="", help=f"comma-separated rows: {', '.join(BASELINES + ROW_ORDER)}")
     args = parser.parse_args(argv)
     args.sizes = sorted({parse_size(s) for s in args.sizes.split(",") if s.strip()} | ({GiB} if args.large else set()))
@@ -56,13 +62,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def guarded(name: str, size: int | None, fn: Callable[..., list[Row]], *args: object) -> list[Row]:
+def guarded(name: str, size: int | None, fn: Callable[..., Row | list[Row]], *args: object) -> list[Row]:
     """Run one measurement; a failure becomes an ERROR row instead of ending the suite."""
     label = f"{name} {format_size(size) if size else ''}".strip()
     log(f"{label}: running")
     started = time.perf_counter()
     try:
-        rows = fn(*args)
+        produced = fn(*args)
+        rows = [produced] if isinstance(produced, Row) else produced
     except Exception as exc:
         traceback.print_exc(file=sys.stderr)
         rows = [Row(name, size, "-", status="error", note=f"{type(exc).__name__}: {exc}"[:300])]
@@ -127,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     if server_rows:
         with ServerProcess() as server, WeightClient(server.address) as client:
             log(f"server pid {server.process.pid} on {server.address}, log {server.log_path}")
-            ctx = rows.Context(server, client, args.repeats, baselines=measured)
+            ctx = rows.Context(server, client, args.repeats, transport=args.transport, baselines=measured)
             try:
                 for name in server_rows:
                     if name == "watch_latency":
@@ -138,7 +145,9 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 ctx.close()
     if "server_rss_16_fetchers" in wanted:
-        results += guarded("server_rss_16_fetchers", rows.RSS_SIZE, rows.server_rss_16_fetchers, args.repeats)
+        results += guarded(
+            "server_rss_16_fetchers", rows.RSS_SIZE, rows.server_rss_16_fetchers, args.repeats, args.transport
+        )
 
     elapsed = time.perf_counter() - started
     order = {name: i for i, name in enumerate([*BASELINES, "single_collector", *rows.ROW_ORDER])}
@@ -153,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         "elapsed_seconds": elapsed,
         "sizes": args.sizes,
         "repeats": args.repeats,
+        "transport": args.transport,
         "only": sorted(wanted),
         "loadavg_start": load_start,
         "loadavg_end": os.getloadavg(),

@@ -60,16 +60,24 @@ def gloo_rank(rank: int, init_file: str, nbytes: int, repeats: int, results: Any
 
 
 def fetch_worker(
-    index: int, address: str, use_torch: bool, warm_model: str | None, commands: Any, results: Any, barrier: Any
+    index: int,
+    address: str,
+    use_torch: bool,
+    warm_model: str | None,
+    fetch_kwargs: dict[str, Any],
+    commands: Any,
+    results: Any,
+    barrier: Any,
 ) -> None:
     """A long-lived fetching collector for the fan-out and server-memory rows.
 
     With `use_torch` it fetches through `WeightClient.fetch` (tensors viewing the received
     buffer, as a collector would get them); otherwise through the byte-level
     `WeightServiceClient.fetch_bytes` (no torch import, for the 16-fetcher memory row).
-    Commands: ("fetch", model, version, wait_for_barrier) or None to exit. Each fetch reports
-    (index, start time_ns, end time_ns, bytes received); times come from time.time_ns() so
-    they compare across processes.
+    `fetch_kwargs` go to every fetch (e.g. transport=). Commands: ("fetch", model, version,
+    wait_for_barrier) or None to exit. Each fetch reports (index, start time_ns, end time_ns,
+    bytes received, transport used); times come from time.time_ns(), comparable across
+    processes.
     """
     if use_torch:
         from weightclient import WeightClient
@@ -89,11 +97,12 @@ def fetch_worker(
         if synchronized:
             barrier.wait()
         start = time.time_ns()
-        fetched = fetch(model, version=version)
+        fetched = fetch(model, version=version, **fetch_kwargs)
         end = time.time_ns()
         received = len(fetched.data)
+        transport = getattr(getattr(fetched, "stats", None), "transport", None) or "stream"
         del fetched
-        results.put((index, start, end, received))
+        results.put((index, start, end, received, transport))
     client.close()
 
 
@@ -117,7 +126,15 @@ def watcher(address: str, model: str, since: int, count: int, results: Any, time
     results.put(arrivals[1:])
 
 
-def memory_probe(address: str, model: str, version: int, shapes: list[int], expected: float, results: Any) -> None:
+def memory_probe(
+    address: str,
+    model: str,
+    version: int,
+    shapes: list[int],
+    expected: float,
+    fetch_kwargs: dict[str, Any],
+    results: Any,
+) -> None:
     """Peak RSS increase of a fresh collector process during one fetch into a live policy.
 
     The live policy is allocated (and its pages touched) and the channel connected before the
@@ -136,8 +153,9 @@ def memory_probe(address: str, model: str, version: int, shapes: list[int], expe
     gc.collect()
     before_rss, before_hwm = rss_bytes(), hwm_bytes()
     with PeakRss(os.getpid(), interval=0.005) as sampler:
-        result = client.fetch(model, version=version)
-        copy_into(policy, result.tensors)
+        result = client.fetch(model, version=version, **fetch_kwargs)
+        copy_into(policy, result.state_dict())
+        transport = getattr(getattr(result, "stats", None), "transport", None) or "stream"
         del result
         gc.collect()
     after_rss, after_hwm = rss_bytes(), hwm_bytes()
@@ -153,6 +171,7 @@ def memory_probe(address: str, model: str, version: int, shapes: list[int], expe
             "hwm_after": after_hwm,
             "increase": peak - before_rss,
             "verified": bool(policy.w0[0].item() == expected),
+            "transport": transport,
         }
     )
     client.close()

@@ -28,7 +28,7 @@ from weightserver.errors import (
     status_code_for,
 )
 from weightserver.payloads import PayloadCache
-from weightserver.shared_memory import SharedMemoryFiles
+from weightserver.shared_memory import SharedMemoryFiles, SharedMemoryUpload
 from weightserver.store import Upload, Version, VersionStore, validate_model_name
 from weightserver.v1 import weights_pb2 as pb
 from weightserver.v1 import weights_pb2_grpc as pb_grpc
@@ -92,7 +92,16 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         self.payloads = payloads or PayloadCache(config.payload_cache_bytes)
         self.bulk = bulk
         self.shared_memory = shared_memory
-        store.subscribe(self._forget_evicted)
+        self._adopting: dict[int, SharedMemoryUpload] = {}
+        store.subscribe(self._on_commit)
+
+    def _on_commit(self, record: Version) -> None:
+        # Runs in the committing thread, before the publish returns: a version received into a
+        # shared-memory file becomes that version's payload file, ready for same-host fetches.
+        upload = self._adopting.pop(id(record.data), None) if self.shared_memory is not None else None
+        if upload is not None:
+            self.shared_memory.adopt((record.model, record.version, 0, ""), upload)
+        self._forget_evicted(record)
 
     def _forget_evicted(self, record: Version) -> None:
         """After a commit, drop derived payloads and files of versions no longer retained."""
@@ -116,6 +125,21 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
     ) -> pb.PublishResponse:
         started = time.perf_counter()
         incoming: list[_IncomingModel] = []
+        try:
+            records = await self._receive_and_commit(request_iterator, incoming)
+        finally:
+            for model in incoming:
+                self._adopting.pop(id(model.buffer), None)
+                if model.upload is not None and model.upload.path.exists():
+                    model.upload.abort()  # a publish that did not commit leaves no file
+        for record in records:
+            _log_transfer("publish", record, started, context)
+        infos = [wire.version_info(r) for r in records]
+        return pb.PublishResponse(version=infos[0], versions=infos)
+
+    async def _receive_and_commit(
+        self, request_iterator: AsyncIterator[pb.PublishRequest], incoming: list[_IncomingModel]
+    ) -> list[Version]:
         commit: pb.PublishCommit | None = None
         async for message in request_iterator:
             kind = message.WhichOneof("kind")
@@ -133,7 +157,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
                     total_bytes=header.total_bytes,
                     version=incoming[0].header.version if incoming else header.version,
                 )
-                incoming.append(_IncomingModel(header))
+                incoming.append(_IncomingModel(header, self.shared_memory))
             elif not incoming:
                 raise InvalidRequest("a Publish stream must start with a header message (model, total_bytes, sha256)")
             elif kind == "chunk":
@@ -163,11 +187,8 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
             )
             for model, digest in zip(incoming, digests, strict=True)
         ]
-        records = await asyncio.to_thread(self.store.publish_group, uploads, version=incoming[0].header.version)
-        for record in records:
-            _log_transfer("publish", record, started, context)
-        infos = [wire.version_info(r) for r in records]
-        return pb.PublishResponse(version=infos[0], versions=infos)
+        self._adopting.update({id(m.buffer): m.upload for m in incoming if m.upload is not None})
+        return await asyncio.to_thread(self.store.publish_group, uploads, version=incoming[0].header.version)
 
     # ------------------------------------------------------------------ describe
     @_unary
@@ -310,9 +331,10 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
 class _IncomingModel:
     """One model's bytes arriving in a Publish stream, into a buffer of the declared size."""
 
-    def __init__(self, header: pb.PublishHeader) -> None:
+    def __init__(self, header: pb.PublishHeader, shared_memory: SharedMemoryFiles | None = None) -> None:
         self.header = header
-        self.buffer = bytearray(header.total_bytes)
+        self.upload = shared_memory.new_upload(header.model, header.total_bytes) if shared_memory else None
+        self.buffer = self.upload.buffer if self.upload else memoryview(bytearray(header.total_bytes))
         self.received = 0
 
     def add(self, chunk: bytes) -> None:

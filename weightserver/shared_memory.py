@@ -10,7 +10,9 @@ and falls back to streaming if it cannot open it or the digest differs.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
+import secrets
 import shutil
 import threading
 from pathlib import Path
@@ -19,9 +21,30 @@ log = logging.getLogger(__name__)
 
 
 def default_shm_dir(port: int) -> Path | None:
-    """/dev/shm/weightserver-<port>-<pid> where /dev/shm exists, else None (disabled)."""
+    """/dev/shm/weightserver-<port>-<pid> where /dev/shm exists, else None (disabled).
+
+    Directories left by servers that died without cleaning up (SIGKILL) are removed first:
+    /dev/shm is memory.
+    """
     root = Path("/dev/shm")
-    return root / f"weightserver-{port}-{os.getpid()}" if root.is_dir() else None
+    if not root.is_dir():
+        return None
+    for stale in root.glob("weightserver-*-*"):
+        pid = stale.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _alive(int(pid)):
+            log.info("removing %s, left by a server that is gone", stale)
+            shutil.rmtree(stale, ignore_errors=True)
+    return root / f"weightserver-{port}-{os.getpid()}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class SharedMemoryFiles:
@@ -49,6 +72,22 @@ class SharedMemoryFiles:
             self._files[key] = path
             return path
 
+    def new_upload(self, model: str, size: int) -> SharedMemoryUpload:
+        """A fresh file of `size` bytes, mapped writable, for a publish to receive into: the
+        version's bytes then live in shared memory from the start (no extra copy)."""
+        directory = self.directory / model
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"upload-{secrets.token_hex(8)}.tmp"
+        return SharedMemoryUpload(self, path, size)
+
+    def adopt(self, key: tuple[str, int, int, str], upload: SharedMemoryUpload) -> None:
+        """Make a committed upload's file the payload file of `key`."""
+        model, version, _, _ = key
+        path = self.directory / model / f"{version:012d}.safetensors"
+        upload.path.replace(path)
+        with self._lock:
+            self._files[key] = path
+
     def keys(self) -> list[tuple[str, int, int, str]]:
         with self._lock:
             return list(self._files)
@@ -61,3 +100,18 @@ class SharedMemoryFiles:
 
     def close(self) -> None:
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+class SharedMemoryUpload:
+    """A publish's receive buffer backed by a file in the shared-memory directory."""
+
+    def __init__(self, files: SharedMemoryFiles, path: Path, size: int) -> None:
+        self.path = path
+        with open(path, "w+b") as f:
+            os.chmod(path, 0o644)
+            f.truncate(size)
+            # A zero-length file cannot be mapped; an empty upload gets a plain buffer.
+            self.buffer: memoryview = memoryview(mmap.mmap(f.fileno(), size)) if size else memoryview(bytearray())
+
+    def abort(self) -> None:
+        self.path.unlink(missing_ok=True)

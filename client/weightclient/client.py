@@ -132,6 +132,7 @@ class WeightClient(WeightServiceClient):
         dtype: str | None = None,
         transport: str = "auto",
         timeout: float | None = None,
+        into: memoryview | None = None,
     ) -> FetchResult | None:
         """Fetch the latest version, exactly `version`, or the latest only if newer than
         `newer_than` (None when it is not; no weights are transferred then).
@@ -143,6 +144,8 @@ class WeightClient(WeightServiceClient):
         dtype: "BF16" or "F16": float32 tensors arrive cast on the server (half the bytes).
         transport: "auto" (shared memory on this host, else bulk TCP, else the gRPC stream),
             "shm", "bulk" or "stream". Fast paths fall back to the stream.
+        into: a reusable receive buffer (see `fetch_bytes`); the result's tensors view it, so
+            it must not be reused while they are in use.
         """
         base_version = base.version if isinstance(base, FetchResult) else int(base or 0)
         fetched = self.fetch_bytes(
@@ -153,6 +156,7 @@ class WeightClient(WeightServiceClient):
             dtype=dtype or "",
             transport=transport,
             timeout=timeout,
+            into=into,
         )
         if fetched is None:
             return None

@@ -19,6 +19,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from weightclient.client import WeightClient
 from weightclient.key_mapping import IDENTITY, KeyMap, apply_strict
+from weightclient.service_client import FetchStats
 from weightclient.updaters import LocalWeightUpdaterBase, RemoteWeightUpdaterBase, WorkerId
 from weightserver.errors import DeadlineExceeded, ModelNotFound, ServerUnavailable
 
@@ -49,6 +50,12 @@ class GrpcLocalWeightUpdater(LocalWeightUpdaterBase):
         policy: the module to update; default: the registered collector's ``policy``.
         key_map: how server keys become policy keys (a KeyMap or a function of the key).
         version: pin to this exact version instead of following the latest.
+        delta: once a version is applied, ask only for the tensors that changed since.
+        dtype: "BF16"/"F16": float32 tensors travel cast (half the bytes) and are cast back
+            by the in-place copy into the policy's own dtype.
+        transport: "auto", "shm", "bulk" or "stream" (see WeightClient.fetch).
+
+    Received bytes land in one staging buffer that is reused from update to update.
 
     The client is created lazily and dropped when pickled, so an updater can be sent to a
     worker process and reconnect there.
@@ -67,6 +74,9 @@ class GrpcLocalWeightUpdater(LocalWeightUpdaterBase):
         policy: torch.nn.Module | None = None,
         key_map: KeyMap | Callable[[str], str | None] = IDENTITY,
         version: int | None = None,
+        delta: bool = True,
+        dtype: str | None = None,
+        transport: str = "auto",
     ) -> None:
         self._address = client.address if isinstance(client, WeightClient) else client
         self._client = client if isinstance(client, WeightClient) else None
@@ -74,8 +84,14 @@ class GrpcLocalWeightUpdater(LocalWeightUpdaterBase):
         self.policy = policy
         self.key_map = key_map
         self.pinned_version = version
+        self.delta = delta
+        self.dtype = dtype
+        self.transport = transport
         self.version: int | None = None  # the version applied to the policy
+        self.last_fetch: FetchStats | None = None
         self._incoming_version: int | None = None
+        self._incoming_partial = False
+        self._staging: memoryview | None = None
         self._waiting_logged = False
 
     @property
@@ -87,6 +103,7 @@ class GrpcLocalWeightUpdater(LocalWeightUpdaterBase):
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state["_client"] = None
+        state["_staging"] = None
         return state
 
     @property
@@ -97,13 +114,19 @@ class GrpcLocalWeightUpdater(LocalWeightUpdaterBase):
         return self.client.latest(self.model).version - self.version
 
     def _get_server_weights(self) -> TensorDictBase | None:
+        options = {
+            "base": self.version if self.delta and self.version else None,
+            "dtype": self.dtype,
+            "transport": self.transport,
+            "into": self._staging,
+        }
         try:
             if self.pinned_version is not None:
                 if self.version == self.pinned_version:
                     return None
-                result = self.client.fetch(self.model, version=self.pinned_version)
+                result = self.client.fetch(self.model, version=self.pinned_version, **options)
             else:
-                result = self.client.fetch(self.model, newer_than=self.version or 0)
+                result = self.client.fetch(self.model, newer_than=self.version or 0, **options)
         except ModelNotFound:
             if not self._waiting_logged:
                 log.info(
@@ -113,7 +136,11 @@ class GrpcLocalWeightUpdater(LocalWeightUpdaterBase):
             return None
         if result is None:
             return None
+        if self._staging is None or result.data.nbytes > self._staging.nbytes:
+            self._staging = result.data  # reused by the next fetch: it only lives until applied
         self._incoming_version = result.version
+        self._incoming_partial = result.partial
+        self.last_fetch = result.stats
         return result.weights
 
     def _get_local_weights(self) -> TensorDictBase:
@@ -131,7 +158,14 @@ class GrpcLocalWeightUpdater(LocalWeightUpdaterBase):
         if server_weights is None:
             return None
         source = f"server weights of {self.model!r} v{self._incoming_version}"
-        return apply_strict(server_weights, local_weights, self.key_map, source=source)
+        return apply_strict(
+            server_weights,
+            local_weights,
+            self.key_map,
+            source=source,
+            partial=self._incoming_partial,
+            allow_cast=bool(self.dtype),
+        )
 
     def _update_local_weights(self, local_weights: TensorDictBase, mapped_weights: TensorDictBase | None) -> None:
         if mapped_weights is None:

@@ -93,25 +93,28 @@ def apply_strict(
     key_map: KeyMap | Callable[[str], str | None] = IDENTITY,
     *,
     source: str = "server weights",
+    partial: bool = False,
+    allow_cast: bool = False,
 ) -> TensorDictBase:
     """Map `server` onto the keys of `local` and check that they match exactly.
 
-    Returns a TensorDict shaped like ``local.flatten_keys(".")``. Raises KeyError listing
+    Returns a TensorDict keyed like ``local.flatten_keys(".")``. Raises KeyError listing
     missing keys (local parameters the server did not send), unexpected keys (server weights
-    with no local parameter), and shape and dtype mismatches.
+    with no local parameter), and shape and dtype mismatches. `partial`: a delta, which may
+    leave local keys out. `allow_cast`: floating-point dtypes may differ (the copy casts).
     """
     if not isinstance(key_map, KeyMap):
         key_map = KeyMap(fn=key_map)
     mapped = key_map.apply(flat_weights(server))
     local_flat = flat_weights(local)
-    missing = sorted(set(local_flat) - set(mapped))
+    missing = [] if partial else sorted(set(local_flat) - set(mapped))
     unexpected = sorted(set(mapped) - set(local_flat))
     shapes, dtypes = [], []
     for key in sorted(set(mapped) & set(local_flat)):
         theirs, ours = mapped[key], local_flat[key]
         if theirs.shape != ours.shape:
             shapes.append(f"{key}: {source} {tuple(theirs.shape)} vs local {tuple(ours.shape)}")
-        if theirs.dtype != ours.dtype:
+        if theirs.dtype != ours.dtype and not (allow_cast and theirs.is_floating_point() and ours.is_floating_point()):
             dtypes.append(f"{key}: {source} {theirs.dtype} vs local {ours.dtype}")
     if missing or unexpected or shapes or dtypes:
         problems = []

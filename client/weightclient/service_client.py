@@ -185,6 +185,7 @@ class WeightServiceClient:
         dtype: str = "",
         transport: str = "auto",
         timeout: float | None = None,
+        into: memoryview | None = None,
     ) -> FetchedBytes | None:
         """Fetch one version's bytes: the latest, exactly `version`, or the latest only if it is
         newer than `newer_than` (None when it is not: nothing is transferred).
@@ -193,7 +194,9 @@ class WeightServiceClient:
         `dtype` ("BF16"/"F16") for float32 tensors cast on the server. `transport`: "auto"
         (shared memory on the same host, else bulk TCP, else the gRPC stream), "shm", "bulk"
         or "stream"; every fast path falls back to the stream. What arrived is checked
-        against the announced size and digest (IntegrityError).
+        against the announced size and digest (IntegrityError). `into`: a buffer to receive
+        into when it is large enough (reused across fetches, it saves allocating and faulting
+        in fresh memory each time); the result then views it.
         """
         if transport not in TRANSPORTS:
             raise InvalidRequest(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
@@ -217,7 +220,7 @@ class WeightServiceClient:
                 info = VersionInfo.from_proto(first.header)
                 wants_payload = base_version or dtype or request.accept_shared_memory or request.accept_bulk
                 if not wants_payload:
-                    data = _receive_into(info.byte_size, stream, f"{info.model!r} v{info.version}")
+                    data = _receive_into(info.byte_size, stream, f"{info.model!r} v{info.version}", into)
                     _check_digests(data, info, xxh3=info.xxh3, sha256=info.sha256)
                     return FetchedBytes(
                         info, data, stats=FetchStats("stream", len(data), time.perf_counter() - started)
@@ -227,21 +230,27 @@ class WeightServiceClient:
                     payload = second.payload
                 else:
                     raise IntegrityError(f"model {model!r}: expected a payload description after the header")
-                fetched = self._receive_payload(info, payload, stream, started)
+                fetched = self._receive_payload(info, payload, stream, started, into)
             finally:
                 stream.cancel()
         if fetched is None:  # the fast path failed: the same payload over the gRPC stream
             return self.fetch_bytes(
-                model, version=info.version, base_version=base_version, dtype=dtype, transport="stream", timeout=timeout
+                model,
+                version=info.version,
+                base_version=base_version,
+                dtype=dtype,
+                transport="stream",
+                timeout=timeout,
+                into=into,
             )
         return fetched
 
     def _receive_payload(
-        self, info: VersionInfo, payload: pb.Payload, stream: Iterator[Any], started: float
+        self, info: VersionInfo, payload: pb.Payload, stream: Iterator[Any], started: float, into: memoryview | None
     ) -> FetchedBytes | None:
         label = f"{info.model!r} v{info.version}"
         if payload.HasField("shared_memory"):
-            data = _read_shared_memory(payload.shared_memory.path, payload.byte_size)
+            data = _read_shared_memory(payload.shared_memory.path, payload.byte_size, into)
             transport = "shm"
             if data is None or xxhash.xxh3_128_hexdigest(data) != payload.xxh3:
                 self._shm_usable = False  # not this host (or a stale file): stop asking
@@ -251,7 +260,9 @@ class WeightServiceClient:
         elif payload.HasField("bulk"):
             transport = "bulk"
             try:
-                data = _receive_bulk(_host_of(self.address), payload.bulk.port, payload.bulk.ticket, payload.byte_size)
+                data = _receive_bulk(
+                    _host_of(self.address), payload.bulk.port, payload.bulk.ticket, payload.byte_size, into
+                )
             except OSError as exc:
                 self._bulk_usable = False
                 log.warning("bulk transfer of %s from port %d failed (%s); falling back", label, payload.bulk.port, exc)
@@ -260,7 +271,7 @@ class WeightServiceClient:
             _check_digests(data, info, xxh3=payload.xxh3, label=label + " payload")
         else:
             transport = "stream"
-            data = _receive_into(payload.byte_size, stream, label)
+            data = _receive_into(payload.byte_size, stream, label, into)
             _check_digests(data, info, xxh3=payload.xxh3, label=label + " payload")
         stats = FetchStats(transport, len(data), time.perf_counter() - started)
         return FetchedBytes(info, data, base_version=payload.base_version, dtype=payload.dtype, stats=stats)
@@ -364,17 +375,20 @@ def _fetch_request(model: str, version: int | None, newer_than: int | None, chun
     return pb.FetchRequest(model=model, chunk_size=chunk_bytes)
 
 
-def new_buffer(size: int) -> memoryview:
-    """A writable, uninitialised byte buffer. Unlike bytearray(size) it is not zero-filled first,
-    which for a large model costs as much as receiving it."""
+def new_buffer(size: int, into: memoryview | None = None) -> memoryview:
+    """`into[:size]` if it is large enough, else a writable, uninitialised byte buffer. Unlike
+    bytearray(size) it is not zero-filled first, which for a large model costs as much as
+    receiving it."""
+    if into is not None and into.nbytes >= size and not into.readonly:
+        return into.cast("B")[:size]
     import numpy as np
 
     return memoryview(np.empty(size, dtype=np.uint8))
 
 
-def _receive_into(size: int, stream: Iterable[Any], label: str) -> memoryview:
+def _receive_into(size: int, stream: Iterable[Any], label: str, into: memoryview | None = None) -> memoryview:
     """Receive the chunks into one buffer of the announced size."""
-    buffer = new_buffer(size)
+    buffer = new_buffer(size, into)
     received = 0
     for message in stream:
         chunk = message if isinstance(message, memoryview) else message.chunk
@@ -401,13 +415,13 @@ def _check_digests(
         raise IntegrityError(f"model {label}: {name} of the received bytes is {digest}, server announced {expected}")
 
 
-def _read_shared_memory(path: str, size: int) -> memoryview | None:
+def _read_shared_memory(path: str, size: int, into: memoryview | None = None) -> memoryview | None:
     """The file's bytes, or None if it cannot be read here (another host) or has another size."""
     try:
         with open(path, "rb", buffering=0) as f:
             if os.fstat(f.fileno()).st_size != size:
                 return None
-            buffer = new_buffer(size)
+            buffer = new_buffer(size, into)
             view = buffer
             read = 0
             while read < size:
@@ -420,8 +434,8 @@ def _read_shared_memory(path: str, size: int) -> memoryview | None:
         return None
 
 
-def _receive_bulk(host: str, port: int, ticket: bytes, size: int) -> memoryview:
-    buffer = new_buffer(size)
+def _receive_bulk(host: str, port: int, ticket: bytes, size: int, into: memoryview | None = None) -> memoryview:
+    buffer = new_buffer(size, into)
     view = buffer
     with socket.create_connection((host, port), timeout=BULK_CONNECT_TIMEOUT) as conn:
         conn.settimeout(BULK_IDLE_TIMEOUT)
