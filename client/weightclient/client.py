@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import xxhash
 from tensordict import TensorDict
 
 from weightclient import tensor_codec
+from weightclient.background_publisher import BackgroundPublisher, PublishFuture
 from weightclient.service_client import FetchStats, WeightServiceClient
 from weightclient.version_info import VersionInfo
 from weightserver.errors import IntegrityError, NotFoundError
@@ -79,6 +82,13 @@ def _verified_base(base: FetchResult, info: VersionInfo) -> dict[str, torch.Tens
 
 
 class WeightClient(WeightServiceClient):
+    _publisher: BackgroundPublisher | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._spares: list[memoryview] = []  # snapshot buffers of finished background publishes
+        self._spare_lock = threading.Lock()
+
     """Publish and fetch model weights as torch tensors.
 
     >>> client = WeightClient("localhost:50051")                        # doctest: +SKIP
@@ -97,12 +107,19 @@ class WeightClient(WeightServiceClient):
         metadata: Mapping[str, str] | None = None,
         pin: bool = False,
         timeout: float | None = None,
-    ) -> int:
+        wait: bool = True,
+    ) -> int | PublishFuture:
         """Publish `weights` as a new version of `model`; return the version number.
 
         `weights` is an nn.Module (its state dict), a TensorDict (keys flattened with '.'), or a
         mapping of names to tensors. The call returns once the server committed the version.
+
+        wait=False: copy the weights into a snapshot and return a `PublishFuture` at once; the
+        snapshot streams from a background thread. One publish is in flight at a time, and a
+        newer one replaces a snapshot still waiting (see weightclient.background_publisher).
         """
+        if not wait:
+            return self.publish_group({model: weights}, version=version, metadata=metadata, pin=pin, wait=False)
         encoded = tensor_codec.encode(weights)
         info = self.publish_bytes(model, encoded.parts, version=version, metadata=metadata, pin=pin, timeout=timeout)
         return info.version
@@ -115,12 +132,47 @@ class WeightClient(WeightServiceClient):
         metadata: Mapping[str, str] | None = None,
         pin: bool = False,
         timeout: float | None = None,
-    ) -> int:
+        wait: bool = True,
+    ) -> int | PublishFuture:
         """Publish several models (e.g. ``{"policy": actor, "critic": critic}``) under ONE
-        version number, committed together; return that number."""
+        version number, committed together; return that number (a `PublishFuture` with
+        wait=False, as in `publish`)."""
+        if not wait:
+            publisher = self._background()
+            snapshot = {model: tensor_codec.snapshot(w, into=self._spare_buffer()) for model, w in weights.items()}
+            options = {"version": version, "metadata": metadata, "pin": pin, "timeout": timeout}
+            return publisher.submit(snapshot, **options)
         encoded = {model: tensor_codec.encode(w).parts for model, w in weights.items()}
         infos = self.publish_group_bytes(encoded, version=version, metadata=metadata, pin=pin, timeout=timeout)
         return infos[0].version
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for background publishes (wait=False) to finish; False on timeout."""
+        return self._publisher is None or self._publisher.flush(timeout)
+
+    def close(self) -> None:
+        """Finish background publishes, then close the channel."""
+        if self._publisher is not None:
+            self._publisher.close()
+        super().close()
+
+    def _background(self) -> BackgroundPublisher:
+        if self._publisher is None:
+
+            def send(snapshot: Mapping[str, memoryview], **options) -> int:
+                return self.publish_group_bytes(snapshot, **options)[0].version
+
+            def recycle(snapshot: Mapping[str, memoryview]) -> None:
+                with self._spare_lock:
+                    self._spares.extend(snapshot.values())
+                    self._spares[:] = sorted(self._spares, key=lambda b: b.nbytes)[-4:]  # keep a few, largest
+
+            self._publisher = BackgroundPublisher(send, recycle)
+        return self._publisher
+
+    def _spare_buffer(self) -> memoryview | None:
+        with self._spare_lock:
+            return self._spares.pop() if self._spares else None
 
     def fetch(
         self,

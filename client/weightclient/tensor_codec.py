@@ -107,6 +107,24 @@ def encode(weights: Weights, metadata: Mapping[str, str] | None = None) -> Encod
     return EncodedWeights(parts, sum(p.nbytes for p in parts))
 
 
+def snapshot(weights: Weights, metadata: Mapping[str, str] | None = None, into: memoryview | None = None) -> memoryview:
+    """The safetensors file of `weights` copied into one buffer (`into` when large enough,
+    else a new one): a copy the caller may keep while the tensors change (GPU tensors are
+    copied to the CPU on the way)."""
+    import numpy as np
+
+    encoded = encode(weights, metadata)
+    if into is not None and into.nbytes >= encoded.nbytes:
+        buffer = into.cast("B")[: encoded.nbytes]
+    else:
+        buffer = memoryview(np.empty(encoded.nbytes, dtype=np.uint8))
+    position = 0
+    for part in encoded.parts:
+        buffer[position : position + part.nbytes] = part
+        position += part.nbytes
+    return buffer
+
+
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, as stored (for digests)."""
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else memoryview(b"")

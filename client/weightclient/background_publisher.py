@@ -1,0 +1,102 @@
+"""BackgroundPublisher: publish without blocking the trainer.
+
+`submit` snapshots the weights (one copy into a staging buffer: the trainer may change its
+tensors as soon as it returns) and streams the snapshot from a background thread. At most one
+publish is in flight; a newer submit replaces a snapshot still waiting its turn (coalescing:
+collectors want the newest weights, not every intermediate one). The replaced submit's future
+resolves to the version that carried the newer weights and is marked `superseded`; nothing
+fails silently: a failed publish sets the exception on every future it served. Snapshot
+buffers are handed back through `recycle` once sent, so a steady publisher copies into warm
+memory instead of faulting in a fresh buffer each time.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+
+class PublishFuture(Future):
+    """The version a background publish committed (`result()`), once it has."""
+
+    superseded: bool = False  # a newer submit replaced this snapshot before it was sent
+
+
+@dataclass
+class _Job:
+    snapshot: Mapping[str, memoryview]
+    options: dict
+    futures: list[PublishFuture] = field(default_factory=list)
+
+
+class BackgroundPublisher:
+    """Runs `send(snapshot, **options) -> version` for submitted snapshots, one at a time."""
+
+    def __init__(
+        self, send: Callable[..., int], recycle: Callable[[Mapping[str, memoryview]], None] | None = None
+    ) -> None:
+        self._send = send
+        self._recycle = recycle or (lambda snapshot: None)
+        self._lock = threading.Condition()
+        self._queued: _Job | None = None
+        self._busy = False
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="weightclient-publisher", daemon=True)
+        self._thread.start()
+
+    def submit(self, snapshot: Mapping[str, memoryview], **options) -> PublishFuture:
+        future = PublishFuture()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the background publisher is closed")
+            if self._queued is not None:
+                for older in self._queued.futures:
+                    older.superseded = True
+                self._recycle(self._queued.snapshot)
+                future_list = [*self._queued.futures, future]
+                log.debug("coalescing %d waiting publish(es) into the newest", len(self._queued.futures))
+            else:
+                future_list = [future]
+            self._queued = _Job(snapshot, options, future_list)
+            self._lock.notify_all()
+        return future
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until nothing is queued or in flight; False on timeout."""
+        with self._lock:
+            return self._lock.wait_for(lambda: self._queued is None and not self._busy, timeout)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Send what is queued, then stop the thread."""
+        self.flush(timeout)
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                self._lock.wait_for(lambda: self._queued is not None or self._closed)
+                if self._queued is None:
+                    return
+                job, self._queued, self._busy = self._queued, None, True
+            try:
+                version = self._send(job.snapshot, **job.options)
+            except BaseException as exc:  # handed to the caller through the futures
+                log.error("background publish failed: %s", exc)
+                for future in job.futures:
+                    future.set_exception(exc)
+            else:
+                for future in job.futures:
+                    future.set_result(version)
+            finally:
+                self._recycle(job.snapshot)
+                with self._lock:
+                    self._busy = False
+                    self._lock.notify_all()
