@@ -110,6 +110,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds running calls get to finish on shutdown (default: %(default)s)",
     )
     serve.add_argument(
+        "--bulk-port",
+        type=int,
+        default=0,
+        help="TCP port for bulk transfers of large fetches (default: a free one; expose it beside --port)",
+    )
+    serve.add_argument("--no-bulk", action="store_true", help="serve fetches over gRPC streams only")
+    serve.add_argument(
+        "--shm-dir",
+        type=Path,
+        default=None,
+        help="where to put this server's shared-memory payload files, which same-host collectors "
+        "read directly; a tmpfs, e.g. a /dev/shm volume shared in compose (default: /dev/shm)",
+    )
+    serve.add_argument("--no-shm", action="store_true", help="never hand out shared-memory files")
+    serve.add_argument(
+        "--payload-cache-bytes",
+        type=parse_size,
+        default=ServerConfig.payload_cache_bytes,
+        help="memory for derived payloads (deltas, bf16/fp16 casts), e.g. 2GiB (default: 1GiB)",
+    )
+    serve.add_argument(
         "--port-file",
         type=Path,
         default=None,
@@ -193,6 +214,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_model_bytes=args.max_model_bytes,
         chunk_bytes=args.chunk_bytes,
         grace_seconds=args.grace,
+        bulk_port=None if args.no_bulk else args.bulk_port,
+        shm_dir=None if args.no_shm else (args.shm_dir or "auto"),
+        payload_cache_bytes=args.payload_cache_bytes,
     )
     server = WeightServer(config).start()
     if args.port_file is not None:

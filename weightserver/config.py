@@ -38,8 +38,8 @@ class ServerConfig:
     # Bulk TCP endpoint for large fetches (see weightserver.bulk); 0 picks a free port,
     # None turns it off.
     bulk_port: int | None = 0
-    # Directory for shared-memory payload files; "auto" uses /dev/shm when it exists, None
-    # turns the shared-memory path off.
+    # Where this server makes its shared-memory directory for payload files; "auto" is
+    # /dev/shm (when it exists), None turns the shared-memory path off.
     shm_dir: Path | str | None = "auto"
     # Budget for derived payloads (deltas, casts) kept in memory.
     payload_cache_bytes: int = 1 * GiB

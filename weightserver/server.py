@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha import reflection
 from weightserver.bulk import BulkEndpoint
 from weightserver.config import MAX_MESSAGE_BYTES, ServerConfig
 from weightserver.service import WeightServicer, serialize_fetch_response
-from weightserver.shared_memory import SharedMemoryFiles, default_shm_dir
+from weightserver.shared_memory import SharedMemoryFiles, server_shm_dir
 from weightserver.store import VersionStore
 from weightserver.v1 import weights_pb2 as pb
 
@@ -151,8 +151,10 @@ class WeightServer:
         self._stop_requested = asyncio.Event()
         config = self.config
         self.bulk = BulkEndpoint(config.host, config.bulk_port) if config.bulk_port is not None else None
-        shm_dir = default_shm_dir(config.port) if config.shm_dir == "auto" else config.shm_dir
-        self.shared_memory = SharedMemoryFiles(Path(shm_dir)) if shm_dir is not None else None
+        shm_dir = None
+        if config.shm_dir is not None:
+            shm_dir = server_shm_dir(config.port, None if config.shm_dir == "auto" else Path(config.shm_dir))
+        self.shared_memory = SharedMemoryFiles(shm_dir) if shm_dir is not None else None
         try:
             await self._serve_grpc()
         finally:

@@ -20,14 +20,16 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 
-def default_shm_dir(port: int) -> Path | None:
-    """/dev/shm/weightserver-<port>-<pid> where /dev/shm exists, else None (disabled).
+def server_shm_dir(port: int, root: Path | None = None) -> Path | None:
+    """This server's own directory, <root>/weightserver-<port>-<pid>; root defaults to
+    /dev/shm. None (shared memory off) when the root does not exist.
 
-    Directories left by servers that died without cleaning up (SIGKILL) are removed first:
-    /dev/shm is memory.
+    Directories left under the root by servers that died without cleaning up (SIGKILL) are
+    removed first: /dev/shm is memory.
     """
-    root = Path("/dev/shm")
+    root = Path("/dev/shm") if root is None else Path(root)
     if not root.is_dir():
+        log.warning("shared-memory directory %s does not exist; same-host fetches will stream", root)
         return None
     for stale in root.glob("weightserver-*-*"):
         pid = stale.name.rsplit("-", 1)[-1]
