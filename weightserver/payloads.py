@@ -52,7 +52,8 @@ def cast_f32(data: memoryview, dtype: str) -> bytes:
 
     values = np.frombuffer(data, dtype="<f4")
     if dtype == "F16":
-        return values.astype("<f2").tobytes()
+        with np.errstate(over="ignore"):  # |x| > 65504 becomes inf, as in torch; no RuntimeWarning
+            return values.astype("<f2").tobytes()
     bits = values.view("<u4")
     rounded = ((bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16).astype("<u2")
     nan = np.isnan(values)

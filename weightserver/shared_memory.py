@@ -21,7 +21,8 @@ log = logging.getLogger(__name__)
 
 
 def server_shm_dir(port: int, root: Path | None = None) -> Path | None:
-    """This server's own directory, <root>/weightserver-<port>-<pid>; root defaults to
+    """This server's own directory, <root>/weightserver-<port>-<random>-<pid> (unique even for
+    several port-0 servers in one process); root defaults to
     /dev/shm. None (shared memory off) when the root does not exist.
 
     Directories left under the root by servers that died without cleaning up (SIGKILL) are
@@ -36,7 +37,7 @@ def server_shm_dir(port: int, root: Path | None = None) -> Path | None:
         if pid.isdigit() and not _alive(int(pid)):
             log.info("removing %s, left by a server that is gone", stale)
             shutil.rmtree(stale, ignore_errors=True)
-    return root / f"weightserver-{port}-{os.getpid()}"
+    return root / f"weightserver-{port}-{secrets.token_hex(4)}-{os.getpid()}"
 
 
 def _alive(pid: int) -> bool:
