@@ -257,25 +257,24 @@ def test_corrupt_derived_shm_file_is_detected_and_streamed_instead(server, clien
     assert {name: raw(t) for name, t in result.tensors.items()} == expected
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=IntegrityError,
-    reason="BUG: a version's own shm file is the mmap the server serves every transport from "
-    "(SharedMemoryUpload/adopt), so damaging the file damages the stored version itself",
-)
-def test_corrupt_plain_shm_file_is_detected_and_streamed_instead(server, client):
+def test_a_version_whose_shm_file_is_damaged_is_never_served_wrong(server, client):
+    """A version is received straight into its shared-memory file and served from that memory
+    (no second copy), so a process that writes into the file damages the version itself. The
+    file is read-only; if someone forces a write anyway, every transport reports it
+    (IntegrityError) instead of handing out wrong weights."""
     weights = mixed_model()
     client.publish(weights, model=MODEL)
     (path,) = payload_files(server)
+    assert os.stat(path).st_mode & 0o777 == 0o444
+    os.chmod(path, 0o644)
     with open(path, "r+b") as f:
         f.seek(os.path.getsize(path) - 100)
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0xFF]))
-
-    result = client.fetch(MODEL, transport="shm")
-    assert result.stats.transport == "stream"
-    assert_bit_exact(result.tensors, weights)
+    for transport in ("shm", "bulk", "stream"):
+        with pytest.raises(IntegrityError):
+            client.fetch(MODEL, transport=transport)
 
 
 def test_servers_in_one_process_get_their_own_shm_directories(make_server):
@@ -419,29 +418,32 @@ def test_delta_when_nothing_changed_is_empty(client):
 
 
 def test_delta_base_checks_that_are_enforced(client):
-    """What `_verified_base` refuses: a partial or cast base, or one that lacks a tensor."""
+    """A partial or cast base is refused before anything is sent; a base that lacks a tensor
+    (or holds other bytes) is not merged: the version is fetched whole instead."""
     v1 = layered_model(layers=4)
     client.publish(v1, model=MODEL)
     base = client.fetch(MODEL)
     v2 = {name: t.clone() for name, t in v1.items()}
     v2["layer01.weight"] *= 2
     client.publish(v2, model=MODEL)
-    client.publish({name: t + 1 for name, t in v2.items()}, model=MODEL)
+    v3 = {name: t + 1 for name, t in v2.items()}
+    client.publish(v3, model=MODEL)
 
     partial = client.fetch(MODEL, version=2, base=1)
     cast = client.fetch(MODEL, version=1, dtype="BF16")
-    lacking = dataclasses.replace(base, tensors={k: v for k, v in base.tensors.items() if k != "layer02.weight"})
-    for bad in (partial, cast, lacking):
-        with pytest.raises(IntegrityError):
+    for bad in (partial, cast):
+        with pytest.raises(InvalidRequest, match="complete result fetched without dtype"):
             client.fetch(MODEL, version=3, base=bad)
+    with pytest.raises(InvalidRequest):
+        client.fetch(MODEL, version=3, base=base, dtype="BF16")
+    lacking = dataclasses.replace(base, tensors={k: v for k, v in base.tensors.items() if k != "layer02.weight"})
+    v2_again = {name: t.clone() for name, t in v1.items()}
+    v2_again["layer01.weight"] *= 2
+    result = client.fetch(MODEL, version=2, base=lacking)
+    assert not result.partial and result.base_version == 0  # fetched whole
+    assert_bit_exact(result.tensors, v2_again)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="BUG: _verified_base compares manifest digests only; the base's own tensor bytes are "
-    "never hashed, so a base modified in place is merged into the result unnoticed",
-)
 def test_delta_base_modified_in_place_is_not_merged_silently(client):
     v1 = layered_model(layers=4)
     client.publish(v1, model=MODEL)
@@ -458,13 +460,6 @@ def test_delta_base_modified_in_place_is_not_merged_silently(client):
     assert_bit_exact(result.tensors, v2)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="BUG: a base whose manifest digests disagree with the server's copy of that version "
-    "(server restarted without --data-dir) yields a result that silently lacks tensors "
-    "while partial=False",
-)
 def test_delta_base_from_another_server_incarnation_is_never_incomplete(make_server):
     old, new = make_server(), make_server()
     with WeightClient(old.address) as c_old, WeightClient(new.address) as c_new:
@@ -699,12 +694,6 @@ def test_shm_files_go_with_their_version_and_the_directory_with_the_server(make_
     assert not directory.exists()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="BUG: DeleteVersion does not drop the version's shm files or cached payloads; "
-    "only the next commit of the model does (WeightServicer._forget_evicted runs on commit)",
-)
 def test_shm_files_go_when_their_version_is_deleted(server, client):
     client.publish(layered_model(0, layers=3), model=MODEL)
     client.publish(layered_model(1, layers=3), model=MODEL)

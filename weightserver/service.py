@@ -101,18 +101,19 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         upload = self._adopting.pop(id(record.data), None) if self.shared_memory is not None else None
         if upload is not None:
             self.shared_memory.adopt((record.model, record.version, 0, ""), upload)
-        self._forget_evicted(record)
+        self._forget_removed(record.model)
 
-    def _forget_evicted(self, record: Version) -> None:
-        """After a commit, drop derived payloads and files of versions no longer retained."""
+    def _forget_removed(self, model: str) -> None:
+        """Drop derived payloads and shared-memory files of versions no longer retained
+        (after a commit evicted some, a delete, or an unpin)."""
         try:
-            retained = {v.version for v in self.store.versions(record.model)}
+            retained = {v.version for v in self.store.versions(model)}
         except WeightServerError:
-            return
-        for version in self._derived_versions(record.model) - retained:
-            self.payloads.forget(record.model, version)
+            retained = set()
+        for version in self._derived_versions(model) - retained:
+            self.payloads.forget(model, version)
             if self.shared_memory is not None:
-                self.shared_memory.forget(record.model, version)
+                self.shared_memory.forget(model, version)
 
     def _derived_versions(self, model: str) -> set[int]:
         keys = list(self.payloads.keys()) + (list(self.shared_memory.keys()) if self.shared_memory else [])
@@ -217,12 +218,14 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         self, request: pb.DeleteVersionRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeleteVersionResponse:
         record = await asyncio.to_thread(self.store.delete, request.model, request.version)
+        self._forget_removed(record.model)
         log.info("deleted model=%s version=%d peer=%s", record.model, record.version, context.peer())
         return pb.DeleteVersionResponse(deleted=wire.version_info(record))
 
     @_unary
     async def PinVersion(self, request: pb.PinVersionRequest, context: grpc.aio.ServicerContext) -> pb.VersionInfo:
         record = await asyncio.to_thread(self.store.set_pinned, request.model, request.version, request.pinned)
+        self._forget_removed(record.model)
         log.info(
             "%s model=%s version=%d peer=%s",
             "pinned" if record.pinned else "unpinned",
@@ -263,7 +266,11 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         base = self._base_version(record, request.base_version)
         payload = await asyncio.to_thread(self.payloads.get, record, base, request.dtype)
         description = pb.Payload(
-            byte_size=payload.byte_size, xxh3=payload.xxh3, base_version=payload.base_version, dtype=payload.dtype
+            byte_size=payload.byte_size,
+            xxh3=payload.xxh3,
+            base_version=payload.base_version,
+            dtype=payload.dtype,
+            base_xxh3=base.xxh3 if payload.base_version and base is not None else "",
         )
         key = (record.model, record.version, payload.base_version, payload.dtype)
         if request.accept_shared_memory and self.shared_memory is not None:

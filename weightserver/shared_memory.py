@@ -87,6 +87,7 @@ class SharedMemoryFiles:
         """Make a committed upload's file the payload file of `key`."""
         model, version, _, _ = key
         path = self.directory / model / f"{version:012d}.safetensors"
+        os.chmod(upload.path, 0o444)  # the server serves from this memory: nobody should write it
         upload.path.replace(path)
         with self._lock:
             self._files[key] = path

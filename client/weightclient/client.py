@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -15,8 +16,10 @@ from weightclient import tensor_codec
 from weightclient.background_publisher import BackgroundPublisher, PublishFuture
 from weightclient.service_client import FetchStats, WeightServiceClient
 from weightclient.version_info import VersionInfo
-from weightserver.errors import IntegrityError, NotFoundError
+from weightserver.errors import IntegrityError, InvalidRequest, NotFoundError
 from weightserver.safetensors_format import parse_header
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -70,15 +73,21 @@ def _check_delta(info: VersionInfo, tensors: dict[str, torch.Tensor], dtype: str
             raise IntegrityError(f"{info.model!r} v{info.version}: tensor {name!r} does not match its digest")
 
 
-def _verified_base(base: FetchResult, info: VersionInfo) -> dict[str, torch.Tensor]:
-    """The base's tensors, checked to be exactly what the target version holds for them."""
-    if base.partial or base.dtype:
-        raise IntegrityError("a delta needs a complete, uncast base FetchResult")
-    digests = {t.name: t.xxh3 for t in base.info.tensors}
+def _unchanged_from_base(
+    base: FetchResult, info: VersionInfo, changed: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor] | None:
+    """The base's tensors for every target tensor the delta did not carry, each hashed and
+    checked against the target's digest; None if any is missing or differs (the base was
+    modified since it was fetched): the caller then fetches the version whole."""
+    unchanged = {}
     for entry in info.tensors:
-        if entry.name not in base.tensors:
-            raise IntegrityError(f"{info.model!r} v{info.version}: the base lacks tensor {entry.name!r}")
-    return {e.name: base.tensors[e.name] for e in info.tensors if digests.get(e.name) == e.xxh3}
+        if entry.name in changed:
+            continue
+        tensor = base.tensors.get(entry.name)
+        if tensor is None or xxhash.xxh3_128_hexdigest(tensor_codec.tensor_bytes(tensor)) != entry.xxh3:
+            return None
+        unchanged[entry.name] = tensor
+    return unchanged
 
 
 class WeightClient(WeightServiceClient):
@@ -180,7 +189,7 @@ class WeightClient(WeightServiceClient):
         *,
         version: int | None = None,
         newer_than: int | None = None,
-        base: FetchResult | int | None = None,
+        base: FetchResult | VersionInfo | int | None = None,
         dtype: str | None = None,
         transport: str = "auto",
         timeout: float | None = None,
@@ -191,15 +200,23 @@ class WeightClient(WeightServiceClient):
 
         base: a version the caller holds. Only tensors that changed since then are sent. Pass
             the earlier FetchResult to get a complete result (unchanged tensors are taken from
-            it), or its version number to get a partial result (`partial=True`) holding only
-            the changed tensors. Every tensor is checked against the target version's digests.
+            it, each re-hashed), or its VersionInfo / version number to get a partial result
+            (`partial=True`) holding only the changed tensors. Every tensor is checked against
+            the target version's digests; with a FetchResult or VersionInfo, a base that differs
+            from the server's copy of that version makes the client fetch the version whole.
         dtype: "BF16" or "F16": float32 tensors arrive cast on the server (half the bytes).
         transport: "auto" (shared memory on this host, else bulk TCP, else the gRPC stream),
             "shm", "bulk" or "stream". Fast paths fall back to the stream.
         into: a reusable receive buffer (see `fetch_bytes`); the result's tensors view it, so
             it must not be reused while they are in use.
         """
-        base_version = base.version if isinstance(base, FetchResult) else int(base or 0)
+        if isinstance(base, FetchResult) and (base.partial or base.dtype or dtype):
+            raise InvalidRequest(
+                "a delta against a FetchResult needs a complete result fetched without dtype, and no dtype now; "
+                "pass base=<version number> for a partial result instead"
+            )
+        base_info = base.info if isinstance(base, FetchResult) else base if isinstance(base, VersionInfo) else None
+        base_version = base_info.version if base_info is not None else int(base or 0)
         fetched = self.fetch_bytes(
             model,
             version=version,
@@ -209,6 +226,7 @@ class WeightClient(WeightServiceClient):
             transport=transport,
             timeout=timeout,
             into=into,
+            base_xxh3=base_info.xxh3 if base_info is not None else "",
         )
         if fetched is None:
             return None
@@ -217,7 +235,13 @@ class WeightClient(WeightServiceClient):
         if partial:
             _check_delta(fetched.info, tensors, fetched.dtype)
             if isinstance(base, FetchResult):
-                tensors = {**_verified_base(base, fetched.info), **tensors}
+                unchanged = _unchanged_from_base(base, fetched.info, tensors)
+                if unchanged is None:
+                    log.info(
+                        "the base of %s v%d changed since it was fetched; fetching whole", model, fetched.info.version
+                    )
+                    return self.fetch(model, version=fetched.info.version, transport=transport, timeout=timeout)
+                tensors = {**unchanged, **tensors}
                 partial = False
         return FetchResult(
             fetched.info,

@@ -21,6 +21,7 @@ from weightclient.client import WeightClient
 from weightclient.key_mapping import IDENTITY, KeyMap, apply_strict
 from weightclient.service_client import FetchStats
 from weightclient.updaters import LocalWeightUpdaterBase, RemoteWeightUpdaterBase, WorkerId
+from weightclient.version_info import VersionInfo
 from weightserver.errors import DeadlineExceeded, ModelNotFound, ServerUnavailable
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,8 @@ class GrpcLocalWeightUpdater(LocalWeightUpdaterBase):
         self.version: int | None = None  # the version applied to the policy
         self.last_fetch: FetchStats | None = None
         self._incoming_version: int | None = None
+        self._incoming_info: VersionInfo | None = None
+        self._applied: VersionInfo | None = None  # the description of the applied version
         self._incoming_partial = False
         self._staging: memoryview | None = None
         self._waiting_logged = False
@@ -115,7 +118,7 @@ class GrpcLocalWeightUpdater(LocalWeightUpdaterBase):
 
     def _get_server_weights(self) -> TensorDictBase | None:
         options = {
-            "base": self.version if self.delta and self.version else None,
+            "base": self._applied if self.delta and self.version else None,
             "dtype": self.dtype,
             "transport": self.transport,
             "into": self._staging,
@@ -139,6 +142,7 @@ class GrpcLocalWeightUpdater(LocalWeightUpdaterBase):
         if self._staging is None or result.data.nbytes > self._staging.nbytes:
             self._staging = result.data  # reused by the next fetch: it only lives until applied
         self._incoming_version = result.version
+        self._incoming_info = result.info
         self._incoming_partial = result.partial
         self.last_fetch = result.stats
         return result.weights
@@ -174,6 +178,7 @@ class GrpcLocalWeightUpdater(LocalWeightUpdaterBase):
             # Copy into the existing tensors: shared-memory and CUDA parameters stay valid.
             local_weights.flatten_keys(".").update_(mapped_weights)
         self.version = self._incoming_version
+        self._applied = self._incoming_info
         log.debug("applied %s v%s", self.model, self.version)
 
 

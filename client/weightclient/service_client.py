@@ -69,6 +69,7 @@ class FetchedBytes:
     base_version: int = 0
     dtype: str = ""
     stats: FetchStats | None = None
+    base_xxh3: str = ""  # the server's digest of the base version (deltas only)
 
 
 class WeightServiceClient:
@@ -186,6 +187,7 @@ class WeightServiceClient:
         transport: str = "auto",
         timeout: float | None = None,
         into: memoryview | None = None,
+        base_xxh3: str = "",
     ) -> FetchedBytes | None:
         """Fetch one version's bytes: the latest, exactly `version`, or the latest only if it is
         newer than `newer_than` (None when it is not: nothing is transferred).
@@ -196,7 +198,9 @@ class WeightServiceClient:
         or "stream"; every fast path falls back to the stream. What arrived is checked
         against the announced size and digest (IntegrityError). `into`: a buffer to receive
         into when it is large enough (reused across fetches, it saves allocating and faulting
-        in fresh memory each time); the result then views it.
+        in fresh memory each time); the result then views it. `base_xxh3`: the xxh3 of the
+        caller's copy of `base_version`; if the server's copy differs, the delta is refused and
+        the whole version fetched instead.
         """
         if transport not in TRANSPORTS:
             raise InvalidRequest(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
@@ -233,6 +237,12 @@ class WeightServiceClient:
                 fetched = self._receive_payload(info, payload, stream, started, into)
             finally:
                 stream.cancel()
+        stale_base = bool(fetched and fetched.base_version and base_xxh3 and fetched.base_xxh3 != base_xxh3)
+        if stale_base:
+            log.info("%s v%d on the server differs from the caller's; fetching it whole", model, base_version)
+            return self.fetch_bytes(
+                model, version=info.version, dtype=dtype, transport=transport, timeout=timeout, into=into
+            )
         if fetched is None:  # the fast path failed: the same payload over the gRPC stream
             return self.fetch_bytes(
                 model,
@@ -242,6 +252,7 @@ class WeightServiceClient:
                 transport="stream",
                 timeout=timeout,
                 into=into,
+                base_xxh3=base_xxh3,
             )
         return fetched
 
@@ -274,7 +285,9 @@ class WeightServiceClient:
             data = _receive_into(payload.byte_size, stream, label, into)
             _check_digests(data, info, xxh3=payload.xxh3, label=label + " payload")
         stats = FetchStats(transport, len(data), time.perf_counter() - started)
-        return FetchedBytes(info, data, base_version=payload.base_version, dtype=payload.dtype, stats=stats)
+        return FetchedBytes(
+            info, data, base_version=payload.base_version, dtype=payload.dtype, stats=stats, base_xxh3=payload.base_xxh3
+        )
 
     # ------------------------------------------------------------------ watch
     def watch(self, model: str, *, since: int = 0, timeout: float | None = None) -> Iterator[VersionEvent]:

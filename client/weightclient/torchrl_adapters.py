@@ -179,6 +179,7 @@ class GrpcWeightSyncScheme(SharedMemWeightSyncScheme):
             mapped = self.puller._maybe_map_weights(server_weights, local)
             weights = mapped.unflatten_keys(".")
             self.puller.version, self.puller._incoming_version = self.puller._incoming_version, None
+            self.puller._applied = self.puller._incoming_info
             self._server_version.fill_(self.puller.version)
         super().send(weights=weights, worker_ids=worker_ids)
 

@@ -150,20 +150,22 @@ class FetchResponse(_message.Message):
     def __init__(self, header: _Optional[_Union[VersionInfo, _Mapping]] = ..., chunk: _Optional[bytes] = ..., up_to_date: _Optional[_Union[UpToDate, _Mapping]] = ..., payload: _Optional[_Union[Payload, _Mapping]] = ...) -> None: ...
 
 class Payload(_message.Message):
-    __slots__ = ("byte_size", "xxh3", "base_version", "dtype", "shared_memory", "bulk")
+    __slots__ = ("byte_size", "xxh3", "base_version", "dtype", "shared_memory", "bulk", "base_xxh3")
     BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
     XXH3_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     BULK_FIELD_NUMBER: _ClassVar[int]
+    BASE_XXH3_FIELD_NUMBER: _ClassVar[int]
     byte_size: int
     xxh3: str
     base_version: int
     dtype: str
     shared_memory: SharedMemoryFile
     bulk: BulkTicket
-    def __init__(self, byte_size: _Optional[int] = ..., xxh3: _Optional[str] = ..., base_version: _Optional[int] = ..., dtype: _Optional[str] = ..., shared_memory: _Optional[_Union[SharedMemoryFile, _Mapping]] = ..., bulk: _Optional[_Union[BulkTicket, _Mapping]] = ...) -> None: ...
+    base_xxh3: str
+    def __init__(self, byte_size: _Optional[int] = ..., xxh3: _Optional[str] = ..., base_version: _Optional[int] = ..., dtype: _Optional[str] = ..., shared_memory: _Optional[_Union[SharedMemoryFile, _Mapping]] = ..., bulk: _Optional[_Union[BulkTicket, _Mapping]] = ..., base_xxh3: _Optional[str] = ...) -> None: ...
 
 class SharedMemoryFile(_message.Message):
     __slots__ = ("path",)
