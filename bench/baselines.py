@@ -49,24 +49,26 @@ def median_seconds(row: Row) -> float:
 def memcpy(nbytes: int, repeats: int) -> Row:
     """torch `dst.copy_(src)` of `nbytes` (float32) into a preallocated, warmed tensor.
 
-    Below 256 MiB each sample times a loop of copies totalling >= 256 MiB and divides by the
-    count, so one preemption on a shared 2-core machine does not decide a sub-millisecond sample.
+    Below 256 MiB a sample copies k distinct src/dst pairs (k * nbytes = 256 MiB, larger than
+    the 32 MiB L3, so each copy starts cold as a one-off copy would) and divides by k: one
+    preemption on a shared 2-core machine then does not decide a sub-millisecond sample.
     """
     import torch
 
-    src = torch.full((nbytes // 4,), 1.5)
-    dst = torch.zeros_like(src)
-    for _ in range(2):
+    pairs = [
+        (torch.full((nbytes // 4,), 1.5), torch.zeros(nbytes // 4))
+        for _ in range(max(1, MEMCPY_SAMPLE_BYTES // nbytes))
+    ]
+    for src, dst in pairs:
         dst.copy_(src)
-    loops = max(1, MEMCPY_SAMPLE_BYTES // nbytes)
     seconds = []
     for _ in range(repeats):
         start = time.perf_counter()
-        for _ in range(loops):
+        for src, dst in pairs:
             dst.copy_(src)
-        seconds.append((time.perf_counter() - start) / loops)
-    note = f"torch copy_, {torch.get_num_threads()} threads, {loops} copies per sample"
-    return throughput_row("memcpy", nbytes, seconds, note=note, copies_per_sample=loops)
+        seconds.append((time.perf_counter() - start) / len(pairs))
+    note = f"torch copy_, {torch.get_num_threads()} threads, {len(pairs)} buffer pair(s) per sample"
+    return throughput_row("memcpy", nbytes, seconds, note=note, pairs_per_sample=len(pairs))
 
 
 def raw_tcp(nbytes: int, repeats: int) -> Row:
@@ -142,7 +144,7 @@ def torchrl_shared_mem(sizes: list[int], repeats: int) -> list[Row]:
             entry["param_bytes"],  # GB/s from the bytes actually moved (N + 4)
             entry["seconds"],
             note="MultiSyncCollector(2 workers).update_policy_weights_(TD)",
-            **{k: v for k, v in entry.items() if k != "seconds"},
+            **{k: v for k, v in entry.items() if k not in ("seconds", "nbytes")},
         )
         row.size = entry["nbytes"]
         rows.append(row)

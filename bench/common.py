@@ -150,6 +150,25 @@ def hwm_bytes(pid: int | str = "self") -> int:
     return _status_field(pid, "VmHWM")
 
 
+def cpu_busy(seconds: float = 1.0) -> float:
+    """Fraction of all CPUs busy (not idle, not I/O wait) over `seconds`, from /proc/stat.
+
+    A better sign of competing work than the load average, which here also counts tasks
+    blocked on I/O.
+    """
+
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as stat:
+            fields = [int(v) for v in stat.readline().split()[1:]]
+        idle = fields[3] + fields[4]  # idle + iowait
+        return sum(fields[:8]) - idle, sum(fields[:8])
+
+    busy0, total0 = sample()
+    time.sleep(seconds)
+    busy1, total1 = sample()
+    return (busy1 - busy0) / max(1, total1 - total0)
+
+
 class PeakRss:
     """Samples a process's VmRSS from a thread every `interval` seconds; `.peak` is the max.
 

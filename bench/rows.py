@@ -1,9 +1,9 @@
 """The benchmark rows, each compared with a baseline measured in the same run.
 
 Every row talks to a real server in a separate process (`weightserver.process.ServerProcess`).
-Features that do not exist yet (shared-memory transport, delta fetch, dtype cast, wire-byte
-counters) are detected from `WeightClient.fetch`'s signature and the FetchResult's
-attributes; when absent the row is reported as n/a, never as a made-up number.
+Features a client may lack (the transport=, base= and dtype= parameters of fetch, wait= of
+publish, `result.stats.wire_bytes`) are detected from the signatures and the FetchResult;
+when absent the row is reported as n/a, never as a made-up number.
 """
 
 from __future__ import annotations
@@ -65,6 +65,14 @@ class Context:
     def baseline(self, name: str, size: int) -> Row | None:
         row = self.baselines.get((name, size))
         return row if row is not None and row.status == "ok" and row.samples else None
+
+    def drop(self, model: str) -> None:
+        """Delete every version of a scratch model, so the server's memory stays bounded."""
+        try:
+            for info in self.client.list_versions(model):
+                self.client.delete(model, info.version)
+        except Exception as exc:  # best effort: a leftover costs memory, not correctness
+            log(f"could not delete {model}: {exc}")
 
     def close(self) -> None:
         if self.fanout_pool is not None:
@@ -137,20 +145,33 @@ def live_fetch_row(name: str, ctx: Context, size: int, transport: str | None) ->
     with torch.no_grad():
         for param in policy.parameters():
             param.fill_(-1.0)
-    seconds, wires, used = [], [], []
+    seconds, copies, wires, used = [], [], [], []
     for _ in range(ctx.repeats):
         start = time.perf_counter()
         result = ctx.client.fetch(model, version=version, **kwargs)
+        fetched = time.perf_counter()
         copy_into(policy, result.state_dict())
-        seconds.append(time.perf_counter() - start)
+        end = time.perf_counter()
+        seconds.append(end - start)
+        copies.append(end - fetched)
         wires.append(wire_bytes(result))
         used.append(used_transport(result))
         del result
     row = Row(name, size, "GB/s", [gbps(size, s) for s in seconds])
     verified = holds_reference(policy)
-    row.extra = {"seconds": seconds, "wire_bytes": wires, "transports": used, "verified": verified, "version": version}
+    row.extra = {
+        "seconds": seconds,
+        "copy_seconds": copies,  # the p.copy_ part of each sample
+        "wire_bytes": wires,
+        "transports": used,
+        "verified": verified,
+        "version": version,
+    }
     asked = kwargs.get("transport", "none (old client)")
-    row.note = f"fetch(transport={asked}) + p.copy_ into live policy; used {'/'.join(sorted(set(used)))}"
+    row.note = (
+        f"fetch(transport={asked}) + p.copy_ into live policy; used {'/'.join(sorted(set(used)))}; "
+        f"median {statistics.median(seconds) * 1e3:.1f} ms of which copy_ {statistics.median(copies) * 1e3:.1f} ms"
+    )
     if transport and kwargs and set(used) != {transport}:
         row.note += f"; FELL BACK from {transport}"
     if not verified:
@@ -196,6 +217,7 @@ def publish_blocked(ctx: Context, size: int) -> list[Row]:
     client.publish(weights, model=model)  # warm-up
     seconds = []
     for _ in range(ctx.repeats):
+        weights.w0.data[0] += 1.0  # every version differs (untimed)
         start = time.perf_counter()
         client.publish(weights, model=model)
         seconds.append(time.perf_counter() - start)
@@ -205,6 +227,7 @@ def publish_blocked(ctx: Context, size: int) -> list[Row]:
     if "wait" in inspect.signature(WeightClient.publish).parameters:
         blocked = []
         for _ in range(ctx.repeats):
+            weights.w0.data[0] += 1.0
             previous = client.latest(model).version
             start = time.perf_counter()
             handle = client.publish(weights, model=model, wait=False)
@@ -212,6 +235,7 @@ def publish_blocked(ctx: Context, size: int) -> list[Row]:
             _wait_published(handle, client, model, previous)
         row = Row("publish_blocked_async", size, "ms", [s * 1e3 for s in blocked], note="publish(wait=False) call")
         rows.append(compare(row, memcpy, "<=", 1.5, time_based=True))
+    ctx.drop(model)
     return rows
 
 
@@ -280,7 +304,10 @@ def watch_latency(ctx: Context) -> list[Row]:
     from_call = [(at - committed[v][0]) / 1e6 for v, at in arrivals if v in committed]
     row = Row("watch_latency", None, "ms", latencies)
     p50, p99 = percentile(latencies, 50), percentile(latencies, 99)
-    row.note = f"p50 {p50:.2f} ms, p99 {p99:.2f} ms over {len(latencies)} publishes (publish() return -> watcher)"
+    row.note = (
+        f"p50 {p50:.2f} ms, p99 {p99:.2f} ms over {len(latencies)} publishes, publish() returned -> watcher "
+        f"(negative: notified before publish() returned); from publish() call p50 {percentile(from_call, 50):.2f} ms"
+    )
     row.extra = {
         "p50_ms": p50,
         "p99_ms": p99,
@@ -331,6 +358,8 @@ def delta_bytes(ctx: Context, size: int) -> list[Row]:
         deltas.append(wire_bytes(delta) or 0)
         ratios.append(full_wire / deltas[-1] if deltas[-1] else float("inf"))
         base = delta if pass_result else version
+    del full, delta, base
+    ctx.drop(model)
     row = Row("delta_bytes", size, "x", ratios, note="full wire bytes / delta wire bytes")
     row.extra = {"full_wire_bytes": full_wire, "delta_wire_bytes": deltas, "verified": correct, "base_arg": annotation}
     if not correct:
@@ -369,8 +398,9 @@ def server_rss_16_fetchers(repeats: int, transport: str | None, size: int = RSS_
     A fresh server holding exactly one version (so 'retained' is that version); its VmRSS is
     sampled every 20 ms during each round. Judged on the worst round.
     """
-    with ServerProcess("--log-level", "warning") as server, WeightClient(server.address) as client:
+    with ServerProcess() as server, WeightClient(server.address) as client:
         model = f"rss-{format_size(size)}"
+        fresh = rss_bytes(server.process.pid)
         version = client.publish(FlatPolicy(size, 4, fill=REFERENCE_FILL), model=model)
         retained = sum(v.byte_size for v in client.list_versions(model))
         pid = server.process.pid
@@ -394,13 +424,14 @@ def server_rss_16_fetchers(repeats: int, transport: str | None, size: int = RSS_
     row.baseline = "limit"
     row.baseline_value = limit
     row.note = (
-        f"{RSS_FETCHERS} procs via {'/'.join(sorted(used))}; retained {retained / MB:.0f} MB; "
-        f"idle RSS {idle / MB:.0f} MB"
+        f"{RSS_FETCHERS} byte-level fetcher procs via {'/'.join(sorted(used))}; retained {retained / MB:.0f} MB; "
+        f"server RSS fresh {fresh / MB:.0f} MB, after publish {idle / MB:.0f} MB"
     )
     row.extra = {
         "retained_bytes": retained,
         "limit_mb": limit,
-        "idle_rss_mb": idle / MB,
+        "fresh_rss_mb": fresh / MB,
+        "rss_after_publish_mb": idle / MB,
         "server_hwm_mb_incl_publish": hwm / MB,
         "round_seconds": spans,
         "aggregate_gbps": [gbps(RSS_FETCHERS * retained, s) for s in spans],

@@ -12,6 +12,7 @@ gloo_broadcast, torchrl_shared_mem (see bench/baselines.py); rows: see bench/row
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import platform
 import subprocess
@@ -27,7 +28,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # `bench` is a package; spawned children inherit sys.path
 
 # Module level stays standard library + bench.common: spawned children re-import this file.
-from bench.common import GiB, Row, format_size, log, parse_size  # noqa: E402
+from bench.common import GiB, Row, cpu_busy, format_size, log, parse_size  # noqa: E402
 
 BASELINES = ["memcpy", "raw_tcp", "gloo_broadcast", "torchrl_shared_mem"]
 ALIASES = {"publish_blocked_async": "publish_blocked", "single_collector": "fanout_8"}
@@ -52,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--only", default="", help=f"comma-separated rows: {', '.join(BASELINES + ROW_ORDER)}")
     args = parser.parse_args(argv)
     args.sizes = sorted({parse_size(s) for s in args.sizes.split(",") if s.strip()} | ({GiB} if args.large else set()))
-    known = set(BASELINES) | set(ROW_ORDER)
+    known = set(BASELINES) | set(ROW_ORDER) | set(ALIASES)
     args.only = [name.strip() for name in args.only.split(",") if name.strip()]
     unknown = [name for name in args.only if name not in known]
     if unknown:
@@ -114,9 +115,11 @@ def main(argv: list[str] | None = None) -> int:
     needed = {b for b in BASELINES if b in wanted}
     for row in wanted:
         needed |= set(rows.NEEDS.get(row, []))
-    started, load_start = time.perf_counter(), os.getloadavg()
-    if load_start[0] > 0.5:
-        log(f"warning: load average {load_start[0]:.2f} at start: other work shares the 2 cores")
+    started, load_start, busy_start = time.perf_counter(), os.getloadavg(), cpu_busy()
+    if busy_start > 0.1:
+        log(f"warning: CPUs {busy_start:.0%} busy before the suite started: other work shares the cores")
+    if args.repeats < 5:
+        log(f"warning: --repeats {args.repeats}: medians of fewer than 5 runs are for quick checks only")
     log(f"sizes {', '.join(format_size(s) for s in args.sizes)}; repeats {args.repeats}; rows {sorted(wanted)}")
     results: list[Row] = []
     measured: dict[tuple[str, int], Row] = {}
@@ -155,7 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     from bench.report import format_table, write_json
 
     print(format_table(results))
-    print(f"\n{len(results)} rows in {elapsed:.0f}s; repeats {args.repeats}; load average {load_start[0]:.2f} at start")
+    print(
+        f"\n{len(results)} rows in {elapsed:.0f}s; repeats {args.repeats}; transport {args.transport}; "
+        f"CPUs {busy_start:.0%} busy before start"
+    )
     meta = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -164,9 +170,11 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": args.repeats,
         "transport": args.transport,
         "only": sorted(wanted),
+        "cpu_busy_before_start": busy_start,
         "loadavg_start": load_start,
         "loadavg_end": os.getloadavg(),
         "fetch_parameters": list(rows.fetch_parameters()),
+        "publish_parameters": list(inspect.signature(WeightClient.publish).parameters),
         **environment(),
     }
     write_json(args.json, results, meta)
