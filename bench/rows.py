@@ -134,14 +134,21 @@ def compare(row: Row, base: Row | None, op: str, threshold: float, *, time_based
 
 
 def live_fetch_row(name: str, ctx: Context, size: int, transport: str | None) -> Row:
-    """Time `WeightClient.fetch` + `p.copy_` into a live policy, in GB/s of parameters.
+    """Time `WeightClient.fetch` + `p.copy_` into a live policy, in GB/s of parameters, the way
+    a collector's updater does it (one receive buffer reused from fetch to fetch).
 
     The transport actually used (it may fall back) is read from each result and reported.
     """
     model, version, shapes = ctx.reference(size)
     kwargs = transport_kwargs(transport)
     policy = policy_from_shapes(shapes, fill=-1.0)
-    copy_into(policy, ctx.client.fetch(model, version=version, **kwargs).state_dict())  # warm-up
+    warm = ctx.client.fetch(model, version=version, **kwargs)
+    copy_into(policy, warm.state_dict())  # warm-up
+    if "into" in fetch_parameters() and not warm.data.readonly:
+        # Receive into one reused buffer, as GrpcLocalWeightUpdater does (the shared-memory
+        # path ignores it: it maps the server's file).
+        kwargs["into"] = warm.data
+    del warm
     with torch.no_grad():
         for param in policy.parameters():
             param.fill_(-1.0)
@@ -167,6 +174,7 @@ def live_fetch_row(name: str, ctx: Context, size: int, transport: str | None) ->
         "verified": verified,
         "version": version,
     }
+    kwargs.pop("into", None)
     asked = kwargs.get("transport", "none (old client)")
     row.note = (
         f"fetch(transport={asked}) + p.copy_ into live policy; used {'/'.join(sorted(set(used)))}; "

@@ -1,11 +1,11 @@
 """BulkEndpoint: large payloads over a plain TCP connection beside the gRPC control path.
 
 A gRPC stream of 1 MiB messages tops out near 0.6x of what one loopback TCP connection
-carries (see REFERENCE.md), so a fetch may instead get a single-use ticket: the client
-connects to the bulk port, sends the 16-byte ticket, and receives exactly the payload's bytes
-straight into its buffer (`sendall` of the server's memoryview, `recv_into` on the client).
-Tickets are random, expire, and name one payload; an unknown ticket gets the connection
-closed with nothing sent.
+carries (see REFERENCE.md), so a fetch may instead get a single-use ticket: the client sends
+the 16-byte ticket on its connection to the bulk port and receives exactly the payload's
+bytes straight into its buffer (`sendall` of the server's memoryview, `recv_into` on the
+client). A client keeps its connection for the next ticket. Tickets are random, expire, and
+name one payload; an unknown ticket gets the connection closed with nothing sent.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ log = logging.getLogger(__name__)
 
 TICKET_BYTES = 16
 TICKET_TTL_SECONDS = 60.0
+SOCKET_BUFFER = 8 << 20  # a fresh connection's window otherwise starts small
+IDLE_CONNECTION_SECONDS = 600.0
 
 
 @dataclass
@@ -73,23 +75,32 @@ class BulkEndpoint:
             threading.Thread(target=self._serve, args=(conn, peer), name="weightserver-bulk-send", daemon=True).start()
 
     def _serve(self, conn: socket.socket, peer: object) -> None:
+        """Answer tickets on one connection until the client closes it (clients keep theirs
+        open, so a transfer starts with a warm window instead of a TCP handshake)."""
         with conn:
-            conn.settimeout(30)
-            try:
-                ticket = _recv_exactly(conn, TICKET_BYTES)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.settimeout(IDLE_CONNECTION_SECONDS)
+            while not self._closed:
+                try:
+                    ticket = _recv_exactly(conn, TICKET_BYTES)
+                except (OSError, EOFError):
+                    return  # the client closed its connection, or it sat idle too long
                 with self._lock:
                     pending = self._tickets.pop(ticket, None)
                 if pending is None or pending.expires < time.monotonic():
                     log.warning("bulk: unknown or expired ticket from %s", peer)
                     return
                 started = time.perf_counter()
-                conn.sendall(pending.data)
+                try:
+                    conn.sendall(pending.data)
+                except OSError as exc:
+                    log.warning("bulk: transfer to %s failed: %s", peer, exc)
+                    return
                 seconds = time.perf_counter() - started
                 log.debug(
                     "bulk: sent %s (%d bytes) to %s in %.1f ms", pending.label, pending.data.nbytes, peer, seconds * 1e3
                 )
-            except OSError as exc:
-                log.warning("bulk: transfer to %s failed: %s", peer, exc)
 
 
 def _recv_exactly(conn: socket.socket, size: int) -> bytes:
@@ -97,6 +108,6 @@ def _recv_exactly(conn: socket.socket, size: int) -> bytes:
     while len(data) < size:
         part = conn.recv(size - len(data))
         if not part:
-            raise OSError("connection closed before the ticket arrived")
+            raise EOFError("connection closed before a ticket arrived")
         data += part
     return bytes(data)

@@ -87,16 +87,17 @@ class BackgroundPublisher:
                     return
                 job, self._queued, self._busy = self._queued, None, True
             try:
-                version = self._send(job.snapshot, **job.options)
+                version, error = self._send(job.snapshot, **job.options), None
             except BaseException as exc:  # handed to the caller through the futures
                 log.error("background publish failed: %s", exc)
-                for future in job.futures:
-                    future.set_exception(exc)
-            else:
-                for future in job.futures:
+                version, error = None, exc
+            # Recycle first, so a caller woken by its future finds the buffer ready for reuse.
+            self._recycle(job.snapshot)
+            with self._lock:
+                self._busy = False
+                self._lock.notify_all()
+            for future in job.futures:
+                if error is not None:
+                    future.set_exception(error)
+                else:
                     future.set_result(version)
-            finally:
-                self._recycle(job.snapshot)
-                with self._lock:
-                    self._busy = False
-                    self._lock.notify_all()

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import mmap
 import os
 import socket
+import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -32,6 +34,7 @@ ADDRESS_ENV = "WEIGHTSERVER_ADDRESS"
 TRANSPORTS = ("auto", "stream", "shm", "bulk")
 BULK_CONNECT_TIMEOUT = 2.0
 BULK_IDLE_TIMEOUT = 30.0
+BULK_SOCKET_BUFFER = 8 << 20
 DEFAULT_ADDRESS = f"localhost:{DEFAULT_PORT}"
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -104,9 +107,11 @@ class WeightServiceClient:
         self._metadata = ((CLIENT_ID_METADATA_KEY, client_id),) if client_id else None
         self._shm_usable: bool | None = None  # learned on the first shared-memory fetch
         self._bulk_usable: bool | None = None
+        self._bulk = _BulkConnection()
 
     def close(self) -> None:
-        """Close the channel; cancels running calls."""
+        """Close the channel (cancels running calls) and the bulk connection."""
+        self._bulk.close()
         self._channel.close()
 
     def __enter__(self) -> WeightServiceClient:
@@ -196,9 +201,10 @@ class WeightServiceClient:
         `dtype` ("BF16"/"F16") for float32 tensors cast on the server. `transport`: "auto"
         (shared memory on the same host, else bulk TCP, else the gRPC stream), "shm", "bulk"
         or "stream"; every fast path falls back to the stream. What arrived is checked
-        against the announced size and digest (IntegrityError). `into`: a buffer to receive
-        into when it is large enough (reused across fetches, it saves allocating and faulting
-        in fresh memory each time); the result then views it. `base_xxh3`: the xxh3 of the
+        against the announced size and digest (IntegrityError). `into`: a buffer for the
+        stream and bulk paths to receive into when it is large enough (reused across fetches,
+        it saves allocating and faulting in fresh memory each time); the result then views it.
+        The shared-memory path needs none: it maps the server's file copy-on-write. `base_xxh3`: the xxh3 of the
         caller's copy of `base_version`; if the server's copy differs, the delta is refused and
         the whole version fetched instead.
         """
@@ -261,7 +267,7 @@ class WeightServiceClient:
     ) -> FetchedBytes | None:
         label = f"{info.model!r} v{info.version}"
         if payload.HasField("shared_memory"):
-            data = _read_shared_memory(payload.shared_memory.path, payload.byte_size, into)
+            data = _map_shared_memory(payload.shared_memory.path, payload.byte_size)
             transport = "shm"
             if data is None or xxhash.xxh3_128_hexdigest(data) != payload.xxh3:
                 self._shm_usable = False  # not this host (or a stale file): stop asking
@@ -271,10 +277,10 @@ class WeightServiceClient:
         elif payload.HasField("bulk"):
             transport = "bulk"
             try:
-                data = _receive_bulk(
+                data = self._bulk.receive(
                     _host_of(self.address), payload.bulk.port, payload.bulk.ticket, payload.byte_size, into
                 )
-            except OSError as exc:
+            except (OSError, EOFError) as exc:
                 self._bulk_usable = False
                 log.warning("bulk transfer of %s from port %d failed (%s); falling back", label, payload.bulk.port, exc)
                 return None
@@ -428,38 +434,82 @@ def _check_digests(
         raise IntegrityError(f"model {label}: {name} of the received bytes is {digest}, server announced {expected}")
 
 
-def _read_shared_memory(path: str, size: int, into: memoryview | None = None) -> memoryview | None:
-    """The file's bytes, or None if it cannot be read here (another host) or has another size."""
+def _map_shared_memory(path: str, size: int) -> memoryview | None:
+    """The file mapped copy-on-write (reading it costs no copy; a write to a tensor viewing it
+    stays private), or None if it cannot be opened here (another host) or has another size.
+
+    The mapping stays valid after the server removes the file."""
     try:
         with open(path, "rb", buffering=0) as f:
             if os.fstat(f.fileno()).st_size != size:
                 return None
-            buffer = new_buffer(size, into)
-            view = buffer
-            read = 0
-            while read < size:
-                n = f.readinto(view[read:])
-                if not n:
-                    return None
-                read += n
-            return buffer
-    except OSError:
+            if size == 0:
+                return memoryview(bytearray())
+            mapping = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            return memoryview(mapping)
+    except (OSError, ValueError):
         return None
 
 
-def _receive_bulk(host: str, port: int, ticket: bytes, size: int, into: memoryview | None = None) -> memoryview:
-    buffer = new_buffer(size, into)
-    view = buffer
-    with socket.create_connection((host, port), timeout=BULK_CONNECT_TIMEOUT) as conn:
-        conn.settimeout(BULK_IDLE_TIMEOUT)
+class _BulkConnection:
+    """A client's kept-open connection to a server's bulk port (one transfer at a time)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._socket: socket.socket | None = None
+        self._target: tuple[str, int] | None = None
+
+    def receive(self, host: str, port: int, ticket: bytes, size: int, into: memoryview | None) -> memoryview:
+        with self._lock:
+            fresh = self._socket is None or self._target != (host, port)
+            try:
+                return self._receive(host, port, ticket, size, into)
+            except (OSError, EOFError):
+                self.close()
+                if fresh:
+                    raise
+            # A kept connection the server closed meanwhile: the ticket is unused, try afresh.
+            return self._receive(host, port, ticket, size, into)
+
+    def _receive(self, host: str, port: int, ticket: bytes, size: int, into: memoryview | None) -> memoryview:
+        if self._socket is None or self._target != (host, port):
+            self.close()
+            self._socket = _connect_bulk(host, port)
+            self._target = (host, port)
+        conn = self._socket
+        buffer = new_buffer(size, into)
         conn.sendall(ticket)
         received = 0
         while received < size:
-            n = conn.recv_into(view[received:])
+            n = conn.recv_into(buffer[received:])
             if not n:
+                if received == 0:
+                    raise EOFError("the bulk connection was closed")
                 raise OSError(f"bulk connection closed after {received} of {size} bytes")
             received += n
-    return buffer
+        return buffer
+
+    def close(self) -> None:
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None
+
+
+def _connect_bulk(host: str, port: int) -> socket.socket:
+    family, _, _, _, address = socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM)[0]
+    conn = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        # A large receive buffer from the first byte: a fresh connection's window otherwise
+        # grows from ~128 KiB, which dominates a transfer of a few MiB.
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, BULK_SOCKET_BUFFER)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn.settimeout(BULK_CONNECT_TIMEOUT)
+        conn.connect(address)
+        conn.settimeout(BULK_IDLE_TIMEOUT)
+    except OSError:
+        conn.close()
+        raise
+    return conn
 
 
 def _host_of(address: str) -> str:

@@ -118,9 +118,13 @@ def snapshot(weights: Weights, metadata: Mapping[str, str] | None = None, into: 
         buffer = into.cast("B")[: encoded.nbytes]
     else:
         buffer = memoryview(np.empty(encoded.nbytes, dtype=np.uint8))
+    target = torch.frombuffer(buffer, dtype=torch.uint8) if encoded.nbytes else None
     position = 0
     for part in encoded.parts:
-        buffer[position : position + part.nbytes] = part
+        if part.readonly or part.nbytes < 1 << 20:
+            buffer[position : position + part.nbytes] = part
+        else:  # torch's copy uses every core; a memoryview slice assignment uses one
+            target[position : position + part.nbytes].copy_(torch.frombuffer(part, dtype=torch.uint8))
         position += part.nbytes
     return buffer
 
