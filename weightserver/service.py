@@ -264,7 +264,10 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
             return
 
         base = self._base_version(record, request.base_version)
-        payload = await asyncio.to_thread(self.payloads.get, record, base, request.dtype)
+        if base is None and not request.dtype:
+            payload = self.payloads.get(record)  # the version itself: nothing to build
+        else:
+            payload = await asyncio.to_thread(self.payloads.get, record, base, request.dtype)
         description = pb.Payload(
             byte_size=payload.byte_size,
             xxh3=payload.xxh3,
@@ -274,7 +277,9 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         )
         key = (record.model, record.version, payload.base_version, payload.dtype)
         if request.accept_shared_memory and self.shared_memory is not None:
-            path = await asyncio.to_thread(self.shared_memory.path_for, key, payload.data)
+            path = self.shared_memory.existing(key) or await asyncio.to_thread(
+                self.shared_memory.path_for, key, payload.data
+            )
             description.shared_memory.path = str(path)
             yield pb.FetchResponse(payload=description)
             _log_transfer("fetch", record, started, context, transport="shm", sent=payload.byte_size)

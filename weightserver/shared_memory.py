@@ -57,6 +57,11 @@ class SharedMemoryFiles:
         self._lock = threading.Lock()
         self._files: dict[tuple[str, int, int, str], Path] = {}
 
+    def existing(self, key: tuple[str, int, int, str]) -> Path | None:
+        """The file of payload `key` if it was written already."""
+        with self._lock:
+            return self._files.get(key)
+
     def path_for(self, key: tuple[str, int, int, str], data: bytes | bytearray | memoryview) -> Path:
         """The file holding `data` for payload `key` (model, version, base, dtype), written once."""
         with self._lock:
