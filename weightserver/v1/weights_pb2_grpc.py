@@ -126,9 +126,12 @@ class WeightServiceServicer:
 
     def Fetch(self, request, context):
         """Streams one version: first a `header` (the version's description with its tensor
-        manifest and digest), then the safetensors bytes as `chunk`s of at most `chunk_size`
+        manifest and digests), then the safetensors bytes as `chunk`s of at most `chunk_size`
         bytes. With `newer_than` set and no newer version, the stream holds a single
-        `up_to_date` message and no bytes are sent.
+        `up_to_date` message and no bytes are sent. A request that sets base_version, dtype,
+        accept_shared_memory or accept_bulk gets a `payload` message after the header, saying
+        what follows (a delta, a cast, or the version itself) and where: chunks, a shared-memory
+        file, or a bulk TCP ticket. Clients that set none of these see only header and chunks.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
