@@ -29,8 +29,27 @@ log = logging.getLogger(__name__)
 Weights = torch.nn.Module | TensorDictBase | Mapping[str, torch.Tensor]
 
 
-def _connect(client: WeightClient | str | None) -> WeightClient:
-    return client if isinstance(client, WeightClient) else WeightClient(client)
+class _LazyClient:
+    """Holds a WeightClient, or the address to make one from on first use. The channel is
+    dropped when pickled (it cannot cross processes) and made again where it is needed."""
+
+    _address: str | None = None
+    _client: WeightClient | None = None
+
+    def _set_client(self, client: WeightClient | str | None) -> None:
+        self._address = client.address if isinstance(client, WeightClient) else client
+        self._client = client if isinstance(client, WeightClient) else None
+
+    @property
+    def client(self) -> WeightClient:
+        if self._client is None:
+            self._client = WeightClient(self._address)
+        return self._client
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()  # type: ignore[misc]
+        state["_client"] = None
+        return state
 
 
 def weights_of(source: Weights) -> TensorDictBase:
@@ -42,7 +61,7 @@ def weights_of(source: Weights) -> TensorDictBase:
     return TensorDict(dict(source), batch_size=[])
 
 
-class GrpcLocalWeightUpdater(LocalWeightUpdaterBase):
+class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
     """Collector-side updater: applies the server's newest version of `model` to a policy.
 
     Args:
@@ -79,8 +98,7 @@ class GrpcLocalWeightUpdater(LocalWeightUpdaterBase):
         dtype: str | None = None,
         transport: str = "auto",
     ) -> None:
-        self._address = client.address if isinstance(client, WeightClient) else client
-        self._client = client if isinstance(client, WeightClient) else None
+        self._set_client(client)
         self.model = model
         self.policy = policy
         self.key_map = key_map
@@ -97,15 +115,8 @@ class GrpcLocalWeightUpdater(LocalWeightUpdaterBase):
         self._staging: memoryview | None = None
         self._waiting_logged = False
 
-    @property
-    def client(self) -> WeightClient:
-        if self._client is None:
-            self._client = _connect(self._address)
-        return self._client
-
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state["_client"] = None
         state["_staging"] = None
         return state
 
@@ -182,7 +193,7 @@ class GrpcLocalWeightUpdater(LocalWeightUpdaterBase):
         log.debug("applied %s v%s", self.model, self.version)
 
 
-class GrpcRemoteWeightUpdater(RemoteWeightUpdaterBase):
+class GrpcRemoteWeightUpdater(_LazyClient, RemoteWeightUpdaterBase):
     """Trainer-side updater: publishes the trainer's weights as a new version.
 
     Args:
@@ -211,8 +222,7 @@ class GrpcRemoteWeightUpdater(RemoteWeightUpdaterBase):
         backoff: float = 0.5,
         metadata: Callable[[], Mapping[str, str]] | None = None,
     ) -> None:
-        self._address = client.address if isinstance(client, WeightClient) else client
-        self._client = client if isinstance(client, WeightClient) else None
+        self._set_client(client)
         self.policy_weights = policy_weights
         self.models: dict[WorkerId, str] = dict(models) if isinstance(models, Mapping) else {m: m for m in models}
         if not self.models:
@@ -223,17 +233,6 @@ class GrpcRemoteWeightUpdater(RemoteWeightUpdaterBase):
         self.metadata = metadata
         self._calls_since_update = dict.fromkeys(self.models, 0)
         self.version: int | None = None  # last version published
-
-    @property
-    def client(self) -> WeightClient:
-        if self._client is None:
-            self._client = _connect(self._address)
-        return self._client
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        state["_client"] = None
-        return state
 
     def all_worker_ids(self) -> list[WorkerId]:
         return list(self.models)

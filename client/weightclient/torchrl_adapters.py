@@ -89,8 +89,13 @@ with warnings.catch_warnings():
             model: str = "policy",
             key_map: KeyMap | Any = IDENTITY,
             version: int | None = None,
+            delta: bool = True,
+            dtype: str | None = None,
+            transport: str = "auto",
         ) -> None:
-            self.puller = GrpcLocalWeightUpdater(client, model=model, key_map=key_map, version=version)
+            self.puller = GrpcLocalWeightUpdater(
+                client, model=model, key_map=key_map, version=version, delta=delta, dtype=dtype, transport=transport
+            )
 
         @property
         def version(self) -> int | None:
@@ -155,10 +160,15 @@ class GrpcWeightSyncScheme(SharedMemWeightSyncScheme):
         model: str = "policy",
         key_map: KeyMap | Any = IDENTITY,
         version: int | None = None,
+        delta: bool = True,
+        dtype: str | None = None,
+        transport: str = "auto",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        self.puller = GrpcLocalWeightUpdater(client, model=model, key_map=key_map, version=version)
+        self.puller = GrpcLocalWeightUpdater(
+            client, model=model, key_map=key_map, version=version, delta=delta, dtype=dtype, transport=transport
+        )
         # The applied server version, shared with the workers (it travels in the pickle).
         self._server_version = torch.full((), -1, dtype=torch.int64).share_memory_()
 
