@@ -248,6 +248,13 @@ def test_refused_bulk_port_falls_back_to_the_stream_and_is_not_asked_again(make_
         assert len(srv.bulk._tickets) == tickets  # no ticket was asked for
         assert_bit_exact(again.tensors, weights)
 
+        # The port may come back (a container restarted): after a while bulk is tried again.
+        monkeypatch.undo()
+        c._bulk_retry_at = 0.0
+        retried = c.fetch(MODEL, transport="auto")
+        assert retried.stats.transport == "bulk" and c._bulk_usable is True
+        assert_bit_exact(retried.tensors, weights)
+
 
 @pytest.mark.parametrize("damage", ["flip-byte", "truncate"])
 def test_corrupt_derived_shm_file_is_detected_and_streamed_instead(server, client, damage):

@@ -35,6 +35,7 @@ TRANSPORTS = ("auto", "stream", "shm", "bulk")
 BULK_CONNECT_TIMEOUT = 2.0
 BULK_IDLE_TIMEOUT = 30.0
 BULK_SOCKET_BUFFER = 8 << 20
+BULK_RETRY_SECONDS = 60.0  # a failed bulk path (port not published, say) is retried this often
 DEFAULT_ADDRESS = f"localhost:{DEFAULT_PORT}"
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -107,6 +108,7 @@ class WeightServiceClient:
         self._metadata = ((CLIENT_ID_METADATA_KEY, client_id),) if client_id else None
         self._shm_usable: bool | None = None  # learned on the first shared-memory fetch
         self._bulk_usable: bool | None = None
+        self._bulk_retry_at = 0.0  # after a bulk failure, "auto" tries bulk again from then on
         self._bulk = _BulkConnection()
 
     def close(self) -> None:
@@ -215,7 +217,9 @@ class WeightServiceClient:
         request.base_version = base_version
         request.dtype = dtype
         request.accept_shared_memory = transport == "shm" or (transport == "auto" and self._shm_usable is not False)
-        request.accept_bulk = transport == "bulk" or (transport == "auto" and self._bulk_usable is not False)
+        request.accept_bulk = transport == "bulk" or (
+            transport == "auto" and (self._bulk_usable is not False or time.monotonic() >= self._bulk_retry_at)
+        )
         with translated_rpc_errors(self.address):
             stream = self._fetch(request, timeout=timeout, metadata=self._metadata)
             try:
@@ -282,6 +286,7 @@ class WeightServiceClient:
                 )
             except (OSError, EOFError) as exc:
                 self._bulk_usable = False
+                self._bulk_retry_at = time.monotonic() + BULK_RETRY_SECONDS
                 log.warning("bulk transfer of %s from port %d failed (%s); falling back", label, payload.bulk.port, exc)
                 return None
             self._bulk_usable = True
