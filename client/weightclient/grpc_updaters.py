@@ -150,8 +150,11 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
             return None
         if result is None:
             return None
-        if self._staging is None or result.data.nbytes > self._staging.nbytes:
-            self._staging = result.data  # reused by the next fetch: it only lives until applied
+        from_shm = result.stats is not None and result.stats.transport == "shm"
+        if not from_shm and (self._staging is None or result.data.nbytes > self._staging.nbytes):
+            # Reused by the next fetch: it only lives until applied. (A shared-memory fetch
+            # maps the server's file instead; that mapping is no buffer to receive into.)
+            self._staging = result.data
         self._incoming_version = result.version
         self._incoming_info = result.info
         self._incoming_partial = result.partial
