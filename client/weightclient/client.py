@@ -127,11 +127,9 @@ class WeightClient(WeightServiceClient):
         snapshot streams from a background thread. One publish is in flight at a time, and a
         newer one replaces a snapshot still waiting (see weightclient.background_publisher).
         """
-        if not wait:
-            return self.publish_group({model: weights}, version=version, metadata=metadata, pin=pin, wait=False)
-        encoded = tensor_codec.encode(weights)
-        info = self.publish_bytes(model, encoded.parts, version=version, metadata=metadata, pin=pin, timeout=timeout)
-        return info.version
+        return self.publish_group(
+            {model: weights}, version=version, metadata=metadata, pin=pin, timeout=timeout, wait=wait
+        )
 
     def publish_group(
         self,
