@@ -134,17 +134,23 @@ def compare(row: Row, base: Row | None, op: str, threshold: float, *, time_based
 
 
 def live_fetch_row(name: str, ctx: Context, size: int, transport: str | None) -> Row:
-    """Time `WeightClient.fetch` + `p.copy_` into a live policy, in GB/s of parameters, the way
-    a collector's updater does it (one receive buffer reused from fetch to fetch).
+    """Time `WeightClient.fetch` into a live policy, in GB/s of parameters, the way a
+    collector's updater does it: straight into the parameters (`place=`) where the client can,
+    else into one receive buffer reused from fetch to fetch, then `p.copy_`.
 
     The transport actually used (it may fall back) is read from each result and reported.
     """
     model, version, shapes = ctx.reference(size)
     kwargs = transport_kwargs(transport)
     policy = policy_from_shapes(shapes, fill=-1.0)
+    if "place" in fetch_parameters():
+        # Receive a whole version straight into the parameters, as GrpcLocalWeightUpdater does
+        # (the client falls back to receive + copy where it cannot).
+        kwargs["place"] = lambda info: dict(policy.named_parameters())
     warm = ctx.client.fetch(model, version=version, **kwargs)
-    copy_into(policy, warm.state_dict())  # warm-up
-    if "into" in fetch_parameters() and not warm.data.readonly:
+    if not getattr(warm, "placed", False):
+        copy_into(policy, warm.state_dict())  # warm-up
+    if "into" in fetch_parameters() and not warm.data.readonly and warm.data.nbytes:
         # Receive into one reused buffer, as GrpcLocalWeightUpdater does (the shared-memory
         # path ignores it: it maps the server's file).
         kwargs["into"] = warm.data
@@ -152,12 +158,14 @@ def live_fetch_row(name: str, ctx: Context, size: int, transport: str | None) ->
     with torch.no_grad():
         for param in policy.parameters():
             param.fill_(-1.0)
-    seconds, copies, wires, used = [], [], [], []
+    seconds, copies, wires, used, placed = [], [], [], [], []
     for _ in range(ctx.repeats):
         start = time.perf_counter()
         result = ctx.client.fetch(model, version=version, **kwargs)
         fetched = time.perf_counter()
-        copy_into(policy, result.state_dict())
+        placed.append(bool(getattr(result, "placed", False)))
+        if not placed[-1]:
+            copy_into(policy, result.state_dict())
         end = time.perf_counter()
         seconds.append(end - start)
         copies.append(end - fetched)
@@ -171,15 +179,19 @@ def live_fetch_row(name: str, ctx: Context, size: int, transport: str | None) ->
         "copy_seconds": copies,  # the p.copy_ part of each sample
         "wire_bytes": wires,
         "transports": used,
+        "placed": placed,
         "verified": verified,
         "version": version,
     }
     kwargs.pop("into", None)
+    kwargs.pop("place", None)
     asked = kwargs.get("transport", "none (old client)")
     row.note = (
         f"fetch(transport={asked}) + p.copy_ into live policy; used {'/'.join(sorted(set(used)))}; "
         f"median {statistics.median(seconds) * 1e3:.1f} ms of which copy_ {statistics.median(copies) * 1e3:.1f} ms"
     )
+    if any(placed):
+        row.note += f"; received straight into the parameters (place=) in {sum(placed)}/{len(placed)} runs"
     if transport and kwargs and set(used) != {transport}:
         row.note += f"; FELL BACK from {transport}"
     if not verified:
@@ -188,10 +200,19 @@ def live_fetch_row(name: str, ctx: Context, size: int, transport: str | None) ->
 
 
 # ---------------------------------------------------------------------- rows 1-2
+LIVE_FETCH_TARGET_SIZE = 256 * MiB
+
+
 def fetch_live_policy(ctx: Context, size: int) -> list[Row]:
     """Row 1: WeightClient.fetch over the network path + copy into a live policy, vs raw TCP."""
-    row = live_fetch_row("fetch_live_policy", ctx, size, ctx.transport)
-    return [compare(row, ctx.baseline("raw_tcp", size), ">=", 0.7)]
+    row = compare(
+        live_fetch_row("fetch_live_policy", ctx, size, ctx.transport), ctx.baseline("raw_tcp", size), ">=", 0.7
+    )
+    if size < LIVE_FETCH_TARGET_SIZE:
+        # The issue sets this target for 256 MiB; below that the ~2 ms of a Python gRPC call
+        # per fetch dominates, so the ratio is reported but not judged.
+        row.passed, row.target = None, f"(0.7x set for {format_size(LIVE_FETCH_TARGET_SIZE)})"
+    return [row]
 
 
 def fetch_shm_vs_gloo(ctx: Context, size: int) -> list[Row]:

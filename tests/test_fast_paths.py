@@ -640,17 +640,26 @@ def address_of(view: memoryview) -> int:
     return np.frombuffer(view, dtype=np.uint8).ctypes.data
 
 
-@pytest.mark.parametrize("transport", ["stream", "bulk"])
-def test_updater_applies_deltas_bit_exactly_into_one_staging_buffer(server, client, transport):
+@pytest.mark.parametrize("transport", ["stream", "bulk", "shm"])
+def test_updater_applies_versions_bit_exactly_placed_or_through_one_staging_buffer(server, client, transport):
+    """Whole versions over bulk/shm land straight in the parameters; deltas (and anything over
+    the stream) go through one staging buffer, reused from update to update."""
+    placed = transport != "stream"
     trainer, policy = layered_policy(0), layered_policy(1)
     recording = RecordingClient(server.address)
     updater = GrpcLocalWeightUpdater(recording, policy=policy, delta=True, transport=transport)
+    pointers = {name: p.data_ptr() for name, p in policy.state_dict().items()}
 
     client.publish(trainer, model=MODEL)
     updater()
+    first = recording.results[-1]
     full_bytes = updater.last_fetch.wire_bytes
-    staging = updater._staging
-    assert staging is not None and address_of(recording.results[-1].data) == address_of(staging)
+    assert first.placed is placed and updater.last_fetch.transport == transport
+    if placed:
+        assert updater._staging is None
+        assert {name: t.data_ptr() for name, t in first.tensors.items()} == pointers
+    else:
+        assert address_of(first.data) == address_of(updater._staging)
     assert_bit_exact(policy.state_dict(), trainer.state_dict())
 
     with torch.no_grad():
@@ -659,20 +668,26 @@ def test_updater_applies_deltas_bit_exactly_into_one_staging_buffer(server, clie
     updater()
     assert updater.version == 2
     assert recording.results[-1].partial and sorted(recording.results[-1].tensors) == ["3.weight"]
+    assert not recording.results[-1].placed
     assert updater.last_fetch.wire_bytes * 10 <= full_bytes
     assert_bit_exact(policy.state_dict(), trainer.state_dict())
-    assert updater._staging is staging
-    assert address_of(recording.results[-1].data) == address_of(staging)
+    staging = updater._staging
+    if transport != "shm":  # a shared-memory delta is a mapping of the server's file instead
+        assert address_of(recording.results[-1].data) == address_of(staging)
 
     with torch.no_grad():
         for p in trainer.parameters():
-            p.mul_(-1)  # every tensor changes: a full-size delta, into the same buffer
+            p.mul_(-1)  # every tensor changes: the server sends the version's own file
     client.publish(trainer, model=MODEL)
     updater()
+    third = recording.results[-1]
     assert updater.version == 3 and updater.last_fetch.wire_bytes >= full_bytes
+    assert third.base_version == 0 and not third.partial and third.placed is placed
     assert_bit_exact(policy.state_dict(), trainer.state_dict())
+    assert {name: p.data_ptr() for name, p in policy.state_dict().items()} == pointers
     assert updater._staging is staging
-    assert address_of(recording.results[-1].data) == address_of(staging)
+    if not placed:
+        assert address_of(third.data) == address_of(staging)
     recording.close()
 
 

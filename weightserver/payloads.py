@@ -116,6 +116,8 @@ class PayloadCache:
             raise InvalidRequest(f"cannot cast to {dtype!r}: choose one of {', '.join(CAST_TARGETS)} or ''")
         if base is not None and not _compatible(base, target):
             base = None  # tensors do not line up: send everything
+        if base is not None and not dtype and not _unchanged(base, target):
+            base = None  # every tensor changed: the version's own file is the delta, as is
         if base is None and not dtype:
             return Payload(target.data, target.xxh3)
         key = (target.model, target.version, base.version if base is not None else 0, dtype)
@@ -160,11 +162,16 @@ class PayloadCache:
     @staticmethod
     def _build(target, base, dtype: str) -> Payload:
         if base is not None:
-            unchanged = {name for name, digest in target.tensor_xxh3.items() if base.tensor_xxh3.get(name) == digest}
+            unchanged = _unchanged(base, target)
             data = derive(target.data, target.header, keep=lambda e: e.name not in unchanged, dtype=dtype)
         else:
             data = derive(target.data, target.header, dtype=dtype)
         return Payload(data, xxh3_hex(data), base.version if base is not None else 0, dtype)
+
+
+def _unchanged(base, target) -> set[str]:
+    """Names of the tensors whose bytes are the same in both versions (by digest)."""
+    return {name for name, digest in target.tensor_xxh3.items() if base.tensor_xxh3.get(name) == digest}
 
 
 def _compatible(base, target) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,7 +15,7 @@ from tensordict import TensorDict
 from weightclient import tensor_codec
 from weightclient.background_publisher import BackgroundPublisher, PublishFuture
 from weightclient.service_client import FetchStats, WeightServiceClient
-from weightclient.version_info import VersionInfo
+from weightclient.version_info import TensorInfo, VersionInfo
 from weightserver.errors import IntegrityError, InvalidRequest, NotFoundError
 from weightserver.safetensors_format import parse_header
 
@@ -39,6 +39,7 @@ class FetchResult:
     dtype: str = ""
     partial: bool = False
     stats: FetchStats | None = None
+    placed: bool = False  # `tensors` are the caller's own, filled in place (fetch(place=...))
 
     @property
     def version(self) -> int:
@@ -56,6 +57,16 @@ class FetchResult:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """A plain {name: tensor} dict, ready for `module.load_state_dict`."""
         return dict(self.tensors)
+
+
+def _placeable(tensor: torch.Tensor, entry: TensorInfo) -> bool:
+    """Whether `entry`'s bytes can be received straight into `tensor`."""
+    return (
+        tensor.device.type == "cpu"
+        and tensor.is_contiguous()
+        and tensor_codec.TORCH_TO_SAFETENSORS.get(tensor.dtype) == entry.dtype
+        and tuple(tensor.shape) == tuple(entry.shape)
+    )
 
 
 def _check_delta(info: VersionInfo, tensors: dict[str, torch.Tensor], dtype: str) -> None:
@@ -192,6 +203,7 @@ class WeightClient(WeightServiceClient):
         transport: str = "auto",
         timeout: float | None = None,
         into: memoryview | None = None,
+        place: Callable[[VersionInfo], Mapping[str, torch.Tensor] | None] | None = None,
     ) -> FetchResult | None:
         """Fetch the latest version, exactly `version`, or the latest only if newer than
         `newer_than` (None when it is not; no weights are transferred then).
@@ -207,6 +219,14 @@ class WeightClient(WeightServiceClient):
             "shm", "bulk" or "stream". Fast paths fall back to the stream.
         into: a reusable receive buffer (see `fetch_bytes`); the result's tensors view it, so
             it must not be reused while they are in use.
+        place: called with the version's description before its bytes move; may return
+            {tensor name: a contiguous CPU tensor of that tensor's dtype and shape}, e.g. the
+            live parameters. When the whole version comes over shared memory or bulk TCP, those
+            tensors receive its bytes directly (no receive buffer, no copy) and are verified
+            against the version's digests; the result is then `placed` and its `tensors` are
+            the given ones (tensors left out are dropped). Otherwise the fetch is a normal one.
+            If placed bytes fail verification the version is fetched again normally, so the
+            given tensors may hold unverified bytes until the caller copies the result in.
         """
         if isinstance(base, FetchResult) and (base.partial or base.dtype or dtype):
             raise InvalidRequest(
@@ -215,6 +235,19 @@ class WeightClient(WeightServiceClient):
             )
         base_info = base.info if isinstance(base, FetchResult) else base if isinstance(base, VersionInfo) else None
         base_version = base_info.version if base_info is not None else int(base or 0)
+        targets: dict[str, torch.Tensor] = {}
+
+        def views_for(info: VersionInfo) -> dict[str, memoryview] | None:
+            wanted = place(info) if place is not None else None
+            if not wanted:
+                return None
+            layout = {t.name: t for t in info.tensors}
+            for name, tensor in wanted.items():
+                if name not in layout or not _placeable(tensor, layout[name]):
+                    return None
+            targets.update(wanted)
+            return {name: tensor_codec.tensor_bytes(tensor.detach()) for name, tensor in wanted.items()}
+
         fetched = self.fetch_bytes(
             model,
             version=version,
@@ -225,9 +258,12 @@ class WeightClient(WeightServiceClient):
             timeout=timeout,
             into=into,
             base_xxh3=base_info.xxh3 if base_info is not None else "",
+            place=views_for if place is not None else None,
         )
         if fetched is None:
             return None
+        if fetched.placed:
+            return FetchResult(fetched.info, targets, fetched.data, stats=fetched.stats, placed=True)
         tensors = tensor_codec.decode(parse_header(fetched.data), fetched.data)
         partial = bool(fetched.base_version)
         if partial:

@@ -18,7 +18,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from weightclient.client import WeightClient
-from weightclient.key_mapping import IDENTITY, KeyMap, apply_strict
+from weightclient.key_mapping import IDENTITY, KeyMap, apply_strict, flat_weights
 from weightclient.service_client import FetchStats
 from weightclient.updaters import LocalWeightUpdaterBase, RemoteWeightUpdaterBase, WorkerId
 from weightclient.version_info import VersionInfo
@@ -75,7 +75,11 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
             by the in-place copy into the policy's own dtype.
         transport: "auto", "shm", "bulk" or "stream" (see WeightClient.fetch).
 
-    Received bytes land in one staging buffer that is reused from update to update.
+    A whole version that comes over shared memory or bulk TCP is received straight into the
+    policy's parameters when the key map lines every parameter up with a server tensor of the
+    same dtype and shape (no staging buffer, no copy; verified by digest in place). Anything
+    else (deltas, casts, the gRPC stream) lands in one staging buffer, reused from update to
+    update, and is copied in.
 
     The client is created lazily and dropped when pickled, so an updater can be sent to a
     worker process and reconnect there.
@@ -112,6 +116,8 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         self._incoming_info: VersionInfo | None = None
         self._applied: VersionInfo | None = None  # the description of the applied version
         self._incoming_partial = False
+        self._incoming_placed = False
+        self._placing = False  # this fetch was offered the live parameters to receive into
         self._staging: memoryview | None = None
         self._waiting_logged = False
 
@@ -133,7 +139,9 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
             "dtype": self.dtype,
             "transport": self.transport,
             "into": self._staging,
+            "place": None if self.dtype else self._placement,
         }
+        self._placing = False
         try:
             if self.pinned_version is not None:
                 if self.version == self.pinned_version:
@@ -148,18 +156,47 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
                 )
                 self._waiting_logged = True
             return None
+        except Exception:
+            if self._placing:
+                # Bytes may have landed in the parameters before the failure: they hold no
+                # verified version now, so the next update fetches the latest one whole.
+                log.error(
+                    "%s: a fetch into the live parameters failed; weights are unverified until the next update",
+                    self.model,
+                )
+                self.version, self._applied = None, None
+            raise
         if result is None:
             return None
         from_shm = result.stats is not None and result.stats.transport == "shm"
-        if not from_shm and (self._staging is None or result.data.nbytes > self._staging.nbytes):
+        received = not from_shm and not result.placed  # into a buffer of ours
+        if received and (self._staging is None or result.data.nbytes > self._staging.nbytes):
             # Reused by the next fetch: it only lives until applied. (A shared-memory fetch
             # maps the server's file instead; that mapping is no buffer to receive into.)
             self._staging = result.data
         self._incoming_version = result.version
         self._incoming_info = result.info
         self._incoming_partial = result.partial
+        self._incoming_placed = result.placed
         self.last_fetch = result.stats
         return result.weights
+
+    def _placement(self, info: VersionInfo) -> dict[str, torch.Tensor] | None:
+        """{server tensor: the live parameter it becomes} when the key map lines up every
+        parameter with exactly one server tensor; else None (the strict check then explains)."""
+        key_map = self.key_map if isinstance(self.key_map, KeyMap) else KeyMap(fn=self.key_map)
+        try:
+            server_key_of = key_map.apply({t.name: t.name for t in info.tensors})
+        except KeyError:
+            return None
+        try:
+            local = flat_weights(self._get_local_weights())
+        except RuntimeError:
+            return None  # no policy yet (an adapter sets `policy` before fetching)
+        if set(server_key_of) != set(local):
+            return None
+        self._placing = True
+        return {server_key: local[local_key] for local_key, server_key in server_key_of.items()}
 
     def _get_local_weights(self) -> TensorDictBase:
         policy = self.policy
@@ -186,11 +223,13 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         )
 
     def _update_local_weights(self, local_weights: TensorDictBase, mapped_weights: TensorDictBase | None) -> None:
+        placed, self._incoming_placed = self._incoming_placed, False
         if mapped_weights is None:
             return
-        with torch.no_grad():
-            # Copy into the existing tensors: shared-memory and CUDA parameters stay valid.
-            local_weights.flatten_keys(".").update_(mapped_weights)
+        if not placed:  # a placed fetch already wrote (and verified) them
+            with torch.no_grad():
+                # Copy into the existing tensors: shared-memory and CUDA parameters stay valid.
+                local_weights.flatten_keys(".").update_(mapped_weights)
         self.version = self._incoming_version
         self._applied = self._incoming_info
         log.debug("applied %s v%s", self.model, self.version)

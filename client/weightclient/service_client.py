@@ -13,14 +13,15 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import xxhash
 
+from weightclient.placement import Placement, checked_views, read_file_into, recv_parts, recv_placed
 from weightclient.rpc_errors import translated_rpc_errors
 from weightclient.version_info import ModelSummary, VersionEvent, VersionInfo
 from weightserver.config import DEFAULT_CHUNK_BYTES, DEFAULT_PORT, MAX_MESSAGE_BYTES
@@ -43,6 +44,7 @@ CHANNEL_OPTIONS = [
 ]
 
 Buffer = bytes | bytearray | memoryview
+T = TypeVar("T")
 _BUFFER_TYPES = (bytes, bytearray, memoryview)
 
 
@@ -74,6 +76,7 @@ class FetchedBytes:
     dtype: str = ""
     stats: FetchStats | None = None
     base_xxh3: str = ""  # the server's digest of the base version (deltas only)
+    placed: bool = False  # the tensors went straight into the caller's views; `data` is empty
 
 
 class WeightServiceClient:
@@ -195,6 +198,7 @@ class WeightServiceClient:
         timeout: float | None = None,
         into: memoryview | None = None,
         base_xxh3: str = "",
+        place: Placement | None = None,
     ) -> FetchedBytes | None:
         """Fetch one version's bytes: the latest, exactly `version`, or the latest only if it is
         newer than `newer_than` (None when it is not: nothing is transferred).
@@ -208,7 +212,11 @@ class WeightServiceClient:
         it saves allocating and faulting in fresh memory each time); the result then views it.
         The shared-memory path needs none: it maps the server's file copy-on-write. `base_xxh3`: the xxh3 of the
         caller's copy of `base_version`; if the server's copy differs, the delta is refused and
-        the whole version fetched instead.
+        the whole version fetched instead. `place`: see `placement.Placement`; when the
+        payload is the version's own file and comes over shared memory or bulk TCP, its
+        tensors are received straight into the views the callable returns and verified there
+        (the result is then `placed`); otherwise, or if the placed bytes fail their digests,
+        the version is received normally.
         """
         if transport not in TRANSPORTS:
             raise InvalidRequest(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
@@ -244,7 +252,7 @@ class WeightServiceClient:
                     payload = second.payload
                 else:
                     raise IntegrityError(f"model {model!r}: expected a payload description after the header")
-                fetched = self._receive_payload(info, payload, stream, started, into)
+                fetched = self._receive_payload(info, payload, stream, started, into, place)
             finally:
                 stream.cancel()
         stale_base = bool(fetched and fetched.base_version and base_xxh3 and fetched.base_xxh3 != base_xxh3)
@@ -267,9 +275,20 @@ class WeightServiceClient:
         return fetched
 
     def _receive_payload(
-        self, info: VersionInfo, payload: pb.Payload, stream: Iterator[Any], started: float, into: memoryview | None
+        self,
+        info: VersionInfo,
+        payload: pb.Payload,
+        stream: Iterator[Any],
+        started: float,
+        into: memoryview | None,
+        place: Placement | None,
     ) -> FetchedBytes | None:
         label = f"{info.model!r} v{info.version}"
+        whole_file = not payload.base_version and not payload.dtype and payload.xxh3 == info.xxh3
+        fast = payload.HasField("shared_memory") or payload.HasField("bulk")
+        views = checked_views(place, info) if place is not None and whole_file and fast else None
+        if views is not None:
+            return self._receive_placed(info, payload, started, views)
         if payload.HasField("shared_memory"):
             data = _map_shared_memory(payload.shared_memory.path, payload.byte_size)
             transport = "shm"
@@ -301,6 +320,42 @@ class WeightServiceClient:
         )
 
     # ------------------------------------------------------------------ watch
+    def _receive_placed(
+        self, info: VersionInfo, payload: pb.Payload, started: float, views: Mapping[str, memoryview]
+    ) -> FetchedBytes | None:
+        """The version scattered into `views` over shared memory or bulk TCP and verified, or
+        None to fetch it again over the stream."""
+        label = f"{info.model!r} v{info.version}"
+        if payload.HasField("shared_memory"):
+            transport = "shm"
+            bad = read_file_into(payload.shared_memory.path, info, views)
+            if bad is None:
+                self._shm_usable = False
+                log.info("shared-memory payload %s unusable here; falling back", payload.shared_memory.path)
+                return None
+        else:
+            transport = "bulk"
+            try:
+                bad = self._bulk.receive_placed(
+                    _host_of(self.address), payload.bulk.port, payload.bulk.ticket, info, views
+                )
+            except (OSError, EOFError) as exc:
+                self._bulk_usable = False
+                self._bulk_retry_at = time.monotonic() + BULK_RETRY_SECONDS
+                log.warning("bulk transfer of %s from port %d failed (%s); falling back", label, payload.bulk.port, exc)
+                return None
+        if bad:
+            if transport == "shm":
+                self._shm_usable = False  # a stale or altered file: stop asking for it
+            log.warning("%s: placed tensors %s do not match their digests; fetching again", label, bad[:5])
+            return None
+        if transport == "shm":
+            self._shm_usable = True
+        else:
+            self._bulk_usable = True
+        stats = FetchStats(transport, payload.byte_size, time.perf_counter() - started)
+        return FetchedBytes(info, memoryview(b""), stats=stats, placed=True)
+
     def watch(self, model: str, *, since: int = 0, timeout: float | None = None) -> Iterator[VersionEvent]:
         """Yield an event for every version of `model` committed after `since`, in order.
 
@@ -465,34 +520,37 @@ class _BulkConnection:
         self._target: tuple[str, int] | None = None
 
     def receive(self, host: str, port: int, ticket: bytes, size: int, into: memoryview | None) -> memoryview:
+        """The payload behind `ticket`, received into `into` when it is large enough."""
+        buffer = new_buffer(size, into)
+        self._transfer(host, port, ticket, lambda conn: recv_parts(conn, [buffer]))
+        return buffer
+
+    def receive_placed(
+        self, host: str, port: int, ticket: bytes, info: VersionInfo, views: Mapping[str, memoryview]
+    ) -> list[str]:
+        """The version file behind `ticket`, scattered into `views` (see placement.py); the
+        names of placed tensors that fail their digests."""
+        return self._transfer(host, port, ticket, lambda conn: recv_placed(conn, info, views))
+
+    def _transfer(self, host: str, port: int, ticket: bytes, read: Callable[[socket.socket], T]) -> T:
         with self._lock:
             fresh = self._socket is None or self._target != (host, port)
             try:
-                return self._receive(host, port, ticket, size, into)
+                return self._send_ticket(host, port, ticket, read)
             except (OSError, EOFError):
                 self.close()
                 if fresh:
                     raise
             # A kept connection the server closed meanwhile: the ticket is unused, try afresh.
-            return self._receive(host, port, ticket, size, into)
+            return self._send_ticket(host, port, ticket, read)
 
-    def _receive(self, host: str, port: int, ticket: bytes, size: int, into: memoryview | None) -> memoryview:
+    def _send_ticket(self, host: str, port: int, ticket: bytes, read: Callable[[socket.socket], T]) -> T:
         if self._socket is None or self._target != (host, port):
             self.close()
             self._socket = _connect_bulk(host, port)
             self._target = (host, port)
-        conn = self._socket
-        buffer = new_buffer(size, into)
-        conn.sendall(ticket)
-        received = 0
-        while received < size:
-            n = conn.recv_into(buffer[received:])
-            if not n:
-                if received == 0:
-                    raise EOFError("the bulk connection was closed")
-                raise OSError(f"bulk connection closed after {received} of {size} bytes")
-            received += n
-        return buffer
+        self._socket.sendall(ticket)
+        return read(self._socket)
 
     def close(self) -> None:
         if self._socket is not None:

@@ -107,6 +107,8 @@ with warnings.catch_warnings():
             return self.puller.lag
 
         def _get_server_weights(self) -> TensorDictBase | None:
+            # The live policy, so that a whole version can be received straight into it.
+            self.puller.policy = getattr(self.collector, "policy", None)
             return self.puller._get_server_weights()
 
         def _maybe_map_weights(self, server_weights: Any) -> Any:
