@@ -785,3 +785,67 @@ def test_property_mutated_valid_files(data: bytes, op: str, where: int, value: i
 @given(_valid_files(), st.integers(min_value=0))
 def test_property_truncated_valid_files(data: bytes, cut: int) -> None:
     _parse_or_invalid(data[: cut % (len(data) + 1)])
+
+
+# ---------------------------------------------------------------------------- property-based: targeted damage
+# The properties above check that whatever parse_header accepts tiles the file. These take valid
+# files, break one rule on purpose, and check that the file is always rejected with a message
+# naming the tensor and the rule.
+
+_targeted = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def _valid_with_data(draw) -> tuple[dict, bytes, list[tuple[str, str, tuple[int, ...]]]]:
+    """(JSON header as a dict, data section, entries) of a valid file with at least one tensor
+    that holds bytes."""
+    entries = draw(_entries.filter(lambda es: any(_nbytes(d, s) for _, d, s in es)))
+    prefix, _ = build_header([(n, d, s, _nbytes(d, s)) for n, d, s in entries], draw(_metadata))
+    total = sum(_nbytes(d, s) for _, d, s in entries)
+    return json.loads(prefix[8:]), draw(st.binary(min_size=total, max_size=total)), entries
+
+
+@_targeted
+@given(_valid_files(), st.data())
+def test_property_any_other_header_length_is_rejected(data: bytes, draw) -> None:
+    (length,) = struct.unpack_from("<Q", data)
+    other = draw.draw(st.integers(max(0, length - 16), length + 16) | st.integers(0, 2**64 - 1), label="length")
+    if other == length:
+        other += 1
+    damaged = struct.pack("<Q", other) + data[8:]
+    error = assert_invalid(damaged)
+    if other > len(data) - 8:
+        assert str(other) in str(error)  # "header length N runs past..." or "header is N bytes, over the limit"
+
+
+@_targeted
+@given(_valid_with_data(), st.data())
+def test_property_moved_tensor_is_rejected(file, draw) -> None:
+    header, data, entries = file
+    name = draw.draw(st.sampled_from([n for n, d, s in entries if _nbytes(d, s)]), label="tensor")
+    begin, end = header[name]["data_offsets"]
+    delta = draw.draw(st.integers(-begin, len(data) + 8).filter(bool), label="delta")
+    header[name]["data_offsets"] = [begin + delta, end + delta]
+    message = str(assert_invalid(frame(header, data)))
+    assert any(word in message for word in ("overlap", "gap of", "run past", "trailing")), message
+    assert any(repr(n) in message for n, _, _ in entries) or "trailing" in message, message
+
+
+@_targeted
+@given(_valid_with_data(), st.data())
+def test_property_dtype_or_shape_not_matching_the_bytes_is_rejected(file, draw) -> None:
+    header, data, entries = file
+    name, dtype, shape = draw.draw(st.sampled_from([e for e in entries if _nbytes(e[1], e[2])]), label="tensor")
+    change = draw.draw(st.sampled_from(["dtype", "unknown_dtype", "shape"]), label="change")
+    if change == "dtype":
+        dtype = draw.draw(st.sampled_from([d for d in DTYPE_SIZES if DTYPE_SIZES[d] != DTYPE_SIZES[dtype]]))
+        fragment = f"needs {_nbytes(dtype, shape)} bytes"
+    elif change == "unknown_dtype":
+        dtype = draw.draw(st.text(max_size=6).filter(lambda d: d not in DTYPE_SIZES))
+        fragment = f"unknown dtype {dtype!r}"
+    else:
+        shape = (*shape, draw.draw(st.sampled_from([0, 2, 3, 7])))
+        fragment = f"needs {_nbytes(dtype, shape)} bytes"
+    header[name]["dtype"] = dtype
+    header[name]["shape"] = list(shape)
+    assert_invalid(frame(header, data), f"tensor {name!r}", fragment)

@@ -579,8 +579,7 @@ class VersionStore:
 
     def _load_one(self, model: str, manifest_path: Path, data_path: Path) -> Version | None:
         try:
-            manifest = json.loads(manifest_path.read_text())
-            version = int(manifest["version"])
+            manifest = _check_manifest(json.loads(manifest_path.read_text()), manifest_path)
             data = data_path.read_bytes()
             if len(data) != manifest["byte_size"]:
                 raise IntegrityError(f"{len(data)} bytes on disk, manifest says {manifest['byte_size']}")
@@ -588,30 +587,60 @@ class VersionStore:
             if digest != manifest["sha256"]:
                 raise IntegrityError(f"sha256 on disk is {digest}, manifest says {manifest['sha256']}")
             header = parse_header(data)
+            return Version(
+                model=model,
+                version=manifest["version"],
+                data=data,
+                sha256=digest,
+                created=float(manifest.get("created", 0.0)),
+                metadata=dict(manifest.get("metadata", {})),
+                header=header,
+                pinned=manifest.get("pinned", False),
+                group=tuple(manifest.get("group", ())),
+                xxh3=xxh3_hex(data),
+                tensor_xxh3=tensor_digests(data, header),
+            )
         except Exception as exc:  # any damage: skip this version, keep the others
             log.error("skipping %s: torn or corrupt version (%s)", data_path, exc)
             return None
-        return Version(
-            model=model,
-            version=version,
-            data=data,
-            sha256=digest,
-            created=float(manifest.get("created", 0.0)),
-            metadata=dict(manifest.get("metadata", {})),
-            header=header,
-            pinned=bool(manifest.get("pinned", False)),
-            group=tuple(manifest.get("group", ())),
-            xxh3=xxh3_hex(data),
-            tensor_xxh3=tensor_digests(data, header),
-        )
+
+
+def _check_manifest(manifest: object, path: Path) -> dict:
+    """`manifest` if every field has the type and range the server relies on; else ValueError.
+    A manifest must name the version its file name says (a copied or edited manifest must not
+    serve one version's bytes under another number)."""
+    if not isinstance(manifest, dict):
+        raise ValueError("the manifest is not a JSON object")
+    version = manifest.get("version")
+    if type(version) is not int or version < 1 or f"{version:012d}" != path.stem:
+        raise ValueError(f"the manifest names version {version!r} but its file name says {path.stem}")
+    if type(manifest.get("byte_size")) is not int or not isinstance(manifest.get("sha256"), str):
+        raise ValueError("byte_size must be an integer and sha256 a string")
+    created = manifest.get("created", 0.0)
+    if type(created) not in (int, float) or not 0 <= created < 1e11:  # also rules out NaN and inf
+        raise ValueError(f"created must be a Unix time, got {created!r}")
+    metadata = manifest.get("metadata", {})
+    if not isinstance(metadata, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        raise ValueError("metadata must map strings to strings")
+    group = manifest.get("group", [])
+    if not isinstance(group, list) or not all(isinstance(g, str) and _MODEL_NAME.fullmatch(g) for g in group):
+        raise ValueError("group must be a list of model names")
+    if not isinstance(manifest.get("pinned", False), bool):
+        raise ValueError("pinned must be true or false")
+    return manifest
 
 
 def _read_high_water(path: Path) -> int:
     try:
-        return int(json.loads(path.read_text())["high_water"])
+        value = json.loads(path.read_text())["high_water"]
+        if type(value) is not int or value < 0:
+            raise ValueError(f"high_water must be a non-negative integer, got {value!r}")
+        return value
     except FileNotFoundError:
         return 0
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, OverflowError, OSError) as exc:
         log.error("ignoring %s: %s", path, exc)
         return 0
 
