@@ -131,6 +131,38 @@ def build_parser() -> argparse.ArgumentParser:
         help="memory for derived payloads (deltas, bf16/fp16 casts), e.g. 2GiB (default: 1GiB)",
     )
     serve.add_argument(
+        "--auth-tokens",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="require bearer tokens listed in FILE, one 'ROLE NAME TOKEN' per line; roles: reader "
+        "(fetch/watch/list), publisher (+ publish), admin (+ delete/pin). Health checks need none",
+    )
+    serve.add_argument(
+        "--tls-cert", type=Path, default=None, metavar="PEM", help="serve TLS with this certificate chain"
+    )
+    serve.add_argument("--tls-key", type=Path, default=None, metavar="PEM", help="private key of --tls-cert")
+    serve.add_argument(
+        "--tls-client-ca",
+        type=Path,
+        default=None,
+        metavar="PEM",
+        help="mutual TLS: accept only clients whose certificate this CA signed",
+    )
+    serve.add_argument(
+        "--max-concurrent-streams",
+        type=int,
+        default=ServerConfig.max_concurrent_streams,
+        help="calls one client connection may have open at once (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--publish-timeout",
+        type=float,
+        default=ServerConfig.publish_timeout,
+        metavar="SECONDS",
+        help="drop a publish stream that takes longer than this; 0 for no limit (default: %(default)s)",
+    )
+    serve.add_argument(
         "--port-file",
         type=Path,
         default=None,
@@ -145,6 +177,21 @@ def build_parser() -> argparse.ArgumentParser:
             default=None,
             help="host:port of the server (default: $WEIGHTSERVER_ADDRESS, else localhost:50051)",
         )
+        sub.add_argument(
+            "--token-file",
+            type=Path,
+            default=None,
+            help="read the bearer token from this file (default: $WEIGHTSERVER_TOKEN, if set)",
+        )
+        sub.add_argument(
+            "--tls-ca",
+            type=Path,
+            default=None,
+            metavar="PEM",
+            help="connect with TLS, trusting this CA (default: $WEIGHTSERVER_TLS_CA; plaintext if neither)",
+        )
+        sub.add_argument("--tls-cert", type=Path, default=None, metavar="PEM", help="client certificate (mutual TLS)")
+        sub.add_argument("--tls-key", type=Path, default=None, metavar="PEM", help="private key of --tls-cert")
         return sub
 
     publish = client_command("publish", "publish a .safetensors file as a new version and print its number")
@@ -217,6 +264,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         bulk_port=None if args.no_bulk else args.bulk_port,
         shm_dir=None if args.no_shm else (args.shm_dir or "auto"),
         payload_cache_bytes=args.payload_cache_bytes,
+        auth_tokens=args.auth_tokens,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca,
+        max_concurrent_streams=args.max_concurrent_streams,
+        publish_timeout=args.publish_timeout or None,
     )
     server = WeightServer(config).start()
     if args.port_file is not None:
@@ -238,7 +291,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _client(args: argparse.Namespace):  # -> WeightServiceClient
     from weightclient.service_client import WeightServiceClient
 
-    return WeightServiceClient(args.server)
+    token = args.token_file.read_text().strip() if args.token_file is not None else None
+    return WeightServiceClient(
+        args.server, token=token, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key
+    )
 
 
 def cmd_publish(args: argparse.Namespace) -> int:

@@ -43,6 +43,17 @@ class ServerConfig:
     shm_dir: Path | str | None = "auto"
     # Budget for derived payloads (deltas, casts) kept in memory.
     payload_cache_bytes: int = 1 * GiB
+    # Bearer tokens with roles (see weightserver.auth); None: no authorization.
+    auth_tokens: Path | None = None
+    # TLS: certificate chain and private key (PEM); a client CA turns on mutual TLS.
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None
+    # Concurrent calls (HTTP/2 streams) one client connection may have open.
+    max_concurrent_streams: int = 1024
+    # Longest a publish stream may take, in seconds (None: no limit); a stalled publisher
+    # otherwise holds its receive buffer until its connection dies.
+    publish_timeout: float | None = 600.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -61,6 +72,21 @@ class ServerConfig:
             raise ValueError(f"bulk_port must be in 0-65535 or None, got {self.bulk_port}")
         if self.shm_dir not in (None, "auto"):
             object.__setattr__(self, "shm_dir", Path(self.shm_dir))
+        for name in ("auth_tokens", "tls_cert", "tls_key", "tls_client_ca"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, Path(getattr(self, name)))
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together: give both (PEM files) or neither")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key too")
+        if self.publish_timeout is not None and self.publish_timeout <= 0:
+            raise ValueError(f"publish_timeout must be > 0 seconds or None, got {self.publish_timeout}")
+        if self.max_concurrent_streams < 1:
+            raise ValueError(f"max_concurrent_streams must be >= 1, got {self.max_concurrent_streams}")
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None
 
     @property
     def address(self) -> str:

@@ -14,6 +14,8 @@ Exception tree::
     ├── ModelTooLarge                      RESOURCE_EXHAUSTED (over --max-model-bytes)
     ├── VersionConflict                    FAILED_PRECONDITION (version not above the latest)
     ├── CursorOutOfRange                   OUT_OF_RANGE (a version ahead of the latest)
+    ├── AuthenticationRequired             UNAUTHENTICATED (no or unknown bearer token)
+    ├── PermissionDenied                   PERMISSION_DENIED (the token's role is too small)
     ├── ServerUnavailable                  UNAVAILABLE (client side: server unreachable)
     ├── DeadlineExceeded                   DEADLINE_EXCEEDED
     ├── Cancelled                          CANCELLED
@@ -86,6 +88,14 @@ class CursorOutOfRange(WeightServerError):
     """A caller's version cursor is ahead of the model's latest version."""
 
 
+class AuthenticationRequired(WeightServerError):
+    """The server needs a bearer token and got none, or one it does not know."""
+
+
+class PermissionDenied(WeightServerError):
+    """The caller's token does not carry the role this call needs."""
+
+
 class ServerUnavailable(WeightServerError):
     """The server could not be reached (down, restarting, wrong address)."""
 
@@ -117,6 +127,8 @@ STATUS_CODES: dict[type[WeightServerError], str] = {
     ModelTooLarge: "RESOURCE_EXHAUSTED",
     VersionConflict: "FAILED_PRECONDITION",
     CursorOutOfRange: "OUT_OF_RANGE",
+    AuthenticationRequired: "UNAUTHENTICATED",
+    PermissionDenied: "PERMISSION_DENIED",
     ServerUnavailable: "UNAVAILABLE",
     DeadlineExceeded: "DEADLINE_EXCEEDED",
     Cancelled: "CANCELLED",

@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from weightserver.auth import TokenTable
 from weightserver.bulk import BulkEndpoint
 from weightserver.config import MAX_MESSAGE_BYTES, ServerConfig
 from weightserver.service import WeightServicer, serialize_fetch_response
@@ -62,6 +63,18 @@ def add_weight_service(servicer: WeightServicer, server: grpc.aio.Server) -> Non
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
 
 
+def server_credentials(config: ServerConfig) -> grpc.ServerCredentials:
+    """TLS credentials from the config's PEM files; a client CA makes client certificates
+    mandatory (mutual TLS)."""
+    assert config.tls_cert is not None and config.tls_key is not None
+    client_ca = config.tls_client_ca.read_bytes() if config.tls_client_ca is not None else None
+    return grpc.ssl_server_credentials(
+        [(config.tls_key.read_bytes(), config.tls_cert.read_bytes())],
+        root_certificates=client_ca,
+        require_client_auth=client_ca is not None,
+    )
+
+
 class WeightServer:
     """A running weight server.
 
@@ -79,6 +92,8 @@ class WeightServer:
             max_header_bytes=self.config.max_header_bytes,
             max_tensors=self.config.max_tensors,
         )
+        # A bad token file stops the server here, before it binds a port.
+        self.tokens = TokenTable.load(self.config.auth_tokens) if self.config.auth_tokens else None
         self.port: int = 0
         self.bulk: BulkEndpoint | None = None
         self.shared_memory: SharedMemoryFiles | None = None
@@ -150,11 +165,19 @@ class WeightServer:
     async def _serve(self) -> None:
         self._stop_requested = asyncio.Event()
         config = self.config
-        self.bulk = BulkEndpoint(config.host, config.bulk_port) if config.bulk_port is not None else None
+        bulk_port = config.bulk_port
+        if bulk_port is not None and config.tls:
+            log.info("bulk endpoint off: it is plain TCP and the server runs TLS (fetches use the TLS stream)")
+            bulk_port = None
+        self.bulk = BulkEndpoint(config.host, bulk_port) if bulk_port is not None else None
         shm_dir = None
         if config.shm_dir is not None:
             shm_dir = server_shm_dir(config.port, None if config.shm_dir == "auto" else Path(config.shm_dir))
         self.shared_memory = SharedMemoryFiles(shm_dir) if shm_dir is not None else None
+        if self.shared_memory is not None and self.tokens is not None:
+            # Tokens guard the gRPC calls; payload files are guarded by file permissions:
+            # only this user (and root) may read them.
+            self.shared_memory.directory.chmod(0o700)
         try:
             await self._serve_grpc()
         finally:
@@ -164,8 +187,11 @@ class WeightServer:
                 self.shared_memory.close()
 
     async def _serve_grpc(self) -> None:
-        server = grpc.aio.server(options=GRPC_OPTIONS)
-        servicer = WeightServicer(self.store, self.config, bulk=self.bulk, shared_memory=self.shared_memory)
+        options = [*GRPC_OPTIONS, ("grpc.max_concurrent_streams", self.config.max_concurrent_streams)]
+        server = grpc.aio.server(options=options)
+        servicer = WeightServicer(
+            self.store, self.config, bulk=self.bulk, shared_memory=self.shared_memory, tokens=self.tokens
+        )
         add_weight_service(servicer, server)
         health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -173,7 +199,10 @@ class WeightServer:
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             server,
         )
-        port = server.add_insecure_port(self.config.address)
+        if self.config.tls:
+            port = server.add_secure_port(self.config.address, server_credentials(self.config))
+        else:
+            port = server.add_insecure_port(self.config.address)
         if port == 0:
             raise OSError(f"could not bind {self.config.address}: is the port in use?")
         self.port = port
@@ -185,9 +214,11 @@ class WeightServer:
         for service in ("", SERVICE_NAME):
             await health.set(service, health_pb2.HealthCheckResponse.SERVING)
         log.info(
-            "serving on %s:%d (data dir: %s, keep %d, max model %d bytes)",
+            "serving on %s:%d (%s%s; data dir: %s, keep %d, max model %d bytes)",
             self.config.host,
             port,
+            ("mutual TLS" if self.config.tls_client_ca else "TLS") if self.config.tls else "plaintext",
+            f", {len(self.tokens)} tokens" if self.tokens is not None else ", no auth",
             self.config.data_dir or "none, versions kept in memory",
             self.config.keep,
             self.config.max_model_bytes,

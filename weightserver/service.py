@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import mmap
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar
@@ -17,11 +18,13 @@ from typing import Any, TypeVar
 import grpc
 
 from weightserver import wire
+from weightserver.auth import TokenTable
 from weightserver.bulk import BulkEndpoint
 from weightserver.config import ServerConfig, clamp_chunk_bytes
 from weightserver.errors import (
     CLIENT_ID_METADATA_KEY,
     ERROR_METADATA_KEY,
+    DeadlineExceeded,
     IntegrityError,
     InvalidRequest,
     WeightServerError,
@@ -35,6 +38,7 @@ from weightserver.v1 import weights_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
 
 
 async def _abort(context: grpc.aio.ServicerContext, error: BaseException) -> None:
@@ -48,12 +52,37 @@ async def _abort(context: grpc.aio.ServicerContext, error: BaseException) -> Non
     await context.abort(code, message, trailing_metadata=((ERROR_METADATA_KEY, name),))
 
 
+async def _within(messages: AsyncIterator[T], seconds: float | None) -> AsyncIterator[T]:
+    """The messages of a client stream, as long as the whole stream takes at most `seconds`: a
+    stalled publisher must not hold its receive buffer forever."""
+    if seconds is None:
+        async for message in messages:
+            yield message
+        return
+    deadline = asyncio.get_running_loop().time() + seconds
+    iterator = aiter(messages)
+    while True:
+        remaining = deadline - asyncio.get_running_loop().time()
+        try:
+            message = await asyncio.wait_for(anext(iterator), max(remaining, 0))
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise DeadlineExceeded(
+                f"the publish stream took longer than the server's limit of {seconds:g}s and was dropped "
+                "(nothing was published); raise `weightserver serve --publish-timeout` for larger models "
+                "or slower links"
+            ) from None
+        yield message
+
+
 def _unary(method: F) -> F:
     """Map domain exceptions raised by a unary handler to its gRPC status."""
 
     @functools.wraps(method)
     async def wrapper(self: WeightServicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
+            self._authorize(context, method.__name__)
             return await method(self, request, context)
         except Exception as error:
             await _abort(context, error)
@@ -67,6 +96,7 @@ def _streaming(method: F) -> F:
     @functools.wraps(method)
     async def wrapper(self: WeightServicer, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
+            self._authorize(context, method.__name__)
             async for message in method(self, request, context):
                 yield message
         except Exception as error:
@@ -86,14 +116,21 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         payloads: PayloadCache | None = None,
         bulk: BulkEndpoint | None = None,
         shared_memory: SharedMemoryFiles | None = None,
+        tokens: TokenTable | None = None,
     ) -> None:
         self.store = store
+        self.tokens = tokens
         self.config = config
         self.payloads = payloads or PayloadCache(config.payload_cache_bytes)
         self.bulk = bulk
         self.shared_memory = shared_memory
         self._adopting: dict[int, SharedMemoryUpload] = {}
         store.subscribe(self._on_commit)
+
+    def _authorize(self, context: grpc.aio.ServicerContext, method: str) -> None:
+        """With --auth-tokens, the caller's bearer token must allow `method` (raises otherwise)."""
+        if self.tokens is not None:
+            self.tokens.authorize(context.invocation_metadata(), method)
 
     def _on_commit(self, record: Version) -> None:
         # Runs in the committing thread, before the publish returns: a version received into a
@@ -142,7 +179,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         self, request_iterator: AsyncIterator[pb.PublishRequest], incoming: list[_IncomingModel]
     ) -> list[Version]:
         commit: pb.PublishCommit | None = None
-        async for message in request_iterator:
+        async for message in _within(request_iterator, self.config.publish_timeout):
             kind = message.WhichOneof("kind")
             if commit is not None:
                 raise InvalidRequest(f"model {incoming[0].header.model!r}: nothing may follow the commit message")
@@ -323,6 +360,9 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         try:
             backlog, gap = self.store.versions_after(model, request.since)
             last = request.since
+            # Headers now, not with the first event: a client waiting for them knows that its
+            # subscription is live even when nothing has been published since its cursor.
+            await context.send_initial_metadata(())
             log.info("watch model=%s since=%d backlog=%d peer=%s", model, request.since, len(backlog), context.peer())
             for record in backlog:
                 yield pb.VersionEvent(version=wire.version_info(record), gap=gap)
@@ -346,7 +386,10 @@ class _IncomingModel:
     def __init__(self, header: pb.PublishHeader, shared_memory: SharedMemoryFiles | None = None) -> None:
         self.header = header
         self.upload = shared_memory.new_upload(header.model, header.total_bytes) if shared_memory else None
-        self.buffer = self.upload.buffer if self.upload else memoryview(bytearray(header.total_bytes))
+        # Anonymous memory is committed page by page as chunks arrive, so a header that claims
+        # more than it sends reserves nothing (a bytearray would be zero-filled up front).
+        size = header.total_bytes
+        self.buffer = self.upload.buffer if self.upload else memoryview(mmap.mmap(-1, size) if size else bytearray())
         self.received = 0
 
     def add(self, chunk: bytes) -> None:
