@@ -190,3 +190,21 @@ def test_layout_covers_the_file_exactly():
     overlapping = (tensors[0], TensorInfo("w", "U8", (4,), 4, 8, "d"))
     with pytest.raises(ValueError):
         layout(VersionInfo(MODEL, 1, 40, "", None, tensors=overlapping), {}, 24)
+
+
+@pytest.mark.parametrize("placed", [False, True])
+def test_a_shared_memory_file_gone_before_it_is_read_is_asked_for_again(server, client, placed):
+    """Eviction can remove a version's file between the server's reply and the client opening
+    it. The client asks again (over the stream) for what it asked for, and keeps using shared
+    memory afterwards: a vanished file says nothing about this host."""
+    weights = mixed_weights()
+    client.publish(weights, model=MODEL)
+    assert client.fetch(MODEL, transport="shm").stats.transport == "shm"
+    (server.shared_memory.directory / MODEL / f"{1:012d}.safetensors").unlink()
+    place = (lambda info: blank_like(weights)) if placed else None
+    result = client.fetch(MODEL, transport="shm", place=place)
+    assert result.stats.transport == "stream" and result.version == 1
+    assert_same(result.tensors, weights)
+    assert client._shm_usable is True
+    client.publish(mixed_weights(1), model=MODEL)
+    assert client.fetch(MODEL, transport="shm").stats.transport == "shm"

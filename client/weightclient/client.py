@@ -204,6 +204,7 @@ class WeightClient(WeightServiceClient):
         timeout: float | None = None,
         into: memoryview | None = None,
         place: Callable[[VersionInfo], Mapping[str, torch.Tensor] | None] | None = None,
+        retry: bool = True,
     ) -> FetchResult | None:
         """Fetch the latest version, exactly `version`, or the latest only if newer than
         `newer_than` (None when it is not; no weights are transferred then).
@@ -259,6 +260,7 @@ class WeightClient(WeightServiceClient):
             into=into,
             base_xxh3=base_info.xxh3 if base_info is not None else "",
             place=views_for if place is not None else None,
+            retry=retry,
         )
         if fetched is None:
             return None

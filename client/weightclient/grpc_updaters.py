@@ -27,6 +27,7 @@ from weightserver.errors import DeadlineExceeded, ModelNotFound, ServerUnavailab
 log = logging.getLogger(__name__)
 
 Weights = torch.nn.Module | TensorDictBase | Mapping[str, torch.Tensor]
+UNAVAILABLE_MAX_BACKOFF = 5.0  # seconds between fetch attempts while the server is down
 
 
 class _LazyClient:
@@ -120,6 +121,9 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         self._placing = False  # this fetch was offered the live parameters to receive into
         self._staging: memoryview | None = None
         self._waiting_logged = False
+        self._unavailable_since: float | None = None  # monotonic time the server went away
+        self._failures = 0
+        self._next_attempt = 0.0
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -128,10 +132,28 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
 
     @property
     def lag(self) -> int | None:
-        """Server's latest version minus the applied one (None before any is applied)."""
-        if self.version is None:
+        """Server's latest version minus the applied one; None before any is applied and
+        while the server is unavailable (unknown)."""
+        if self.version is None or self._unavailable_since is not None:
             return None
-        return self.client.latest(self.model).version - self.version
+        try:
+            return self.client.latest(self.model).version - self.version
+        except ServerUnavailable:
+            return None
+
+    @property
+    def server_available(self) -> bool:
+        """False from a failed fetch until one succeeds again (the policy keeps its weights)."""
+        return self._unavailable_since is None
+
+    @property
+    def status(self) -> str:
+        """One line for progress displays: the applied version, or why there is none."""
+        applied = f"v{self.version}" if self.version is not None else "no version applied"
+        if self._unavailable_since is not None:
+            down = time.monotonic() - self._unavailable_since
+            return f"{applied}; server {self.client.address} unavailable for {down:.0f}s"
+        return applied
 
     def _get_server_weights(self) -> TensorDictBase | None:
         options = {
@@ -142,19 +164,24 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
             "place": None if self.dtype else self._placement,
         }
         self._placing = False
+        if self._unavailable_since is not None and time.monotonic() < self._next_attempt:
+            return None  # the server is down: keep the current weights, try again later
         try:
             if self.pinned_version is not None:
                 if self.version == self.pinned_version:
                     return None
-                result = self.client.fetch(self.model, version=self.pinned_version, **options)
+                result = self.client.fetch(self.model, version=self.pinned_version, retry=False, **options)
             else:
-                result = self.client.fetch(self.model, newer_than=self.version or 0, **options)
+                result = self.client.fetch(self.model, newer_than=self.version or 0, retry=False, **options)
         except ModelNotFound:
             if not self._waiting_logged:
                 log.info(
                     "no version of model %r on %s yet; keeping the current weights", self.model, self.client.address
                 )
                 self._waiting_logged = True
+            return None
+        except ServerUnavailable as exc:
+            self._server_unavailable(exc)
             return None
         except Exception:
             if self._placing:
@@ -166,6 +193,7 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
                 )
                 self.version, self._applied = None, None
             raise
+        self._server_available()
         if result is None:
             return None
         from_shm = result.stats is not None and result.stats.transport == "shm"
@@ -180,6 +208,24 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         self._incoming_placed = result.placed
         self.last_fetch = result.stats
         return result.weights
+
+    def _server_unavailable(self, error: ServerUnavailable) -> None:
+        """Keep the current weights; warn once per outage; back off so that collection is not
+        slowed by one failing call per batch."""
+        now = time.monotonic()
+        if self._unavailable_since is None:
+            self._unavailable_since, self._failures = now, 0
+            held = f"v{self.version}" if self.version is not None else "its initial weights"
+            log.warning("%s; the policy keeps %s and catches up when the server is back", error, held)
+        self._next_attempt = now + min(UNAVAILABLE_MAX_BACKOFF, 0.1 * 2**self._failures)
+        self._failures += 1
+
+    def _server_available(self) -> None:
+        if self._unavailable_since is not None:
+            log.warning(
+                "weight server %s is back after %.1fs", self.client.address, time.monotonic() - self._unavailable_since
+            )
+            self._unavailable_since = None
 
     def _placement(self, info: VersionInfo) -> dict[str, torch.Tensor] | None:
         """{server tensor: the live parameter it becomes} when the key map lines up every

@@ -21,11 +21,12 @@ from typing import Any, TypeVar
 import grpc
 import xxhash
 
+from weightclient.connection import PathLike, backoff_delay, call_metadata, open_channel, retry_unavailable
 from weightclient.placement import Placement, checked_views, read_file_into, recv_parts, recv_placed
 from weightclient.rpc_errors import translated_rpc_errors
 from weightclient.version_info import ModelSummary, VersionEvent, VersionInfo
-from weightserver.config import DEFAULT_CHUNK_BYTES, DEFAULT_PORT, MAX_MESSAGE_BYTES
-from weightserver.errors import CLIENT_ID_METADATA_KEY, IntegrityError, InvalidRequest
+from weightserver.config import DEFAULT_CHUNK_BYTES, DEFAULT_PORT
+from weightserver.errors import IntegrityError, InvalidRequest, ServerUnavailable
 from weightserver.v1 import weights_pb2 as pb
 from weightserver.v1 import weights_pb2_grpc as pb_grpc
 
@@ -38,12 +39,10 @@ BULK_IDLE_TIMEOUT = 30.0
 BULK_SOCKET_BUFFER = 8 << 20
 BULK_RETRY_SECONDS = 60.0  # a failed bulk path (port not published, say) is retried this often
 DEFAULT_ADDRESS = f"localhost:{DEFAULT_PORT}"
-CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-]
 
 Buffer = bytes | bytearray | memoryview
+# A shared-memory payload file that was removed before it could be read: see _shm_failed.
+VANISHED: Any = object()
 T = TypeVar("T")
 _BUFFER_TYPES = (bytes, bytearray, memoryview)
 
@@ -87,6 +86,12 @@ class WeightServiceClient:
         timeout: deadline in seconds for unary calls (describe, list, delete, pin).
         chunk_bytes: size of the chunks a publish sends and a fetch asks for.
         client_id: a name for this client in the server's logs (e.g. "collector-3").
+        token: bearer token for servers started with --auth-tokens (default `$WEIGHTSERVER_TOKEN`).
+        tls, tls_ca, tls_cert, tls_key: TLS (see `connection.open_channel`; default
+            `$WEIGHTSERVER_TLS_CA` / `_CERT` / `_KEY`, plaintext when none is set).
+        retry_seconds: idempotent calls (latest, describe, list, fetch, watch) retry while the
+            server is unavailable, with exponential backoff and jitter, for at most the call's
+            timeout, or this long when it has none. Publish, delete and pin never retry.
     """
 
     def __init__(
@@ -96,11 +101,18 @@ class WeightServiceClient:
         timeout: float | None = 30.0,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         client_id: str | None = None,
+        token: str | None = None,
+        tls: bool | None = None,
+        tls_ca: PathLike | None = None,
+        tls_cert: PathLike | None = None,
+        tls_key: PathLike | None = None,
+        retry_seconds: float = 30.0,
     ) -> None:
         self.address = address or default_address()
         self.timeout = timeout
         self.chunk_bytes = chunk_bytes
-        self._channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        self.retry_seconds = retry_seconds
+        self._channel = open_channel(self.address, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
         self._stub = pb_grpc.WeightServiceStub(self._channel)
         # Fetch with a deserializer that hands chunks over without a protobuf copy.
         self._fetch = self._channel.unary_stream(
@@ -108,7 +120,7 @@ class WeightServiceClient:
             request_serializer=pb.FetchRequest.SerializeToString,
             response_deserializer=_deserialize_fetch_response,
         )
-        self._metadata = ((CLIENT_ID_METADATA_KEY, client_id),) if client_id else None
+        self._metadata = call_metadata(token, client_id)
         self._shm_usable: bool | None = None  # learned on the first shared-memory fetch
         self._bulk_usable: bool | None = None
         self._bulk_retry_at = 0.0  # after a bulk failure, "auto" tries bulk again from then on
@@ -199,6 +211,7 @@ class WeightServiceClient:
         into: memoryview | None = None,
         base_xxh3: str = "",
         place: Placement | None = None,
+        retry: bool = True,
     ) -> FetchedBytes | None:
         """Fetch one version's bytes: the latest, exactly `version`, or the latest only if it is
         newer than `newer_than` (None when it is not: nothing is transferred).
@@ -216,8 +229,41 @@ class WeightServiceClient:
         payload is the version's own file and comes over shared memory or bulk TCP, its
         tensors are received straight into the views the callable returns and verified there
         (the result is then `placed`); otherwise, or if the placed bytes fail their digests,
-        the version is received normally.
+        the version is received normally. `retry`: while the server is unavailable, try
+        again (see `retry_seconds`); False fails at once with ServerUnavailable.
         """
+        options = {
+            "version": version,
+            "newer_than": newer_than,
+            "base_version": base_version,
+            "dtype": dtype,
+            "transport": transport,
+            "into": into,
+            "base_xxh3": base_xxh3,
+            "place": place,
+        }
+        if not retry:
+            return self._fetch_once(model, timeout=timeout, **options)
+        return retry_unavailable(
+            lambda remaining: self._fetch_once(model, timeout=None if timeout is None else remaining, **options),
+            self._retry_window(timeout),
+            self.address,
+        )
+
+    def _fetch_once(
+        self,
+        model: str,
+        *,
+        version: int | None,
+        newer_than: int | None,
+        base_version: int,
+        dtype: str,
+        transport: str,
+        timeout: float | None,
+        into: memoryview | None,
+        base_xxh3: str,
+        place: Placement | None,
+    ) -> FetchedBytes | None:
         if transport not in TRANSPORTS:
             raise InvalidRequest(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
         started = time.perf_counter()
@@ -255,11 +301,27 @@ class WeightServiceClient:
                 fetched = self._receive_payload(info, payload, stream, started, into, place)
             finally:
                 stream.cancel()
+        if fetched is VANISHED:
+            # Evicted (or removed) after the reply: ask again, over the stream, for what the
+            # caller asked for (the latest, or that version: NOT_FOUND if it is gone).
+            log.info("%s v%d left shared memory while being fetched; asking again", model, info.version)
+            return self._fetch_once(
+                model,
+                version=version,
+                newer_than=newer_than,
+                base_version=base_version,
+                dtype=dtype,
+                transport="stream",
+                timeout=timeout,
+                into=into,
+                base_xxh3=base_xxh3,
+                place=None,
+            )
         stale_base = bool(fetched and fetched.base_version and base_xxh3 and fetched.base_xxh3 != base_xxh3)
         if stale_base:
             log.info("%s v%d on the server differs from the caller's; fetching it whole", model, base_version)
             return self.fetch_bytes(
-                model, version=info.version, dtype=dtype, transport=transport, timeout=timeout, into=into
+                model, version=info.version, dtype=dtype, transport=transport, timeout=timeout, into=into, retry=False
             )
         if fetched is None:  # the fast path failed: the same payload over the gRPC stream
             return self.fetch_bytes(
@@ -271,6 +333,7 @@ class WeightServiceClient:
                 timeout=timeout,
                 into=into,
                 base_xxh3=base_xxh3,
+                retry=False,
             )
         return fetched
 
@@ -293,9 +356,7 @@ class WeightServiceClient:
             data = _map_shared_memory(payload.shared_memory.path, payload.byte_size)
             transport = "shm"
             if data is None or xxhash.xxh3_128_hexdigest(data) != payload.xxh3:
-                self._shm_usable = False  # not this host (or a stale file): stop asking
-                log.info("shared-memory payload %s unusable here; falling back", payload.shared_memory.path)
-                return None
+                return self._shm_failed(payload.shared_memory.path)
             self._shm_usable = True
         elif payload.HasField("bulk"):
             transport = "bulk"
@@ -320,6 +381,16 @@ class WeightServiceClient:
         )
 
     # ------------------------------------------------------------------ watch
+    def _shm_failed(self, path: str) -> FetchedBytes | None:
+        """A shared-memory payload that could not be used: None to fall back to the stream and
+        stop asking (another host, or a damaged file), or VANISHED when the file is gone from a
+        directory this client can see (the version was evicted after the reply)."""
+        if not os.path.exists(path) and os.path.isdir(os.path.dirname(path)):
+            return VANISHED
+        self._shm_usable = False
+        log.info("shared-memory payload %s unusable here; falling back", path)
+        return None
+
     def _receive_placed(
         self, info: VersionInfo, payload: pb.Payload, started: float, views: Mapping[str, memoryview]
     ) -> FetchedBytes | None:
@@ -330,9 +401,7 @@ class WeightServiceClient:
             transport = "shm"
             bad = read_file_into(payload.shared_memory.path, info, views)
             if bad is None:
-                self._shm_usable = False
-                log.info("shared-memory payload %s unusable here; falling back", payload.shared_memory.path)
-                return None
+                return self._shm_failed(payload.shared_memory.path)
         else:
             transport = "bulk"
             try:
@@ -362,52 +431,75 @@ class WeightServiceClient:
         Versions that landed before the call but after `since` (and are still retained) come
         first. The iterator runs until closed, the deadline passes, or the server stops.
         """
-        request = pb.WatchRequest(model=model, since=since)
-        with translated_rpc_errors(self.address):
-            stream = self._stub.Watch(request, timeout=timeout, metadata=self._metadata)
+        if since < 0:
+            raise InvalidRequest(f"since must be >= 0 (a version number, 0 for all retained), got {since}")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        cursor, failures, outage_began = since, 0, 0.0
+        while True:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            request = pb.WatchRequest(model=model, since=cursor)
+            stream = self._stub.Watch(request, timeout=remaining, metadata=self._metadata)
             try:
-                for event in stream:
-                    yield VersionEvent(VersionInfo.from_proto(event.version), gap=event.gap)
+                with translated_rpc_errors(self.address):
+                    for event in stream:
+                        failures = 0
+                        cursor = max(cursor, event.version.version)
+                        yield VersionEvent(VersionInfo.from_proto(event.version), gap=event.gap)
+                return
+            except ServerUnavailable:
+                # The server went away (restart, network): subscribe again from the last
+                # version seen, so that nothing is missed or repeated.
+                now = time.monotonic()
+                outage_began = now if failures == 0 else outage_began
+                if now - outage_began >= self._retry_window(remaining):
+                    raise
+                if failures == 0:
+                    log.warning("watch of %r at %s interrupted after v%d; resubscribing", model, self.address, cursor)
+                time.sleep(backoff_delay(failures))
+                failures += 1
             finally:
                 stream.cancel()
 
     # ------------------------------------------------------------------ describe and admin
     def latest(self, model: str) -> VersionInfo:
         """Describe the newest version of `model` (ModelNotFound if it has none)."""
-        return self._unary(self._stub.GetLatest, pb.GetLatestRequest(model=model))
+        return VersionInfo.from_proto(self._call(self._stub.GetLatest, pb.GetLatestRequest(model=model)))
 
     def describe(self, model: str, version: int = 0) -> VersionInfo:
         """Describe `version` of `model` (0: the latest)."""
-        return self._unary(self._stub.Describe, pb.DescribeRequest(model=model, version=version))
+        return VersionInfo.from_proto(self._call(self._stub.Describe, pb.DescribeRequest(model=model, version=version)))
 
     def list_models(self) -> list[ModelSummary]:
         """Every model on the server, sorted by name."""
-        with translated_rpc_errors(self.address):
-            reply = self._stub.ListModels(pb.ListModelsRequest(), timeout=self.timeout)
+        reply = self._call(self._stub.ListModels, pb.ListModelsRequest())
         return [ModelSummary.from_proto(m) for m in reply.models]
 
     def list_versions(self, model: str) -> list[VersionInfo]:
         """Retained versions of `model`, oldest first."""
-        with translated_rpc_errors(self.address):
-            reply = self._stub.ListVersions(pb.ListVersionsRequest(model=model), timeout=self.timeout)
+        reply = self._call(self._stub.ListVersions, pb.ListVersionsRequest(model=model))
         return [VersionInfo.from_proto(v) for v in reply.versions]
 
     def delete(self, model: str, version: int) -> VersionInfo:
         """Delete one version from the server (and its data dir)."""
-        with translated_rpc_errors(self.address):
-            reply = self._stub.DeleteVersion(
-                pb.DeleteVersionRequest(model=model, version=version), timeout=self.timeout
-            )
+        reply = self._call(self._stub.DeleteVersion, pb.DeleteVersionRequest(model=model, version=version), retry=False)
         return VersionInfo.from_proto(reply.deleted)
 
     def pin(self, model: str, version: int, pinned: bool = True) -> VersionInfo:
         """Pin (keep beyond --keep) or unpin a version."""
-        return self._unary(self._stub.PinVersion, pb.PinVersionRequest(model=model, version=version, pinned=pinned))
+        request = pb.PinVersionRequest(model=model, version=version, pinned=pinned)
+        return VersionInfo.from_proto(self._call(self._stub.PinVersion, request, retry=False))
 
-    def _unary(self, method: grpc.UnaryUnaryMultiCallable, request: object) -> VersionInfo:
-        with translated_rpc_errors(self.address):
-            reply = method(request, timeout=self.timeout)
-        return VersionInfo.from_proto(reply)
+    def _call(self, method: grpc.UnaryUnaryMultiCallable, request: object, *, retry: bool = True) -> Any:
+        def once(timeout: float | None) -> Any:
+            with translated_rpc_errors(self.address):
+                return method(request, timeout=timeout, metadata=self._metadata)
+
+        if not retry:
+            return once(self.timeout)
+        return retry_unavailable(once, self._retry_window(self.timeout), self.address)
+
+    def _retry_window(self, timeout: float | None) -> float:
+        return timeout if timeout is not None else self.retry_seconds
 
 
 def _sha256(views: Iterable[memoryview]) -> str:

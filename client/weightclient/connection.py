@@ -1,0 +1,105 @@
+"""How a client reaches a server: the channel (plaintext or TLS), the call metadata (bearer
+token, client id), and retrying idempotent calls while the server is unavailable."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import grpc
+
+from weightserver.config import MAX_MESSAGE_BYTES
+from weightserver.errors import CLIENT_ID_METADATA_KEY, ServerUnavailable
+
+log = logging.getLogger(__name__)
+
+TOKEN_ENV = "WEIGHTSERVER_TOKEN"
+TLS_CA_ENV = "WEIGHTSERVER_TLS_CA"
+TLS_CERT_ENV = "WEIGHTSERVER_TLS_CERT"
+TLS_KEY_ENV = "WEIGHTSERVER_TLS_KEY"
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    # Reconnect within a second of a restarted server coming back (gRPC's default backoff
+    # grows to two minutes, which would keep a collector on old weights that long).
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+RETRY_FIRST_DELAY = 0.05
+RETRY_MAX_DELAY = 2.0
+
+T = TypeVar("T")
+PathLike = str | os.PathLike[str]
+
+
+def open_channel(
+    address: str,
+    *,
+    tls: bool | None = None,
+    tls_ca: PathLike | None = None,
+    tls_cert: PathLike | None = None,
+    tls_key: PathLike | None = None,
+) -> grpc.Channel:
+    """A channel to `address`: TLS when `tls` is True or any TLS file is given (arguments,
+    else $WEIGHTSERVER_TLS_CA / _CERT / _KEY), plaintext otherwise. Without a CA the system's
+    roots are trusted; a client certificate and key are for servers that demand mutual TLS."""
+    tls_ca = tls_ca or os.environ.get(TLS_CA_ENV) or None
+    tls_cert = tls_cert or os.environ.get(TLS_CERT_ENV) or None
+    tls_key = tls_key or os.environ.get(TLS_KEY_ENV) or None
+    if (tls_cert is None) != (tls_key is None):
+        raise ValueError("a client certificate needs its key and vice versa (tls_cert and tls_key)")
+    if tls is False or (tls is None and not (tls_ca or tls_cert)):
+        return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=_read(tls_ca), private_key=_read(tls_key), certificate_chain=_read(tls_cert)
+    )
+    return grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
+
+
+def call_metadata(token: str | None, client_id: str | None) -> tuple[tuple[str, str], ...] | None:
+    """Metadata sent with every call: the bearer token ($WEIGHTSERVER_TOKEN when not given)
+    and the client id."""
+    token = token if token is not None else os.environ.get(TOKEN_ENV) or None
+    metadata = []
+    if token:
+        metadata.append(("authorization", f"Bearer {token}"))
+    if client_id:
+        metadata.append((CLIENT_ID_METADATA_KEY, client_id))
+    return tuple(metadata) or None
+
+
+def retry_unavailable(call: Callable[[float | None], T], timeout: float | None, what: str) -> T:
+    """Run `call(remaining_timeout)`, retrying while it raises ServerUnavailable, with
+    exponential backoff and jitter, until `timeout` seconds have passed (forever if None).
+    Only for idempotent calls: a retried call must not do anything twice."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    attempt = 0
+    while True:
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            return call(remaining)
+        except ServerUnavailable:
+            delay = backoff_delay(attempt)
+            if deadline is not None and time.monotonic() + delay >= deadline:
+                raise
+            if attempt == 0:
+                log.warning("%s: server unavailable; retrying for up to %ss", what, timeout)
+            attempt += 1
+            time.sleep(delay)
+
+
+def backoff_delay(attempt: int) -> float:
+    """Seconds to wait before retry `attempt` (0-based): doubling from 50 ms up to 2 s, with
+    jitter so that many clients do not come back in step."""
+    return min(RETRY_MAX_DELAY, RETRY_FIRST_DELAY * 2**attempt) * (0.5 + random.random())
+
+
+def _read(path: PathLike | None) -> bytes | None:
+    return Path(path).read_bytes() if path else None
