@@ -282,6 +282,7 @@ class WeightServiceClient:
                     raise IntegrityError(f"model {model!r}: the fetch stream did not start with a header")
                 kind = first.WhichOneof("kind")
                 if kind == "up_to_date":
+                    _expect_end(stream, model)
                     return None
                 if kind != "header":
                     raise IntegrityError(f"model {model!r}: fetch stream started with {kind!r}, expected a header")
@@ -298,6 +299,8 @@ class WeightServiceClient:
                     payload = second.payload
                 else:
                     raise IntegrityError(f"model {model!r}: expected a payload description after the header")
+                if payload.HasField("shared_memory") or payload.HasField("bulk"):
+                    _expect_end(stream, model)  # the bytes come another way
                 fetched = self._receive_payload(info, payload, stream, started, into, place)
             finally:
                 stream.cancel()
@@ -500,6 +503,13 @@ class WeightServiceClient:
 
     def _retry_window(self, timeout: float | None) -> float:
         return timeout if timeout is not None else self.retry_seconds
+
+
+def _expect_end(stream: Iterator[Any], model: str) -> None:
+    """Read a Fetch stream to its end (the OK status the server sent after its last message).
+    Cancelling it instead races with that status and makes grpc log an error on the server."""
+    for _ in stream:
+        raise IntegrityError(f"model {model!r}: the server sent more than the fetch expects")
 
 
 def _sha256(views: Iterable[memoryview]) -> str:
