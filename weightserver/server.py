@@ -33,6 +33,10 @@ GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.so_reuseport", 0),
+    # Calls that arrived but were not yet picked up by the event loop. gRPC's default (1000)
+    # cancels the rest of a burst, e.g. a thousand watchers resubscribing after a restart.
+    ("grpc.server.max_pending_requests", 20000),
+    ("grpc.server.max_pending_requests_hard_limit", 40000),
 ]
 
 
