@@ -1,7 +1,7 @@
 """The `weightserver` command line: serve, publish, fetch, ls, watch, delete, pin.
 
 Environment variables are read here and nowhere else: `WEIGHTSERVER_ADDRESS` (default server
-for the client commands) and `WEIGHTSERVER_LOG_LEVEL`.
+for the client commands), `WEIGHTSERVER_LOG_LEVEL` and `WEIGHTSERVER_LOG_FORMAT`.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 from weightserver import __version__
 from weightserver.config import DEFAULT_CHUNK_BYTES, DEFAULT_PORT, ServerConfig
 from weightserver.errors import WeightServerError
+from weightserver.logs import LOG_FORMATS, configure_logging
+from weightserver.progress import TransferProgress
 
 if TYPE_CHECKING:
     from weightclient.version_info import VersionInfo
@@ -69,15 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
         "collectors fetch or watch them.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    parser.add_argument(
-        "--log-level",
-        default=None,
-        choices=["debug", "info", "warning", "error"],
-        help="log verbosity (default: $WEIGHTSERVER_LOG_LEVEL, else info)",
-    )
+    _add_log_options(parser, default=None)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = commands.add_parser("serve", help="run the server", description="Run a weight server until SIGTERM/SIGINT.")
+    # Also after `serve`, where server options go; given there, they win over the global ones.
+    _add_log_options(serve, default=argparse.SUPPRESS)
     serve.add_argument("--host", default="0.0.0.0", help="address to bind (default: %(default)s)")
     serve.add_argument(
         "--port", type=int, default=DEFAULT_PORT, help="port to bind, 0 for a free one (default: %(default)s)"
@@ -161,6 +160,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=ServerConfig.publish_timeout,
         metavar="SECONDS",
         help="drop a publish stream that takes longer than this; 0 for no limit (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="serve Prometheus metrics over plain HTTP at http://HOST:PORT/metrics, 0 for a free port (default: off)",
     )
     serve.add_argument(
         "--port-file",
@@ -249,6 +255,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_log_options(parser: argparse.ArgumentParser, default: object) -> None:
+    parser.add_argument(
+        "--log-level",
+        default=default,
+        choices=["debug", "info", "warning", "error"],
+        help="log verbosity (default: $WEIGHTSERVER_LOG_LEVEL, else info)",
+    )
+    parser.add_argument(
+        "--log-format",
+        default=default,
+        choices=LOG_FORMATS,
+        help="text: human-readable lines; json: one JSON object per line with time, level, logger, "
+        "message and the event's fields (default: $WEIGHTSERVER_LOG_FORMAT, else text)",
+    )
+
+
 # ---------------------------------------------------------------------- commands
 def cmd_serve(args: argparse.Namespace) -> int:
     from weightserver.server import WeightServer
@@ -270,6 +292,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tls_client_ca=args.tls_client_ca,
         max_concurrent_streams=args.max_concurrent_streams,
         publish_timeout=args.publish_timeout or None,
+        metrics_port=args.metrics_port,
     )
     server = WeightServer(config).start()
     if args.port_file is not None:
@@ -299,17 +322,17 @@ def _client(args: argparse.Namespace):  # -> WeightServiceClient
 
 def cmd_publish(args: argparse.Namespace) -> int:
     data = args.file.read_bytes()
-    with _client(args) as client:
+    with _client(args) as client, TransferProgress(f"publish {args.model}") as progress:
         info = client.publish_bytes(
-            args.model, data, version=args.version_number, metadata=dict(args.meta), pin=args.pin
+            args.model, data, version=args.version_number, metadata=dict(args.meta), pin=args.pin, progress=progress
         )
     print(json.dumps(_info_json(info), indent=1) if args.json else info.version)
     return 0
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:
-    with _client(args) as client:
-        fetched = client.fetch_bytes(args.model, version=args.version_number)
+    with _client(args) as client, TransferProgress(f"fetch {args.model}") as progress:
+        fetched = client.fetch_bytes(args.model, version=args.version_number, progress=progress)
     assert fetched is not None
     tmp = args.output.with_name(args.output.name + ".part")
     tmp.write_bytes(fetched.data)
@@ -414,13 +437,13 @@ def _table(headers: list[str], rows: list[list[object]]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     level = args.log_level or os.environ.get("WEIGHTSERVER_LOG_LEVEL", "info")
-    logging.basicConfig(
-        level=level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    log_format = (args.log_format or os.environ.get("WEIGHTSERVER_LOG_FORMAT") or "text").lower()
+    if log_format not in LOG_FORMATS:
+        parser.error(f"$WEIGHTSERVER_LOG_FORMAT must be one of {', '.join(LOG_FORMATS)}, got {log_format!r}")
+    configure_logging(level, log_format)
     try:
         return args.handler(args)
     except WeightServerError as exc:

@@ -54,6 +54,9 @@ class ServerConfig:
     # Longest a publish stream may take, in seconds (None: no limit); a stalled publisher
     # otherwise holds its receive buffer until its connection dies.
     publish_timeout: float | None = 600.0
+    # Prometheus metrics over plain HTTP at /metrics on host:metrics_port (see
+    # weightserver.metrics); 0 picks a free port, None turns them off.
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -70,6 +73,8 @@ class ServerConfig:
             object.__setattr__(self, "data_dir", Path(self.data_dir))
         if self.bulk_port is not None and not 0 <= self.bulk_port <= 65535:
             raise ValueError(f"bulk_port must be in 0-65535 or None, got {self.bulk_port}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in 0-65535 or None, got {self.metrics_port}")
         if self.shm_dir not in (None, "auto"):
             object.__setattr__(self, "shm_dir", Path(self.shm_dir))
         for name in ("auth_tokens", "tls_cert", "tls_key", "tls_client_ca"):

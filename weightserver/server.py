@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection
 from weightserver.auth import TokenTable
 from weightserver.bulk import BulkEndpoint
 from weightserver.config import MAX_MESSAGE_BYTES, ServerConfig
+from weightserver.metrics import NoMetrics, ServerMetrics
 from weightserver.service import WeightServicer, serialize_fetch_response
 from weightserver.shared_memory import SharedMemoryFiles, server_shm_dir
 from weightserver.store import VersionStore
@@ -99,8 +100,11 @@ class WeightServer:
         # A bad token file stops the server here, before it binds a port.
         self.tokens = TokenTable.load(self.config.auth_tokens) if self.config.auth_tokens else None
         self.port: int = 0
+        # The bound port of /metrics (with config.metrics_port), once started.
+        self.metrics_port: int | None = None
         self.bulk: BulkEndpoint | None = None
         self.shared_memory: SharedMemoryFiles | None = None
+        self.metrics: NoMetrics = NoMetrics()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
@@ -116,6 +120,17 @@ class WeightServer:
         if host in ("0.0.0.0", "::", "[::]"):
             host = "127.0.0.1"
         return f"{host}:{self.port}"
+
+    @property
+    def metrics_url(self) -> str | None:
+        """http://host:port/metrics when metrics are on and the server has started."""
+        if self.metrics_port is None:
+            return None
+        host = self.config.host
+        if host in ("0.0.0.0", "::", "[::]"):
+            host = "127.0.0.1"
+        host = f"[{host}]" if ":" in host else host
+        return f"http://{host}:{self.metrics_port}/metrics"
 
     def start(self) -> WeightServer:
         """Bind the port and start serving in a background thread; return self."""
@@ -183,8 +198,12 @@ class WeightServer:
             # only this user (and root) may read them.
             self.shared_memory.directory.chmod(0o700)
         try:
+            if config.metrics_port is not None:
+                self.metrics = ServerMetrics()
+                self.metrics_port = self.metrics.serve(config.host, config.metrics_port)
             await self._serve_grpc()
         finally:
+            self.metrics.close()
             if self.bulk is not None:
                 self.bulk.close()
             if self.shared_memory is not None:
@@ -194,7 +213,12 @@ class WeightServer:
         options = [*GRPC_OPTIONS, ("grpc.max_concurrent_streams", self.config.max_concurrent_streams)]
         server = grpc.aio.server(options=options)
         servicer = WeightServicer(
-            self.store, self.config, bulk=self.bulk, shared_memory=self.shared_memory, tokens=self.tokens
+            self.store,
+            self.config,
+            bulk=self.bulk,
+            shared_memory=self.shared_memory,
+            tokens=self.tokens,
+            metrics=self.metrics,
         )
         add_weight_service(servicer, server)
         health = health_aio.HealthServicer()
@@ -214,6 +238,9 @@ class WeightServer:
             log.info("bulk endpoint on %s:%d", self.config.host, self.bulk.port)
         if self.shared_memory is not None:
             log.info("shared-memory payloads in %s", self.shared_memory.directory)
+        if self.metrics_port is not None:
+            host = f"[{self.config.host}]" if ":" in self.config.host else self.config.host
+            log.info("metrics on http://%s:%d/metrics", host, self.metrics_port)
         await server.start()
         for service in ("", SERVICE_NAME):
             await health.set(service, health_pb2.HealthCheckResponse.SERVING)

@@ -30,6 +30,7 @@ from weightserver.errors import (
     WeightServerError,
     status_code_for,
 )
+from weightserver.metrics import NoMetrics
 from weightserver.payloads import PayloadCache
 from weightserver.shared_memory import SharedMemoryFiles, SharedMemoryUpload
 from weightserver.store import Upload, Version, VersionStore, validate_model_name
@@ -117,6 +118,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         bulk: BulkEndpoint | None = None,
         shared_memory: SharedMemoryFiles | None = None,
         tokens: TokenTable | None = None,
+        metrics: NoMetrics | None = None,
     ) -> None:
         self.store = store
         self.tokens = tokens
@@ -124,8 +126,11 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         self.payloads = payloads or PayloadCache(config.payload_cache_bytes)
         self.bulk = bulk
         self.shared_memory = shared_memory
+        self.metrics = metrics or NoMetrics()
         self._adopting: dict[int, SharedMemoryUpload] = {}
         store.subscribe(self._on_commit)
+        for summary in store.models():  # versions loaded from a data dir
+            self.metrics.retained(summary.model, store.versions(summary.model))
 
     def _authorize(self, context: grpc.aio.ServicerContext, method: str) -> None:
         """With --auth-tokens, the caller's bearer token must allow `method` (raises otherwise)."""
@@ -142,11 +147,13 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
 
     def _forget_removed(self, model: str) -> None:
         """Drop derived payloads and shared-memory files of versions no longer retained
-        (after a commit evicted some, a delete, or an unpin)."""
+        (after a commit evicted some, a delete, or an unpin), and update the retention metrics."""
         try:
-            retained = {v.version for v in self.store.versions(model)}
+            versions = self.store.versions(model)
         except WeightServerError:
-            retained = set()
+            versions = []
+        self.metrics.retained(model, versions)
+        retained = {v.version for v in versions}
         for version in self._derived_versions(model) - retained:
             self.payloads.forget(model, version)
             if self.shared_memory is not None:
@@ -171,7 +178,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
                 if model.upload is not None and model.upload.path.exists():
                     model.upload.abort()  # a publish that did not commit leaves no file
         for record in records:
-            _log_transfer("publish", record, started, context)
+            self._transferred("publish", record, started, context)
         infos = [wire.version_info(r) for r in records]
         return pb.PublishResponse(version=infos[0], versions=infos)
 
@@ -256,7 +263,13 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
     ) -> pb.DeleteVersionResponse:
         record = await asyncio.to_thread(self.store.delete, request.model, request.version)
         self._forget_removed(record.model)
-        log.info("deleted model=%s version=%d peer=%s", record.model, record.version, context.peer())
+        log.info(
+            "deleted model=%s version=%d peer=%s",
+            record.model,
+            record.version,
+            context.peer(),
+            extra=_admin_fields("delete", record, context),
+        )
         return pb.DeleteVersionResponse(deleted=wire.version_info(record))
 
     @_unary
@@ -269,6 +282,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
             record.model,
             record.version,
             context.peer(),
+            extra=_admin_fields("pin" if record.pinned else "unpin", record, context),
         )
         return wire.version_info(record)
 
@@ -297,7 +311,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         if not wants_payload:
             for message in _chunk_messages(record.data, chunk):
                 yield message
-            _log_transfer("fetch", record, started, context, transport="stream")
+            self._transferred("fetch", record, started, context, transport="stream")
             return
 
         base = self._base_version(record, request.base_version)
@@ -319,18 +333,41 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
             )
             description.shared_memory.path = str(path)
             yield pb.FetchResponse(payload=description)
-            _log_transfer("fetch", record, started, context, transport="shm", sent=payload.byte_size)
+            self._transferred("fetch", record, started, context, transport="shm", sent=payload.byte_size)
             return
         if request.accept_bulk and self.bulk is not None:
             description.bulk.port = self.bulk.port
             description.bulk.ticket = self.bulk.issue(payload.data, f"{record.model} v{record.version}")
             yield pb.FetchResponse(payload=description)
-            _log_transfer("fetch", record, started, context, transport="bulk", sent=payload.byte_size)
+            self._transferred("fetch", record, started, context, transport="bulk", sent=payload.byte_size)
             return
         yield pb.FetchResponse(payload=description)
         for message in _chunk_messages(payload.data, chunk):
             yield message
-        _log_transfer("fetch", record, started, context, transport="stream", sent=payload.byte_size)
+        self._transferred("fetch", record, started, context, transport="stream", sent=payload.byte_size)
+
+    def _transferred(
+        self,
+        kind: str,
+        record: Version,
+        started: float,
+        context: grpc.aio.ServicerContext,
+        *,
+        transport: str = "stream",
+        sent: int | None = None,
+    ) -> None:
+        """Log and count one finished publish or fetch. For shm and bulk the duration covers
+        handing out the file or ticket; the bytes then move outside this call."""
+        seconds = time.perf_counter() - started
+        nbytes = record.byte_size if sent is None else sent
+        client_id = _client_id(context)
+        if kind == "publish":
+            self.metrics.published(record.model, nbytes, seconds)
+        else:
+            self.metrics.fetched(
+                record.model, record.version, nbytes, seconds, transport=transport, client_id=client_id
+            )
+        _log_transfer(kind, record, nbytes, seconds, transport, context.peer(), client_id)
 
     def _base_version(self, record: Version, base_version: int) -> Version | None:
         """The caller's base version if it can serve as a delta base, else None (full payload)."""
@@ -357,13 +394,28 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
 
         # Subscribe before reading the backlog so no version can land between the two.
         unsubscribe = self.store.subscribe(on_commit)
+        self.metrics.watch_started(model)
         try:
             backlog, gap = self.store.versions_after(model, request.since)
             last = request.since
             # Headers now, not with the first event: a client waiting for them knows that its
             # subscription is live even when nothing has been published since its cursor.
             await context.send_initial_metadata(())
-            log.info("watch model=%s since=%d backlog=%d peer=%s", model, request.since, len(backlog), context.peer())
+            log.info(
+                "watch model=%s since=%d backlog=%d peer=%s",
+                model,
+                request.since,
+                len(backlog),
+                context.peer(),
+                extra={
+                    "event": "watch",
+                    "model": model,
+                    "since": request.since,
+                    "backlog": len(backlog),
+                    "peer": context.peer(),
+                    "client_id": _client_id(context),
+                },
+            )
             for record in backlog:
                 yield pb.VersionEvent(version=wire.version_info(record), gap=gap)
                 gap = False
@@ -378,6 +430,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
                 last = record.version
         finally:
             unsubscribe()
+            self.metrics.watch_ended(model)
 
 
 class _IncomingModel:
@@ -444,18 +497,9 @@ def _declared_sha256s(incoming: list[_IncomingModel], commit: pb.PublishCommit) 
 
 
 def _log_transfer(
-    kind: str,
-    record: Version,
-    started: float,
-    context: grpc.aio.ServicerContext,
-    *,
-    transport: str = "stream",
-    sent: int | None = None,
+    kind: str, record: Version, nbytes: int, seconds: float, transport: str, peer: str, client_id: str | None
 ) -> None:
-    """One line per publish or fetch. For shm and bulk the duration covers handing out the
-    file or ticket; the bytes then move outside this call."""
-    seconds = time.perf_counter() - started
-    nbytes = record.byte_size if sent is None else sent
+    """One line per publish or fetch; its values also go in the record's fields (for --log-format json)."""
     log.info(
         "%s model=%s version=%d bytes=%d transport=%s duration_ms=%.1f peer=%s client=%s",
         kind,
@@ -464,16 +508,37 @@ def _log_transfer(
         nbytes,
         transport,
         seconds * 1e3,
-        context.peer(),
-        _client_id(context),
+        peer,
+        client_id or "-",
+        extra={
+            "event": kind,
+            "model": record.model,
+            "version": record.version,
+            "bytes": nbytes,
+            "transport": transport,
+            "duration_ms": round(seconds * 1e3, 3),
+            "peer": peer,
+            "client_id": client_id,
+        },
     )
 
 
-def _client_id(context: grpc.aio.ServicerContext) -> str:
+def _admin_fields(kind: str, record: Version, context: grpc.aio.ServicerContext) -> dict[str, object]:
+    return {
+        "event": kind,
+        "model": record.model,
+        "version": record.version,
+        "peer": context.peer(),
+        "client_id": _client_id(context),
+    }
+
+
+def _client_id(context: grpc.aio.ServicerContext) -> str | None:
+    """The id the caller gave in the `weightserver-client-id` metadata, if any."""
     for key, value in context.invocation_metadata() or ():
         if key == CLIENT_ID_METADATA_KEY:
             return str(value)
-    return "-"
+    return None
 
 
 # FetchResponse.chunk is field 2 (length-delimited): tag byte 0x12, varint length, bytes.

@@ -41,6 +41,9 @@ BULK_RETRY_SECONDS = 60.0  # a failed bulk path (port not published, say) is ret
 DEFAULT_ADDRESS = f"localhost:{DEFAULT_PORT}"
 
 Buffer = bytes | bytearray | memoryview
+# Called as bytes move: (bytes sent or received so far, total bytes); `done` may go back to 0
+# when a fetch starts over (a retry, or a fast path falling back to the stream).
+Progress = Callable[[int, int], None]
 # A shared-memory payload file that was removed before it could be read: see _shm_failed.
 VANISHED: Any = object()
 T = TypeVar("T")
@@ -153,14 +156,21 @@ class WeightServiceClient:
         pin: bool = False,
         sha256: str | None = None,
         timeout: float | None = None,
+        progress: Progress | None = None,
     ) -> VersionInfo:
         """Publish one safetensors file, given whole or as consecutive parts; return the version.
 
         `version` 0 lets the server assign latest + 1. The parts are streamed in chunks without
-        being joined first.
+        being joined first. `progress(sent, total)` is called as chunks go out.
         """
         return self.publish_group_bytes(
-            {model: parts}, version=version, metadata=metadata, pin=pin, sha256s={model: sha256}, timeout=timeout
+            {model: parts},
+            version=version,
+            metadata=metadata,
+            pin=pin,
+            sha256s={model: sha256},
+            timeout=timeout,
+            progress=progress,
         )[0]
 
     def publish_group_bytes(
@@ -172,10 +182,11 @@ class WeightServiceClient:
         pin: bool = False,
         sha256s: Mapping[str, str | None] | None = None,
         timeout: float | None = None,
+        progress: Progress | None = None,
     ) -> list[VersionInfo]:
         """Publish several models' safetensors files in one stream under ONE version number,
         committed together (no reader sees one model's new version beside another's old one).
-        Returns each model's version, in `files` order."""
+        Returns each model's version, in `files` order. `progress(sent, total)` counts all models."""
         if not files:
             raise InvalidRequest("publish needs at least one model")
         meta = {str(k): str(v) for k, v in (metadata or {}).items()}
@@ -192,7 +203,7 @@ class WeightServiceClient:
                 pin=pin,
             )
             models.append((header, views))
-        requests = _publish_requests(models, self.chunk_bytes)
+        requests = _publish_requests(models, self.chunk_bytes, progress)
         with translated_rpc_errors(self.address):
             reply = self._stub.Publish(requests, timeout=timeout, metadata=self._metadata)
         return [VersionInfo.from_proto(v) for v in reply.versions] or [VersionInfo.from_proto(reply.version)]
@@ -212,6 +223,7 @@ class WeightServiceClient:
         base_xxh3: str = "",
         place: Placement | None = None,
         retry: bool = True,
+        progress: Progress | None = None,
     ) -> FetchedBytes | None:
         """Fetch one version's bytes: the latest, exactly `version`, or the latest only if it is
         newer than `newer_than` (None when it is not: nothing is transferred).
@@ -230,7 +242,9 @@ class WeightServiceClient:
         tensors are received straight into the views the callable returns and verified there
         (the result is then `placed`); otherwise, or if the placed bytes fail their digests,
         the version is received normally. `retry`: while the server is unavailable, try
-        again (see `retry_seconds`); False fails at once with ServerUnavailable.
+        again (see `retry_seconds`); False fails at once with ServerUnavailable. `progress(received,
+        total)` is called as the payload's chunks arrive over the stream, once at the end over
+        shared memory or bulk TCP (not for placed tensors).
         """
         options = {
             "version": version,
@@ -241,6 +255,7 @@ class WeightServiceClient:
             "into": into,
             "base_xxh3": base_xxh3,
             "place": place,
+            "progress": progress,
         }
         if not retry:
             return self._fetch_once(model, timeout=timeout, **options)
@@ -263,6 +278,7 @@ class WeightServiceClient:
         into: memoryview | None,
         base_xxh3: str,
         place: Placement | None,
+        progress: Progress | None = None,
     ) -> FetchedBytes | None:
         if transport not in TRANSPORTS:
             raise InvalidRequest(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
@@ -289,7 +305,7 @@ class WeightServiceClient:
                 info = VersionInfo.from_proto(first.header)
                 wants_payload = base_version or dtype or request.accept_shared_memory or request.accept_bulk
                 if not wants_payload:
-                    data = _receive_into(info.byte_size, stream, f"{info.model!r} v{info.version}", into)
+                    data = _receive_into(info.byte_size, stream, f"{info.model!r} v{info.version}", into, progress)
                     _check_digests(data, info, xxh3=info.xxh3, sha256=info.sha256)
                     return FetchedBytes(
                         info, data, stats=FetchStats("stream", len(data), time.perf_counter() - started)
@@ -301,7 +317,7 @@ class WeightServiceClient:
                     raise IntegrityError(f"model {model!r}: expected a payload description after the header")
                 if payload.HasField("shared_memory") or payload.HasField("bulk"):
                     _expect_end(stream, model)  # the bytes come another way
-                fetched = self._receive_payload(info, payload, stream, started, into, place)
+                fetched = self._receive_payload(info, payload, stream, started, into, place, progress)
             finally:
                 stream.cancel()
         if fetched is VANISHED:
@@ -319,12 +335,20 @@ class WeightServiceClient:
                 into=into,
                 base_xxh3=base_xxh3,
                 place=None,
+                progress=progress,
             )
         stale_base = bool(fetched and fetched.base_version and base_xxh3 and fetched.base_xxh3 != base_xxh3)
         if stale_base:
             log.info("%s v%d on the server differs from the caller's; fetching it whole", model, base_version)
             return self.fetch_bytes(
-                model, version=info.version, dtype=dtype, transport=transport, timeout=timeout, into=into, retry=False
+                model,
+                version=info.version,
+                dtype=dtype,
+                transport=transport,
+                timeout=timeout,
+                into=into,
+                retry=False,
+                progress=progress,
             )
         if fetched is None:  # the fast path failed: the same payload over the gRPC stream
             return self.fetch_bytes(
@@ -337,6 +361,7 @@ class WeightServiceClient:
                 into=into,
                 base_xxh3=base_xxh3,
                 retry=False,
+                progress=progress,
             )
         return fetched
 
@@ -348,6 +373,7 @@ class WeightServiceClient:
         started: float,
         into: memoryview | None,
         place: Placement | None,
+        progress: Progress | None = None,
     ) -> FetchedBytes | None:
         label = f"{info.model!r} v{info.version}"
         whole_file = not payload.base_version and not payload.dtype and payload.xxh3 == info.xxh3
@@ -376,8 +402,10 @@ class WeightServiceClient:
             _check_digests(data, info, xxh3=payload.xxh3, label=label + " payload")
         else:
             transport = "stream"
-            data = _receive_into(payload.byte_size, stream, label, into)
+            data = _receive_into(payload.byte_size, stream, label, into, progress)
             _check_digests(data, info, xxh3=payload.xxh3, label=label + " payload")
+        if progress is not None and transport != "stream":
+            progress(len(data), len(data))
         stats = FetchStats(transport, len(data), time.perf_counter() - started)
         return FetchedBytes(
             info, data, base_version=payload.base_version, dtype=payload.dtype, stats=stats, base_xxh3=payload.base_xxh3
@@ -520,10 +548,12 @@ def _sha256(views: Iterable[memoryview]) -> str:
 
 
 def _publish_requests(
-    models: Iterable[tuple[pb.PublishHeader, Iterable[memoryview]]], chunk_bytes: int
+    models: Sequence[tuple[pb.PublishHeader, Iterable[memoryview]]], chunk_bytes: int, progress: Progress | None = None
 ) -> Iterator[pb.PublishRequest]:
     """Each header followed by its parts re-cut into chunks of `chunk_bytes` (small parts are
-    merged), then the commit."""
+    merged), then the commit. `progress` hears of each chunk once gRPC has taken it."""
+    total = sum(header.total_bytes for header, _ in models)
+    sent = 0
     for header, views in models:
         yield pb.PublishRequest(header=header)
         pending: list[memoryview] = []
@@ -536,9 +566,15 @@ def _publish_requests(
                 view = view[take:]
                 if pending_bytes == chunk_bytes:
                     yield pb.PublishRequest(chunk=b"".join(pending))
+                    sent += pending_bytes
+                    if progress is not None:
+                        progress(sent, total)
                     pending, pending_bytes = [], 0
         if pending:
             yield pb.PublishRequest(chunk=b"".join(pending))
+            sent += pending_bytes
+            if progress is not None:
+                progress(sent, total)
     yield pb.PublishRequest(commit=pb.PublishCommit())
 
 
@@ -567,7 +603,9 @@ def new_buffer(size: int, into: memoryview | None = None) -> memoryview:
     return memoryview(np.empty(size, dtype=np.uint8))
 
 
-def _receive_into(size: int, stream: Iterable[Any], label: str, into: memoryview | None = None) -> memoryview:
+def _receive_into(
+    size: int, stream: Iterable[Any], label: str, into: memoryview | None = None, progress: Progress | None = None
+) -> memoryview:
     """Receive the chunks into one buffer of the announced size."""
     buffer = new_buffer(size, into)
     received = 0
@@ -578,6 +616,8 @@ def _receive_into(size: int, stream: Iterable[Any], label: str, into: memoryview
             raise IntegrityError(f"model {label}: server sent more than the announced {size} bytes")
         buffer[received:end] = chunk
         received = end
+        if progress is not None:
+            progress(received, size)
     if received != size:
         raise IntegrityError(f"model {label}: received {received} of {size} bytes; the stream was cut short")
     return buffer

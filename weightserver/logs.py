@@ -1,0 +1,57 @@
+"""Log output of the command line: human-readable lines, or one JSON object per line.
+
+The JSON form carries time, level, logger and message, plus every field a log call passes
+in `extra=` (publishes and fetches pass model, version, bytes, duration_ms, peer, client_id),
+so that a log pipeline can filter on them without parsing the message.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from datetime import datetime, timezone
+from typing import TextIO
+
+LOG_FORMATS = ("text", "json")
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+# Attributes every LogRecord has; anything else on a record came from `extra=`.
+_STANDARD_ATTRIBUTES = frozenset(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {
+    "message",
+    "asctime",
+    "taskName",  # Python 3.12+
+}
+
+
+class JsonFormatter(logging.Formatter):
+    """Formats a record as one line of JSON: time (UTC, ISO 8601), level, logger, message, the
+    record's extra fields, and the traceback as `exception` when there is one."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, object] = {
+            "time": datetime.fromtimestamp(record.created, tz=timezone.utc).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        for key, value in record.__dict__.items():
+            if key not in _STANDARD_ATTRIBUTES and key not in entry:
+                entry[key] = value
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        elif record.exc_text:
+            entry["exception"] = record.exc_text
+        if record.stack_info:
+            entry["stack"] = self.formatStack(record.stack_info)
+        return json.dumps(entry, default=str)
+
+
+def configure_logging(level: str = "info", log_format: str = "text", stream: TextIO | None = None) -> None:
+    """Send every log record at `level` or above to `stream` (stderr) in `log_format`. Like
+    `logging.basicConfig`, it leaves a root logger that already has handlers alone."""
+    if log_format not in LOG_FORMATS:
+        raise ValueError(f"log format must be one of {', '.join(LOG_FORMATS)}, got {log_format!r}")
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.setFormatter(JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT))
+    logging.basicConfig(level=level.upper(), handlers=[handler])

@@ -1,0 +1,207 @@
+"""Prometheus metrics of one server: what was published and fetched, by whom, and how fast.
+
+Each `ServerMetrics` has its own registry (several servers may run in one process, as in the
+tests) and serves it over plain HTTP at ``/metrics`` on `serve()`. `NoMetrics` takes the same
+calls and does nothing, so the servicer never checks whether metrics are on.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable
+from typing import Protocol
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+log = logging.getLogger(__name__)
+
+# Seconds, from a small fetch on loopback to a multi-GiB publish over a slow link.
+DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# Client ids tracked for the per-collector gauges; more are served but not tracked, so a
+# caller inventing a fresh id per call cannot grow the server's memory without bound.
+MAX_TRACKED_CLIENTS = 10_000
+
+
+class RetainedVersion(Protocol):
+    """What the metrics read of a retained version (a store.Version fits)."""
+
+    @property
+    def version(self) -> int: ...
+
+    @property
+    def byte_size(self) -> int: ...
+
+
+class NoMetrics:
+    """Metrics turned off: every call is a no-op. Its methods are the calls the servicer makes,
+    which `ServerMetrics` implements."""
+
+    port: int | None = None
+
+    def published(self, model: str, nbytes: int, seconds: float) -> None:
+        """A version of `model` of `nbytes` was committed; its publish call took `seconds`."""
+
+    def fetched(
+        self, model: str, version: int, nbytes: int, seconds: float, *, transport: str, client_id: str | None
+    ) -> None:
+        """`version` of `model` was served: `nbytes` of payload over `transport`."""
+
+    def watch_started(self, model: str) -> None:
+        """A Watch call on `model` subscribed."""
+
+    def watch_ended(self, model: str) -> None:
+        """A Watch call on `model` ended (any way)."""
+
+    def retained(self, model: str, versions: Iterable[RetainedVersion]) -> None:
+        """The versions of `model` the store now retains (after a commit, delete or unpin)."""
+
+    def serve(self, host: str, port: int) -> int:
+        """Start serving /metrics; return the bound port."""
+        raise RuntimeError("metrics are off")
+
+    def close(self) -> None:
+        """Stop serving /metrics."""
+
+
+class ServerMetrics(NoMetrics):
+    """The metrics of one server in their own `CollectorRegistry` (names start `weightserver_`)."""
+
+    def __init__(self, max_tracked_clients: int = MAX_TRACKED_CLIENTS) -> None:
+        self.registry = CollectorRegistry()
+        self.port = None
+        self._http: tuple[WSGIServer, threading.Thread] | None = None
+        self._max_tracked_clients = max_tracked_clients
+        self._lock = threading.Lock()
+        self._latest: dict[str, int] = {}
+        # model -> client id -> last version that client fetched
+        self._client_versions: dict[str, dict[str, int]] = {}
+        self._client_ids: set[str] = set()
+        self._warned_client_cap = False
+        registry = self.registry
+        self.versions_published = Counter(
+            "weightserver_versions_published", "Versions committed.", ["model"], registry=registry
+        )
+        self.publish_bytes = Counter(
+            "weightserver_publish_bytes",
+            "Bytes of committed versions received from publishers.",
+            ["model"],
+            registry=registry,
+        )
+        self.fetch_bytes = Counter(
+            "weightserver_fetch_bytes",
+            "Payload bytes served to fetches (for shm and bulk: the payload handed out).",
+            ["model", "transport"],
+            registry=registry,
+        )
+        self.publish_seconds = Histogram(
+            "weightserver_publish_duration_seconds",
+            "Publish calls that committed, from the first message to the commit.",
+            ["model"],
+            buckets=DURATION_BUCKETS,
+            registry=registry,
+        )
+        self.fetch_seconds = Histogram(
+            "weightserver_fetch_duration_seconds",
+            "Fetch calls that served a version (for shm and bulk: until the file or ticket was handed out).",
+            ["model", "transport"],
+            buckets=DURATION_BUCKETS,
+            registry=registry,
+        )
+        self.active_watchers = Gauge(
+            "weightserver_active_watchers", "Watch calls subscribed now.", ["model"], registry=registry
+        )
+        self.latest_version = Gauge(
+            "weightserver_latest_version", "The newest retained version.", ["model"], registry=registry
+        )
+        self.retained_versions = Gauge(
+            "weightserver_retained_versions", "Versions the server retains.", ["model"], registry=registry
+        )
+        self.retained_bytes = Gauge(
+            "weightserver_retained_bytes", "Bytes of the versions the server retains.", ["model"], registry=registry
+        )
+        self.client_version = Gauge(
+            "weightserver_client_last_fetched_version",
+            "The last version each client (by its weightserver-client-id) fetched.",
+            ["client_id", "model"],
+            registry=registry,
+        )
+        self.client_lag = Gauge(
+            "weightserver_client_version_lag",
+            "The model's latest version minus the last version the client fetched.",
+            ["client_id", "model"],
+            registry=registry,
+        )
+
+    def published(self, model: str, nbytes: int, seconds: float) -> None:
+        self.versions_published.labels(model).inc()
+        self.publish_bytes.labels(model).inc(nbytes)
+        self.publish_seconds.labels(model).observe(seconds)
+
+    def fetched(
+        self, model: str, version: int, nbytes: int, seconds: float, *, transport: str, client_id: str | None
+    ) -> None:
+        self.fetch_bytes.labels(model, transport).inc(nbytes)
+        self.fetch_seconds.labels(model, transport).observe(seconds)
+        if client_id is None:
+            return
+        with self._lock:
+            if not self._track(client_id):
+                return
+            self._client_versions.setdefault(model, {})[client_id] = version
+            latest = max(self._latest.get(model, 0), version)
+            self.client_version.labels(client_id, model).set(version)
+            self.client_lag.labels(client_id, model).set(latest - version)
+
+    def watch_started(self, model: str) -> None:
+        self.active_watchers.labels(model).inc()
+
+    def watch_ended(self, model: str) -> None:
+        self.active_watchers.labels(model).dec()
+
+    def retained(self, model: str, versions: Iterable[RetainedVersion]) -> None:
+        versions = list(versions)
+        self.retained_versions.labels(model).set(len(versions))
+        self.retained_bytes.labels(model).set(sum(v.byte_size for v in versions))
+        latest = max((v.version for v in versions), default=0)
+        self.latest_version.labels(model).set(latest)
+        with self._lock:
+            self._latest[model] = latest
+            # A new version makes every collector that has not fetched it fall one further behind.
+            for client_id, version in self._client_versions.get(model, {}).items():
+                self.client_lag.labels(client_id, model).set(max(latest - version, 0))
+
+    def _track(self, client_id: str) -> bool:
+        """Whether `client_id` has (or now gets) per-client gauges; called under the lock."""
+        if client_id in self._client_ids:
+            return True
+        if len(self._client_ids) >= self._max_tracked_clients:
+            if not self._warned_client_cap:
+                log.warning(
+                    "metrics track at most %d client ids; later ones (e.g. %r) get no per-client gauges",
+                    self._max_tracked_clients,
+                    client_id,
+                )
+                self._warned_client_cap = True
+            return False
+        self._client_ids.add(client_id)
+        return True
+
+    def serve(self, host: str, port: int) -> int:
+        """Serve /metrics over plain HTTP on host:port (0: a free port); return the bound port."""
+        if self._http is not None:
+            raise RuntimeError("metrics already served")
+        httpd, thread = start_http_server(port, addr=host, registry=self.registry)
+        self._http = (httpd, thread)
+        self.port = httpd.server_port
+        return self.port
+
+    def close(self) -> None:
+        if self._http is None:
+            return
+        httpd, thread = self._http
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join()
+        self._http = None
