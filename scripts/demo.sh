@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Quickstart, command 1: set up, then run the main job on embedded defaults: start a weight
-# server, publish a few versions of a small policy, watch and fetch them, print versions and
-# digests. Extra arguments go to scripts/demo.py (see --help).
+# Quickstart, command 1: set up, then run the actor-learner demo on embedded defaults: a weight
+# server, a DDPG trainer and two torchrl collectors on PendulumEnv as separate processes, for
+# 120 s of training, then a summary. Extra arguments go to the demo (see --help), e.g.
+#   ./scripts/demo.sh --seconds 60 --summary-json summary.json
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python scripts/demo.py "$@"
+exec .venv/bin/python -m demo "$@"

@@ -61,21 +61,8 @@ class ServerProcess:
                 raise TimeoutError(f"server did not start within {timeout}s:\n{self.log()}")
             time.sleep(0.02)
         self.port = int(port_file.read_text())
-        self._wait_serving(deadline)
+        wait_serving(self.address, deadline)
         return self
-
-    def _wait_serving(self, deadline: float) -> None:
-        with grpc.insecure_channel(self.address) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            while True:
-                try:
-                    reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-                except grpc.RpcError:
-                    if time.monotonic() > deadline:
-                        raise
-                time.sleep(0.02)
 
     def stop(self, timeout: float = 30.0) -> int:
         """SIGTERM (graceful shutdown) and wait; returns the exit code."""
@@ -103,3 +90,19 @@ class ServerProcess:
             self.stop(timeout=10)
         except subprocess.TimeoutExpired:
             self.kill()
+
+
+def wait_serving(address: str, deadline: float) -> None:
+    """Poll the gRPC health service at `address` (plaintext) until it says SERVING; raise the
+    last error once `deadline` (time.monotonic()) has passed."""
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                if time.monotonic() > deadline:
+                    raise
+            time.sleep(0.02)

@@ -1,0 +1,129 @@
+"""The actor-learner demo end to end: `python -m demo` with tiny settings, real processes (a
+weight server, a DDPG trainer, two torchrl collectors, a spool directory), no mocks."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torchrl", reason="torchrl is not installed: pip install -e '.[torchrl]'")
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = [
+    *("--frames-per-batch", "50", "--warmup-frames", "200", "--random-frames", "100"),
+    *("--publish-every", "25", "--batch-size", "64", "--progress-seconds", "2"),
+]
+
+
+def demo_command(tmp_path: Path, seconds: float) -> list[str]:
+    return [
+        *(sys.executable, "-m", "demo", "--seconds", str(seconds), *TINY),
+        *("--spool-dir", str(tmp_path / "spool"), "--summary-json", str(tmp_path / "summary.json")),
+    ]
+
+
+def processes_using(spool: Path) -> list[int]:
+    """Live processes whose environment names this spool (the demo's children do)."""
+    needle = f"DEMO_SPOOL_DIR={spool}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if needle in (entry / "environ").read_bytes().split(b"\0"):
+                    found.append(int(entry.name))
+            except OSError:
+                pass  # gone, or not ours to read
+    return found
+
+
+def still_running(pids: list[int], grace: float = 5.0) -> list[int]:
+    """Those of `pids` still alive after `grace` seconds (helpers such as multiprocessing's
+    resource tracker exit a moment after their parent)."""
+    deadline = time.monotonic() + grace
+    while True:
+        alive = []
+        for pid in pids:
+            try:
+                if Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z":
+                    alive.append(pid)
+            except OSError:
+                pass
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_demo_trains_publishes_and_collectors_follow(tmp_path: Path):
+    result = subprocess.run(demo_command(tmp_path, 8), cwd=REPO, capture_output=True, text=True, timeout=100)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    print(json.dumps(summary, indent=1))  # shown when an assertion fails
+
+    assert summary["exit_codes"] == {"weightserver": 0, "trainer": 0, "collector-0": 0, "collector-1": 0}
+    assert summary["versions_published"] >= 5
+    assert summary["final_version"] - summary["first_version"] + 1 == summary["versions_published"]
+    assert sorted(summary["collectors"]) == ["collector-0", "collector-1"]
+    for report in summary["collectors"].values():
+        assert report["versions_applied"] >= 2, report
+        assert report["final_version"] == summary["final_version"], report  # ends on the trainer's latest
+        assert report["frames"] > 0 and report["fetched_bytes"] > 0, report
+    # lag: the server's latest version minus the collector's, after each batch (a batch takes a
+    # few hundredths of a second; the trainer publishes several versions per second)
+    assert summary["lag"]["max"] is not None and summary["lag"]["max"] <= 5, summary["lag"]
+    assert summary["lag"]["mean"] <= 2, summary["lag"]
+    assert summary["bytes_served"] == sum(r["fetched_bytes"] for r in summary["collectors"].values())
+    # every collected frame went through the spool and was consumed; nothing is left there
+    assert summary["frames_consumed"] == summary["frames_collected"] > 0
+    assert summary["updates"] > 0 and summary["reward"]["episodes"] > 0
+    assert summary["spool_empty"] and summary["spool_leftovers"] == []
+    session = tmp_path / "spool" / json.loads((tmp_path / "spool" / "session.json").read_text())["id"]
+    assert not any((session / "ready").iterdir()) and not any((session / "incoming").iterdir())
+    # live progress lines from every process, then the summary
+    for needle in ("trainer ", "published v", "collector-0 ", "collector-1 ", "applied v", "summary ", "OK:"):
+        assert needle in output, needle
+    assert still_running(processes_using(tmp_path / "spool")) == []
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_every_process_cleanly(tmp_path: Path):
+    demo = subprocess.Popen(
+        demo_command(tmp_path, 300), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        assert demo.stdout is not None
+        lines = []
+        for line in demo.stdout:  # wait until both collectors have applied a version
+            lines.append(line)
+            if sum("applied v" in seen for seen in lines) >= 2:
+                break
+        children = processes_using(tmp_path / "spool")  # and any helpers they started
+        commands = [Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") for pid in children]
+        assert sorted(c[2].decode() for c in commands if c[1:2] == [b"-m"]) == [
+            "demo.collector",
+            "demo.collector",
+            "demo.trainer",
+        ]
+        started = time.monotonic()
+        demo.send_signal(signal.SIGINT)  # what Ctrl-C sends to the foreground process
+        rest, _ = demo.communicate(timeout=60)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+    output = "".join(lines) + rest
+    assert demo.returncode == 130, output[-4000:]
+    assert time.monotonic() - started < 30
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["outcome"] == "interrupted"
+    assert set(summary["exit_codes"].values()) == {0}, summary["exit_codes"]  # each stopped cleanly
+    assert summary["spool_empty"] and len(summary["collectors"]) == 2
+    server_pid = int(re.search(r"weightserver serving on \S+ \(pid (\d+)", output).group(1))
+    assert still_running([*children, server_pid]) == []
