@@ -320,14 +320,17 @@ class WeightServiceClient:
                 fetched = self._receive_payload(info, payload, stream, started, into, place, progress)
             finally:
                 stream.cancel()
-        if fetched is VANISHED:
-            # Evicted (or removed) after the reply: ask again, over the stream, for what the
-            # caller asked for (the latest, or that version: NOT_FOUND if it is gone).
-            log.info("%s v%d left shared memory while being fetched; asking again", model, info.version)
+        if fetched is None or fetched is VANISHED:
+            # None: the fast path failed, so the same payload comes over the gRPC stream.
+            # VANISHED: the shared-memory file was evicted after the reply, so ask again for what
+            # the caller asked for (the latest, or that version: NOT_FOUND if it is gone).
+            if fetched is VANISHED:
+                log.info("%s v%d left shared memory while being fetched; asking again", model, info.version)
+            asked = (version, newer_than) if fetched is VANISHED else (info.version, None)
             return self._fetch_once(
                 model,
-                version=version,
-                newer_than=newer_than,
+                version=asked[0],
+                newer_than=asked[1],
                 base_version=base_version,
                 dtype=dtype,
                 transport="stream",
@@ -347,19 +350,6 @@ class WeightServiceClient:
                 transport=transport,
                 timeout=timeout,
                 into=into,
-                retry=False,
-                progress=progress,
-            )
-        if fetched is None:  # the fast path failed: the same payload over the gRPC stream
-            return self.fetch_bytes(
-                model,
-                version=info.version,
-                base_version=base_version,
-                dtype=dtype,
-                transport="stream",
-                timeout=timeout,
-                into=into,
-                base_xxh3=base_xxh3,
                 retry=False,
                 progress=progress,
             )

@@ -1,0 +1,167 @@
+// Runs against a live server that tests/test_node_client.py starts and fills:
+//   WEIGHTSERVER_ADDRESS  host:port of that server
+//   EXPECTED_JSON         path of a JSON file describing what Python published
+// Run: pytest tests/test_node_client.py  (or set both variables and run `npm test` here).
+import assert from "node:assert/strict";
+import { createHash } from "node:crypto";
+import { readFileSync } from "node:fs";
+import { after, before, describe, test } from "node:test";
+
+import { WeightServerClient, WeightServerError, parseSafetensors } from "../src/index.js";
+
+const ADDRESS = process.env.WEIGHTSERVER_ADDRESS;
+const EXPECTED_PATH = process.env.EXPECTED_JSON;
+const skip = !ADDRESS || !EXPECTED_PATH ? "needs WEIGHTSERVER_ADDRESS and EXPECTED_JSON (see tests/test_node_client.py)" : false;
+const GRPC_NOT_FOUND = 5;
+const GRPC_UNAUTHENTICATED = 16;
+
+function sha256(typedArray) {
+  return createHash("sha256")
+    .update(new Uint8Array(typedArray.buffer, typedArray.byteOffset, typedArray.byteLength))
+    .digest("hex");
+}
+
+function assertTensor(name, actual, expected) {
+  assert.ok(actual, `tensor ${name} missing`);
+  assert.equal(actual.dtype, expected.dtype, `${name} dtype`);
+  assert.deepEqual(actual.shape, expected.shape, `${name} shape`);
+  if (expected.hex !== undefined) {
+    // F16 / BF16: raw bytes, no typed array.
+    assert.equal(actual.data, undefined, `${name} should come as raw bytes`);
+    assert.ok(actual.bytes instanceof Uint8Array);
+    assert.equal(Buffer.from(actual.bytes).toString("hex"), expected.hex, `${name} bytes`);
+    return;
+  }
+  const data = actual.data;
+  assert.equal(data.byteOffset % data.BYTES_PER_ELEMENT, 0);
+  if (expected.values !== undefined) {
+    const values = Array.from(data, (v) => (typeof v === "bigint" ? v.toString() : v));
+    assert.deepEqual(values, expected.values, `${name} values`);
+  }
+  if (expected.sha256 !== undefined) {
+    assert.equal(data.length, expected.numel, `${name} numel`);
+    assert.equal(sha256(data), expected.sha256, `${name} bytes sha256`);
+    for (const [index, value] of expected.samples) assert.equal(data[index], value, `${name}[${index}]`);
+  }
+}
+
+describe("weightserver node client", { skip }, () => {
+  let expected;
+  let client;
+
+  before(() => {
+    expected = JSON.parse(readFileSync(EXPECTED_PATH, "utf8"));
+    client = new WeightServerClient(ADDRESS, { clientId: "node-test" });
+  });
+  after(() => client?.close());
+
+  test("latest describes the newest version", async () => {
+    const info = await client.latest("policy");
+    const want = expected.policy.at(-1);
+    assert.equal(info.model, "policy");
+    assert.equal(info.version, want.version);
+    assert.equal(info.byte_size, want.byte_size);
+    assert.equal(info.sha256, want.sha256);
+    assert.deepEqual({ ...info.metadata }, want.metadata);
+    assert.deepEqual(info.tensors.map((t) => t.name).sort(), Object.keys(want.tensors).sort());
+  });
+
+  test("fetch (latest) returns the published values of every dtype", async () => {
+    const want = expected.policy.at(-1);
+    const result = await client.fetch("policy");
+    assert.equal(result.version, want.version);
+    assert.deepEqual(result.metadata, want.metadata);
+    assert.deepEqual(Object.keys(result.tensors).sort(), Object.keys(want.tensors).sort());
+    for (const [name, t] of Object.entries(want.tensors)) assertTensor(name, result.tensors[name], t);
+  });
+
+  test("fetch an exact older version", async () => {
+    const want = expected.policy[0];
+    const result = await client.fetch("policy", { version: want.version });
+    assert.equal(result.version, want.version);
+    assert.deepEqual(result.metadata, want.metadata);
+    for (const [name, t] of Object.entries(want.tensors)) assertTensor(name, result.tensors[name], t);
+  });
+
+  test("fetch newerThan: null when up to date, the latest otherwise", async () => {
+    const latest = expected.policy.at(-1).version;
+    assert.equal(await client.fetch("policy", { newerThan: latest }), null);
+    const result = await client.fetch("policy", { newerThan: latest - 1 });
+    assert.equal(result.version, latest);
+  });
+
+  test("fetch a multi-chunk model (> 3 MiB)", async () => {
+    const want = expected.big;
+    assert.ok(want.byte_size > 3 * 1024 * 1024);
+    const result = await client.fetch("big");
+    assert.equal(result.version, want.version);
+    assert.equal(result.info.byte_size, want.byte_size);
+    assert.equal(result.info.sha256, want.sha256);
+    for (const [name, t] of Object.entries(want.tensors)) assertTensor(name, result.tensors[name], t);
+  });
+
+  test("errors carry the gRPC code and the weightserver-error name", async () => {
+    await assert.rejects(client.fetch("no-such-model"), (err) => {
+      assert.ok(err instanceof WeightServerError);
+      assert.equal(err.code, GRPC_NOT_FOUND);
+      assert.equal(err.errorName, "ModelNotFound");
+      return true;
+    });
+    await assert.rejects(client.latest("no-such-model"), (err) => err.code === GRPC_NOT_FOUND && err.errorName === "ModelNotFound");
+  });
+
+  test("watch yields new versions in order and can be broken out of", async () => {
+    const model = expected.watch.model;
+    const since = (await client.latest(model)).version;
+    const seen = [];
+    for await (const event of client.watch(model, { since, timeoutMs: 20000 })) {
+      assert.equal(event.version.model, model);
+      assert.equal(event.gap, false);
+      assert.equal(event.version.metadata.step, String(event.version.version));
+      seen.push(event.version.version);
+      if (seen.length === 2) break;
+    }
+    assert.deepEqual(seen, [since + 1, since + 2]);
+    // The channel still works after cancelling the watch.
+    assert.ok((await client.latest(model)).version >= since + 2);
+  });
+
+  test("token: missing is UNAUTHENTICATED, a reader token works", async () => {
+    const auth = expected.auth;
+    if (!auth) return;
+    const anonymous = new WeightServerClient(auth.address);
+    try {
+      await assert.rejects(anonymous.latest("policy"), (err) => {
+        assert.equal(err.code, GRPC_UNAUTHENTICATED);
+        assert.equal(err.errorName, "AuthenticationRequired");
+        return true;
+      });
+    } finally {
+      anonymous.close();
+    }
+    const reader = new WeightServerClient(auth.address, { token: auth.token, clientId: "node-test" });
+    try {
+      const result = await reader.fetch("policy");
+      assert.equal(result.version, auth.version);
+      assert.deepEqual(Array.from(result.tensors.w.data), auth.w);
+    } finally {
+      reader.close();
+    }
+  });
+});
+
+test("parseSafetensors copies unaligned tensors into aligned arrays", () => {
+  const header = Buffer.from(
+    JSON.stringify({ __metadata__: { a: "b" }, x: { dtype: "U8", shape: [1], data_offsets: [0, 1] }, y: { dtype: "F32", shape: [2], data_offsets: [1, 9] } }),
+  );
+  const file = Buffer.alloc(8 + header.length + 9);
+  file.writeBigUInt64LE(BigInt(header.length), 0);
+  header.copy(file, 8);
+  file[8 + header.length] = 7;
+  file.writeFloatLE(1.5, 8 + header.length + 1);
+  file.writeFloatLE(-2, 8 + header.length + 5);
+  const { tensors, metadata } = parseSafetensors(file);
+  assert.deepEqual(metadata, { a: "b" });
+  assert.deepEqual(Array.from(tensors.x.data), [7]);
+  assert.deepEqual(Array.from(tensors.y.data), [1.5, -2]);
+});
