@@ -41,7 +41,11 @@ function assertTensor(name, actual, expected) {
   if (expected.sha256 !== undefined) {
     assert.equal(data.length, expected.numel, `${name} numel`);
     assert.equal(sha256(data), expected.sha256, `${name} bytes sha256`);
-    for (const [index, value] of expected.samples) assert.equal(data[index], value, `${name}[${index}]`);
+    for (const [index, value] of expected.samples) {
+      const got = data[index];
+      if (typeof got === "bigint") assert.equal(got, BigInt(value), `${name}[${index}]`);
+      else assert.equal(got, value, `${name}[${index}]`);
+    }
   }
 }
 
@@ -128,7 +132,7 @@ describe("weightserver node client", { skip }, () => {
 
   test("token: missing is UNAUTHENTICATED, a reader token works", async () => {
     const auth = expected.auth;
-    if (!auth) return;
+    assert.ok(auth, "EXPECTED_JSON has no \"auth\" entry");
     const anonymous = new WeightServerClient(auth.address);
     try {
       await assert.rejects(anonymous.latest("policy"), (err) => {
@@ -148,6 +152,31 @@ describe("weightserver node client", { skip }, () => {
       reader.close();
     }
   });
+
+  test("mutual TLS with CA, client certificate and key given as paths or PEM buffers", async () => {
+    const tls = expected.tls;
+    assert.ok(tls, "EXPECTED_JSON has no \"tls\" entry");
+    for (const options of [
+      { ca: tls.ca, cert: tls.cert, key: tls.key },
+      { ca: readFileSync(tls.ca), cert: readFileSync(tls.cert), key: readFileSync(tls.key) },
+    ]) {
+      const secure = new WeightServerClient(tls.address, { tls: options });
+      try {
+        const result = await secure.fetch("policy");
+        assert.equal(result.version, tls.version);
+        assert.deepEqual(Array.from(result.tensors.w.data), tls.w);
+      } finally {
+        secure.close();
+      }
+    }
+    // Plaintext to a TLS port fails (UNAVAILABLE, or a deadline where the server waits for a handshake).
+    const plain = new WeightServerClient(tls.address);
+    try {
+      await assert.rejects(plain.latest("policy", { timeoutMs: 3000 }), (err) => err instanceof WeightServerError && [4, 14].includes(err.code));
+    } finally {
+      plain.close();
+    }
+  });
 });
 
 test("parseSafetensors copies unaligned tensors into aligned arrays", () => {
@@ -164,4 +193,34 @@ test("parseSafetensors copies unaligned tensors into aligned arrays", () => {
   assert.deepEqual(metadata, { a: "b" });
   assert.deepEqual(Array.from(tensors.x.data), [7]);
   assert.deepEqual(Array.from(tensors.y.data), [1.5, -2]);
+});
+
+// A stub whose Fetch streams the given messages, to exercise the size and sha256 checks.
+function clientStreaming(messages) {
+  const client = new WeightServerClient("127.0.0.1:1");
+  client._stub.close();
+  client._stub = {
+    Fetch: () => ({
+      async *[Symbol.asyncIterator]() {
+        yield* messages;
+      },
+      cancel() {},
+    }),
+    close() {},
+  };
+  return client;
+}
+
+test("fetch rejects a wrong byte count or sha256 with DATA_LOSS", async () => {
+  const bytes = Buffer.from("0800000000000000" + Buffer.from("{}      ").toString("hex"), "hex");
+  const sha = createHash("sha256").update(bytes).digest("hex");
+  const header = (byteSize, digest) => ({ kind: "header", header: { model: "m", version: "1", byte_size: String(byteSize), sha256: digest, metadata: {}, tensors: [] } });
+  const ok = clientStreaming([header(bytes.length, sha), { kind: "chunk", chunk: bytes }]);
+  assert.deepEqual((await ok.fetch("m")).tensors, {});
+  for (const [messages, errorName] of [
+    [[header(bytes.length + 1, sha), { kind: "chunk", chunk: bytes }], "SizeMismatch"],
+    [[header(bytes.length, "0".repeat(64)), { kind: "chunk", chunk: bytes }], "ChecksumMismatch"],
+  ]) {
+    await assert.rejects(clientStreaming(messages).fetch("m"), (err) => err.code === 15 && err.errorName === errorName);
+  }
 });
