@@ -10,9 +10,7 @@ Skipped when node/npm are missing, unless WEIGHTSERVER_REQUIRE_TOOLCHAINS=1 (CI)
 
 from __future__ import annotations
 
-import datetime
 import hashlib
-import ipaddress
 import json
 import os
 import shutil
@@ -22,10 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
+from pki import make_pki
 
 from weightclient import WeightClient
 
@@ -103,47 +98,6 @@ def _published(client: WeightClient, model: str, weights: dict[str, torch.Tensor
     }
 
 
-def _pki(directory: Path) -> dict[str, Path]:
-    """Throwaway CA, server certificate (127.0.0.1/localhost) and client certificate, as PEM files."""
-    now = datetime.datetime.now(datetime.timezone.utc)
-
-    def cert(subject: str, key, issuer: str, issuer_key, *, ca: bool, san: bool = False) -> bytes:
-        builder = (
-            x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
-            .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(hours=1))
-            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-        )
-        if san:
-            names = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-            builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
-        return builder.sign(issuer_key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM)
-
-    def key_pem(key) -> bytes:
-        return key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
-
-    ca_key, server_key, client_key = (ec.generate_private_key(ec.SECP256R1()) for _ in range(3))
-    contents = {
-        "ca": cert("test-ca", ca_key, "test-ca", ca_key, ca=True),
-        "server_cert": cert("server", server_key, "test-ca", ca_key, ca=False, san=True),
-        "server_key": key_pem(server_key),
-        "client_cert": cert("node-collector", client_key, "test-ca", ca_key, ca=False),
-        "client_key": key_pem(client_key),
-    }
-    paths = {}
-    for name, data in contents.items():
-        paths[name] = directory / f"{name}.pem"
-        paths[name].write_bytes(data)
-        os.chmod(paths[name], 0o600)
-    return paths
-
-
 class _KeepPublishing:
     """Publishes a new version of `model` every `interval` seconds until stopped."""
 
@@ -188,7 +142,7 @@ def test_node_client_against_live_server(node: str, make_server, tmp_path: Path)
     token_file = tmp_path / "tokens"
     token_file.write_text(f"reader node-reader {TOKEN}\npublisher node-publisher {PUBLISH_TOKEN}\n")
     auth_server = make_server(auth_tokens=token_file)
-    pki = _pki(tmp_path)
+    pki = make_pki(tmp_path)
     tls_server = make_server(tls_cert=pki["server_cert"], tls_key=pki["server_key"], tls_client_ca=pki["ca"])
 
     generator = torch.Generator().manual_seed(7)
