@@ -137,7 +137,8 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         if self.version is None or self._unavailable_since is not None:
             return None
         try:
-            return self.client.latest(self.model).version - self.version
+            # Never wait for a server that is down: a collector reads this between batches.
+            return self.client.latest(self.model, retry=False).version - self.version
         except ServerUnavailable:
             return None
 

@@ -482,9 +482,11 @@ class WeightServiceClient:
                 stream.cancel()
 
     # ------------------------------------------------------------------ describe and admin
-    def latest(self, model: str) -> VersionInfo:
-        """Describe the newest version of `model` (ModelNotFound if it has none)."""
-        return VersionInfo.from_proto(self._call(self._stub.GetLatest, pb.GetLatestRequest(model=model)))
+    def latest(self, model: str, *, retry: bool = True) -> VersionInfo:
+        """Describe the newest version of `model` (ModelNotFound if it has none). `retry=False`
+        raises ServerUnavailable at once instead of waiting for the server to come back."""
+        request = pb.GetLatestRequest(model=model)
+        return VersionInfo.from_proto(self._call(self._stub.GetLatest, request, retry=retry))
 
     def describe(self, model: str, version: int = 0) -> VersionInfo:
         """Describe `version` of `model` (0: the latest)."""
