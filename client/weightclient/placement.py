@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import xxhash
 
+from weightclient.block_reader import read_blocks
 from weightclient.version_info import VersionInfo
 
 Placement = Callable[[VersionInfo], Mapping[str, memoryview] | None]
@@ -78,16 +79,28 @@ def read_file_into(path: str, info: VersionInfo, views: Mapping[str, memoryview]
         if len(prefix) != PREFIX_BYTES:
             return None
         offset = PREFIX_BYTES
-        digests = _Digests(info)
+        blocks: list[tuple[memoryview, int]] = []
+        owners: list[str] = []  # the tensor of each block
         for size, name in layout(info, views, int.from_bytes(prefix, "little")):
             if name is not None:
-                view, hasher = views[name], xxhash.xxh3_128()
                 for start in range(0, size, BLOCK_BYTES):
-                    block = view[start : start + BLOCK_BYTES]
-                    _pread_exactly(fd, block, offset + start)
-                    hasher.update(block)
-                digests.check(name, hasher)
+                    blocks.append((views[name][start : start + BLOCK_BYTES], offset + start))
+                    owners.append(name)
             offset += size
+        digests = _Digests(info)
+        hashers: dict[str, xxhash.xxh3_128] = {}
+
+        def landed(i: int) -> None:
+            name = owners[i]
+            hasher = hashers.setdefault(name, xxhash.xxh3_128())
+            hasher.update(blocks[i][0])
+            if i + 1 == len(owners) or owners[i + 1] != name:
+                digests.check(name, hasher)
+
+        read_blocks(fd, blocks, landed)
+        for name in views:
+            if name not in hashers:  # an empty tensor: no blocks, nothing read
+                digests.check(name, xxhash.xxh3_128())
         return digests.bad
     except (OSError, ValueError):
         return None
@@ -147,12 +160,3 @@ class _Digests:
     def check(self, name: str, hasher: xxhash.xxh3_128) -> None:
         if hasher.hexdigest() != self.expected[name]:
             self.bad.append(name)
-
-
-def _pread_exactly(fd: int, block: memoryview, offset: int) -> None:
-    done = 0
-    while done < block.nbytes:
-        n = os.preadv(fd, [block[done:]], offset + done)
-        if n <= 0:
-            raise OSError("the shared-memory file ended early")
-        done += n

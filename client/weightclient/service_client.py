@@ -315,9 +315,11 @@ class WeightServiceClient:
                     payload = second.payload
                 else:
                     raise IntegrityError(f"model {model!r}: expected a payload description after the header")
-                if payload.HasField("shared_memory") or payload.HasField("bulk"):
-                    _expect_end(stream, model)  # the bytes come another way
                 fetched = self._receive_payload(info, payload, stream, started, into, place, progress)
+                if payload.HasField("shared_memory") or payload.HasField("bulk"):
+                    # The bytes came another way. The server's end of stream arrived while
+                    # they moved, so reading it now costs no round trip.
+                    _expect_end(stream, model)
             finally:
                 stream.cancel()
         if fetched is None or fetched is VANISHED:
