@@ -36,6 +36,7 @@ REQUIRED_ROLE: dict[str, str] = {
     "GetLatest": "reader",
     "Describe": "reader",
     "Fetch": "reader",
+    "Locate": "reader",
     "Watch": "reader",
     "ListModels": "reader",
     "ListVersions": "reader",

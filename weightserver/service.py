@@ -31,7 +31,7 @@ from weightserver.errors import (
     status_code_for,
 )
 from weightserver.metrics import NoMetrics
-from weightserver.payloads import PayloadCache
+from weightserver.payloads import Payload, PayloadCache
 from weightserver.shared_memory import SharedMemoryFiles, SharedMemoryUpload
 from weightserver.store import Upload, Version, VersionStore, validate_model_name
 from weightserver.v1 import weights_pb2 as pb
@@ -292,19 +292,10 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         self, request: pb.FetchRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.FetchResponse]:
         started = time.perf_counter()
-        selector = request.WhichOneof("selector")
-        if selector == "version":
-            if request.version == 0:
-                raise InvalidRequest("version must be >= 1 (leave it unset to fetch the latest)")
-            record: Version | None = self.store.get(request.model, request.version)
-        elif selector == "newer_than":
-            record = self.store.newer_than(request.model, request.newer_than)
-            if record is None:
-                yield pb.FetchResponse(up_to_date=pb.UpToDate(latest_version=request.newer_than))
-                return
-        else:
-            record = self.store.latest(request.model)
-        assert record is not None
+        record = self._fetched_version(request)
+        if record is None:
+            yield pb.FetchResponse(up_to_date=pb.UpToDate(latest_version=request.newer_than))
+            return
         chunk = clamp_chunk_bytes(request.chunk_size, self.config.chunk_bytes)
         yield pb.FetchResponse(header=wire.version_info(record))
         wants_payload = request.base_version or request.dtype or request.accept_shared_memory or request.accept_bulk
@@ -313,7 +304,50 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
                 yield message
             self._transferred("fetch", record, started, context, transport="stream")
             return
+        payload, description = await self._payload(record, request)
+        transport = await self._offer_fast_path(record, request, payload, description)
+        yield pb.FetchResponse(payload=description)
+        if transport is None:
+            for message in _chunk_messages(payload.data, chunk):
+                yield message
+        self._transferred("fetch", record, started, context, transport=transport or "stream", sent=payload.byte_size)
 
+    @_unary
+    async def Locate(self, request: pb.FetchRequest, context: grpc.aio.ServicerContext) -> pb.LocateResponse:
+        started = time.perf_counter()
+        record = self._fetched_version(request)
+        if record is None:
+            return pb.LocateResponse(up_to_date=pb.UpToDate(latest_version=request.newer_than))
+        reply = pb.LocateResponse(header=wire.version_info(record))
+        if not self._fast_paths_for(request):
+            return reply  # no payload: the caller fetches the version with Fetch
+        payload, description = await self._payload(record, request)
+        transport = await self._offer_fast_path(record, request, payload, description)
+        assert transport is not None
+        reply.payload.CopyFrom(description)
+        self._transferred("fetch", record, started, context, transport=transport, sent=payload.byte_size)
+        return reply
+
+    def _fetched_version(self, request: pb.FetchRequest) -> Version | None:
+        """The version a Fetch or Locate asks for; None when `newer_than` found nothing newer."""
+        selector = request.WhichOneof("selector")
+        if selector == "version":
+            if request.version == 0:
+                raise InvalidRequest("version must be >= 1 (leave it unset to fetch the latest)")
+            return self.store.get(request.model, request.version)
+        if selector == "newer_than":
+            return self.store.newer_than(request.model, request.newer_than)
+        return self.store.latest(request.model)
+
+    def _fast_paths_for(self, request: pb.FetchRequest) -> bool:
+        """Whether this server can offer a fast path the request accepts."""
+        return bool(
+            (request.accept_shared_memory and self.shared_memory is not None)
+            or (request.accept_bulk and self.bulk is not None)
+        )
+
+    async def _payload(self, record: Version, request: pb.FetchRequest) -> tuple[Payload, pb.Payload]:
+        """What to send for `record` (the version itself, a delta or a cast) and its description."""
         base = self._base_version(record, request.base_version)
         if base is None and not request.dtype:
             payload = self.payloads.get(record)  # the version itself: nothing to build
@@ -326,25 +360,25 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
             dtype=payload.dtype,
             base_xxh3=base.xxh3 if payload.base_version and base is not None else "",
         )
-        key = (record.model, record.version, payload.base_version, payload.dtype)
+        return payload, description
+
+    async def _offer_fast_path(
+        self, record: Version, request: pb.FetchRequest, payload: Payload, description: pb.Payload
+    ) -> str | None:
+        """Name a shared-memory file or a bulk ticket in `description` when the request accepts
+        one and this server offers it (shared memory first); the transport, or None (chunks)."""
         if request.accept_shared_memory and self.shared_memory is not None:
+            key = (record.model, record.version, payload.base_version, payload.dtype)
             path = self.shared_memory.existing(key) or await asyncio.to_thread(
                 self.shared_memory.path_for, key, payload.data
             )
             description.shared_memory.path = str(path)
-            yield pb.FetchResponse(payload=description)
-            self._transferred("fetch", record, started, context, transport="shm", sent=payload.byte_size)
-            return
+            return "shm"
         if request.accept_bulk and self.bulk is not None:
             description.bulk.port = self.bulk.port
             description.bulk.ticket = self.bulk.issue(payload.data, f"{record.model} v{record.version}")
-            yield pb.FetchResponse(payload=description)
-            self._transferred("fetch", record, started, context, transport="bulk", sent=payload.byte_size)
-            return
-        yield pb.FetchResponse(payload=description)
-        for message in _chunk_messages(payload.data, chunk):
-            yield message
-        self._transferred("fetch", record, started, context, transport="stream", sent=payload.byte_size)
+            return "bulk"
+        return None
 
     def _transferred(
         self,

@@ -126,6 +126,7 @@ class WeightServiceClient:
         self._metadata = call_metadata(token, client_id)
         self._shm_usable: bool | None = None  # learned on the first shared-memory fetch
         self._bulk_usable: bool | None = None
+        self._locate_usable: bool | None = None  # False: this server has no Locate, or no fast path for us
         self._bulk_retry_at = 0.0  # after a bulk failure, "auto" tries bulk again from then on
         self._bulk = _BulkConnection()
 
@@ -291,37 +292,20 @@ class WeightServiceClient:
             transport == "auto" and (self._bulk_usable is not False or time.monotonic() >= self._bulk_retry_at)
         )
         with translated_rpc_errors(self.address):
-            stream = self._fetch(request, timeout=timeout, metadata=self._metadata)
-            try:
-                first = next(stream, None)
-                if isinstance(first, memoryview) or first is None:
-                    raise IntegrityError(f"model {model!r}: the fetch stream did not start with a header")
-                kind = first.WhichOneof("kind")
-                if kind == "up_to_date":
-                    _expect_end(stream, model)
-                    return None
-                if kind != "header":
-                    raise IntegrityError(f"model {model!r}: fetch stream started with {kind!r}, expected a header")
-                info = VersionInfo.from_proto(first.header)
-                wants_payload = base_version or dtype or request.accept_shared_memory or request.accept_bulk
-                if not wants_payload:
-                    data = _receive_into(info.byte_size, stream, f"{info.model!r} v{info.version}", into, progress)
-                    _check_digests(data, info, xxh3=info.xxh3, sha256=info.sha256)
-                    return FetchedBytes(
-                        info, data, stats=FetchStats("stream", len(data), time.perf_counter() - started)
-                    )
-                second = next(stream, None)
-                if isinstance(second, pb.FetchResponse) and second.WhichOneof("kind") == "payload":
-                    payload = second.payload
-                else:
-                    raise IntegrityError(f"model {model!r}: expected a payload description after the header")
-                fetched = self._receive_payload(info, payload, stream, started, into, place, progress)
-                if payload.HasField("shared_memory") or payload.HasField("bulk"):
-                    # The bytes came another way. The server's end of stream arrived while
-                    # they moved, so reading it now costs no round trip.
-                    _expect_end(stream, model)
-            finally:
-                stream.cancel()
+            located = self._locate(request, timeout) if self._may_locate(request) else None
+            if located is not None and located.HasField("up_to_date"):
+                return None
+            if located is not None and located.HasField("payload"):
+                self._locate_usable = True
+                info = VersionInfo.from_proto(located.header)
+                fetched = self._receive_payload(info, located.payload, iter(()), started, into, place, progress)
+            else:
+                if located is not None:  # no fast path for this client: Fetch from now on
+                    self._locate_usable = False
+                streamed = self._fetch_streamed(request, started, into, place, progress, timeout)
+                if streamed is None or isinstance(streamed, FetchedBytes):
+                    return streamed  # up to date, or a plain stream
+                info, fetched = streamed
         if fetched is None or fetched is VANISHED:
             # None: the fast path failed, so the same payload comes over the gRPC stream.
             # VANISHED: the shared-memory file was evicted after the reply, so ask again for what
@@ -356,6 +340,64 @@ class WeightServiceClient:
                 progress=progress,
             )
         return fetched
+
+    def _may_locate(self, request: pb.FetchRequest) -> bool:
+        """Whether to ask with Locate (one unary round trip) rather than a Fetch stream: the
+        request accepts a fast path and this server has answered Locate with one so far."""
+        return self._locate_usable is not False and (request.accept_shared_memory or request.accept_bulk)
+
+    def _locate(self, request: pb.FetchRequest, timeout: float | None) -> pb.LocateResponse | None:
+        """Locate's reply, or None for a server that predates it (Fetch from now on)."""
+        try:
+            return self._stub.Locate(request, timeout=timeout, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            self._locate_usable = False
+            return None
+
+    def _fetch_streamed(
+        self,
+        request: pb.FetchRequest,
+        started: float,
+        into: memoryview | None,
+        place: Placement | None,
+        progress: Progress | None,
+        timeout: float | None,
+    ) -> FetchedBytes | tuple[VersionInfo, Any] | None:
+        """One Fetch stream: None when up to date, FetchedBytes for a plain stream (no payload
+        message), else the header and what `_receive_payload` made of the payload."""
+        model = request.model
+        stream = self._fetch(request, timeout=timeout, metadata=self._metadata)
+        try:
+            first = next(stream, None)
+            if isinstance(first, memoryview) or first is None:
+                raise IntegrityError(f"model {model!r}: the fetch stream did not start with a header")
+            kind = first.WhichOneof("kind")
+            if kind == "up_to_date":
+                _expect_end(stream, model)
+                return None
+            if kind != "header":
+                raise IntegrityError(f"model {model!r}: fetch stream started with {kind!r}, expected a header")
+            info = VersionInfo.from_proto(first.header)
+            wants_payload = request.base_version or request.dtype or request.accept_shared_memory or request.accept_bulk
+            if not wants_payload:
+                data = _receive_into(info.byte_size, stream, f"{info.model!r} v{info.version}", into, progress)
+                _check_digests(data, info, xxh3=info.xxh3, sha256=info.sha256)
+                return FetchedBytes(info, data, stats=FetchStats("stream", len(data), time.perf_counter() - started))
+            second = next(stream, None)
+            if isinstance(second, pb.FetchResponse) and second.WhichOneof("kind") == "payload":
+                payload = second.payload
+            else:
+                raise IntegrityError(f"model {model!r}: expected a payload description after the header")
+            fetched = self._receive_payload(info, payload, stream, started, into, place, progress)
+            if payload.HasField("shared_memory") or payload.HasField("bulk"):
+                # The bytes came another way. The server's end of stream arrived while they
+                # moved, so reading it now costs no round trip.
+                _expect_end(stream, model)
+            return info, fetched
+        finally:
+            stream.cancel()
 
     def _receive_payload(
         self,

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dweightserver/v1/weights.proto\x12\x0fweightserver.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\x8d\x01\n\x0ePublishRequest\x12\x30\n\x06header\x18\x01 \x01(\x0b\x32\x1e.weightserver.v1.PublishHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x12\x30\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x1e.weightserver.v1.PublishCommitH\x00\x42\x06\n\x04kind\"\x1f\n\rPublishCommit\x12\x0e\n\x06sha256\x18\x01 \x03(\t\"\xd2\x01\n\rPublishHeader\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12>\n\x08metadata\x18\x03 \x03(\x0b\x32,.weightserver.v1.PublishHeader.MetadataEntry\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x0e\n\x06sha256\x18\x05 \x01(\t\x12\x0b\n\x03pin\x18\x06 \x01(\x08\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"p\n\x0fPublishResponse\x12-\n\x07version\x18\x01 \x01(\x0b\x32\x1c.weightserver.v1.VersionInfo\x12.\n\x08versions\x18\x02 \x03(\x0b\x32\x1c.weightserver.v1.VersionInfo\"l\n\nTensorInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x12\n\ndata_begin\x18\x04 \x01(\x04\x12\x10\n\x08\x64\x61ta_end\x18\x05 \x01(\x04\x12\x0c\n\x04xxh3\x18\x06 \x01(\t\"\xc7\x02\n\x0bVersionInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x11\n\tbyte_size\x18\x03 \x01(\x04\x12\x0e\n\x06sha256\x18\x04 \x01(\t\x12+\n\x07\x63reated\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12<\n\x08metadata\x18\x06 \x03(\x0b\x32*.weightserver.v1.VersionInfo.MetadataEntry\x12,\n\x07tensors\x18\x07 \x03(\x0b\x32\x1b.weightserver.v1.TensorInfo\x12\x0e\n\x06pinned\x18\x08 \x01(\x08\x12\r\n\x05group\x18\t \x03(\t\x12\x0c\n\x04xxh3\x18\n \x01(\t\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"!\n\x10GetLatestRequest\x12\r\n\x05model\x18\x01 \x01(\t\"1\n\x0f\x44\x65scribeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\"\xbe\x01\n\x0c\x46\x65tchRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\x07version\x18\x02 \x01(\x04H\x00\x12\x14\n\nnewer_than\x18\x03 \x01(\x04H\x00\x12\x12\n\nchunk_size\x18\x04 \x01(\r\x12\x14\n\x0c\x62\x61se_version\x18\x05 \x01(\x04\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x1c\n\x14\x61\x63\x63\x65pt_shared_memory\x18\x07 \x01(\x08\x12\x13\n\x0b\x61\x63\x63\x65pt_bulk\x18\x08 \x01(\x08\x42\n\n\x08selector\"\xb6\x01\n\rFetchResponse\x12.\n\x06header\x18\x01 \x01(\x0b\x32\x1c.weightserver.v1.VersionInfoH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x12/\n\nup_to_date\x18\x03 \x01(\x0b\x32\x19.weightserver.v1.UpToDateH\x00\x12+\n\x07payload\x18\x04 \x01(\x0b\x32\x18.weightserver.v1.PayloadH\x00\x42\x06\n\x04kind\"\xc7\x01\n\x07Payload\x12\x11\n\tbyte_size\x18\x01 \x01(\x04\x12\x0c\n\x04xxh3\x18\x02 \x01(\t\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x04\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x38\n\rshared_memory\x18\x05 \x01(\x0b\x32!.weightserver.v1.SharedMemoryFile\x12)\n\x04\x62ulk\x18\x06 \x01(\x0b\x32\x1b.weightserver.v1.BulkTicket\x12\x11\n\tbase_xxh3\x18\x07 \x01(\t\" \n\x10SharedMemoryFile\x12\x0c\n\x04path\x18\x01 \x01(\t\"*\n\nBulkTicket\x12\x0c\n\x04port\x18\x01 \x01(\r\x12\x0e\n\x06ticket\x18\x02 \x01(\x0c\"\"\n\x08UpToDate\x12\x16\n\x0elatest_version\x18\x01 \x01(\x04\",\n\x0cWatchRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05since\x18\x02 \x01(\x04\"J\n\x0cVersionEvent\x12-\n\x07version\x18\x01 \x01(\x0b\x32\x1c.weightserver.v1.VersionInfo\x12\x0b\n\x03gap\x18\x02 \x01(\x08\"\x13\n\x11ListModelsRequest\"C\n\x12ListModelsResponse\x12-\n\x06models\x18\x01 \x03(\x0b\x32\x1d.weightserver.v1.ModelSummary\"d\n\x0cModelSummary\x12\r\n\x05model\x18\x01 \x01(\t\x12\x16\n\x0elatest_version\x18\x02 \x01(\x04\x12\x15\n\rversion_count\x18\x03 \x01(\r\x12\x16\n\x0eretained_bytes\x18\x04 \x01(\x04\"$\n\x13ListVersionsRequest\x12\r\n\x05model\x18\x01 \x01(\t\"F\n\x14ListVersionsResponse\x12.\n\x08versions\x18\x01 \x03(\x0b\x32\x1c.weightserver.v1.VersionInfo\"6\n\x14\x44\x65leteVersionRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\"F\n\x15\x44\x65leteVersionResponse\x12-\n\x07\x64\x65leted\x18\x01 \x01(\x0b\x32\x1c.weightserver.v1.VersionInfo\"C\n\x11PinVersionRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x0e\n\x06pinned\x18\x03 \x01(\x08\x32\xf0\x05\n\rWeightService\x12N\n\x07Publish\x12\x1f.weightserver.v1.PublishRequest\x1a .weightserver.v1.PublishResponse(\x01\x12L\n\tGetLatest\x12!.weightserver.v1.GetLatestRequest\x1a\x1c.weightserver.v1.VersionInfo\x12J\n\x08\x44\x65scribe\x12 .weightserver.v1.DescribeRequest\x1a\x1c.weightserver.v1.VersionInfo\x12H\n\x05\x46\x65tch\x12\x1d.weightserver.v1.FetchRequest\x1a\x1e.weightserver.v1.FetchResponse0\x01\x12G\n\x05Watch\x12\x1d.weightserver.v1.WatchRequest\x1a\x1d.weightserver.v1.VersionEvent0\x01\x12U\n\nListModels\x12\".weightserver.v1.ListModelsRequest\x1a#.weightserver.v1.ListModelsResponse\x12[\n\x0cListVersions\x12$.weightserver.v1.ListVersionsRequest\x1a%.weightserver.v1.ListVersionsResponse\x12^\n\rDeleteVersion\x12%.weightserver.v1.DeleteVersionRequest\x1a&.weightserver.v1.DeleteVersionResponse\x12N\n\nPinVersion\x12\".weightserver.v1.PinVersionRequest\x1a\x1c.weightserver.v1.VersionInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dweightserver/v1/weights.proto\x12\x0fweightserver.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\x8d\x01\n\x0ePublishRequest\x12\x30\n\x06header\x18\x01 \x01(\x0b\x32\x1e.weightserver.v1.PublishHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x12\x30\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x1e.weightserver.v1.PublishCommitH\x00\x42\x06\n\x04kind\"\x1f\n\rPublishCommit\x12\x0e\n\x06sha256\x18\x01 \x03(\t\"\xd2\x01\n\rPublishHeader\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12>\n\x08metadata\x18\x03 \x03(\x0b\x32,.weightserver.v1.PublishHeader.MetadataEntry\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x0e\n\x06sha256\x18\x05 \x01(\t\x12\x0b\n\x03pin\x18\x06 \x01(\x08\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"p\n\x0fPublishResponse\x12-\n\x07version\x18\x01 \x01(\x0b\x32\x1c.weightserver.v1.VersionInfo\x12.\n\x08versions\x18\x02 \x03(\x0b\x32\x1c.weightserver.v1.VersionInfo\"l\n\nTensorInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x12\n\ndata_begin\x18\x04 \x01(\x04\x12\x10\n\x08\x64\x61ta_end\x18\x05 \x01(\x04\x12\x0c\n\x04xxh3\x18\x06 \x01(\t\"\xc7\x02\n\x0bVersionInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x11\n\tbyte_size\x18\x03 \x01(\x04\x12\x0e\n\x06sha256\x18\x04 \x01(\t\x12+\n\x07\x63reated\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12<\n\x08metadata\x18\x06 \x03(\x0b\x32*.weightserver.v1.VersionInfo.MetadataEntry\x12,\n\x07tensors\x18\x07 \x03(\x0b\x32\x1b.weightserver.v1.TensorInfo\x12\x0e\n\x06pinned\x18\x08 \x01(\x08\x12\r\n\x05group\x18\t \x03(\t\x12\x0c\n\x04xxh3\x18\n \x01(\t\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"!\n\x10GetLatestRequest\x12\r\n\x05model\x18\x01 \x01(\t\"1\n\x0f\x44\x65scribeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\"\xbe\x01\n\x0c\x46\x65tchRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\x07version\x18\x02 \x01(\x04H\x00\x12\x14\n\nnewer_than\x18\x03 \x01(\x04H\x00\x12\x12\n\nchunk_size\x18\x04 \x01(\r\x12\x14\n\x0c\x62\x61se_version\x18\x05 \x01(\x04\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x1c\n\x14\x61\x63\x63\x65pt_shared_memory\x18\x07 \x01(\x08\x12\x13\n\x0b\x61\x63\x63\x65pt_bulk\x18\x08 \x01(\x08\x42\n\n\x08selector\"\xb6\x01\n\rFetchResponse\x12.\n\x06header\x18\x01 \x01(\x0b\x32\x1c.weightserver.v1.VersionInfoH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x12/\n\nup_to_date\x18\x03 \x01(\x0b\x32\x19.weightserver.v1.UpToDateH\x00\x12+\n\x07payload\x18\x04 \x01(\x0b\x32\x18.weightserver.v1.PayloadH\x00\x42\x06\n\x04kind\"\x98\x01\n\x0eLocateResponse\x12-\n\nup_to_date\x18\x01 \x01(\x0b\x32\x19.weightserver.v1.UpToDate\x12,\n\x06header\x18\x02 \x01(\x0b\x32\x1c.weightserver.v1.VersionInfo\x12)\n\x07payload\x18\x03 \x01(\x0b\x32\x18.weightserver.v1.Payload\"\xc7\x01\n\x07Payload\x12\x11\n\tbyte_size\x18\x01 \x01(\x04\x12\x0c\n\x04xxh3\x18\x02 \x01(\t\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x04\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x38\n\rshared_memory\x18\x05 \x01(\x0b\x32!.weightserver.v1.SharedMemoryFile\x12)\n\x04\x62ulk\x18\x06 \x01(\x0b\x32\x1b.weightserver.v1.BulkTicket\x12\x11\n\tbase_xxh3\x18\x07 \x01(\t\" \n\x10SharedMemoryFile\x12\x0c\n\x04path\x18\x01 \x01(\t\"*\n\nBulkTicket\x12\x0c\n\x04port\x18\x01 \x01(\r\x12\x0e\n\x06ticket\x18\x02 \x01(\x0c\"\"\n\x08UpToDate\x12\x16\n\x0elatest_version\x18\x01 \x01(\x04\",\n\x0cWatchRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05since\x18\x02 \x01(\x04\"J\n\x0cVersionEvent\x12-\n\x07version\x18\x01 \x01(\x0b\x32\x1c.weightserver.v1.VersionInfo\x12\x0b\n\x03gap\x18\x02 \x01(\x08\"\x13\n\x11ListModelsRequest\"C\n\x12ListModelsResponse\x12-\n\x06models\x18\x01 \x03(\x0b\x32\x1d.weightserver.v1.ModelSummary\"d\n\x0cModelSummary\x12\r\n\x05model\x18\x01 \x01(\t\x12\x16\n\x0elatest_version\x18\x02 \x01(\x04\x12\x15\n\rversion_count\x18\x03 \x01(\r\x12\x16\n\x0eretained_bytes\x18\x04 \x01(\x04\"$\n\x13ListVersionsRequest\x12\r\n\x05model\x18\x01 \x01(\t\"F\n\x14ListVersionsResponse\x12.\n\x08versions\x18\x01 \x03(\x0b\x32\x1c.weightserver.v1.VersionInfo\"6\n\x14\x44\x65leteVersionRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\"F\n\x15\x44\x65leteVersionResponse\x12-\n\x07\x64\x65leted\x18\x01 \x01(\x0b\x32\x1c.weightserver.v1.VersionInfo\"C\n\x11PinVersionRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x0e\n\x06pinned\x18\x03 \x01(\x08\x32\xba\x06\n\rWeightService\x12N\n\x07Publish\x12\x1f.weightserver.v1.PublishRequest\x1a .weightserver.v1.PublishResponse(\x01\x12L\n\tGetLatest\x12!.weightserver.v1.GetLatestRequest\x1a\x1c.weightserver.v1.VersionInfo\x12J\n\x08\x44\x65scribe\x12 .weightserver.v1.DescribeRequest\x1a\x1c.weightserver.v1.VersionInfo\x12H\n\x05\x46\x65tch\x12\x1d.weightserver.v1.FetchRequest\x1a\x1e.weightserver.v1.FetchResponse0\x01\x12H\n\x06Locate\x12\x1d.weightserver.v1.FetchRequest\x1a\x1f.weightserver.v1.LocateResponse\x12G\n\x05Watch\x12\x1d.weightserver.v1.WatchRequest\x1a\x1d.weightserver.v1.VersionEvent0\x01\x12U\n\nListModels\x12\".weightserver.v1.ListModelsRequest\x1a#.weightserver.v1.ListModelsResponse\x12[\n\x0cListVersions\x12$.weightserver.v1.ListVersionsRequest\x1a%.weightserver.v1.ListVersionsResponse\x12^\n\rDeleteVersion\x12%.weightserver.v1.DeleteVersionRequest\x1a&.weightserver.v1.DeleteVersionResponse\x12N\n\nPinVersion\x12\".weightserver.v1.PinVersionRequest\x1a\x1c.weightserver.v1.VersionInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -60,34 +60,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FETCHREQUEST']._serialized_end=1304
   _globals['_FETCHRESPONSE']._serialized_start=1307
   _globals['_FETCHRESPONSE']._serialized_end=1489
-  _globals['_PAYLOAD']._serialized_start=1492
-  _globals['_PAYLOAD']._serialized_end=1691
-  _globals['_SHAREDMEMORYFILE']._serialized_start=1693
-  _globals['_SHAREDMEMORYFILE']._serialized_end=1725
-  _globals['_BULKTICKET']._serialized_start=1727
-  _globals['_BULKTICKET']._serialized_end=1769
-  _globals['_UPTODATE']._serialized_start=1771
-  _globals['_UPTODATE']._serialized_end=1805
-  _globals['_WATCHREQUEST']._serialized_start=1807
-  _globals['_WATCHREQUEST']._serialized_end=1851
-  _globals['_VERSIONEVENT']._serialized_start=1853
-  _globals['_VERSIONEVENT']._serialized_end=1927
-  _globals['_LISTMODELSREQUEST']._serialized_start=1929
-  _globals['_LISTMODELSREQUEST']._serialized_end=1948
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1950
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2017
-  _globals['_MODELSUMMARY']._serialized_start=2019
-  _globals['_MODELSUMMARY']._serialized_end=2119
-  _globals['_LISTVERSIONSREQUEST']._serialized_start=2121
-  _globals['_LISTVERSIONSREQUEST']._serialized_end=2157
-  _globals['_LISTVERSIONSRESPONSE']._serialized_start=2159
-  _globals['_LISTVERSIONSRESPONSE']._serialized_end=2229
-  _globals['_DELETEVERSIONREQUEST']._serialized_start=2231
-  _globals['_DELETEVERSIONREQUEST']._serialized_end=2285
-  _globals['_DELETEVERSIONRESPONSE']._serialized_start=2287
-  _globals['_DELETEVERSIONRESPONSE']._serialized_end=2357
-  _globals['_PINVERSIONREQUEST']._serialized_start=2359
-  _globals['_PINVERSIONREQUEST']._serialized_end=2426
-  _globals['_WEIGHTSERVICE']._serialized_start=2429
-  _globals['_WEIGHTSERVICE']._serialized_end=3181
+  _globals['_LOCATERESPONSE']._serialized_start=1492
+  _globals['_LOCATERESPONSE']._serialized_end=1644
+  _globals['_PAYLOAD']._serialized_start=1647
+  _globals['_PAYLOAD']._serialized_end=1846
+  _globals['_SHAREDMEMORYFILE']._serialized_start=1848
+  _globals['_SHAREDMEMORYFILE']._serialized_end=1880
+  _globals['_BULKTICKET']._serialized_start=1882
+  _globals['_BULKTICKET']._serialized_end=1924
+  _globals['_UPTODATE']._serialized_start=1926
+  _globals['_UPTODATE']._serialized_end=1960
+  _globals['_WATCHREQUEST']._serialized_start=1962
+  _globals['_WATCHREQUEST']._serialized_end=2006
+  _globals['_VERSIONEVENT']._serialized_start=2008
+  _globals['_VERSIONEVENT']._serialized_end=2082
+  _globals['_LISTMODELSREQUEST']._serialized_start=2084
+  _globals['_LISTMODELSREQUEST']._serialized_end=2103
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2105
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2172
+  _globals['_MODELSUMMARY']._serialized_start=2174
+  _globals['_MODELSUMMARY']._serialized_end=2274
+  _globals['_LISTVERSIONSREQUEST']._serialized_start=2276
+  _globals['_LISTVERSIONSREQUEST']._serialized_end=2312
+  _globals['_LISTVERSIONSRESPONSE']._serialized_start=2314
+  _globals['_LISTVERSIONSRESPONSE']._serialized_end=2384
+  _globals['_DELETEVERSIONREQUEST']._serialized_start=2386
+  _globals['_DELETEVERSIONREQUEST']._serialized_end=2440
+  _globals['_DELETEVERSIONRESPONSE']._serialized_start=2442
+  _globals['_DELETEVERSIONRESPONSE']._serialized_end=2512
+  _globals['_PINVERSIONREQUEST']._serialized_start=2514
+  _globals['_PINVERSIONREQUEST']._serialized_end=2581
+  _globals['_WEIGHTSERVICE']._serialized_start=2584
+  _globals['_WEIGHTSERVICE']._serialized_end=3410
 # @@protoc_insertion_point(module_scope)

@@ -149,6 +149,16 @@ class FetchResponse(_message.Message):
     payload: Payload
     def __init__(self, header: _Optional[_Union[VersionInfo, _Mapping]] = ..., chunk: _Optional[bytes] = ..., up_to_date: _Optional[_Union[UpToDate, _Mapping]] = ..., payload: _Optional[_Union[Payload, _Mapping]] = ...) -> None: ...
 
+class LocateResponse(_message.Message):
+    __slots__ = ("up_to_date", "header", "payload")
+    UP_TO_DATE_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    up_to_date: UpToDate
+    header: VersionInfo
+    payload: Payload
+    def __init__(self, up_to_date: _Optional[_Union[UpToDate, _Mapping]] = ..., header: _Optional[_Union[VersionInfo, _Mapping]] = ..., payload: _Optional[_Union[Payload, _Mapping]] = ...) -> None: ...
+
 class Payload(_message.Message):
     __slots__ = ("byte_size", "xxh3", "base_version", "dtype", "shared_memory", "bulk", "base_xxh3")
     BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]

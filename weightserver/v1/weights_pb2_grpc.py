@@ -55,6 +55,11 @@ class WeightServiceStub:
                 request_serializer=weightserver_dot_v1_dot_weights__pb2.FetchRequest.SerializeToString,
                 response_deserializer=weightserver_dot_v1_dot_weights__pb2.FetchResponse.FromString,
                 _registered_method=True)
+        self.Locate = channel.unary_unary(
+                '/weightserver.v1.WeightService/Locate',
+                request_serializer=weightserver_dot_v1_dot_weights__pb2.FetchRequest.SerializeToString,
+                response_deserializer=weightserver_dot_v1_dot_weights__pb2.LocateResponse.FromString,
+                _registered_method=True)
         self.Watch = channel.unary_stream(
                 '/weightserver.v1.WeightService/Watch',
                 request_serializer=weightserver_dot_v1_dot_weights__pb2.WatchRequest.SerializeToString,
@@ -137,6 +142,18 @@ class WeightServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Locate(self, request, context):
+        """Fetch's answer in one message, for a caller that reads the bytes on a fast path: the
+        same request, answered with the header and a payload naming a shared-memory file or a
+        bulk TCP ticket (or `up_to_date`). When the server can offer none of the fast paths the
+        request accepts, `payload` is unset and the caller uses Fetch (e.g. with `version` set
+        to header.version). One unary round trip costs grpcio about half of a Fetch stream's,
+        and for small models on the same host that round trip is most of the fetch.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Watch(self, request, context):
         """Streams an event for every version of a model committed after `since`, in order:
         first the retained versions the caller has missed, then new ones as they land. Never
@@ -198,6 +215,11 @@ def add_WeightServiceServicer_to_server(servicer, server):
                     servicer.Fetch,
                     request_deserializer=weightserver_dot_v1_dot_weights__pb2.FetchRequest.FromString,
                     response_serializer=weightserver_dot_v1_dot_weights__pb2.FetchResponse.SerializeToString,
+            ),
+            'Locate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Locate,
+                    request_deserializer=weightserver_dot_v1_dot_weights__pb2.FetchRequest.FromString,
+                    response_serializer=weightserver_dot_v1_dot_weights__pb2.LocateResponse.SerializeToString,
             ),
             'Watch': grpc.unary_stream_rpc_method_handler(
                     servicer.Watch,
@@ -334,6 +356,33 @@ class WeightService:
             '/weightserver.v1.WeightService/Fetch',
             weightserver_dot_v1_dot_weights__pb2.FetchRequest.SerializeToString,
             weightserver_dot_v1_dot_weights__pb2.FetchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Locate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weightserver.v1.WeightService/Locate',
+            weightserver_dot_v1_dot_weights__pb2.FetchRequest.SerializeToString,
+            weightserver_dot_v1_dot_weights__pb2.LocateResponse.FromString,
             options,
             channel_credentials,
             insecure,
