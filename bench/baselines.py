@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from bench import workers
-from bench.common import MiB, Row, gbps, log
+from bench.common import WARMUP_ROUNDS, MiB, Row, gbps, log
 
 REPO = Path(__file__).resolve().parent.parent
 SPAWN = multiprocessing.get_context("spawn")
@@ -75,7 +75,7 @@ def raw_tcp(nbytes: int, repeats: int) -> Row:
     """Loopback TCP: a spawned sender `sendall`s, this process `recv_into`s a preallocated buffer."""
     with socket.create_server(("127.0.0.1", 0)) as listener:
         port = listener.getsockname()[1]
-        sender = SPAWN.Process(target=workers.tcp_sender, args=(port, nbytes, repeats + 1), daemon=True)
+        sender = SPAWN.Process(target=workers.tcp_sender, args=(port, nbytes, repeats + WARMUP_ROUNDS), daemon=True)
         sender.start()
         listener.settimeout(60)
         conn, _ = listener.accept()
@@ -84,7 +84,7 @@ def raw_tcp(nbytes: int, repeats: int) -> Row:
     seconds = []
     with conn:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        for i in range(repeats + 1):  # the first round is a warm-up (page faults, TCP windows)
+        for i in range(repeats + WARMUP_ROUNDS):
             start = time.perf_counter()
             conn.sendall(b"g")
             received = 0
@@ -93,7 +93,7 @@ def raw_tcp(nbytes: int, repeats: int) -> Row:
                 if not got:
                     raise ConnectionError(f"sender closed after {received} of {nbytes} bytes")
                 received += got
-            if i:
+            if i >= WARMUP_ROUNDS:
                 seconds.append(time.perf_counter() - start)
     sender.join(30)
     ok = buffer[0] == 0x5A and buffer[-1] == 0x5A
@@ -106,7 +106,11 @@ def gloo_broadcast(nbytes: int, repeats: int) -> Row:
         results = SPAWN.Queue()
         init_file = os.path.join(tmp, "store")
         ranks = [
-            SPAWN.Process(target=workers.gloo_rank, args=(rank, init_file, nbytes, repeats, results), daemon=True)
+            SPAWN.Process(
+                target=workers.gloo_rank,
+                args=(rank, init_file, nbytes, repeats, WARMUP_ROUNDS, results),
+                daemon=True,
+            )
             for rank in (0, 1)
         ]
         for rank in ranks:

@@ -21,7 +21,20 @@ import torch
 
 from bench import workers
 from bench.baselines import median_seconds
-from bench.common import MB, MiB, PeakRss, Row, format_size, gbps, hwm_bytes, log, not_available, percentile, rss_bytes
+from bench.common import (
+    MB,
+    WARMUP_ROUNDS,
+    MiB,
+    PeakRss,
+    Row,
+    format_size,
+    gbps,
+    hwm_bytes,
+    log,
+    not_available,
+    percentile,
+    rss_bytes,
+)
 from bench.models import FlatPolicy, copy_into, policy_from_shapes
 from bench.pool import FetchPool
 from weightclient import WeightClient
@@ -147,9 +160,10 @@ def live_fetch_row(name: str, ctx: Context, size: int, transport: str | None) ->
         # Receive a whole version straight into the parameters, as GrpcLocalWeightUpdater does
         # (the client falls back to receive + copy where it cannot).
         kwargs["place"] = lambda info: dict(policy.named_parameters())
-    warm = ctx.client.fetch(model, version=version, **kwargs)
-    if not getattr(warm, "placed", False):
-        copy_into(policy, warm.state_dict())  # warm-up
+    for _ in range(WARMUP_ROUNDS):
+        warm = ctx.client.fetch(model, version=version, **kwargs)
+        if not getattr(warm, "placed", False):
+            copy_into(policy, warm.state_dict())
     if "into" in fetch_parameters() and not warm.data.readonly and warm.data.nbytes:
         # Receive into one reused buffer, as GrpcLocalWeightUpdater does (the shared-memory
         # path ignores it: it maps the server's file).

@@ -29,10 +29,10 @@ def tcp_sender(port: int, nbytes: int, rounds: int) -> None:
             sock.sendall(view)
 
 
-def gloo_rank(rank: int, init_file: str, nbytes: int, repeats: int, results: Any) -> None:
+def gloo_rank(rank: int, init_file: str, nbytes: int, repeats: int, warmup: int, results: Any) -> None:
     """gloo baseline: one of two ranks; rank 0 broadcasts `nbytes` of float32 to rank 1.
 
-    One untimed warm-up broadcast, then `repeats` timed ones, each after a barrier. Rank 1 (the
+    `warmup` untimed broadcasts, then `repeats` timed ones, each after a barrier. Rank 1 (the
     receiver) reports its broadcast durations in seconds, and whether the data arrived.
     """
     import torch
@@ -42,17 +42,17 @@ def gloo_rank(rank: int, init_file: str, nbytes: int, repeats: int, results: Any
     try:
         tensor = torch.full((nbytes // 4,), 1.0 if rank == 0 else 0.0)
         times = []
-        for i in range(repeats + 1):
+        for i in range(warmup + repeats):
             if rank == 0:
                 tensor.fill_(float(i + 1))
             dist.barrier()
             start = time.perf_counter()
             dist.broadcast(tensor, src=0)
             elapsed = time.perf_counter() - start
-            if i:
+            if i >= warmup:
                 times.append(elapsed)
         if rank == 1:
-            ok = bool(tensor[0] == repeats + 1 and tensor[-1] == repeats + 1)
+            ok = bool(tensor[0] == warmup + repeats and tensor[-1] == warmup + repeats)
             results.put({"seconds": times, "verified": ok})
         dist.barrier()
     finally:
