@@ -242,3 +242,28 @@ def test_group_publish_without_waiting_commits_one_version_for_both(client):
         info = client.latest(model)
         assert info.version == version and sorted(info.group) == ["critic", "policy"]
         assert_bit_exact(client.fetch(model, version=version).tensors, weights)
+
+
+def test_a_snapshot_is_the_encoded_file_byte_for_byte():
+    """The snapshot copies tensors with torch straight into its buffer: byte-identical to the
+    zero-copy encoding (and to the safetensors package), with non-contiguous, empty, bool and
+    half tensors, into a recycled buffer larger than needed."""
+    import safetensors.torch
+
+    from weightclient import tensor_codec
+
+    gen = torch.Generator().manual_seed(0)
+    weights = {
+        "big": torch.randn(3_000_000, generator=gen),  # 12 MB: many blocks
+        "transposed": torch.randn(700, 900, generator=gen).t(),  # non-contiguous
+        "half": torch.randn(5000, generator=gen).half(),
+        "mask": torch.rand(1001, generator=gen) > 0.5,
+        "empty": torch.empty(0, 3),
+        "steps": torch.tensor(7),
+    }
+    expected = b"".join(bytes(part) for part in tensor_codec.encode(weights, {"step": "7"}).parts)
+    spare = memoryview(bytearray(len(expected) + 4096))
+    snapshot = tensor_codec.snapshot(weights, {"step": "7"}, into=spare)
+    assert bytes(snapshot) == expected
+    loaded = safetensors.torch.load(bytes(snapshot))
+    assert_bit_exact(loaded, {name: t.contiguous() for name, t in weights.items()})

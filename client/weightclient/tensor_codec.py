@@ -81,25 +81,7 @@ class EncodedWeights:
 def encode(weights: Weights, metadata: Mapping[str, str] | None = None) -> EncodedWeights:
     """Frame `weights` as safetensors. Contiguous CPU tensors are not copied; the parts stay
     valid only while the tensors are not modified."""
-    tensors = state_dict_of(weights)
-    prepared: list[tuple[str, torch.Tensor]] = []
-    for name, tensor in tensors.items():
-        if tensor.dtype not in TORCH_TO_SAFETENSORS:
-            raise InvalidRequest(
-                f"key {name!r}: dtype {tensor.dtype} has no safetensors equivalent; "
-                f"supported: {', '.join(str(d) for d in TORCH_TO_SAFETENSORS)}"
-            )
-        tensor = tensor.detach()
-        if tensor.device.type != "cpu":
-            tensor = tensor.cpu()
-        prepared.append((name, tensor.contiguous()))
-    # Largest element size first, as the safetensors package does: with the header padded to
-    # 8 bytes every tensor then starts at a multiple of its element size.
-    prepared.sort(key=lambda item: (-item[1].element_size(), item[0]))
-    prefix, _ = build_header(
-        ((name, TORCH_TO_SAFETENSORS[t.dtype], tuple(t.shape), t.numel() * t.element_size()) for name, t in prepared),
-        metadata,
-    )
+    prefix, prepared = _framed(weights, metadata)
     parts = [memoryview(prefix)]
     for _, tensor in prepared:
         if tensor.numel():
@@ -109,24 +91,54 @@ def encode(weights: Weights, metadata: Mapping[str, str] | None = None) -> Encod
 
 def snapshot(weights: Weights, metadata: Mapping[str, str] | None = None, into: memoryview | None = None) -> memoryview:
     """The safetensors file of `weights` copied into one buffer (`into` when large enough,
-    else a new one): a copy the caller may keep while the tensors change (GPU tensors are
-    copied to the CPU on the way)."""
+    else a new one): a copy the caller may keep while the tensors change. The trainer waits
+    for this copy (publish(wait=False)), so tensors go straight into the buffer with torch's
+    `copy_` (every core; tensors on another device in one device-to-host copy), without the
+    memoryview round trip of `encode`."""
     import numpy as np
 
-    encoded = encode(weights, metadata)
-    if into is not None and into.nbytes >= encoded.nbytes:
-        buffer = into.cast("B")[: encoded.nbytes]
+    prefix, prepared = _framed(weights, metadata, to_cpu=False)
+    nbytes = len(prefix) + sum(t.numel() * t.element_size() for _, t in prepared)
+    if into is not None and into.nbytes >= nbytes:
+        buffer = into.cast("B")[:nbytes]
     else:
-        buffer = memoryview(np.empty(encoded.nbytes, dtype=np.uint8))
-    target = torch.frombuffer(buffer, dtype=torch.uint8) if encoded.nbytes else None
-    position = 0
-    for part in encoded.parts:
-        if part.readonly or part.nbytes < 1 << 20:
-            buffer[position : position + part.nbytes] = part
-        else:  # torch's copy uses every core; a memoryview slice assignment uses one
-            target[position : position + part.nbytes].copy_(torch.frombuffer(part, dtype=torch.uint8))
-        position += part.nbytes
+        buffer = memoryview(np.empty(nbytes, dtype=np.uint8))
+    buffer[: len(prefix)] = prefix
+    target = torch.frombuffer(buffer, dtype=torch.uint8)
+    position = len(prefix)
+    for _, tensor in prepared:
+        size = tensor.numel() * tensor.element_size()
+        if size:
+            target[position : position + size].copy_(tensor.reshape(-1).view(torch.uint8))
+            position += size
     return buffer
+
+
+def _framed(
+    weights: Weights, metadata: Mapping[str, str] | None, *, to_cpu: bool = True
+) -> tuple[bytes, list[tuple[str, torch.Tensor]]]:
+    """The safetensors header (with its length prefix) and the contiguous tensors whose bytes
+    follow it, in file order (moved to the CPU unless `to_cpu` is False)."""
+    tensors = state_dict_of(weights)
+    prepared: list[tuple[str, torch.Tensor]] = []
+    for name, tensor in tensors.items():
+        if tensor.dtype not in TORCH_TO_SAFETENSORS:
+            raise InvalidRequest(
+                f"key {name!r}: dtype {tensor.dtype} has no safetensors equivalent; "
+                f"supported: {', '.join(str(d) for d in TORCH_TO_SAFETENSORS)}"
+            )
+        tensor = tensor.detach()
+        if to_cpu and tensor.device.type != "cpu":
+            tensor = tensor.cpu()
+        prepared.append((name, tensor.contiguous()))
+    # Largest element size first, as the safetensors package does: with the header padded to
+    # 8 bytes every tensor then starts at a multiple of its element size.
+    prepared.sort(key=lambda item: (-item[1].element_size(), item[0]))
+    prefix, _ = build_header(
+        ((name, TORCH_TO_SAFETENSORS[t.dtype], tuple(t.shape), t.numel() * t.element_size()) for name, t in prepared),
+        metadata,
+    )
+    return prefix, prepared
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
