@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from bench import workers
-from bench.baselines import median_seconds
+from bench.baselines import median_seconds, throughput_row
 from bench.common import (
     MB,
     WARMUP_ROUNDS,
@@ -272,21 +272,56 @@ def publish_blocked(ctx: Context, size: int) -> list[Row]:
     synchronous.target, synchronous.passed = "none (reference for the async row)", None
     rows = [synchronous]
     if "wait" in inspect.signature(WeightClient.publish).parameters:
-        blocked = []
-        for _ in range(WARMUP_ROUNDS):  # the first allocates the snapshot buffer (427 ms at 256 MiB)
-            previous = client.latest(model).version
-            _wait_published(client.publish(weights, model=model, wait=False), client, model, previous)
-        for _ in range(ctx.repeats):
-            weights.w0.data[0] += 1.0
-            previous = client.latest(model).version
-            start = time.perf_counter()
-            handle = client.publish(weights, model=model, wait=False)
-            blocked.append(time.perf_counter() - start)
-            _wait_published(handle, client, model, previous)
-        row = Row("publish_blocked_async", size, "ms", [s * 1e3 for s in blocked], note="publish(wait=False) call")
-        rows.append(compare(row, memcpy, "<=", 1.5, time_based=True))
+        rows += _publish_async_rows(ctx, weights, model, size, memcpy)
     ctx.drop(model)
     return rows
+
+
+def _publish_async_rows(ctx: Context, weights: FlatPolicy, model: str, size: int, memcpy: Row | None) -> list[Row]:
+    """The trainer's blocked time in `publish(wait=False)`, against a memcpy of the same
+    weights interleaved with it: the memcpy row of the suite ran minutes earlier, and this
+    VM's copy speed drifts by 1.7x within a minute (9.5-16 ms for the same 256 MiB copy), so
+    the judged ratio compares copies made in the same moments. Every timed call (a publish or
+    the copy of the weights into a preallocated twin, what a trainer would do to keep a copy)
+    comes right after the previous publish committed, in alternation; the ratio against the
+    suite's memcpy row is kept in the note."""
+    client = ctx.client
+    twin = {name: torch.empty_like(p) for name, p in weights.named_parameters()}
+
+    @torch.no_grad()
+    def copy_weights() -> float:
+        start = time.perf_counter()
+        for name, param in weights.named_parameters():
+            twin[name].copy_(param)
+        return time.perf_counter() - start
+
+    def publish_and_wait(timed: bool) -> float:
+        previous = client.latest(model).version
+        start = time.perf_counter()
+        handle = client.publish(weights, model=model, wait=False)
+        elapsed = time.perf_counter() - start
+        _wait_published(handle, client, model, previous)
+        return elapsed if timed else 0.0
+
+    for _ in range(WARMUP_ROUNDS):  # the first call allocates the snapshot buffer (427 ms at 256 MiB)
+        copy_weights()
+        publish_and_wait(timed=False)
+    blocked, copies = [], []
+    for i in range(2 * ctx.repeats):
+        weights.w0.data[0] += 1.0  # every version differs (untimed)
+        if i % 2:
+            blocked.append(publish_and_wait(timed=True))
+        else:
+            copies.append(copy_weights())
+            publish_and_wait(timed=False)  # keeps the cadence: the next call follows a commit
+    interleaved = throughput_row(
+        "memcpy_interleaved", size, copies, note="p.copy_ of the weights, alternating with the row below"
+    )
+    row = Row("publish_blocked_async", size, "ms", [s * 1e3 for s in blocked], note="publish(wait=False) call")
+    if memcpy is not None:
+        row.extra["ratio_to_suite_memcpy"] = row.median / (median_seconds(memcpy) * 1e3)
+        row.note += f"; {row.extra['ratio_to_suite_memcpy']:.2f}x the suite's memcpy row"
+    return [interleaved, compare(row, interleaved, "<=", 1.5, time_based=True)]
 
 
 # ---------------------------------------------------------------------- row 4
