@@ -267,3 +267,25 @@ def test_a_snapshot_is_the_encoded_file_byte_for_byte():
     assert bytes(snapshot) == expected
     loaded = safetensors.torch.load(bytes(snapshot))
     assert_bit_exact(loaded, {name: t.contiguous() for name, t in weights.items()})
+
+
+def test_framing_reuses_a_header_only_for_the_same_layout_and_metadata():
+    import json
+
+    from weightclient import tensor_codec
+
+    def header_of(weights, metadata=None) -> dict:
+        prefix = bytes(tensor_codec.encode(weights, metadata).parts[0])
+        return json.loads(prefix[8:])
+
+    a = {"w": torch.zeros(10), "b": torch.zeros(3, dtype=torch.int64)}
+    first = header_of(a, {"step": "1"})
+    assert header_of(a, {"step": "1"}) == first  # cached
+    assert header_of(a, {"step": "2"})["__metadata__"] == {"step": "2"}
+    reshaped = header_of({"w": torch.zeros(2, 5), "b": torch.zeros(3, dtype=torch.int64)}, {"step": "1"})
+    assert reshaped["w"]["shape"] == [2, 5] and first["w"]["shape"] == [10]
+    retyped = header_of({"w": torch.zeros(10, dtype=torch.float64), "b": torch.zeros(3, dtype=torch.int64)})
+    start, end = retyped["w"]["data_offsets"]
+    assert retyped["w"]["dtype"] == "F64" and end - start == 80
+    # Metadata that cannot be a cache key is framed without the cache, not refused by it.
+    assert header_of(a, {"tags": ["x"]})["__metadata__"] == {"tags": ["x"]}
