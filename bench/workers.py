@@ -29,31 +29,29 @@ def tcp_sender(port: int, nbytes: int, rounds: int) -> None:
             sock.sendall(view)
 
 
-def gloo_rank(rank: int, init_file: str, nbytes: int, repeats: int, warmup: int, results: Any) -> None:
+def gloo_rank(rank: int, init_file: str, nbytes: int, commands: Any, results: Any) -> None:
     """gloo baseline: one of two ranks; rank 0 broadcasts `nbytes` of float32 to rank 1.
 
-    `warmup` untimed broadcasts, then `repeats` timed ones, each after a barrier. Rank 1 (the
-    receiver) reports its broadcast durations in seconds, and whether the data arrived.
+    For every command (a round number; None ends) both ranks meet at a barrier, then rank 0
+    broadcasts a tensor filled with that number. Rank 1 (the receiver) reports each broadcast's
+    duration in seconds and whether the number arrived at both ends of the tensor. Driven a
+    round at a time, so a row can interleave its own measurements with the baseline's.
     """
     import torch
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
-        tensor = torch.full((nbytes // 4,), 1.0 if rank == 0 else 0.0)
-        times = []
-        for i in range(warmup + repeats):
+        tensor = torch.zeros(nbytes // 4)
+        while (value := commands.get()) is not None:
             if rank == 0:
-                tensor.fill_(float(i + 1))
+                tensor.fill_(float(value))
             dist.barrier()
             start = time.perf_counter()
             dist.broadcast(tensor, src=0)
             elapsed = time.perf_counter() - start
-            if i >= warmup:
-                times.append(elapsed)
-        if rank == 1:
-            ok = bool(tensor[0] == warmup + repeats and tensor[-1] == warmup + repeats)
-            results.put({"seconds": times, "verified": ok})
+            if rank == 1:
+                results.put((elapsed, bool(tensor[0] == value and tensor[-1] == value)))
         dist.barrier()
     finally:
         dist.destroy_process_group()
