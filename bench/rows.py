@@ -93,11 +93,21 @@ class Context:
             self.fanout_pool = None
 
 
+PAIRED_MIN_REPEATS = 15
+
+
 # ---------------------------------------------------------------------- helpers
 def _fetch_bytes_parameters() -> dict[str, inspect.Parameter]:
     from weightclient.service_client import WeightServiceClient
 
     return dict(inspect.signature(WeightServiceClient.fetch_bytes).parameters)
+
+
+def paired_repeats(ctx: Context) -> int:
+    """Pairs for a row measured against an interleaved baseline: at least 15, since the point
+    of those rows is a ratio that drift and single outliers do not decide (each pair costs a
+    fraction of a second, or about 2 s for a 256 MiB publish)."""
+    return max(ctx.repeats, PAIRED_MIN_REPEATS)
 
 
 def fetch_parameters() -> dict[str, inspect.Parameter]:
@@ -147,7 +157,12 @@ def compare(row: Row, base: Row | None, op: str, threshold: float, *, time_based
 
 
 def live_fetch_row(
-    name: str, ctx: Context, size: int, transport: str | None, before_each: Callable[[], None] | None = None
+    name: str,
+    ctx: Context,
+    size: int,
+    transport: str | None,
+    before_each: Callable[[], None] | None = None,
+    repeats: int | None = None,
 ) -> Row:
     """Time `WeightClient.fetch` into a live policy, in GB/s of parameters, the way a
     collector's updater does it: straight into the parameters (`place=`) where the client can,
@@ -155,6 +170,7 @@ def live_fetch_row(
 
     The transport actually used (it may fall back) is read from each result and reported.
     `before_each` runs (untimed) before every timed fetch: an interleaved baseline's round.
+    `repeats` overrides the suite's count.
     """
     model, version, shapes = ctx.reference(size)
     kwargs = transport_kwargs(transport)
@@ -176,7 +192,7 @@ def live_fetch_row(
         for param in policy.parameters():
             param.fill_(-1.0)
     seconds, copies, wires, used, placed = [], [], [], [], []
-    for _ in range(ctx.repeats):
+    for _ in range(repeats or ctx.repeats):
         if before_each is not None:
             before_each()
         start = time.perf_counter()
@@ -246,7 +262,9 @@ def fetch_shm_vs_gloo(ctx: Context, size: int) -> list[Row]:
     with GlooPair(size) as pair:
         for _ in range(WARMUP_ROUNDS):
             pair.round()
-        row = live_fetch_row("fetch_shm_vs_gloo", ctx, size, "shm", lambda: gloo_seconds.append(pair.round()))
+        row = live_fetch_row(
+            "fetch_shm_vs_gloo", ctx, size, "shm", lambda: gloo_seconds.append(pair.round()), paired_repeats(ctx)
+        )
         verified = pair.verified
     interleaved = throughput_row(
         "gloo_interleaved",
@@ -331,7 +349,7 @@ def _publish_async_rows(ctx: Context, weights: FlatPolicy, model: str, size: int
         copy_weights()
         publish_and_wait(timed=False)
     blocked, copies = [], []
-    for i in range(2 * ctx.repeats):
+    for i in range(2 * paired_repeats(ctx)):
         weights.w0.data[0] += 1.0  # every version differs (untimed)
         if i % 2:
             blocked.append(publish_and_wait(timed=True))
