@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import queue
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -55,21 +56,28 @@ def pread_exactly(fd: int, view: memoryview, offset: int) -> None:
 
 
 class _SharedRead:
-    """One read of `blocks` shared by the caller and the helper thread."""
+    """One read of `blocks` shared by the caller and the helper thread.
+
+    `done[i]` turns True once block i is in place (or was given up after a failure). The
+    helper also reports each block it finished on `helper_done`, a C-level queue the caller
+    blocks on (GIL released) only when the block it needs next is still in the helper's hands:
+    per block that is a list store and at most one put, where an Event cost a dozen Python calls.
+    """
 
     def __init__(self, fd: int, blocks: Sequence[Block]) -> None:
         self.fd, self.blocks = fd, blocks
         self.claims = itertools.count()  # next() on it is atomic under the GIL
-        self.landed = [threading.Event() for _ in blocks]
+        self.done = [False] * len(blocks)
+        self.helper_done: queue.SimpleQueue[int] = queue.SimpleQueue()
         self.failures: list[OSError] = []
 
     def run(self, landed: Callable[[int], None]) -> None:
         _helper_pool().submit(self._read_until_done)
         try:
-            for i, event in enumerate(self.landed):
-                while not event.is_set() and self._read_next():
+            for i in range(len(self.blocks)):
+                while not self.done[i] and self._read_next(by_helper=False):
                     pass  # read unclaimed blocks while block i is still in the helper's hands
-                event.wait()
+                self._wait_for(i)
                 if self.failures:
                     raise self.failures[0]
                 landed(i)
@@ -77,10 +85,10 @@ class _SharedRead:
             self._settle()
 
     def _read_until_done(self) -> None:
-        while self._read_next():
+        while self._read_next(by_helper=True):
             pass
 
-    def _read_next(self) -> bool:
+    def _read_next(self, *, by_helper: bool) -> bool:
         """Claim and read the next unread block; False when none is left."""
         i = next(self.claims)
         if i >= len(self.blocks):
@@ -91,8 +99,14 @@ class _SharedRead:
         except OSError as exc:
             self.failures.append(exc)
         finally:
-            self.landed[i].set()
+            self.done[i] = True
+            if by_helper:
+                self.helper_done.put(i)
         return True
+
+    def _wait_for(self, i: int) -> None:
+        while not self.done[i]:
+            self.helper_done.get()  # the helper holds block i: wait for its next finished block
 
     def _settle(self) -> None:
         """Claim what is left (so the helper starts nothing new), then wait for the helper's
@@ -100,9 +114,9 @@ class _SharedRead:
         for i in self.claims:
             if i >= len(self.blocks):
                 break
-            self.landed[i].set()
-        for event in self.landed:
-            event.wait()
+            self.done[i] = True
+        for i in range(len(self.blocks)):
+            self._wait_for(i)
 
 
 def _usable_cpus() -> int:
