@@ -33,7 +33,7 @@ import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_errors import chunks, commit, header_request, raises_rpc, raw_raises
+from test_errors import chunks, commit, header_request, raises_rpc, raw_raises, watch_publish_start
 
 from weightclient import (
     CursorOutOfRange,
@@ -369,14 +369,7 @@ def test_declared_size_far_above_bytes_sent_reserves_no_memory(custom, shm_dir) 
     srv, client, stub = custom(shm_dir=shm_dir)
     assert client.publish_bytes(MODEL, good_file(1)).version == 1
     declared = 1 << 30
-    started = threading.Event()
-    check_publish = srv.store.check_publish
-
-    def instrumented(*args, **kwargs):
-        started.set()
-        return check_publish(*args, **kwargs)
-
-    srv.store.check_publish = instrumented
+    started = watch_publish_start(srv)
     release = threading.Event()
 
     def requests():

@@ -398,8 +398,7 @@ def test_watch_since_ahead_of_latest(client, other_client, published) -> None:
 
 
 # ---------------------------------------------------------------------- cancelled publishes
-@pytest.fixture
-def publish_started(server) -> threading.Event:
+def watch_publish_start(server) -> threading.Event:
     """Set when the server has read a Publish header (it is then in the middle of a publish)."""
     started = threading.Event()
     check_publish = server.store.check_publish
@@ -410,6 +409,11 @@ def publish_started(server) -> threading.Event:
 
     server.store.check_publish = instrumented
     return started
+
+
+@pytest.fixture
+def publish_started(server) -> threading.Event:
+    return watch_publish_start(server)
 
 
 def test_cancel_mid_publish_leaves_no_version(stub, client, other_client, published, publish_started) -> None:
