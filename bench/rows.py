@@ -191,7 +191,7 @@ def live_fetch_row(
     with torch.no_grad():
         for param in policy.parameters():
             param.fill_(-1.0)
-    seconds, copies, wires, used, placed = [], [], [], [], []
+    seconds, copies, wires, used, placed, direct = [], [], [], [], [], []
     for _ in range(repeats or ctx.repeats):
         if before_each is not None:
             before_each()
@@ -206,7 +206,12 @@ def live_fetch_row(
         copies.append(end - fetched)
         wires.append(wire_bytes(result))
         used.append(used_transport(result))
+        direct.append(bool(getattr(getattr(result, "stats", None), "direct", False)))
         del result
+        if any(direct) and callable(getattr(ctx.client, "flush", None)):
+            # A direct read is reported to the server in the background: let that finish
+            # (untimed) so it does not run during the next baseline round.
+            ctx.client.flush(30)
     row = Row(name, size, "GB/s", [gbps(size, s) for s in seconds])
     verified = holds_reference(policy)
     row.extra = {
@@ -215,6 +220,7 @@ def live_fetch_row(
         "wire_bytes": wires,
         "transports": used,
         "placed": placed,
+        "direct": direct,
         "verified": verified,
         "version": version,
     }
@@ -227,6 +233,8 @@ def live_fetch_row(
     )
     if any(placed):
         row.note += f"; received straight into the parameters (place=) in {sum(placed)}/{len(placed)} runs"
+    if any(direct):
+        row.note += f"; read from the server's shared memory without a round trip in {sum(direct)}/{len(direct)} runs"
     if transport and kwargs and set(used) != {transport}:
         row.note += f"; FELL BACK from {transport}"
     if not verified:

@@ -143,7 +143,25 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         upload = self._adopting.pop(id(record.data), None) if self.shared_memory is not None else None
         if upload is not None:
             self.shared_memory.adopt((record.model, record.version, 0, ""), upload)
+            # Under the commit lock, so `record` is current: no pin can come in between.
+            self.shared_memory.write_header(
+                record.model, record.version, lambda: wire.version_info(record).SerializeToString()
+            )
         self._forget_removed(record.model)
+
+    def _write_shm_header(self, model: str, version: int) -> None:
+        """Write the header file beside a version's shared-memory file from the store's
+        current record (after a pin, or once the file was written on demand)."""
+        if self.shared_memory is None:
+            return
+
+        def current() -> bytes | None:
+            try:
+                return wire.version_info(self.store.get(model, version)).SerializeToString()
+            except WeightServerError:
+                return None  # evicted or deleted meanwhile: its files go with it
+
+        self.shared_memory.write_header(model, version, current)
 
     def _forget_removed(self, model: str) -> None:
         """Drop derived payloads and shared-memory files of versions no longer retained
@@ -276,6 +294,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
     async def PinVersion(self, request: pb.PinVersionRequest, context: grpc.aio.ServicerContext) -> pb.VersionInfo:
         record = await asyncio.to_thread(self.store.set_pinned, request.model, request.version, request.pinned)
         self._forget_removed(record.model)
+        await asyncio.to_thread(self._write_shm_header, record.model, record.version)
         log.info(
             "%s model=%s version=%d peer=%s",
             "pinned" if record.pinned else "unpinned",
@@ -369,9 +388,11 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         one and this server offers it (shared memory first); the transport, or None (chunks)."""
         if request.accept_shared_memory and self.shared_memory is not None:
             key = (record.model, record.version, payload.base_version, payload.dtype)
-            path = self.shared_memory.existing(key) or await asyncio.to_thread(
-                self.shared_memory.path_for, key, payload.data
-            )
+            path = self.shared_memory.existing(key)
+            if path is None:
+                path = await asyncio.to_thread(self.shared_memory.path_for, key, payload.data)
+                if key[2:] == (0, ""):
+                    await asyncio.to_thread(self._write_shm_header, record.model, record.version)
             description.shared_memory.path = str(path)
             return "shm"
         if request.accept_bulk and self.bulk is not None:

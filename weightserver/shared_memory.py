@@ -5,6 +5,11 @@ the fetch reply straight into its buffer instead of receiving a stream: a page-c
 instead of a socket. Each payload is written once (temp file + rename, so readers never see a
 partial file) and removed when its version is evicted. The client verifies the file's xxh3
 and falls back to streaming if it cannot open it or the digest differs.
+
+Beside each version's own file, `<model>/<version:012d>.safetensors`, lies its header:
+`<version:012d>.header`, the version's `VersionInfo` message (as Fetch and Locate send it),
+written after the file and removed before it. A client that has located one version of a
+model can then read any later version it names, digests included, without a round trip.
 """
 
 from __future__ import annotations
@@ -15,9 +20,13 @@ import os
 import secrets
 import shutil
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger(__name__)
+
+FILE_SUFFIX = ".safetensors"
+HEADER_SUFFIX = ".header"
 
 
 def server_shm_dir(port: int, root: Path | None = None) -> Path | None:
@@ -70,7 +79,7 @@ class SharedMemoryFiles:
                 return path
             model, version, base, dtype = key
             suffix = (f"-delta{base}" if base else "") + (f"-{dtype}" if dtype else "")
-            path = self.directory / model / f"{version:012d}{suffix}.safetensors"
+            path = self.directory / model / f"{version:012d}{suffix}{FILE_SUFFIX}"
             path.parent.mkdir(exist_ok=True)
             tmp = path.with_name(path.name + ".tmp")
             with open(tmp, "wb") as f:
@@ -91,11 +100,29 @@ class SharedMemoryFiles:
     def adopt(self, key: tuple[str, int, int, str], upload: SharedMemoryUpload) -> None:
         """Make a committed upload's file the payload file of `key`."""
         model, version, _, _ = key
-        path = self.directory / model / f"{version:012d}.safetensors"
+        path = self.directory / model / f"{version:012d}{FILE_SUFFIX}"
         os.chmod(upload.path, 0o444)  # the server serves from this memory: nobody should write it
         upload.path.replace(path)
         with self._lock:
             self._files[key] = path
+
+    def write_header(self, model: str, version: int, header: Callable[[], bytes | None]) -> None:
+        """(Re)write the header file of `version` if its own file is here. `header()` is called
+        under this object's lock, so of two concurrent writers (a lazy file, a pin) the later
+        one writes the later state; it returns None when the version is gone."""
+        with self._lock:
+            if (model, version, 0, "") not in self._files:
+                return
+            content = header()
+            if content is None:
+                return
+            path = self.directory / model / f"{version:012d}{HEADER_SUFFIX}"
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.unlink(missing_ok=True)  # a previous header's temp file is read-only
+            with open(tmp, "wb") as f:
+                f.write(content)
+            os.chmod(tmp, 0o444)
+            tmp.replace(path)
 
     def keys(self) -> list[tuple[str, int, int, str]]:
         with self._lock:
@@ -105,7 +132,10 @@ class SharedMemoryFiles:
         """Remove the files of every payload derived from (or against) `version`."""
         with self._lock:
             for key in [k for k in self._files if k[0] == model and version in (k[1], k[2])]:
-                self._files.pop(key).unlink(missing_ok=True)
+                path = self._files.pop(key)
+                if key[1:] == (version, 0, ""):  # a reader that finds the header finds the file
+                    path.with_suffix(HEADER_SUFFIX).unlink(missing_ok=True)
+                path.unlink(missing_ok=True)
 
     def close(self) -> None:
         shutil.rmtree(self.directory, ignore_errors=True)

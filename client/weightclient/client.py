@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -165,8 +166,12 @@ class WeightClient(WeightServiceClient):
         return infos[0].version
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait for background publishes (wait=False) to finish; False on timeout."""
-        return self._publisher is None or self._publisher.flush(timeout)
+        """Wait for background publishes (wait=False) to finish and direct fetches to be
+        reported; False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self._publisher is not None and not self._publisher.flush(timeout):
+            return False
+        return super().flush(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def close(self) -> None:
         """Finish background publishes, then close the channel."""

@@ -14,7 +14,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -22,8 +22,10 @@ import grpc
 import xxhash
 
 from weightclient.connection import PathLike, backoff_delay, call_metadata, open_channel, retry_unavailable
+from weightclient.fetch_reports import FetchReports
 from weightclient.placement import Placement, checked_views, read_file_into, recv_parts, recv_placed
 from weightclient.rpc_errors import translated_rpc_errors
+from weightclient.shm_directory import SharedMemoryDirectory
 from weightclient.version_info import ModelSummary, VersionEvent, VersionInfo
 from weightserver.config import DEFAULT_CHUNK_BYTES, DEFAULT_PORT
 from weightserver.errors import IntegrityError, InvalidRequest, ServerUnavailable
@@ -57,11 +59,13 @@ def default_address() -> str:
 
 @dataclass(frozen=True)
 class FetchStats:
-    """How a fetch went: which transport carried it, payload bytes moved, wall time."""
+    """How a fetch went: which transport carried it, payload bytes moved, wall time, and
+    whether it was read from the server's shared memory without asking the server first."""
 
     transport: str
     wire_bytes: int
     seconds: float
+    direct: bool = False
 
 
 @dataclass(frozen=True)
@@ -129,9 +133,19 @@ class WeightServiceClient:
         self._locate_usable: bool | None = None  # False: this server has no Locate, or no fast path for us
         self._bulk_retry_at = 0.0  # after a bulk failure, "auto" tries bulk again from then on
         self._bulk = _BulkConnection()
+        self._shm_dirs: dict[str, SharedMemoryDirectory] = {}  # per model, once a fetch read a file there
+        self._reports = FetchReports(
+            lambda request: self._stub.Locate(request, timeout=self.timeout, metadata=self._metadata)
+        )
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until the server has heard of every fetch read directly from its shared memory
+        (they are reported in the background); False on timeout."""
+        return self._reports.flush(timeout)
 
     def close(self) -> None:
         """Close the channel (cancels running calls) and the bulk connection."""
+        self._reports.close()
         self._bulk.close()
         self._channel.close()
 
@@ -291,6 +305,10 @@ class WeightServiceClient:
         request.accept_bulk = transport == "bulk" or (
             transport == "auto" and (self._bulk_usable is not False or time.monotonic() >= self._bulk_retry_at)
         )
+        if version is not None and request.accept_shared_memory and not base_version and not dtype:
+            direct = self._read_directly(request, started, into, place, progress)
+            if direct is not None:
+                return direct
         with translated_rpc_errors(self.address):
             located = self._locate(request, timeout) if self._may_locate(request) else None
             if located is not None and located.HasField("up_to_date"):
@@ -340,6 +358,42 @@ class WeightServiceClient:
                 progress=progress,
             )
         return fetched
+
+    def _read_directly(
+        self,
+        request: pb.FetchRequest,
+        started: float,
+        into: memoryview | None,
+        place: Placement | None,
+        progress: Progress | None,
+    ) -> FetchedBytes | None:
+        """An exact version read from the server's shared memory by its header file, with no
+        round trip (the server hears of it afterwards, see FetchReports); None to ask the
+        server instead: no folder learned yet, no header (the version is not there), or a
+        file that cannot be read or fails its digests."""
+        folder = self._shm_dirs.get(request.model)
+        if folder is None or self._shm_usable is False:
+            return None
+        header = folder.header(request.model, request.version)
+        if header is None:
+            return None
+        info = VersionInfo.from_proto(header)
+        payload = pb.Payload(
+            byte_size=info.byte_size,
+            xxh3=info.xxh3,
+            shared_memory=pb.SharedMemoryFile(path=folder.file(request.version)),
+        )
+        fetched = self._receive_payload(info, payload, iter(()), started, into, place, progress)
+        if fetched is None or fetched is VANISHED:
+            return None
+        self._reports.report(request)
+        return replace(fetched, stats=replace(fetched.stats, direct=True))
+
+    def _learned_shm_file(self, model: str, version: int, path: str) -> None:
+        """A whole version came from `path`: remember its folder for direct reads."""
+        folder = SharedMemoryDirectory.learned_from(path, version)
+        if folder is not None:
+            self._shm_dirs[model] = folder
 
     def _may_locate(self, request: pb.FetchRequest) -> bool:
         """Whether to ask with Locate (one unary round trip) rather than a Fetch stream: the
@@ -421,6 +475,8 @@ class WeightServiceClient:
             if data is None or xxhash.xxh3_128_hexdigest(data) != payload.xxh3:
                 return self._shm_failed(payload.shared_memory.path)
             self._shm_usable = True
+            if whole_file:
+                self._learned_shm_file(info.model, info.version, payload.shared_memory.path)
         elif payload.HasField("bulk"):
             transport = "bulk"
             try:
@@ -485,6 +541,7 @@ class WeightServiceClient:
             return None
         if transport == "shm":
             self._shm_usable = True
+            self._learned_shm_file(info.model, info.version, payload.shared_memory.path)
         else:
             self._bulk_usable = True
         stats = FetchStats(transport, payload.byte_size, time.perf_counter() - started)
