@@ -304,3 +304,19 @@ def test_closed_reports_send_nothing_more():
     reports.close()
     reports.report(request(2))
     assert reports.flush(10) and sender.sent == [1]
+
+
+def test_direct_reads_work_under_a_group_writable_umask(make_server):
+    """Folders the server makes are 0755 whatever the umask (002 is common), since a client
+    trusts no header in a folder that others may write."""
+    previous = os.umask(0o002)
+    try:
+        server = make_server()
+        with WeightClient(server.address) as client:
+            client.publish(weights(1), model=MODEL)
+            learn(client)
+            client.publish(weights(2), model=MODEL)
+            assert client.fetch(MODEL, version=2, transport="shm").stats.direct
+        assert header_file(server, 1).parent.stat().st_mode & 0o777 == 0o755
+    finally:
+        os.umask(previous)

@@ -27,6 +27,9 @@ log = logging.getLogger(__name__)
 
 FILE_SUFFIX = ".safetensors"
 HEADER_SUFFIX = ".header"
+# Only the server's user may change what is in its folders (under any umask): clients that read
+# versions by their header files check this before trusting them.
+FOLDER_MODE = 0o755
 
 
 def server_shm_dir(port: int, root: Path | None = None) -> Path | None:
@@ -62,7 +65,7 @@ def _alive(pid: int) -> bool:
 class SharedMemoryFiles:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.directory.mkdir(mode=FOLDER_MODE, parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._files: dict[tuple[str, int, int, str], Path] = {}
 
@@ -80,7 +83,7 @@ class SharedMemoryFiles:
             model, version, base, dtype = key
             suffix = (f"-delta{base}" if base else "") + (f"-{dtype}" if dtype else "")
             path = self.directory / model / f"{version:012d}{suffix}{FILE_SUFFIX}"
-            path.parent.mkdir(exist_ok=True)
+            path.parent.mkdir(mode=FOLDER_MODE, exist_ok=True)
             tmp = path.with_name(path.name + ".tmp")
             with open(tmp, "wb") as f:
                 f.write(memoryview(data))
@@ -93,7 +96,7 @@ class SharedMemoryFiles:
         """A fresh file of `size` bytes, mapped writable, for a publish to receive into: the
         version's bytes then live in shared memory from the start (no extra copy)."""
         directory = self.directory / model
-        directory.mkdir(parents=True, exist_ok=True)
+        directory.mkdir(mode=FOLDER_MODE, parents=True, exist_ok=True)
         path = directory / f"upload-{secrets.token_hex(8)}.tmp"
         return SharedMemoryUpload(self, path, size)
 
