@@ -103,13 +103,6 @@ def _unchanged_from_base(
 
 
 class WeightClient(WeightServiceClient):
-    _publisher: BackgroundPublisher | None = None
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._spares: list[memoryview] = []  # snapshot buffers of finished background publishes
-        self._spare_lock = threading.Lock()
-
     """Publish and fetch model weights as torch tensors.
 
     >>> client = WeightClient("localhost:50051")                        # doctest: +SKIP
@@ -118,6 +111,13 @@ class WeightClient(WeightServiceClient):
     >>> result = client.fetch("policy", newer_than=0)                   # doctest: +SKIP
     >>> policy.load_state_dict(result.state_dict())                     # doctest: +SKIP
     """
+
+    _publisher: BackgroundPublisher | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._spares: list[memoryview] = []  # snapshot buffers of finished background publishes
+        self._spare_lock = threading.Lock()
 
     def publish(
         self,
