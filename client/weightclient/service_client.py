@@ -246,7 +246,9 @@ class WeightServiceClient:
         `base_version` asks for a delta (only tensors that changed since that version),
         `dtype` ("BF16"/"F16") for float32 tensors cast on the server. `transport`: "auto"
         (shared memory on the same host, else bulk TCP, else the gRPC stream), "shm", "bulk"
-        or "stream"; every fast path falls back to the stream. What arrived is checked
+        or "stream"; every fast path falls back to the stream. An exact `version` on the
+        server's host is read from its shared memory with no call at all once a fetch of that
+        model was served from there (`stats.direct`; see `shm_directory`). What arrived is checked
         against the announced size and digest (IntegrityError). `into`: a buffer for the
         stream and bulk paths to receive into when it is large enough (reused across fetches,
         it saves allocating and faulting in fresh memory each time); the result then views it.
