@@ -18,7 +18,7 @@ from test_metrics import scrape, value, wait_for_value
 from weightclient import IntegrityError, WeightClient
 from weightclient.fetch_reports import FetchReports
 from weightclient.grpc_updaters import GrpcLocalWeightUpdater
-from weightserver.errors import NotFoundError, VersionNotFound
+from weightserver.errors import DeadlineExceeded, NotFoundError, VersionNotFound
 from weightserver.process import ServerProcess
 from weightserver.v1 import weights_pb2 as pb
 from weightserver.v1 import weights_pb2_grpc as pb_grpc
@@ -80,7 +80,7 @@ def test_a_direct_read_needs_no_answer_from_the_server():
             assert time.monotonic() - started < 2.0
             assert result.stats.direct
             assert_same(result.tensors, weights(2))
-            with pytest.raises(Exception):  # noqa: B017 - the deadline's error, whatever the retry makes of it
+            with pytest.raises(DeadlineExceeded):
                 client.fetch(MODEL, transport="shm", timeout=0.5, retry=False)
         finally:
             os.kill(server.process.pid, signal.SIGCONT)
