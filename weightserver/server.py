@@ -177,6 +177,7 @@ class WeightServer:
             else:
                 log.exception("server stopped on an error")
         finally:
+            _cancel_pending(loop)
             self._ready.set()
             self._stopped.set()
             loop.close()
@@ -260,3 +261,14 @@ class WeightServer:
         await health.enter_graceful_shutdown()
         await server.stop(self._grace)
         log.info("stopped")
+
+
+def _cancel_pending(loop: asyncio.AbstractEventLoop) -> None:
+    """Cancel and finish the tasks still on the loop, as asyncio.run does: grpc's handler of a
+    call cancelled just before the stop (a Watch whose client went away) could otherwise be
+    destroyed pending when the loop closes ("Task was destroyed but it is pending!")."""
+    pending = asyncio.all_tasks(loop)
+    for task in pending:
+        task.cancel()
+    if pending:
+        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
