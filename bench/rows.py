@@ -619,6 +619,55 @@ def collector_peak_memory(ctx: Context, size: int) -> list[Row]:
     return [row.judge(max(increases) / (size / MB), "<=", 1.2, target="max ratio <= 1.2x")]
 
 
+# ---------------------------------------------------------------------- updates with nothing new
+POLL_IDLE_SECONDS = 0.005  # a collector collects between updates: the call path goes cold
+POLL_MIN_PAIRS = 50
+
+
+def updater_poll(ctx: Context) -> list[Row]:
+    """What `GrpcLocalWeightUpdater()` costs a collector when the server has nothing newer:
+    asking the server (the default) vs following its Watch stream (watch=True), each after
+    5 ms of idle, alternating. Reported; the issue sets no target for it."""
+    from weightclient.grpc_updaters import GrpcLocalWeightUpdater
+
+    model = "poll-1MiB"
+    ctx.client.publish(FlatPolicy(MiB, 4, fill=1.0), model=model)
+    clients = {watch: WeightClient(ctx.address) for watch in (False, True)}
+    updaters = {
+        watch: GrpcLocalWeightUpdater(client, model=model, policy=FlatPolicy(MiB, 4), watch=watch)
+        for watch, client in clients.items()
+    }
+    try:
+        for updater in updaters.values():
+            updater()  # applies the version
+            updater()  # with watch: starts following
+        deadline = time.monotonic() + 30
+        while not updaters[True].following:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the watching updater did not start following within 30 s")
+            time.sleep(0.01)
+        seconds: dict[bool, list[float]] = {False: [], True: []}
+        for _ in range(max(POLL_MIN_PAIRS, 10 * ctx.repeats)):
+            for watch, updater in updaters.items():
+                time.sleep(POLL_IDLE_SECONDS)
+                start = time.perf_counter()
+                updater()
+                seconds[watch].append(time.perf_counter() - start)
+        applied = {updater.version for updater in updaters.values()}
+    finally:
+        for client in clients.values():
+            client.close()
+        ctx.drop(model)
+    note = f"update with nothing new after {POLL_IDLE_SECONDS * 1e3:g} ms idle, alternating"
+    base = Row("updater_poll_asking", None, "ms", [s * 1e3 for s in seconds[False]], note=note + "; asks the server")
+    row = Row("updater_poll_watch", None, "ms", [s * 1e3 for s in seconds[True]], note=note + "; watch=True")
+    compare(row, base, "<=", 1.0)
+    row.passed, row.target = None, "none (reported)"
+    if applied != {1}:
+        row.note += f"; WRONG: versions applied {sorted(applied)}"
+    return [base, row]
+
+
 SIZED_ROWS: dict[str, Callable[[Context, int], list[Row]]] = {
     "fetch_live_policy": fetch_live_policy,
     "fetch_shm_vs_gloo": fetch_shm_vs_gloo,
@@ -628,6 +677,10 @@ SIZED_ROWS: dict[str, Callable[[Context, int], list[Row]]] = {
     "cast_bf16_bytes": cast_bf16_bytes,
     "collector_peak_memory": collector_peak_memory,
 }
+UNSIZED_ROWS: dict[str, Callable[[Context], list[Row]]] = {
+    "watch_latency": watch_latency,
+    "updater_poll": updater_poll,
+}
 ROW_ORDER = [
     "fetch_live_policy",
     "fetch_shm_vs_gloo",
@@ -635,6 +688,7 @@ ROW_ORDER = [
     "publish_blocked_async",
     "fanout_8",
     "watch_latency",
+    "updater_poll",
     "delta_bytes",
     "cast_bf16_bytes",
     "server_rss_16_fetchers",

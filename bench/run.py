@@ -31,7 +31,12 @@ if str(REPO) not in sys.path:
 from bench.common import GiB, Row, cpu_busy, format_size, log, parse_size  # noqa: E402
 
 BASELINES = ["memcpy", "raw_tcp", "gloo_broadcast", "torchrl_shared_mem"]
-ALIASES = {"publish_blocked_async": "publish_blocked", "single_collector": "fanout_8"}
+ALIASES = {
+    "publish_blocked_async": "publish_blocked",
+    "single_collector": "fanout_8",
+    "updater_poll_asking": "updater_poll",
+    "updater_poll_watch": "updater_poll",
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -133,15 +138,15 @@ def main(argv: list[str] | None = None) -> int:
     if "torchrl_shared_mem" in needed:
         results += guarded("torchrl_shared_mem", None, baselines.torchrl_shared_mem, args.sizes, args.repeats)
 
-    server_rows = [r for r in rows.ROW_ORDER if r in wanted and (r in rows.SIZED_ROWS or r == "watch_latency")]
+    server_rows = [r for r in rows.ROW_ORDER if r in wanted and (r in rows.SIZED_ROWS or r in rows.UNSIZED_ROWS)]
     if server_rows:
         with ServerProcess() as server, WeightClient(server.address) as client:
             log(f"server pid {server.process.pid} on {server.address}, log {server.log_path}")
             ctx = rows.Context(server, client, args.repeats, transport=args.transport, baselines=measured)
             try:
                 for name in server_rows:
-                    if name == "watch_latency":
-                        results += guarded(name, None, rows.watch_latency, ctx)
+                    if name in rows.UNSIZED_ROWS:
+                        results += guarded(name, None, rows.UNSIZED_ROWS[name], ctx)
                         continue
                     for size in args.sizes:
                         results += guarded(name, size, rows.SIZED_ROWS[name], ctx, size)

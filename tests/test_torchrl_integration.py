@@ -6,6 +6,8 @@ of the skip below (see conftest.py).
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -77,6 +79,43 @@ def test_collector_pulls_through_our_updater(client: WeightClient):
         assert next(batches)["next", "policy_version"].unique().tolist() == [1]
     finally:
         collector.shutdown()
+
+
+def test_a_watching_updater_applies_announced_versions_in_a_real_collector(client: WeightClient):
+    """watch=True: between announcements update_policy_weights_() asks nothing (see
+    test_watching_updater.py); an announced version reaches the next batch as usual."""
+    updater = GrpcCollectorWeightUpdater(client, watch=True)
+    collector = single_collector(make_policy(0), updater)
+
+    def announced(version: int) -> bool:
+        follower = updater.puller._follower
+        return follower is not None and follower.newest() == version
+
+    try:
+        batches = iter(collector)
+        next(batches)
+        assert client.publish(make_policy(1), model="policy") == 1
+        collector.update_policy_weights_()  # nothing applied yet: it asks
+        assert updater.version == 1
+        collector.update_policy_weights_()  # starts following from v1
+        wait_until(lambda: announced(1))
+        trained = make_policy(2)
+        assert client.publish(trained, model="policy") == 2
+        wait_until(lambda: announced(2))
+        collector.update_policy_weights_()
+        batch = next(batches)
+        assert updater.version == 2
+        assert torch.allclose(batch["action"], actions_of(trained, batch), atol=ATOL)
+        assert batch["next", "policy_version"].unique().tolist() == [2]
+    finally:
+        collector.shutdown()
+
+
+def wait_until(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
 
 
 def test_plain_policy_version_tracker_also_reads_the_server_version(client: WeightClient):

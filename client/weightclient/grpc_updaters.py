@@ -21,6 +21,7 @@ from weightclient.client import WeightClient
 from weightclient.key_mapping import IDENTITY, KeyMap, apply_strict, flat_weights
 from weightclient.service_client import FetchStats
 from weightclient.updaters import LocalWeightUpdaterBase, RemoteWeightUpdaterBase, WorkerId
+from weightclient.version_follower import VersionFollower
 from weightclient.version_info import VersionInfo
 from weightserver.errors import DeadlineExceeded, ModelNotFound, ServerUnavailable
 
@@ -75,6 +76,13 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         dtype: "BF16"/"F16": float32 tensors travel cast (half the bytes) and are cast back
             by the in-place copy into the policy's own dtype.
         transport: "auto", "shm", "bulk" or "stream" (see WeightClient.fetch).
+        watch: follow the model's Watch stream (a daemon thread) and ask the server only once
+            it announced a version newer than the applied one, instead of before every update
+            (a call per batch, about 1.6 ms on loopback; with watch, about 0.02 ms). A newer
+            version is then applied at the first update after its announcement.
+        watch_confirm_seconds: with watch, ask the server anyway when it was last asked longer
+            ago than this: a stream that stalls without an error (a network partition) would
+            otherwise hide new versions, and a server that went away would go unnoticed.
 
     A whole version that comes over shared memory or bulk TCP is received straight into the
     policy's parameters when the key map lines every parameter up with a server tensor of the
@@ -102,6 +110,8 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         delta: bool = True,
         dtype: str | None = None,
         transport: str = "auto",
+        watch: bool = False,
+        watch_confirm_seconds: float = 1.0,
     ) -> None:
         self._set_client(client)
         self.model = model
@@ -111,6 +121,10 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         self.delta = delta
         self.dtype = dtype
         self.transport = transport
+        self.watch = watch
+        self.watch_confirm_seconds = watch_confirm_seconds
+        self._follower: VersionFollower | None = None
+        self._last_asked = 0.0  # monotonic time the server last answered a fetch
         self.version: int | None = None  # the version applied to the policy
         self.last_fetch: FetchStats | None = None
         self._incoming_version: int | None = None
@@ -128,7 +142,13 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state["_staging"] = None
+        state["_follower"] = None  # a thread: the copy follows again where it is used
         return state
+
+    def __del__(self) -> None:
+        follower = getattr(self, "_follower", None)
+        if follower is not None:
+            follower.stop()
 
     @property
     def lag(self) -> int | None:
@@ -141,6 +161,12 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
             return self.client.latest(self.model, retry=False).version - self.version
         except ServerUnavailable:
             return None
+
+    @property
+    def following(self) -> bool:
+        """With watch=True: whether the Watch stream is open here, so that updates with nothing
+        new skip the server (False before the first version is applied)."""
+        return self._follower is not None and self._follower.newest() is not None
 
     @property
     def server_available(self) -> bool:
@@ -167,6 +193,8 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         self._placing = False
         if self._unavailable_since is not None and time.monotonic() < self._next_attempt:
             return None  # the server is down: keep the current weights, try again later
+        if self._nothing_announced():
+            return None
         try:
             if self.pinned_version is not None:
                 if self.version == self.pinned_version:
@@ -195,6 +223,7 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
                 self.version, self._applied = None, None
             raise
         self._server_available()
+        self._last_asked = time.monotonic()
         if result is None:
             return None
         from_shm = result.stats is not None and result.stats.transport == "shm"
@@ -209,6 +238,18 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         self._incoming_placed = result.placed
         self.last_fetch = result.stats
         return result.weights
+
+    def _nothing_announced(self) -> bool:
+        """With watch=True: whether the Watch stream has announced nothing newer than the
+        applied version and the server answered recently enough that no question is due."""
+        if not self.watch or self.pinned_version is not None or self.version is None:
+            return False
+        if self._follower is None or not self._follower.running():  # first time, or a forked child
+            self._follower = VersionFollower(self.client, self.model, since=self.version)
+        newest = self._follower.newest()
+        if newest is None or newest > self.version:
+            return False
+        return time.monotonic() - self._last_asked < self.watch_confirm_seconds
 
     def _server_unavailable(self, error: ServerUnavailable) -> None:
         """Keep the current weights; warn once per outage; back off so that collection is not

@@ -80,6 +80,9 @@ with warnings.catch_warnings():
         >>> collector = Collector(env, policy, frames_per_batch=64, weight_updater=updater,             # doctest: +SKIP
         ...                       track_policy_version=ServerPolicyVersion())
         >>> collector.update_policy_weights_()   # applies the server's newer version, if any          # doctest: +SKIP
+
+        The arguments are GrpcLocalWeightUpdater's; ``watch=True`` asks the server only after
+        its Watch stream announced a newer version, not before every batch.
         """
 
         def __init__(
@@ -92,10 +95,10 @@ with warnings.catch_warnings():
             delta: bool = True,
             dtype: str | None = None,
             transport: str = "auto",
+            watch: bool = False,
         ) -> None:
-            self.puller = GrpcLocalWeightUpdater(
-                client, model=model, key_map=key_map, version=version, delta=delta, dtype=dtype, transport=transport
-            )
+            options = {"version": version, "delta": delta, "dtype": dtype, "transport": transport, "watch": watch}
+            self.puller = GrpcLocalWeightUpdater(client, model=model, key_map=key_map, **options)
 
         @property
         def version(self) -> int | None:
@@ -153,6 +156,10 @@ class GrpcWeightSyncScheme(SharedMemWeightSyncScheme):
     >>> scheme = GrpcWeightSyncScheme("localhost:50051", key_map=KeyMap(add_prefix="module."))   # doctest: +SKIP
     >>> collector = MultiSyncCollector([make_env] * 2, policy, frames_per_batch=64,               # doctest: +SKIP
     ...                                weight_sync_schemes={"policy": scheme}, track_policy_version=True)
+
+    The server arguments are GrpcLocalWeightUpdater's (``watch=True``: the parent asks the
+    server only after its Watch stream announced a newer version); the rest go to torchrl's
+    SharedMemWeightSyncScheme.
     """
 
     def __init__(
@@ -165,12 +172,12 @@ class GrpcWeightSyncScheme(SharedMemWeightSyncScheme):
         delta: bool = True,
         dtype: str | None = None,
         transport: str = "auto",
+        watch: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        self.puller = GrpcLocalWeightUpdater(
-            client, model=model, key_map=key_map, version=version, delta=delta, dtype=dtype, transport=transport
-        )
+        options = {"version": version, "delta": delta, "dtype": dtype, "transport": transport, "watch": watch}
+        self.puller = GrpcLocalWeightUpdater(client, model=model, key_map=key_map, **options)
         # The applied server version, shared with the workers (it travels in the pickle).
         self._server_version = torch.full((), -1, dtype=torch.int64).share_memory_()
 
