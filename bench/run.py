@@ -159,7 +159,9 @@ def main(argv: list[str] | None = None) -> int:
 
     elapsed = time.perf_counter() - started
     order = {name: i for i, name in enumerate([*BASELINES, "single_collector", *rows.ROW_ORDER])}
-    results.sort(key=lambda r: (r.kind != "baseline", order.get(r.name, 99), r.size or 0))
+    results.sort(
+        key=lambda r: (r.kind != "baseline", order.get(r.name, order.get(ALIASES.get(r.name, ""), 99)), r.size or 0)
+    )
     from bench.report import format_table, write_json
 
     print(format_table(results))
