@@ -54,8 +54,22 @@ def locates(monkeypatch) -> list[tuple[str, int]]:
     return calls
 
 
+@pytest.fixture
+def latest_calls(monkeypatch) -> list[str]:
+    """Every GetLatest the servers started after this fixture answer (what `lag` asks)."""
+    calls: list[str] = []
+    original = WeightServicer.GetLatest
+
+    async def counted(self, request, context):
+        calls.append(request.model)
+        return await original(self, request, context)
+
+    monkeypatch.setattr(WeightServicer, "GetLatest", counted)
+    return calls
+
+
 @pytest.mark.parametrize("watch", [True, False])
-def test_updates_ask_the_server_only_once_a_newer_version_was_announced(make_server, locates, watch):
+def test_updates_ask_the_server_only_once_a_newer_version_was_announced(make_server, locates, latest_calls, watch):
     server = make_server()
     with WeightClient(server.address) as trainer_client, WeightClient(server.address) as own:
         trainer_client.publish(make_policy(1), model=MODEL)
@@ -69,12 +83,15 @@ def test_updates_ask_the_server_only_once_a_newer_version_was_announced(make_ser
         asked = len(locates)
         for _ in range(50):
             updater()
+            assert updater.lag == 0
         assert updater.version == 1
         assert len(locates) - asked == (0 if watch else 50)
+        assert len(latest_calls) == (0 if watch else 50)  # lag: the announced version, or a call
 
         trainer_client.publish(make_policy(2), model=MODEL)
         if watch:
             eventually(announced(updater, 2))
+        assert updater.lag == 1
         updater()
         assert updater.version == 2 and same(policy, make_policy(2))
         assert locates[-1] == (MODEL, 1)  # the update that applied v2 asked for newer than v1

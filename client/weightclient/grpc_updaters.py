@@ -154,9 +154,13 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
     @property
     def lag(self) -> int | None:
         """Server's latest version minus the applied one; None before any is applied and
-        while the server is unavailable (unknown)."""
+        while the server is unavailable (unknown). While following (watch=True), the latest
+        version the Watch stream announced, with no call."""
         if self.version is None or self._unavailable_since is not None:
             return None
+        newest = self._follower.newest() if self._follower is not None else None
+        if newest is not None:
+            return max(0, newest - self.version)
         try:
             # Never wait for a server that is down: a collector reads this between batches.
             return self.client.latest(self.model, retry=False).version - self.version
