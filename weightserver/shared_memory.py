@@ -32,6 +32,16 @@ HEADER_SUFFIX = ".header"
 FOLDER_MODE = 0o755
 
 
+def version_file_name(version: int, suffix: str = "") -> str:
+    """The name of a version's payload file in its model's folder (`suffix`: a delta or cast)."""
+    return f"{version:012d}{suffix}{FILE_SUFFIX}"
+
+
+def header_file_name(version: int) -> str:
+    """The name of the header file beside a version's own file."""
+    return f"{version:012d}{HEADER_SUFFIX}"
+
+
 def server_shm_dir(port: int, root: Path | None = None) -> Path | None:
     """This server's own directory, <root>/weightserver-<port>-<random>-<pid> (unique even for
     several port-0 servers in one process); root defaults to
@@ -82,7 +92,7 @@ class SharedMemoryFiles:
                 return path
             model, version, base, dtype = key
             suffix = (f"-delta{base}" if base else "") + (f"-{dtype}" if dtype else "")
-            path = self.directory / model / f"{version:012d}{suffix}{FILE_SUFFIX}"
+            path = self.directory / model / version_file_name(version, suffix)
             path.parent.mkdir(mode=FOLDER_MODE, exist_ok=True)
             tmp = path.with_name(path.name + ".tmp")
             with open(tmp, "wb") as f:
@@ -103,7 +113,7 @@ class SharedMemoryFiles:
     def adopt(self, key: tuple[str, int, int, str], upload: SharedMemoryUpload) -> None:
         """Make a committed upload's file the payload file of `key`."""
         model, version, _, _ = key
-        path = self.directory / model / f"{version:012d}{FILE_SUFFIX}"
+        path = self.directory / model / version_file_name(version)
         os.chmod(upload.path, 0o444)  # the server serves from this memory: nobody should write it
         upload.path.replace(path)
         with self._lock:
@@ -119,7 +129,7 @@ class SharedMemoryFiles:
             content = header()
             if content is None:
                 return
-            path = self.directory / model / f"{version:012d}{HEADER_SUFFIX}"
+            path = self.directory / model / header_file_name(version)
             tmp = path.with_name(path.name + ".tmp")
             tmp.unlink(missing_ok=True)  # a previous header's temp file is read-only
             with open(tmp, "wb") as f:
@@ -137,7 +147,7 @@ class SharedMemoryFiles:
             for key in [k for k in self._files if k[0] == model and version in (k[1], k[2])]:
                 path = self._files.pop(key)
                 if key[1:] == (version, 0, ""):  # a reader that finds the header finds the file
-                    path.with_suffix(HEADER_SUFFIX).unlink(missing_ok=True)
+                    path.with_name(header_file_name(version)).unlink(missing_ok=True)
                 path.unlink(missing_ok=True)
 
     def close(self) -> None:

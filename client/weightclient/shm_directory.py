@@ -19,10 +19,9 @@ from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
+from weightserver.shared_memory import header_file_name, version_file_name
 from weightserver.v1 import weights_pb2 as pb
 
-FILE_SUFFIX = ".safetensors"
-HEADER_SUFFIX = ".header"
 MAX_HEADER_BYTES = 64 << 20  # far above any real manifest; a larger file is not one of ours
 
 
@@ -38,7 +37,7 @@ class SharedMemoryDirectory:
         """The folder of `file_path`, if it is `version`'s own file named the server's way and
         the folder is one only its owner can change; else None (read nothing directly)."""
         folder, name = os.path.split(file_path)
-        if name != f"{version:012d}{FILE_SUFFIX}":
+        if name != version_file_name(version):
             return None  # a delta or cast payload, or a server that names files otherwise
         try:
             st = os.stat(folder)
@@ -49,13 +48,13 @@ class SharedMemoryDirectory:
         return cls(folder, st.st_uid)
 
     def file(self, version: int) -> str:
-        return os.path.join(self.path, f"{version:012d}{FILE_SUFFIX}")
+        return os.path.join(self.path, version_file_name(version))
 
     def header(self, model: str, version: int) -> pb.VersionInfo | None:
         """`version`'s header as the server wrote it, or None when it is not there (not yet
         committed, evicted, the server gone) or not to be trusted."""
         try:
-            fd = os.open(os.path.join(self.path, f"{version:012d}{HEADER_SUFFIX}"), os.O_RDONLY | os.O_NOFOLLOW)
+            fd = os.open(os.path.join(self.path, header_file_name(version)), os.O_RDONLY | os.O_NOFOLLOW)
         except OSError:
             return None
         try:
