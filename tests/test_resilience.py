@@ -13,6 +13,7 @@ import pytest
 import torch
 from test_torchrl_integration import ATOL, single_collector
 from torchrl_models import actions_of, make_policy
+from waiting import wait_until
 
 from weightclient import WeightClient
 from weightclient.grpc_updaters import GrpcLocalWeightUpdater
@@ -38,14 +39,6 @@ def restart_later(server: ServerProcess, delay: float) -> threading.Thread:
     thread = threading.Thread(target=lambda: (time.sleep(delay), server.start()), daemon=True)
     thread.start()
     return thread
-
-
-def wait_until(condition, timeout: float = 30.0, step: float = 0.05) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(step)
 
 
 def test_idempotent_calls_retry_through_a_restart_and_publish_does_not(proc):

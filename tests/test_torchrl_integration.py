@@ -6,8 +6,6 @@ of the skip below (see conftest.py).
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -27,6 +25,7 @@ from torchrl.trainers import (
     UpdateWeights,
 )
 from torchrl_models import PendulumQValue, actions_of, make_env, make_policy
+from waiting import wait_until
 
 from weightclient import WeightClient
 from weightclient.grpc_updaters import GrpcRemoteWeightUpdater
@@ -98,10 +97,10 @@ def test_a_watching_updater_applies_announced_versions_in_a_real_collector(clien
         collector.update_policy_weights_()  # nothing applied yet: it asks
         assert updater.version == 1
         collector.update_policy_weights_()  # starts following from v1
-        wait_until(lambda: announced(1))
+        wait_until(lambda: announced(1), step=0.01)
         trained = make_policy(2)
         assert client.publish(trained, model="policy") == 2
-        wait_until(lambda: announced(2))
+        wait_until(lambda: announced(2), step=0.01)
         collector.update_policy_weights_()
         batch = next(batches)
         assert updater.version == 2
@@ -109,13 +108,6 @@ def test_a_watching_updater_applies_announced_versions_in_a_real_collector(clien
         assert batch["next", "policy_version"].unique().tolist() == [2]
     finally:
         collector.shutdown()
-
-
-def wait_until(condition, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)
 
 
 def test_plain_policy_version_tracker_also_reads_the_server_version(client: WeightClient):

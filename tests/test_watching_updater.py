@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from waiting import wait_until
 
 from weightclient import WeightClient
 from weightclient.grpc_updaters import GrpcLocalWeightUpdater
@@ -27,13 +28,6 @@ def make_policy(seed: int) -> torch.nn.Module:
 def same(a: torch.nn.Module, b: torch.nn.Module) -> bool:
     theirs = b.state_dict()
     return all(torch.equal(t, theirs[name]) for name, t in a.state_dict().items())
-
-
-def eventually(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)
 
 
 def announced(updater: GrpcLocalWeightUpdater, version: int) -> Callable[[], bool]:
@@ -79,7 +73,7 @@ def test_updates_ask_the_server_only_once_a_newer_version_was_announced(make_ser
         assert updater.version == 1 and same(policy, make_policy(1))
         updater()
         if watch:
-            eventually(announced(updater, 1))
+            wait_until(announced(updater, 1))
         asked = len(locates)
         for _ in range(50):
             updater()
@@ -90,7 +84,7 @@ def test_updates_ask_the_server_only_once_a_newer_version_was_announced(make_ser
 
         trainer_client.publish(make_policy(2), model=MODEL)
         if watch:
-            eventually(announced(updater, 2))
+            wait_until(announced(updater, 2))
         assert updater.lag == 1
         updater()
         assert updater.version == 2 and same(policy, make_policy(2))
@@ -105,7 +99,7 @@ def test_a_server_that_went_away_is_noticed_within_the_confirm_interval(make_ser
         updater = GrpcLocalWeightUpdater(own, policy=make_policy(0), watch=True, watch_confirm_seconds=0.2)
         updater()
         updater()
-        eventually(announced(updater, 1))
+        wait_until(announced(updater, 1))
         server.stop(grace=0)
         time.sleep(0.3)
         updater()  # the confirm interval has passed: it asks, and finds the server gone
@@ -120,10 +114,10 @@ def test_versions_published_in_a_burst_apply_the_latest(server, client):
         updater = GrpcLocalWeightUpdater(own, policy=policy, watch=True, watch_confirm_seconds=60)
         updater()
         updater()
-        eventually(announced(updater, 1))
+        wait_until(announced(updater, 1))
         for seed in (2, 3, 4):
             client.publish(make_policy(seed), model=MODEL)
-        eventually(announced(updater, 4))
+        wait_until(announced(updater, 4))
         updater()
         assert updater.version == 4 and same(policy, make_policy(4))
 
@@ -133,13 +127,13 @@ def test_a_pickled_updater_follows_again_where_it_is_used(server, client):
     updater = GrpcLocalWeightUpdater(server.address, policy=make_policy(0), watch=True, watch_confirm_seconds=60)
     updater()
     updater()
-    eventually(announced(updater, 1))
+    wait_until(announced(updater, 1))
     copy = pickle.loads(pickle.dumps(updater))
     assert copy._follower is None and copy.version == 1
     copy()
-    eventually(announced(copy, 1))
+    wait_until(announced(copy, 1))
     client.publish(make_policy(2), model=MODEL)
-    eventually(announced(copy, 2))
+    wait_until(announced(copy, 2))
     copy()
     assert copy.version == 2 and same(copy.policy, make_policy(2))
     updater.client.close()
@@ -150,7 +144,7 @@ def test_a_follower_stops_with_its_client(server, client):
     client.publish(make_policy(1), model=MODEL)
     own = WeightClient(server.address)
     follower = VersionFollower(own, MODEL, since=1)
-    eventually(lambda: follower.newest() == 1)
+    wait_until(lambda: follower.newest() == 1)
     own.close()
-    eventually(lambda: not follower.running())
+    wait_until(lambda: not follower.running())
     assert follower.newest() is None
