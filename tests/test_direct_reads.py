@@ -250,7 +250,7 @@ def test_a_file_damaged_under_its_header_is_refused_everywhere(server, client):
 
 # ---------------------------------------------------------------------- FetchReports
 class Sender:
-    """Stands in for the Locate call: records what it is given, and can be held."""
+    """Stands in for the Negotiate call: records what it is given, and can be held."""
 
     def __init__(self) -> None:
         self.sent: list[int] = []

@@ -17,10 +17,11 @@ import pytest
 import torch
 import xxhash
 
-import weightclient.service_client as service_client
+import weightclient.transports.bulk as bulk_transport
 import weightserver.bulk as bulk
 from weightclient import IntegrityError, InvalidRequest, WeightClient
 from weightclient.grpc_updaters import GrpcLocalWeightUpdater
+from weightclient.transports import SharedMemoryTransport, TransportFailed
 from weightserver.service import WeightServicer
 from weightserver.v1 import weights_pb2 as pb
 from weightserver.v1 import weights_pb2_grpc as pb_grpc
@@ -121,11 +122,13 @@ def raw_fetch(address: str, request: pb.FetchRequest) -> list[bytes]:
 
 def bulk_ticket(server, model: str = MODEL) -> pb.Payload:
     """A bulk ticket for the latest version, asked for with the generated stub."""
+    request = pb.NegotiateRequest(
+        direction=pb.DIRECTION_FETCH, accept=[pb.TRANSPORT_BULK], fetch=pb.FetchRequest(model=model)
+    )
     with grpc.insecure_channel(server.address) as channel:
-        messages = list(pb_grpc.WeightServiceStub(channel).Fetch(pb.FetchRequest(model=model, accept_bulk=True)))
-    assert [m.WhichOneof("kind") for m in messages] == ["header", "payload"]
-    assert messages[1].payload.HasField("bulk")
-    return messages[1].payload
+        answer = pb_grpc.WeightServiceStub(channel).Negotiate(request, timeout=30)
+    assert answer.transport == pb.TRANSPORT_BULK and answer.payload.HasField("bulk")
+    return answer.payload
 
 
 def redeem(port: int, ticket: bytes) -> bytes:
@@ -199,7 +202,7 @@ def test_shm_asked_of_a_server_without_shared_memory_streams(make_server):
         assert result.stats.transport == "stream"
         assert_bit_exact(result.tensors, weights)
         assert bytes(result.data) == bytes(c.fetch_bytes(MODEL, transport="stream").data)
-        assert c._shm_usable is None  # nothing was learned about this host
+        assert c.transports.usable("shm") is None  # nothing was learned about this host
         assert c.fetch(MODEL, transport="auto").stats.transport == "bulk"
 
 
@@ -211,18 +214,22 @@ def test_bulk_asked_of_a_server_without_a_bulk_port_streams(make_server):
         result = c.fetch(MODEL, transport="bulk")
         assert result.stats.transport == "stream"
         assert_bit_exact(result.tensors, weights)
-        assert c._bulk_usable is None
+        assert c.transports.usable("bulk") is None
 
 
 def test_unreadable_shm_file_falls_back_to_the_stream_and_is_not_asked_again(client, monkeypatch):
     weights = mixed_model()
     client.publish(weights, model=MODEL)
-    monkeypatch.setattr(service_client, "_map_shared_memory", lambda path, size: None)
+
+    def unreadable(self, offer, **kwargs):
+        raise TransportFailed("cannot open it here")
+
+    monkeypatch.setattr(SharedMemoryTransport, "receive", unreadable)
 
     result = client.fetch(MODEL, transport="auto")
 
     assert result.stats.transport == "stream"
-    assert client._shm_usable is False
+    assert client.transports.usable("shm") is False
     assert_bit_exact(result.tensors, weights)
     # From now on "auto" does not ask for shared memory: the next fast path is bulk.
     assert client.fetch(MODEL, transport="auto").stats.transport == "bulk"
@@ -237,10 +244,10 @@ def test_refused_bulk_port_falls_back_to_the_stream_and_is_not_asked_again(make_
 
     with WeightClient(srv.address) as c:
         c.publish(weights, model=MODEL)
-        monkeypatch.setattr(service_client, "_connect_bulk", refuse)
+        monkeypatch.setattr(bulk_transport, "_connect", refuse)
         result = c.fetch(MODEL, transport="auto")
         assert result.stats.transport == "stream"
-        assert c._bulk_usable is False
+        assert c.transports.usable("bulk") is False
         assert_bit_exact(result.tensors, weights)
         tickets = len(srv.bulk._tickets)
         again = c.fetch(MODEL, transport="auto")
@@ -250,9 +257,9 @@ def test_refused_bulk_port_falls_back_to_the_stream_and_is_not_asked_again(make_
 
         # The port may come back (a container restarted): after a while bulk is tried again.
         monkeypatch.undo()
-        c._bulk_retry_at = 0.0
+        c.transports.retry_seconds = 0.0
         retried = c.fetch(MODEL, transport="auto")
-        assert retried.stats.transport == "bulk" and c._bulk_usable is True
+        assert retried.stats.transport == "bulk" and c.transports.usable("bulk") is True
         assert_bit_exact(retried.tensors, weights)
 
 
@@ -261,7 +268,7 @@ def test_corrupt_derived_shm_file_is_detected_and_streamed_instead(server, clien
     weights = mixed_model()
     client.publish(weights, model=MODEL)
     first = client.fetch(MODEL, dtype="BF16", transport="shm")
-    assert first.stats.transport == "shm" and client._shm_usable is True
+    assert first.stats.transport == "shm" and client.transports.usable("shm") is True
     expected = {name: raw(t) for name, t in first.tensors.items()}
     (path,) = [p for p in payload_files(server) if p.name.endswith("-BF16.safetensors")]
 
@@ -276,7 +283,7 @@ def test_corrupt_derived_shm_file_is_detected_and_streamed_instead(server, clien
 
     result = client.fetch(MODEL, dtype="BF16", transport="shm")
     assert result.stats.transport == "stream"
-    assert client._shm_usable is False
+    assert client.transports.usable("shm") is False
     assert {name: raw(t) for name, t in result.tensors.items()} == expected
 
 
@@ -349,7 +356,7 @@ def test_expired_bulk_ticket_is_refused(server, client, monkeypatch):
     # A client handed an expired ticket gets the bytes over the stream all the same.
     result = client.fetch(MODEL, transport="bulk")
     assert result.stats.transport == "stream"
-    assert client._bulk_usable is False
+    assert client.transports.usable("bulk") is False
     assert_bit_exact(result.tensors, weights)
 
 
@@ -750,8 +757,6 @@ def test_hand_framed_chunk_messages_are_valid_protobuf(server, client, chunk_siz
     if derived:
         request.base_version = 1
         request.dtype = "BF16"
-        request.accept_shared_memory = False
-        request.accept_bulk = False
 
     raw_messages = raw_fetch(server.address, request)
     messages = [pb.FetchResponse.FromString(m) for m in raw_messages]

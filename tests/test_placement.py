@@ -90,7 +90,7 @@ def test_a_placement_that_does_not_fit_gets_a_normal_fetch_and_leaves_targets_al
     assert_same(targets or {}, before)
 
 
-def test_placement_is_not_offered_for_deltas_casts_or_the_stream(server, client):
+def test_placement_is_not_offered_for_deltas_or_casts(server, client):
     weights = mixed_weights()
     first = client.publish(weights, model=MODEL)
     weights["a.bias"] += 1
@@ -105,15 +105,15 @@ def test_placement_is_not_offered_for_deltas_casts_or_the_stream(server, client)
     assert delta.partial and not delta.placed
     cast = client.fetch(MODEL, dtype="BF16", transport="bulk", place=place)
     assert not cast.placed
-    streamed = client.fetch(MODEL, transport="stream", place=place)
-    assert not streamed.placed
     assert calls == []
+    streamed = client.fetch(MODEL, transport="stream", place=place)  # the version itself: placed
+    assert streamed.placed and calls == [2]
 
 
 def test_placed_bytes_that_fail_their_digests_are_fetched_again(make_server, tmp_path):
     """After a restart a version is served from memory loaded off disk and its shared-memory
     file is a copy. A damaged copy fails the placed tensors' digests: the client stops using
-    shared memory and receives the version over the stream, intact."""
+    shared memory for a while and receives the version over the stream, intact."""
     weights = mixed_weights()
     first = make_server(data_dir=str(tmp_path))
     with WeightClient(first.address) as c:
@@ -128,8 +128,8 @@ def test_placed_bytes_that_fail_their_digests_are_fetched_again(make_server, tmp
             f.seek(os.path.getsize(path) - 3)
             f.write(b"\xff\xff\xff")
         result = c.fetch(MODEL, transport="shm", place=lambda info: blank_like(weights))
-        assert not result.placed and result.stats.transport == "stream"
-        assert c._shm_usable is False
+        assert result.placed and result.stats.transport == "stream"
+        assert c.transports.usable("shm") is False
         assert_same(result.tensors, weights)
 
 
@@ -205,6 +205,6 @@ def test_a_shared_memory_file_gone_before_it_is_read_is_asked_for_again(server, 
     result = client.fetch(MODEL, transport="shm", place=place)
     assert result.stats.transport == "stream" and result.version == 1
     assert_same(result.tensors, weights)
-    assert client._shm_usable is True
+    assert client.transports.usable("shm") is True
     client.publish(mixed_weights(1), model=MODEL)
     assert client.fetch(MODEL, transport="shm").stats.transport == "shm"

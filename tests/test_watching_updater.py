@@ -1,5 +1,5 @@
 """GrpcLocalWeightUpdater(watch=True): no call to the server per update while its Watch
-stream announces nothing newer. Real servers and gRPC; the servers count the Locate calls
+stream announces nothing newer. Real servers and gRPC; the servers count the Negotiate calls
 they answer (the call a collector's update makes)."""
 
 from __future__ import annotations
@@ -36,15 +36,15 @@ def announced(updater: GrpcLocalWeightUpdater, version: int) -> Callable[[], boo
 
 @pytest.fixture
 def locates(monkeypatch) -> list[tuple[str, int]]:
-    """Every Locate the servers started after this fixture answer, as (model, newer_than)."""
+    """Every Negotiate the servers started after this fixture answer, as (model, newer_than)."""
     calls: list[tuple[str, int]] = []
-    original = WeightServicer.Locate
+    original = WeightServicer.Negotiate
 
     async def counted(self, request, context):
-        calls.append((request.model, request.newer_than))
+        calls.append((request.fetch.model, request.fetch.newer_than))
         return await original(self, request, context)
 
-    monkeypatch.setattr(WeightServicer, "Locate", counted)
+    monkeypatch.setattr(WeightServicer, "Negotiate", counted)
     return calls
 
 

@@ -36,7 +36,7 @@ REQUIRED_ROLE: dict[str, str] = {
     "GetLatest": "reader",
     "Describe": "reader",
     "Fetch": "reader",
-    "Locate": "reader",
+    "Negotiate": "reader",  # a publish's negotiation also needs what Publish needs
     "Watch": "reader",
     "ListModels": "reader",
     "ListVersions": "reader",

@@ -17,11 +17,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from weightserver import framing
 from weightserver.auth import TokenTable
 from weightserver.bulk import BulkEndpoint
 from weightserver.config import MAX_MESSAGE_BYTES, ServerConfig
 from weightserver.metrics import NoMetrics, ServerMetrics
-from weightserver.service import WeightServicer, serialize_fetch_response
+from weightserver.service import WeightServicer
 from weightserver.shared_memory import SharedMemoryFiles, server_shm_dir
 from weightserver.store import VersionStore
 from weightserver.v1 import weights_pb2 as pb
@@ -51,7 +52,7 @@ _HANDLER_FACTORIES = {
 
 def add_weight_service(servicer: WeightServicer, server: grpc.aio.Server) -> None:
     """Register WeightService like the generated `add_WeightServiceServicer_to_server`, except
-    that Fetch's responses may be pre-serialized chunk messages (see service._chunk_messages)."""
+    that Fetch's responses may be pre-serialized chunk messages (see weightserver.framing)."""
     service = pb.DESCRIPTOR.services_by_name["WeightService"]
     handlers = {}
     for method in service.methods:
@@ -61,9 +62,7 @@ def add_weight_service(servicer: WeightServicer, server: grpc.aio.Server) -> Non
         handlers[method.name] = factory(
             getattr(servicer, method.name),
             request_deserializer=request_class.FromString,
-            response_serializer=serialize_fetch_response
-            if method.name == "Fetch"
-            else response_class.SerializeToString,
+            response_serializer=framing.serialize if method.name == "Fetch" else response_class.SerializeToString,
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
 

@@ -12,12 +12,12 @@ import functools
 import logging
 import mmap
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
 
-from weightserver import wire
+from weightserver import framing, wire
 from weightserver.auth import TokenTable
 from weightserver.bulk import BulkEndpoint
 from weightserver.config import ServerConfig, clamp_chunk_bytes
@@ -128,6 +128,13 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         self.shared_memory = shared_memory
         self.metrics = metrics or NoMetrics()
         self._adopting: dict[int, SharedMemoryUpload] = {}
+        # The fast transports this server offers to Negotiate, in no order: the caller's decides.
+        # Each with the name its transfers are logged and counted under.
+        self._offers: dict[int, tuple[str, Callable[[Version, Payload, pb.Payload], Awaitable[None]]]] = {}
+        if shared_memory is not None:
+            self._offers[pb.TRANSPORT_SHARED_MEMORY] = ("shm", self._offer_shared_memory)
+        if bulk is not None:
+            self._offers[pb.TRANSPORT_BULK] = ("bulk", self._offer_bulk)
         store.subscribe(self._on_commit)
         for summary in store.models():  # versions loaded from a data dir
             self.metrics.retained(summary.model, store.versions(summary.model))
@@ -309,46 +316,49 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
     @_streaming
     async def Fetch(
         self, request: pb.FetchRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.FetchResponse]:
+    ) -> AsyncIterator[pb.FetchResponse | bytes]:
         started = time.perf_counter()
         record = self._fetched_version(request)
         if record is None:
             yield pb.FetchResponse(up_to_date=pb.UpToDate(latest_version=request.newer_than))
             return
-        chunk = clamp_chunk_bytes(request.chunk_size, self.config.chunk_bytes)
         yield pb.FetchResponse(header=wire.version_info(record))
-        wants_payload = request.base_version or request.dtype or request.accept_shared_memory or request.accept_bulk
-        if not wants_payload:
-            for message in _chunk_messages(record.data, chunk):
-                yield message
-            self._transferred("fetch", record, started, context, transport="stream")
-            return
         payload, description = await self._payload(record, request)
-        transport = await self._offer_fast_path(record, request, payload, description)
-        yield pb.FetchResponse(payload=description)
-        if transport is None:
-            for message in _chunk_messages(payload.data, chunk):
-                yield message
-        self._transferred("fetch", record, started, context, transport=transport or "stream", sent=payload.byte_size)
+        if request.base_version or request.dtype:
+            yield pb.FetchResponse(payload=description)
+        chunk_bytes = clamp_chunk_bytes(request.chunk_size, self.config.chunk_bytes)
+        for message in framing.chunk_messages(payload.data, chunk_bytes):
+            yield message
+        self._transferred("fetch", record, started, context, transport="stream", sent=payload.byte_size)
 
     @_unary
-    async def Locate(self, request: pb.FetchRequest, context: grpc.aio.ServicerContext) -> pb.LocateResponse:
+    async def Negotiate(self, request: pb.NegotiateRequest, context: grpc.aio.ServicerContext) -> pb.NegotiateResponse:
+        stream = pb.NegotiateResponse(transport=pb.TRANSPORT_STREAM)
+        if request.direction == pb.DIRECTION_PUBLISH:
+            self._authorize(context, "Publish")
+            return stream  # bulk and shared-memory publishes are not offered yet
+        if request.direction != pb.DIRECTION_FETCH:
+            raise InvalidRequest("Negotiate needs a direction: DIRECTION_FETCH or DIRECTION_PUBLISH")
         started = time.perf_counter()
-        record = self._fetched_version(request)
+        record = self._fetched_version(request.fetch)
         if record is None:
-            return pb.LocateResponse(up_to_date=pb.UpToDate(latest_version=request.newer_than))
-        reply = pb.LocateResponse(header=wire.version_info(record))
-        if not self._fast_paths_for(request):
-            return reply  # no payload: the caller fetches the version with Fetch
-        payload, description = await self._payload(record, request)
-        transport = await self._offer_fast_path(record, request, payload, description)
-        assert transport is not None
-        reply.payload.CopyFrom(description)
-        self._transferred("fetch", record, started, context, transport=transport, sent=payload.byte_size)
-        return reply
+            stream.up_to_date.latest_version = request.fetch.newer_than
+            return stream
+        stream.header.CopyFrom(wire.version_info(record))
+        for transport in request.accept:
+            if transport not in self._offers:
+                continue
+            name, offer = self._offers[transport]
+            payload, description = await self._payload(record, request.fetch)
+            await offer(record, payload, description)
+            stream.payload.CopyFrom(description)
+            stream.transport = transport
+            self._transferred("fetch", record, started, context, transport=name, sent=payload.byte_size)
+            break
+        return stream
 
     def _fetched_version(self, request: pb.FetchRequest) -> Version | None:
-        """The version a Fetch or Locate asks for; None when `newer_than` found nothing newer."""
+        """The version a fetch asks for; None when `newer_than` found nothing newer."""
         selector = request.WhichOneof("selector")
         if selector == "version":
             if request.version == 0:
@@ -357,13 +367,6 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         if selector == "newer_than":
             return self.store.newer_than(request.model, request.newer_than)
         return self.store.latest(request.model)
-
-    def _fast_paths_for(self, request: pb.FetchRequest) -> bool:
-        """Whether this server can offer a fast path the request accepts."""
-        return bool(
-            (request.accept_shared_memory and self.shared_memory is not None)
-            or (request.accept_bulk and self.bulk is not None)
-        )
 
     async def _payload(self, record: Version, request: pb.FetchRequest) -> tuple[Payload, pb.Payload]:
         """What to send for `record` (the version itself, a delta or a cast) and its description."""
@@ -381,25 +384,20 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         )
         return payload, description
 
-    async def _offer_fast_path(
-        self, record: Version, request: pb.FetchRequest, payload: Payload, description: pb.Payload
-    ) -> str | None:
-        """Name a shared-memory file or a bulk ticket in `description` when the request accepts
-        one and this server offers it (shared memory first); the transport, or None (chunks)."""
-        if request.accept_shared_memory and self.shared_memory is not None:
-            key = (record.model, record.version, payload.base_version, payload.dtype)
-            path = self.shared_memory.existing(key)
-            if path is None:
-                path = await asyncio.to_thread(self.shared_memory.path_for, key, payload.data)
-                if key[2:] == (0, ""):
-                    await asyncio.to_thread(self._write_shm_header, record.model, record.version)
-            description.shared_memory.path = str(path)
-            return "shm"
-        if request.accept_bulk and self.bulk is not None:
-            description.bulk.port = self.bulk.port
-            description.bulk.ticket = self.bulk.issue(payload.data, f"{record.model} v{record.version}")
-            return "bulk"
-        return None
+    async def _offer_shared_memory(self, record: Version, payload: Payload, description: pb.Payload) -> None:
+        """Name the payload's file in the server's shared memory (written on first demand)."""
+        key = (record.model, record.version, payload.base_version, payload.dtype)
+        path = self.shared_memory.existing(key)
+        if path is None:
+            path = await asyncio.to_thread(self.shared_memory.path_for, key, payload.data)
+            if key[2:] == (0, ""):
+                await asyncio.to_thread(self._write_shm_header, record.model, record.version)
+        description.shared_memory.path = str(path)
+
+    async def _offer_bulk(self, record: Version, payload: Payload, description: pb.Payload) -> None:
+        """Issue a ticket for the payload on the bulk port."""
+        description.bulk.port = self.bulk.port
+        description.bulk.ticket = self.bulk.issue(payload.data, f"{record.model} v{record.version}")
 
     def _transferred(
         self,
@@ -594,33 +592,3 @@ def _client_id(context: grpc.aio.ServicerContext) -> str | None:
         if key == CLIENT_ID_METADATA_KEY:
             return str(value)
     return None
-
-
-# FetchResponse.chunk is field 2 (length-delimited): tag byte 0x12, varint length, bytes.
-_CHUNK_TAG = b"\x12"
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
-
-
-def _chunk_messages(data: bytes | bytearray | memoryview, chunk: int) -> Iterator[bytes]:
-    """Serialized FetchResponse{chunk} messages over `data`, built with one copy each (the
-    generated code would copy twice: into a message, then into its serialization)."""
-    view = memoryview(data).cast("B")
-    for start in range(0, view.nbytes, chunk):
-        part = view[start : start + chunk]
-        yield b"".join((_CHUNK_TAG, _varint(part.nbytes), part))
-
-
-def serialize_fetch_response(message: pb.FetchResponse | bytes) -> bytes:
-    """Fetch's response serializer: pre-serialized chunk messages pass through unchanged."""
-    return message if isinstance(message, bytes) else message.SerializeToString()

@@ -6,10 +6,9 @@ instead of a socket. Each payload is written once (temp file + rename, so reader
 partial file) and removed when its version is evicted. The client verifies the file's xxh3
 and falls back to streaming if it cannot open it or the digest differs.
 
-Beside each version's own file, `<model>/<version:012d>.safetensors`, lies its header:
-`<version:012d>.header`, the version's `VersionInfo` message (as Fetch and Locate send it),
-written after the file and removed before it. A client that has located one version of a
-model can then read any later version it names, digests included, without a round trip.
+Beside each version's own file lies its header (the layout is in weightserver.shm_layout): a
+client that has been handed one version of a model can then read any later version it names,
+digests included, without a round trip.
 """
 
 from __future__ import annotations
@@ -23,23 +22,9 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from weightserver.shm_layout import FOLDER_MODE, header_file_name, version_file_name
+
 log = logging.getLogger(__name__)
-
-FILE_SUFFIX = ".safetensors"
-HEADER_SUFFIX = ".header"
-# Only the server's user may change what is in its folders (under any umask): clients that read
-# versions by their header files check this before trusting them.
-FOLDER_MODE = 0o755
-
-
-def version_file_name(version: int, suffix: str = "") -> str:
-    """The name of a version's payload file in its model's folder (`suffix`: a delta or cast)."""
-    return f"{version:012d}{suffix}{FILE_SUFFIX}"
-
-
-def header_file_name(version: int) -> str:
-    """The name of the header file beside a version's own file."""
-    return f"{version:012d}{HEADER_SUFFIX}"
 
 
 def server_shm_dir(port: int, root: Path | None = None) -> Path | None:

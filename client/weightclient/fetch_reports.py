@@ -2,12 +2,12 @@
 
 A version read straight from the server's shared memory (see `shm_directory`) never reached the
 server, yet its metrics and logs (bytes served, each client's version) should count it. The
-client reports such a read with the Locate call it skipped, from a thread of its own, after the
+client reports such a read with the Negotiate call it skipped, from a thread of its own, after the
 bytes moved. One report is in flight at a time; reads made meanwhile wait behind it and only
 the latest is sent (the server then counts a burst of direct reads as one, with the latest
 version, which is what its per-client version gauge needs).
 
-A thread with blocking calls, not `Locate.future()`: grpcio starts a new thread for a future
+A thread with blocking calls, not `Negotiate.future()`: grpcio starts a new thread for a future
 whenever none is outstanding on the channel, which cost about 0.8 ms per report.
 """
 
@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 class FetchReports:
     """Reports sent one at a time, in a daemon thread started on the first, through `send`
-    (a blocking Locate call)."""
+    (a blocking Negotiate call)."""
 
     def __init__(self, send: Callable[[pb.FetchRequest], object]) -> None:
         self._send = send

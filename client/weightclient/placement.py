@@ -2,24 +2,21 @@
 
 A collector that copies fetched tensors into its policy moves every byte twice: socket or
 shared-memory file -> receive buffer -> parameters. When the caller names, before the bytes
-move, where each tensor should land (its live parameters), the bulk and shared-memory paths
-scatter the file into those tensors directly (`recv_into` / `preadv`; header, padding and
-unplaced tensors into scratch or skipped). Each block is hashed right after it lands, while it
-is still in cache, and every placed tensor is checked against the version's xxh3 digest; the
-caller falls back to a normal fetch when one does not match.
+move, where each tensor should land (its live parameters), every transport scatters the file
+into those tensors directly (bulk: `recv_into`, shared memory: `preadv`, stream: one copy per
+chunk; header, padding and unplaced tensors into scratch or skipped). Each block is hashed
+right after it lands, while it is still in cache, and every placed tensor is checked against
+the version's xxh3 digest; the caller falls back to the stream when one does not match.
 
 Byte-level (memoryviews), no torch: `WeightClient.fetch(place=...)` supplies the views.
 """
 
 from __future__ import annotations
 
-import os
-import socket
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 
 import xxhash
 
-from weightclient.block_reader import read_blocks
 from weightclient.version_info import VersionInfo
 
 Placement = Callable[[VersionInfo], Mapping[str, memoryview] | None]
@@ -64,93 +61,76 @@ def layout(info: VersionInfo, views: Mapping[str, memoryview], header_bytes: int
     return [(size, name) for size, name in regions if size]
 
 
-def read_file_into(path: str, info: VersionInfo, views: Mapping[str, memoryview]) -> list[str] | None:
-    """Read a shared-memory file of `info.byte_size` bytes into `views`, hashing each block
-    while it is still in cache. Returns the tensors whose digests do not match (normally
-    none), or None when the file cannot be read here (another host, another size)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return None
-    try:
-        if os.fstat(fd).st_size != info.byte_size:
-            return None
-        prefix = os.pread(fd, PREFIX_BYTES, 0)
-        if len(prefix) != PREFIX_BYTES:
-            return None
-        offset = PREFIX_BYTES
-        blocks: list[tuple[memoryview, int]] = []
-        owners: list[str] = []  # the tensor of each block
-        for size, name in layout(info, views, int.from_bytes(prefix, "little")):
-            if name is not None:
-                for start in range(0, size, BLOCK_BYTES):
-                    blocks.append((views[name][start : start + BLOCK_BYTES], offset + start))
-                    owners.append(name)
-            offset += size
-        digests = _Digests(info)
-        hashers: dict[str, xxhash.xxh3_128] = {}
+class PlacedReceiver:
+    """A version's file arriving in order (from a socket or a stream of chunks), scattered
+    into the views of its placed tensors; the header, gaps and other tensors go to scratch.
+    Each placed tensor is hashed block by block as it lands and checked once it is whole.
 
-        def landed(i: int) -> None:
-            name = owners[i]
-            hasher = hashers.setdefault(name, xxhash.xxh3_128())
-            hasher.update(blocks[i][0])
-            if i + 1 == len(owners) or owners[i + 1] != name:
-                digests.check(name, hasher)
+    Feed it with ``target()`` (where the next bytes go, at most a block) and ``advance(n)``
+    (n bytes were written there) until ``done``; then ``bad()`` lists the tensors that fail
+    their digests. Raises ValueError when the bytes do not fit the version's description.
+    """
 
-        read_blocks(fd, blocks, landed)
-        for name in views:
-            if name not in hashers:  # an empty tensor: no blocks, nothing read
-                digests.check(name, xxhash.xxh3_128())
-        return digests.bad
-    except (OSError, ValueError):
-        return None
-    finally:
-        os.close(fd)
+    def __init__(self, info: VersionInfo, views: Mapping[str, memoryview]) -> None:
+        self._info = info
+        self._views = views
+        self._digests = Digests(info)
+        self._scratch = memoryview(bytearray(BLOCK_BYTES))
+        self._prefix = memoryview(bytearray(PREFIX_BYTES))
+        self._regions: list[tuple[int, str | None]] = []  # the rest of the file, reversed
+        self._region: memoryview | None = self._prefix  # the region being filled: a view, or None for scratch
+        self._name: str | None = None
+        self._left = PREFIX_BYTES  # bytes still to come in this region
+        self._remaining = info.byte_size
+        self._hasher = xxhash.xxh3_128()
 
+    @property
+    def done(self) -> bool:
+        return self._remaining == 0
 
-def recv_placed(conn: socket.socket, info: VersionInfo, views: Mapping[str, memoryview]) -> list[str]:
-    """Receive a version's file from `conn` into `views` (the rest into scratch), hashing as
-    it arrives. Returns the tensors whose digests do not match (normally none)."""
-    prefix = memoryview(bytearray(PREFIX_BYTES))
-    recv_parts(conn, [prefix])
-    try:
-        regions = layout(info, views, int.from_bytes(prefix, "little"))
-    except ValueError as exc:
-        raise OSError(f"bulk payload does not match its description: {exc}") from exc
-    scratch = memoryview(bytearray(BLOCK_BYTES))
-    digests = _Digests(info)
-    for size, name in regions:
-        if name is None:
-            for start in range(0, size, BLOCK_BYTES):
-                recv_parts(conn, [scratch[: min(BLOCK_BYTES, size - start)]], started=True)
-            continue
-        view, hasher, received = views[name], xxhash.xxh3_128(), 0
-        while received < size:
-            n = conn.recv_into(view[received:], min(BLOCK_BYTES, size - received))
-            if not n:
-                raise OSError("bulk connection closed part-way through a transfer")
-            hasher.update(view[received : received + n])
-            received += n
-        digests.check(name, hasher)
-    return digests.bad
+    def target(self, most: int = BLOCK_BYTES) -> memoryview:
+        size = min(most, self._left, BLOCK_BYTES)
+        if self._region is None:
+            return self._scratch[:size]
+        start = self._region.nbytes - self._left
+        return self._region[start : start + size]
+
+    def advance(self, n: int) -> None:
+        if n > self._left or n > self._remaining:
+            raise ValueError(f"{n} bytes do not fit the version's layout")
+        if self._name is not None:
+            start = self._region.nbytes - self._left
+            self._hasher.update(self._region[start : start + n])
+        self._left -= n
+        self._remaining -= n
+        while not self._left and not self.done:
+            self._next_region()
+        if self.done and not self._left:
+            self._close_region()
+
+    def bad(self) -> list[str]:
+        for name, view in self._views.items():
+            if not view.nbytes:  # an empty tensor receives nothing; its digest is still checked
+                self._digests.check(name, xxhash.xxh3_128())
+        return self._digests.bad
+
+    def _next_region(self) -> None:
+        self._close_region()
+        if self._region is self._prefix:
+            self._regions = layout(self._info, self._views, int.from_bytes(self._prefix, "little"))[::-1]
+        if not self._regions:
+            raise ValueError(f"the layout ends before the version's {self._info.byte_size} bytes")
+        self._left, self._name = self._regions.pop()
+        self._region = self._views[self._name] if self._name is not None else None
+        self._hasher = xxhash.xxh3_128()
+
+    def _close_region(self) -> None:
+        if self._name is not None:
+            self._digests.check(self._name, self._hasher)
+            self._name = None
 
 
-def recv_parts(conn: socket.socket, parts: Sequence[memoryview], *, started: bool = False) -> None:
-    """Fill every part from `conn`, in order. EOFError if the peer closed before the first
-    byte (a kept connection the server dropped), OSError if it closed part-way."""
-    for part in parts:
-        received = 0
-        while received < part.nbytes:
-            n = conn.recv_into(part[received:])
-            if not n:
-                if not started and received == 0:
-                    raise EOFError("the bulk connection was closed")
-                raise OSError("bulk connection closed part-way through a transfer")
-            received += n
-            started = True
-
-
-class _Digests:
+class Digests:
     """Collects the placed tensors whose xxh3 does not match the version's manifest."""
 
     def __init__(self, info: VersionInfo) -> None:

@@ -4,7 +4,7 @@ an exact version without asking the server where it is.
 The server keeps each retained version of a model as `<folder>/<version:012d>.safetensors`,
 and beside it `<version:012d>.header`: the version's `VersionInfo`, digests included, written
 after the file and removed before it (weightserver.shared_memory). A client learns the folder
-from a Locate or Fetch reply that named a version's own file there; from then on a fetch of an
+from a Negotiate reply that named a version's own file there; from then on a fetch of an
 exact version costs two file reads instead of a gRPC round trip (about 1-2 ms on loopback,
 more than the copy of a 16 MiB model). The bytes are still checked against the header's
 digests, and anything unexpected (no header, an unparsable one, a file the server's user does
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
-from weightserver.shared_memory import header_file_name, version_file_name
+from weightserver.shm_layout import header_file_name, version_file_name
 from weightserver.v1 import weights_pb2 as pb
 
 MAX_HEADER_BYTES = 64 << 20  # far above any real manifest; a larger file is not one of ours

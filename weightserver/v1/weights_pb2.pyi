@@ -2,12 +2,33 @@ import datetime
 
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class Transport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRANSPORT_UNSPECIFIED: _ClassVar[Transport]
+    TRANSPORT_STREAM: _ClassVar[Transport]
+    TRANSPORT_BULK: _ClassVar[Transport]
+    TRANSPORT_SHARED_MEMORY: _ClassVar[Transport]
+
+class Direction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DIRECTION_UNSPECIFIED: _ClassVar[Direction]
+    DIRECTION_FETCH: _ClassVar[Direction]
+    DIRECTION_PUBLISH: _ClassVar[Direction]
+TRANSPORT_UNSPECIFIED: Transport
+TRANSPORT_STREAM: Transport
+TRANSPORT_BULK: Transport
+TRANSPORT_SHARED_MEMORY: Transport
+DIRECTION_UNSPECIFIED: Direction
+DIRECTION_FETCH: Direction
+DIRECTION_PUBLISH: Direction
 
 class PublishRequest(_message.Message):
     __slots__ = ("header", "chunk", "commit")
@@ -118,24 +139,20 @@ class DescribeRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("model", "version", "newer_than", "chunk_size", "base_version", "dtype", "accept_shared_memory", "accept_bulk")
+    __slots__ = ("model", "version", "newer_than", "chunk_size", "base_version", "dtype")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NEWER_THAN_FIELD_NUMBER: _ClassVar[int]
     CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
-    ACCEPT_SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
-    ACCEPT_BULK_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     newer_than: int
     chunk_size: int
     base_version: int
     dtype: str
-    accept_shared_memory: bool
-    accept_bulk: bool
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., newer_than: _Optional[int] = ..., chunk_size: _Optional[int] = ..., base_version: _Optional[int] = ..., dtype: _Optional[str] = ..., accept_shared_memory: _Optional[bool] = ..., accept_bulk: _Optional[bool] = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., newer_than: _Optional[int] = ..., chunk_size: _Optional[int] = ..., base_version: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class FetchResponse(_message.Message):
     __slots__ = ("header", "chunk", "up_to_date", "payload")
@@ -149,15 +166,29 @@ class FetchResponse(_message.Message):
     payload: Payload
     def __init__(self, header: _Optional[_Union[VersionInfo, _Mapping]] = ..., chunk: _Optional[bytes] = ..., up_to_date: _Optional[_Union[UpToDate, _Mapping]] = ..., payload: _Optional[_Union[Payload, _Mapping]] = ...) -> None: ...
 
-class LocateResponse(_message.Message):
-    __slots__ = ("up_to_date", "header", "payload")
+class NegotiateRequest(_message.Message):
+    __slots__ = ("direction", "accept", "fetch", "publish")
+    DIRECTION_FIELD_NUMBER: _ClassVar[int]
+    ACCEPT_FIELD_NUMBER: _ClassVar[int]
+    FETCH_FIELD_NUMBER: _ClassVar[int]
+    PUBLISH_FIELD_NUMBER: _ClassVar[int]
+    direction: Direction
+    accept: _containers.RepeatedScalarFieldContainer[Transport]
+    fetch: FetchRequest
+    publish: PublishHeader
+    def __init__(self, direction: _Optional[_Union[Direction, str]] = ..., accept: _Optional[_Iterable[_Union[Transport, str]]] = ..., fetch: _Optional[_Union[FetchRequest, _Mapping]] = ..., publish: _Optional[_Union[PublishHeader, _Mapping]] = ...) -> None: ...
+
+class NegotiateResponse(_message.Message):
+    __slots__ = ("transport", "up_to_date", "header", "payload")
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     UP_TO_DATE_FIELD_NUMBER: _ClassVar[int]
     HEADER_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    transport: Transport
     up_to_date: UpToDate
     header: VersionInfo
     payload: Payload
-    def __init__(self, up_to_date: _Optional[_Union[UpToDate, _Mapping]] = ..., header: _Optional[_Union[VersionInfo, _Mapping]] = ..., payload: _Optional[_Union[Payload, _Mapping]] = ...) -> None: ...
+    def __init__(self, transport: _Optional[_Union[Transport, str]] = ..., up_to_date: _Optional[_Union[UpToDate, _Mapping]] = ..., header: _Optional[_Union[VersionInfo, _Mapping]] = ..., payload: _Optional[_Union[Payload, _Mapping]] = ...) -> None: ...
 
 class Payload(_message.Message):
     __slots__ = ("byte_size", "xxh3", "base_version", "dtype", "shared_memory", "bulk", "base_xxh3")

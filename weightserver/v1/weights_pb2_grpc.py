@@ -55,10 +55,10 @@ class WeightServiceStub:
                 request_serializer=weightserver_dot_v1_dot_weights__pb2.FetchRequest.SerializeToString,
                 response_deserializer=weightserver_dot_v1_dot_weights__pb2.FetchResponse.FromString,
                 _registered_method=True)
-        self.Locate = channel.unary_unary(
-                '/weightserver.v1.WeightService/Locate',
-                request_serializer=weightserver_dot_v1_dot_weights__pb2.FetchRequest.SerializeToString,
-                response_deserializer=weightserver_dot_v1_dot_weights__pb2.LocateResponse.FromString,
+        self.Negotiate = channel.unary_unary(
+                '/weightserver.v1.WeightService/Negotiate',
+                request_serializer=weightserver_dot_v1_dot_weights__pb2.NegotiateRequest.SerializeToString,
+                response_deserializer=weightserver_dot_v1_dot_weights__pb2.NegotiateResponse.FromString,
                 _registered_method=True)
         self.Watch = channel.unary_stream(
                 '/weightserver.v1.WeightService/Watch',
@@ -133,22 +133,24 @@ class WeightServiceServicer:
         """Streams one version: first a `header` (the version's description with its tensor
         manifest and digests), then the safetensors bytes as `chunk`s of at most `chunk_size`
         bytes. With `newer_than` set and no newer version, the stream holds a single
-        `up_to_date` message and no bytes are sent. A request that sets base_version, dtype,
-        accept_shared_memory or accept_bulk gets a `payload` message after the header, saying
-        what follows (a delta, a cast, or the version itself) and where: chunks, a shared-memory
-        file, or a bulk TCP ticket. Clients that set none of these see only header and chunks.
+        `up_to_date` message and no bytes are sent. A request that sets base_version or dtype
+        gets a `payload` message after the header saying what the chunks are (a delta, a cast,
+        or the version itself). Clients that set neither see only header and chunks. This is
+        the transport every client has; Negotiate offers faster ones.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Locate(self, request, context):
-        """Fetch's answer in one message, for a caller that reads the bytes on a fast path: the
-        same request, answered with the header and a payload naming a shared-memory file or a
-        bulk TCP ticket (or `up_to_date`). When the server can offer none of the fast paths the
-        request accepts, `payload` is unset and the caller uses Fetch (e.g. with `version` set
-        to header.version). One unary round trip costs grpcio about half of a Fetch stream's,
-        and for small models on the same host that round trip is most of the fetch.
+    def Negotiate(self, request, context):
+        """Picks the transport for one payload and one direction before its bytes move. The caller
+        lists the transports it can use, most preferred first; the answer names the one chosen
+        and, for a fetch, the version, the payload and where to read it (a shared-memory file or
+        a bulk TCP ticket). TRANSPORT_STREAM in the answer means: use the Fetch or Publish stream
+        (for a fetch, ask Fetch for `header.version` exactly, so a newer publish in between does
+        not change what arrives). A client that negotiates nothing simply uses the streams.
+        Publishing over bulk or shared memory is not offered yet: a publish is answered
+        TRANSPORT_STREAM. Errors are Fetch's (NOT_FOUND, OUT_OF_RANGE, INVALID_ARGUMENT).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -216,10 +218,10 @@ def add_WeightServiceServicer_to_server(servicer, server):
                     request_deserializer=weightserver_dot_v1_dot_weights__pb2.FetchRequest.FromString,
                     response_serializer=weightserver_dot_v1_dot_weights__pb2.FetchResponse.SerializeToString,
             ),
-            'Locate': grpc.unary_unary_rpc_method_handler(
-                    servicer.Locate,
-                    request_deserializer=weightserver_dot_v1_dot_weights__pb2.FetchRequest.FromString,
-                    response_serializer=weightserver_dot_v1_dot_weights__pb2.LocateResponse.SerializeToString,
+            'Negotiate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Negotiate,
+                    request_deserializer=weightserver_dot_v1_dot_weights__pb2.NegotiateRequest.FromString,
+                    response_serializer=weightserver_dot_v1_dot_weights__pb2.NegotiateResponse.SerializeToString,
             ),
             'Watch': grpc.unary_stream_rpc_method_handler(
                     servicer.Watch,
@@ -367,7 +369,7 @@ class WeightService:
             _registered_method=True)
 
     @staticmethod
-    def Locate(request,
+    def Negotiate(request,
             target,
             options=(),
             channel_credentials=None,
@@ -380,9 +382,9 @@ class WeightService:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/weightserver.v1.WeightService/Locate',
-            weightserver_dot_v1_dot_weights__pb2.FetchRequest.SerializeToString,
-            weightserver_dot_v1_dot_weights__pb2.LocateResponse.FromString,
+            '/weightserver.v1.WeightService/Negotiate',
+            weightserver_dot_v1_dot_weights__pb2.NegotiateRequest.SerializeToString,
+            weightserver_dot_v1_dot_weights__pb2.NegotiateResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,98 @@
+"""The contract every transport keeps: move one payload, in either direction.
+
+A fetch first gets an `Offer` (from Negotiate for the fast transports, from the head of the
+Fetch stream for the stream), then hands it to the transport that the offer names, which
+either receives the payload's bytes into a buffer or scatters the version's tensors straight
+into views the caller owns ("placed"). A publish hands the transport its files. Transports
+move bytes and say when they cannot (`TransportFailed`); verifying the bytes and falling back
+is the caller's (`weightclient.service_client`), in one place for all of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol
+
+from weightclient.version_info import VersionInfo
+from weightserver.v1 import weights_pb2 as pb
+
+Progress = Callable[[int, int], None]
+"""Called as bytes move: (bytes so far, total bytes); may go back to 0 when a fetch starts over."""
+
+
+class TransportFailed(Exception):
+    """This transport cannot carry the payload here (another host, a closed port, bytes that
+    fail their digests): the caller falls back to the next transport."""
+
+
+class PayloadGone(TransportFailed):
+    """The file the server named was removed before it could be read (the version was
+    evicted meanwhile): the caller asks again for what it asked for, not for that version."""
+
+
+class NotOffered(TransportFailed):
+    """This transport does not carry payloads in this direction yet."""
+
+
+@dataclass(frozen=True)
+class Offer:
+    """One payload, as negotiated: the version it belongs to, what its bytes are (the version
+    itself, a delta or a cast: `payload`), and, for the stream, the open stream of chunks."""
+
+    info: VersionInfo
+    payload: pb.Payload
+    chunks: Iterator[Any] | None = field(default=None, repr=False)
+
+    @property
+    def whole_version(self) -> bool:
+        """Whether the payload is the version's own file (so its tensors can be placed)."""
+        return not self.payload.base_version and not self.payload.dtype and self.payload.xxh3 == self.info.xxh3
+
+    @property
+    def label(self) -> str:
+        return f"{self.info.model!r} v{self.info.version}"
+
+
+@dataclass(frozen=True)
+class OutgoingFile:
+    """One model's safetensors file to publish: its header and its bytes as consecutive parts."""
+
+    header: pb.PublishHeader
+    parts: Sequence[memoryview]
+
+
+class Transport(Protocol):
+    """Moves one payload between a client and a server. One class per transport in this
+    folder; `negotiation.TransportChain` orders them and applies the retry rule."""
+
+    name: ClassVar[str]  # "stream", "bulk" or "shm": what FetchStats.transport reports
+    kind: ClassVar[int]  # its pb.Transport value, as negotiated
+    sends: ClassVar[bool]  # whether it carries publishes yet
+
+    def send(
+        self, files: Sequence[OutgoingFile], *, timeout: float | None, progress: Progress | None
+    ) -> pb.PublishResponse:
+        """Publish `files` as one version; the server's reply. NotOffered where it cannot."""
+        ...
+
+    def receive(self, offer: Offer, *, into: memoryview | None, progress: Progress | None) -> memoryview:
+        """The offered payload's bytes, unverified, in `into` when it is large enough."""
+        ...
+
+    def receive_placed(self, offer: Offer, views: Mapping[str, memoryview]) -> list[str]:
+        """The offered version's file scattered into `views` (tensor name -> writable view of
+        its exact size; other bytes are dropped), each hashed as it lands: the names of the
+        tensors whose digests do not match (normally none)."""
+        ...
+
+
+def receive_buffer(size: int, into: memoryview | None = None) -> memoryview:
+    """`into[:size]` if it is large enough, else a writable, uninitialised byte buffer. Unlike
+    bytearray(size) it is not zero-filled first, which for a large model costs as much as
+    receiving it."""
+    if into is not None and into.nbytes >= size and not into.readonly:
+        return into.cast("B")[:size]
+    import numpy as np
+
+    return memoryview(np.empty(size, dtype=np.uint8))

@@ -1,0 +1,138 @@
+"""Shared memory: a payload read from a file in the server's shared memory, on the same host.
+
+The server names the file (Negotiate); the client maps it copy-on-write (no copy at all) or,
+placed, reads each tensor's blocks straight into the caller's views on two cores while hashing
+them (`block_reader`). Once handed a version's own file, the client knows the model's folder
+and reads later exact versions by their header files without asking (`read_directly`; the
+layout is `weightserver.shm_layout`). Publishing through shared memory is not offered yet.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Mapping, Sequence
+from typing import ClassVar
+
+import xxhash
+
+from weightclient.block_reader import read_blocks
+from weightclient.placement import BLOCK_BYTES, PREFIX_BYTES, Digests, layout
+from weightclient.shm_directory import SharedMemoryDirectory
+from weightclient.transports.base import NotOffered, Offer, OutgoingFile, PayloadGone, Progress, TransportFailed
+from weightclient.version_info import VersionInfo
+from weightserver.v1 import weights_pb2 as pb
+
+
+class SharedMemoryTransport:
+    """Reads payload files that a same-host server names, and remembers each model's folder."""
+
+    name: ClassVar[str] = "shm"
+    kind: ClassVar[int] = pb.TRANSPORT_SHARED_MEMORY
+    sends: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        self._folders: dict[str, SharedMemoryDirectory] = {}  # per model, once a version's file was read
+
+    def send(
+        self, files: Sequence[OutgoingFile], *, timeout: float | None, progress: Progress | None
+    ) -> pb.PublishResponse:
+        raise NotOffered("publishing through shared memory is not offered yet; publishes use the gRPC stream")
+
+    def receive(self, offer: Offer, *, into: memoryview | None, progress: Progress | None) -> memoryview:
+        """The file mapped copy-on-write: reading costs no copy, a write to a tensor viewing it
+        stays private, and the mapping stays valid after the server removes the file."""
+        path, size = offer.payload.shared_memory.path, offer.payload.byte_size
+        try:
+            with open(path, "rb", buffering=0) as f:
+                if os.fstat(f.fileno()).st_size != size:
+                    raise TransportFailed(f"{path} is not {size} bytes long")
+                data = (
+                    memoryview(
+                        mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                    )
+                    if size
+                    else memoryview(bytearray())
+                )
+        except (OSError, ValueError) as exc:
+            raise self._unreadable(path, exc) from exc
+        self._learn(offer)
+        return data
+
+    def receive_placed(self, offer: Offer, views: Mapping[str, memoryview]) -> list[str]:
+        path, info = offer.payload.shared_memory.path, offer.info
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as exc:
+            raise self._unreadable(path, exc) from exc
+        try:
+            if os.fstat(fd).st_size != info.byte_size:
+                raise TransportFailed(f"{path} is not {info.byte_size} bytes long")
+            bad = _read_placed(fd, info, views)
+        except (OSError, ValueError) as exc:
+            raise TransportFailed(f"cannot read {path}: {exc}") from exc
+        finally:
+            os.close(fd)
+        if not bad:
+            self._learn(offer)
+        return bad
+
+    def read_directly(self, model: str, version: int) -> Offer | None:
+        """An offer for exactly `version` made from its header file, with no call to the
+        server; None when this client knows no folder of the model or the header is not
+        there (not committed yet, evicted) or not to be trusted."""
+        folder = self._folders.get(model)
+        header = folder.header(model, version) if folder is not None else None
+        if header is None:
+            return None
+        info = VersionInfo.from_proto(header)
+        payload = pb.Payload(
+            byte_size=info.byte_size, xxh3=info.xxh3, shared_memory=pb.SharedMemoryFile(path=folder.file(version))
+        )
+        return Offer(info, payload)
+
+    def _learn(self, offer: Offer) -> None:
+        if offer.whole_version:
+            folder = SharedMemoryDirectory.learned_from(offer.payload.shared_memory.path, offer.info.version)
+            if folder is not None:
+                self._folders[offer.info.model] = folder
+
+    @staticmethod
+    def _unreadable(path: str, exc: Exception) -> TransportFailed:
+        """PayloadGone when the file left a folder this client can see (its version was evicted
+        after the server named it), else TransportFailed (another host, no permission)."""
+        if not os.path.exists(path) and os.path.isdir(os.path.dirname(path)):
+            return PayloadGone(f"{path} was removed before it could be read")
+        return TransportFailed(f"cannot open {path} here ({exc})")
+
+
+def _read_placed(fd: int, info: VersionInfo, views: Mapping[str, memoryview]) -> list[str]:
+    """Read the file's placed tensors into `views`, hashing each block while it is still in
+    cache: the tensors whose digests do not match."""
+    prefix = os.pread(fd, PREFIX_BYTES, 0)
+    if len(prefix) != PREFIX_BYTES:
+        raise ValueError("the file is shorter than a safetensors header")
+    offset = PREFIX_BYTES
+    blocks: list[tuple[memoryview, int]] = []
+    owners: list[str] = []  # the tensor of each block
+    for size, name in layout(info, views, int.from_bytes(prefix, "little")):
+        if name is not None:
+            for start in range(0, size, BLOCK_BYTES):
+                blocks.append((views[name][start : start + BLOCK_BYTES], offset + start))
+                owners.append(name)
+        offset += size
+    digests = Digests(info)
+    hashers: dict[str, xxhash.xxh3_128] = {}
+
+    def landed(i: int) -> None:
+        name = owners[i]
+        hasher = hashers.setdefault(name, xxhash.xxh3_128())
+        hasher.update(blocks[i][0])
+        if i + 1 == len(owners) or owners[i + 1] != name:
+            digests.check(name, hasher)
+
+    read_blocks(fd, blocks, landed)
+    for name in views:
+        if name not in hashers:  # an empty tensor: no blocks, nothing read
+            digests.check(name, xxhash.xxh3_128())
+    return digests.bad

@@ -1,0 +1,152 @@
+"""The gRPC streams: Publish and Fetch. Always available, works under TLS, and the only
+transport clients in other languages need. Chunks travel pre-framed (weightserver.framing)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, ClassVar
+
+import grpc
+
+from weightclient.placement import PlacedReceiver
+from weightclient.transports.base import Offer, OutgoingFile, Progress, receive_buffer
+from weightclient.version_info import VersionInfo
+from weightserver import framing
+from weightserver.errors import IntegrityError
+from weightserver.v1 import weights_pb2 as pb
+
+
+class StreamTransport:
+    """Payloads as chunk messages of a Fetch or Publish stream on the client's channel."""
+
+    name: ClassVar[str] = "stream"
+    kind: ClassVar[int] = pb.TRANSPORT_STREAM
+    sends: ClassVar[bool] = True
+
+    def __init__(self, channel: grpc.Channel, metadata: Any, chunk_bytes: int) -> None:
+        self.chunk_bytes = chunk_bytes
+        self._metadata = metadata
+        self._fetch = channel.unary_stream(
+            "/weightserver.v1.WeightService/Fetch",
+            request_serializer=pb.FetchRequest.SerializeToString,
+            response_deserializer=framing.deserialize_fetch_response,
+        )
+        self._publish = channel.stream_unary(
+            "/weightserver.v1.WeightService/Publish",
+            request_serializer=framing.serialize,
+            response_deserializer=pb.PublishResponse.FromString,
+        )
+
+    # ------------------------------------------------------------------ publish
+    def send(
+        self, files: Sequence[OutgoingFile], *, timeout: float | None, progress: Progress | None
+    ) -> pb.PublishResponse:
+        return self._publish(self._publish_messages(files, progress), timeout=timeout, metadata=self._metadata)
+
+    def _publish_messages(self, files: Sequence[OutgoingFile], progress: Progress | None) -> Iterator[Any]:
+        """Each header followed by its parts re-cut into chunks (small parts are merged), then
+        the commit. `progress` hears of each chunk once gRPC has taken it."""
+        total = sum(f.header.total_bytes for f in files)
+        sent = 0
+        for file in files:
+            yield pb.PublishRequest(header=file.header)
+            pending: list[memoryview] = []
+            pending_bytes = 0
+            for view in file.parts:
+                while view.nbytes:
+                    take = min(self.chunk_bytes - pending_bytes, view.nbytes)
+                    pending.append(view[:take])
+                    pending_bytes += take
+                    view = view[take:]
+                    if pending_bytes == self.chunk_bytes:
+                        yield framing.chunk_message(pending)
+                        sent += pending_bytes
+                        if progress is not None:
+                            progress(sent, total)
+                        pending, pending_bytes = [], 0
+            if pending:
+                yield framing.chunk_message(pending)
+                sent += pending_bytes
+                if progress is not None:
+                    progress(sent, total)
+        yield pb.PublishRequest(commit=pb.PublishCommit())
+
+    # ------------------------------------------------------------------ fetch
+    def open(self, request: pb.FetchRequest, timeout: float | None) -> Offer | None:
+        """Start a Fetch stream and read its head: None when the server is up to date, else an
+        offer whose chunks follow. The stream's own negotiation: it answers with the version
+        and, when the request asked for a delta or a cast, what the chunks are."""
+        stream = self._fetch(request, timeout=timeout, metadata=self._metadata)
+        try:
+            first = next(stream, None)
+            if not isinstance(first, pb.FetchResponse) or first.WhichOneof("kind") not in ("header", "up_to_date"):
+                raise IntegrityError(f"model {request.model!r}: the fetch stream did not start with a header")
+            if first.HasField("up_to_date"):
+                _expect_end(stream, request.model)
+                return None
+            info = VersionInfo.from_proto(first.header)
+            if request.base_version or request.dtype:
+                second = next(stream, None)
+                if not isinstance(second, pb.FetchResponse) or not second.HasField("payload"):
+                    raise IntegrityError(f"model {request.model!r}: expected a payload description after the header")
+                payload = second.payload
+            else:
+                payload = pb.Payload(byte_size=info.byte_size, xxh3=info.xxh3)
+        except BaseException:
+            stream.cancel()
+            raise
+        return Offer(info, payload, chunks=stream)
+
+    def receive(self, offer: Offer, *, into: memoryview | None, progress: Progress | None) -> memoryview:
+        size = offer.payload.byte_size
+        buffer = receive_buffer(size, into)
+        received = 0
+        for chunk in self._chunks(offer):
+            end = received + chunk.nbytes
+            if end > size:
+                raise IntegrityError(f"model {offer.label}: the server sent more than the announced {size} bytes")
+            buffer[received:end] = chunk
+            received = end
+            if progress is not None:
+                progress(received, size)
+        if received != size:
+            raise IntegrityError(f"model {offer.label}: received {received} of {size} bytes; the stream was cut short")
+        return buffer
+
+    def receive_placed(self, offer: Offer, views: Mapping[str, memoryview]) -> list[str]:
+        receiver = PlacedReceiver(offer.info, views)
+        try:
+            for chunk in self._chunks(offer):
+                while chunk.nbytes:
+                    if receiver.done:
+                        raise ValueError("more bytes than announced")
+                    target = receiver.target(chunk.nbytes)
+                    target[:] = chunk[: target.nbytes]
+                    receiver.advance(target.nbytes)
+                    chunk = chunk[target.nbytes :]
+        except ValueError as exc:
+            raise IntegrityError(
+                f"model {offer.label}: the streamed file does not match its description: {exc}"
+            ) from exc
+        if not receiver.done:
+            raise IntegrityError(f"model {offer.label}: the stream was cut short")
+        return receiver.bad()
+
+    @staticmethod
+    def _chunks(offer: Offer) -> Iterator[memoryview]:
+        stream = offer.chunks
+        assert stream is not None, "a stream offer comes from StreamTransport.open"
+        try:
+            for message in stream:
+                if not isinstance(message, memoryview):
+                    raise IntegrityError(f"model {offer.label}: expected chunks, got {message.WhichOneof('kind')!r}")
+                yield message
+        finally:
+            stream.cancel()
+
+
+def _expect_end(stream: Iterator[Any], model: str) -> None:
+    """Read a Fetch stream to its end (the OK status the server sent after its last message).
+    Cancelling it instead races with that status and makes grpc log an error on the server."""
+    for _ in stream:
+        raise IntegrityError(f"model {model!r}: the server sent more than the fetch expects")
