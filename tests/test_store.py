@@ -281,8 +281,6 @@ def test_invalid_model_names(store: VersionStore, name: str) -> None:
     for read in (store.latest, store.versions, lambda m: store.get(m, 1), lambda m: store.versions_after(m, 0)):
         with pytest.raises(InvalidModelName):
             read(name)
-    with pytest.raises(InvalidModelName):
-        store.wait_for_version(name, 0, timeout=0)
     assert store.models() == []
 
 
@@ -569,39 +567,7 @@ def test_newer_than(store: VersionStore) -> None:
         store.newer_than("critic", 0)
 
 
-# ---------------------------------------------------------------------------- waiting and listeners
-
-
-def test_wait_for_version_times_out(store: VersionStore) -> None:
-    start = time.monotonic()
-    assert store.wait_for_version("policy", 0, timeout=0.05) is None
-    assert 0.05 <= time.monotonic() - start < 1.0
-    assert store.wait_for_version("policy", 0, timeout=0) is None
-    store.publish("policy", payload(1))
-    assert store.wait_for_version("policy", 1, timeout=0.02) is None
-
-
-def test_wait_for_version_returns_at_once_when_newer(store: VersionStore) -> None:
-    first = store.publish("policy", payload(1))
-    start = time.monotonic()
-    assert store.wait_for_version("policy", 0, timeout=5) is first
-    assert store.wait_for_version("policy", 0) is first
-    assert time.monotonic() - start < 1.0
-
-
-def test_wait_for_version_wakes_on_publish(store: VersionStore) -> None:
-    store.publish("policy", payload(1))
-    results: list[Version | None] = []
-    waiter = threading.Thread(target=lambda: results.append(store.wait_for_version("policy", 1, timeout=5)))
-    waiter.start()
-    time.sleep(0.05)
-    store.publish("critic", payload(1))  # another model does not wake it for good
-    time.sleep(0.02)
-    assert waiter.is_alive()
-    second = store.publish("policy", payload(2))
-    waiter.join(timeout=5)
-    assert not waiter.is_alive()
-    assert results == [second]
+# ---------------------------------------------------------------------------- listeners
 
 
 def test_subscribe_is_called_after_commit(store: VersionStore) -> None:

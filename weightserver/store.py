@@ -157,7 +157,6 @@ class VersionStore:
         if max_tensors is not None:
             self._header_limits["max_tensors"] = max_tensors
         self._lock = threading.Lock()
-        self._changed = threading.Condition(self._lock)
         self._models: dict[str, _Model] = {}
         self._listeners: list[Callable[[Version], None]] = []
         if self.data_dir is not None:
@@ -258,7 +257,6 @@ class VersionStore:
                     state.versions[number] = record
                     state.high_water = number
                     evicted += self._evict(state)
-                self._changed.notify_all()
                 listeners = list(self._listeners)
             # Still under the commit locks, so listeners see each model's versions in order.
             for record in records:
@@ -396,21 +394,6 @@ class VersionStore:
                 for name, state in sorted(self._models.items())
                 if state.versions
             ]
-
-    def wait_for_version(self, model: str, after: int, timeout: float | None = None) -> Version | None:
-        """Block until `model` has a version newer than `after`; None on timeout."""
-        validate_model_name(model)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._changed:
-            while True:
-                state = self._models.get(model)
-                record = state.latest() if state else None
-                if record is not None and record.version > after:
-                    return record
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return None
-                self._changed.wait(remaining)
 
     def subscribe(self, listener: Callable[[Version], None]) -> Callable[[], None]:
         """Call `listener(version)` after every commit, in version order per model (from the
