@@ -94,7 +94,13 @@ class Version:
 
 @dataclass(frozen=True)
 class Upload:
-    """One model's bytes in a publish, with what the publisher declared about them."""
+    """One model's bytes in a publish, with what the publisher declared about them.
+
+    `on_commit`, when given, is called with the Version these bytes became once it is durable
+    and before any reader can see it (no get, no fetch, no listener yet), under the model's
+    commit lock: the caller's chance to put things in place beside the version. It must not
+    block for long; an exception is logged and the commit stands.
+    """
 
     model: str
     data: bytes | bytearray | memoryview = field(repr=False)
@@ -102,6 +108,7 @@ class Upload:
     total_bytes: int | None = None
     metadata: Mapping[str, str] | None = None
     pin: bool = False
+    on_commit: Callable[[Version], None] | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -250,6 +257,9 @@ class VersionStore:
             ]
             if self.data_dir is not None:
                 self._write_group(records)
+            for upload, record in zip(uploads, records, strict=True):
+                if upload.on_commit is not None:
+                    _call_logged(upload.on_commit, record)
             evicted: list[Version] = []
             with self._lock:
                 for record in records:
@@ -261,10 +271,7 @@ class VersionStore:
             # Still under the commit locks, so listeners see each model's versions in order.
             for record in records:
                 for listener in listeners:
-                    try:
-                        listener(record)
-                    except Exception:
-                        log.exception("version listener %r failed on %s v%d", listener, record.model, number)
+                    _call_logged(listener, record)
         self._remove_files(evicted)
         return records
 
@@ -646,6 +653,14 @@ def _atomic_write(path: Path, data: bytes | bytearray | memoryview) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def _call_logged(callback: Callable[[Version], None], record: Version) -> None:
+    """Run a commit hook or listener: its failure is logged, the commit stands."""
+    try:
+        callback(record)
+    except Exception:
+        log.exception("%r failed on %s v%d", callback, record.model, record.version)
 
 
 def _names(names: Sequence[str]) -> str:
