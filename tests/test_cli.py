@@ -1,24 +1,31 @@
-"""The `weightserver` command line against a real server."""
+"""The `weightserver` console script (weightclient.command_line) against a real server, and
+`python -m weightserver`, the server's own command line (serve only)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from weightserver.cli import main, parse_size
+from weightclient.command_line import build_parser, main
+from weightserver.cli import CLIENT_COMMANDS, parse_size
 
 COMMANDS = ["serve", "publish", "fetch", "ls", "watch", "delete", "pin"]
 
 
-def _cli(*args: str, env: dict[str, str] | None = None, **kwargs) -> subprocess.CompletedProcess[str]:
+def _cli(*args: str, module: str = "weightclient", env: dict[str, str] | None = None, **kwargs):
+    """`weightserver ARGS` as the console script runs it (`python -m weightclient`), or with
+    `module="weightserver"` the server's own command line."""
     return subprocess.run(
-        [sys.executable, "-m", "weightserver", *args],
+        [sys.executable, "-m", module, *args],
         capture_output=True,
         text=True,
         env={**os.environ, **(env or {})},
@@ -41,6 +48,28 @@ def test_help_on_every_command(command):
     result = _cli(*([command] if command else []), "--help")
     assert result.returncode == 0, result.stderr
     assert "usage: weightserver" in result.stdout
+
+
+def test_the_console_script_is_the_client_command_line():
+    tomllib = pytest.importorskip("tomllib")
+    with open(Path(__file__).parents[1] / "pyproject.toml", "rb") as f:
+        scripts = tomllib.load(f)["project"]["scripts"]
+    assert scripts == {"weightserver": "weightclient.command_line:main"}
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert list(commands.choices) == COMMANDS == ["serve", *CLIENT_COMMANDS]
+
+
+def test_python_m_weightserver_serves_and_points_client_commands_to_the_console_script(weights_file):
+    listed = _cli("--help", module="weightserver")
+    assert listed.returncode == 0 and "usage: weightserver" in listed.stdout
+    listed_commands = re.findall(r"^    (\w+) ", listed.stdout, re.MULTILINE)
+    assert listed_commands == ["serve"]
+    assert _cli("serve", "--help", module="weightserver").stdout == _cli("serve", "--help").stdout
+    for args in (["publish", str(weights_file), "--model", "policy"], ["fetch", "--help"], ["ls"]):
+        result = _cli(*args, module="weightserver")
+        assert result.returncode == 2
+        assert f"weightserver {args[0]}: a client command" in result.stderr
+        assert f"installed `weightserver` command: weightserver {args[0]} ..." in result.stderr
 
 
 def test_publish_fetch_ls_round_trip(server, weights_file, tmp_path, capsys):
@@ -102,7 +131,7 @@ def test_watch_prints_each_new_version(server, weights_file):
         [
             sys.executable,
             "-m",
-            "weightserver",
+            "weightclient",
             "watch",
             "--model",
             "policy",
@@ -134,7 +163,8 @@ def test_parse_size(text, expected):
     assert parse_size(text) == expected
 
 
-def test_bad_size_is_refused():
-    result = _cli("serve", "--max-model-bytes", "lots")
+@pytest.mark.parametrize("module", ["weightclient", "weightserver"])
+def test_bad_size_is_refused(module):
+    result = _cli("serve", "--max-model-bytes", "lots", module=module)
     assert result.returncode == 2
     assert "invalid size 'lots'" in result.stderr

@@ -86,7 +86,7 @@ def test_up_to_date_fetch_reports_nothing(server):
 # ---------------------------------------------------------------------- the CLI's bars
 def run_cli(*args: str, terminal: bool) -> tuple[int, str, str]:
     """`weightserver ARGS` with stderr on a pseudo-terminal (or a pipe); exit code, stdout, stderr."""
-    command = [sys.executable, "-m", "weightserver", *args]
+    command = [sys.executable, "-m", "weightclient", *args]  # the `weightserver` console script
     if not terminal:
         result = subprocess.run(command, capture_output=True, text=True, timeout=60)
         return result.returncode, result.stdout, result.stderr

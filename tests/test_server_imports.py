@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 
 def test_server_cli_and_byte_client_do_not_import_torch():
@@ -15,6 +16,22 @@ def test_server_cli_and_byte_client_do_not_import_torch():
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_server_never_imports_the_client():
+    """No package cycle: every module of the server package loads without weightclient."""
+    code = (
+        "import importlib, pkgutil, sys\n"
+        "import weightserver\n"
+        "for module in pkgutil.walk_packages(weightserver.__path__, 'weightserver.'):\n"
+        "    if module.name != 'weightserver.__main__':\n"
+        "        importlib.import_module(module.name)\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'weightclient')\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+    sources = Path(__file__).parents[1] / "weightserver"
+    assert [p.name for p in sources.rglob("*.py") if "weightclient" in p.read_text()] == []
 
 
 def test_version_store_imports_no_grpc():

@@ -1,5 +1,5 @@
 """Tests of VersionStore alone (no gRPC): publishing, integrity, names, retention, delete,
-cursors, waiting, listeners, persistence with crash debris, and thread safety."""
+cursors, listeners and commit hooks, persistence with crash debris, and thread safety."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from weightserver.errors import (
     VersionNotFound,
 )
 from weightserver.safetensors_format import build_header, parse_header
-from weightserver.store import Version, VersionStore, validate_model_name
+from weightserver.store import Upload, Version, VersionStore, validate_model_name
 
 STORE_LOGGER = "weightserver.store"
 
@@ -281,8 +281,6 @@ def test_invalid_model_names(store: VersionStore, name: str) -> None:
     for read in (store.latest, store.versions, lambda m: store.get(m, 1), lambda m: store.versions_after(m, 0)):
         with pytest.raises(InvalidModelName):
             read(name)
-    with pytest.raises(InvalidModelName):
-        store.wait_for_version(name, 0, timeout=0)
     assert store.models() == []
 
 
@@ -569,39 +567,7 @@ def test_newer_than(store: VersionStore) -> None:
         store.newer_than("critic", 0)
 
 
-# ---------------------------------------------------------------------------- waiting and listeners
-
-
-def test_wait_for_version_times_out(store: VersionStore) -> None:
-    start = time.monotonic()
-    assert store.wait_for_version("policy", 0, timeout=0.05) is None
-    assert 0.05 <= time.monotonic() - start < 1.0
-    assert store.wait_for_version("policy", 0, timeout=0) is None
-    store.publish("policy", payload(1))
-    assert store.wait_for_version("policy", 1, timeout=0.02) is None
-
-
-def test_wait_for_version_returns_at_once_when_newer(store: VersionStore) -> None:
-    first = store.publish("policy", payload(1))
-    start = time.monotonic()
-    assert store.wait_for_version("policy", 0, timeout=5) is first
-    assert store.wait_for_version("policy", 0) is first
-    assert time.monotonic() - start < 1.0
-
-
-def test_wait_for_version_wakes_on_publish(store: VersionStore) -> None:
-    store.publish("policy", payload(1))
-    results: list[Version | None] = []
-    waiter = threading.Thread(target=lambda: results.append(store.wait_for_version("policy", 1, timeout=5)))
-    waiter.start()
-    time.sleep(0.05)
-    store.publish("critic", payload(1))  # another model does not wake it for good
-    time.sleep(0.02)
-    assert waiter.is_alive()
-    second = store.publish("policy", payload(2))
-    waiter.join(timeout=5)
-    assert not waiter.is_alive()
-    assert results == [second]
+# ---------------------------------------------------------------------------- listeners
 
 
 def test_subscribe_is_called_after_commit(store: VersionStore) -> None:
@@ -635,6 +601,34 @@ def test_multiple_listeners(store: VersionStore) -> None:
     unsubscribe_a()
     store.publish("policy", payload(2))
     assert a == [1] and b == [1, 2]
+
+
+def test_on_commit_runs_before_any_reader_sees_the_version(tmp_path: Path) -> None:
+    store = VersionStore(tmp_path)
+    hooked: list[tuple[Version, list, bool]] = []
+    heard: list[int] = []
+
+    def on_commit(record: Version) -> None:
+        durable = (tmp_path / "policy" / f"{record.version:012d}.json").exists()
+        hooked.append((record, store.models(), durable))
+
+    store.subscribe(lambda record: heard.append(len(hooked)))
+    [record] = store.publish_group([Upload("policy", payload(1), on_commit=on_commit)])
+    assert hooked == [(record, [], True)]  # durable, not yet readable
+    assert heard == [1]  # listeners hear of it after the hook ran
+    with pytest.raises(IntegrityError):
+        store.publish_group([Upload("policy", payload(2), total_bytes=1, on_commit=on_commit)])
+    assert len(hooked) == 1  # a publish that fails calls no hook
+
+
+def test_a_failing_on_commit_is_logged_and_the_commit_stands(store: VersionStore, caplog) -> None:
+    def on_commit(record: Version) -> None:
+        raise OSError("no room")
+
+    with caplog.at_level(logging.ERROR, logger=STORE_LOGGER):
+        [record] = store.publish_group([Upload("policy", payload(1), on_commit=on_commit)])
+    assert store.latest("policy") == record
+    assert _logged(caplog, logging.ERROR, "failed on policy v1")
 
 
 # ---------------------------------------------------------------------------- persistence

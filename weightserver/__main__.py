@@ -1,4 +1,4 @@
-"""`python -m weightserver` runs the command line (see weightserver.cli)."""
+"""`python -m weightserver` runs the server's command line, `serve` (see weightserver.cli)."""
 
 import sys
 

@@ -104,11 +104,6 @@ class PayloadCache:
         self._building: dict[tuple[str, int, int, str], threading.Event] = {}
         self.builds = 0  # how many payloads were derived (a cast happens once per version)
 
-    @property
-    def cached_bytes(self) -> int:
-        with self._lock:
-            return sum(p.byte_size for p in self._entries.values())
-
     def get(self, target, base=None, dtype: str = "") -> Payload:
         """The payload for `target` (a store Version): a delta against `base` (a Version of
         the same model, or None) and/or a cast to `dtype`."""

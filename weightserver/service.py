@@ -32,7 +32,7 @@ from weightserver.errors import (
 )
 from weightserver.metrics import NoMetrics
 from weightserver.payloads import Payload, PayloadCache
-from weightserver.shared_memory import SharedMemoryFiles, SharedMemoryUpload
+from weightserver.shared_memory import SharedMemoryFiles
 from weightserver.store import Upload, Version, VersionStore, validate_model_name
 from weightserver.v1 import weights_pb2 as pb
 from weightserver.v1 import weights_pb2_grpc as pb_grpc
@@ -127,7 +127,6 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         self.bulk = bulk
         self.shared_memory = shared_memory
         self.metrics = metrics or NoMetrics()
-        self._adopting: dict[int, SharedMemoryUpload] = {}
         # The fast transports this server offers to Negotiate, in no order: the caller's decides.
         # Each with the name its transfers are logged and counted under.
         self._offers: dict[int, tuple[str, Callable[[Version, Payload, pb.Payload], Awaitable[None]]]] = {}
@@ -145,15 +144,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
             self.tokens.authorize(context.invocation_metadata(), method)
 
     def _on_commit(self, record: Version) -> None:
-        # Runs in the committing thread, before the publish returns: a version received into a
-        # shared-memory file becomes that version's payload file, ready for same-host fetches.
-        upload = self._adopting.pop(id(record.data), None) if self.shared_memory is not None else None
-        if upload is not None:
-            self.shared_memory.adopt((record.model, record.version, 0, ""), upload)
-            # Under the commit lock, so `record` is current: no pin can come in between.
-            self.shared_memory.write_header(
-                record.model, record.version, lambda: wire.version_info(record).SerializeToString()
-            )
+        """Store listener: a commit may have evicted older versions of the model."""
         self._forget_removed(record.model)
 
     def _write_shm_header(self, model: str, version: int) -> None:
@@ -199,7 +190,6 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
             records = await self._receive_and_commit(request_iterator, incoming)
         finally:
             for model in incoming:
-                self._adopting.pop(id(model.buffer), None)
                 if model.upload is not None and model.upload.path.exists():
                     model.upload.abort()  # a publish that did not commit leaves no file
         for record in records:
@@ -246,18 +236,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
                 "was published (the publisher was cancelled or failed before finishing)"
             )
         digests = _declared_sha256s(incoming, commit)
-        uploads = [
-            Upload(
-                model.header.model,
-                model.buffer,
-                sha256=digest,
-                total_bytes=model.header.total_bytes,
-                metadata=dict(model.header.metadata),
-                pin=model.header.pin,
-            )
-            for model, digest in zip(incoming, digests, strict=True)
-        ]
-        self._adopting.update({id(m.buffer): m.upload for m in incoming if m.upload is not None})
+        uploads = [model.as_upload(digest) for model, digest in zip(incoming, digests, strict=True)]
         return await asyncio.to_thread(self.store.publish_group, uploads, version=incoming[0].header.version)
 
     # ------------------------------------------------------------------ describe
@@ -487,10 +466,12 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
 
 
 class _IncomingModel:
-    """One model's bytes arriving in a Publish stream, into a buffer of the declared size."""
+    """One model's bytes arriving in a Publish stream, into a buffer of the declared size (a
+    shared-memory file when the server has a shared-memory directory)."""
 
     def __init__(self, header: pb.PublishHeader, shared_memory: SharedMemoryFiles | None = None) -> None:
         self.header = header
+        self.shared_memory = shared_memory
         self.upload = shared_memory.new_upload(header.model, header.total_bytes) if shared_memory else None
         # Anonymous memory is committed page by page as chunks arrive, so a header that claims
         # more than it sends reserves nothing (a bytearray would be zero-filled up front).
@@ -513,6 +494,29 @@ class _IncomingModel:
                 f"model {self.header.model!r}: publisher declared {self.header.total_bytes} bytes but sent "
                 f"{self.received}; the upload was cut short or the header is wrong"
             )
+
+    def as_upload(self, sha256: str) -> Upload:
+        """The store's Upload of the received bytes; one received into a shared-memory file
+        brings the hook that makes the file its version's payload file."""
+        return Upload(
+            self.header.model,
+            self.buffer,
+            sha256=sha256,
+            total_bytes=self.header.total_bytes,
+            metadata=dict(self.header.metadata),
+            pin=self.header.pin,
+            on_commit=self._adopt if self.upload is not None else None,
+        )
+
+    def _adopt(self, record: Version) -> None:
+        """The store calls this once `record` is durable and before any reader can see it, under
+        the model's commit lock: a same-host fetch or a watcher that hears of the version finds
+        its file and header in place, and no pin can change `record` in between."""
+        assert self.shared_memory is not None and self.upload is not None
+        self.shared_memory.adopt((record.model, record.version, 0, ""), self.upload)
+        self.shared_memory.write_header(
+            record.model, record.version, lambda: wire.version_info(record).SerializeToString()
+        )
 
 
 def _models(incoming: list[_IncomingModel]) -> str:

@@ -94,7 +94,13 @@ class Version:
 
 @dataclass(frozen=True)
 class Upload:
-    """One model's bytes in a publish, with what the publisher declared about them."""
+    """One model's bytes in a publish, with what the publisher declared about them.
+
+    `on_commit`, when given, is called with the Version these bytes became once it is durable
+    and before any reader can see it (no get, no fetch, no listener yet), under the model's
+    commit lock: the caller's chance to put things in place beside the version. It must not
+    block for long; an exception is logged and the commit stands.
+    """
 
     model: str
     data: bytes | bytearray | memoryview = field(repr=False)
@@ -102,6 +108,7 @@ class Upload:
     total_bytes: int | None = None
     metadata: Mapping[str, str] | None = None
     pin: bool = False
+    on_commit: Callable[[Version], None] | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -157,7 +164,6 @@ class VersionStore:
         if max_tensors is not None:
             self._header_limits["max_tensors"] = max_tensors
         self._lock = threading.Lock()
-        self._changed = threading.Condition(self._lock)
         self._models: dict[str, _Model] = {}
         self._listeners: list[Callable[[Version], None]] = []
         if self.data_dir is not None:
@@ -251,6 +257,9 @@ class VersionStore:
             ]
             if self.data_dir is not None:
                 self._write_group(records)
+            for upload, record in zip(uploads, records, strict=True):
+                if upload.on_commit is not None:
+                    _call_logged(upload.on_commit, record)
             evicted: list[Version] = []
             with self._lock:
                 for record in records:
@@ -258,15 +267,11 @@ class VersionStore:
                     state.versions[number] = record
                     state.high_water = number
                     evicted += self._evict(state)
-                self._changed.notify_all()
                 listeners = list(self._listeners)
             # Still under the commit locks, so listeners see each model's versions in order.
             for record in records:
                 for listener in listeners:
-                    try:
-                        listener(record)
-                    except Exception:
-                        log.exception("version listener %r failed on %s v%d", listener, record.model, number)
+                    _call_logged(listener, record)
         self._remove_files(evicted)
         return records
 
@@ -396,21 +401,6 @@ class VersionStore:
                 for name, state in sorted(self._models.items())
                 if state.versions
             ]
-
-    def wait_for_version(self, model: str, after: int, timeout: float | None = None) -> Version | None:
-        """Block until `model` has a version newer than `after`; None on timeout."""
-        validate_model_name(model)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._changed:
-            while True:
-                state = self._models.get(model)
-                record = state.latest() if state else None
-                if record is not None and record.version > after:
-                    return record
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return None
-                self._changed.wait(remaining)
 
     def subscribe(self, listener: Callable[[Version], None]) -> Callable[[], None]:
         """Call `listener(version)` after every commit, in version order per model (from the
@@ -663,6 +653,14 @@ def _atomic_write(path: Path, data: bytes | bytearray | memoryview) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def _call_logged(callback: Callable[[Version], None], record: Version) -> None:
+    """Run a commit hook or listener: its failure is logged, the commit stands."""
+    try:
+        callback(record)
+    except Exception:
+        log.exception("%r failed on %s v%d", callback, record.model, record.version)
 
 
 def _names(names: Sequence[str]) -> str:

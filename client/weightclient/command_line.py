@@ -1,0 +1,240 @@
+"""The `weightserver` console script: `serve` (weightserver.cli's) and the client's commands,
+publish, fetch, ls, watch, delete and pin. `python -m weightclient` runs it too.
+
+The client commands connect with WeightServiceClient, which reads `WEIGHTSERVER_ADDRESS` (the
+default server), `WEIGHTSERVER_TOKEN` and `WEIGHTSERVER_TLS_*`; logging is set up as for
+`serve` (weightserver.cli.run_command).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+
+from weightclient.service_client import WeightServiceClient
+from weightclient.version_info import VersionInfo
+from weightserver.cli import command_parser, run_command
+from weightserver.errors import ModelNotFound
+from weightserver.progress import TransferProgress
+
+
+def parse_meta(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"invalid metadata {text!r}: use KEY=VALUE")
+    return key, value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole `weightserver` command line: `serve` and the client's commands."""
+    parser, commands = command_parser()
+
+    def client_command(name: str, help_text: str) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=help_text, description=help_text[0].upper() + help_text[1:] + ".")
+        sub.add_argument(
+            "--server",
+            default=None,
+            help="host:port of the server (default: $WEIGHTSERVER_ADDRESS, else localhost:50051)",
+        )
+        sub.add_argument(
+            "--token-file",
+            type=Path,
+            default=None,
+            help="read the bearer token from this file (default: $WEIGHTSERVER_TOKEN, if set)",
+        )
+        sub.add_argument(
+            "--tls-ca",
+            type=Path,
+            default=None,
+            metavar="PEM",
+            help="connect with TLS, trusting this CA (default: $WEIGHTSERVER_TLS_CA; plaintext if neither)",
+        )
+        sub.add_argument("--tls-cert", type=Path, default=None, metavar="PEM", help="client certificate (mutual TLS)")
+        sub.add_argument("--tls-key", type=Path, default=None, metavar="PEM", help="private key of --tls-cert")
+        return sub
+
+    publish = client_command("publish", "publish a .safetensors file as a new version and print its number")
+    publish.add_argument("file", type=Path, help="a .safetensors file")
+    publish.add_argument("--model", required=True, help="model name, e.g. policy")
+    publish.add_argument(
+        "--version", dest="version_number", type=int, default=0, help="version number to request (default: next one)"
+    )
+    publish.add_argument(
+        "--meta",
+        type=parse_meta,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="metadata to store with the version (repeatable)",
+    )
+    publish.add_argument("--pin", action="store_true", help="keep this version beyond --keep")
+    publish.add_argument("--json", action="store_true", help="print the version's description as JSON")
+    publish.set_defaults(handler=cmd_publish)
+
+    fetch = client_command("fetch", "fetch a version into a .safetensors file")
+    fetch.add_argument("--model", required=True, help="model name")
+    fetch.add_argument(
+        "--version", dest="version_number", type=int, default=None, help="exact version (default: latest)"
+    )
+    fetch.add_argument("-o", "--output", type=Path, required=True, help="file to write")
+    fetch.set_defaults(handler=cmd_fetch)
+
+    ls = client_command("ls", "list models, or the versions of one model")
+    ls.add_argument("--model", default=None, help="list this model's versions and tensors")
+    ls.add_argument("--json", action="store_true", help="print JSON")
+    ls.set_defaults(handler=cmd_ls)
+
+    watch = client_command("watch", "print a line for every new version of a model until interrupted")
+    watch.add_argument("--model", required=True, help="model name")
+    watch.add_argument(
+        "--since",
+        type=int,
+        default=None,
+        help="last version you know; older retained versions are printed first (default: latest)",
+    )
+    watch.add_argument("--json", action="store_true", help="print one JSON object per version")
+    watch.set_defaults(handler=cmd_watch)
+
+    delete = client_command("delete", "delete one version")
+    delete.add_argument("--model", required=True, help="model name")
+    delete.add_argument("--version", dest="version_number", type=int, required=True, help="version to delete")
+    delete.set_defaults(handler=cmd_delete)
+
+    pin = client_command("pin", "pin a version so --keep never evicts it (or --unpin)")
+    pin.add_argument("--model", required=True, help="model name")
+    pin.add_argument("--version", dest="version_number", type=int, required=True, help="version to pin")
+    pin.add_argument("--unpin", action="store_true", help="unpin instead")
+    pin.set_defaults(handler=cmd_pin)
+    return parser
+
+
+# ---------------------------------------------------------------------- commands
+def _client(args: argparse.Namespace) -> WeightServiceClient:
+    token = args.token_file.read_text().strip() if args.token_file is not None else None
+    return WeightServiceClient(
+        args.server, token=token, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key
+    )
+
+
+def cmd_publish(args: argparse.Namespace) -> int:
+    data = args.file.read_bytes()
+    with _client(args) as client, TransferProgress(f"publish {args.model}") as progress:
+        info = client.publish_bytes(
+            args.model, data, version=args.version_number, metadata=dict(args.meta), pin=args.pin, progress=progress
+        )
+    print(json.dumps(_info_json(info), indent=1) if args.json else info.version)
+    return 0
+
+
+def cmd_fetch(args: argparse.Namespace) -> int:
+    with _client(args) as client, TransferProgress(f"fetch {args.model}") as progress:
+        fetched = client.fetch_bytes(args.model, version=args.version_number, progress=progress)
+    assert fetched is not None
+    tmp = args.output.with_name(args.output.name + ".part")
+    tmp.write_bytes(fetched.data)
+    tmp.replace(args.output)
+    info = fetched.info
+    print(f"{info.model} v{info.version} -> {args.output} ({info.byte_size} bytes, sha256 {info.sha256})")
+    return 0
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        if args.model is None:
+            models = client.list_models()
+            if args.json:
+                print(json.dumps([m.__dict__ for m in models], indent=1))
+                return 0
+            _table(
+                ["MODEL", "LATEST", "VERSIONS", "BYTES"],
+                [[m.model, m.latest_version, m.version_count, m.retained_bytes] for m in models],
+            )
+            return 0
+        versions = client.list_versions(args.model)
+    if args.json:
+        print(json.dumps([_info_json(v) for v in versions], indent=1))
+        return 0
+    _table(
+        ["VERSION", "CREATED", "BYTES", "TENSORS", "PINNED", "SHA256", "METADATA"],
+        [
+            [
+                v.version,
+                _when(v.created),
+                v.byte_size,
+                len(v.tensors),
+                "yes" if v.pinned else "",
+                v.sha256[:16],
+                " ".join(f"{k}={val}" for k, val in sorted(v.metadata.items())),
+            ]
+            for v in versions
+        ],
+    )
+    return 0
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        since = args.since
+        if since is None:
+            try:
+                since = client.latest(args.model).version
+            except ModelNotFound:
+                since = 0
+        print(f"watching {args.model} after version {since} on {client.address}", file=sys.stderr, flush=True)
+        for event in client.watch(args.model, since=since):
+            info = event.info
+            if args.json:
+                print(json.dumps({**_info_json(info), "gap": event.gap}), flush=True)
+            else:
+                gap = "  (some earlier versions were evicted before they could be sent)" if event.gap else ""
+                print(f"{info.model} v{info.version} {info.byte_size} bytes sha256 {info.sha256}{gap}", flush=True)
+    return 0
+
+
+def cmd_delete(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        info = client.delete(args.model, args.version_number)
+    print(f"deleted {info.model} v{info.version}")
+    return 0
+
+
+def cmd_pin(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        info = client.pin(args.model, args.version_number, pinned=not args.unpin)
+    print(f"{'pinned' if info.pinned else 'unpinned'} {info.model} v{info.version}")
+    return 0
+
+
+# ---------------------------------------------------------------------- output
+def _info_json(info: VersionInfo) -> dict[str, object]:
+    return {
+        "model": info.model,
+        "version": info.version,
+        "byte_size": info.byte_size,
+        "sha256": info.sha256,
+        "created": info.created.isoformat(),
+        "metadata": info.metadata,
+        "pinned": info.pinned,
+        "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in info.tensors],
+    }
+
+
+def _when(moment: datetime) -> str:
+    return moment.astimezone().strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _table(headers: list[str], rows: list[list[object]]) -> None:
+    cells = [headers] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    for row in cells:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The `weightserver` console script."""
+    parser = build_parser()
+    return run_command(parser, parser.parse_args(argv))
