@@ -1,6 +1,6 @@
 """FetchReports: telling the server about fetches it did not serve, without making them wait.
 
-A version read straight from the server's shared memory (see `shm_directory`) never reached the
+A version read straight from the server's shared memory (see `transports.shared_memory`) never reached the
 server, yet its metrics and logs (bytes served, each client's version) should count it. The
 client reports such a read with the Negotiate call it skipped, from a thread of its own, after the
 bytes moved. One report is in flight at a time; reads made meanwhile wait behind it and only

@@ -287,7 +287,7 @@ class WeightServiceClient:
             offer, fetched = self._shm.read_directly(request.model, request.version), None
             if offer is not None:
                 with contextlib.suppress(PayloadGone):  # evicted meanwhile: the server says what now
-                    fetched = self._try(self._shm, offer, started, into, place, progress)
+                    fetched = self._receive(self._shm, offer, started, into, place, progress)
             if fetched is not None:
                 self._reports.report(request)
                 return replace(fetched, stats=replace(fetched.stats, direct=True))
@@ -305,7 +305,7 @@ class WeightServiceClient:
             if answer.transport != pb.TRANSPORT_STREAM:
                 offer = Offer(VersionInfo.from_proto(answer.header), answer.payload)
                 try:
-                    fetched = self._try(
+                    fetched = self._receive(
                         self.transports.by_kind[answer.transport], offer, started, into, place, progress
                     )
                 except PayloadGone as gone:
@@ -319,27 +319,6 @@ class WeightServiceClient:
                 return None
             return self._receive(self._stream, offer, started, into, place, progress)
 
-    def _try(
-        self,
-        transport: Transport,
-        offer: Offer,
-        started: float,
-        into: memoryview | None,
-        place: Placement | None,
-        progress: Progress | None,
-    ) -> FetchedBytes | None:
-        """The offer received over a fast transport, or None (recorded as its failure) to fall
-        back. PayloadGone passes through: the caller asks again."""
-        try:
-            fetched = self._receive(transport, offer, started, into, place, progress)
-        except PayloadGone:
-            raise
-        except TransportFailed as exc:
-            self.transports.failed(transport, exc)
-            return None
-        self.transports.worked(transport)
-        return fetched
-
     def _receive(
         self,
         transport: Transport,
@@ -348,29 +327,34 @@ class WeightServiceClient:
         into: memoryview | None,
         place: Placement | None,
         progress: Progress | None,
-    ) -> FetchedBytes:
+    ) -> FetchedBytes | None:
         """Receive `offer` over `transport` and verify it: every placed tensor against its
-        digest, or the whole payload against its xxh3. A fast transport's bad bytes raise
-        TransportFailed (the stream follows); the stream's raise IntegrityError."""
+        digest, or the whole payload against its xxh3. None when a fast transport could not
+        carry it or its bytes fail (recorded as its failure: the caller falls back; PayloadGone
+        passes through, the caller asks again); the stream's bad bytes raise IntegrityError."""
         views = checked_views(place, offer.info) if place is not None and offer.whole_version else None
         fast = transport is not self._stream
-        if views is not None:
-            bad = transport.receive_placed(offer, views)
-            data, problem = memoryview(b""), f"placed tensors {bad[:5]} do not match their digests" if bad else ""
-        else:
-            data = transport.receive(offer, into=into, progress=progress)
-            digest = xxhash.xxh3_128_hexdigest(data)
-            problem = (
-                f"xxh3 of the payload is {digest}, announced {offer.payload.xxh3}"
-                if digest != offer.payload.xxh3
-                else ""
-            )
-        if problem:
-            if fast:
+        try:
+            if views is not None:
+                bad = transport.receive_placed(offer, views)
+                data, problem = memoryview(b""), f"placed tensors {bad[:5]} do not match their digests" if bad else ""
+            else:
+                data = transport.receive(offer, into=into, progress=progress)
+                digest, announced = xxhash.xxh3_128_hexdigest(data), offer.payload.xxh3
+                problem = f"xxh3 of the payload is {digest}, announced {announced}" if digest != announced else ""
+            if problem and fast:
                 raise TransportFailed(f"{offer.label}: {problem}")
+        except PayloadGone:
+            raise
+        except TransportFailed as exc:
+            self.transports.failed(transport, exc)
+            return None
+        if problem:
             raise IntegrityError(f"model {offer.label}: {problem}")
-        if progress is not None and fast and views is None:
-            progress(data.nbytes, data.nbytes)
+        if fast:
+            self.transports.worked(transport)
+            if progress is not None and views is None:
+                progress(data.nbytes, data.nbytes)
         stats = FetchStats(transport.name, offer.payload.byte_size, time.perf_counter() - started)
         return FetchedBytes(
             offer.info,

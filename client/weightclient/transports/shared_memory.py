@@ -4,24 +4,32 @@ The server names the file (Negotiate); the client maps it copy-on-write (no copy
 placed, reads each tensor's blocks straight into the caller's views on two cores while hashing
 them (`block_reader`). Once handed a version's own file, the client knows the model's folder
 and reads later exact versions by their header files without asking (`read_directly`; the
-layout is `weightserver.shm_layout`). Publishing through shared memory is not offered yet.
+layout is `weightserver.shm_layout`): two file reads instead of a gRPC round trip, still
+checked against the header's digests; anything unexpected (no header, an unparsable one, a
+file the folder's owner does not own or others may write) sends the fetch to the server.
+Publishing through shared memory is not offered yet.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import stat
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import ClassVar
 
 import xxhash
+from google.protobuf.message import DecodeError
 
 from weightclient.block_reader import read_blocks
 from weightclient.placement import BLOCK_BYTES, PREFIX_BYTES, Digests, layout
-from weightclient.shm_directory import SharedMemoryDirectory
 from weightclient.transports.base import NotOffered, Offer, OutgoingFile, PayloadGone, Progress, TransportFailed
 from weightclient.version_info import VersionInfo
+from weightserver.shm_layout import header_file_name, version_file_name
 from weightserver.v1 import weights_pb2 as pb
+
+MAX_HEADER_BYTES = 64 << 20  # far above any real manifest; a larger file is not one of ours
 
 
 class SharedMemoryTransport:
@@ -136,3 +144,58 @@ def _read_placed(fd: int, info: VersionInfo, views: Mapping[str, memoryview]) ->
         if name not in hashers:  # an empty tensor: no blocks, nothing read
             digests.check(name, xxhash.xxh3_128())
     return digests.bad
+
+
+@dataclass(frozen=True)
+class SharedMemoryDirectory:
+    """The folder holding one model's version files, and the user that owns it."""
+
+    path: str
+    owner: int
+
+    @classmethod
+    def learned_from(cls, file_path: str, version: int) -> SharedMemoryDirectory | None:
+        """The folder of `file_path`, if it is `version`'s own file named the server's way and
+        the folder is one only its owner can change; else None (read nothing directly)."""
+        folder, name = os.path.split(file_path)
+        if name != version_file_name(version):
+            return None  # a delta or cast payload, or a server that names files otherwise
+        try:
+            st = os.stat(folder)
+        except OSError:
+            return None
+        if not stat.S_ISDIR(st.st_mode) or st.st_mode & 0o022:
+            return None
+        return cls(folder, st.st_uid)
+
+    def file(self, version: int) -> str:
+        return os.path.join(self.path, version_file_name(version))
+
+    def header(self, model: str, version: int) -> pb.VersionInfo | None:
+        """`version`'s header as the server wrote it, or None when it is not there (not yet
+        committed, evicted, the server gone) or not to be trusted."""
+        try:
+            fd = os.open(os.path.join(self.path, header_file_name(version)), os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            return None
+        try:
+            st = os.fstat(fd)
+            if (
+                not stat.S_ISREG(st.st_mode)
+                or st.st_uid != self.owner
+                or st.st_mode & 0o022
+                or st.st_size > MAX_HEADER_BYTES
+            ):
+                return None
+            content = os.pread(fd, st.st_size, 0)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        try:
+            info = pb.VersionInfo.FromString(content)
+        except DecodeError:
+            return None
+        if info.model != model or info.version != version or not info.xxh3:
+            return None
+        return info
