@@ -13,7 +13,7 @@ import torch
 from tensordict.nn import TensorDictModule
 
 from weightclient import ServerUnavailable, WeightClient
-from weightclient.grpc_updaters import GrpcLocalWeightUpdater, GrpcRemoteWeightUpdater
+from weightclient.grpc_updaters import GrpcLocalWeightUpdater, GrpcRemoteWeightUpdater, Update
 from weightclient.key_mapping import KeyMap
 from weightclient.publish_hook import PublishWeights, resolve_path
 from weightclient.updaters import LocalWeightUpdaterBase, RemoteWeightUpdaterBase
@@ -275,3 +275,118 @@ def test_base_classes_are_abstract():
         LocalWeightUpdaterBase()
     with pytest.raises(TypeError):
         RemoteWeightUpdaterBase()
+
+
+def test_pull_returns_the_next_version_as_a_value_and_apply_writes_it(client):
+    trainer, policy = mlp(0), mlp(1)
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    updater = GrpcLocalWeightUpdater(client, policy=policy, transport="stream")
+    assert updater.pull() is None  # nothing published yet
+    client.publish(trainer, model="policy")
+
+    update = updater.pull()
+    assert isinstance(update, Update) and update.version == 1 and not update.partial
+    assert sorted(update.weights.keys()) == sorted(trainer.state_dict())  # the server's names
+    assert update.stats.transport == "stream"
+    assert updater.version is None  # pulled, not applied: the policy is untouched
+    assert all(torch.equal(v, before[k]) for k, v in policy.state_dict().items())
+    updater.apply(update)
+    assert updater.version == 1
+    assert_same_weights(policy, trainer)
+    assert updater.pull() is None  # up to date
+
+    with torch.no_grad():
+        trainer[2].bias.add_(1.0)
+    client.publish(trainer, model="policy")
+    delta = updater.pull()
+    assert delta.partial and sorted(delta.weights.keys()) == ["2.bias"]
+    assert delta.buffer is update.buffer  # the staging buffer, reused
+    updater.apply(delta)
+    assert updater.version == 2
+    assert_same_weights(policy, trainer)
+
+
+def test_a_second_pull_before_apply_does_not_overwrite_the_first(client):
+    """A pulled Update holds the staging buffer until applied: a second pull receives into a
+    buffer of its own, so the first update's weights stay intact."""
+    policy = mlp(9)
+    client.publish(mlp(1), model="policy")
+    updater = GrpcLocalWeightUpdater(client, policy=policy, transport="stream", delta=False)
+    updater.apply(updater.pull())  # the staging buffer now exists
+    client.publish(mlp(2), model="policy")
+    pending = updater.pull()
+    client.publish(mlp(3), model="policy")
+    newer = updater.pull()  # still newer than v1: v3
+    assert (pending.version, newer.version) == (2, 3) and newer.buffer is not pending.buffer
+    assert all(torch.equal(pending.weights[k], v) for k, v in mlp(2).state_dict().items())
+    updater.apply(pending)
+    assert updater.version == 2
+    assert_same_weights(policy, mlp(2))
+    updater.apply(newer)
+    assert updater.version == 3
+    assert_same_weights(policy, mlp(3))
+
+
+@pytest.mark.parametrize("transport", ["auto", "bulk", "stream"])
+def test_a_bad_override_is_refused_before_anything_is_written(client, transport):
+    """An override that drops one key and adds another: KeyError naming both key sets, the
+    policy's tensors and `version` untouched (once a version was applied)."""
+
+    class Bad(GrpcLocalWeightUpdater):
+        broken = False
+
+        def _maybe_map_weights(self, server_weights, local_weights):
+            mapped = dict(super()._maybe_map_weights(server_weights, local_weights).items())
+            if self.broken:
+                mapped["3.bias"] = mapped.pop("2.bias")
+            return mapped
+
+    policy = mlp(0)
+    updater = Bad(client, policy=policy, transport=transport)
+    client.publish(mlp(1), model="policy")
+    updater()
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    updater.broken = True
+    client.publish(mlp(2), model="policy")
+    with pytest.raises(KeyError) as info:
+        updater()
+    message = info.value.args[0]
+    assert "missing (local keys the server weights of 'policy' v2 lack): ['2.bias']" in message
+    assert "unexpected (server weights of 'policy' v2 keys with no local parameter): ['3.bias']" in message
+    assert updater.version == 1
+    assert all(torch.equal(v, before[k]) for k, v in policy.state_dict().items())
+
+    updater.broken = False
+    updater()  # the same version, mapped properly, applies whole
+    assert updater.version == 2
+    assert_same_weights(policy, mlp(2))
+
+
+def test_an_override_must_return_weights(client):
+    class Declines(GrpcLocalWeightUpdater):
+        def _maybe_map_weights(self, server_weights, local_weights):
+            return None
+
+    client.publish(mlp(0), model="policy")
+    updater = Declines(client, policy=mlp(1))
+    with pytest.raises(TypeError, match="_maybe_map_weights returned NoneType"):
+        updater()
+    assert updater.version is None
+
+
+def test_explicit_weights_apply_strictly_and_leave_no_server_version(client):
+    trainer, policy, other = mlp(0), mlp(1), mlp(2)
+    client.publish(trainer, model="policy")
+    updater = GrpcLocalWeightUpdater(client, policy=policy)
+    updater()
+    assert updater.version == 1
+    with pytest.raises(KeyError, match="missing"):
+        updater.load({k: v for k, v in other.state_dict().items() if k != "0.bias"})
+    assert updater.version == 1 and updater.lag == 0
+    assert_same_weights(policy, trainer)
+    updater.load(other)  # keyed like the policy: no key map
+    assert updater.version is None
+    assert_same_weights(policy, other)
+    updater()  # no server version held: the latest comes whole
+    assert updater.version == 1
+    assert_same_weights(policy, trainer)
