@@ -215,7 +215,7 @@ def test_resolve_path():
 def test_hook_with_weight_update_map_publishes_all_models_as_one_version_every_n(client):
     trainer = FakeTrainer()
     hook = PublishWeights(
-        GrpcRemoteWeightUpdater(client),
+        GrpcRemoteWeightUpdater(client, models=["policy", "critic"]),
         update_weights_interval=2,
         weight_update_map={"policy": "loss_module.actor_network", "critic": "loss_module.critic_network"},
     )
@@ -241,7 +241,7 @@ def test_hook_with_a_getter_and_a_plain_client(client):
     hook()
     hook()
     assert hook.published == [1, 2] and client.latest("policy").version == 2
-    assert hook.state_dict() == {"counter": 2}
+    assert hook.state_dict() == {"counter": 2, "last_update_count": 0}
 
 
 def test_seed_classes_work_without_torchrl(server, client):
@@ -390,3 +390,66 @@ def test_explicit_weights_apply_strictly_and_leave_no_server_version(client):
     updater()  # no server version held: the latest comes whole
     assert updater.version == 1
     assert_same_weights(policy, trainer)
+
+
+def test_remote_updater_runs_the_design_hooks_in_order_and_publishes_one_version(client):
+    calls: list[str] = []
+
+    class Recording(GrpcRemoteWeightUpdater):
+        def _get_server_weights(self):
+            calls.append("get")
+            return super()._get_server_weights()
+
+        def _maybe_map_weights(self, server_weights):
+            calls.append("map")
+            return {"policy": server_weights["actor"], "critic": server_weights["critic"]}
+
+        def _skip_update(self, worker_id):
+            calls.append(f"skip?{worker_id}")
+            return super()._skip_update(worker_id)
+
+        def _sync_weights_with_worker(self, worker_id, server_weights):
+            calls.append(f"sync{worker_id}")
+            super()._sync_weights_with_worker(worker_id, server_weights)
+
+    actor, critic = mlp(0), torch.nn.Linear(3, 1)
+    updater = Recording(client, lambda: {"actor": actor, "critic": critic}, models={0: "policy", 1: "critic"})
+    assert updater.update_weights() == 1
+    assert calls == ["get", "map", "skip?0", "sync0", "skip?1", "sync1"]
+    assert client.latest("policy").group == ("policy", "critic") and client.latest("critic").version == 1
+    fetched = client.fetch("critic").state_dict()
+    assert all(torch.equal(fetched[k], v) for k, v in critic.state_dict().items())
+
+
+@pytest.mark.parametrize("source", ["weight_update_map", "policy_weights_getter"])
+def test_hook_goes_through_the_publishers_hooks_and_its_throttling(client, source):
+    class Counting(GrpcRemoteWeightUpdater):
+        mapped = 0
+
+        def _maybe_map_weights(self, server_weights):
+            self.mapped += 1
+            return server_weights
+
+    trainer = FakeTrainer()
+    publisher = Counting(client, max_interval=2)
+    if source == "weight_update_map":
+        hook = PublishWeights(publisher, 1, weight_update_map={"policy": "loss_module.actor_network"}, trainer=trainer)
+    else:
+        hook = PublishWeights(publisher, 1, policy_weights_getter=lambda: trainer.loss_module.actor_network)
+    for _ in range(6):
+        hook()
+    assert publisher.mapped == 6
+    assert hook.published == [1, 2] and client.latest("policy").version == 2
+
+
+def test_hook_arguments_are_checked(client):
+    with pytest.raises(ValueError, match="interval_unit"):
+        PublishWeights(client, 1, interval_unit="epochs")
+    with pytest.raises(ValueError, match=r"models=\['critic', 'policy'\]"):
+        PublishWeights(GrpcRemoteWeightUpdater(client), 1, weight_update_map={"policy": "a", "critic": "b"})
+    hook = PublishWeights(GrpcRemoteWeightUpdater(client, mlp(0)), 1, interval_unit="optim_steps")
+    with pytest.raises(RuntimeError, match="needs the trainer"):
+        hook()
+    fake = FakeTrainer()
+    hook.register(fake)
+    assert fake.ops == [("post_optim", hook)]

@@ -10,6 +10,7 @@ skip below (see conftest.py).
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 
 import pytest
 import torch
@@ -449,6 +450,68 @@ def test_a_bad_override_raises_naming_both_key_sets_and_changes_nothing(client: 
         assert torch.allclose(batch["action"], actions_of(v1, batch), atol=ATOL)
     finally:
         collector.shutdown()
+
+
+class ActorOutOfLossModule(GrpcRemoteWeightUpdater):
+    """Given the trainer's whole loss module, publishes only its actor; counts its calls."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.mapped = 0
+
+    def _maybe_map_weights(self, server_weights):
+        self.mapped += 1
+        loss = server_weights["policy"] if isinstance(server_weights, Mapping) else server_weights
+        return {"policy": loss.actor_network}
+
+
+@pytest.mark.parametrize("source", ["weight_update_map", "policy_weights_getter"])
+def test_publish_weights_runs_the_remote_updaters_hooks_on_a_real_trainer(server, client: WeightClient, source):
+    """PublishWeights with weight_update_map or policy_weights_getter: the publisher's
+    `_maybe_map_weights` runs on every call and its `max_interval` throttles (6 batches,
+    max_interval=2: 2 versions); what the override returns is what the server holds."""
+    actor = make_policy(0)
+    client.publish(actor, model="policy")
+    trainer, collector, _ = build_trainer(make_policy(0), actor, server.address, total_batches=6)
+    sender = ActorOutOfLossModule(server.address, max_interval=2)
+    if source == "weight_update_map":
+        hook = PublishWeights(sender, 1, weight_update_map={"policy": "loss_module"})
+    else:
+        hook = PublishWeights(sender, 1, policy_weights_getter=lambda: trainer.loss_module)
+    hook.register(trainer)
+    UpdateWeights(collector, 1, policy_weights_getter=lambda: None).register(trainer, name="pull_weights")
+    trainer.train()
+
+    assert sender.mapped == 6
+    assert hook.published == [2, 3] and client.latest("policy").version == 3
+    fetched = client.fetch("policy").state_dict()
+    assert sorted(fetched) == sorted(actor.state_dict())  # the actor alone, not the loss module
+    assert all(torch.equal(fetched[k], v) for k, v in actor.state_dict().items())
+
+
+def test_publish_weights_every_n_optimizer_steps_on_a_real_trainer(server, client: WeightClient):
+    """interval_unit="optim_steps": registered at "post_optim", a version every 3 optimizer
+    steps (20 steps in 5 batches: 6 versions, some in the middle of a batch's optimization)."""
+    actor = make_policy(0)
+    client.publish(actor, model="policy")
+    trainer, collector, scheme = build_trainer(make_policy(0), actor, server.address, total_batches=5)
+    sender = GrpcRemoteWeightUpdater(server.address)
+    hook = PublishWeights(
+        sender, 3, weight_update_map={"policy": "loss_module.actor_network"}, interval_unit="optim_steps"
+    )
+    hook.register(trainer)
+    UpdateWeights(collector, 1, policy_weights_getter=lambda: None).register(trainer, name="pull_weights")
+    after_each_step: list[int | None] = []
+    trainer.register_op("post_optim", lambda: after_each_step.append(sender.version))
+    trainer.train()
+
+    assert trainer._optim_count == 20  # DefaultOptimizationStepper keeps no count of its own
+    assert after_each_step == [1 + step // 3 if step >= 3 else None for step in range(1, 21)]
+    assert hook.published == [2, 3, 4, 5, 6, 7] and client.latest("policy").version == 7
+    assert hook.state_dict() == {"counter": 0, "last_update_count": 18}
+    assert scheme.version == 7  # the collector pulled after the last batch's publishes
+    fetched = client.fetch("policy").state_dict()
+    assert any(not torch.equal(fetched[k], v) for k, v in actor.state_dict().items())  # 2 steps after v7
 
 
 def test_puller_is_the_whole_updater(client: WeightClient):

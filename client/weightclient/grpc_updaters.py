@@ -421,7 +421,9 @@ class GrpcRemoteWeightUpdater(_LazyClient, RemoteWeightUpdaterBase):
             times with exponential backoff and jitter, then raises. Updates are never dropped
             silently.
 
-    One `update_weights()` publishes every selected model in ONE stream under one version.
+    One `update_weights()` publishes every selected model in ONE stream under one version,
+    through the design's hooks (`_get_server_weights` -> `_maybe_map_weights` -> per worker
+    `_skip_update`, `_sync_weights_with_worker`); a subclass may override any of them.
     """
 
     def __init__(
@@ -445,6 +447,7 @@ class GrpcRemoteWeightUpdater(_LazyClient, RemoteWeightUpdaterBase):
         self.backoff = backoff
         self.metadata = metadata
         self._calls_since_update = dict.fromkeys(self.models, 0)
+        self._group: dict[str, Weights] | None = None  # the version `update_weights` is building
         self.version: int | None = None  # last version published
 
     def all_worker_ids(self) -> list[WorkerId]:
@@ -466,19 +469,44 @@ class GrpcRemoteWeightUpdater(_LazyClient, RemoteWeightUpdaterBase):
         return self._calls_since_update[worker_id] <= self.max_interval
 
     def _sync_weights_with_worker(self, worker_id: WorkerId, server_weights: Any) -> None:
-        self.publish({self.models[worker_id]: self._weights_for(self.models[worker_id], server_weights)})
+        """Deliver `worker_id`'s model: inside `update_weights` it joins the version being
+        built (committed once every due worker is in); called on its own, it is published
+        as a version of its own."""
+        model = self.models[worker_id]
+        weights = self._weights_for(model, server_weights)
+        if self._group is not None:
+            self._group[model] = weights
+            return
+        self.publish({model: weights})
         self._calls_since_update[worker_id] = 0
 
-    def update_weights(self, weights: Any = None, worker_ids: WorkerId | list[WorkerId] | None = None) -> None:
-        """Publish the weights of every selected worker's model as ONE new version."""
-        server_weights = self._maybe_map_weights(self._get_server_weights() if weights is None else weights)
-        due = [w for w in self._resolve_workers(worker_ids) if not self._skip_update(w)]
+    def update_weights(self, weights: Any = None, worker_ids: WorkerId | list[WorkerId] | None = None) -> int | None:
+        """Publish the models of the selected workers (default: all) as ONE new version.
+
+        The design's order: `_get_server_weights()` (or `weights`) -> `_maybe_map_weights` ->
+        for each worker, `_skip_update` and `_sync_weights_with_worker`. Returns the version
+        published, or None when `_skip_update` skipped every worker (nothing published).
+        Workers that share a model publish it once; different models land under one version.
+        """
+        server_weights = self._get_server_weights() if weights is None else weights
+        mapped = self._maybe_map_weights(server_weights)
+        group: dict[str, Weights] = {}
+        due: list[WorkerId] = []
+        self._group = group
+        try:
+            for worker in self._resolve_workers(worker_ids):
+                if self._skip_update(worker):
+                    continue
+                self._sync_weights_with_worker(worker, mapped)
+                due.append(worker)
+        finally:
+            self._group = None
         if not due:
-            return
-        models = dict.fromkeys(self.models[w] for w in due)
-        self.publish({model: self._weights_for(model, server_weights) for model in models})
+            return None
+        version = self.publish(group)
         for worker in due:
             self._calls_since_update[worker] = 0
+        return version
 
     @staticmethod
     def _weights_for(model: str, server_weights: Any) -> Weights:
