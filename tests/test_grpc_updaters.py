@@ -392,6 +392,21 @@ def test_explicit_weights_apply_strictly_and_leave_no_server_version(client):
     assert_same_weights(policy, trainer)
 
 
+def test_weights_given_to_update_weights_are_server_weights_through_the_hooks(client):
+    policy, other = mlp(1), mlp(2)
+    client.publish(mlp(0), model="policy")
+    updater = GrpcLocalWeightUpdater(client, policy=policy, key_map=KeyMap(strip_prefix="module."))
+    updater()
+    updater.update_weights({f"module.{k}": v for k, v in other.state_dict().items()})  # the key map applies
+    assert updater.version is None
+    assert_same_weights(policy, other)
+    with pytest.raises(KeyError, match="unexpected"):
+        updater.update_weights(
+            {**{f"module.{k}": v for k, v in mlp(3).state_dict().items()}, "module.9.w": torch.ones(1)}
+        )
+    assert_same_weights(policy, other)
+
+
 def test_remote_updater_runs_the_design_hooks_in_order_and_publishes_one_version(client):
     calls: list[str] = []
 
