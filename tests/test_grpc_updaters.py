@@ -13,7 +13,7 @@ import torch
 from tensordict.nn import TensorDictModule
 
 from weightclient import ServerUnavailable, WeightClient
-from weightclient.grpc_updaters import GrpcLocalWeightUpdater, GrpcRemoteWeightUpdater
+from weightclient.grpc_updaters import GrpcLocalWeightUpdater, GrpcRemoteWeightUpdater, Update
 from weightclient.key_mapping import KeyMap
 from weightclient.publish_hook import PublishWeights, resolve_path
 from weightclient.updaters import LocalWeightUpdaterBase, RemoteWeightUpdaterBase
@@ -215,7 +215,7 @@ def test_resolve_path():
 def test_hook_with_weight_update_map_publishes_all_models_as_one_version_every_n(client):
     trainer = FakeTrainer()
     hook = PublishWeights(
-        GrpcRemoteWeightUpdater(client),
+        GrpcRemoteWeightUpdater(client, models=["policy", "critic"]),
         update_weights_interval=2,
         weight_update_map={"policy": "loss_module.actor_network", "critic": "loss_module.critic_network"},
     )
@@ -241,7 +241,7 @@ def test_hook_with_a_getter_and_a_plain_client(client):
     hook()
     hook()
     assert hook.published == [1, 2] and client.latest("policy").version == 2
-    assert hook.state_dict() == {"counter": 2}
+    assert hook.state_dict() == {"counter": 2, "last_update_count": 0}
 
 
 def test_seed_classes_work_without_torchrl(server, client):
@@ -275,3 +275,196 @@ def test_base_classes_are_abstract():
         LocalWeightUpdaterBase()
     with pytest.raises(TypeError):
         RemoteWeightUpdaterBase()
+
+
+def test_pull_returns_the_next_version_as_a_value_and_apply_writes_it(client):
+    trainer, policy = mlp(0), mlp(1)
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    updater = GrpcLocalWeightUpdater(client, policy=policy, transport="stream")
+    assert updater.pull() is None  # nothing published yet
+    client.publish(trainer, model="policy")
+
+    update = updater.pull()
+    assert isinstance(update, Update) and update.version == 1 and not update.partial
+    assert sorted(update.weights.keys()) == sorted(trainer.state_dict())  # the server's names
+    assert update.stats.transport == "stream"
+    assert updater.version is None  # pulled, not applied: the policy is untouched
+    assert all(torch.equal(v, before[k]) for k, v in policy.state_dict().items())
+    updater.apply(update)
+    assert updater.version == 1
+    assert_same_weights(policy, trainer)
+    assert updater.pull() is None  # up to date
+
+    with torch.no_grad():
+        trainer[2].bias.add_(1.0)
+    client.publish(trainer, model="policy")
+    delta = updater.pull()
+    assert delta.partial and sorted(delta.weights.keys()) == ["2.bias"]
+    assert delta.buffer is update.buffer  # the staging buffer, reused
+    updater.apply(delta)
+    assert updater.version == 2
+    assert_same_weights(policy, trainer)
+
+
+def test_a_second_pull_before_apply_does_not_overwrite_the_first(client):
+    """A pulled Update holds the staging buffer until applied: a second pull receives into a
+    buffer of its own, so the first update's weights stay intact."""
+    policy = mlp(9)
+    client.publish(mlp(1), model="policy")
+    updater = GrpcLocalWeightUpdater(client, policy=policy, transport="stream", delta=False)
+    updater.apply(updater.pull())  # the staging buffer now exists
+    client.publish(mlp(2), model="policy")
+    pending = updater.pull()
+    client.publish(mlp(3), model="policy")
+    newer = updater.pull()  # still newer than v1: v3
+    assert (pending.version, newer.version) == (2, 3) and newer.buffer is not pending.buffer
+    assert all(torch.equal(pending.weights[k], v) for k, v in mlp(2).state_dict().items())
+    updater.apply(pending)
+    assert updater.version == 2
+    assert_same_weights(policy, mlp(2))
+    updater.apply(newer)
+    assert updater.version == 3
+    assert_same_weights(policy, mlp(3))
+
+
+@pytest.mark.parametrize("transport", ["auto", "bulk", "stream"])
+def test_a_bad_override_is_refused_before_anything_is_written(client, transport):
+    """An override that drops one key and adds another: KeyError naming both key sets, the
+    policy's tensors and `version` untouched (once a version was applied)."""
+
+    class Bad(GrpcLocalWeightUpdater):
+        broken = False
+
+        def _maybe_map_weights(self, server_weights, local_weights):
+            mapped = dict(super()._maybe_map_weights(server_weights, local_weights).items())
+            if self.broken:
+                mapped["3.bias"] = mapped.pop("2.bias")
+            return mapped
+
+    policy = mlp(0)
+    updater = Bad(client, policy=policy, transport=transport)
+    client.publish(mlp(1), model="policy")
+    updater()
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    updater.broken = True
+    client.publish(mlp(2), model="policy")
+    with pytest.raises(KeyError) as info:
+        updater()
+    message = info.value.args[0]
+    assert "missing (local keys the server weights of 'policy' v2 lack): ['2.bias']" in message
+    assert "unexpected (server weights of 'policy' v2 keys with no local parameter): ['3.bias']" in message
+    assert updater.version == 1
+    assert all(torch.equal(v, before[k]) for k, v in policy.state_dict().items())
+
+    updater.broken = False
+    updater()  # the same version, mapped properly, applies whole
+    assert updater.version == 2
+    assert_same_weights(policy, mlp(2))
+
+
+def test_an_override_must_return_weights(client):
+    class Declines(GrpcLocalWeightUpdater):
+        def _maybe_map_weights(self, server_weights, local_weights):
+            return None
+
+    client.publish(mlp(0), model="policy")
+    updater = Declines(client, policy=mlp(1))
+    with pytest.raises(TypeError, match="_maybe_map_weights returned NoneType"):
+        updater()
+    assert updater.version is None
+
+
+def test_explicit_weights_apply_strictly_and_leave_no_server_version(client):
+    trainer, policy, other = mlp(0), mlp(1), mlp(2)
+    client.publish(trainer, model="policy")
+    updater = GrpcLocalWeightUpdater(client, policy=policy)
+    updater()
+    assert updater.version == 1
+    with pytest.raises(KeyError, match="missing"):
+        updater.load({k: v for k, v in other.state_dict().items() if k != "0.bias"})
+    assert updater.version == 1 and updater.lag == 0
+    assert_same_weights(policy, trainer)
+    updater.load(other)  # keyed like the policy: no key map
+    assert updater.version is None
+    assert_same_weights(policy, other)
+    updater()  # no server version held: the latest comes whole
+    assert updater.version == 1
+    assert_same_weights(policy, trainer)
+
+
+def test_weights_given_to_update_weights_are_server_weights_through_the_hooks(client):
+    policy, other = mlp(1), mlp(2)
+    client.publish(mlp(0), model="policy")
+    updater = GrpcLocalWeightUpdater(client, policy=policy, key_map=KeyMap(strip_prefix="module."))
+    updater()
+    updater.update_weights({f"module.{k}": v for k, v in other.state_dict().items()})  # the key map applies
+    assert updater.version is None
+    assert_same_weights(policy, other)
+    with pytest.raises(KeyError, match="unexpected"):
+        updater.update_weights(
+            {**{f"module.{k}": v for k, v in mlp(3).state_dict().items()}, "module.9.w": torch.ones(1)}
+        )
+    assert_same_weights(policy, other)
+
+
+def test_remote_updater_runs_the_design_hooks_in_order_and_publishes_one_version(client):
+    calls: list[str] = []
+
+    class Recording(GrpcRemoteWeightUpdater):
+        def _get_server_weights(self):
+            calls.append("get")
+            return super()._get_server_weights()
+
+        def _maybe_map_weights(self, server_weights):
+            calls.append("map")
+            return {"policy": server_weights["actor"], "critic": server_weights["critic"]}
+
+        def _skip_update(self, worker_id):
+            calls.append(f"skip?{worker_id}")
+            return super()._skip_update(worker_id)
+
+        def _sync_weights_with_worker(self, worker_id, server_weights):
+            calls.append(f"sync{worker_id}")
+            super()._sync_weights_with_worker(worker_id, server_weights)
+
+    actor, critic = mlp(0), torch.nn.Linear(3, 1)
+    updater = Recording(client, lambda: {"actor": actor, "critic": critic}, models={0: "policy", 1: "critic"})
+    assert updater.update_weights() == 1
+    assert calls == ["get", "map", "skip?0", "sync0", "skip?1", "sync1"]
+    assert client.latest("policy").group == ("policy", "critic") and client.latest("critic").version == 1
+    fetched = client.fetch("critic").state_dict()
+    assert all(torch.equal(fetched[k], v) for k, v in critic.state_dict().items())
+
+
+@pytest.mark.parametrize("source", ["weight_update_map", "policy_weights_getter"])
+def test_hook_goes_through_the_publishers_hooks_and_its_throttling(client, source):
+    class Counting(GrpcRemoteWeightUpdater):
+        mapped = 0
+
+        def _maybe_map_weights(self, server_weights):
+            self.mapped += 1
+            return server_weights
+
+    trainer = FakeTrainer()
+    publisher = Counting(client, max_interval=2)
+    if source == "weight_update_map":
+        hook = PublishWeights(publisher, 1, weight_update_map={"policy": "loss_module.actor_network"}, trainer=trainer)
+    else:
+        hook = PublishWeights(publisher, 1, policy_weights_getter=lambda: trainer.loss_module.actor_network)
+    for _ in range(6):
+        hook()
+    assert publisher.mapped == 6
+    assert hook.published == [1, 2] and client.latest("policy").version == 2
+
+
+def test_hook_arguments_are_checked(client):
+    with pytest.raises(ValueError, match="interval_unit"):
+        PublishWeights(client, 1, interval_unit="epochs")
+    with pytest.raises(ValueError, match=r"models=\['critic', 'policy'\]"):
+        PublishWeights(GrpcRemoteWeightUpdater(client), 1, weight_update_map={"policy": "a", "critic": "b"})
+    hook = PublishWeights(GrpcRemoteWeightUpdater(client, mlp(0)), 1, interval_unit="optim_steps")
+    with pytest.raises(RuntimeError, match="needs the trainer"):
+        hook()
+    fake = FakeTrainer()
+    hook.register(fake)
+    assert fake.ops == [("post_optim", hook)]

@@ -7,7 +7,7 @@ import torch
 from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 
-from weightclient.key_mapping import KeyMap, apply_strict
+from weightclient.key_mapping import KeyMap, apply_strict, check_weights, map_keys
 
 
 def mlp() -> torch.nn.Sequential:
@@ -74,3 +74,18 @@ def test_two_server_keys_onto_one_local_key_is_an_error():
 def test_rename_of_a_missing_server_key_is_an_error():
     with pytest.raises(KeyError, match="lack"):
         KeyMap(rename={"weight": "nope"}).apply({"W": torch.zeros(1)})
+
+
+def test_map_keys_then_check_weights_a_delta_and_nested_weights():
+    local = TensorDict.from_module(TensorDictModule(mlp(), in_keys=["observation"], out_keys=["action"]))
+    delta = {"2.bias": torch.ones(2)}
+    mapped = map_keys(delta, KeyMap(add_prefix="module."))
+    assert sorted(mapped.keys()) == ["module.2.bias"]
+    with pytest.raises(KeyError, match="missing"):
+        check_weights(mapped, local)  # a whole version must cover every parameter
+    checked = check_weights(mapped, local, partial=True)  # a delta need not
+    assert torch.equal(checked["module.2.bias"], torch.ones(2))
+    nested = {"module": {"2": {"bias": torch.ones(2)}}}  # what an override may return
+    assert sorted(check_weights(nested, local, partial=True).keys()) == ["module.2.bias"]
+    with pytest.raises(KeyError, match=r"unexpected .*\['module\.9\.bias'\]"):
+        check_weights({"module.9.bias": torch.ones(2)}, local, partial=True)

@@ -133,13 +133,16 @@ def test_placed_bytes_that_fail_their_digests_are_fetched_again(make_server, tmp
         assert_same(result.tensors, weights)
 
 
-def test_updater_whose_placed_fetch_fails_forgets_its_version_and_recovers(server, client):
+def test_updater_whose_fetch_fails_its_digests_keeps_its_version_and_recovers(server, client):
+    """The updater receives into its staging buffer, never into the live parameters: a version
+    that fails its digests raises and leaves the policy on the version it had."""
     policy = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
     trainer = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
     updater = GrpcLocalWeightUpdater(server.address, policy=policy, transport="shm", delta=False)
     client.publish(trainer, model=MODEL)
     updater()
     assert updater.version == 1 and updater.last_fetch.transport == "shm"
+    applied = {k: v.clone() for k, v in policy.state_dict().items()}
 
     with torch.no_grad():
         trainer[0].weight.add_(1.0)
@@ -151,7 +154,8 @@ def test_updater_whose_placed_fetch_fails_forgets_its_version_and_recovers(serve
         f.write(b"\x00\x00\xc0\x7f")  # a NaN where the last bias was
     with pytest.raises(IntegrityError):
         updater()  # the stream serves the same (damaged) memory: refused
-    assert updater.version is None and updater.lag is None
+    assert updater.version == 1
+    assert_same(dict(policy.state_dict()), applied)
 
     with torch.no_grad():
         trainer[1].bias.add_(1.0)
@@ -162,7 +166,7 @@ def test_updater_whose_placed_fetch_fails_forgets_its_version_and_recovers(serve
     updater.client.close()
 
 
-def test_updater_places_through_a_key_map_into_the_live_parameters(server, client):
+def test_updater_copies_through_a_key_map_into_the_live_parameters(server, client):
     trainer = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
     policy = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
     pointers = {name: p.data_ptr() for name, p in policy.state_dict().items()}
@@ -170,8 +174,7 @@ def test_updater_places_through_a_key_map_into_the_live_parameters(server, clien
     with WeightClient(server.address) as own:
         updater = GrpcLocalWeightUpdater(own, policy=policy, key_map=KeyMap(strip_prefix="module."), transport="bulk")
         updater()
-        assert updater._incoming_placed is False and updater._staging is None  # consumed; no buffer
-        assert updater.version == 1 and updater.lag == 0
+        assert updater.version == 1 and updater.lag == 0 and updater.last_fetch.transport == "bulk"
     assert {name: p.data_ptr() for name, p in policy.state_dict().items()} == pointers
     assert_same(dict(policy.state_dict()), dict(trainer.state_dict()))
 

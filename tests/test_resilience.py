@@ -17,7 +17,7 @@ from waiting import wait_until
 
 from weightclient import WeightClient
 from weightclient.grpc_updaters import GrpcLocalWeightUpdater
-from weightclient.torchrl_adapters import GrpcCollectorWeightUpdater
+from weightclient.torchrl_adapters import GrpcWeightSyncScheme
 from weightserver.errors import DeadlineExceeded, ServerUnavailable
 from weightserver.process import ServerProcess
 
@@ -137,12 +137,12 @@ def test_collector_keeps_collecting_while_the_server_is_down_and_reaches_the_lat
     trained = [make_policy(seed) for seed in (1, 2, 3)]
     with WeightClient(proc.address) as client:
         client.publish(trained[0], model=MODEL)
-        updater = GrpcCollectorWeightUpdater(proc.address)
-        collector = single_collector(make_policy(0), updater)
+        scheme = GrpcWeightSyncScheme(proc.address)
+        collector = single_collector(make_policy(0), scheme)
         try:
             batches = iter(collector)
             collector.update_policy_weights_()
-            assert updater.version == 1
+            assert scheme.version == 1
 
             proc.kill()
             down_batches = 0
@@ -152,7 +152,7 @@ def test_collector_keeps_collecting_while_the_server_is_down_and_reaches_the_lat
                 batch = next(batches)
                 assert torch.allclose(batch["action"], actions_of(trained[0], batch), atol=ATOL)
                 down_batches += 1
-            assert down_batches >= 10 and updater.version == 1 and updater.lag is None
+            assert down_batches >= 10 and scheme.version == 1 and scheme.lag is None
 
             proc.start()
             client.latest(MODEL)
@@ -161,13 +161,13 @@ def test_collector_keeps_collecting_while_the_server_is_down_and_reaches_the_lat
             for _ in range(400):
                 collector.update_policy_weights_()
                 batch = next(batches)
-                if updater.version == 3:
+                if scheme.version == 3:
                     break
                 time.sleep(0.02)
-            assert updater.version == 3 and updater.lag == 0
+            assert scheme.version == 3 and scheme.lag == 0
             batch = next(batches)
             assert batch["next", "policy_version"].unique().tolist() == [3]
             assert torch.allclose(batch["action"], actions_of(trained[2], batch), atol=ATOL)
         finally:
             collector.shutdown()
-            updater.puller.client.close()
+            scheme.puller.client.close()

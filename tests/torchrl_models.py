@@ -18,6 +18,20 @@ class PendulumActor(torch.nn.Module):
         return 2.0 * torch.tanh(self.mlp(torch.stack([th, thdot], -1)))
 
 
+class TwoHeadActor(torch.nn.Module):
+    """A body and two heads of the same shape, both used: swapping the heads changes actions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Linear(2, 16)
+        self.head_a = torch.nn.Linear(16, 1)
+        self.head_b = torch.nn.Linear(16, 1)
+
+    def forward(self, th: torch.Tensor, thdot: torch.Tensor) -> torch.Tensor:
+        hidden = torch.tanh(self.body(torch.stack([th, thdot], -1)))
+        return 2.0 * torch.tanh(self.head_a(hidden) - 0.5 * self.head_b(hidden))
+
+
 class PendulumQValue(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -30,6 +44,11 @@ class PendulumQValue(torch.nn.Module):
 def make_policy(seed: int) -> TensorDictModule:
     torch.manual_seed(seed)
     return TensorDictModule(PendulumActor(), in_keys=["th", "thdot"], out_keys=["action"])
+
+
+def make_two_head_policy(seed: int) -> TensorDictModule:
+    torch.manual_seed(seed)
+    return TensorDictModule(TwoHeadActor(), in_keys=["th", "thdot"], out_keys=["action"])
 
 
 def make_env():

@@ -1,7 +1,8 @@
 """The TorchRL updater design over the weight server.
 
-`GrpcLocalWeightUpdater` (collector side) pulls a version newer than the one it applied and
-copies it into the policy in place. `GrpcRemoteWeightUpdater` (trainer side) publishes the
+`GrpcLocalWeightUpdater` (collector side) pulls a version newer than the one it applied
+(`pull() -> Update | None`) and copies it into the policy in place through the design's hooks
+(`apply(update)`). `GrpcRemoteWeightUpdater` (trainer side) publishes the
 trainer's weights as a new version; each worker id maps to the model name its workers pull.
 Both need torch and tensordict, never torchrl.
 """
@@ -12,13 +13,14 @@ import logging
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from tensordict import TensorDict, TensorDictBase
 
 from weightclient.client import WeightClient
-from weightclient.key_mapping import IDENTITY, KeyMap, apply_strict, flat_weights
+from weightclient.key_mapping import IDENTITY, KeyMap, check_weights, map_keys
 from weightclient.service_client import FetchStats
 from weightclient.updaters import LocalWeightUpdaterBase, RemoteWeightUpdaterBase, WorkerId
 from weightclient.version_follower import VersionFollower
@@ -63,13 +65,41 @@ def weights_of(source: Weights) -> TensorDictBase:
     return TensorDict(dict(source), batch_size=[])
 
 
+@dataclass(frozen=True)
+class Update:
+    """A version pulled from the server and not yet applied (see `GrpcLocalWeightUpdater.pull`).
+
+    Attributes:
+        info: the version's description (number, tensors, digests, metadata).
+        weights: its tensors as the server names them (flat keys such as ``"0.weight"``),
+            before any key map.
+        partial: a delta: `weights` holds only the tensors that changed since the version the
+            updater had applied; every other tensor is unchanged.
+        stats: how the fetch went (transport, bytes on the wire, seconds).
+        buffer: the updater's receive buffer, lent to this update: `weights` view it unless
+            they came over shared memory (a mapping of the server's file). `apply` hands it
+            back for the next pull, so apply an update once, before pulling the next.
+    """
+
+    info: VersionInfo
+    weights: TensorDictBase = field(repr=False)
+    partial: bool = False
+    stats: FetchStats | None = None
+    buffer: memoryview | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def version(self) -> int:
+        return self.info.version
+
+
 class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
     """Collector-side updater: applies the server's newest version of `model` to a policy.
 
     Args:
         client: a WeightClient, or the server address (default `$WEIGHTSERVER_ADDRESS`).
         model: model name on the server.
-        policy: the module to update; default: the registered collector's ``policy``.
+        policy: the module (or a TensorDict of the weights) to update; default: the registered
+            collector's ``policy``.
         key_map: how server keys become policy keys (a KeyMap or a function of the key).
         version: pin to this exact version instead of following the latest.
         delta: once a version is applied, ask only for the tensors that changed since.
@@ -85,11 +115,22 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
             ago than this: a stream that stalls without an error (a network partition) would
             otherwise hide new versions, and a server that went away would go unnoticed.
 
-    A whole version that comes over shared memory or bulk TCP is received straight into the
-    policy's parameters when the key map lines every parameter up with a server tensor of the
-    same dtype and shape (no staging buffer, no copy; verified by digest in place). Anything
-    else (deltas, casts, the gRPC stream) lands in one staging buffer, reused from update to
-    update, and is copied in.
+    An update is two public steps, and `update_weights()` (or calling the updater) runs both:
+
+    1. `pull()` fetches the version to apply next, if any, into one staging buffer reused
+       from update to update (over shared memory the fetch maps the server's file instead),
+       and returns it as an `Update`; nothing in the policy changes.
+    2. `apply(update)` runs the design's steps on it, on every transport alike:
+       `_get_local_weights` -> `_maybe_map_weights` (the key map, applied once here) -> a strict
+       check of the result against the local weights (names, shapes, dtypes; a KeyError lists
+       the missing and the unexpected keys) -> `_update_local_weights` (an in-place copy) ->
+       `version`. What `_maybe_map_weights` returns is what lands; if the check fails nothing
+       is written and `version` stays as it was.
+
+    A subclass may override `_maybe_map_weights(server_weights, local_weights)` and return
+    weights keyed like the local policy (flat ``"module.0.weight"`` keys or nested). With
+    ``delta=True`` (the default) `server_weights` may hold only the tensors that changed since
+    the applied version: map the keys it has.
 
     The client is created lazily and dropped when pickled, so an updater can be sent to a
     worker process and reconnect there.
@@ -98,6 +139,8 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
     >>> updater()                      # fetches only if the server has a newer version  # doctest: +SKIP
     >>> updater.version, updater.lag   # doctest: +SKIP
     (7, 0)
+    >>> update = updater.pull()        # or in two steps (None: nothing to apply)  # doctest: +SKIP
+    >>> updater.apply(update)          # doctest: +SKIP
     """
 
     def __init__(
@@ -105,7 +148,7 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         client: WeightClient | str | None = None,
         *,
         model: str = "policy",
-        policy: torch.nn.Module | None = None,
+        policy: torch.nn.Module | TensorDictBase | None = None,
         key_map: KeyMap | Callable[[str], str | None] = IDENTITY,
         version: int | None = None,
         delta: bool = True,
@@ -124,17 +167,12 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         self.transport = transport
         self.watch = watch
         self.watch_confirm_seconds = watch_confirm_seconds
-        self._follower: VersionFollower | None = None
-        self._last_asked = 0.0  # monotonic time the server last answered a fetch
         self.version: int | None = None  # the version applied to the policy
         self.last_fetch: FetchStats | None = None
-        self._incoming_version: int | None = None
-        self._incoming_info: VersionInfo | None = None
-        self._applied: VersionInfo | None = None  # the description of the applied version
-        self._incoming_partial = False
-        self._incoming_placed = False
-        self._placing = False  # this fetch was offered the live parameters to receive into
-        self._staging: memoryview | None = None
+        self._applied: VersionInfo | None = None  # the description of the applied version (delta base)
+        self._staging: memoryview | None = None  # receive buffer, lent to a pulled Update until applied
+        self._follower: VersionFollower | None = None
+        self._last_asked = 0.0  # monotonic time the server last answered a fetch
         self._waiting_logged = False
         self._unavailable_since: float | None = None  # monotonic time the server went away
         self._failures = 0
@@ -187,26 +225,34 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
             return f"{applied}; server {self.client.address} unavailable for {down:.0f}s"
         return applied
 
-    def _get_server_weights(self) -> TensorDictBase | None:
+    # ------------------------------------------------------------------ the two public steps
+    def pull(self) -> Update | None:
+        """Fetch the version this updater should apply next, without applying it.
+
+        None when there is nothing to apply: the applied version is the latest (or the pinned
+        one), the model has no version yet, the server is unavailable (logged once per outage
+        and asked again with backoff; the policy keeps its weights), or, with watch=True,
+        nothing newer was announced. Other errors (an integrity failure, a pinned version that
+        is gone) raise; the policy is untouched either way.
+        """
+        if self._unavailable_since is not None and time.monotonic() < self._next_attempt:
+            return None  # the server is down: keep the current weights, try again later
+        if self.pinned_version is not None and self.version == self.pinned_version:
+            return None
+        if self._nothing_announced():
+            return None
         options = {
-            "base": self._applied if self.delta and self.version else None,
+            "base": self._applied if self.delta and self.version is not None else None,
             "dtype": self.dtype,
             "transport": self.transport,
             "into": self._staging,
-            "place": None if self.dtype else self._placement,
+            "retry": False,
         }
-        self._placing = False
-        if self._unavailable_since is not None and time.monotonic() < self._next_attempt:
-            return None  # the server is down: keep the current weights, try again later
-        if self._nothing_announced():
-            return None
         try:
             if self.pinned_version is not None:
-                if self.version == self.pinned_version:
-                    return None
-                result = self.client.fetch(self.model, version=self.pinned_version, retry=False, **options)
+                result = self.client.fetch(self.model, version=self.pinned_version, **options)
             else:
-                result = self.client.fetch(self.model, newer_than=self.version or 0, retry=False, **options)
+                result = self.client.fetch(self.model, newer_than=self.version or 0, **options)
         except ModelNotFound:
             if not self._waiting_logged:
                 log.info(
@@ -217,32 +263,117 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         except ServerUnavailable as exc:
             self._server_unavailable(exc)
             return None
-        except Exception:
-            if self._placing:
-                # Bytes may have landed in the parameters before the failure: they hold no
-                # verified version now, so the next update fetches the latest one whole.
-                log.error(
-                    "%s: a fetch into the live parameters failed; weights are unverified until the next update",
-                    self.model,
-                )
-                self.version, self._applied = None, None
-            raise
         self._server_available()
         self._last_asked = time.monotonic()
         if result is None:
             return None
-        from_shm = result.stats is not None and result.stats.transport == "shm"
-        received = not from_shm and not result.placed  # into a buffer of ours
-        if received and (self._staging is None or result.data.nbytes > self._staging.nbytes):
-            # Reused by the next fetch: it only lives until applied. (A shared-memory fetch
-            # maps the server's file instead; that mapping is no buffer to receive into.)
-            self._staging = result.data
-        self._incoming_version = result.version
-        self._incoming_info = result.info
-        self._incoming_partial = result.partial
-        self._incoming_placed = result.placed
         self.last_fetch = result.stats
-        return result.weights
+        buffer, self._staging = self._staging, None  # lent to the update until it is applied
+        received = result.stats is not None and result.stats.transport != "shm"  # into a buffer of ours
+        if received and (buffer is None or result.data.nbytes > buffer.nbytes):
+            buffer = result.data
+        return Update(result.info, result.weights, partial=result.partial, stats=result.stats, buffer=buffer)
+
+    def apply(self, update: Update) -> None:
+        """Write `update` into the policy: `_get_local_weights` -> `_maybe_map_weights` ->
+        strict check -> `_update_local_weights`, then set `version`.
+
+        The check runs before anything is written: on a mismatch (missing or unexpected keys,
+        shapes, dtypes) it raises KeyError and the policy and `version` stay as they were. An
+        error while copying (rare: a device failure) leaves no whole version in the policy:
+        `version` becomes None and the next update fetches the latest version whole.
+        """
+        try:
+            local = self._get_local_weights()
+            mapped = self._maybe_map_weights(update.weights, local)
+            source = f"server weights of {self.model!r} v{update.version}"
+            checked = self._checked(mapped, local, source, partial=update.partial, allow_cast=bool(self.dtype))
+            self._write(local, checked)
+            self.version, self._applied = update.version, update.info
+            log.debug("applied %s v%s", self.model, self.version)
+        finally:
+            self._give_back(update.buffer)
+
+    def load(self, weights: Weights) -> None:
+        """Copy `weights` keyed like the policy (e.g. another copy of it) into the policy: no
+        key map, no `_maybe_map_weights`; checked strictly first, then all of them or none.
+        The policy then holds no server version: `version` becomes None and the next update
+        fetches the latest version whole."""
+        local = self._get_local_weights()
+        self._write(local, self._checked(weights_of(weights), local, "weights passed to load", partial=False))
+        self.version, self._applied = None, None
+
+    def update_weights(self, weights: Weights | None = None) -> None:
+        """Apply the server's next version, if any: `_get_server_weights` (= `pull`), then
+        `apply` (`_get_local_weights` -> `_maybe_map_weights` -> check -> `_update_local_weights`).
+
+        Explicit `weights` are taken as server weights (the key map and `_maybe_map_weights`
+        apply) and must cover the whole policy; the policy then holds no server version
+        (`version` becomes None).
+        """
+        if weights is not None:
+            local = self._get_local_weights()
+            mapped = self._maybe_map_weights(weights_of(weights), local)
+            self._write(local, self._checked(mapped, local, "weights passed to update_weights", partial=False))
+            self.version, self._applied = None, None
+            return
+        update = self._get_server_weights()
+        if update is not None:
+            self.apply(update)
+
+    # ------------------------------------------------------------------ the design's hooks
+    def _get_server_weights(self) -> Update | None:  # type: ignore[override]
+        """`pull()`: the pending update as a value (its `.weights` are the server's tensors)."""
+        return self.pull()
+
+    def _get_local_weights(self) -> TensorDictBase:
+        policy = self.policy
+        if policy is None:
+            collector = self.collector
+            policy = getattr(collector, "policy", None) if collector is not None else None
+        if policy is None:
+            raise RuntimeError("GrpcLocalWeightUpdater has no policy: pass policy= or register a collector")
+        return weights_of(policy)
+
+    def _maybe_map_weights(
+        self, server_weights: TensorDictBase | None, local_weights: TensorDictBase
+    ) -> TensorDictBase | None:
+        """The server weights renamed by `key_map` (flat keys); checked afterwards, in `apply`."""
+        if server_weights is None:
+            return None
+        return map_keys(server_weights, self.key_map)
+
+    def _update_local_weights(self, local_weights: TensorDictBase, mapped_weights: TensorDictBase | None) -> None:
+        """Copy the (already checked) weights into the existing tensors, so that shared-memory
+        and CUDA parameters stay valid; a cast to the local dtype happens in the copy."""
+        if mapped_weights is None:
+            return
+        with torch.no_grad():
+            local_weights.flatten_keys(".").update_(mapped_weights)
+
+    # ------------------------------------------------------------------ internals
+    def _checked(
+        self, mapped: Any, local: TensorDictBase, source: str, *, partial: bool, allow_cast: bool = False
+    ) -> TensorDictBase:
+        if not isinstance(mapped, (TensorDictBase, Mapping)):
+            raise TypeError(
+                f"{type(self).__name__}._maybe_map_weights returned {type(mapped).__name__} for the {source}; "
+                "it must return the weights keyed like the local policy (a TensorDict or a mapping)"
+            )
+        return check_weights(mapped, local, source=source, partial=partial, allow_cast=allow_cast)
+
+    def _write(self, local: TensorDictBase, checked: TensorDictBase) -> None:
+        try:
+            self._update_local_weights(local, checked)
+        except BaseException:
+            # Some tensors may hold the new weights and others the old: no version is whole.
+            log.error("%s: writing weights into the policy failed; it holds no verified version now", self.model)
+            self.version, self._applied = None, None
+            raise
+
+    def _give_back(self, buffer: memoryview | None) -> None:
+        if buffer is not None and (self._staging is None or buffer.nbytes > self._staging.nbytes):
+            self._staging = buffer
 
     def _nothing_announced(self) -> bool:
         """With watch=True: whether the Watch stream has announced nothing newer than the
@@ -274,59 +405,6 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
             )
             self._unavailable_since = None
 
-    def _placement(self, info: VersionInfo) -> dict[str, torch.Tensor] | None:
-        """{server tensor: the live parameter it becomes} when the key map lines up every
-        parameter with exactly one server tensor; else None (the strict check then explains)."""
-        key_map = self.key_map if isinstance(self.key_map, KeyMap) else KeyMap(fn=self.key_map)
-        try:
-            server_key_of = key_map.apply({t.name: t.name for t in info.tensors})
-        except KeyError:
-            return None
-        try:
-            local = flat_weights(self._get_local_weights())
-        except RuntimeError:
-            return None  # no policy yet (an adapter sets `policy` before fetching)
-        if set(server_key_of) != set(local):
-            return None
-        self._placing = True
-        return {server_key: local[local_key] for local_key, server_key in server_key_of.items()}
-
-    def _get_local_weights(self) -> TensorDictBase:
-        policy = self.policy
-        if policy is None:
-            collector = self.collector
-            policy = getattr(collector, "policy", None) if collector is not None else None
-        if policy is None:
-            raise RuntimeError("GrpcLocalWeightUpdater has no policy: pass policy= or register a collector")
-        return weights_of(policy)
-
-    def _maybe_map_weights(
-        self, server_weights: TensorDictBase | None, local_weights: TensorDictBase
-    ) -> TensorDictBase | None:
-        if server_weights is None:
-            return None
-        source = f"server weights of {self.model!r} v{self._incoming_version}"
-        return apply_strict(
-            server_weights,
-            local_weights,
-            self.key_map,
-            source=source,
-            partial=self._incoming_partial,
-            allow_cast=bool(self.dtype),
-        )
-
-    def _update_local_weights(self, local_weights: TensorDictBase, mapped_weights: TensorDictBase | None) -> None:
-        placed, self._incoming_placed = self._incoming_placed, False
-        if mapped_weights is None:
-            return
-        if not placed:  # a placed fetch already wrote (and verified) them
-            with torch.no_grad():
-                # Copy into the existing tensors: shared-memory and CUDA parameters stay valid.
-                local_weights.flatten_keys(".").update_(mapped_weights)
-        self.version = self._incoming_version
-        self._applied = self._incoming_info
-        log.debug("applied %s v%s", self.model, self.version)
-
 
 class GrpcRemoteWeightUpdater(_LazyClient, RemoteWeightUpdaterBase):
     """Trainer-side updater: publishes the trainer's weights as a new version.
@@ -343,7 +421,9 @@ class GrpcRemoteWeightUpdater(_LazyClient, RemoteWeightUpdaterBase):
             times with exponential backoff and jitter, then raises. Updates are never dropped
             silently.
 
-    One `update_weights()` publishes every selected model in ONE stream under one version.
+    One `update_weights()` publishes every selected model in ONE stream under one version,
+    through the design's hooks (`_get_server_weights` -> `_maybe_map_weights` -> per worker
+    `_skip_update`, `_sync_weights_with_worker`); a subclass may override any of them.
     """
 
     def __init__(
@@ -367,6 +447,7 @@ class GrpcRemoteWeightUpdater(_LazyClient, RemoteWeightUpdaterBase):
         self.backoff = backoff
         self.metadata = metadata
         self._calls_since_update = dict.fromkeys(self.models, 0)
+        self._group: dict[str, Weights] | None = None  # the version `update_weights` is building
         self.version: int | None = None  # last version published
 
     def all_worker_ids(self) -> list[WorkerId]:
@@ -388,19 +469,44 @@ class GrpcRemoteWeightUpdater(_LazyClient, RemoteWeightUpdaterBase):
         return self._calls_since_update[worker_id] <= self.max_interval
 
     def _sync_weights_with_worker(self, worker_id: WorkerId, server_weights: Any) -> None:
-        self.publish({self.models[worker_id]: self._weights_for(self.models[worker_id], server_weights)})
+        """Deliver `worker_id`'s model: inside `update_weights` it joins the version being
+        built (committed once every due worker is in); called on its own, it is published
+        as a version of its own."""
+        model = self.models[worker_id]
+        weights = self._weights_for(model, server_weights)
+        if self._group is not None:
+            self._group[model] = weights
+            return
+        self.publish({model: weights})
         self._calls_since_update[worker_id] = 0
 
-    def update_weights(self, weights: Any = None, worker_ids: WorkerId | list[WorkerId] | None = None) -> None:
-        """Publish the weights of every selected worker's model as ONE new version."""
-        server_weights = self._maybe_map_weights(self._get_server_weights() if weights is None else weights)
-        due = [w for w in self._resolve_workers(worker_ids) if not self._skip_update(w)]
+    def update_weights(self, weights: Any = None, worker_ids: WorkerId | list[WorkerId] | None = None) -> int | None:
+        """Publish the models of the selected workers (default: all) as ONE new version.
+
+        The design's order: `_get_server_weights()` (or `weights`) -> `_maybe_map_weights` ->
+        for each worker, `_skip_update` and `_sync_weights_with_worker`. Returns the version
+        published, or None when `_skip_update` skipped every worker (nothing published).
+        Workers that share a model publish it once; different models land under one version.
+        """
+        server_weights = self._get_server_weights() if weights is None else weights
+        mapped = self._maybe_map_weights(server_weights)
+        group: dict[str, Weights] = {}
+        due: list[WorkerId] = []
+        self._group = group
+        try:
+            for worker in self._resolve_workers(worker_ids):
+                if self._skip_update(worker):
+                    continue
+                self._sync_weights_with_worker(worker, mapped)
+                due.append(worker)
+        finally:
+            self._group = None
         if not due:
-            return
-        models = dict.fromkeys(self.models[w] for w in due)
-        self.publish({model: self._weights_for(model, server_weights) for model in models})
+            return None
+        version = self.publish(group)
         for worker in due:
             self._calls_since_update[worker] = 0
+        return version
 
     @staticmethod
     def _weights_for(model: str, server_weights: Any) -> Weights:

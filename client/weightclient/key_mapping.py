@@ -3,10 +3,10 @@
 Trainer and collector rarely name parameters alike: DDP adds ``module.``, a TensorDictModule
 names its MLP's parameters ``module.0.weight`` too, and a trainer may publish a whole loss
 module (``loss_module.actor_network.*``). A KeyMap says explicitly which prefix to select,
-strip or add, which keys to rename, or hands every key to a function. `apply_strict` then
-insists that the result matches the local weights exactly, and otherwise raises a KeyError
-that lists every missing and unexpected key and every shape or dtype mismatch: a collector is
-never left half-updated.
+strip or add, which keys to rename, or hands every key to a function (`map_keys`).
+`check_weights` then insists that the result matches the local weights exactly, and otherwise
+raises a KeyError that lists every missing and unexpected key and every shape or dtype
+mismatch, before anything is written: a collector is never left half-updated.
 """
 
 from __future__ import annotations
@@ -81,37 +81,53 @@ IDENTITY = KeyMap()
 
 
 def flat_weights(weights: TensorDictBase | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """{dotted key: tensor} from a (nested) TensorDict or a flat mapping."""
+    """{dotted key: tensor} from a (nested) TensorDict or mapping."""
     if isinstance(weights, TensorDictBase):
         return dict(weights.flatten_keys(".").items())
-    return dict(weights)
+    flat: dict[str, torch.Tensor] = {}
+    for key, value in weights.items():
+        if isinstance(value, (TensorDictBase, Mapping)):
+            flat.update({f"{key}.{inner}": tensor for inner, tensor in flat_weights(value).items()})
+        else:
+            flat[key] = value
+    return flat
 
 
-def apply_strict(
-    server: TensorDictBase | Mapping[str, torch.Tensor],
-    local: TensorDictBase,
-    key_map: KeyMap | Callable[[str], str | None] = IDENTITY,
+def map_keys(
+    server: TensorDictBase | Mapping[str, torch.Tensor], key_map: KeyMap | Callable[[str], str | None] = IDENTITY
+) -> TensorDict:
+    """`server` weights renamed by `key_map` (flat, dotted keys). Keys the map drops are left out;
+    nothing is checked against a policy (see `check_weights`)."""
+    if not isinstance(key_map, KeyMap):
+        key_map = KeyMap(fn=key_map)
+    return TensorDict(key_map.apply(flat_weights(server)), batch_size=[])
+
+
+def check_weights(
+    weights: TensorDictBase | Mapping[str, torch.Tensor],
+    local: TensorDictBase | Mapping[str, torch.Tensor],
     *,
     source: str = "server weights",
     partial: bool = False,
     allow_cast: bool = False,
-) -> TensorDictBase:
-    """Map `server` onto the keys of `local` and check that they match exactly.
+) -> TensorDict:
+    """Check that `weights`, keyed like the local policy, match `local` exactly; return them flat.
 
-    Returns a TensorDict keyed like ``local.flatten_keys(".")``. Raises KeyError listing
-    missing keys (local parameters the server did not send), unexpected keys (server weights
-    with no local parameter), and shape and dtype mismatches. `partial`: a delta, which may
-    leave local keys out. `allow_cast`: floating-point dtypes may differ (the copy casts).
+    Raises KeyError listing missing keys (local parameters `weights` lack), unexpected keys
+    (entries with no local parameter), and shape and dtype mismatches, all at once, before the
+    caller writes anything. `partial`: a delta, which may leave local keys out. `allow_cast`:
+    floating-point dtypes may differ (the in-place copy casts).
     """
-    if not isinstance(key_map, KeyMap):
-        key_map = KeyMap(fn=key_map)
-    mapped = key_map.apply(flat_weights(server))
+    mapped = flat_weights(weights)
     local_flat = flat_weights(local)
     missing = [] if partial else sorted(set(local_flat) - set(mapped))
     unexpected = sorted(set(mapped) - set(local_flat))
     shapes, dtypes = [], []
     for key in sorted(set(mapped) & set(local_flat)):
         theirs, ours = mapped[key], local_flat[key]
+        if not isinstance(theirs, torch.Tensor):
+            dtypes.append(f"{key}: {source} hold a {type(theirs).__name__}, not a tensor")
+            continue
         if theirs.shape != ours.shape:
             shapes.append(f"{key}: {source} {tuple(theirs.shape)} vs local {tuple(ours.shape)}")
         if theirs.dtype != ours.dtype and not (allow_cast and theirs.is_floating_point() and ours.is_floating_point()):
@@ -133,3 +149,17 @@ def apply_strict(
             "Pass a KeyMap (select=, strip_prefix=, add_prefix=, rename=, fn=) to line them up."
         )
     return TensorDict(mapped, batch_size=[])
+
+
+def apply_strict(
+    server: TensorDictBase | Mapping[str, torch.Tensor],
+    local: TensorDictBase,
+    key_map: KeyMap | Callable[[str], str | None] = IDENTITY,
+    *,
+    source: str = "server weights",
+    partial: bool = False,
+    allow_cast: bool = False,
+) -> TensorDict:
+    """`map_keys` then `check_weights`: `server` mapped onto the keys of `local` and checked
+    to match exactly. Returns a TensorDict keyed like ``local.flatten_keys(".")``."""
+    return check_weights(map_keys(server, key_map), local, source=source, partial=partial, allow_cast=allow_cast)

@@ -1,5 +1,6 @@
 """PublishWeights: a trainer hook, modelled on torchrl.trainers.UpdateWeights, that publishes a
-new version to the weight server every `update_weights_interval` batches."""
+new version to the weight server every `update_weights_interval` batches or optimizer steps,
+through a `GrpcRemoteWeightUpdater`'s hooks."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 from weightclient.client import WeightClient
 from weightclient.grpc_updaters import GrpcRemoteWeightUpdater, Weights
 
+INTERVAL_UNITS = ("batches", "optim_steps")
 _PATH_PART = re.compile(r"([^.\[\]]+)|\[(-?\d+)\]")
 
 
@@ -33,21 +35,32 @@ def resolve_path(root: Any, path: str) -> Any:
 
 
 class PublishWeights:
-    """Publish the trainer's weights every `update_weights_interval` post-steps.
+    """Publish the trainer's weights every `update_weights_interval` batches or optimizer steps.
 
     Same arguments as ``torchrl.trainers.UpdateWeights`` with a publisher in place of the
     collector:
 
-    * publisher: a `GrpcRemoteWeightUpdater` (retry policy, models) or a `WeightClient`.
-    * policy_weights_getter: callable returning the weights to publish (to the publisher's
-      model, "policy" by default).
+    * publisher: a `GrpcRemoteWeightUpdater` (models, retry policy, `max_interval`, or a
+      subclass with its own hooks) or a `WeightClient`.
+    * update_weights_interval: publish every this many `interval_unit`.
+    * policy_weights_getter: callable returning the weights to publish (to every model of the
+      publisher, "policy" by default).
     * weight_update_map: destination model name -> source path on the trainer, e.g.
       ``{"policy": "loss_module.actor_network", "critic": "loss_module.critic_network"}``;
-      every entry is published under ONE version, committed together. Takes precedence over
-      `policy_weights_getter`.
+      every entry is published under ONE version, committed together. Its destinations must be
+      the publisher's models. Takes precedence over `policy_weights_getter`.
     * trainer: the Trainer the source paths start from (also set by `register`).
+    * interval_unit: ``"batches"`` (default) counts the calls at ``"post_steps"``, once per
+      collected batch; ``"optim_steps"`` counts the trainer's optimizer steps (its stepper's
+      ``optimizer_step_count`` where it has one) and `register` puts the hook at
+      ``"post_optim"``, so that a version can be published in the middle of a batch's
+      optimization loop, as torchrl's ``UpdateWeights(interval_unit="optim_steps")`` does.
 
-    Without either, the publisher publishes the weights it was built with.
+    Every publish goes through the publisher's ``update_weights()``, that is through its hooks:
+    a getter or a map becomes the publisher's weight source (what its `_get_server_weights`
+    returns), then `_maybe_map_weights`, `_skip_update` (``max_interval`` throttling) and
+    `_sync_weights_with_worker` run. Without either, the publisher publishes the weights it was
+    built with. `published` lists the versions this hook published.
 
     >>> hook = PublishWeights(updater, update_weights_interval=2,                    # doctest: +SKIP
     ...                       weight_update_map={"policy": "loss_module.actor_network"})
@@ -57,54 +70,84 @@ class PublishWeights:
     def __init__(
         self,
         publisher: GrpcRemoteWeightUpdater | WeightClient,
-        update_weights_interval: int,
+        update_weights_interval: int = 1,
         policy_weights_getter: Callable[[], Weights] | None = None,
         weight_update_map: Mapping[str, str] | None = None,
         trainer: Any = None,
+        *,
+        interval_unit: str = "batches",
     ) -> None:
         if update_weights_interval < 1:
             raise ValueError(f"update_weights_interval must be >= 1, got {update_weights_interval}")
+        if interval_unit not in INTERVAL_UNITS:
+            raise ValueError(f"interval_unit must be one of {', '.join(INTERVAL_UNITS)}, got {interval_unit!r}")
+        self.weight_update_map = dict(weight_update_map or {})
         if isinstance(publisher, WeightClient):
-            publisher = GrpcRemoteWeightUpdater(publisher, policy_weights_getter)
+            publisher = GrpcRemoteWeightUpdater(publisher, models=list(self.weight_update_map) or ("policy",))
+        if self.weight_update_map:
+            published_models = set(publisher.models.values())
+            if set(self.weight_update_map) != published_models:
+                raise ValueError(
+                    f"weight_update_map names the models {sorted(self.weight_update_map)} but the publisher "
+                    f"publishes {sorted(published_models)}: pass GrpcRemoteWeightUpdater(..., "
+                    f"models={sorted(self.weight_update_map)!r})"
+                )
+            publisher.policy_weights = self._mapped_weights
+        elif policy_weights_getter is not None:
+            publisher.policy_weights = policy_weights_getter
         self.publisher = publisher
         self.update_weights_interval = update_weights_interval
         self.policy_weights_getter = policy_weights_getter
-        self.weight_update_map = dict(weight_update_map or {})
         self.trainer = trainer
-        self.counter = 0
+        self.interval_unit = interval_unit
+        self.counter = 0  # calls ("batches")
+        self.last_update_count = 0  # optimizer steps at the last publish ("optim_steps")
         self.published: list[int] = []  # versions this hook published
 
     def __call__(self, *args: Any, **kwargs: Any) -> None:
-        self.counter += 1
-        if self.counter % self.update_weights_interval == 0:
-            self.publish()
+        if self.interval_unit == "optim_steps":
+            count = self._optimizer_step_count()
+            if count - self.last_update_count < self.update_weights_interval:
+                return
+            self.last_update_count = count
+        else:
+            self.counter += 1
+            if self.counter % self.update_weights_interval != 0:
+                return
+        self.publish()
 
     def publish(self) -> int | None:
-        """Publish now (outside the interval); returns the new version."""
-        if self.weight_update_map:
-            if self.trainer is None:
-                raise RuntimeError("weight_update_map needs the trainer: pass trainer= or call register(trainer)")
-            weights = {dest: resolve_path(self.trainer, src) for dest, src in self.weight_update_map.items()}
-            version = self.publisher.publish(weights)
-        elif self.policy_weights_getter is not None:
-            weights = self.policy_weights_getter()
-            models = dict.fromkeys(self.publisher.models.values())
-            version = self.publisher.publish(dict.fromkeys(models, weights))
-        else:
-            self.publisher.update_weights()
-            version = self.publisher.version
+        """Publish now, outside the interval, through the publisher's hooks; returns the new
+        version, or None when the publisher's `_skip_update` skipped it."""
+        version = self.publisher.update_weights()
         if version is not None:
             self.published.append(version)
         return version
 
+    def _mapped_weights(self) -> dict[str, Any]:
+        """{model: the trainer's module at its source path}: the publisher's weight source."""
+        if self.trainer is None:
+            raise RuntimeError("weight_update_map needs the trainer: pass trainer= or call register(trainer)")
+        return {dest: resolve_path(self.trainer, src) for dest, src in self.weight_update_map.items()}
+
+    def _optimizer_step_count(self) -> int:
+        if self.trainer is None:
+            raise RuntimeError('interval_unit="optim_steps" needs the trainer: pass trainer= or call register(trainer)')
+        # As torchrl's UpdateWeights: the stepper's count of optimizer steps (it discounts
+        # gradient-accumulation micro-steps and skipped steps), else the trainer's loop counter.
+        count = getattr(getattr(self.trainer, "optimization_stepper", None), "optimizer_step_count", None)
+        return int(count if count is not None else self.trainer._optim_count)
+
     def register(self, trainer: Any, name: str = "update_weights") -> None:
-        """Register at "post_steps" of a torchrl Trainer (and keep it for weight_update_map)."""
+        """Register with a torchrl Trainer (kept for weight_update_map and optimizer steps): at
+        "post_steps", or at "post_optim" with interval_unit="optim_steps"."""
         self.trainer = trainer
         trainer.register_module(name, self)
-        trainer.register_op("post_steps", self)
+        trainer.register_op("post_optim" if self.interval_unit == "optim_steps" else "post_steps", self)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"counter": self.counter}
+        return {"counter": self.counter, "last_update_count": self.last_update_count}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.counter = int(state["counter"])
+        self.counter = int(state.get("counter", 0))
+        self.last_update_count = int(state.get("last_update_count", 0))

@@ -1,21 +1,28 @@
 """Adapters that plug the weight server into released torchrl (0.14.x; extra `torchrl`).
 
-* `GrpcCollectorWeightUpdater`: a ``torchrl.collectors.weight_update.WeightUpdaterBase`` for a
-  single ``Collector(weight_updater=...)``: ``collector.update_policy_weights_()`` with no
-  weights pulls the server's newer version (nothing moves when up to date), maps keys, checks
-  them strictly and copies in place. It also works when torchrl's own
-  ``UpdateWeights(collector, N)`` hook triggers the update.
-* `GrpcWeightSyncScheme`: a ``SharedMemWeightSyncScheme`` for ``MultiSyncCollector`` /
-  ``MultiAsyncCollector``: the parent pulls from the server and hands the weights to
-  torchrl's shared-memory transport. It pickles without its channel; workers never dial.
-* `ServerPolicyVersion`: with ``Collector(track_policy_version=ServerPolicyVersion())`` every
-  batch's ``("next", "policy_version")`` is the server version whose weights produced it
-  (`GrpcWeightSyncScheme` writes the same entry in multi-process workers).
+* `GrpcWeightSyncScheme`: the weight-sync scheme for EVERY torchrl collector, passed as
+  ``weight_sync_schemes={"policy": GrpcWeightSyncScheme(...)}``. ``collector.update_policy_weights_()``
+  with no weights pulls the server's newer version (nothing moves when up to date) and applies
+  it through its `GrpcLocalWeightUpdater`'s hooks. A single ``Collector``: into the collector's
+  policy. ``MultiSyncCollector`` / ``MultiAsyncCollector``: into the buffers torchrl's shared
+  memory shares with the workers, which then apply them. It pickles without its channel;
+  workers never dial the server.
+* `GrpcCollectorWeightUpdater`: the same pull for ``Collector(weight_updater=...)``, torchrl's
+  older updater path, for code that still configures collectors that way. torchrl 0.14
+  deprecates that path and its collectors warn ("Using WeightUpdaterBase is deprecated") when
+  given one; we leave that warning alone: it is torchrl telling its user about torchrl.
+* `ServerPolicyVersion`: with ``track_policy_version=ServerPolicyVersion()`` every batch's
+  ``("next", "policy_version")`` is the server version whose weights produced it
+  (`GrpcWeightSyncScheme` writes the same entry in multi-process workers with
+  ``track_policy_version=True``).
 * Trainer side needs no adapter: ``torchrl.trainers.UpdateWeights(sender=GrpcRemoteWeightUpdater(...),
-  update_weights_interval=N)`` calls its ``update_weights()``.
+  update_weights_interval=N)`` calls its ``update_weights()``; `weightclient.publish_hook.PublishWeights`
+  adds ``weight_update_map`` / ``policy_weights_getter`` on top of the same hooks.
 
-torchrl deprecates ``WeightUpdaterBase`` in favour of weight-sync schemes; both paths are
-offered because both are what torchrl 0.14 collectors accept.
+Both adapters drive a `GrpcLocalWeightUpdater` (pass your own subclass as ``puller=`` to
+override its hooks, e.g. `_maybe_map_weights`) through its public steps only: ``pull()`` and
+``apply(update)`` for the server's versions, ``load(weights)`` for weights passed to
+``update_policy_weights_(weights)`` (keyed like the policy: no key map), ``version``, ``lag``.
 """
 
 from __future__ import annotations
@@ -24,22 +31,51 @@ import warnings
 from typing import Any
 
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDictBase
 from torchrl.envs.llm.transforms.policy_version import PolicyVersion
 from torchrl.weight_update import SharedMemWeightSyncScheme
 
 from weightclient.client import WeightClient
-from weightclient.grpc_updaters import GrpcLocalWeightUpdater
-from weightclient.key_mapping import IDENTITY, KeyMap, apply_strict
+from weightclient.grpc_updaters import GrpcLocalWeightUpdater, Update
+from weightclient.key_mapping import IDENTITY, KeyMap
 
 with warnings.catch_warnings():
     # Importing torchrl.collectors defines its own WeightUpdaterBase subclasses, which warn.
     warnings.filterwarnings(
         "ignore", message=r"Creating \w+ which inherits from WeightUpdaterBase", category=DeprecationWarning
     )
+    from torchrl.collectors import Collector
     from torchrl.collectors.weight_update import WeightUpdaterBase
 
 __all__ = ["GrpcCollectorWeightUpdater", "GrpcWeightSyncScheme", "ServerPolicyVersion"]
+
+
+_SERVER_DEFAULTS = {
+    "model": "policy",
+    "key_map": IDENTITY,
+    "version": None,
+    "delta": True,
+    "dtype": None,
+    "transport": "auto",
+    "watch": False,
+}
+
+
+def _puller(
+    puller: GrpcLocalWeightUpdater | None, client: WeightClient | str | None, **options: Any
+) -> GrpcLocalWeightUpdater:
+    """The given updater, or one made from the server arguments (not both)."""
+    if puller is None:
+        return GrpcLocalWeightUpdater(client, **options)
+    given = [name for name, value in options.items() if value != _SERVER_DEFAULTS[name]]
+    if client is not None:
+        given.insert(0, "client")
+    if given:
+        raise ValueError(
+            f"puller= is the whole updater: pass {', '.join(given)} to GrpcLocalWeightUpdater "
+            "(or your subclass) instead"
+        )
+    return puller
 
 
 class ServerPolicyVersion(PolicyVersion):
@@ -74,15 +110,17 @@ with warnings.catch_warnings():
     )
 
     class GrpcCollectorWeightUpdater(WeightUpdaterBase):
-        """Pull a single torchrl Collector's policy weights from the weight server.
+        """Pull a single torchrl Collector's policy weights from the weight server (torchrl's
+        deprecated ``weight_updater=`` path; prefer `GrpcWeightSyncScheme`, which works for every
+        collector and draws no deprecation warning).
 
         >>> updater = GrpcCollectorWeightUpdater("localhost:50051")                                    # doctest: +SKIP
         >>> collector = Collector(env, policy, frames_per_batch=64, weight_updater=updater,             # doctest: +SKIP
         ...                       track_policy_version=ServerPolicyVersion())
         >>> collector.update_policy_weights_()   # applies the server's newer version, if any          # doctest: +SKIP
 
-        The arguments are GrpcLocalWeightUpdater's; ``watch=True`` asks the server only after
-        its Watch stream announced a newer version, not before every batch.
+        The arguments are GrpcLocalWeightUpdater's, or ``puller=`` an updater of your own (a
+        subclass overriding its hooks); its policy is the collector's.
         """
 
         def __init__(
@@ -96,9 +134,10 @@ with warnings.catch_warnings():
             dtype: str | None = None,
             transport: str = "auto",
             watch: bool = False,
+            puller: GrpcLocalWeightUpdater | None = None,
         ) -> None:
             options = {"version": version, "delta": delta, "dtype": dtype, "transport": transport, "watch": watch}
-            self.puller = GrpcLocalWeightUpdater(client, model=model, key_map=key_map, **options)
+            self.puller = _puller(puller, client, model=model, key_map=key_map, **options)
 
         @property
         def version(self) -> int | None:
@@ -109,34 +148,19 @@ with warnings.catch_warnings():
         def lag(self) -> int | None:
             return self.puller.lag
 
-        def _get_server_weights(self) -> TensorDictBase | None:
-            # The live policy, so that a whole version can be received straight into it.
-            self.puller.policy = getattr(self.collector, "policy", None)
-            return self.puller._get_server_weights()
+        def _get_server_weights(self) -> Any:
+            return self.puller.pull()  # an Update, or None: nothing to apply
 
         def _maybe_map_weights(self, server_weights: Any) -> Any:
-            return server_weights  # mapped against the live policy in _sync_weights_with_worker
+            return server_weights  # the puller maps them, against the live policy, in apply()
 
         def all_worker_ids(self) -> None:
             return None
 
         def _sync_weights_with_worker(self, *, worker_id: Any = None, server_weights: Any) -> None:
-            if server_weights is None:  # up to date; the collector still counts an update
-                _set_pending_version(self.collector, self.puller.version)
-                return
-            local = TensorDict.from_module(self.collector.policy)
-            if isinstance(server_weights, torch.nn.Module):
-                server_weights = TensorDict.from_module(server_weights)
-            from_server = server_weights is not None and self.puller._incoming_version is not None
-            mapped = (
-                self.puller._maybe_map_weights(server_weights, local)
-                if from_server
-                else apply_strict(server_weights, local, source="weights passed to update_policy_weights_")
-            )
-            self.puller._update_local_weights(local, mapped)
-            if from_server:
-                _set_pending_version(self.collector, self.puller.version)
-                self.puller._incoming_version = None
+            self.puller.policy = self.collector.policy
+            _apply(self.puller, server_weights)
+            _set_pending_version(self.collector, self.puller.version)
 
         def __getstate__(self) -> dict[str, Any]:
             state = self.__dict__.copy()
@@ -144,22 +168,39 @@ with warnings.catch_warnings():
             return state
 
 
-class GrpcWeightSyncScheme(SharedMemWeightSyncScheme):
-    """Weight sync for MultiSyncCollector / MultiAsyncCollector that pulls from the server.
+def _apply(puller: GrpcLocalWeightUpdater, weights: Any) -> None:
+    """An Update from `puller.pull()` through its hooks; weights passed by torchrl (keyed like
+    the policy) strictly, with no key map; None: nothing to do."""
+    if weights is None:
+        return
+    if isinstance(weights, Update):
+        puller.apply(weights)
+    else:
+        puller.load(weights if isinstance(weights, (torch.nn.Module, TensorDictBase)) else dict(weights))
 
-    In the parent, ``collector.update_policy_weights_()`` (or ``update_at_each_batch=True``)
-    asks the server for a version newer than the one applied; when there is none nothing is
-    sent to the workers. A new version is mapped onto the policy's keys, checked strictly and
-    written into torchrl's shared-memory buffers, which the workers apply. With
-    ``track_policy_version=True`` the workers stamp each batch with the server version.
+
+class GrpcWeightSyncScheme(SharedMemWeightSyncScheme):
+    """The weight-sync scheme for every torchrl collector, pulling from the weight server.
+
+    ``collector.update_policy_weights_()`` (or torchrl's ``UpdateWeights(collector, N)`` hook)
+    asks the server for a version newer than the one applied; when there is none nothing
+    moves. A new version goes through the puller's hooks (`_get_local_weights` ->
+    `_maybe_map_weights` -> strict check -> `_update_local_weights`): in a single ``Collector``
+    into its policy; in ``MultiSyncCollector`` / ``MultiAsyncCollector`` into torchrl's
+    shared-memory buffers, which the workers then apply (with ``track_policy_version=True``
+    they stamp each batch with the server version).
 
     >>> scheme = GrpcWeightSyncScheme("localhost:50051", key_map=KeyMap(add_prefix="module."))   # doctest: +SKIP
+    >>> collector = Collector(env, policy, frames_per_batch=64,                                    # doctest: +SKIP
+    ...                       weight_sync_schemes={"policy": scheme}, track_policy_version=ServerPolicyVersion())
     >>> collector = MultiSyncCollector([make_env] * 2, policy, frames_per_batch=64,               # doctest: +SKIP
-    ...                                weight_sync_schemes={"policy": scheme}, track_policy_version=True)
+    ...                                weight_sync_schemes={"policy": GrpcWeightSyncScheme("localhost:50051")},
+    ...                                track_policy_version=True)
 
     The server arguments are GrpcLocalWeightUpdater's (``watch=True``: the parent asks the
-    server only after its Watch stream announced a newer version); the rest go to torchrl's
-    SharedMemWeightSyncScheme.
+    server only after its Watch stream announced a newer version), or ``puller=`` an updater of
+    your own (a subclass overriding its hooks); the scheme points its ``policy`` at what it
+    updates. The rest go to torchrl's SharedMemWeightSyncScheme (multi-process collectors).
     """
 
     def __init__(
@@ -173,34 +214,54 @@ class GrpcWeightSyncScheme(SharedMemWeightSyncScheme):
         dtype: str | None = None,
         transport: str = "auto",
         watch: bool = False,
+        puller: GrpcLocalWeightUpdater | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         options = {"version": version, "delta": delta, "dtype": dtype, "transport": transport, "watch": watch}
-        self.puller = GrpcLocalWeightUpdater(client, model=model, key_map=key_map, **options)
+        self.puller: GrpcLocalWeightUpdater | None = _puller(puller, client, model=model, key_map=key_map, **options)
+        self._in_process = False  # a single Collector: its policy is updated directly, no workers
         # The applied server version, shared with the workers (it travels in the pickle).
         self._server_version = torch.full((), -1, dtype=torch.int64).share_memory_()
 
     @property
     def version(self) -> int | None:
-        return self.puller.version
+        """The server version applied (None in a worker process, which never dials)."""
+        return self.puller.version if self.puller is not None else None
 
     @property
     def lag(self) -> int | None:
-        return self.puller.lag
+        return self.puller.lag if self.puller is not None else None
+
+    def _init_on_sender_impl(self, *args: Any, model_id: str | None = None, context: Any = None, **kwargs: Any) -> None:
+        if isinstance(context, Collector):
+            # A single, in-process collector: no workers and no shared buffers to set up.
+            self._in_process = True
+            self.model_id = model_id
+            self.context = context
+            return
+        super()._init_on_sender_impl(*args, model_id=model_id, context=context, **kwargs)
+
+    def _setup_connection_and_weights_on_sender_impl(self, **kwargs: Any) -> None:
+        if not self._in_process:  # workers to hand the shared buffers to
+            super()._setup_connection_and_weights_on_sender_impl(**kwargs)
 
     def send(self, weights: Any = None, worker_ids: int | list[int] | None = None) -> None:
-        if weights is None:
-            server_weights = self.puller._get_server_weights()
-            if server_weights is None:
-                return  # up to date: the workers keep what they have
-            local = TensorDict.from_module(self.model)
-            mapped = self.puller._maybe_map_weights(server_weights, local)
-            weights = mapped.unflatten_keys(".")
-            self.puller.version, self.puller._incoming_version = self.puller._incoming_version, None
-            self.puller._applied = self.puller._incoming_info
-            self._server_version.fill_(self.puller.version)
-        super().send(weights=weights, worker_ids=worker_ids)
+        if self.puller is None:
+            raise RuntimeError("this GrpcWeightSyncScheme was sent to a worker process; send from the collector")
+        if self._in_process:
+            self.puller.policy = self.context.policy
+            _apply(self.puller, self.puller.pull() if weights is None else weights)
+            _set_pending_version(self.context, self.puller.version)
+            return
+        update = self.puller.pull() if weights is None else weights
+        if update is None:
+            return  # up to date: the workers keep what they have
+        self.puller.policy = self.weights  # the buffer torchrl shares with the workers (the first device's)
+        _apply(self.puller, update)
+        self._server_version.fill_(-1 if self.puller.version is None else self.puller.version)
+        # Copies into the other devices' buffers (none on one device) and tells the workers.
+        super().send(weights=self.weights, worker_ids=worker_ids)
 
     def _send_ack(self, message: str = "updated") -> None:
         # Runs in a worker right after it applied new weights and bumped its PolicyVersion:
@@ -213,6 +274,6 @@ class GrpcWeightSyncScheme(SharedMemWeightSyncScheme):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        # Workers never dial the server: no channel, no key map (it may be a lambda).
-        state["puller"] = GrpcLocalWeightUpdater(self.puller._address, model=self.puller.model)
+        # Workers never dial the server: no puller (its channel, key map or subclass may not pickle).
+        state["puller"] = None
         return state
