@@ -182,8 +182,10 @@ def live_fetch_row(
     kwargs = transport_kwargs(transport)
     policy = policy_from_shapes(shapes, fill=-1.0)
     if "place" in fetch_parameters():
-        # Receive a whole version straight into the parameters, as GrpcLocalWeightUpdater does
-        # (the client falls back to receive + copy where it cannot).
+        # Receive a whole version straight into the parameters with WeightClient.fetch(place=)
+        # (the client falls back to receive + copy where it cannot). GrpcLocalWeightUpdater
+        # does not place: it receives into a staging buffer so that its _maybe_map_weights
+        # hook decides what lands, then copies (one memcpy more than this row).
         kwargs["place"] = lambda info: dict(policy.named_parameters())
     for _ in range(WARMUP_ROUNDS):
         warm = ctx.client.fetch(model, version=version, **kwargs)
@@ -191,7 +193,7 @@ def live_fetch_row(
             copy_into(policy, warm.state_dict())
     if "into" in fetch_parameters() and not warm.data.readonly and warm.data.nbytes:
         # Receive into one reused buffer, as GrpcLocalWeightUpdater does (the shared-memory
-        # path ignores it: it maps the server's file).
+        # transport ignores it: it maps the server's file).
         kwargs["into"] = warm.data
     del warm
     with torch.no_grad():
