@@ -5,7 +5,7 @@
 
 * `demo.run`: the orchestrator (server, trainer, collectors as child processes; summary).
 * `demo.trainer`: DDPG on the spool's experience, publishing through `PublishWeights`.
-* `demo.collector`: a torchrl `Collector` pulling weights through `GrpcCollectorWeightUpdater`.
+* `demo.collector`: a torchrl `Collector` pulling weights through `GrpcWeightSyncScheme`.
 * `demo.spool`: the directory of TensorDict memmaps that carries experience to the trainer.
 * `demo.models`: PendulumEnv, the DDPG actor and critic, the collectors' exploring policy.
 * `demo.config`: every setting as a flag and an environment variable, with its default.

@@ -1,7 +1,7 @@
 """Collector process: a torchrl `Collector` on PendulumEnv whose policy follows the server.
 
 Before each batch, `collector.update_policy_weights_()` asks the weight server for a version
-newer than the one applied (`GrpcCollectorWeightUpdater`: nothing moves when up to date) and
+newer than the one applied (`GrpcWeightSyncScheme`: nothing moves when up to date) and
 every frame is stamped with the server version that produced it (`ServerPolicyVersion`). Each
 batch goes to the trainer through the spool. The collector waits while the spool already holds
 `--spool-max-batches` unconsumed batches, so it never runs far ahead of the trainer, and the
@@ -105,20 +105,20 @@ def make_collector(args: Any, seed: int) -> tuple[Any, Any]:
     quiet_torchrl()
     from torchrl.collectors import Collector
 
-    from weightclient.torchrl_adapters import GrpcCollectorWeightUpdater, ServerPolicyVersion
+    from weightclient.torchrl_adapters import GrpcWeightSyncScheme, ServerPolicyVersion
 
-    updater = GrpcCollectorWeightUpdater(args.server, model=args.model, key_map=COLLECTOR_KEY_MAP)
+    scheme = GrpcWeightSyncScheme(args.server, model=args.model, key_map=COLLECTOR_KEY_MAP)
     collector = Collector(
         make_env(seed),
         make_exploring_policy(args.hidden, args.noise),
         frames_per_batch=args.frames_per_batch,
         total_frames=-1,
         init_random_frames=args.random_frames,
-        weight_updater=updater,
+        weight_sync_schemes={"policy": scheme},
         track_policy_version=ServerPolicyVersion(),
         auto_register_policy_transforms=False,
     )
-    return collector, updater
+    return collector, scheme
 
 
 def pull(collector: Any, name: str) -> None:
@@ -162,7 +162,7 @@ def run(args: Any, stop: StopRequest) -> int:
     deadline = time.monotonic() + args.seconds + args.drain_timeout + 60
     stats = CollectorStats(name)
     say(name, f"starting: server {args.server}, spool {args.spool_dir}, seed {seed}")
-    collector, updater = make_collector(args, seed)
+    collector, scheme = make_collector(args, seed)
     session = join_session(spool, stop, deadline)
     reason = "deadline"
     progress = Every(args.progress_seconds)
@@ -178,9 +178,9 @@ def run(args: Any, stop: StopRequest) -> int:
                 stats.waited_seconds += time.monotonic() - t0
                 continue
             pull(collector, name)
-            stats.after_update(updater)
+            stats.after_update(scheme)
             batch = next(batches)
-            lag = lag_of(updater)
+            lag = lag_of(scheme)
             try:
                 session.put(batch.select(*SPOOL_KEYS), f"{time.time_ns():020d}-{name}-{stats.batches:06d}")
             except Exception:
@@ -195,7 +195,7 @@ def run(args: Any, stop: StopRequest) -> int:
         if stop:
             reason = stop.signal_name or "signal"
         pull(collector, name)  # the trainer's final version
-        stats.after_update(updater)
+        stats.after_update(scheme)
     finally:
         collector.shutdown()
     say(name, stats.line())

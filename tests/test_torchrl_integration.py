@@ -1,8 +1,6 @@
 """The weight server with the REAL torchrl 0.14 collectors and Trainer.
 
-The documented collector path is `GrpcWeightSyncScheme` for every collector kind; torchrl's
-deprecated ``weight_updater=`` path (`GrpcCollectorWeightUpdater`) is tested too, expecting
-torchrl's deprecation warning where such a collector is built. CI sets
+The collector path is `GrpcWeightSyncScheme` for every collector kind. CI sets
 WEIGHTSERVER_REQUIRE_TORCHRL=1, which turns a missing torchrl into a failure instead of the
 skip below (see conftest.py).
 """
@@ -37,14 +35,9 @@ from weightclient import WeightClient
 from weightclient.grpc_updaters import GrpcLocalWeightUpdater, GrpcRemoteWeightUpdater
 from weightclient.key_mapping import KeyMap
 from weightclient.publish_hook import PublishWeights
-from weightclient.torchrl_adapters import (
-    GrpcCollectorWeightUpdater,
-    GrpcWeightSyncScheme,
-    ServerPolicyVersion,
-)
+from weightclient.torchrl_adapters import GrpcWeightSyncScheme, ServerPolicyVersion
 
 ATOL = 1e-5  # worker processes run other thread counts: actions differ in the last bits
-LEGACY_WARNING = "Using WeightUpdaterBase is deprecated"
 
 
 def single_collector(policy, scheme, frames_per_batch=8, **kwargs) -> Collector:
@@ -62,30 +55,10 @@ def single_collector(policy, scheme, frames_per_batch=8, **kwargs) -> Collector:
     )
 
 
-def legacy_collector(policy, updater, frames_per_batch=8) -> Collector:
-    """The same through torchrl's deprecated ``weight_updater=`` path: torchrl warns there."""
-    with pytest.warns(DeprecationWarning, match=LEGACY_WARNING):
-        return Collector(
-            make_env(),
-            policy,
-            frames_per_batch=frames_per_batch,
-            total_frames=-1,
-            weight_updater=updater,
-            track_policy_version=ServerPolicyVersion(),
-            exploration_type=ExplorationType.DETERMINISTIC,
-            auto_register_policy_transforms=False,
-        )
-
-
-@pytest.mark.parametrize("path", ["weight_sync_schemes", "weight_updater"])
-def test_collector_pulls_through_our_scheme_or_updater(client: WeightClient, path):
+def test_collector_pulls_through_our_scheme(client: WeightClient):
     collector_policy, trained = make_policy(0), make_policy(1)
-    if path == "weight_sync_schemes":
-        updater = GrpcWeightSyncScheme(client)
-        collector = single_collector(collector_policy, updater)
-    else:
-        updater = GrpcCollectorWeightUpdater(client)
-        collector = legacy_collector(collector_policy, updater)
+    updater = GrpcWeightSyncScheme(client)
+    collector = single_collector(collector_policy, updater)
     try:
         batches = iter(collector)
         first = next(batches)
@@ -374,19 +347,14 @@ def assert_state_is(policy, expected: dict[str, torch.Tensor]) -> None:
 
 
 @pytest.mark.parametrize("transport", ["auto", "shm", "bulk", "stream"])
-@pytest.mark.parametrize("path", ["weight_sync_schemes", "weight_updater"])
-def test_a_maybe_map_weights_override_is_what_lands_on_every_transport(client: WeightClient, transport, path):
+def test_a_maybe_map_weights_override_is_what_lands_on_every_transport(client: WeightClient, transport):
     """A GrpcLocalWeightUpdater subclass swapping two same-shaped heads, in a real Collector:
     the live policy holds the swapped weights bit for bit, for a whole version and for a
     delta, whatever the transport."""
     trained, policy = make_two_head_policy(1), make_two_head_policy(0)
     swapper = SwapHeads(client, transport=transport)
-    if path == "weight_sync_schemes":
-        adapter = GrpcWeightSyncScheme(puller=swapper)
-        collector = single_collector(policy, adapter)
-    else:
-        adapter = GrpcCollectorWeightUpdater(puller=swapper)
-        collector = legacy_collector(policy, adapter)
+    adapter = GrpcWeightSyncScheme(puller=swapper)
+    collector = single_collector(policy, adapter)
     try:
         assert client.publish(trained, model="policy") == 1
         collector.update_policy_weights_()
@@ -518,4 +486,4 @@ def test_puller_is_the_whole_updater(client: WeightClient):
     with pytest.raises(ValueError, match="pass client, key_map to GrpcLocalWeightUpdater"):
         GrpcWeightSyncScheme(client, key_map=KeyMap(add_prefix="module."), puller=SwapHeads(client))
     with pytest.raises(ValueError, match="pass transport"):
-        GrpcCollectorWeightUpdater(transport="bulk", puller=SwapHeads(client))
+        GrpcWeightSyncScheme(transport="bulk", puller=SwapHeads(client))

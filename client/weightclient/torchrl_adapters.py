@@ -7,10 +7,8 @@
   policy. ``MultiSyncCollector`` / ``MultiAsyncCollector``: into the buffers torchrl's shared
   memory shares with the workers, which then apply them. It pickles without its channel;
   workers never dial the server.
-* `GrpcCollectorWeightUpdater`: the same pull for ``Collector(weight_updater=...)``, torchrl's
-  older updater path, for code that still configures collectors that way. torchrl 0.14
-  deprecates that path and its collectors warn ("Using WeightUpdaterBase is deprecated") when
-  given one; we leave that warning alone: it is torchrl telling its user about torchrl.
+  torchrl 0.14 deprecates its older ``Collector(weight_updater=...)`` path, so no adapter is
+  offered for it.
 * `ServerPolicyVersion`: with ``track_policy_version=ServerPolicyVersion()`` every batch's
   ``("next", "policy_version")`` is the server version whose weights produced it
   (`GrpcWeightSyncScheme` writes the same entry in multi-process workers with
@@ -19,7 +17,7 @@
   update_weights_interval=N)`` calls its ``update_weights()``; `weightclient.publish_hook.PublishWeights`
   adds ``weight_update_map`` / ``policy_weights_getter`` on top of the same hooks.
 
-Both adapters drive a `GrpcLocalWeightUpdater` (pass your own subclass as ``puller=`` to
+The scheme drives a `GrpcLocalWeightUpdater` (pass your own subclass as ``puller=`` to
 override its hooks, e.g. `_maybe_map_weights`) through its public steps only: ``pull()`` and
 ``apply(update)`` for the server's versions, ``load(weights)`` for weights passed to
 ``update_policy_weights_(weights)`` (keyed like the policy: no key map), ``version``, ``lag``.
@@ -45,9 +43,8 @@ with warnings.catch_warnings():
         "ignore", message=r"Creating \w+ which inherits from WeightUpdaterBase", category=DeprecationWarning
     )
     from torchrl.collectors import Collector
-    from torchrl.collectors.weight_update import WeightUpdaterBase
 
-__all__ = ["GrpcCollectorWeightUpdater", "GrpcWeightSyncScheme", "ServerPolicyVersion"]
+__all__ = ["GrpcWeightSyncScheme", "ServerPolicyVersion"]
 
 
 _SERVER_DEFAULTS = {
@@ -102,70 +99,6 @@ def _set_pending_version(collector: Any, version: int | None) -> None:
         tracker.pending = version
     else:  # a plain PolicyVersion: the collector adds one after the update
         tracker.version = version - 1
-
-
-with warnings.catch_warnings():
-    warnings.filterwarnings(
-        "ignore", message=r"Creating \w+ which inherits from WeightUpdaterBase", category=DeprecationWarning
-    )
-
-    class GrpcCollectorWeightUpdater(WeightUpdaterBase):
-        """Pull a single torchrl Collector's policy weights from the weight server (torchrl's
-        deprecated ``weight_updater=`` path; prefer `GrpcWeightSyncScheme`, which works for every
-        collector and draws no deprecation warning).
-
-        >>> updater = GrpcCollectorWeightUpdater("localhost:50051")                                    # doctest: +SKIP
-        >>> collector = Collector(env, policy, frames_per_batch=64, weight_updater=updater,             # doctest: +SKIP
-        ...                       track_policy_version=ServerPolicyVersion())
-        >>> collector.update_policy_weights_()   # applies the server's newer version, if any          # doctest: +SKIP
-
-        The arguments are GrpcLocalWeightUpdater's, or ``puller=`` an updater of your own (a
-        subclass overriding its hooks); its policy is the collector's.
-        """
-
-        def __init__(
-            self,
-            client: WeightClient | str | None = None,
-            *,
-            model: str = "policy",
-            key_map: KeyMap | Any = IDENTITY,
-            version: int | None = None,
-            delta: bool = True,
-            dtype: str | None = None,
-            transport: str = "auto",
-            watch: bool = False,
-            puller: GrpcLocalWeightUpdater | None = None,
-        ) -> None:
-            options = {"version": version, "delta": delta, "dtype": dtype, "transport": transport, "watch": watch}
-            self.puller = _puller(puller, client, model=model, key_map=key_map, **options)
-
-        @property
-        def version(self) -> int | None:
-            """The server version applied to the collector's policy."""
-            return self.puller.version
-
-        @property
-        def lag(self) -> int | None:
-            return self.puller.lag
-
-        def _get_server_weights(self) -> Any:
-            return self.puller.pull()  # an Update, or None: nothing to apply
-
-        def _maybe_map_weights(self, server_weights: Any) -> Any:
-            return server_weights  # the puller maps them, against the live policy, in apply()
-
-        def all_worker_ids(self) -> None:
-            return None
-
-        def _sync_weights_with_worker(self, *, worker_id: Any = None, server_weights: Any) -> None:
-            self.puller.policy = self.collector.policy
-            _apply(self.puller, server_weights)
-            _set_pending_version(self.collector, self.puller.version)
-
-        def __getstate__(self) -> dict[str, Any]:
-            state = self.__dict__.copy()
-            state["_collector_wrs"] = None
-            return state
 
 
 def _apply(puller: GrpcLocalWeightUpdater, weights: Any) -> None:
