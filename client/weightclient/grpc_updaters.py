@@ -76,9 +76,8 @@ class Update:
         partial: a delta: `weights` holds only the tensors that changed since the version the
             updater had applied; every other tensor is unchanged.
         stats: how the fetch went (transport, bytes on the wire, seconds).
-        buffer: the updater's receive buffer, lent to this update: `weights` view it unless
-            they came over shared memory (a mapping of the server's file). `apply` hands it
-            back for the next pull, so apply an update once, before pulling the next.
+        buffer: the updater's receive buffer, lent to this update (`weights` may view it);
+            `apply` hands it back, so apply an update once, before pulling the next.
     """
 
     info: VersionInfo
@@ -107,33 +106,21 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
             by the in-place copy into the policy's own dtype.
         transport: "auto", "shm", "bulk" or "stream" (see WeightClient.fetch).
         watch: follow the model's Watch stream (a daemon thread) and ask the server only once
-            it announced a version newer than the applied one, instead of before every update
-            (a call per batch: 1.8-1.9 ms on loopback after 5 ms of collecting, 0.10-0.15 ms
-            with watch; bench/run.py --only updater_poll). A newer version is then applied at
-            the first update after its announcement.
+            it announced a newer version, instead of before every update (bench/run.py --only
+            updater_poll measures the difference).
         watch_confirm_seconds: with watch, ask the server anyway when it was last asked longer
-            ago than this: a stream that stalls without an error (a network partition) would
-            otherwise hide new versions, and a server that went away would go unnoticed.
+            ago than this, so that a stream stalled without an error hides nothing for long.
 
     An update is two public steps, and `update_weights()` (or calling the updater) runs both:
-
-    1. `pull()` fetches the version to apply next, if any, into one staging buffer reused
-       from update to update (over shared memory the fetch maps the server's file instead),
-       and returns it as an `Update`; nothing in the policy changes.
-    2. `apply(update)` runs the design's steps on it, on every transport alike:
-       `_get_local_weights` -> `_maybe_map_weights` (the key map, applied once here) -> a strict
-       check of the result against the local weights (names, shapes, dtypes; a KeyError lists
-       the missing and the unexpected keys) -> `_update_local_weights` (an in-place copy) ->
-       `version`. What `_maybe_map_weights` returns is what lands; if the check fails nothing
-       is written and `version` stays as it was.
+    `pull()` fetches the next version, if any, into a reused staging buffer and returns it as
+    an `Update`, changing nothing; `apply(update)` runs the design's steps on it, on every
+    transport alike. What `_maybe_map_weights` returns is what lands, or nothing at all.
 
     A subclass may override `_maybe_map_weights(server_weights, local_weights)` and return
     weights keyed like the local policy (flat ``"module.0.weight"`` keys or nested). With
     ``delta=True`` (the default) `server_weights` may hold only the tensors that changed since
-    the applied version: map the keys it has.
-
-    The client is created lazily and dropped when pickled, so an updater can be sent to a
-    worker process and reconnect there.
+    the applied version: map the keys it has. The client is made lazily and dropped when
+    pickled, so an updater can be sent to a worker process.
 
     >>> updater = GrpcLocalWeightUpdater("localhost:50051", policy=policy)   # doctest: +SKIP
     >>> updater()                      # fetches only if the server has a newer version  # doctest: +SKIP
@@ -207,8 +194,7 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
 
     @property
     def following(self) -> bool:
-        """With watch=True: whether the Watch stream is open here, so that updates with nothing
-        new skip the server (False before the first version is applied)."""
+        """With watch=True: whether the Watch stream is open, so that updates skip the server."""
         return self._follower is not None and self._follower.newest() is not None
 
     @property
@@ -275,13 +261,12 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         return Update(result.info, result.weights, partial=result.partial, stats=result.stats, buffer=buffer)
 
     def apply(self, update: Update) -> None:
-        """Write `update` into the policy: `_get_local_weights` -> `_maybe_map_weights` ->
-        strict check -> `_update_local_weights`, then set `version`.
+        """Write `update` into the policy: `_get_local_weights` -> `_maybe_map_weights` (the key
+        map, applied once) -> strict check -> `_update_local_weights`, then set `version`.
 
-        The check runs before anything is written: on a mismatch (missing or unexpected keys,
-        shapes, dtypes) it raises KeyError and the policy and `version` stay as they were. An
-        error while copying (rare: a device failure) leaves no whole version in the policy:
-        `version` becomes None and the next update fetches the latest version whole.
+        On a mismatch (missing or unexpected keys, shapes, dtypes) the check raises KeyError
+        before anything is written. An error while copying (a device failure) leaves no whole
+        version: `version` becomes None and the next update fetches the latest whole.
         """
         try:
             local = self._get_local_weights()
@@ -304,13 +289,9 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         self.version, self._applied = None, None
 
     def update_weights(self, weights: Weights | None = None) -> None:
-        """Apply the server's next version, if any: `_get_server_weights` (= `pull`), then
-        `apply` (`_get_local_weights` -> `_maybe_map_weights` -> check -> `_update_local_weights`).
-
-        Explicit `weights` are taken as server weights (the key map and `_maybe_map_weights`
-        apply) and must cover the whole policy; the policy then holds no server version
-        (`version` becomes None).
-        """
+        """`apply(pull())`. Explicit `weights` are taken as server weights (the key map and
+        `_maybe_map_weights` apply) covering the whole policy, which then holds no server
+        version (`version` becomes None)."""
         if weights is not None:
             local = self._get_local_weights()
             mapped = self._maybe_map_weights(weights_of(weights), local)
@@ -323,7 +304,6 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
 
     # ------------------------------------------------------------------ the design's hooks
     def _get_server_weights(self) -> Update | None:  # type: ignore[override]
-        """`pull()`: the pending update as a value (its `.weights` are the server's tensors)."""
         return self.pull()
 
     def _get_local_weights(self) -> TensorDictBase:
@@ -344,8 +324,7 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         return map_keys(server_weights, self.key_map)
 
     def _update_local_weights(self, local_weights: TensorDictBase, mapped_weights: TensorDictBase | None) -> None:
-        """Copy the (already checked) weights into the existing tensors, so that shared-memory
-        and CUDA parameters stay valid; a cast to the local dtype happens in the copy."""
+        """An in-place copy, so that shared-memory and CUDA parameters stay valid (and cast)."""
         if mapped_weights is None:
             return
         with torch.no_grad():
@@ -388,8 +367,7 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         return time.monotonic() - self._last_asked < self.watch_confirm_seconds
 
     def _server_unavailable(self, error: ServerUnavailable) -> None:
-        """Keep the current weights; warn once per outage; back off so that collection is not
-        slowed by one failing call per batch."""
+        """Keep the current weights, warn once per outage, back off."""
         now = time.monotonic()
         if self._unavailable_since is None:
             self._unavailable_since, self._failures = now, 0
