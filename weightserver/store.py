@@ -129,9 +129,6 @@ class _Model:
     deleted: set[int] = field(default_factory=set)  # deleted on request (this process)
     commit_lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def latest(self) -> Version | None:
-        return next(reversed(self.versions.values()), None)
-
 
 class VersionStore:
     """Versions of named models with retention (`keep` latest + pinned) and optional persistence.
@@ -175,15 +172,9 @@ class VersionStore:
         """Cheap checks before any byte is received: name, size limit, version order."""
         validate_model_name(model)
         self._check_size(model, total_bytes)
-        if version:
-            with self._lock:
-                state = self._models.get(model)
-                high = state.high_water if state else 0
-            if version <= high:
-                raise VersionConflict(
-                    f"model {model!r}: requested version {version} is not greater than the latest "
-                    f"version {high}; ask for a version > {high} or leave it unset (0) to get the next one"
-                )
+        with self._lock:
+            state = self._models.get(model)
+            _check_above_high_water([model], version, state.high_water if state else 0)
 
     def publish(
         self,
@@ -231,12 +222,7 @@ class VersionStore:
                 locks.enter_context(states[name].commit_lock)
             with self._lock:
                 high_water = max(state.high_water for state in states.values())
-                if version and version <= high_water:
-                    raise VersionConflict(
-                        f"model {_names(names)}: requested version {version} is not greater than the latest "
-                        f"version {high_water}; ask for a version > {high_water} or leave it unset (0) to get "
-                        "the next one"
-                    )
+                _check_above_high_water(names, version, high_water)
                 number = version or high_water + 1
             created = time.time()
             records = [
@@ -315,21 +301,13 @@ class VersionStore:
     # ------------------------------------------------------------------ reading
     def latest(self, model: str) -> Version:
         """The newest version of `model`; ModelNotFound if it has none."""
-        validate_model_name(model)
         with self._lock:
-            state = self._models.get(model)
-            record = state.latest() if state else None
-            if record is None:
-                raise ModelNotFound(self._no_model_message(model))
-            return record
+            return next(reversed(self._retained(model).versions.values()))
 
     def get(self, model: str, version: int) -> Version:
         """Exactly `version` of `model`; VersionEvicted / VersionNotFound / ModelNotFound."""
-        validate_model_name(model)
         with self._lock:
-            state = self._models.get(model)
-            if state is None or not state.versions:
-                raise ModelNotFound(self._no_model_message(model))
+            state = self._retained(model)
             record = state.versions.get(version)
             if record is not None:
                 return record
@@ -357,12 +335,8 @@ class VersionStore:
 
     def versions(self, model: str) -> list[Version]:
         """Retained versions of `model`, oldest first."""
-        validate_model_name(model)
         with self._lock:
-            state = self._models.get(model)
-            if state is None or not state.versions:
-                raise ModelNotFound(self._no_model_message(model))
-            return list(state.versions.values())
+            return list(self._retained(model).versions.values())
 
     def versions_after(self, model: str, since: int) -> tuple[list[Version], bool]:
         """Retained versions newer than `since`, oldest first, and whether any version after
@@ -449,10 +423,13 @@ class VersionStore:
         self._remove_files(evicted)
         return updated
 
-    def _no_model_message(self, model: str) -> str:
-        names = [name for name, state in sorted(self._models.items()) if state.versions]
-        known = ", ".join(repr(n) for n in names) if names else "none yet"
-        return f"no model {model!r} on this server; models: {known}"
+    def _retained(self, model: str) -> _Model:
+        """The state of `model` if it retains versions, else ModelNotFound. Caller holds the lock."""
+        state = self._models.get(validate_model_name(model))
+        if state is None or not state.versions:
+            names = [name for name, other in sorted(self._models.items()) if other.versions]
+            raise ModelNotFound(f"no model {model!r} on this server; models: {_names(names) or 'none yet'}")
+        return state
 
     # ------------------------------------------------------------------ persistence
     def _model_dir(self, model: str) -> Path:
@@ -495,9 +472,7 @@ class VersionStore:
             # Manifest first: without it a leftover data file is debris, never a version.
             for path in (manifest_path, data_path):
                 try:
-                    path.unlink()
-                except FileNotFoundError:
-                    pass
+                    path.unlink(missing_ok=True)
                 except OSError as exc:
                     log.warning("could not remove %s: %s", path, exc)
 
@@ -665,6 +640,15 @@ def _call_logged(callback: Callable[[Version], None], record: Version) -> None:
 
 def _names(names: Sequence[str]) -> str:
     return ", ".join(repr(n) for n in names)
+
+
+def _check_above_high_water(names: Sequence[str], version: int, high_water: int) -> None:
+    """A requested `version` (0: the next one) must exceed every version the models ever had."""
+    if version and version <= high_water:
+        raise VersionConflict(
+            f"model {_names(names)}: requested version {version} is not greater than the latest version "
+            f"{high_water}; ask for a version > {high_water} or leave it unset (0) to get the next one"
+        )
 
 
 def _contains(sorted_numbers: list[int], number: int) -> bool:
