@@ -69,15 +69,13 @@ class ServerConfig:
             raise ValueError(f"chunk_bytes must be in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}], got {self.chunk_bytes}")
         if self.grace_seconds < 0:
             raise ValueError(f"grace_seconds must be >= 0, got {self.grace_seconds}")
-        if self.data_dir is not None:
-            object.__setattr__(self, "data_dir", Path(self.data_dir))
         if self.bulk_port is not None and not 0 <= self.bulk_port <= 65535:
             raise ValueError(f"bulk_port must be in 0-65535 or None, got {self.bulk_port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be in 0-65535 or None, got {self.metrics_port}")
         if self.shm_dir not in (None, "auto"):
             object.__setattr__(self, "shm_dir", Path(self.shm_dir))
-        for name in ("auth_tokens", "tls_cert", "tls_key", "tls_client_ca"):
+        for name in ("data_dir", "auth_tokens", "tls_cert", "tls_key", "tls_client_ca"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, Path(getattr(self, name)))
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -95,8 +93,12 @@ class ServerConfig:
 
     @property
     def address(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.port}"
+        return f"{url_host(self.host)}:{self.port}"
+
+
+def url_host(host: str) -> str:
+    """`host` as written in an address or URL: an IPv6 address goes in brackets."""
+    return f"[{host}]" if ":" in host else host
 
 
 def clamp_chunk_bytes(requested: int, default: int = DEFAULT_CHUNK_BYTES) -> int:

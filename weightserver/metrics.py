@@ -10,10 +10,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterable
-from typing import Protocol
+from typing import TYPE_CHECKING
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+if TYPE_CHECKING:
+    from weightserver.store import Version
 
 log = logging.getLogger(__name__)
 
@@ -24,21 +27,9 @@ DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 MAX_TRACKED_CLIENTS = 10_000
 
 
-class RetainedVersion(Protocol):
-    """What the metrics read of a retained version (a store.Version fits)."""
-
-    @property
-    def version(self) -> int: ...
-
-    @property
-    def byte_size(self) -> int: ...
-
-
 class NoMetrics:
     """Metrics turned off: every call is a no-op. Its methods are the calls the servicer makes,
     which `ServerMetrics` implements."""
-
-    port: int | None = None
 
     def published(self, model: str, nbytes: int, seconds: float) -> None:
         """A version of `model` of `nbytes` was committed; its publish call took `seconds`."""
@@ -54,7 +45,7 @@ class NoMetrics:
     def watch_ended(self, model: str) -> None:
         """A Watch call on `model` ended (any way)."""
 
-    def retained(self, model: str, versions: Iterable[RetainedVersion]) -> None:
+    def retained(self, model: str, versions: Iterable[Version]) -> None:
         """The versions of `model` the store now retains (after a commit, delete or unpin)."""
 
     def serve(self, host: str, port: int) -> int:
@@ -70,7 +61,6 @@ class ServerMetrics(NoMetrics):
 
     def __init__(self, max_tracked_clients: int = MAX_TRACKED_CLIENTS) -> None:
         self.registry = CollectorRegistry()
-        self.port = None
         self._http: tuple[WSGIServer, threading.Thread] | None = None
         self._max_tracked_clients = max_tracked_clients
         self._lock = threading.Lock()
@@ -160,7 +150,7 @@ class ServerMetrics(NoMetrics):
     def watch_ended(self, model: str) -> None:
         self.active_watchers.labels(model).dec()
 
-    def retained(self, model: str, versions: Iterable[RetainedVersion]) -> None:
+    def retained(self, model: str, versions: Iterable[Version]) -> None:
         versions = list(versions)
         self.retained_versions.labels(model).set(len(versions))
         self.retained_bytes.labels(model).set(sum(v.byte_size for v in versions))
@@ -194,8 +184,7 @@ class ServerMetrics(NoMetrics):
             raise RuntimeError("metrics already served")
         httpd, thread = start_http_server(port, addr=host, registry=self.registry)
         self._http = (httpd, thread)
-        self.port = httpd.server_port
-        return self.port
+        return httpd.server_port
 
     def close(self) -> None:
         if self._http is None:
