@@ -48,10 +48,6 @@ class NoMetrics:
     def retained(self, model: str, versions: Iterable[Version]) -> None:
         """The versions of `model` the store now retains (after a commit, delete or unpin)."""
 
-    def serve(self, host: str, port: int) -> int:
-        """Start serving /metrics; return the bound port."""
-        raise RuntimeError("metrics are off")
-
     def close(self) -> None:
         """Stop serving /metrics."""
 

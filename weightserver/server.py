@@ -195,8 +195,8 @@ class WeightServer:
             self.shared_memory.directory.chmod(0o700)
         try:
             if config.metrics_port is not None:
-                self.metrics = ServerMetrics()
-                self.metrics_port = self.metrics.serve(config.host, config.metrics_port)
+                self.metrics = metrics = ServerMetrics()
+                self.metrics_port = metrics.serve(config.host, config.metrics_port)
             await self._serve_grpc()
         finally:
             self.metrics.close()
