@@ -35,11 +35,9 @@ class ServerConfig:
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
     max_tensors: int = DEFAULT_MAX_TENSORS
     grace_seconds: float = 5.0
-    # Bulk TCP endpoint for large fetches (see weightserver.bulk); 0 picks a free port,
-    # None turns it off.
+    # Bulk TCP port for large fetches (weightserver.bulk): 0 picks a free one, None turns it off.
     bulk_port: int | None = 0
-    # Where this server makes its shared-memory directory for payload files; "auto" is
-    # /dev/shm (when it exists), None turns the shared-memory path off.
+    # Where to make this server's shared-memory folder: "auto" is /dev/shm if it exists, None: off.
     shm_dir: Path | str | None = "auto"
     # Budget for derived payloads (deltas, casts) kept in memory.
     payload_cache_bytes: int = 1 * GiB
@@ -51,11 +49,9 @@ class ServerConfig:
     tls_client_ca: Path | None = None
     # Concurrent calls (HTTP/2 streams) one client connection may have open.
     max_concurrent_streams: int = 1024
-    # Longest a publish stream may take, in seconds (None: no limit); a stalled publisher
-    # otherwise holds its receive buffer until its connection dies.
+    # Seconds a publish stream may take (None: no limit), so a stalled one frees its buffer.
     publish_timeout: float | None = 600.0
-    # Prometheus metrics over plain HTTP at /metrics on host:metrics_port (see
-    # weightserver.metrics); 0 picks a free port, None turns them off.
+    # Prometheus /metrics over plain HTTP (weightserver.metrics): 0 picks a free port, None: off.
     metrics_port: int | None = None
 
     def __post_init__(self) -> None:

@@ -29,12 +29,8 @@ log = logging.getLogger(__name__)
 
 def server_shm_dir(port: int, root: Path | None = None) -> Path | None:
     """This server's own directory, <root>/weightserver-<port>-<random>-<pid> (unique even for
-    several port-0 servers in one process); root defaults to /dev/shm. None (shared memory off)
-    when the root does not exist.
-
-    Directories left under the root by servers that died without cleaning up (SIGKILL) are
-    removed first: /dev/shm is memory.
-    """
+    several port-0 servers in one process), or None (shared memory off) when `root` (default
+    /dev/shm) does not exist. Folders of servers that died uncleanly are removed first: it is memory."""
     root = Path("/dev/shm") if root is None else Path(root)
     if not root.is_dir():
         log.warning("shared-memory directory %s does not exist; same-host fetches will stream", root)

@@ -54,11 +54,8 @@ _HIGH_WATER = "high_water.json"
 
 
 def validate_model_name(model: str) -> str:
-    """Return `model` if it is a safe model name, else raise InvalidModelName.
-
-    Names become directory names under --data-dir, so only [A-Za-z0-9._-] is allowed, 1-128
-    characters, not starting with '.' or '-' (which also rules out '.' and '..').
-    """
+    """`model` if it is a safe model name, else InvalidModelName: names become directory names
+    under --data-dir, so the rules (in the error message) keep them inside it."""
     if not isinstance(model, str) or not _MODEL_NAME.fullmatch(model) or ".." in model:
         raise InvalidModelName(
             f"invalid model name {model!r}: use 1-128 characters from A-Z a-z 0-9 . _ -, "
@@ -658,15 +655,10 @@ def _contains(sorted_numbers: list[int], number: int) -> bool:
 
 def _ranges(numbers: list[int]) -> str:
     """[1, 2, 3, 7] -> '1-3, 7'."""
-    if not numbers:
-        return "none"
-    parts: list[str] = []
-    start = prev = numbers[0]
-    for n in [*numbers[1:], None]:
-        if n is not None and n == prev + 1:
-            prev = n
-            continue
-        parts.append(str(start) if start == prev else f"{start}-{prev}")
-        if n is not None:
-            start = prev = n
-    return ", ".join(parts)
+    runs: list[list[int]] = []  # [first, last] of each run of consecutive numbers
+    for n in numbers:
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return ", ".join(str(first) if first == last else f"{first}-{last}" for first, last in runs) or "none"
