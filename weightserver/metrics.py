@@ -7,6 +7,7 @@ calls and does nothing, so the servicer never checks whether metrics are on.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Iterable
@@ -65,59 +66,43 @@ class ServerMetrics(NoMetrics):
         self._client_versions: dict[str, dict[str, int]] = {}
         self._client_ids: set[str] = set()
         self._warned_client_cap = False
-        registry = self.registry
-        self.versions_published = Counter(
-            "weightserver_versions_published", "Versions committed.", ["model"], registry=registry
+        counter = functools.partial(Counter, registry=self.registry)
+        gauge = functools.partial(Gauge, registry=self.registry)
+        histogram = functools.partial(Histogram, buckets=DURATION_BUCKETS, registry=self.registry)
+        self.versions_published = counter("weightserver_versions_published", "Versions committed.", ["model"])
+        self.publish_bytes = counter(
+            "weightserver_publish_bytes", "Bytes of committed versions received from publishers.", ["model"]
         )
-        self.publish_bytes = Counter(
-            "weightserver_publish_bytes",
-            "Bytes of committed versions received from publishers.",
-            ["model"],
-            registry=registry,
-        )
-        self.fetch_bytes = Counter(
+        self.fetch_bytes = counter(
             "weightserver_fetch_bytes",
             "Payload bytes served to fetches (for shm and bulk: the payload handed out).",
             ["model", "transport"],
-            registry=registry,
         )
-        self.publish_seconds = Histogram(
+        self.publish_seconds = histogram(
             "weightserver_publish_duration_seconds",
             "Publish calls that committed, from the first message to the commit.",
             ["model"],
-            buckets=DURATION_BUCKETS,
-            registry=registry,
         )
-        self.fetch_seconds = Histogram(
+        self.fetch_seconds = histogram(
             "weightserver_fetch_duration_seconds",
             "Fetch calls that served a version (for shm and bulk: until the file or ticket was handed out).",
             ["model", "transport"],
-            buckets=DURATION_BUCKETS,
-            registry=registry,
         )
-        self.active_watchers = Gauge(
-            "weightserver_active_watchers", "Watch calls subscribed now.", ["model"], registry=registry
+        self.active_watchers = gauge("weightserver_active_watchers", "Watch calls subscribed now.", ["model"])
+        self.latest_version = gauge("weightserver_latest_version", "The newest retained version.", ["model"])
+        self.retained_versions = gauge("weightserver_retained_versions", "Versions the server retains.", ["model"])
+        self.retained_bytes = gauge(
+            "weightserver_retained_bytes", "Bytes of the versions the server retains.", ["model"]
         )
-        self.latest_version = Gauge(
-            "weightserver_latest_version", "The newest retained version.", ["model"], registry=registry
-        )
-        self.retained_versions = Gauge(
-            "weightserver_retained_versions", "Versions the server retains.", ["model"], registry=registry
-        )
-        self.retained_bytes = Gauge(
-            "weightserver_retained_bytes", "Bytes of the versions the server retains.", ["model"], registry=registry
-        )
-        self.client_version = Gauge(
+        self.client_version = gauge(
             "weightserver_client_last_fetched_version",
             "The last version each client (by its weightserver-client-id) fetched.",
             ["client_id", "model"],
-            registry=registry,
         )
-        self.client_lag = Gauge(
+        self.client_lag = gauge(
             "weightserver_client_version_lag",
             "The model's latest version minus the last version the client fetched.",
             ["client_id", "model"],
-            registry=registry,
         )
 
     def published(self, model: str, nbytes: int, seconds: float) -> None:

@@ -207,11 +207,8 @@ class VersionStore:
         names = [validate_model_name(u.model) for u in uploads]
         if len(set(names)) != len(names):
             raise InvalidRequest(f"a publish names a model twice: {', '.join(names)}")
-        verified = [self._verify(u) for u in uploads]
-        digests = [
-            (xxh3_hex(u.data), tensor_digests(u.data, header)) for u, (_, header) in zip(uploads, verified, strict=True)
-        ]
         group = tuple(names) if len(names) > 1 else ()
+        verified = [self._verify(u, group) for u in uploads]  # hashed before taking any lock
 
         states = {name: self._model_state(name) for name in names}
         with contextlib.ExitStack() as locks:
@@ -222,22 +219,7 @@ class VersionStore:
                 _check_above_high_water(names, version, high_water)
                 number = version or high_water + 1
             created = time.time()
-            records = [
-                Version(
-                    model=upload.model,
-                    version=number,
-                    data=upload.data,
-                    sha256=digest,
-                    created=created,
-                    metadata=dict(upload.metadata or {}),
-                    header=header,
-                    pinned=upload.pin,
-                    group=group,
-                    xxh3=whole,
-                    tensor_xxh3=per_tensor,
-                )
-                for upload, (digest, header), (whole, per_tensor) in zip(uploads, verified, digests, strict=True)
-            ]
+            records = [dataclasses.replace(record, version=number, created=created) for record in verified]
             if self.data_dir is not None:
                 self._write_group(records)
             for upload, record in zip(uploads, records, strict=True):
@@ -258,8 +240,8 @@ class VersionStore:
         self._remove_files(evicted)
         return records
 
-    def _verify(self, upload: Upload) -> tuple[str, SafetensorsHeader]:
-        """Size, digest and header checks of one upload; returns (sha256, parsed header)."""
+    def _verify(self, upload: Upload, group: tuple[str, ...]) -> Version:
+        """Size, digest and header checks of one upload; returns its Version, not yet numbered."""
         model, size = upload.model, len(upload.data)
         if upload.total_bytes is not None and upload.total_bytes != size:
             raise IntegrityError(
@@ -273,7 +255,20 @@ class VersionStore:
                 f"model {model!r}: sha256 of the received bytes is {digest}, publisher declared "
                 f"{upload.sha256.lower()}; the bytes were corrupted in transit or the digest is wrong"
             )
-        return digest, parse_header(upload.data, **self._header_limits)
+        header = parse_header(upload.data, **self._header_limits)
+        return Version(
+            model=model,
+            version=0,
+            data=upload.data,
+            sha256=digest,
+            created=0.0,
+            metadata=dict(upload.metadata or {}),
+            header=header,
+            pinned=upload.pin,
+            group=group,
+            xxh3=xxh3_hex(upload.data),
+            tensor_xxh3=tensor_digests(upload.data, header),
+        )
 
     def _check_size(self, model: str, size: int) -> None:
         if self.max_model_bytes is not None and size > self.max_model_bytes:
