@@ -231,8 +231,9 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
             raise InvalidRequest("a Publish stream must start with a header message (model, total_bytes, sha256)")
         if commit is None:
             incoming[-1].check_complete()
+            models = ", ".join(repr(m.header.model) for m in incoming)
             raise InvalidRequest(
-                f"model {_models(incoming)}: the publish stream ended without a commit message, so nothing "
+                f"model {models}: the publish stream ended without a commit message, so nothing "
                 "was published (the publisher was cancelled or failed before finishing)"
             )
         digests = _declared_sha256s(incoming, commit)
@@ -497,10 +498,6 @@ class _IncomingModel:
         self.shared_memory.write_header(
             record.model, record.version, lambda: wire.version_info(record).SerializeToString()
         )
-
-
-def _models(incoming: list[_IncomingModel]) -> str:
-    return ", ".join(repr(m.header.model) for m in incoming)
 
 
 def _check_group_version(first: pb.PublishHeader, header: pb.PublishHeader) -> None:
