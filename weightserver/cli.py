@@ -13,6 +13,7 @@ else.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import re
@@ -32,21 +33,11 @@ log = logging.getLogger("weightserver")
 CLIENT_COMMANDS = ("publish", "fetch", "ls", "watch", "delete", "pin")
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "K": 1000,
-    "KB": 1000,
-    "KIB": 1024,
-    "M": 1000**2,
-    "MB": 1000**2,
-    "MIB": 1024**2,
-    "G": 1000**3,
-    "GB": 1000**3,
-    "GIB": 1024**3,
-    "T": 1000**4,
-    "TB": 1000**4,
-    "TIB": 1024**4,
+# "", "B", then K/M/G/T alone or with "B" (powers of 1000) and with "iB" (powers of 1024).
+_UNITS = {"": 1, "B": 1} | {
+    prefix + suffix: base**power
+    for power, prefix in enumerate("KMGT", start=1)
+    for suffix, base in (("", 1000), ("B", 1000), ("IB", 1024))
 }
 
 
@@ -79,10 +70,7 @@ def command_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersActio
         "--port", type=int, default=DEFAULT_PORT, help="port to bind, 0 for a free one (default: %(default)s)"
     )
     serve.add_argument(
-        "--data-dir",
-        type=Path,
-        default=None,
-        help="directory to persist versions in; without it they live in memory only",
+        "--data-dir", type=Path, help="directory to persist versions in; without it they live in memory only"
     )
     serve.add_argument(
         "--keep", type=int, default=3, help="versions kept per model besides pinned ones (default: %(default)s)"
@@ -101,6 +89,7 @@ def command_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersActio
     )
     serve.add_argument(
         "--grace",
+        dest="grace_seconds",
         type=float,
         default=5.0,
         help="seconds running calls get to finish on shutdown (default: %(default)s)",
@@ -115,7 +104,6 @@ def command_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersActio
     serve.add_argument(
         "--shm-dir",
         type=Path,
-        default=None,
         help="where to put this server's shared-memory payload files, which same-host collectors "
         "read directly; a tmpfs, e.g. a /dev/shm volume shared in compose (default: /dev/shm)",
     )
@@ -129,19 +117,15 @@ def command_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersActio
     serve.add_argument(
         "--auth-tokens",
         type=Path,
-        default=None,
         metavar="FILE",
         help="require bearer tokens listed in FILE, one 'ROLE NAME TOKEN' per line; roles: reader "
         "(fetch/watch/list), publisher (+ publish), admin (+ delete/pin). Health checks need none",
     )
-    serve.add_argument(
-        "--tls-cert", type=Path, default=None, metavar="PEM", help="serve TLS with this certificate chain"
-    )
-    serve.add_argument("--tls-key", type=Path, default=None, metavar="PEM", help="private key of --tls-cert")
+    serve.add_argument("--tls-cert", type=Path, metavar="PEM", help="serve TLS with this certificate chain")
+    serve.add_argument("--tls-key", type=Path, metavar="PEM", help="private key of --tls-cert")
     serve.add_argument(
         "--tls-client-ca",
         type=Path,
-        default=None,
         metavar="PEM",
         help="mutual TLS: accept only clients whose certificate this CA signed",
     )
@@ -161,15 +145,11 @@ def command_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersActio
     serve.add_argument(
         "--metrics-port",
         type=int,
-        default=None,
         metavar="PORT",
         help="serve Prometheus metrics over plain HTTP at http://HOST:PORT/metrics, 0 for a free port (default: off)",
     )
     serve.add_argument(
-        "--port-file",
-        type=Path,
-        default=None,
-        help="write the bound port to this file once serving (useful with --port 0)",
+        "--port-file", type=Path, help="write the bound port to this file once serving (useful with --port 0)"
     )
     serve.set_defaults(handler=cmd_serve)
     return parser, commands
@@ -209,26 +189,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """Run a server with the parsed options until SIGTERM or SIGINT."""
     from weightserver.server import WeightServer
 
-    config = ServerConfig(
-        host=args.host,
-        port=args.port,
-        data_dir=args.data_dir,
-        keep=args.keep,
-        max_model_bytes=args.max_model_bytes,
-        chunk_bytes=args.chunk_bytes,
-        grace_seconds=args.grace,
-        bulk_port=None if args.no_bulk else args.bulk_port,
-        shm_dir=None if args.no_shm else (args.shm_dir or "auto"),
-        payload_cache_bytes=args.payload_cache_bytes,
-        auth_tokens=args.auth_tokens,
-        tls_cert=args.tls_cert,
-        tls_key=args.tls_key,
-        tls_client_ca=args.tls_client_ca,
-        max_concurrent_streams=args.max_concurrent_streams,
-        publish_timeout=args.publish_timeout or None,
-        metrics_port=args.metrics_port,
-    )
-    server = WeightServer(config).start()
+    # Options are stored under their ServerConfig field's names; these three need translating.
+    options = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig) if hasattr(args, f.name)}
+    options["bulk_port"] = None if args.no_bulk else args.bulk_port
+    options["shm_dir"] = None if args.no_shm else (args.shm_dir or "auto")
+    options["publish_timeout"] = args.publish_timeout or None
+    server = WeightServer(ServerConfig(**options)).start()
     if args.port_file is not None:
         tmp = args.port_file.with_name(args.port_file.name + ".tmp")
         tmp.write_text(f"{server.port}\n")

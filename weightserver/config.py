@@ -35,11 +35,9 @@ class ServerConfig:
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
     max_tensors: int = DEFAULT_MAX_TENSORS
     grace_seconds: float = 5.0
-    # Bulk TCP endpoint for large fetches (see weightserver.bulk); 0 picks a free port,
-    # None turns it off.
+    # Bulk TCP port for large fetches (weightserver.bulk): 0 picks a free one, None turns it off.
     bulk_port: int | None = 0
-    # Where this server makes its shared-memory directory for payload files; "auto" is
-    # /dev/shm (when it exists), None turns the shared-memory path off.
+    # Where to make this server's shared-memory folder: "auto" is /dev/shm if it exists, None: off.
     shm_dir: Path | str | None = "auto"
     # Budget for derived payloads (deltas, casts) kept in memory.
     payload_cache_bytes: int = 1 * GiB
@@ -51,11 +49,9 @@ class ServerConfig:
     tls_client_ca: Path | None = None
     # Concurrent calls (HTTP/2 streams) one client connection may have open.
     max_concurrent_streams: int = 1024
-    # Longest a publish stream may take, in seconds (None: no limit); a stalled publisher
-    # otherwise holds its receive buffer until its connection dies.
+    # Seconds a publish stream may take (None: no limit), so a stalled one frees its buffer.
     publish_timeout: float | None = 600.0
-    # Prometheus metrics over plain HTTP at /metrics on host:metrics_port (see
-    # weightserver.metrics); 0 picks a free port, None turns them off.
+    # Prometheus /metrics over plain HTTP (weightserver.metrics): 0 picks a free port, None: off.
     metrics_port: int | None = None
 
     def __post_init__(self) -> None:
@@ -69,15 +65,13 @@ class ServerConfig:
             raise ValueError(f"chunk_bytes must be in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}], got {self.chunk_bytes}")
         if self.grace_seconds < 0:
             raise ValueError(f"grace_seconds must be >= 0, got {self.grace_seconds}")
-        if self.data_dir is not None:
-            object.__setattr__(self, "data_dir", Path(self.data_dir))
         if self.bulk_port is not None and not 0 <= self.bulk_port <= 65535:
             raise ValueError(f"bulk_port must be in 0-65535 or None, got {self.bulk_port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be in 0-65535 or None, got {self.metrics_port}")
         if self.shm_dir not in (None, "auto"):
             object.__setattr__(self, "shm_dir", Path(self.shm_dir))
-        for name in ("auth_tokens", "tls_cert", "tls_key", "tls_client_ca"):
+        for name in ("data_dir", "auth_tokens", "tls_cert", "tls_key", "tls_client_ca"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, Path(getattr(self, name)))
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -95,8 +89,12 @@ class ServerConfig:
 
     @property
     def address(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.port}"
+        return f"{url_host(self.host)}:{self.port}"
+
+
+def url_host(host: str) -> str:
+    """`host` as written in an address or URL: an IPv6 address goes in brackets."""
+    return f"[{host}]" if ":" in host else host
 
 
 def clamp_chunk_bytes(requested: int, default: int = DEFAULT_CHUNK_BYTES) -> int:

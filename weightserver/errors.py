@@ -136,9 +136,8 @@ STATUS_CODES: dict[type[WeightServerError], str] = {
 }
 
 _BY_NAME: dict[str, type[WeightServerError]] = {cls.__name__: cls for cls in STATUS_CODES}
-_BY_CODE: dict[str, type[WeightServerError]] = {}
-for _cls, _code in STATUS_CODES.items():
-    _BY_CODE.setdefault(_code, _cls)
+# Reversed, so that the first class listed for a code is the one kept.
+_BY_CODE: dict[str, type[WeightServerError]] = {code: cls for cls, code in reversed(STATUS_CODES.items())}
 
 
 def status_code_for(error: WeightServerError) -> grpc.StatusCode:

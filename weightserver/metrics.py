@@ -7,13 +7,17 @@ calls and does nothing, so the servicer never checks whether metrics are on.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Iterable
-from typing import Protocol
+from typing import TYPE_CHECKING
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+if TYPE_CHECKING:
+    from weightserver.store import Version
 
 log = logging.getLogger(__name__)
 
@@ -24,21 +28,9 @@ DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 MAX_TRACKED_CLIENTS = 10_000
 
 
-class RetainedVersion(Protocol):
-    """What the metrics read of a retained version (a store.Version fits)."""
-
-    @property
-    def version(self) -> int: ...
-
-    @property
-    def byte_size(self) -> int: ...
-
-
 class NoMetrics:
     """Metrics turned off: every call is a no-op. Its methods are the calls the servicer makes,
     which `ServerMetrics` implements."""
-
-    port: int | None = None
 
     def published(self, model: str, nbytes: int, seconds: float) -> None:
         """A version of `model` of `nbytes` was committed; its publish call took `seconds`."""
@@ -54,12 +46,8 @@ class NoMetrics:
     def watch_ended(self, model: str) -> None:
         """A Watch call on `model` ended (any way)."""
 
-    def retained(self, model: str, versions: Iterable[RetainedVersion]) -> None:
+    def retained(self, model: str, versions: Iterable[Version]) -> None:
         """The versions of `model` the store now retains (after a commit, delete or unpin)."""
-
-    def serve(self, host: str, port: int) -> int:
-        """Start serving /metrics; return the bound port."""
-        raise RuntimeError("metrics are off")
 
     def close(self) -> None:
         """Stop serving /metrics."""
@@ -70,7 +58,6 @@ class ServerMetrics(NoMetrics):
 
     def __init__(self, max_tracked_clients: int = MAX_TRACKED_CLIENTS) -> None:
         self.registry = CollectorRegistry()
-        self.port = None
         self._http: tuple[WSGIServer, threading.Thread] | None = None
         self._max_tracked_clients = max_tracked_clients
         self._lock = threading.Lock()
@@ -79,59 +66,43 @@ class ServerMetrics(NoMetrics):
         self._client_versions: dict[str, dict[str, int]] = {}
         self._client_ids: set[str] = set()
         self._warned_client_cap = False
-        registry = self.registry
-        self.versions_published = Counter(
-            "weightserver_versions_published", "Versions committed.", ["model"], registry=registry
+        counter = functools.partial(Counter, registry=self.registry)
+        gauge = functools.partial(Gauge, registry=self.registry)
+        histogram = functools.partial(Histogram, buckets=DURATION_BUCKETS, registry=self.registry)
+        self.versions_published = counter("weightserver_versions_published", "Versions committed.", ["model"])
+        self.publish_bytes = counter(
+            "weightserver_publish_bytes", "Bytes of committed versions received from publishers.", ["model"]
         )
-        self.publish_bytes = Counter(
-            "weightserver_publish_bytes",
-            "Bytes of committed versions received from publishers.",
-            ["model"],
-            registry=registry,
-        )
-        self.fetch_bytes = Counter(
+        self.fetch_bytes = counter(
             "weightserver_fetch_bytes",
             "Payload bytes served to fetches (for shm and bulk: the payload handed out).",
             ["model", "transport"],
-            registry=registry,
         )
-        self.publish_seconds = Histogram(
+        self.publish_seconds = histogram(
             "weightserver_publish_duration_seconds",
             "Publish calls that committed, from the first message to the commit.",
             ["model"],
-            buckets=DURATION_BUCKETS,
-            registry=registry,
         )
-        self.fetch_seconds = Histogram(
+        self.fetch_seconds = histogram(
             "weightserver_fetch_duration_seconds",
             "Fetch calls that served a version (for shm and bulk: until the file or ticket was handed out).",
             ["model", "transport"],
-            buckets=DURATION_BUCKETS,
-            registry=registry,
         )
-        self.active_watchers = Gauge(
-            "weightserver_active_watchers", "Watch calls subscribed now.", ["model"], registry=registry
+        self.active_watchers = gauge("weightserver_active_watchers", "Watch calls subscribed now.", ["model"])
+        self.latest_version = gauge("weightserver_latest_version", "The newest retained version.", ["model"])
+        self.retained_versions = gauge("weightserver_retained_versions", "Versions the server retains.", ["model"])
+        self.retained_bytes = gauge(
+            "weightserver_retained_bytes", "Bytes of the versions the server retains.", ["model"]
         )
-        self.latest_version = Gauge(
-            "weightserver_latest_version", "The newest retained version.", ["model"], registry=registry
-        )
-        self.retained_versions = Gauge(
-            "weightserver_retained_versions", "Versions the server retains.", ["model"], registry=registry
-        )
-        self.retained_bytes = Gauge(
-            "weightserver_retained_bytes", "Bytes of the versions the server retains.", ["model"], registry=registry
-        )
-        self.client_version = Gauge(
+        self.client_version = gauge(
             "weightserver_client_last_fetched_version",
             "The last version each client (by its weightserver-client-id) fetched.",
             ["client_id", "model"],
-            registry=registry,
         )
-        self.client_lag = Gauge(
+        self.client_lag = gauge(
             "weightserver_client_version_lag",
             "The model's latest version minus the last version the client fetched.",
             ["client_id", "model"],
-            registry=registry,
         )
 
     def published(self, model: str, nbytes: int, seconds: float) -> None:
@@ -160,7 +131,7 @@ class ServerMetrics(NoMetrics):
     def watch_ended(self, model: str) -> None:
         self.active_watchers.labels(model).dec()
 
-    def retained(self, model: str, versions: Iterable[RetainedVersion]) -> None:
+    def retained(self, model: str, versions: Iterable[Version]) -> None:
         versions = list(versions)
         self.retained_versions.labels(model).set(len(versions))
         self.retained_bytes.labels(model).set(sum(v.byte_size for v in versions))
@@ -194,8 +165,7 @@ class ServerMetrics(NoMetrics):
             raise RuntimeError("metrics already served")
         httpd, thread = start_http_server(port, addr=host, registry=self.registry)
         self._http = (httpd, thread)
-        self.port = httpd.server_port
-        return self.port
+        return httpd.server_port
 
     def close(self) -> None:
         if self._http is None:

@@ -84,13 +84,7 @@ def derive(
     # Largest elements first keeps every tensor aligned, as in our own encoder.
     selected.sort(key=lambda item: (-DTYPE_SIZES[item[1]], item[0].name))
     prefix, _ = build_header((e.name, d, e.shape, len(raw)) for e, d, raw in selected)
-    out = bytearray(len(prefix) + sum(len(raw) for _, _, raw in selected))
-    out[: len(prefix)] = prefix
-    position = len(prefix)
-    for _, _, raw in selected:
-        out[position : position + len(raw)] = raw
-        position += len(raw)
-    return bytes(out)
+    return b"".join([prefix, *(raw for _, _, raw in selected)])
 
 
 class PayloadCache:

@@ -37,19 +37,8 @@ class ServerProcess:
     def start(self, timeout: float = 30.0) -> ServerProcess:
         port_file = self._workdir / "port"
         port_file.unlink(missing_ok=True)
-        command = [
-            sys.executable,
-            "-m",
-            "weightserver",
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--port-file",
-            str(port_file),
-            *self.args,
-        ]
+        serve = ["serve", "--host", "127.0.0.1", "--port", str(self.port), "--port-file", str(port_file), *self.args]
+        command = [sys.executable, "-m", "weightserver", *serve]
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout

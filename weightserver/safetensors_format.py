@@ -86,13 +86,9 @@ def parse_header(
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
     max_tensors: int = DEFAULT_MAX_TENSORS,
 ) -> SafetensorsHeader:
-    """Parse and validate the header at the start of `data`.
-
-    `data` must hold at least the length prefix and the header; `total_size` is the size of the
-    whole file (default: ``len(data)``). Raises `InvalidSafetensors` naming the first problem:
-    unknown dtype, negative or non-integer shape, offsets out of bounds, overlapping or leaving
-    gaps, a byte length that does not match the shape, bytes after the last tensor.
-    """
+    """Parse and validate the header at the start of `data`, which must hold at least the length
+    prefix and the header; `total_size` is the whole file's size (default: ``len(data)``).
+    Raises `InvalidSafetensors` naming the first problem found."""
     view = memoryview(data)
     size = len(view) if total_size is None else total_size
     if size < 8 or len(view) < 8:

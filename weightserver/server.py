@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha import reflection
 from weightserver import framing
 from weightserver.auth import TokenTable
 from weightserver.bulk import BulkEndpoint
-from weightserver.config import MAX_MESSAGE_BYTES, ServerConfig
+from weightserver.config import MAX_MESSAGE_BYTES, ServerConfig, url_host
 from weightserver.metrics import NoMetrics, ServerMetrics
 from weightserver.service import WeightServicer
 from weightserver.shared_memory import SharedMemoryFiles, server_shm_dir
@@ -115,21 +115,17 @@ class WeightServer:
     @property
     def address(self) -> str:
         """host:port that clients on this machine can dial."""
-        host = self.config.host
-        if host in ("0.0.0.0", "::", "[::]"):
-            host = "127.0.0.1"
-        return f"{host}:{self.port}"
+        return f"{self._local_host}:{self.port}"
 
     @property
     def metrics_url(self) -> str | None:
         """http://host:port/metrics when metrics are on and the server has started."""
-        if self.metrics_port is None:
-            return None
-        host = self.config.host
-        if host in ("0.0.0.0", "::", "[::]"):
-            host = "127.0.0.1"
-        host = f"[{host}]" if ":" in host else host
-        return f"http://{host}:{self.metrics_port}/metrics"
+        return None if self.metrics_port is None else f"http://{url_host(self._local_host)}:{self.metrics_port}/metrics"
+
+    @property
+    def _local_host(self) -> str:
+        """The bound host, or 127.0.0.1 for a wildcard address (reachable from this machine)."""
+        return "127.0.0.1" if self.config.host in ("0.0.0.0", "::", "[::]") else self.config.host
 
     def start(self) -> WeightServer:
         """Bind the port and start serving in a background thread; return self."""
@@ -199,8 +195,8 @@ class WeightServer:
             self.shared_memory.directory.chmod(0o700)
         try:
             if config.metrics_port is not None:
-                self.metrics = ServerMetrics()
-                self.metrics_port = self.metrics.serve(config.host, config.metrics_port)
+                self.metrics = metrics = ServerMetrics()
+                self.metrics_port = metrics.serve(config.host, config.metrics_port)
             await self._serve_grpc()
         finally:
             self.metrics.close()
@@ -239,8 +235,7 @@ class WeightServer:
         if self.shared_memory is not None:
             log.info("shared-memory payloads in %s", self.shared_memory.directory)
         if self.metrics_port is not None:
-            host = f"[{self.config.host}]" if ":" in self.config.host else self.config.host
-            log.info("metrics on http://%s:%d/metrics", host, self.metrics_port)
+            log.info("metrics on http://%s:%d/metrics", url_host(self.config.host), self.metrics_port)
         await server.start()
         for service in ("", SERVICE_NAME):
             await health.set(service, health_pb2.HealthCheckResponse.SERVING)

@@ -231,8 +231,9 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
             raise InvalidRequest("a Publish stream must start with a header message (model, total_bytes, sha256)")
         if commit is None:
             incoming[-1].check_complete()
+            models = ", ".join(repr(m.header.model) for m in incoming)
             raise InvalidRequest(
-                f"model {_models(incoming)}: the publish stream ended without a commit message, so nothing "
+                f"model {models}: the publish stream ended without a commit message, so nothing "
                 "was published (the publisher was cancelled or failed before finishing)"
             )
         digests = _declared_sha256s(incoming, commit)
@@ -267,13 +268,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
     ) -> pb.DeleteVersionResponse:
         record = await asyncio.to_thread(self.store.delete, request.model, request.version)
         self._forget_removed(record.model)
-        log.info(
-            "deleted model=%s version=%d peer=%s",
-            record.model,
-            record.version,
-            context.peer(),
-            extra=_admin_fields("delete", record, context),
-        )
+        _log_event("delete", context, model=record.model, version=record.version)
         return pb.DeleteVersionResponse(deleted=wire.version_info(record))
 
     @_unary
@@ -281,14 +276,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         record = await asyncio.to_thread(self.store.set_pinned, request.model, request.version, request.pinned)
         self._forget_removed(record.model)
         await asyncio.to_thread(self._write_shm_header, record.model, record.version)
-        log.info(
-            "%s model=%s version=%d peer=%s",
-            "pinned" if record.pinned else "unpinned",
-            record.model,
-            record.version,
-            context.peer(),
-            extra=_admin_fields("pin" if record.pinned else "unpin", record, context),
-        )
+        _log_event("pin" if record.pinned else "unpin", context, model=record.model, version=record.version)
         return wire.version_info(record)
 
     # ------------------------------------------------------------------ fetch
@@ -392,14 +380,21 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         handing out the file or ticket; the bytes then move outside this call."""
         seconds = time.perf_counter() - started
         nbytes = record.byte_size if sent is None else sent
-        client_id = _client_id(context)
         if kind == "publish":
             self.metrics.published(record.model, nbytes, seconds)
         else:
             self.metrics.fetched(
-                record.model, record.version, nbytes, seconds, transport=transport, client_id=client_id
+                record.model, record.version, nbytes, seconds, transport=transport, client_id=_client_id(context)
             )
-        _log_transfer(kind, record, nbytes, seconds, transport, context.peer(), client_id)
+        _log_event(
+            kind,
+            context,
+            model=record.model,
+            version=record.version,
+            bytes=nbytes,
+            transport=transport,
+            duration_ms=round(seconds * 1e3, 3),
+        )
 
     def _base_version(self, record: Version, base_version: int) -> Version | None:
         """The caller's base version if it can serve as a delta base, else None (full payload)."""
@@ -433,21 +428,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
             # Headers now, not with the first event: a client waiting for them knows that its
             # subscription is live even when nothing has been published since its cursor.
             await context.send_initial_metadata(())
-            log.info(
-                "watch model=%s since=%d backlog=%d peer=%s",
-                model,
-                request.since,
-                len(backlog),
-                context.peer(),
-                extra={
-                    "event": "watch",
-                    "model": model,
-                    "since": request.since,
-                    "backlog": len(backlog),
-                    "peer": context.peer(),
-                    "client_id": _client_id(context),
-                },
-            )
+            _log_event("watch", context, model=model, since=request.since, backlog=len(backlog))
             for record in backlog:
                 yield pb.VersionEvent(version=wire.version_info(record), gap=gap)
                 gap = False
@@ -519,10 +500,6 @@ class _IncomingModel:
         )
 
 
-def _models(incoming: list[_IncomingModel]) -> str:
-    return ", ".join(repr(m.header.model) for m in incoming)
-
-
 def _check_group_version(first: pb.PublishHeader, header: pb.PublishHeader) -> None:
     if header.version and header.version != first.version:
         raise InvalidRequest(
@@ -553,41 +530,15 @@ def _declared_sha256s(incoming: list[_IncomingModel], commit: pb.PublishCommit) 
     return digests
 
 
-def _log_transfer(
-    kind: str, record: Version, nbytes: int, seconds: float, transport: str, peer: str, client_id: str | None
-) -> None:
-    """One line per publish or fetch; its values also go in the record's fields (for --log-format json)."""
-    log.info(
-        "%s model=%s version=%d bytes=%d transport=%s duration_ms=%.1f peer=%s client=%s",
-        kind,
-        record.model,
-        record.version,
-        nbytes,
-        transport,
-        seconds * 1e3,
-        peer,
-        client_id or "-",
-        extra={
-            "event": kind,
-            "model": record.model,
-            "version": record.version,
-            "bytes": nbytes,
-            "transport": transport,
-            "duration_ms": round(seconds * 1e3, 3),
-            "peer": peer,
-            "client_id": client_id,
-        },
+def _log_event(event: str, context: grpc.aio.ServicerContext, **fields: object) -> None:
+    """Log one line `<event> k=v ... peer=P client=C` (floats to 0.1) whose record also carries
+    `event`, every field, `peer` and `client_id` as extra fields, for --log-format json."""
+    peer, client_id = context.peer(), _client_id(context)
+    pairs = " ".join(
+        f"{key}={value:.1f}" if isinstance(value, float) else f"{key}={value}" for key, value in fields.items()
     )
-
-
-def _admin_fields(kind: str, record: Version, context: grpc.aio.ServicerContext) -> dict[str, object]:
-    return {
-        "event": kind,
-        "model": record.model,
-        "version": record.version,
-        "peer": context.peer(),
-        "client_id": _client_id(context),
-    }
+    extra = {"event": event, **fields, "peer": peer, "client_id": client_id}
+    log.info("%s %s peer=%s client=%s", event, pairs, peer, client_id or "-", extra=extra)
 
 
 def _client_id(context: grpc.aio.ServicerContext) -> str | None:

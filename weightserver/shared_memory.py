@@ -29,12 +29,8 @@ log = logging.getLogger(__name__)
 
 def server_shm_dir(port: int, root: Path | None = None) -> Path | None:
     """This server's own directory, <root>/weightserver-<port>-<random>-<pid> (unique even for
-    several port-0 servers in one process); root defaults to
-    /dev/shm. None (shared memory off) when the root does not exist.
-
-    Directories left under the root by servers that died without cleaning up (SIGKILL) are
-    removed first: /dev/shm is memory.
-    """
+    several port-0 servers in one process), or None (shared memory off) when `root` (default
+    /dev/shm) does not exist. Folders of servers that died uncleanly are removed first: it is memory."""
     root = Path("/dev/shm") if root is None else Path(root)
     if not root.is_dir():
         log.warning("shared-memory directory %s does not exist; same-host fetches will stream", root)
@@ -45,6 +41,16 @@ def server_shm_dir(port: int, root: Path | None = None) -> Path | None:
             log.info("removing %s, left by a server that is gone", stale)
             shutil.rmtree(stale, ignore_errors=True)
     return root / f"weightserver-{port}-{secrets.token_hex(4)}-{os.getpid()}"
+
+
+def _write_file(path: Path, data: bytes | bytearray | memoryview, mode: int) -> None:
+    """Write `path` whole with `mode` (temp file + rename: a reader never sees part of it)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.unlink(missing_ok=True)  # left by a crash, and read-only if it was a header's
+    with open(tmp, "wb") as f:
+        f.write(memoryview(data))
+    os.chmod(tmp, mode)
+    tmp.replace(path)
 
 
 def _alive(pid: int) -> bool:
@@ -79,11 +85,7 @@ class SharedMemoryFiles:
             suffix = (f"-delta{base}" if base else "") + (f"-{dtype}" if dtype else "")
             path = self.directory / model / version_file_name(version, suffix)
             path.parent.mkdir(mode=FOLDER_MODE, exist_ok=True)
-            tmp = path.with_name(path.name + ".tmp")
-            with open(tmp, "wb") as f:
-                f.write(memoryview(data))
-            os.chmod(tmp, 0o644)
-            tmp.replace(path)
+            _write_file(path, data, 0o644)
             self._files[key] = path
             return path
 
@@ -93,7 +95,7 @@ class SharedMemoryFiles:
         directory = self.directory / model
         directory.mkdir(mode=FOLDER_MODE, parents=True, exist_ok=True)
         path = directory / f"upload-{secrets.token_hex(8)}.tmp"
-        return SharedMemoryUpload(self, path, size)
+        return SharedMemoryUpload(path, size)
 
     def adopt(self, key: tuple[str, int, int, str], upload: SharedMemoryUpload) -> None:
         """Make a committed upload's file the payload file of `key`."""
@@ -112,15 +114,8 @@ class SharedMemoryFiles:
             if (model, version, 0, "") not in self._files:
                 return
             content = header()
-            if content is None:
-                return
-            path = self.directory / model / header_file_name(version)
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.unlink(missing_ok=True)  # a previous header's temp file is read-only
-            with open(tmp, "wb") as f:
-                f.write(content)
-            os.chmod(tmp, 0o444)
-            tmp.replace(path)
+            if content is not None:
+                _write_file(self.directory / model / header_file_name(version), content, 0o444)
 
     def keys(self) -> list[tuple[str, int, int, str]]:
         with self._lock:
@@ -142,7 +137,7 @@ class SharedMemoryFiles:
 class SharedMemoryUpload:
     """A publish's receive buffer backed by a file in the shared-memory directory."""
 
-    def __init__(self, files: SharedMemoryFiles, path: Path, size: int) -> None:
+    def __init__(self, path: Path, size: int) -> None:
         self.path = path
         with open(path, "w+b") as f:
             os.chmod(path, 0o644)

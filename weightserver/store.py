@@ -54,11 +54,8 @@ _HIGH_WATER = "high_water.json"
 
 
 def validate_model_name(model: str) -> str:
-    """Return `model` if it is a safe model name, else raise InvalidModelName.
-
-    Names become directory names under --data-dir, so only [A-Za-z0-9._-] is allowed, 1-128
-    characters, not starting with '.' or '-' (which also rules out '.' and '..').
-    """
+    """`model` if it is a safe model name, else InvalidModelName: names become directory names
+    under --data-dir, so the rules (in the error message) keep them inside it."""
     if not isinstance(model, str) or not _MODEL_NAME.fullmatch(model) or ".." in model:
         raise InvalidModelName(
             f"invalid model name {model!r}: use 1-128 characters from A-Z a-z 0-9 . _ -, "
@@ -129,9 +126,6 @@ class _Model:
     deleted: set[int] = field(default_factory=set)  # deleted on request (this process)
     commit_lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def latest(self) -> Version | None:
-        return next(reversed(self.versions.values()), None)
-
 
 class VersionStore:
     """Versions of named models with retention (`keep` latest + pinned) and optional persistence.
@@ -175,15 +169,9 @@ class VersionStore:
         """Cheap checks before any byte is received: name, size limit, version order."""
         validate_model_name(model)
         self._check_size(model, total_bytes)
-        if version:
-            with self._lock:
-                state = self._models.get(model)
-                high = state.high_water if state else 0
-            if version <= high:
-                raise VersionConflict(
-                    f"model {model!r}: requested version {version} is not greater than the latest "
-                    f"version {high}; ask for a version > {high} or leave it unset (0) to get the next one"
-                )
+        with self._lock:
+            state = self._models.get(model)
+            _check_above_high_water([model], version, state.high_water if state else 0)
 
     def publish(
         self,
@@ -219,11 +207,8 @@ class VersionStore:
         names = [validate_model_name(u.model) for u in uploads]
         if len(set(names)) != len(names):
             raise InvalidRequest(f"a publish names a model twice: {', '.join(names)}")
-        verified = [self._verify(u) for u in uploads]
-        digests = [
-            (xxh3_hex(u.data), tensor_digests(u.data, header)) for u, (_, header) in zip(uploads, verified, strict=True)
-        ]
         group = tuple(names) if len(names) > 1 else ()
+        verified = [self._verify(u, group) for u in uploads]  # hashed before taking any lock
 
         states = {name: self._model_state(name) for name in names}
         with contextlib.ExitStack() as locks:
@@ -231,30 +216,10 @@ class VersionStore:
                 locks.enter_context(states[name].commit_lock)
             with self._lock:
                 high_water = max(state.high_water for state in states.values())
-                if version and version <= high_water:
-                    raise VersionConflict(
-                        f"model {_names(names)}: requested version {version} is not greater than the latest "
-                        f"version {high_water}; ask for a version > {high_water} or leave it unset (0) to get "
-                        "the next one"
-                    )
+                _check_above_high_water(names, version, high_water)
                 number = version or high_water + 1
             created = time.time()
-            records = [
-                Version(
-                    model=upload.model,
-                    version=number,
-                    data=upload.data,
-                    sha256=digest,
-                    created=created,
-                    metadata=dict(upload.metadata or {}),
-                    header=header,
-                    pinned=upload.pin,
-                    group=group,
-                    xxh3=whole,
-                    tensor_xxh3=per_tensor,
-                )
-                for upload, (digest, header), (whole, per_tensor) in zip(uploads, verified, digests, strict=True)
-            ]
+            records = [dataclasses.replace(record, version=number, created=created) for record in verified]
             if self.data_dir is not None:
                 self._write_group(records)
             for upload, record in zip(uploads, records, strict=True):
@@ -275,8 +240,8 @@ class VersionStore:
         self._remove_files(evicted)
         return records
 
-    def _verify(self, upload: Upload) -> tuple[str, SafetensorsHeader]:
-        """Size, digest and header checks of one upload; returns (sha256, parsed header)."""
+    def _verify(self, upload: Upload, group: tuple[str, ...]) -> Version:
+        """Size, digest and header checks of one upload; returns its Version, not yet numbered."""
         model, size = upload.model, len(upload.data)
         if upload.total_bytes is not None and upload.total_bytes != size:
             raise IntegrityError(
@@ -290,7 +255,20 @@ class VersionStore:
                 f"model {model!r}: sha256 of the received bytes is {digest}, publisher declared "
                 f"{upload.sha256.lower()}; the bytes were corrupted in transit or the digest is wrong"
             )
-        return digest, parse_header(upload.data, **self._header_limits)
+        header = parse_header(upload.data, **self._header_limits)
+        return Version(
+            model=model,
+            version=0,
+            data=upload.data,
+            sha256=digest,
+            created=0.0,
+            metadata=dict(upload.metadata or {}),
+            header=header,
+            pinned=upload.pin,
+            group=group,
+            xxh3=xxh3_hex(upload.data),
+            tensor_xxh3=tensor_digests(upload.data, header),
+        )
 
     def _check_size(self, model: str, size: int) -> None:
         if self.max_model_bytes is not None and size > self.max_model_bytes:
@@ -315,21 +293,13 @@ class VersionStore:
     # ------------------------------------------------------------------ reading
     def latest(self, model: str) -> Version:
         """The newest version of `model`; ModelNotFound if it has none."""
-        validate_model_name(model)
         with self._lock:
-            state = self._models.get(model)
-            record = state.latest() if state else None
-            if record is None:
-                raise ModelNotFound(self._no_model_message(model))
-            return record
+            return next(reversed(self._retained(model).versions.values()))
 
     def get(self, model: str, version: int) -> Version:
         """Exactly `version` of `model`; VersionEvicted / VersionNotFound / ModelNotFound."""
-        validate_model_name(model)
         with self._lock:
-            state = self._models.get(model)
-            if state is None or not state.versions:
-                raise ModelNotFound(self._no_model_message(model))
+            state = self._retained(model)
             record = state.versions.get(version)
             if record is not None:
                 return record
@@ -357,12 +327,8 @@ class VersionStore:
 
     def versions(self, model: str) -> list[Version]:
         """Retained versions of `model`, oldest first."""
-        validate_model_name(model)
         with self._lock:
-            state = self._models.get(model)
-            if state is None or not state.versions:
-                raise ModelNotFound(self._no_model_message(model))
-            return list(state.versions.values())
+            return list(self._retained(model).versions.values())
 
     def versions_after(self, model: str, since: int) -> tuple[list[Version], bool]:
         """Retained versions newer than `since`, oldest first, and whether any version after
@@ -449,10 +415,13 @@ class VersionStore:
         self._remove_files(evicted)
         return updated
 
-    def _no_model_message(self, model: str) -> str:
-        names = [name for name, state in sorted(self._models.items()) if state.versions]
-        known = ", ".join(repr(n) for n in names) if names else "none yet"
-        return f"no model {model!r} on this server; models: {known}"
+    def _retained(self, model: str) -> _Model:
+        """The state of `model` if it retains versions, else ModelNotFound. Caller holds the lock."""
+        state = self._models.get(validate_model_name(model))
+        if state is None or not state.versions:
+            names = [name for name, other in sorted(self._models.items()) if other.versions]
+            raise ModelNotFound(f"no model {model!r} on this server; models: {_names(names) or 'none yet'}")
+        return state
 
     # ------------------------------------------------------------------ persistence
     def _model_dir(self, model: str) -> Path:
@@ -495,9 +464,7 @@ class VersionStore:
             # Manifest first: without it a leftover data file is debris, never a version.
             for path in (manifest_path, data_path):
                 try:
-                    path.unlink()
-                except FileNotFoundError:
-                    pass
+                    path.unlink(missing_ok=True)
                 except OSError as exc:
                     log.warning("could not remove %s: %s", path, exc)
 
@@ -667,6 +634,15 @@ def _names(names: Sequence[str]) -> str:
     return ", ".join(repr(n) for n in names)
 
 
+def _check_above_high_water(names: Sequence[str], version: int, high_water: int) -> None:
+    """A requested `version` (0: the next one) must exceed every version the models ever had."""
+    if version and version <= high_water:
+        raise VersionConflict(
+            f"model {_names(names)}: requested version {version} is not greater than the latest version "
+            f"{high_water}; ask for a version > {high_water} or leave it unset (0) to get the next one"
+        )
+
+
 def _contains(sorted_numbers: list[int], number: int) -> bool:
     i = bisect.bisect_left(sorted_numbers, number)
     return i < len(sorted_numbers) and sorted_numbers[i] == number
@@ -674,15 +650,10 @@ def _contains(sorted_numbers: list[int], number: int) -> bool:
 
 def _ranges(numbers: list[int]) -> str:
     """[1, 2, 3, 7] -> '1-3, 7'."""
-    if not numbers:
-        return "none"
-    parts: list[str] = []
-    start = prev = numbers[0]
-    for n in [*numbers[1:], None]:
-        if n is not None and n == prev + 1:
-            prev = n
-            continue
-        parts.append(str(start) if start == prev else f"{start}-{prev}")
-        if n is not None:
-            start = prev = n
-    return ", ".join(parts)
+    runs: list[list[int]] = []  # [first, last] of each run of consecutive numbers
+    for n in numbers:
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return ", ".join(str(first) if first == last else f"{first}-{last}" for first, last in runs) or "none"
