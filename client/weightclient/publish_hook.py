@@ -37,30 +37,17 @@ def resolve_path(root: Any, path: str) -> Any:
 class PublishWeights:
     """Publish the trainer's weights every `update_weights_interval` batches or optimizer steps.
 
-    Same arguments as ``torchrl.trainers.UpdateWeights`` with a publisher in place of the
-    collector:
+    The arguments are ``torchrl.trainers.UpdateWeights``' with a publisher in place of the
+    collector: a `GrpcRemoteWeightUpdater` (or a `WeightClient`, wrapped in one).
+    `weight_update_map` maps each of the publisher's model names to a source path on the
+    trainer (``{"policy": "loss_module.actor_network"}``); its entries are published under ONE
+    version and take precedence over `policy_weights_getter`. `interval_unit="batches"` counts
+    calls at ``"post_steps"``; ``"optim_steps"`` counts the trainer's optimizer steps and
+    `register` puts the hook at ``"post_optim"``, as ``UpdateWeights`` does.
 
-    * publisher: a `GrpcRemoteWeightUpdater` (models, retry policy, `max_interval`, or a
-      subclass with its own hooks) or a `WeightClient`.
-    * update_weights_interval: publish every this many `interval_unit`.
-    * policy_weights_getter: callable returning the weights to publish (to every model of the
-      publisher, "policy" by default).
-    * weight_update_map: destination model name -> source path on the trainer, e.g.
-      ``{"policy": "loss_module.actor_network", "critic": "loss_module.critic_network"}``;
-      every entry is published under ONE version, committed together. Its destinations must be
-      the publisher's models. Takes precedence over `policy_weights_getter`.
-    * trainer: the Trainer the source paths start from (also set by `register`).
-    * interval_unit: ``"batches"`` (default) counts the calls at ``"post_steps"``, once per
-      collected batch; ``"optim_steps"`` counts the trainer's optimizer steps (its stepper's
-      ``optimizer_step_count`` where it has one) and `register` puts the hook at
-      ``"post_optim"``, so that a version can be published in the middle of a batch's
-      optimization loop, as torchrl's ``UpdateWeights(interval_unit="optim_steps")`` does.
-
-    Every publish goes through the publisher's ``update_weights()``, that is through its hooks:
-    a getter or a map becomes the publisher's weight source (what its `_get_server_weights`
-    returns), then `_maybe_map_weights`, `_skip_update` (``max_interval`` throttling) and
-    `_sync_weights_with_worker` run. Without either, the publisher publishes the weights it was
-    built with. `published` lists the versions this hook published.
+    Every publish is the publisher's ``update_weights()``, so its hooks run (`_get_server_weights`,
+    `_maybe_map_weights`, `_skip_update`, `_sync_weights_with_worker`). `published` lists the
+    versions this hook published.
 
     >>> hook = PublishWeights(updater, update_weights_interval=2,                    # doctest: +SKIP
     ...                       weight_update_map={"policy": "loss_module.actor_network"})

@@ -1,26 +1,11 @@
 """Adapters that plug the weight server into released torchrl (0.14.x; extra `torchrl`).
 
-* `GrpcWeightSyncScheme`: the weight-sync scheme for EVERY torchrl collector, passed as
-  ``weight_sync_schemes={"policy": GrpcWeightSyncScheme(...)}``. ``collector.update_policy_weights_()``
-  with no weights pulls the server's newer version (nothing moves when up to date) and applies
-  it through its `GrpcLocalWeightUpdater`'s hooks. A single ``Collector``: into the collector's
-  policy. ``MultiSyncCollector`` / ``MultiAsyncCollector``: into the buffers torchrl's shared
-  memory shares with the workers, which then apply them. It pickles without its channel;
-  workers never dial the server.
-  torchrl 0.14 deprecates its older ``Collector(weight_updater=...)`` path, so no adapter is
-  offered for it.
-* `ServerPolicyVersion`: with ``track_policy_version=ServerPolicyVersion()`` every batch's
-  ``("next", "policy_version")`` is the server version whose weights produced it
-  (`GrpcWeightSyncScheme` writes the same entry in multi-process workers with
-  ``track_policy_version=True``).
-* Trainer side needs no adapter: ``torchrl.trainers.UpdateWeights(sender=GrpcRemoteWeightUpdater(...),
-  update_weights_interval=N)`` calls its ``update_weights()``; `weightclient.publish_hook.PublishWeights`
+* `GrpcWeightSyncScheme`: the weight-sync scheme for every torchrl collector (torchrl 0.14
+  deprecates the older ``weight_updater=`` path, so there is no adapter for it).
+* `ServerPolicyVersion`: stamps each batch with the server version whose weights produced it.
+* The trainer side needs no adapter: ``torchrl.trainers.UpdateWeights`` calls a
+  `GrpcRemoteWeightUpdater`'s ``update_weights()``, and `weightclient.publish_hook.PublishWeights`
   adds ``weight_update_map`` / ``policy_weights_getter`` on top of the same hooks.
-
-The scheme drives a `GrpcLocalWeightUpdater` (pass your own subclass as ``puller=`` to
-override its hooks, e.g. `_maybe_map_weights`) through its public steps only: ``pull()`` and
-``apply(update)`` for the server's versions, ``load(weights)`` for weights passed to
-``update_policy_weights_(weights)`` (keyed like the policy: no key map), ``version``, ``lag``.
 """
 
 from __future__ import annotations

@@ -1,25 +1,8 @@
 """The TorchRL weight-updater design (LocalWeightUpdaterBase, RemoteWeightUpdaterBase).
 
 Same class names, method names, call order and semantics as TorchRL's design document for
-`torchrl.collectors.weight_update` (a local updater pulls weights into its collector's policy;
-a remote updater pushes them to inference workers). Released torchrl never shipped these two
-classes, so they live here and need only torch and tensordict: torchrl is not required to
-import them. `weightclient.grpc_updaters` implements them over the weight server.
-
-Call order of ``LocalWeightUpdaterBase.update_weights(weights=None)``::
-
-    server = weights or self._get_server_weights()
-    local  = self._get_local_weights()
-    mapped = self._maybe_map_weights(server, local)
-    self._update_local_weights(local, mapped)
-
-and of ``RemoteWeightUpdaterBase.update_weights(weights=None, worker_ids=None)``::
-
-    server = weights or self._get_server_weights()
-    mapped = self._maybe_map_weights(server)
-    for worker in worker_ids or self.all_worker_ids():
-        if not self._skip_update(worker):
-            self._sync_weights_with_worker(worker, mapped)
+`torchrl.collectors.weight_update`; released torchrl never shipped these two classes, so they
+live here and need only torch and tensordict. `weightclient.grpc_updaters` implements them.
 """
 
 from __future__ import annotations
