@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from typing import Any
 
@@ -30,34 +31,6 @@ with warnings.catch_warnings():
     from torchrl.collectors import Collector
 
 __all__ = ["GrpcWeightSyncScheme", "ServerPolicyVersion"]
-
-
-_SERVER_DEFAULTS = {
-    "model": "policy",
-    "key_map": IDENTITY,
-    "version": None,
-    "delta": True,
-    "dtype": None,
-    "transport": "auto",
-    "watch": False,
-}
-
-
-def _puller(
-    puller: GrpcLocalWeightUpdater | None, client: WeightClient | str | None, **options: Any
-) -> GrpcLocalWeightUpdater:
-    """The given updater, or one made from the server arguments (not both)."""
-    if puller is None:
-        return GrpcLocalWeightUpdater(client, **options)
-    given = [name for name, value in options.items() if value != _SERVER_DEFAULTS[name]]
-    if client is not None:
-        given.insert(0, "client")
-    if given:
-        raise ValueError(
-            f"puller= is the whole updater: pass {', '.join(given)} to GrpcLocalWeightUpdater "
-            "(or your subclass) instead"
-        )
-    return puller
 
 
 class ServerPolicyVersion(PolicyVersion):
@@ -136,8 +109,19 @@ class GrpcWeightSyncScheme(SharedMemWeightSyncScheme):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        options = {"version": version, "delta": delta, "dtype": dtype, "transport": transport, "watch": watch}
-        self.puller: GrpcLocalWeightUpdater | None = _puller(puller, client, model=model, key_map=key_map, **options)
+        options = {"model": model, "key_map": key_map, "version": version, "delta": delta, "dtype": dtype}
+        options.update(transport=transport, watch=watch)
+        if puller is None:
+            puller = GrpcLocalWeightUpdater(client, **options)
+        else:  # the given updater is the whole updater: no server argument may go unused
+            defaults = inspect.signature(GrpcWeightSyncScheme.__init__).parameters
+            given = [name for name, value in {"client": client, **options}.items() if value != defaults[name].default]
+            if given:
+                raise ValueError(
+                    f"puller= is the whole updater: pass {', '.join(given)} to GrpcLocalWeightUpdater "
+                    "(or your subclass) instead"
+                )
+        self.puller: GrpcLocalWeightUpdater | None = puller
         self._in_process = False  # a single Collector: its policy is updated directly, no workers
         # The applied server version, shared with the workers (it travels in the pickle).
         self._server_version = torch.full((), -1, dtype=torch.int64).share_memory_()
