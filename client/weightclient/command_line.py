@@ -15,11 +15,11 @@ from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 
+from weightclient.progress import TransferProgress
 from weightclient.service_client import WeightServiceClient
 from weightclient.version_info import VersionInfo
 from weightserver.cli import command_parser, run_command
 from weightserver.errors import ModelNotFound
-from weightserver.progress import TransferProgress
 
 
 def parse_meta(text: str) -> tuple[str, str]:
