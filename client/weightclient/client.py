@@ -211,8 +211,10 @@ class WeightClient(WeightServiceClient):
         place: Callable[[VersionInfo], Mapping[str, torch.Tensor] | None] | None = None,
         retry: bool = True,
     ) -> FetchResult | None:
-        """Fetch the latest version, exactly `version`, or the latest only if newer than
-        `newer_than` (None when it is not; no weights are transferred then).
+        """Fetch a version as tensors: `fetch_bytes` (which describes `version`, `newer_than`,
+        `dtype`, `transport`, `timeout`, `into` and `retry`), decoded. None when the latest is
+        not newer than `newer_than`. The tensors view `into` when it was used, so it must not be
+        reused while they are in use.
 
         base: a version the caller holds. Only tensors that changed since then are sent. Pass
             the earlier FetchResult to get a complete result (unchanged tensors are taken from
@@ -220,14 +222,9 @@ class WeightClient(WeightServiceClient):
             (`partial=True`) holding only the changed tensors. Every tensor is checked against
             the target version's digests; with a FetchResult or VersionInfo, a base that differs
             from the server's copy of that version makes the client fetch the version whole.
-        dtype: "BF16" or "F16": float32 tensors arrive cast on the server (half the bytes).
-        transport: "auto" (shared memory on this host, else bulk TCP, else the gRPC stream),
-            "shm", "bulk" or "stream". Fast paths fall back to the stream.
-        into: a reusable receive buffer (see `fetch_bytes`); the result's tensors view it, so
-            it must not be reused while they are in use.
         place: called with the version's description before its bytes move; may return
             {tensor name: a contiguous CPU tensor of that tensor's dtype and shape}, e.g. the
-            live parameters. When the whole version comes over shared memory or bulk TCP, those
+            live parameters. When the payload is the version's own file (no delta, no cast), those
             tensors receive its bytes directly (no receive buffer, no copy) and are verified
             against the version's digests; the result is then `placed` and its `tensors` are
             the given ones (tensors left out are dropped). Otherwise the fetch is a normal one.

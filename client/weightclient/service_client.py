@@ -254,9 +254,7 @@ class WeightServiceClient:
         ServerUnavailable. `progress(received, total)` is called as the stream's chunks arrive,
         once at the end over shared memory or bulk TCP (not for placed tensors).
         """
-        request = _fetch_request(model, version, newer_than, self.chunk_bytes)
-        request.base_version = base_version
-        request.dtype = dtype
+        request = _fetch_request(model, version, newer_than, self.chunk_bytes, base_version, dtype)
         order = self.transports.order(transport)
 
         def once(remaining: float | None) -> FetchedBytes | None:
@@ -265,8 +263,7 @@ class WeightServiceClient:
         fetched = retry_unavailable(once, self._retry_window(timeout), self.address) if retry else once(timeout)
         if fetched is not None and fetched.base_version and base_xxh3 and fetched.base_xxh3 != base_xxh3:
             log.info("%s v%d on the server differs from the caller's; fetching it whole", model, base_version)
-            exact = _fetch_request(model, fetched.info.version, None, self.chunk_bytes)
-            exact.dtype = dtype
+            exact = _fetch_request(model, fetched.info.version, None, self.chunk_bytes, dtype=dtype)
             return self._fetch_once(exact, order, timeout, into, None, progress)
         return fetched
 
@@ -300,8 +297,9 @@ class WeightServiceClient:
             if answer.HasField("up_to_date"):
                 return None
             # If the fast transport fails, the stream brings exactly the version found.
-            stream_request = _fetch_request(request.model, answer.header.version, None, self.chunk_bytes)
-            stream_request.base_version, stream_request.dtype = request.base_version, request.dtype
+            stream_request = _fetch_request(
+                request.model, answer.header.version, None, self.chunk_bytes, request.base_version, request.dtype
+            )
             if answer.transport != pb.TRANSPORT_STREAM:
                 offer = Offer(VersionInfo.from_proto(answer.header), answer.payload)
                 try:
@@ -460,18 +458,17 @@ def _sha256(views: Sequence[memoryview]) -> str:
     return hasher.hexdigest()
 
 
-def _fetch_request(model: str, version: int | None, newer_than: int | None, chunk_bytes: int) -> pb.FetchRequest:
+def _fetch_request(
+    model: str, version: int | None, newer_than: int | None, chunk_bytes: int, base_version: int = 0, dtype: str = ""
+) -> pb.FetchRequest:
     if version is not None and newer_than is not None:
         raise InvalidRequest("give at most one of version= and newer_than=")
-    if version is not None:
-        if version < 1:
-            raise InvalidRequest(f"version must be >= 1, got {version}")
-        return pb.FetchRequest(model=model, version=version, chunk_size=chunk_bytes)
-    if newer_than is not None:
-        if newer_than < 0:
-            raise InvalidRequest(f"newer_than must be >= 0, got {newer_than}")
-        return pb.FetchRequest(model=model, newer_than=newer_than, chunk_size=chunk_bytes)
-    return pb.FetchRequest(model=model, chunk_size=chunk_bytes)
+    if version is not None and version < 1:
+        raise InvalidRequest(f"version must be >= 1, got {version}")
+    if newer_than is not None and newer_than < 0:
+        raise InvalidRequest(f"newer_than must be >= 0, got {newer_than}")
+    selector = {"version": version, "newer_than": newer_than}  # None leaves a field unset
+    return pb.FetchRequest(model=model, chunk_size=chunk_bytes, base_version=base_version, dtype=dtype, **selector)
 
 
 def _host_of(address: str) -> str:
