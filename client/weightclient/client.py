@@ -249,12 +249,7 @@ class WeightClient(WeightServiceClient):
                 if name not in layout or not _placeable(tensor, layout[name]):
                     return None
             targets.update(wanted)
-            # An empty tensor gets a writable empty view (it receives nothing, but placement
-            # only accepts writable views).
-            return {
-                name: tensor_codec.tensor_bytes(tensor.detach()) if tensor.numel() else memoryview(bytearray())
-                for name, tensor in wanted.items()
-            }
+            return {name: tensor_codec.tensor_bytes(tensor.detach()) for name, tensor in wanted.items()}
 
         fetched = self.fetch_bytes(
             model,

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
+from weightclient.transports.base import receive_buffer
 from weightserver.errors import InvalidRequest
 from weightserver.safetensors_format import DTYPE_SIZES, SafetensorsHeader, build_header
 
@@ -83,10 +84,7 @@ def encode(weights: Weights, metadata: Mapping[str, str] | None = None) -> Encod
     """Frame `weights` as safetensors. Contiguous CPU tensors are not copied; the parts stay
     valid only while the tensors are not modified."""
     prefix, prepared = _framed(weights, metadata)
-    parts = [memoryview(prefix)]
-    for _, tensor in prepared:
-        if tensor.numel():
-            parts.append(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+    parts = [memoryview(prefix), *(tensor_bytes(tensor) for _, tensor in prepared if tensor.numel())]
     return EncodedWeights(parts, sum(p.nbytes for p in parts))
 
 
@@ -96,14 +94,8 @@ def snapshot(weights: Weights, metadata: Mapping[str, str] | None = None, into: 
     for this copy (publish(wait=False)), so tensors go straight into the buffer with torch's
     `copy_` (every core; tensors on another device in one device-to-host copy), without the
     memoryview round trip of `encode`."""
-    import numpy as np
-
     prefix, prepared = _framed(weights, metadata, to_cpu=False)
-    nbytes = len(prefix) + sum(t.numel() * t.element_size() for _, t in prepared)
-    if into is not None and into.nbytes >= nbytes:
-        buffer = into.cast("B")[:nbytes]
-    else:
-        buffer = memoryview(np.empty(nbytes, dtype=np.uint8))
+    buffer = receive_buffer(len(prefix) + sum(t.numel() * t.element_size() for _, t in prepared), into)
     buffer[: len(prefix)] = prefix
     target = torch.frombuffer(buffer, dtype=torch.uint8)
     position = len(prefix)
@@ -155,8 +147,9 @@ def _header(layout: tuple[tuple[str, str, tuple[int, ...], int], ...], metadata:
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, as stored (for digests)."""
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else memoryview(b"")
+    """The bytes of a contiguous CPU tensor, as stored: a view that writes go through (empty
+    tensors too), so a fetch can also receive into it."""
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else memoryview(bytearray())
 
 
 def decode(header: SafetensorsHeader, buffer: bytearray | memoryview) -> dict[str, torch.Tensor]:
