@@ -15,7 +15,8 @@ from __future__ import annotations
 import mmap
 import os
 import stat
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -50,40 +51,37 @@ class SharedMemoryTransport:
     def receive(self, offer: Offer, *, into: memoryview | None, progress: Progress | None) -> memoryview:
         """The file mapped copy-on-write: reading costs no copy, a write to a tensor viewing it
         stays private, and the mapping stays valid after the server removes the file."""
-        path, size = offer.payload.shared_memory.path, offer.payload.byte_size
-        try:
-            with open(path, "rb", buffering=0) as f:
-                if os.fstat(f.fileno()).st_size != size:
-                    raise TransportFailed(f"{path} is not {size} bytes long")
-                data = (
-                    memoryview(
-                        mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-                    )
-                    if size
-                    else memoryview(bytearray())
-                )
-        except (OSError, ValueError) as exc:
-            raise self._unreadable(path, exc) from exc
+        size = offer.payload.byte_size
+        with self._opened(offer) as fd:
+            data = memoryview(bytearray())  # mmap cannot map an empty file
+            if size:
+                data = memoryview(mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE))
         self._learn(offer)
         return data
 
     def receive_placed(self, offer: Offer, views: Mapping[str, memoryview]) -> list[str]:
-        path, info = offer.payload.shared_memory.path, offer.info
+        with self._opened(offer) as fd:
+            bad = _read_placed(fd, offer.info, views)
+        if not bad:
+            self._learn(offer)
+        return bad
+
+    @contextmanager
+    def _opened(self, offer: Offer) -> Iterator[int]:
+        """The payload's file, open and checked to have the announced size."""
+        path, size = offer.payload.shared_memory.path, offer.payload.byte_size
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError as exc:
             raise self._unreadable(path, exc) from exc
         try:
-            if os.fstat(fd).st_size != info.byte_size:
-                raise TransportFailed(f"{path} is not {info.byte_size} bytes long")
-            bad = _read_placed(fd, info, views)
+            if os.fstat(fd).st_size != size:
+                raise TransportFailed(f"{path} is not {size} bytes long")
+            yield fd
         except (OSError, ValueError) as exc:
             raise TransportFailed(f"cannot read {path}: {exc}") from exc
         finally:
             os.close(fd)
-        if not bad:
-            self._learn(offer)
-        return bad
 
     def read_directly(self, model: str, version: int) -> Offer | None:
         """An offer for exactly `version` made from its header file, with no call to the
