@@ -15,7 +15,6 @@ import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
-from types import TracebackType
 from typing import Any
 
 import grpc
@@ -144,9 +143,7 @@ class WeightServiceClient:
     def __enter__(self) -> WeightServiceClient:
         return self
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     def __repr__(self) -> str:

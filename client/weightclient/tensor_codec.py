@@ -31,16 +31,12 @@ TORCH_TO_SAFETENSORS: dict[torch.dtype, str] = {
     torch.float32: "F32",
     torch.int64: "I64",
     torch.float64: "F64",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
 }
-for _name, _st in (
-    ("uint16", "U16"),
-    ("uint32", "U32"),
-    ("uint64", "U64"),
-    ("float8_e4m3fn", "F8_E4M3"),
-    ("float8_e5m2", "F8_E5M2"),
-):
-    if hasattr(torch, _name):
-        TORCH_TO_SAFETENSORS[getattr(torch, _name)] = _st
 SAFETENSORS_TO_TORCH: dict[str, torch.dtype] = {v: k for k, v in TORCH_TO_SAFETENSORS.items()}
 
 Weights = torch.nn.Module | TensorDictBase | Mapping[str, torch.Tensor]
