@@ -6,8 +6,8 @@ publish is in flight; a newer submit replaces a snapshot still waiting its turn 
 collectors want the newest weights, not every intermediate one). The replaced submit's future
 resolves to the version that carried the newer weights and is marked `superseded`; nothing
 fails silently: a failed publish sets the exception on every future it served. Snapshot
-buffers are handed back through `recycle` once sent, so a steady publisher copies into warm
-memory instead of faulting in a fresh buffer each time.
+buffers are kept once sent (`spare_buffer`), so a steady publisher copies into warm memory
+instead of faulting in a fresh buffer each time.
 """
 
 from __future__ import annotations
@@ -37,11 +37,9 @@ class _Job:
 class BackgroundPublisher:
     """Runs `send(snapshot, **options) -> version` for submitted snapshots, one at a time."""
 
-    def __init__(
-        self, send: Callable[..., int], recycle: Callable[[Mapping[str, memoryview]], None] | None = None
-    ) -> None:
+    def __init__(self, send: Callable[..., int]) -> None:
         self._send = send
-        self._recycle = recycle or (lambda snapshot: None)
+        self._spares: list[memoryview] = []  # buffers of snapshots sent or replaced
         self._lock = threading.Condition()
         self._queued: _Job | None = None
         self._busy = False
@@ -65,6 +63,16 @@ class BackgroundPublisher:
             self._queued = _Job(snapshot, options, future_list)
             self._lock.notify_all()
         return future
+
+    def _recycle(self, snapshot: Mapping[str, memoryview]) -> None:
+        with self._lock:
+            self._spares.extend(snapshot.values())
+            self._spares[:] = sorted(self._spares, key=lambda b: b.nbytes)[-4:]  # keep a few, largest
+
+    def spare_buffer(self) -> memoryview | None:
+        """The buffer of an earlier snapshot, to copy the next one into, if there is one."""
+        with self._lock:
+            return self._spares.pop() if self._spares else None
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until nothing is queued or in flight; False on timeout."""

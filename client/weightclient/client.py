@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import xxhash
@@ -114,11 +112,6 @@ class WeightClient(WeightServiceClient):
 
     _publisher: BackgroundPublisher | None = None
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._spares: list[memoryview] = []  # snapshot buffers of finished background publishes
-        self._spare_lock = threading.Lock()
-
     def publish(
         self,
         weights: tensor_codec.Weights,
@@ -158,7 +151,7 @@ class WeightClient(WeightServiceClient):
         wait=False, as in `publish`)."""
         if not wait:
             publisher = self._background()
-            snapshot = {model: tensor_codec.snapshot(w, into=self._spare_buffer()) for model, w in weights.items()}
+            snapshot = {model: tensor_codec.snapshot(w, into=publisher.spare_buffer()) for model, w in weights.items()}
             options = {"version": version, "metadata": metadata, "pin": pin, "timeout": timeout}
             return publisher.submit(snapshot, **options)
         encoded = {model: tensor_codec.encode(w).parts for model, w in weights.items()}
@@ -185,17 +178,8 @@ class WeightClient(WeightServiceClient):
             def send(snapshot: Mapping[str, memoryview], **options) -> int:
                 return self.publish_group_bytes(snapshot, **options)[0].version
 
-            def recycle(snapshot: Mapping[str, memoryview]) -> None:
-                with self._spare_lock:
-                    self._spares.extend(snapshot.values())
-                    self._spares[:] = sorted(self._spares, key=lambda b: b.nbytes)[-4:]  # keep a few, largest
-
-            self._publisher = BackgroundPublisher(send, recycle)
+            self._publisher = BackgroundPublisher(send)
         return self._publisher
-
-    def _spare_buffer(self) -> memoryview | None:
-        with self._spare_lock:
-            return self._spares.pop() if self._spares else None
 
     def fetch(
         self,
