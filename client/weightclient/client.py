@@ -229,9 +229,8 @@ class WeightClient(WeightServiceClient):
             if not wanted:
                 return None
             layout = {t.name: t for t in info.tensors}
-            for name, tensor in wanted.items():
-                if name not in layout or not _placeable(tensor, layout[name]):
-                    return None
+            if not all(name in layout and _placeable(tensor, layout[name]) for name, tensor in wanted.items()):
+                return None
             targets.update(wanted)
             return {name: tensor_codec.tensor_bytes(tensor.detach()) for name, tensor in wanted.items()}
 

@@ -24,7 +24,7 @@ import xxhash
 from google.protobuf.message import DecodeError
 
 from weightclient.block_reader import read_blocks
-from weightclient.placement import BLOCK_BYTES, PREFIX_BYTES, Digests, layout
+from weightclient.placement import BLOCK_BYTES, PREFIX_BYTES, layout, mismatched
 from weightclient.transports.base import NotOffered, Offer, OutgoingFile, PayloadGone, Progress, TransportFailed
 from weightclient.version_info import VersionInfo
 from weightserver.shm_layout import header_file_name, version_file_name
@@ -127,21 +127,13 @@ def _read_placed(fd: int, info: VersionInfo, views: Mapping[str, memoryview]) ->
                 blocks.append((views[name][start : start + BLOCK_BYTES], offset + start))
                 owners.append(name)
         offset += size
-    digests = Digests(info)
-    hashers: dict[str, xxhash.xxh3_128] = {}
+    hashers = {name: xxhash.xxh3_128() for name in views}
 
     def landed(i: int) -> None:
-        name = owners[i]
-        hasher = hashers.setdefault(name, xxhash.xxh3_128())
-        hasher.update(blocks[i][0])
-        if i + 1 == len(owners) or owners[i + 1] != name:
-            digests.check(name, hasher)
+        hashers[owners[i]].update(blocks[i][0])
 
     read_blocks(fd, blocks, landed)
-    for name in views:
-        if name not in hashers:  # an empty tensor: no blocks, nothing read
-            digests.check(name, xxhash.xxh3_128())
-    return digests.bad
+    return mismatched(info, hashers)
 
 
 @dataclass(frozen=True)
@@ -178,12 +170,8 @@ class SharedMemoryDirectory:
             return None
         try:
             st = os.fstat(fd)
-            if (
-                not stat.S_ISREG(st.st_mode)
-                or st.st_uid != self.owner
-                or st.st_mode & 0o022
-                or st.st_size > MAX_HEADER_BYTES
-            ):
+            trusted = stat.S_ISREG(st.st_mode) and st.st_uid == self.owner and not st.st_mode & 0o022
+            if not trusted or st.st_size > MAX_HEADER_BYTES:
                 return None
             content = os.pread(fd, st.st_size, 0)
         except OSError:
