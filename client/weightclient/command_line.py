@@ -134,33 +134,29 @@ def cmd_ls(args: argparse.Namespace) -> int:
     with _client(args) as client:
         if args.model is None:
             models = client.list_models()
-            if args.json:
-                print(json.dumps([m.__dict__ for m in models], indent=1))
-                return 0
-            _table(
-                ["MODEL", "LATEST", "VERSIONS", "BYTES"],
-                [[m.model, m.latest_version, m.version_count, m.retained_bytes] for m in models],
-            )
-            return 0
-        versions = client.list_versions(args.model)
-    if args.json:
-        print(json.dumps([_info_json(v) for v in versions], indent=1))
-        return 0
-    _table(
-        ["VERSION", "CREATED", "BYTES", "TENSORS", "PINNED", "SHA256", "METADATA"],
-        [
-            [
-                v.version,
-                _when(v.created),
-                v.byte_size,
-                len(v.tensors),
-                "yes" if v.pinned else "",
-                v.sha256[:16],
-                " ".join(f"{k}={val}" for k, val in sorted(v.metadata.items())),
+            records = [m.__dict__ for m in models]
+            headers = ["MODEL", "LATEST", "VERSIONS", "BYTES"]
+            rows = [[m.model, m.latest_version, m.version_count, m.retained_bytes] for m in models]
+        else:
+            versions = client.list_versions(args.model)
+            records = [_info_json(v) for v in versions]
+            headers = ["VERSION", "CREATED", "BYTES", "TENSORS", "PINNED", "SHA256", "METADATA"]
+            rows = [
+                [
+                    v.version,
+                    _when(v.created),
+                    v.byte_size,
+                    len(v.tensors),
+                    "yes" if v.pinned else "",
+                    v.sha256[:16],
+                    " ".join(f"{k}={val}" for k, val in sorted(v.metadata.items())),
+                ]
+                for v in versions
             ]
-            for v in versions
-        ],
-    )
+    if args.json:
+        print(json.dumps(records, indent=1))
+    else:
+        _table(headers, rows)
     return 0
 
 
