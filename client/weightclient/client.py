@@ -154,7 +154,7 @@ class WeightClient(WeightServiceClient):
             snapshot = {model: tensor_codec.snapshot(w, into=publisher.spare_buffer()) for model, w in weights.items()}
             options = {"version": version, "metadata": metadata, "pin": pin, "timeout": timeout}
             return publisher.submit(snapshot, **options)
-        encoded = {model: tensor_codec.encode(w).parts for model, w in weights.items()}
+        encoded = {model: tensor_codec.encode(w) for model, w in weights.items()}
         infos = self.publish_group_bytes(encoded, version=version, metadata=metadata, pin=pin, timeout=timeout)
         return infos[0].version
 

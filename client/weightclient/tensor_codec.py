@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -68,20 +67,12 @@ def state_dict_of(weights: Weights) -> dict[str, torch.Tensor]:
     return result
 
 
-@dataclass(frozen=True)
-class EncodedWeights:
-    """A safetensors file as consecutive parts: the header, then each tensor's bytes."""
-
-    parts: list[memoryview]
-    nbytes: int
-
-
-def encode(weights: Weights, metadata: Mapping[str, str] | None = None) -> EncodedWeights:
-    """Frame `weights` as safetensors. Contiguous CPU tensors are not copied; the parts stay
-    valid only while the tensors are not modified."""
+def encode(weights: Weights, metadata: Mapping[str, str] | None = None) -> list[memoryview]:
+    """Frame `weights` as a safetensors file in consecutive parts: the header, then each
+    tensor's bytes. Contiguous CPU tensors are not copied; the parts stay valid only while the
+    tensors are not modified."""
     prefix, prepared = _framed(weights, metadata)
-    parts = [memoryview(prefix), *(tensor_bytes(tensor) for _, tensor in prepared if tensor.numel())]
-    return EncodedWeights(parts, sum(p.nbytes for p in parts))
+    return [memoryview(prefix), *(tensor_bytes(tensor) for _, tensor in prepared if tensor.numel())]
 
 
 def snapshot(weights: Weights, metadata: Mapping[str, str] | None = None, into: memoryview | None = None) -> memoryview:
