@@ -4,9 +4,8 @@ Trainer and collector rarely name parameters alike: DDP adds ``module.``, a Tens
 names its MLP's parameters ``module.0.weight`` too, and a trainer may publish a whole loss
 module (``loss_module.actor_network.*``). A KeyMap says explicitly which prefix to select,
 strip or add, which keys to rename, or hands every key to a function (`map_keys`).
-`check_weights` then insists that the result matches the local weights exactly, and otherwise
-raises a KeyError that lists every missing and unexpected key and every shape or dtype
-mismatch, before anything is written: a collector is never left half-updated.
+`check_weights` then insists that the result matches the local weights exactly, before
+anything is written: a collector is never left half-updated.
 """
 
 from __future__ import annotations
