@@ -128,11 +128,7 @@ def _read_placed(fd: int, info: VersionInfo, views: Mapping[str, memoryview]) ->
                 owners.append(name)
         offset += size
     hashers = {name: xxhash.xxh3_128() for name in views}
-
-    def landed(i: int) -> None:
-        hashers[owners[i]].update(blocks[i][0])
-
-    read_blocks(fd, blocks, landed)
+    read_blocks(fd, blocks, lambda i: hashers[owners[i]].update(blocks[i][0]))
     return mismatched(info, hashers)
 
 
