@@ -13,7 +13,7 @@ import termios
 
 import pytest
 
-from weightclient.progress import PROGRESS_MIN_BYTES, TransferProgress
+from weightclient.command_line import PROGRESS_MIN_BYTES, TransferProgress
 from weightclient.service_client import WeightServiceClient
 from weightserver.config import KiB, MiB
 from weightserver.safetensors_format import build_header

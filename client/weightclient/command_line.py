@@ -14,14 +14,19 @@ import sys
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
 
-from weightclient.progress import TransferProgress
 from weightclient.service_client import WeightServiceClient
 from weightclient.version_info import VersionInfo
 from weightserver.cli import command_parser, run_command
+from weightserver.config import MiB
 from weightserver.errors import ModelNotFound
 
+if TYPE_CHECKING:
+    from tqdm import tqdm
+
 Handler = Callable[[argparse.Namespace], int]
+PROGRESS_MIN_BYTES = 8 * MiB
 
 
 def parse_meta(text: str) -> tuple[str, str]:
@@ -216,6 +221,57 @@ def _table(headers: list[str], rows: list[list[object]]) -> None:
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     for row in cells:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+
+
+class TransferProgress:
+    """The progress bar of a large transfer (publish, fetch): a tqdm bar on `stream` (stderr),
+    driven by calls of ``progress(done, total)`` as the client's transfer methods make them.
+    It appears only on a terminal (in CI logs and pipes a redrawn line is noise) and only for
+    transfers of at least `min_bytes` (smaller ones finish before a bar would tell anyone
+    anything); `bar` is None while none is shown.
+
+    >>> import io
+    >>> with TransferProgress("fetch", stream=io.StringIO()) as progress:
+    ...     progress(16 * MiB, 16 * MiB)
+    >>> progress.bar is None
+    True
+    """
+
+    def __init__(self, description: str, *, stream: TextIO | None = None, min_bytes: int = PROGRESS_MIN_BYTES) -> None:
+        self.description = description
+        self.stream = stream or sys.stderr
+        self.min_bytes = min_bytes
+        try:
+            self.enabled = self.stream.isatty()
+        except (AttributeError, ValueError):  # no isatty, or a closed stream
+            self.enabled = False
+        self.bar: tqdm | None = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled or total < self.min_bytes:
+            return
+        if self.bar is None:
+            from tqdm import tqdm
+
+            self.bar = tqdm(
+                total=total,
+                desc=self.description,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                file=self.stream,
+                dynamic_ncols=True,
+            )
+        if done < self.bar.n or total != self.bar.total:
+            self.bar.reset(total=total)  # the transfer started over
+        self.bar.update(done - self.bar.n)
+
+    def __enter__(self) -> TransferProgress:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
