@@ -261,7 +261,7 @@ def test_a_snapshot_is_the_encoded_file_byte_for_byte():
         "empty": torch.empty(0, 3),
         "steps": torch.tensor(7),
     }
-    expected = b"".join(bytes(part) for part in tensor_codec.encode(weights, {"step": "7"}).parts)
+    expected = b"".join(bytes(part) for part in tensor_codec.encode(weights, {"step": "7"}))
     spare = memoryview(bytearray(len(expected) + 4096))
     snapshot = tensor_codec.snapshot(weights, {"step": "7"}, into=spare)
     assert bytes(snapshot) == expected
@@ -275,7 +275,7 @@ def test_framing_reuses_a_header_only_for_the_same_layout_and_metadata():
     from weightclient import tensor_codec
 
     def header_of(weights, metadata=None) -> dict:
-        prefix = bytes(tensor_codec.encode(weights, metadata).parts[0])
+        prefix = bytes(tensor_codec.encode(weights, metadata)[0])
         return json.loads(prefix[8:])
 
     a = {"w": torch.zeros(10), "b": torch.zeros(3, dtype=torch.int64)}

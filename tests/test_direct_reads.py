@@ -15,8 +15,8 @@ from test_errors import chunks, file_bytes, header_request, watch_publish_start
 from test_metrics import scrape, value, wait_for_value
 
 from weightclient import IntegrityError, WeightClient
-from weightclient.fetch_reports import FetchReports
 from weightclient.grpc_updaters import GrpcLocalWeightUpdater
+from weightclient.latest_only_worker import LatestOnlyWorker
 from weightserver.errors import DeadlineExceeded, NotFoundError, VersionNotFound
 from weightserver.process import ServerProcess
 from weightserver.v1 import weights_pb2 as pb
@@ -248,7 +248,7 @@ def test_a_file_damaged_under_its_header_is_refused_everywhere(server, client):
         client.fetch(MODEL, version=2, transport="shm")
 
 
-# ---------------------------------------------------------------------- FetchReports
+# ---------------------------------------------------------------------- reports (LatestOnlyWorker)
 class Sender:
     """Stands in for the Negotiate call: records what it is given, and can be held."""
 
@@ -272,12 +272,12 @@ def request(version: int) -> pb.FetchRequest:
 
 def test_reports_made_while_one_is_in_flight_collapse_to_the_latest():
     sender = Sender()
-    reports = FetchReports(sender)
+    reports = LatestOnlyWorker(sender, "reports")
     sender.hold.clear()
-    reports.report(request(1))
+    reports.put(request(1))
     assert sender.entered.acquire(timeout=10)  # v1 is being sent
     for version in (2, 3, 4):
-        reports.report(request(version))
+        reports.put(request(version))
     assert not reports.flush(0.05)
     sender.hold.set()
     assert reports.flush(10)
@@ -286,21 +286,21 @@ def test_reports_made_while_one_is_in_flight_collapse_to_the_latest():
 
 def test_a_failed_report_is_dropped_and_the_next_one_still_goes():
     sender = Sender()
-    reports = FetchReports(sender)
-    reports.report(request(13))
+    reports = LatestOnlyWorker(sender, "reports")
+    reports.put(request(13))
     assert reports.flush(10)
-    reports.report(request(14))
+    reports.put(request(14))
     assert reports.flush(10)
     assert sender.sent == [13, 14]
 
 
 def test_closed_reports_send_nothing_more():
     sender = Sender()
-    reports = FetchReports(sender)
-    reports.report(request(1))
+    reports = LatestOnlyWorker(sender, "reports")
+    reports.put(request(1))
     assert reports.flush(10)
     reports.close()
-    reports.report(request(2))
+    reports.put(request(2))
     assert reports.flush(10) and sender.sent == [1]
 
 

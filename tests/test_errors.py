@@ -48,7 +48,7 @@ GOOD = {
 
 # ---------------------------------------------------------------------- helpers
 def file_bytes(weights) -> bytes:
-    return b"".join(bytes(p) for p in tensor_codec.encode(weights).parts)
+    return b"".join(bytes(p) for p in tensor_codec.encode(weights))
 
 
 def safetensors_file(header: bytes | dict, data: bytes = b"") -> bytes:

@@ -7,7 +7,12 @@ import torch
 from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 
-from weightclient.key_mapping import KeyMap, apply_strict, check_weights, map_keys
+from weightclient.key_mapping import IDENTITY, KeyMap, check_weights, map_keys
+
+
+def apply_strict(server, local, key_map=IDENTITY, **options) -> TensorDict:
+    """`server` mapped onto the keys of `local` and checked to match, as an updater does."""
+    return check_weights(map_keys(server, key_map), local, **options)
 
 
 def mlp() -> torch.nn.Sequential:

@@ -13,9 +13,9 @@ import termios
 
 import pytest
 
+from weightclient.command_line import PROGRESS_MIN_BYTES, TransferProgress
 from weightclient.service_client import WeightServiceClient
 from weightserver.config import KiB, MiB
-from weightserver.progress import PROGRESS_MIN_BYTES, TransferProgress
 from weightserver.safetensors_format import build_header
 
 CHUNK = 64 * KiB
@@ -157,7 +157,7 @@ def test_progress_starts_over_when_the_transfer_does():
     with open(follower, "w") as terminal, TransferProgress("fetch policy", stream=terminal, min_bytes=10) as progress:
         progress(60, 100)
         progress(20, 100)  # a retry from the start
-        assert progress.shown and progress.done == 20
+        assert progress.bar is not None and progress.bar.n == 20
         progress(100, 100)
-        assert progress.done == 100
+        assert progress.bar.n == 100
     os.close(leader)

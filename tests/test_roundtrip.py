@@ -87,7 +87,7 @@ def assert_bit_equal(actual: torch.Tensor, expected: torch.Tensor) -> None:
 
 
 def encoded_bytes(weights) -> bytes:
-    return b"".join(bytes(p) for p in tensor_codec.encode(weights).parts)
+    return b"".join(bytes(p) for p in tensor_codec.encode(weights))
 
 
 def raw_stub(address: str) -> tuple[grpc.Channel, pb_grpc.WeightServiceStub]:

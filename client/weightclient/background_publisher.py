@@ -6,8 +6,8 @@ publish is in flight; a newer submit replaces a snapshot still waiting its turn 
 collectors want the newest weights, not every intermediate one). The replaced submit's future
 resolves to the version that carried the newer weights and is marked `superseded`; nothing
 fails silently: a failed publish sets the exception on every future it served. Snapshot
-buffers are handed back through `recycle` once sent, so a steady publisher copies into warm
-memory instead of faulting in a fresh buffer each time.
+buffers are kept once sent (`spare_buffer`), so a steady publisher copies into warm memory
+instead of faulting in a fresh buffer each time.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+
+from weightclient.latest_only_worker import LatestOnlyWorker
 
 log = logging.getLogger(__name__)
 
@@ -37,67 +39,55 @@ class _Job:
 class BackgroundPublisher:
     """Runs `send(snapshot, **options) -> version` for submitted snapshots, one at a time."""
 
-    def __init__(
-        self, send: Callable[..., int], recycle: Callable[[Mapping[str, memoryview]], None] | None = None
-    ) -> None:
+    def __init__(self, send: Callable[..., int]) -> None:
         self._send = send
-        self._recycle = recycle or (lambda snapshot: None)
-        self._lock = threading.Condition()
-        self._queued: _Job | None = None
-        self._busy = False
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="weightclient-publisher", daemon=True)
-        self._thread.start()
+        self._spares: list[memoryview] = []  # buffers of snapshots sent or replaced
+        self._spares_lock = threading.Lock()
+        self._worker = LatestOnlyWorker(self._publish, "weightclient-publisher")
 
     def submit(self, snapshot: Mapping[str, memoryview], **options) -> PublishFuture:
         future = PublishFuture()
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("the background publisher is closed")
-            if self._queued is not None:
-                for older in self._queued.futures:
-                    older.superseded = True
-                self._recycle(self._queued.snapshot)
-                future_list = [*self._queued.futures, future]
-                log.debug("coalescing %d waiting publish(es) into the newest", len(self._queued.futures))
-            else:
-                future_list = [future]
-            self._queued = _Job(snapshot, options, future_list)
-            self._lock.notify_all()
+        if not self._worker.put(_Job(snapshot, options, [future]), merge=self._coalesce):
+            raise RuntimeError("the background publisher is closed")
         return future
 
+    def spare_buffer(self) -> memoryview | None:
+        """The buffer of an earlier snapshot, to copy the next one into, if there is one."""
+        with self._spares_lock:
+            return self._spares.pop() if self._spares else None
+
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until nothing is queued or in flight; False on timeout."""
-        with self._lock:
-            return self._lock.wait_for(lambda: self._queued is None and not self._busy, timeout)
+        """Wait until nothing is queued or in flight (every future resolved); False on timeout."""
+        return self._worker.flush(timeout)
 
     def close(self, timeout: float | None = None) -> None:
         """Send what is queued, then stop the thread."""
-        self.flush(timeout)
-        with self._lock:
-            self._closed = True
-            self._lock.notify_all()
-        self._thread.join(timeout)
+        self._worker.flush(timeout)
+        self._worker.close(timeout)
 
-    def _run(self) -> None:
-        while True:
-            with self._lock:
-                self._lock.wait_for(lambda: self._queued is not None or self._closed)
-                if self._queued is None:
-                    return
-                job, self._queued, self._busy = self._queued, None, True
-            try:
-                version, error = self._send(job.snapshot, **job.options), None
-            except BaseException as exc:  # handed to the caller through the futures
-                log.error("background publish failed: %s", exc)
-                version, error = None, exc
-            # Recycle first, so a caller woken by its future finds the buffer ready for reuse.
-            self._recycle(job.snapshot)
-            with self._lock:
-                self._busy = False
-                self._lock.notify_all()
-            for future in job.futures:
-                if error is not None:
-                    future.set_exception(error)
-                else:
-                    future.set_result(version)
+    def _coalesce(self, waiting: _Job, newer: _Job) -> _Job:
+        log.debug("coalescing %d waiting publish(es) into the newest", len(waiting.futures))
+        for older in waiting.futures:
+            older.superseded = True
+        self._recycle(waiting.snapshot)
+        newer.futures[:0] = waiting.futures
+        return newer
+
+    def _publish(self, job: _Job) -> None:
+        try:
+            version, error = self._send(job.snapshot, **job.options), None
+        except BaseException as exc:  # handed to the caller through the futures
+            log.error("background publish failed: %s", exc)
+            version, error = None, exc
+        # Recycle first, so a caller woken by its future finds the buffer ready for reuse.
+        self._recycle(job.snapshot)
+        for future in job.futures:
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(version)
+
+    def _recycle(self, snapshot: Mapping[str, memoryview]) -> None:
+        with self._spares_lock:
+            self._spares.extend(snapshot.values())
+            self._spares[:] = sorted(self._spares, key=lambda b: b.nbytes)[-4:]  # keep a few, largest

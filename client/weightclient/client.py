@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import xxhash
@@ -114,11 +112,6 @@ class WeightClient(WeightServiceClient):
 
     _publisher: BackgroundPublisher | None = None
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._spares: list[memoryview] = []  # snapshot buffers of finished background publishes
-        self._spare_lock = threading.Lock()
-
     def publish(
         self,
         weights: tensor_codec.Weights,
@@ -158,10 +151,10 @@ class WeightClient(WeightServiceClient):
         wait=False, as in `publish`)."""
         if not wait:
             publisher = self._background()
-            snapshot = {model: tensor_codec.snapshot(w, into=self._spare_buffer()) for model, w in weights.items()}
+            snapshot = {model: tensor_codec.snapshot(w, into=publisher.spare_buffer()) for model, w in weights.items()}
             options = {"version": version, "metadata": metadata, "pin": pin, "timeout": timeout}
             return publisher.submit(snapshot, **options)
-        encoded = {model: tensor_codec.encode(w).parts for model, w in weights.items()}
+        encoded = {model: tensor_codec.encode(w) for model, w in weights.items()}
         infos = self.publish_group_bytes(encoded, version=version, metadata=metadata, pin=pin, timeout=timeout)
         return infos[0].version
 
@@ -185,17 +178,8 @@ class WeightClient(WeightServiceClient):
             def send(snapshot: Mapping[str, memoryview], **options) -> int:
                 return self.publish_group_bytes(snapshot, **options)[0].version
 
-            def recycle(snapshot: Mapping[str, memoryview]) -> None:
-                with self._spare_lock:
-                    self._spares.extend(snapshot.values())
-                    self._spares[:] = sorted(self._spares, key=lambda b: b.nbytes)[-4:]  # keep a few, largest
-
-            self._publisher = BackgroundPublisher(send, recycle)
+            self._publisher = BackgroundPublisher(send)
         return self._publisher
-
-    def _spare_buffer(self) -> memoryview | None:
-        with self._spare_lock:
-            return self._spares.pop() if self._spares else None
 
     def fetch(
         self,
@@ -211,8 +195,10 @@ class WeightClient(WeightServiceClient):
         place: Callable[[VersionInfo], Mapping[str, torch.Tensor] | None] | None = None,
         retry: bool = True,
     ) -> FetchResult | None:
-        """Fetch the latest version, exactly `version`, or the latest only if newer than
-        `newer_than` (None when it is not; no weights are transferred then).
+        """Fetch a version as tensors: `fetch_bytes` (which describes `version`, `newer_than`,
+        `dtype`, `transport`, `timeout`, `into` and `retry`), decoded. None when the latest is
+        not newer than `newer_than`. The tensors view `into` when it was used, so it must not be
+        reused while they are in use.
 
         base: a version the caller holds. Only tensors that changed since then are sent. Pass
             the earlier FetchResult to get a complete result (unchanged tensors are taken from
@@ -220,14 +206,9 @@ class WeightClient(WeightServiceClient):
             (`partial=True`) holding only the changed tensors. Every tensor is checked against
             the target version's digests; with a FetchResult or VersionInfo, a base that differs
             from the server's copy of that version makes the client fetch the version whole.
-        dtype: "BF16" or "F16": float32 tensors arrive cast on the server (half the bytes).
-        transport: "auto" (shared memory on this host, else bulk TCP, else the gRPC stream),
-            "shm", "bulk" or "stream". Fast paths fall back to the stream.
-        into: a reusable receive buffer (see `fetch_bytes`); the result's tensors view it, so
-            it must not be reused while they are in use.
         place: called with the version's description before its bytes move; may return
             {tensor name: a contiguous CPU tensor of that tensor's dtype and shape}, e.g. the
-            live parameters. When the whole version comes over shared memory or bulk TCP, those
+            live parameters. When the payload is the version's own file (no delta, no cast), those
             tensors receive its bytes directly (no receive buffer, no copy) and are verified
             against the version's digests; the result is then `placed` and its `tensors` are
             the given ones (tensors left out are dropped). Otherwise the fetch is a normal one.
@@ -248,16 +229,10 @@ class WeightClient(WeightServiceClient):
             if not wanted:
                 return None
             layout = {t.name: t for t in info.tensors}
-            for name, tensor in wanted.items():
-                if name not in layout or not _placeable(tensor, layout[name]):
-                    return None
+            if not all(name in layout and _placeable(tensor, layout[name]) for name, tensor in wanted.items()):
+                return None
             targets.update(wanted)
-            # An empty tensor gets a writable empty view (it receives nothing, but placement
-            # only accepts writable views).
-            return {
-                name: tensor_codec.tensor_bytes(tensor.detach()) if tensor.numel() else memoryview(bytearray())
-                for name, tensor in wanted.items()
-            }
+            return {name: tensor_codec.tensor_bytes(tensor.detach()) for name, tensor in wanted.items()}
 
         fetched = self.fetch_bytes(
             model,

@@ -11,15 +11,22 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
 
 from weightclient.service_client import WeightServiceClient
 from weightclient.version_info import VersionInfo
 from weightserver.cli import command_parser, run_command
+from weightserver.config import MiB
 from weightserver.errors import ModelNotFound
-from weightserver.progress import TransferProgress
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
+
+Handler = Callable[[argparse.Namespace], int]
+PROGRESS_MIN_BYTES = 8 * MiB
 
 
 def parse_meta(text: str) -> tuple[str, str]:
@@ -33,33 +40,34 @@ def build_parser() -> argparse.ArgumentParser:
     """The whole `weightserver` command line: `serve` and the client's commands."""
     parser, commands = command_parser()
 
-    def client_command(name: str, help_text: str) -> argparse.ArgumentParser:
+    def client_command(name: str, help_text: str, handler: Handler, *, model: bool = True) -> argparse.ArgumentParser:
+        """A client command with the connection options, and a required --model unless `model` is False."""
         sub = commands.add_parser(name, help=help_text, description=help_text[0].upper() + help_text[1:] + ".")
+        sub.set_defaults(handler=handler)
         sub.add_argument(
-            "--server",
-            default=None,
-            help="host:port of the server (default: $WEIGHTSERVER_ADDRESS, else localhost:50051)",
+            "--server", help="host:port of the server (default: $WEIGHTSERVER_ADDRESS, else localhost:50051)"
         )
         sub.add_argument(
             "--token-file",
             type=Path,
-            default=None,
             help="read the bearer token from this file (default: $WEIGHTSERVER_TOKEN, if set)",
         )
         sub.add_argument(
             "--tls-ca",
             type=Path,
-            default=None,
             metavar="PEM",
             help="connect with TLS, trusting this CA (default: $WEIGHTSERVER_TLS_CA; plaintext if neither)",
         )
-        sub.add_argument("--tls-cert", type=Path, default=None, metavar="PEM", help="client certificate (mutual TLS)")
-        sub.add_argument("--tls-key", type=Path, default=None, metavar="PEM", help="private key of --tls-cert")
+        sub.add_argument("--tls-cert", type=Path, metavar="PEM", help="client certificate (mutual TLS)")
+        sub.add_argument("--tls-key", type=Path, metavar="PEM", help="private key of --tls-cert")
+        if model:
+            sub.add_argument("--model", required=True, help="model name, e.g. policy")
         return sub
 
-    publish = client_command("publish", "publish a .safetensors file as a new version and print its number")
+    publish = client_command(
+        "publish", "publish a .safetensors file as a new version and print its number", cmd_publish
+    )
     publish.add_argument("file", type=Path, help="a .safetensors file")
-    publish.add_argument("--model", required=True, help="model name, e.g. policy")
     publish.add_argument(
         "--version", dest="version_number", type=int, default=0, help="version number to request (default: next one)"
     )
@@ -73,42 +81,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     publish.add_argument("--pin", action="store_true", help="keep this version beyond --keep")
     publish.add_argument("--json", action="store_true", help="print the version's description as JSON")
-    publish.set_defaults(handler=cmd_publish)
 
-    fetch = client_command("fetch", "fetch a version into a .safetensors file")
-    fetch.add_argument("--model", required=True, help="model name")
-    fetch.add_argument(
-        "--version", dest="version_number", type=int, default=None, help="exact version (default: latest)"
-    )
+    fetch = client_command("fetch", "fetch a version into a .safetensors file", cmd_fetch)
+    fetch.add_argument("--version", dest="version_number", type=int, help="exact version (default: latest)")
     fetch.add_argument("-o", "--output", type=Path, required=True, help="file to write")
-    fetch.set_defaults(handler=cmd_fetch)
 
-    ls = client_command("ls", "list models, or the versions of one model")
-    ls.add_argument("--model", default=None, help="list this model's versions and tensors")
+    ls = client_command("ls", "list models, or the versions of one model", cmd_ls, model=False)
+    ls.add_argument("--model", help="list this model's versions and tensors")
     ls.add_argument("--json", action="store_true", help="print JSON")
-    ls.set_defaults(handler=cmd_ls)
 
-    watch = client_command("watch", "print a line for every new version of a model until interrupted")
-    watch.add_argument("--model", required=True, help="model name")
+    watch = client_command("watch", "print a line for every new version of a model until interrupted", cmd_watch)
     watch.add_argument(
-        "--since",
-        type=int,
-        default=None,
-        help="last version you know; older retained versions are printed first (default: latest)",
+        "--since", type=int, help="last version you know; older retained versions are printed first (default: latest)"
     )
     watch.add_argument("--json", action="store_true", help="print one JSON object per version")
-    watch.set_defaults(handler=cmd_watch)
 
-    delete = client_command("delete", "delete one version")
-    delete.add_argument("--model", required=True, help="model name")
+    delete = client_command("delete", "delete one version", cmd_delete)
     delete.add_argument("--version", dest="version_number", type=int, required=True, help="version to delete")
-    delete.set_defaults(handler=cmd_delete)
 
-    pin = client_command("pin", "pin a version so --keep never evicts it (or --unpin)")
-    pin.add_argument("--model", required=True, help="model name")
+    pin = client_command("pin", "pin a version so --keep never evicts it (or --unpin)", cmd_pin)
     pin.add_argument("--version", dest="version_number", type=int, required=True, help="version to pin")
     pin.add_argument("--unpin", action="store_true", help="unpin instead")
-    pin.set_defaults(handler=cmd_pin)
     return parser
 
 
@@ -146,33 +139,29 @@ def cmd_ls(args: argparse.Namespace) -> int:
     with _client(args) as client:
         if args.model is None:
             models = client.list_models()
-            if args.json:
-                print(json.dumps([m.__dict__ for m in models], indent=1))
-                return 0
-            _table(
-                ["MODEL", "LATEST", "VERSIONS", "BYTES"],
-                [[m.model, m.latest_version, m.version_count, m.retained_bytes] for m in models],
-            )
-            return 0
-        versions = client.list_versions(args.model)
-    if args.json:
-        print(json.dumps([_info_json(v) for v in versions], indent=1))
-        return 0
-    _table(
-        ["VERSION", "CREATED", "BYTES", "TENSORS", "PINNED", "SHA256", "METADATA"],
-        [
-            [
-                v.version,
-                _when(v.created),
-                v.byte_size,
-                len(v.tensors),
-                "yes" if v.pinned else "",
-                v.sha256[:16],
-                " ".join(f"{k}={val}" for k, val in sorted(v.metadata.items())),
+            records = [m.__dict__ for m in models]
+            headers = ["MODEL", "LATEST", "VERSIONS", "BYTES"]
+            rows = [[m.model, m.latest_version, m.version_count, m.retained_bytes] for m in models]
+        else:
+            versions = client.list_versions(args.model)
+            records = [_info_json(v) for v in versions]
+            headers = ["VERSION", "CREATED", "BYTES", "TENSORS", "PINNED", "SHA256", "METADATA"]
+            rows = [
+                [
+                    v.version,
+                    _when(v.created),
+                    v.byte_size,
+                    len(v.tensors),
+                    "yes" if v.pinned else "",
+                    v.sha256[:16],
+                    " ".join(f"{k}={val}" for k, val in sorted(v.metadata.items())),
+                ]
+                for v in versions
             ]
-            for v in versions
-        ],
-    )
+    if args.json:
+        print(json.dumps(records, indent=1))
+    else:
+        _table(headers, rows)
     return 0
 
 
@@ -232,6 +221,57 @@ def _table(headers: list[str], rows: list[list[object]]) -> None:
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     for row in cells:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+
+
+class TransferProgress:
+    """The progress bar of a large transfer (publish, fetch): a tqdm bar on `stream` (stderr),
+    driven by calls of ``progress(done, total)`` as the client's transfer methods make them.
+    It appears only on a terminal (in CI logs and pipes a redrawn line is noise) and only for
+    transfers of at least `min_bytes` (smaller ones finish before a bar would tell anyone
+    anything); `bar` is None while none is shown.
+
+    >>> import io
+    >>> with TransferProgress("fetch", stream=io.StringIO()) as progress:
+    ...     progress(16 * MiB, 16 * MiB)
+    >>> progress.bar is None
+    True
+    """
+
+    def __init__(self, description: str, *, stream: TextIO | None = None, min_bytes: int = PROGRESS_MIN_BYTES) -> None:
+        self.description = description
+        self.stream = stream or sys.stderr
+        self.min_bytes = min_bytes
+        try:
+            self.enabled = self.stream.isatty()
+        except (AttributeError, ValueError):  # no isatty, or a closed stream
+            self.enabled = False
+        self.bar: tqdm | None = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled or total < self.min_bytes:
+            return
+        if self.bar is None:
+            from tqdm import tqdm
+
+            self.bar = tqdm(
+                total=total,
+                desc=self.description,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                file=self.stream,
+                dynamic_ncols=True,
+            )
+        if done < self.bar.n or total != self.bar.total:
+            self.bar.reset(total=total)  # the transfer started over
+        self.bar.update(done - self.bar.n)
+
+    def __enter__(self) -> TransferProgress:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -4,9 +4,8 @@ Trainer and collector rarely name parameters alike: DDP adds ``module.``, a Tens
 names its MLP's parameters ``module.0.weight`` too, and a trainer may publish a whole loss
 module (``loss_module.actor_network.*``). A KeyMap says explicitly which prefix to select,
 strip or add, which keys to rename, or hands every key to a function (`map_keys`).
-`check_weights` then insists that the result matches the local weights exactly, and otherwise
-raises a KeyError that lists every missing and unexpected key and every shape or dtype
-mismatch, before anything is written: a collector is never left half-updated.
+`check_weights` then insists that the result matches the local weights exactly, before
+anything is written: a collector is never left half-updated.
 """
 
 from __future__ import annotations
@@ -57,24 +56,19 @@ class KeyMap:
 
     def apply(self, server: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Rename the keys of flat `server` weights; raises KeyError on a collision."""
-        result: dict[str, torch.Tensor] = {}
-        origin: dict[str, str] = {}
-        taken = set()
         for local_key, server_key in self.rename.items():
             if server_key not in server:
                 raise KeyError(f"KeyMap.rename maps {local_key!r} from {server_key!r}, which the server weights lack")
-            result[local_key], origin[local_key] = server[server_key], server_key
-            taken.add(server_key)
-        for server_key, tensor in server.items():
-            if server_key in taken:
-                continue
-            local_key = self.map_key(server_key)
+        origin = dict(self.rename)  # local key -> server key
+        renamed = set(self.rename.values())
+        for server_key in server:
+            local_key = None if server_key in renamed else self.map_key(server_key)
             if local_key is None:
                 continue
-            if local_key in result:
+            if local_key in origin:
                 raise KeyError(f"server keys {origin[local_key]!r} and {server_key!r} both map to {local_key!r}")
-            result[local_key], origin[local_key] = tensor, server_key
-        return result
+            origin[local_key] = server_key
+        return {local_key: server[server_key] for local_key, server_key in origin.items()}
 
 
 IDENTITY = KeyMap()
@@ -149,17 +143,3 @@ def check_weights(
             "Pass a KeyMap (select=, strip_prefix=, add_prefix=, rename=, fn=) to line them up."
         )
     return TensorDict(mapped, batch_size=[])
-
-
-def apply_strict(
-    server: TensorDictBase | Mapping[str, torch.Tensor],
-    local: TensorDictBase,
-    key_map: KeyMap | Callable[[str], str | None] = IDENTITY,
-    *,
-    source: str = "server weights",
-    partial: bool = False,
-    allow_cast: bool = False,
-) -> TensorDict:
-    """`map_keys` then `check_weights`: `server` mapped onto the keys of `local` and checked
-    to match exactly. Returns a TensorDict keyed like ``local.flatten_keys(".")``."""
-    return check_weights(map_keys(server, key_map), local, source=source, partial=partial, allow_cast=allow_cast)

@@ -64,7 +64,7 @@ def layout(info: VersionInfo, views: Mapping[str, memoryview], header_bytes: int
 class PlacedReceiver:
     """A version's file arriving in order (from a socket or a stream of chunks), scattered
     into the views of its placed tensors; the header, gaps and other tensors go to scratch.
-    Each placed tensor is hashed block by block as it lands and checked once it is whole.
+    Each placed tensor is hashed block by block as it lands.
 
     Feed it with ``target()`` (where the next bytes go, at most a block) and ``advance(n)``
     (n bytes were written there) until ``done``; then ``bad()`` lists the tensors that fail
@@ -74,7 +74,7 @@ class PlacedReceiver:
     def __init__(self, info: VersionInfo, views: Mapping[str, memoryview]) -> None:
         self._info = info
         self._views = views
-        self._digests = Digests(info)
+        self._hashers = {name: xxhash.xxh3_128() for name in views}
         self._scratch = memoryview(bytearray(BLOCK_BYTES))
         self._prefix = memoryview(bytearray(PREFIX_BYTES))
         self._regions: list[tuple[int, str | None]] = []  # the rest of the file, reversed
@@ -82,7 +82,6 @@ class PlacedReceiver:
         self._name: str | None = None
         self._left = PREFIX_BYTES  # bytes still to come in this region
         self._remaining = info.byte_size
-        self._hasher = xxhash.xxh3_128()
 
     @property
     def done(self) -> bool:
@@ -100,43 +99,26 @@ class PlacedReceiver:
             raise ValueError(f"{n} bytes do not fit the version's layout")
         if self._name is not None:
             start = self._region.nbytes - self._left
-            self._hasher.update(self._region[start : start + n])
+            self._hashers[self._name].update(self._region[start : start + n])
         self._left -= n
         self._remaining -= n
         while not self._left and not self.done:
             self._next_region()
-        if self.done and not self._left:
-            self._close_region()
 
     def bad(self) -> list[str]:
-        for name, view in self._views.items():
-            if not view.nbytes:  # an empty tensor receives nothing; its digest is still checked
-                self._digests.check(name, xxhash.xxh3_128())
-        return self._digests.bad
+        return mismatched(self._info, self._hashers)
 
     def _next_region(self) -> None:
-        self._close_region()
         if self._region is self._prefix:
             self._regions = layout(self._info, self._views, int.from_bytes(self._prefix, "little"))[::-1]
         if not self._regions:
             raise ValueError(f"the layout ends before the version's {self._info.byte_size} bytes")
         self._left, self._name = self._regions.pop()
         self._region = self._views[self._name] if self._name is not None else None
-        self._hasher = xxhash.xxh3_128()
-
-    def _close_region(self) -> None:
-        if self._name is not None:
-            self._digests.check(self._name, self._hasher)
-            self._name = None
 
 
-class Digests:
-    """Collects the placed tensors whose xxh3 does not match the version's manifest."""
-
-    def __init__(self, info: VersionInfo) -> None:
-        self.expected = {t.name: t.xxh3 for t in info.tensors}
-        self.bad: list[str] = []
-
-    def check(self, name: str, hasher: xxhash.xxh3_128) -> None:
-        if hasher.hexdigest() != self.expected[name]:
-            self.bad.append(name)
+def mismatched(info: VersionInfo, hashers: Mapping[str, xxhash.xxh3_128]) -> list[str]:
+    """The placed tensors whose hashed bytes do not match the version's digests (an empty
+    tensor receives nothing; its digest is still checked)."""
+    expected = {t.name: t.xxh3 for t in info.tensors}
+    return [name for name, hasher in hashers.items() if hasher.hexdigest() != expected[name]]

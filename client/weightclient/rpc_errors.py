@@ -14,12 +14,8 @@ def error_from_rpc(err: grpc.RpcError) -> WeightServerError:
     """The domain exception for a failed call, chosen by status code and the server's error name."""
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     details = (err.details() if hasattr(err, "details") else None) or str(err)
-    name = None
     trailing = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
-    for key, value in trailing or ():
-        if key == ERROR_METADATA_KEY:
-            name = value
-    return error_from_status(code, details, name)
+    return error_from_status(code, details, dict(trailing or ()).get(ERROR_METADATA_KEY))
 
 
 @contextmanager

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from tensordict import TensorDictBase
 
+from weightclient.transports.base import receive_buffer
 from weightserver.errors import InvalidRequest
 from weightserver.safetensors_format import DTYPE_SIZES, SafetensorsHeader, build_header
 
@@ -30,16 +30,12 @@ TORCH_TO_SAFETENSORS: dict[torch.dtype, str] = {
     torch.float32: "F32",
     torch.int64: "I64",
     torch.float64: "F64",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
 }
-for _name, _st in (
-    ("uint16", "U16"),
-    ("uint32", "U32"),
-    ("uint64", "U64"),
-    ("float8_e4m3fn", "F8_E4M3"),
-    ("float8_e5m2", "F8_E5M2"),
-):
-    if hasattr(torch, _name):
-        TORCH_TO_SAFETENSORS[getattr(torch, _name)] = _st
 SAFETENSORS_TO_TORCH: dict[str, torch.dtype] = {v: k for k, v in TORCH_TO_SAFETENSORS.items()}
 
 Weights = torch.nn.Module | TensorDictBase | Mapping[str, torch.Tensor]
@@ -71,23 +67,12 @@ def state_dict_of(weights: Weights) -> dict[str, torch.Tensor]:
     return result
 
 
-@dataclass(frozen=True)
-class EncodedWeights:
-    """A safetensors file as consecutive parts: the header, then each tensor's bytes."""
-
-    parts: list[memoryview]
-    nbytes: int
-
-
-def encode(weights: Weights, metadata: Mapping[str, str] | None = None) -> EncodedWeights:
-    """Frame `weights` as safetensors. Contiguous CPU tensors are not copied; the parts stay
-    valid only while the tensors are not modified."""
+def encode(weights: Weights, metadata: Mapping[str, str] | None = None) -> list[memoryview]:
+    """Frame `weights` as a safetensors file in consecutive parts: the header, then each
+    tensor's bytes. Contiguous CPU tensors are not copied; the parts stay valid only while the
+    tensors are not modified."""
     prefix, prepared = _framed(weights, metadata)
-    parts = [memoryview(prefix)]
-    for _, tensor in prepared:
-        if tensor.numel():
-            parts.append(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
-    return EncodedWeights(parts, sum(p.nbytes for p in parts))
+    return [memoryview(prefix), *(tensor_bytes(tensor) for _, tensor in prepared if tensor.numel())]
 
 
 def snapshot(weights: Weights, metadata: Mapping[str, str] | None = None, into: memoryview | None = None) -> memoryview:
@@ -96,14 +81,8 @@ def snapshot(weights: Weights, metadata: Mapping[str, str] | None = None, into: 
     for this copy (publish(wait=False)), so tensors go straight into the buffer with torch's
     `copy_` (every core; tensors on another device in one device-to-host copy), without the
     memoryview round trip of `encode`."""
-    import numpy as np
-
     prefix, prepared = _framed(weights, metadata, to_cpu=False)
-    nbytes = len(prefix) + sum(t.numel() * t.element_size() for _, t in prepared)
-    if into is not None and into.nbytes >= nbytes:
-        buffer = into.cast("B")[:nbytes]
-    else:
-        buffer = memoryview(np.empty(nbytes, dtype=np.uint8))
+    buffer = receive_buffer(len(prefix) + sum(t.numel() * t.element_size() for _, t in prepared), into)
     buffer[: len(prefix)] = prefix
     target = torch.frombuffer(buffer, dtype=torch.uint8)
     position = len(prefix)
@@ -155,8 +134,9 @@ def _header(layout: tuple[tuple[str, str, tuple[int, ...], int], ...], metadata:
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, as stored (for digests)."""
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else memoryview(b"")
+    """The bytes of a contiguous CPU tensor, as stored: a view that writes go through (empty
+    tensors too), so a fetch can also receive into it."""
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else memoryview(bytearray())
 
 
 def decode(header: SafetensorsHeader, buffer: bytearray | memoryview) -> dict[str, torch.Tensor]:

@@ -1,11 +1,6 @@
-"""The transport layer: one class per way of moving a payload, behind one Protocol.
-
-base.py          Transport (Protocol), Offer, OutgoingFile, TransportFailed
-stream.py        StreamTransport: the Fetch and Publish gRPC streams (always there)
-bulk.py          BulkTransport: a plain TCP connection to the server's bulk port
-shared_memory.py SharedMemoryTransport: files in a same-host server's shared memory
-negotiation.py   TransportChain: the order they are tried in, and the one retry rule
-"""
+"""The transport layer: one class per way of moving a payload, behind one Protocol (base.py):
+the gRPC streams (stream.py), bulk TCP (bulk.py) and a same-host server's shared memory
+(shared_memory.py), tried in the order and by the retry rule of negotiation.py."""
 
 from weightclient.transports.base import NotOffered, Offer, OutgoingFile, PayloadGone, Transport, TransportFailed
 from weightclient.transports.bulk import BulkTransport

@@ -14,14 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import ClassVar, TypeVar
 
 from weightclient.placement import PlacedReceiver
-from weightclient.transports.base import (
-    NotOffered,
-    Offer,
-    OutgoingFile,
-    Progress,
-    TransportFailed,
-    receive_buffer,
-)
+from weightclient.transports.base import NotOffered, Offer, OutgoingFile, Progress, TransportFailed, receive_buffer
 from weightserver.v1 import weights_pb2 as pb
 
 CONNECT_TIMEOUT = 2.0

@@ -15,7 +15,8 @@ from __future__ import annotations
 import mmap
 import os
 import stat
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -23,7 +24,7 @@ import xxhash
 from google.protobuf.message import DecodeError
 
 from weightclient.block_reader import read_blocks
-from weightclient.placement import BLOCK_BYTES, PREFIX_BYTES, Digests, layout
+from weightclient.placement import BLOCK_BYTES, PREFIX_BYTES, layout, mismatched
 from weightclient.transports.base import NotOffered, Offer, OutgoingFile, PayloadGone, Progress, TransportFailed
 from weightclient.version_info import VersionInfo
 from weightserver.shm_layout import header_file_name, version_file_name
@@ -50,40 +51,37 @@ class SharedMemoryTransport:
     def receive(self, offer: Offer, *, into: memoryview | None, progress: Progress | None) -> memoryview:
         """The file mapped copy-on-write: reading costs no copy, a write to a tensor viewing it
         stays private, and the mapping stays valid after the server removes the file."""
-        path, size = offer.payload.shared_memory.path, offer.payload.byte_size
-        try:
-            with open(path, "rb", buffering=0) as f:
-                if os.fstat(f.fileno()).st_size != size:
-                    raise TransportFailed(f"{path} is not {size} bytes long")
-                data = (
-                    memoryview(
-                        mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-                    )
-                    if size
-                    else memoryview(bytearray())
-                )
-        except (OSError, ValueError) as exc:
-            raise self._unreadable(path, exc) from exc
+        size = offer.payload.byte_size
+        with self._opened(offer) as fd:
+            data = memoryview(bytearray())  # mmap cannot map an empty file
+            if size:
+                data = memoryview(mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE))
         self._learn(offer)
         return data
 
     def receive_placed(self, offer: Offer, views: Mapping[str, memoryview]) -> list[str]:
-        path, info = offer.payload.shared_memory.path, offer.info
+        with self._opened(offer) as fd:
+            bad = _read_placed(fd, offer.info, views)
+        if not bad:
+            self._learn(offer)
+        return bad
+
+    @contextmanager
+    def _opened(self, offer: Offer) -> Iterator[int]:
+        """The payload's file, open and checked to have the announced size."""
+        path, size = offer.payload.shared_memory.path, offer.payload.byte_size
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError as exc:
             raise self._unreadable(path, exc) from exc
         try:
-            if os.fstat(fd).st_size != info.byte_size:
-                raise TransportFailed(f"{path} is not {info.byte_size} bytes long")
-            bad = _read_placed(fd, info, views)
+            if os.fstat(fd).st_size != size:
+                raise TransportFailed(f"{path} is not {size} bytes long")
+            yield fd
         except (OSError, ValueError) as exc:
             raise TransportFailed(f"cannot read {path}: {exc}") from exc
         finally:
             os.close(fd)
-        if not bad:
-            self._learn(offer)
-        return bad
 
     def read_directly(self, model: str, version: int) -> Offer | None:
         """An offer for exactly `version` made from its header file, with no call to the
@@ -129,21 +127,9 @@ def _read_placed(fd: int, info: VersionInfo, views: Mapping[str, memoryview]) ->
                 blocks.append((views[name][start : start + BLOCK_BYTES], offset + start))
                 owners.append(name)
         offset += size
-    digests = Digests(info)
-    hashers: dict[str, xxhash.xxh3_128] = {}
-
-    def landed(i: int) -> None:
-        name = owners[i]
-        hasher = hashers.setdefault(name, xxhash.xxh3_128())
-        hasher.update(blocks[i][0])
-        if i + 1 == len(owners) or owners[i + 1] != name:
-            digests.check(name, hasher)
-
-    read_blocks(fd, blocks, landed)
-    for name in views:
-        if name not in hashers:  # an empty tensor: no blocks, nothing read
-            digests.check(name, xxhash.xxh3_128())
-    return digests.bad
+    hashers = {name: xxhash.xxh3_128() for name in views}
+    read_blocks(fd, blocks, lambda i: hashers[owners[i]].update(blocks[i][0]))
+    return mismatched(info, hashers)
 
 
 @dataclass(frozen=True)
@@ -180,12 +166,8 @@ class SharedMemoryDirectory:
             return None
         try:
             st = os.fstat(fd)
-            if (
-                not stat.S_ISREG(st.st_mode)
-                or st.st_uid != self.owner
-                or st.st_mode & 0o022
-                or st.st_size > MAX_HEADER_BYTES
-            ):
+            trusted = stat.S_ISREG(st.st_mode) and st.st_uid == self.owner and not st.st_mode & 0o022
+            if not trusted or st.st_size > MAX_HEADER_BYTES:
                 return None
             content = os.pread(fd, st.st_size, 0)
         except OSError:
