@@ -44,3 +44,18 @@ def test_version_store_imports_no_grpc():
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_pyproject_lists_every_package():
+    """An installed (non-editable) wheel, as the Docker image builds, holds only the listed
+    packages: a subpackage missing from the list is missing from the image."""
+    import tomllib
+
+    root = Path(__file__).resolve().parent.parent
+    setuptools = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = set()
+    for name, directory in setuptools["package-dir"].items():
+        for init in (root / directory).rglob("__init__.py"):
+            relative = init.parent.relative_to(root / directory).parts
+            found.add(".".join((name, *relative)))
+    assert sorted(setuptools["packages"]) == sorted(found)
