@@ -1,13 +1,10 @@
 """BackgroundPublisher: publish without blocking the trainer.
 
-`submit` snapshots the weights (one copy into a staging buffer: the trainer may change its
-tensors as soon as it returns) and streams the snapshot from a background thread. At most one
-publish is in flight; a newer submit replaces a snapshot still waiting its turn (coalescing:
-collectors want the newest weights, not every intermediate one). The replaced submit's future
-resolves to the version that carried the newer weights and is marked `superseded`; nothing
-fails silently: a failed publish sets the exception on every future it served. Snapshot
-buffers are kept once sent (`spare_buffer`), so a steady publisher copies into warm memory
-instead of faulting in a fresh buffer each time.
+`submit` snapshots the weights (the trainer may change its tensors once it returns) and
+streams the snapshot from a background thread. One publish is in flight; a newer submit
+replaces a snapshot still waiting (collectors want the newest weights), whose future resolves
+to the version that carried them (`superseded`). A failure is set on every future it served.
+Sent snapshot buffers are reused (`spare_buffer`): warm memory, no fresh page faults.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """Reading a file's blocks on two cores while the caller hashes them in file order.
 
-`os.preadv` releases the GIL, a streaming xxh3 does not (and must see bytes in order). So
-the calling thread and one helper thread both claim the next unread block and copy it out of
-the page cache, while the calling thread also hashes every block, in order, as soon as it has
-landed: the copies overlap each other and the hashing. On a 2-core machine a 16 MiB
-shared-memory file lands about 1.4x faster than from one thread (bench/run.py, fetch_shm_vs_gloo).
-With one usable CPU, or a file of a few blocks, the caller reads alone.
+`os.preadv` releases the GIL, a streaming xxh3 does not (and must see bytes in order), so
+the caller and one helper thread both copy unread blocks while the caller hashes landed ones
+in order: 16 MiB lands about 1.4x faster on 2 cores (bench/run.py, fetch_shm_vs_gloo). With
+one usable CPU, or a few blocks, the caller reads alone.
 """
 
 from __future__ import annotations
@@ -56,13 +54,10 @@ def pread_exactly(fd: int, view: memoryview, offset: int) -> None:
 
 
 class _SharedRead:
-    """One read of `blocks` shared by the caller and the helper thread.
-
-    `done[i]` turns True once block i is in place (or was given up after a failure). The
-    helper also reports each block it finished on `helper_done`, a C-level queue the caller
-    blocks on (GIL released) only when the block it needs next is still in the helper's hands:
-    per block that is a list store and at most one put, where an Event cost a dozen Python calls.
-    """
+    """One read of `blocks` shared by the caller and the helper thread. `done[i]` turns True
+    once block i is in place (or given up); the helper also puts each finished block on
+    `helper_done`, which the caller waits on (GIL released) only for a block the helper holds:
+    cheaper per block than an Event."""
 
     def __init__(self, fd: int, blocks: Sequence[Block]) -> None:
         self.fd, self.blocks = fd, blocks

@@ -200,20 +200,15 @@ class WeightClient(WeightServiceClient):
         not newer than `newer_than`. The tensors view `into` when it was used, so it must not be
         reused while they are in use.
 
-        base: a version the caller holds. Only tensors that changed since then are sent. Pass
-            the earlier FetchResult to get a complete result (unchanged tensors are taken from
-            it, each re-hashed), or its VersionInfo / version number to get a partial result
-            (`partial=True`) holding only the changed tensors. Every tensor is checked against
-            the target version's digests; with a FetchResult or VersionInfo, a base that differs
-            from the server's copy of that version makes the client fetch the version whole.
+        base: a version the caller holds; only tensors changed since are sent. A FetchResult
+            gives a complete result (unchanged tensors taken from it, re-hashed); a VersionInfo
+            or number a partial one (`partial=True`). Every tensor is checked against the
+            target's digests; a base that differs from the server's copy means a whole fetch.
         place: called with the version's description before its bytes move; may return
-            {tensor name: a contiguous CPU tensor of that tensor's dtype and shape}, e.g. the
-            live parameters. When the payload is the version's own file (no delta, no cast), those
-            tensors receive its bytes directly (no receive buffer, no copy) and are verified
-            against the version's digests; the result is then `placed` and its `tensors` are
-            the given ones (tensors left out are dropped). Otherwise the fetch is a normal one.
-            If placed bytes fail verification the version is fetched again normally, so the
-            given tensors may hold unverified bytes until the caller copies the result in.
+            {name: contiguous CPU tensor of that dtype and shape}, e.g. the live parameters,
+            which then receive a whole version's bytes directly, verified (`placed`; tensors
+            left out are dropped). If they fail verification the version is fetched again
+            normally, so they may hold unverified bytes until the caller copies the result in.
         """
         if isinstance(base, FetchResult) and (base.partial or base.dtype or dtype):
             raise InvalidRequest(

@@ -224,11 +224,8 @@ def _table(headers: list[str], rows: list[list[object]]) -> None:
 
 
 class TransferProgress:
-    """The progress bar of a large transfer (publish, fetch): a tqdm bar on `stream` (stderr),
-    driven by calls of ``progress(done, total)`` as the client's transfer methods make them.
-    It appears only on a terminal (in CI logs and pipes a redrawn line is noise) and only for
-    transfers of at least `min_bytes` (smaller ones finish before a bar would tell anyone
-    anything); `bar` is None while none is shown.
+    """A tqdm bar on `stream` (stderr) driven by ``progress(done, total)`` calls, shown only on a
+    terminal and for transfers of at least `min_bytes`; `bar` is None while none is shown.
 
     >>> import io
     >>> with TransferProgress("fetch", stream=io.StringIO()) as progress:

@@ -71,10 +71,8 @@ class Update:
 
     Attributes:
         info: the version's description (number, tensors, digests, metadata).
-        weights: its tensors as the server names them (flat keys such as ``"0.weight"``),
-            before any key map.
-        partial: a delta: `weights` holds only the tensors that changed since the version the
-            updater had applied; every other tensor is unchanged.
+        weights: its tensors as the server names them (flat keys), before any key map.
+        partial: a delta: `weights` holds only the tensors changed since the applied version.
         stats: how the fetch went (transport, bytes on the wire, seconds).
         buffer: the updater's receive buffer, lent to this update (`weights` may view it);
             `apply` hands it back, so apply an update once, before pulling the next.
@@ -123,11 +121,8 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
     pickled, so an updater can be sent to a worker process.
 
     >>> updater = GrpcLocalWeightUpdater("localhost:50051", policy=policy)   # doctest: +SKIP
-    >>> updater()                      # fetches only if the server has a newer version  # doctest: +SKIP
-    >>> updater.version, updater.lag   # doctest: +SKIP
-    (7, 0)
-    >>> update = updater.pull()        # or in two steps (None: nothing to apply)  # doctest: +SKIP
-    >>> updater.apply(update)          # doctest: +SKIP
+    >>> update = updater.pull()        # updater() does both steps  # doctest: +SKIP
+    >>> if update is not None: updater.apply(update)                # doctest: +SKIP
     """
 
     def __init__(

@@ -1,11 +1,9 @@
 """KeyMap: how weight names on the server become parameter names of the local policy.
 
-Trainer and collector rarely name parameters alike: DDP adds ``module.``, a TensorDictModule
-names its MLP's parameters ``module.0.weight`` too, and a trainer may publish a whole loss
-module (``loss_module.actor_network.*``). A KeyMap says explicitly which prefix to select,
-strip or add, which keys to rename, or hands every key to a function (`map_keys`).
-`check_weights` then insists that the result matches the local weights exactly, before
-anything is written: a collector is never left half-updated.
+Trainer and collector rarely name parameters alike (DDP's ``module.``, a whole loss module's
+``loss_module.actor_network.*``). A KeyMap selects, strips, adds or renames (`map_keys`);
+`check_weights` then insists the result matches the local weights exactly, before anything
+is written, so a collector is never left half-updated.
 """
 
 from __future__ import annotations

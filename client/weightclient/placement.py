@@ -1,12 +1,9 @@
 """Placed fetches: a version's tensors received straight into memory the caller owns.
 
-A collector that copies fetched tensors into its policy moves every byte twice: socket or
-shared-memory file -> receive buffer -> parameters. When the caller names, before the bytes
-move, where each tensor should land (its live parameters), every transport scatters the file
-into those tensors directly (bulk: `recv_into`, shared memory: `preadv`, stream: one copy per
-chunk; header, padding and unplaced tensors into scratch or skipped). Each block is hashed
-right after it lands, while it is still in cache, and every placed tensor is checked against
-the version's xxh3 digest; the caller falls back to the stream when one does not match.
+Copying fetched tensors into a policy moves every byte twice (socket -> buffer -> parameters).
+When the caller names where each tensor lands before the bytes move, every transport scatters
+the file into those tensors directly, hashing each block while it is still in cache; a tensor
+that does not match its xxh3 sends the caller to the stream.
 
 Byte-level (memoryviews), no torch: `WeightClient.fetch(place=...)` supplies the views.
 """

@@ -1,9 +1,7 @@
 """WeightServiceClient: the byte-level Python client of weightserver.v1.WeightService.
 
-Publishes and fetches safetensors bytes, lists, describes and watches versions. It needs no
-torch, so the `weightserver` CLI uses it; `weightclient.WeightClient` adds tensors on top.
-How bytes move is the transport layer's (`weightclient.transports`); this module decides what
-to ask for, verifies what arrived and falls back, in one place for every transport.
+No torch (the CLI uses it; `WeightClient` adds tensors). How bytes move is the transports'
+business; this module decides what to ask for, verifies what arrived and falls back.
 """
 
 from __future__ import annotations
@@ -232,24 +230,16 @@ class WeightServiceClient:
         """Fetch one version's bytes: the latest, exactly `version`, or the latest only if it is
         newer than `newer_than` (None when it is not: nothing is transferred).
 
-        `base_version` asks for a delta (only tensors that changed since that version),
-        `dtype` ("BF16"/"F16") for float32 tensors cast on the server. `transport`: "auto"
-        (shared memory on the same host, else bulk TCP, else the gRPC stream), "shm", "bulk"
-        or "stream"; every fast transport falls back to the stream (see `TransportChain`). An
-        exact `version` on the server's host is read from its shared memory with no call at
-        all once a fetch of that model was served from there (`stats.direct`). What arrived is
-        checked against the announced size and xxh3 digest (IntegrityError). `into`: a buffer
-        to receive into when it is large enough (reused across fetches, it saves allocating
-        and faulting in fresh memory each time); the result then views it. Shared memory needs
-        none: it maps the server's file copy-on-write. `base_xxh3`: the xxh3 of the caller's
-        copy of `base_version`; if the server's copy differs, the delta is refused and the
-        whole version fetched instead. `place`: see `placement.Placement`; when the payload is
-        the version's own file, its tensors are received straight into the views the callable
-        returns and verified there (the result is then `placed`); placed bytes that fail their
-        digests over a fast transport are received again over the stream. `retry`: while the
-        server is unavailable, try again (see `retry_seconds`); False fails at once with
-        ServerUnavailable. `progress(received, total)` is called as the stream's chunks arrive,
-        once at the end over shared memory or bulk TCP (not for placed tensors).
+        `base_version`: a delta (only the tensors changed since); `dtype` ("BF16"/"F16"): float32
+        tensors cast on the server. `transport`: "auto" (shared memory on this host, else bulk
+        TCP, else the stream), "shm", "bulk" or "stream"; fast transports fall back to the
+        stream (`TransportChain`). On the server's host an exact `version` is read from its
+        shared memory without a call (`stats.direct`). Bytes are checked against the announced
+        size and xxh3 (IntegrityError). `into`: a reused receive buffer the result then views.
+        `base_xxh3`: the digest of the caller's copy of `base_version`; if the server's
+        differs, the whole version is fetched. `place` (`placement.Placement`): a version's own
+        file lands straight in the views it returns (`placed`). `retry=False` fails at once
+        with ServerUnavailable. `progress(received, total)` follows the transfer.
         """
         request = _fetch_request(model, version, newer_than, self.chunk_bytes, base_version, dtype)
         order = self.transports.order(transport)
@@ -362,13 +352,9 @@ class WeightServiceClient:
         )
 
     def _report(self, request: pb.FetchRequest) -> None:
-        """Tell the server of a fetch read directly from its shared memory, so that its metrics
-        and logs (bytes served, each client's version) count it: the Negotiate call it skipped,
-        made by `_reports` after the bytes moved. Of reads made meanwhile only the latest is
-        reported (the server counts them as one, with the latest version, as its per-client
-        version gauge needs). A thread with blocking calls, not `Negotiate.future()`: grpcio
-        starts a new thread for a future whenever none is outstanding on the channel, which
-        cost about 0.8 ms per report."""
+        """Tell the server of a direct shared-memory read (its metrics and logs count it): the
+        skipped Negotiate, made later by `_reports`, which keeps only the latest waiting. A
+        thread, not `Negotiate.future()`: grpcio starts a thread per future (~0.8 ms)."""
         negotiate = pb.NegotiateRequest(
             direction=pb.DIRECTION_FETCH, accept=[pb.TRANSPORT_SHARED_MEMORY], fetch=request
         )

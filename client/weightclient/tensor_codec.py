@@ -1,9 +1,7 @@
 """Tensors <-> safetensors bytes, framed by hand so no whole-model copy is made.
 
-Encoding writes the safetensors header with `build_header` and hands out memoryviews of the
-tensors' own storage; decoding slices one received buffer into tensors with
-`torch.frombuffer`. The bytes are exactly the safetensors format: files written by the
-`safetensors` package decode here, and our bytes load with it.
+Encoding hands out memoryviews of the tensors' own storage after the header; decoding views
+one buffer with `torch.frombuffer`. The bytes are exactly the `safetensors` package's format.
 """
 
 from __future__ import annotations
@@ -76,11 +74,10 @@ def encode(weights: Weights, metadata: Mapping[str, str] | None = None) -> list[
 
 
 def snapshot(weights: Weights, metadata: Mapping[str, str] | None = None, into: memoryview | None = None) -> memoryview:
-    """The safetensors file of `weights` copied into one buffer (`into` when large enough,
-    else a new one): a copy the caller may keep while the tensors change. The trainer waits
-    for this copy (publish(wait=False)), so tensors go straight into the buffer with torch's
-    `copy_` (every core; tensors on another device in one device-to-host copy), without the
-    memoryview round trip of `encode`."""
+    """The safetensors file of `weights` copied into one buffer (`into` when large enough): a
+    copy the caller may keep while the tensors change. The trainer waits for it
+    (publish(wait=False)), so tensors go in with torch's `copy_` (every core, one
+    device-to-host copy), not through `encode`'s memoryviews."""
     prefix, prepared = _framed(weights, metadata, to_cpu=False)
     buffer = receive_buffer(len(prefix) + sum(t.numel() * t.element_size() for _, t in prepared), into)
     buffer[: len(prefix)] = prefix

@@ -73,13 +73,9 @@ def _apply(puller: GrpcLocalWeightUpdater, weights: Any) -> None:
 class GrpcWeightSyncScheme(SharedMemWeightSyncScheme):
     """The weight-sync scheme for every torchrl collector, pulling from the weight server.
 
-    ``collector.update_policy_weights_()`` (or torchrl's ``UpdateWeights(collector, N)`` hook)
-    asks the server for a version newer than the one applied; when there is none nothing
-    moves. A new version goes through the puller's hooks (`_get_local_weights` ->
-    `_maybe_map_weights` -> strict check -> `_update_local_weights`): in a single ``Collector``
-    into its policy; in ``MultiSyncCollector`` / ``MultiAsyncCollector`` into torchrl's
-    shared-memory buffers, which the workers then apply (with ``track_policy_version=True``
-    they stamp each batch with the server version).
+    ``collector.update_policy_weights_()`` applies the server's newer version, if any, through
+    the puller's hooks: in a single ``Collector`` into its policy, in ``MultiSyncCollector`` /
+    ``MultiAsyncCollector`` into torchrl's shared buffers, which the workers then apply.
 
     >>> scheme = GrpcWeightSyncScheme("localhost:50051", key_map=KeyMap(add_prefix="module."))   # doctest: +SKIP
     >>> collector = Collector(env, policy, frames_per_batch=64,                                    # doctest: +SKIP
@@ -88,10 +84,8 @@ class GrpcWeightSyncScheme(SharedMemWeightSyncScheme):
     ...                                weight_sync_schemes={"policy": GrpcWeightSyncScheme("localhost:50051")},
     ...                                track_policy_version=True)
 
-    The server arguments are GrpcLocalWeightUpdater's (``watch=True``: the parent asks the
-    server only after its Watch stream announced a newer version), or ``puller=`` an updater of
-    your own (a subclass overriding its hooks); the scheme points its ``policy`` at what it
-    updates. The rest go to torchrl's SharedMemWeightSyncScheme (multi-process collectors).
+    The server arguments are GrpcLocalWeightUpdater's, or ``puller=`` an updater of your own (a
+    subclass overriding its hooks); the rest go to torchrl's SharedMemWeightSyncScheme.
     """
 
     def __init__(

@@ -1,11 +1,9 @@
 """The contract every transport keeps: move one payload, in either direction.
 
-A fetch first gets an `Offer` (from Negotiate for the fast transports, from the head of the
-Fetch stream for the stream), then hands it to the transport that the offer names, which
-either receives the payload's bytes into a buffer or scatters the version's tensors straight
-into views the caller owns ("placed"). A publish hands the transport its files. Transports
-move bytes and say when they cannot (`TransportFailed`); verifying the bytes and falling back
-is the caller's (`weightclient.service_client`), in one place for all of them.
+A fetch gets an `Offer` (from Negotiate, or the head of the Fetch stream) and hands it to the
+transport it names, which receives the bytes into a buffer or scatters the tensors into the
+caller's views ("placed"); a publish hands a transport its files. Transports move bytes and
+say when they cannot (`TransportFailed`); the caller verifies and falls back.
 """
 
 from __future__ import annotations

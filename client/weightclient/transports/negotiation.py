@@ -1,10 +1,9 @@
 """TransportChain: which transports a transfer tries, in what order, and one retry rule.
 
-"auto" tries shared memory, then bulk TCP, then the stream; a transport named explicitly
-("shm", "bulk") is tried alone before the stream. The rule: a fast transport that failed here
-(another host, a closed port, a bad file) is left out of "auto" for `retry_seconds`, then tried
-again; one that carried a payload is trusted again at once. The stream is always last and
-never left out: it is what every server offers.
+"auto" tries shared memory, bulk TCP, then the stream; a named one is tried alone before the
+stream. The rule: a fast transport that failed is left out of "auto" for `retry_seconds`; one
+that carried a payload is trusted again at once. The stream, which every server offers, is
+always last.
 """
 
 from __future__ import annotations

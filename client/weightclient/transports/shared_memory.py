@@ -1,12 +1,9 @@
 """Shared memory: a payload read from a file in the server's shared memory, on the same host.
 
-The server names the file (Negotiate); the client maps it copy-on-write (no copy at all) or,
-placed, reads each tensor's blocks straight into the caller's views on two cores while hashing
-them (`block_reader`). Once handed a version's own file, the client knows the model's folder
-and reads later exact versions by their header files without asking (`read_directly`; the
-layout is `weightserver.shm_layout`): two file reads instead of a gRPC round trip, still
-checked against the header's digests; anything unexpected (no header, an unparsable one, a
-file the folder's owner does not own or others may write) sends the fetch to the server.
+The server names the file (Negotiate); the client maps it copy-on-write or, placed, reads
+each tensor's blocks into the caller's views (`block_reader`). Once handed a version's own
+file, it reads later exact versions by their header files without asking (`read_directly`,
+layout in `weightserver.shm_layout`); anything unexpected sends the fetch to the server.
 Publishing through shared memory is not offered yet.
 """
 
