@@ -1,9 +1,5 @@
 """Python client for weightserver: publish and fetch versioned model weights over gRPC.
 
->>> from weightclient import WeightClient                              # doctest: +SKIP
->>> WeightClient("localhost:50051").publish(policy, model="policy")    # doctest: +SKIP
-1
-
 `WeightClient` needs torch and tensordict (the `client` extra); `WeightServiceClient` works on
 safetensors bytes and needs neither.
 """

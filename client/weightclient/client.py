@@ -25,10 +25,8 @@ log = logging.getLogger(__name__)
 class FetchResult:
     """A fetched version: `.version`, `.metadata`, `.weights` (TensorDict), `.state_dict()`.
 
-    The tensors share one buffer holding the received bytes (no per-tensor copies). A delta
-    fetched with ``base=<version number>`` is partial: `tensors` holds only the tensors that
-    changed since `base_version`, every other one is byte-identical to that version's.
-    `data` is the received payload (the version's own safetensors file for a plain fetch).
+    The tensors view one buffer, `data` (the received payload). A delta fetched with
+    ``base=<version number>`` is `partial`: `tensors` holds only those changed since `base_version`.
     """
 
     info: VersionInfo
@@ -123,14 +121,9 @@ class WeightClient(WeightServiceClient):
         timeout: float | None = None,
         wait: bool = True,
     ) -> int | PublishFuture:
-        """Publish `weights` as a new version of `model`; return the version number.
-
-        `weights` is an nn.Module (its state dict), a TensorDict (keys flattened with '.'), or a
-        mapping of names to tensors. The call returns once the server committed the version.
-
-        wait=False: copy the weights into a snapshot and return a `PublishFuture` at once; the
-        snapshot streams from a background thread. One publish is in flight at a time, and a
-        newer one replaces a snapshot still waiting (see weightclient.background_publisher).
+        """Publish `weights` (an nn.Module, a TensorDict or a state dict) as a new version of
+        `model`; return its number once the server committed it. wait=False: snapshot the
+        weights and return a `PublishFuture` at once (see weightclient.background_publisher).
         """
         return self.publish_group(
             {model: weights}, version=version, metadata=metadata, pin=pin, timeout=timeout, wait=wait

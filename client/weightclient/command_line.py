@@ -1,9 +1,6 @@
-"""The `weightserver` console script: `serve` (weightserver.cli's) and the client's commands,
-publish, fetch, ls, watch, delete and pin. `python -m weightclient` runs it too.
-
-The client commands connect with WeightServiceClient, which reads `WEIGHTSERVER_ADDRESS` (the
-default server), `WEIGHTSERVER_TOKEN` and `WEIGHTSERVER_TLS_*`; logging is set up as for
-`serve` (weightserver.cli.run_command).
+"""The `weightserver` console script (also `python -m weightclient`): weightserver.cli's `serve`
+and the client's publish, fetch, ls, watch, delete and pin (through WeightServiceClient, which
+reads `WEIGHTSERVER_ADDRESS`, `WEIGHTSERVER_TOKEN` and `WEIGHTSERVER_TLS_*`).
 """
 
 from __future__ import annotations

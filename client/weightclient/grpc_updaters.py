@@ -1,10 +1,7 @@
 """The TorchRL updater design over the weight server.
 
-`GrpcLocalWeightUpdater` (collector side) pulls a version newer than the one it applied
-(`pull() -> Update | None`) and copies it into the policy in place through the design's hooks
-(`apply(update)`). `GrpcRemoteWeightUpdater` (trainer side) publishes the
-trainer's weights as a new version; each worker id maps to the model name its workers pull.
-Both need torch and tensordict, never torchrl.
+`GrpcLocalWeightUpdater` (collector side) pulls and applies versions; `GrpcRemoteWeightUpdater`
+(trainer side) publishes them. Both need torch and tensordict, never torchrl.
 """
 
 from __future__ import annotations
@@ -95,30 +92,21 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
     Args:
         client: a WeightClient, or the server address (default `$WEIGHTSERVER_ADDRESS`).
         model: model name on the server.
-        policy: the module (or a TensorDict of the weights) to update; default: the registered
-            collector's ``policy``.
+        policy: the module (or TensorDict) to update; default: the registered collector's.
         key_map: how server keys become policy keys (a KeyMap or a function of the key).
         version: pin to this exact version instead of following the latest.
         delta: once a version is applied, ask only for the tensors that changed since.
-        dtype: "BF16"/"F16": float32 tensors travel cast (half the bytes) and are cast back
-            by the in-place copy into the policy's own dtype.
+        dtype: "BF16"/"F16": float32 tensors travel cast, cast back by the in-place copy.
         transport: "auto", "shm", "bulk" or "stream" (see WeightClient.fetch).
-        watch: follow the model's Watch stream (a daemon thread) and ask the server only once
-            it announced a newer version, instead of before every update (bench/run.py --only
-            updater_poll measures the difference).
-        watch_confirm_seconds: with watch, ask the server anyway when it was last asked longer
-            ago than this, so that a stream stalled without an error hides nothing for long.
+        watch: follow the model's Watch stream and ask the server only once it announced a
+            newer version (and every `watch_confirm_seconds` regardless), not every update.
 
-    An update is two public steps, and `update_weights()` (or calling the updater) runs both:
-    `pull()` fetches the next version, if any, into a reused staging buffer and returns it as
-    an `Update`, changing nothing; `apply(update)` runs the design's steps on it, on every
-    transport alike. What `_maybe_map_weights` returns is what lands, or nothing at all.
-
-    A subclass may override `_maybe_map_weights(server_weights, local_weights)` and return
-    weights keyed like the local policy (flat ``"module.0.weight"`` keys or nested). With
-    ``delta=True`` (the default) `server_weights` may hold only the tensors that changed since
-    the applied version: map the keys it has. The client is made lazily and dropped when
-    pickled, so an updater can be sent to a worker process.
+    `update_weights()` (or calling the updater) runs two public steps: `pull()` fetches the
+    next version, if any, into a reused staging buffer as an `Update`, changing nothing;
+    `apply(update)` runs the design's hooks on it, on every transport alike. What
+    `_maybe_map_weights` returns (keyed like the policy, flat or nested; with ``delta=True``
+    only the changed tensors' keys) is what lands, or nothing at all. The client is made
+    lazily and dropped when pickled, so an updater can be sent to a worker process.
 
     >>> updater = GrpcLocalWeightUpdater("localhost:50051", policy=policy)   # doctest: +SKIP
     >>> update = updater.pull()        # updater() does both steps  # doctest: +SKIP
@@ -173,9 +161,8 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
 
     @property
     def lag(self) -> int | None:
-        """Server's latest version minus the applied one; None before any is applied and
-        while the server is unavailable (unknown). While following (watch=True), the latest
-        version the Watch stream announced, with no call."""
+        """Server's latest version (with watch=True, the latest announced) minus the applied
+        one; None before any is applied and while the server is unavailable."""
         if self.version is None or self._unavailable_since is not None:
             return None
         newest = self._follower.newest() if self._follower is not None else None
@@ -210,11 +197,9 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
     def pull(self) -> Update | None:
         """Fetch the version this updater should apply next, without applying it.
 
-        None when there is nothing to apply: the applied version is the latest (or the pinned
-        one), the model has no version yet, the server is unavailable (logged once per outage
-        and asked again with backoff; the policy keeps its weights), or, with watch=True,
-        nothing newer was announced. Other errors (an integrity failure, a pinned version that
-        is gone) raise; the policy is untouched either way.
+        None when there is nothing to apply: nothing newer (or announced, with watch=True), no
+        version yet, or the server unavailable (logged once per outage, asked again with
+        backoff). Other errors (integrity, a pinned version gone) raise; the policy is untouched.
         """
         if self._unavailable_since is not None and time.monotonic() < self._next_attempt:
             return None  # the server is down: keep the current weights, try again later
@@ -350,8 +335,7 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
             self._staging = buffer
 
     def _nothing_announced(self) -> bool:
-        """With watch=True: whether the Watch stream has announced nothing newer than the
-        applied version and the server answered recently enough that no question is due."""
+        """With watch=True: nothing newer was announced and the server was asked recently."""
         if not self.watch or self.pinned_version is not None or self.version is None:
             return False
         if self._follower is None or not self._follower.running():  # first time, or a forked child

@@ -45,9 +45,8 @@ class PublishWeights:
     calls at ``"post_steps"``; ``"optim_steps"`` counts the trainer's optimizer steps and
     `register` puts the hook at ``"post_optim"``, as ``UpdateWeights`` does.
 
-    Every publish is the publisher's ``update_weights()``, so its hooks run (`_get_server_weights`,
-    `_maybe_map_weights`, `_skip_update`, `_sync_weights_with_worker`). `published` lists the
-    versions this hook published.
+    Every publish is the publisher's ``update_weights()``, so its hooks run. `published` lists
+    the versions this hook published.
 
     >>> hook = PublishWeights(updater, update_weights_interval=2,                    # doctest: +SKIP
     ...                       weight_update_map={"policy": "loss_module.actor_network"})

@@ -94,8 +94,7 @@ class WeightServiceClient:
         tls, tls_ca, tls_cert, tls_key: TLS (see `connection.open_channel`; default
             `$WEIGHTSERVER_TLS_CA` / _CERT / _KEY, plaintext when none is set).
         retry_seconds: idempotent calls (latest, describe, list, fetch, watch) retry while the
-            server is unavailable, with exponential backoff and jitter, for at most the call's
-            timeout, or this long when it has none. Publish, delete and pin never retry.
+            server is unavailable, with backoff, for the call's timeout or else this long.
 
     `transports` (a `TransportChain`) holds the transports and what this client learned of them.
     """

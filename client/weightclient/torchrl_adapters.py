@@ -34,11 +34,8 @@ __all__ = ["GrpcWeightSyncScheme", "ServerPolicyVersion"]
 
 
 class ServerPolicyVersion(PolicyVersion):
-    """A PolicyVersion transform that records the server version of the weights in use.
-
-    The collector calls `increment_version` after each weight update; this adopts the version
-    the updater just applied, and stays put when the server had nothing newer.
-    """
+    """A PolicyVersion whose `increment_version` (called by the collector after each weight
+    update) adopts the server version just applied, and stays put when nothing was."""
 
     def __init__(self) -> None:
         super().__init__(version_type=int)

@@ -40,12 +40,8 @@ class _CollectorRegistration:
 
 
 class LocalWeightUpdaterBase(_CollectorRegistration, metaclass=abc.ABCMeta):
-    """Pulls weights from a server into the local policy (the collector fetches).
-
-    Implement `_get_server_weights`, `_get_local_weights` and `_maybe_map_weights`;
-    `_update_local_weights` copies in place with ``local.update_(mapped)`` and does nothing
-    when there is nothing to apply (``mapped is None``).
-    """
+    """Pulls weights from a server into the local policy: implement the abstract methods;
+    `_update_local_weights` copies in place (``local.update_(mapped)``; None: nothing)."""
 
     @abc.abstractmethod
     def _get_server_weights(self) -> TensorDictBase | None:
@@ -78,11 +74,8 @@ class LocalWeightUpdaterBase(_CollectorRegistration, metaclass=abc.ABCMeta):
 
 
 class RemoteWeightUpdaterBase(_CollectorRegistration, metaclass=abc.ABCMeta):
-    """Pushes weights from the trainer to inference workers (the trainer sends).
-
-    Implement `_sync_weights_with_worker`, `_get_server_weights`, `_maybe_map_weights` and
-    `all_worker_ids`; override `_skip_update` to throttle some workers.
-    """
+    """Pushes weights from the trainer to inference workers: implement the abstract methods;
+    override `_skip_update` to throttle some workers."""
 
     @abc.abstractmethod
     def _sync_weights_with_worker(self, worker_id: WorkerId, server_weights: Any) -> None:
