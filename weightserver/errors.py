@@ -9,7 +9,8 @@ Exception tree::
     │   └── VersionEvicted                 the version fell out of the --keep window
     ├── InvalidRequest                     INVALID_ARGUMENT
     │   ├── InvalidModelName               empty, too long, path separators, '..'
-    │   └── InvalidSafetensors             the uploaded bytes are not a valid safetensors file
+    │   ├── InvalidSafetensors             the uploaded bytes are not a valid safetensors file
+    │   └── VersionTooLarge                a requested version number above 2^63-1
     ├── IntegrityError                     DATA_LOSS (size or sha256 mismatch)
     ├── ModelTooLarge                      RESOURCE_EXHAUSTED (over --max-model-bytes)
     ├── VersionConflict                    FAILED_PRECONDITION (version not above the latest)
@@ -72,6 +73,10 @@ class InvalidSafetensors(InvalidRequest):
     """Published bytes that are not a well-formed safetensors file."""
 
 
+class VersionTooLarge(InvalidRequest):
+    """A requested version number above the largest one the server hands out (2^63-1)."""
+
+
 class IntegrityError(WeightServerError):
     """The bytes received do not match their declared size or sha256."""
 
@@ -123,6 +128,7 @@ STATUS_CODES: dict[type[WeightServerError], str] = {
     InvalidRequest: "INVALID_ARGUMENT",
     InvalidModelName: "INVALID_ARGUMENT",
     InvalidSafetensors: "INVALID_ARGUMENT",
+    VersionTooLarge: "INVALID_ARGUMENT",
     IntegrityError: "DATA_LOSS",
     ModelTooLarge: "RESOURCE_EXHAUSTED",
     VersionConflict: "FAILED_PRECONDITION",

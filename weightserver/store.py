@@ -41,6 +41,7 @@ from weightserver.errors import (
     VersionConflict,
     VersionEvicted,
     VersionNotFound,
+    VersionTooLarge,
 )
 from weightserver.payloads import tensor_digests, xxh3_hex
 from weightserver.safetensors_format import SafetensorsHeader, parse_header
@@ -51,6 +52,9 @@ _MODEL_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
 _DATA_SUFFIX = ".safetensors"
 _MANIFEST_SUFFIX = ".json"
 _HIGH_WATER = "high_water.json"
+# The largest version number: every version fits a signed 64-bit integer (clients in other
+# languages, JSON) and the next one still fits the proto's uint64.
+MAX_VERSION = 2**63 - 1
 
 
 def validate_model_name(model: str) -> str:
@@ -171,7 +175,7 @@ class VersionStore:
         self._check_size(model, total_bytes)
         with self._lock:
             state = self._models.get(model)
-            _check_above_high_water([model], version, state.high_water if state else 0)
+            _check_version([model], version, state.high_water if state else 0)
 
     def publish(
         self,
@@ -196,7 +200,8 @@ class VersionStore:
     def publish_group(self, uploads: Sequence[Upload], *, version: int = 0) -> list[Version]:
         """Verify several models' bytes and commit them under ONE version number, together.
 
-        The number is `version`, or one above the highest version any of the models ever had.
+        The number is `version` (at most MAX_VERSION), or one above the highest version any of
+        the models ever had.
         Readers see all of the group's versions or none of them; after a crash mid-commit the
         partial group is dropped on restart. Returns the versions in `uploads` order.
         """
@@ -216,7 +221,7 @@ class VersionStore:
                 locks.enter_context(states[name].commit_lock)
             with self._lock:
                 high_water = max(state.high_water for state in states.values())
-                _check_above_high_water(names, version, high_water)
+                _check_version(names, version, high_water)
                 number = version or high_water + 1
             created = time.time()
             records = [dataclasses.replace(record, version=number, created=created) for record in verified]
@@ -485,10 +490,11 @@ class VersionStore:
                 state.versions[record.version] = record
                 state.high_water = max(state.high_water, record.version)
             # A manifest marks a committed version even when its files are damaged and it was
-            # skipped: never hand its number out again.
+            # skipped: never hand its number out again (unless it is out of range).
             for manifest_path in directory.glob("*" + _MANIFEST_SUFFIX):
-                if manifest_path.stem.isascii() and manifest_path.stem.isdigit():
-                    state.high_water = max(state.high_water, int(manifest_path.stem))
+                stem = manifest_path.stem
+                if stem.isascii() and stem.isdigit() and int(stem) <= MAX_VERSION:
+                    state.high_water = max(state.high_water, int(stem))
         self._drop_torn_groups()
         for model, state in self._models.items():
             self._remove_files(self._evict(state))
@@ -571,6 +577,8 @@ def _check_manifest(manifest: object, path: Path) -> dict:
     version = manifest.get("version")
     if type(version) is not int or version < 1 or f"{version:012d}" != path.stem:
         raise ValueError(f"the manifest names version {version!r} but its file name says {path.stem}")
+    if version > MAX_VERSION:
+        raise ValueError(f"version {version} is over the largest version number, {MAX_VERSION}")
     if type(manifest.get("byte_size")) is not int or not isinstance(manifest.get("sha256"), str):
         raise ValueError("byte_size must be an integer and sha256 a string")
     created = manifest.get("created", 0.0)
@@ -592,8 +600,8 @@ def _check_manifest(manifest: object, path: Path) -> dict:
 def _read_high_water(path: Path) -> int:
     try:
         value = json.loads(path.read_text())["high_water"]
-        if type(value) is not int or value < 0:
-            raise ValueError(f"high_water must be a non-negative integer, got {value!r}")
+        if type(value) is not int or not 0 <= value <= MAX_VERSION:
+            raise ValueError(f"high_water must be an integer in 0-{MAX_VERSION}, got {value!r}")
         return value
     except FileNotFoundError:
         return 0
@@ -634,12 +642,23 @@ def _names(names: Sequence[str]) -> str:
     return ", ".join(repr(n) for n in names)
 
 
-def _check_above_high_water(names: Sequence[str], version: int, high_water: int) -> None:
-    """A requested `version` (0: the next one) must exceed every version the models ever had."""
+def _check_version(names: Sequence[str], version: int, high_water: int) -> None:
+    """A requested `version` (0: the next one) must exceed every version the models ever had
+    and be at most MAX_VERSION."""
+    if version > MAX_VERSION:
+        raise VersionTooLarge(
+            f"model {_names(names)}: requested version {version} is over the largest version number, "
+            f"{MAX_VERSION} (2^63-1); ask for a smaller one or leave it unset (0) to get the next one"
+        )
     if version and version <= high_water:
         raise VersionConflict(
             f"model {_names(names)}: requested version {version} is not greater than the latest version "
             f"{high_water}; ask for a version > {high_water} or leave it unset (0) to get the next one"
+        )
+    if not version and high_water >= MAX_VERSION:
+        raise VersionConflict(
+            f"model {_names(names)}: the latest version is {high_water}, the largest version number "
+            "(2^63-1), so no version can follow it; publish under another model name"
         )
 
 
