@@ -873,6 +873,10 @@ def test_crash_between_data_and_manifest(tmp_path: Path, caplog, monkeypatch) ->
     assert numbers(store.versions("policy")) == [1]
     assert store.newer_than("policy", 1) is None
     monkeypatch.setattr(store_module, "_atomic_write", real_write)
+    # The failed write removed the data file it had written; a crash there would have left it.
+    data_path = tmp_path / "policy" / "000000000002.safetensors"
+    assert not data_path.exists()
+    data_path.write_bytes(payload(2))
 
     with caplog.at_level(logging.INFO, logger=STORE_LOGGER):
         reloaded = VersionStore(tmp_path)

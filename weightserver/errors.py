@@ -13,6 +13,7 @@ Exception tree::
     │   └── VersionTooLarge                a requested version number above 2^63-1
     ├── IntegrityError                     DATA_LOSS (size or sha256 mismatch)
     ├── ModelTooLarge                      RESOURCE_EXHAUSTED (over --max-model-bytes)
+    ├── StorageFull                        RESOURCE_EXHAUSTED (no space left in --data-dir)
     ├── VersionConflict                    FAILED_PRECONDITION (version not above the latest)
     ├── CursorOutOfRange                   OUT_OF_RANGE (a version ahead of the latest)
     ├── AuthenticationRequired             UNAUTHENTICATED (no or unknown bearer token)
@@ -85,6 +86,10 @@ class ModelTooLarge(WeightServerError):
     """A version larger than the server accepts (--max-model-bytes)."""
 
 
+class StorageFull(WeightServerError):
+    """The data directory has no space left for a version (or a manifest)."""
+
+
 class VersionConflict(WeightServerError):
     """A requested version number that is not greater than the model's latest."""
 
@@ -131,6 +136,7 @@ STATUS_CODES: dict[type[WeightServerError], str] = {
     VersionTooLarge: "INVALID_ARGUMENT",
     IntegrityError: "DATA_LOSS",
     ModelTooLarge: "RESOURCE_EXHAUSTED",
+    StorageFull: "RESOURCE_EXHAUSTED",
     VersionConflict: "FAILED_PRECONDITION",
     CursorOutOfRange: "OUT_OF_RANGE",
     AuthenticationRequired: "UNAUTHENTICATED",

@@ -12,7 +12,10 @@ On-disk layout under ``data_dir``::
     <model>/high_water.json              highest version ever committed (written on delete)
 
 The manifest is written after the data file, so its presence marks a committed version; a
-data file without a manifest is debris from a crash and is removed on start.
+data file without a manifest is debris from a crash and is removed on start. A delete removes
+the data file first (so it works on a full disk), then records the high-water mark, then
+removes the manifest: a manifest without its data file is never loaded, and keeps its number
+from being handed out again until the high-water mark holds it.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
 import logging
@@ -38,6 +42,7 @@ from weightserver.errors import (
     InvalidRequest,
     ModelNotFound,
     ModelTooLarge,
+    StorageFull,
     VersionConflict,
     VersionEvicted,
     VersionNotFound,
@@ -389,19 +394,17 @@ class VersionStore:
 
     # ------------------------------------------------------------------ admin
     def delete(self, model: str, version: int) -> Version:
-        """Delete one retained version, also from disk."""
-        record = self.get(model, version)
+        """Delete one retained version, from disk first (see the module docstring for the order)."""
+        self.get(model, version)  # raises the right NotFound before taking the commit lock
         state = self._model_state(model)
-        with state.commit_lock:
+        with state.commit_lock:  # no commit, eviction or pin of this model meanwhile
+            record = self.get(model, version)
+            if self.data_dir is not None:
+                self._delete_files(record, state.high_water)
             with self._lock:
-                if state.versions.pop(version, None) is None:
-                    raise VersionNotFound(f"model {model!r}: version {version} was deleted concurrently")
+                del state.versions[version]
                 bisect.insort(state.removed, version)
                 state.deleted.add(version)
-                high_water = state.high_water
-            if self.data_dir is not None:
-                _atomic_write(self._model_dir(model) / _HIGH_WATER, json.dumps({"high_water": high_water}).encode())
-        self._remove_files([record])
         return record
 
     def set_pinned(self, model: str, version: int, pinned: bool) -> Version:
@@ -411,7 +414,8 @@ class VersionStore:
         with state.commit_lock:
             updated = dataclasses.replace(self.get(model, version), pinned=pinned)
             if self.data_dir is not None:
-                self._write_manifest(updated)
+                with self._disk_writes():
+                    self._write_manifest(updated)
             with self._lock:
                 if version not in state.versions:
                     raise VersionNotFound(f"model {model!r}: version {version} was removed concurrently")
@@ -439,12 +443,51 @@ class VersionStore:
 
     def _write_group(self, records: list[Version]) -> None:
         """Every data file first, then every manifest: a crash leaves either no manifest of the
-        group (debris, removed on start) or some, which `_drop_torn_groups` detects."""
-        for record in records:
-            self._model_dir(record.model).mkdir(parents=True, exist_ok=True)
-            _atomic_write(self._paths(record.model, record.version)[0], record.data)
-        for record in records:
-            self._write_manifest(record)
+        group (debris, removed on start) or some, which `_drop_torn_groups` detects. A write
+        that fails removes what the group wrote, manifests first, so a full disk stays no fuller."""
+        written: list[Path] = []
+        try:
+            with self._disk_writes():
+                for record in records:
+                    self._model_dir(record.model).mkdir(parents=True, exist_ok=True)
+                    written.append(self._paths(record.model, record.version)[0])
+                    _atomic_write(written[-1], record.data)
+                for record in records:
+                    written.append(self._paths(record.model, record.version)[1])
+                    self._write_manifest(record)
+        except BaseException:
+            for path in reversed(written):
+                _remove_logged(path)
+            raise
+
+    @contextlib.contextmanager
+    def _disk_writes(self) -> Iterator[None]:
+        """Raise StorageFull, which says what to do, when the data directory has no space left."""
+        try:
+            yield
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise StorageFull(
+                f"the data directory {self.data_dir} is full ({exc.strerror}), so nothing was written "
+                "or changed; free space by deleting versions (weightserver delete) or unpinning them, "
+                "lower --keep, or give the data directory more space"
+            ) from exc
+
+    def _delete_files(self, record: Version, high_water: int) -> None:
+        """Remove a deleted version's files: the data file first (that frees the space, and a
+        manifest without its data file is never loaded again), then record the high-water mark,
+        then the manifest, which until then keeps the version's number from being reused."""
+        data_path, manifest_path = self._paths(record.model, record.version)
+        data_path.unlink(missing_ok=True)
+        try:
+            with self._disk_writes():
+                record_path = self._model_dir(record.model) / _HIGH_WATER
+                _atomic_write(record_path, json.dumps({"high_water": high_water}).encode())
+        except (StorageFull, OSError) as exc:
+            log.warning("keeping %s so that its number is never reused: %s", manifest_path, exc)
+            return
+        _remove_logged(manifest_path)
 
     def _write_manifest(self, record: Version) -> None:
         _, manifest_path = self._paths(record.model, record.version)
@@ -467,11 +510,8 @@ class VersionStore:
         for record in records:
             data_path, manifest_path = self._paths(record.model, record.version)
             # Manifest first: without it a leftover data file is debris, never a version.
-            for path in (manifest_path, data_path):
-                try:
-                    path.unlink(missing_ok=True)
-                except OSError as exc:
-                    log.warning("could not remove %s: %s", path, exc)
+            _remove_logged(manifest_path)
+            _remove_logged(data_path)
 
     def _load(self) -> None:
         assert self.data_dir is not None
@@ -611,23 +651,35 @@ def _read_high_water(path: Path) -> int:
 
 
 def _atomic_write(path: Path, data: bytes | bytearray | memoryview) -> None:
-    """Write `data` to `path` so that a crash leaves either the old file or the new one."""
+    """Write `data` to `path` so that a crash leaves either the old file or the new one, and a
+    failed write (a full disk) leaves no temp file behind."""
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        view = memoryview(data)
-        while view:
-            written = os.write(fd, view)
-            view = view[written:]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        try:
+            view = memoryview(data)
+            while view:
+                written = os.write(fd, view)
+                view = view[written:]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        _remove_logged(tmp)
+        raise
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def _remove_logged(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        log.warning("could not remove %s: %s", path, exc)
 
 
 def _call_logged(callback: Callable[[Version], None], record: Version) -> None:
