@@ -14,6 +14,7 @@ Exception tree::
     ├── IntegrityError                     DATA_LOSS (size or sha256 mismatch)
     ├── ModelTooLarge                      RESOURCE_EXHAUSTED (over --max-model-bytes)
     ├── StorageFull                        RESOURCE_EXHAUSTED (no space left in --data-dir)
+    ├── DescriptionTooLarge                RESOURCE_EXHAUSTED (tensor list + metadata over 1 MiB)
     ├── VersionConflict                    FAILED_PRECONDITION (version not above the latest)
     ├── CursorOutOfRange                   OUT_OF_RANGE (a version ahead of the latest)
     ├── AuthenticationRequired             UNAUTHENTICATED (no or unknown bearer token)
@@ -90,6 +91,10 @@ class StorageFull(WeightServerError):
     """The data directory has no space left for a version (or a manifest)."""
 
 
+class DescriptionTooLarge(WeightServerError):
+    """A version whose description (tensor list, metadata) clients could not receive."""
+
+
 class VersionConflict(WeightServerError):
     """A requested version number that is not greater than the model's latest."""
 
@@ -137,6 +142,7 @@ STATUS_CODES: dict[type[WeightServerError], str] = {
     IntegrityError: "DATA_LOSS",
     ModelTooLarge: "RESOURCE_EXHAUSTED",
     StorageFull: "RESOURCE_EXHAUSTED",
+    DescriptionTooLarge: "RESOURCE_EXHAUSTED",
     VersionConflict: "FAILED_PRECONDITION",
     CursorOutOfRange: "OUT_OF_RANGE",
     AuthenticationRequired: "UNAUTHENTICATED",

@@ -216,6 +216,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
                     header.model,
                     total_bytes=header.total_bytes,
                     version=incoming[0].header.version if incoming else header.version,
+                    metadata=header.metadata,
                 )
                 incoming.append(_IncomingModel(header, self.shared_memory))
             elif not incoming:

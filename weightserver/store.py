@@ -35,8 +35,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from weightserver.config import MAX_DESCRIPTION_BYTES, MAX_DESCRIPTIONS_PER_REPLY
 from weightserver.errors import (
     CursorOutOfRange,
+    DescriptionTooLarge,
     IntegrityError,
     InvalidModelName,
     InvalidRequest,
@@ -92,6 +94,7 @@ class Version:
     group: tuple[str, ...] = ()  # models committed together under this version number
     xxh3: str = ""  # xxh3-128 of the whole file
     tensor_xxh3: Mapping[str, str] = field(default_factory=dict, repr=False)  # per tensor, by name
+    description_bytes: int = 0  # its description as clients receive it, at most (0: not measured)
 
     @property
     def byte_size(self) -> int:
@@ -155,12 +158,18 @@ class VersionStore:
         max_model_bytes: int | None = None,
         max_header_bytes: int | None = None,
         max_tensors: int | None = None,
+        describe: Callable[[Version], int] | None = None,
     ) -> None:
+        """`describe(version)`: the bytes of a version's description as clients receive it
+        (the server passes `wire.description_bytes`). With it, a publish is refused before it
+        commits if a description would be over MAX_DESCRIPTION_BYTES, or the descriptions a
+        Publish or ListVersions reply carries would add up to more than a client receives."""
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.data_dir = Path(data_dir) if data_dir is not None else None
         self.keep = keep
         self.max_model_bytes = max_model_bytes
+        self._describe = describe
         self._header_limits: dict[str, int] = {}
         if max_header_bytes is not None:
             self._header_limits["max_header_bytes"] = max_header_bytes
@@ -174,10 +183,19 @@ class VersionStore:
             self._load()
 
     # ------------------------------------------------------------------ publishing
-    def check_publish(self, model: str, *, total_bytes: int, version: int = 0) -> None:
-        """Cheap checks before any byte is received: name, size limit, version order."""
+    def check_publish(
+        self, model: str, *, total_bytes: int, version: int = 0, metadata: Mapping[str, str] | None = None
+    ) -> None:
+        """Cheap checks before any byte is received: name, size limit, metadata size, version order."""
         validate_model_name(model)
         self._check_size(model, total_bytes)
+        metadata_bytes = _metadata_bytes(metadata or {})
+        if self._describe is not None and metadata_bytes > MAX_DESCRIPTION_BYTES:
+            raise DescriptionTooLarge(
+                f"model {model!r}: {metadata_bytes} bytes of metadata are over the limit of {MAX_DESCRIPTION_BYTES} "
+                "bytes (1 MiB) on a version's description (tensor list and metadata), which keeps it within "
+                "what a gRPC client receives by default; publish less metadata"
+            )
         with self._lock:
             state = self._models.get(model)
             _check_version([model], version, state.high_water if state else 0)
@@ -219,6 +237,14 @@ class VersionStore:
             raise InvalidRequest(f"a publish names a model twice: {', '.join(names)}")
         group = tuple(names) if len(names) > 1 else ()
         verified = [self._verify(u, group) for u in uploads]  # hashed before taking any lock
+        # The reply lists every model's description, and the first one once more.
+        reply_bytes = verified[0].description_bytes + sum(v.description_bytes for v in verified)
+        if reply_bytes > MAX_DESCRIPTIONS_PER_REPLY:
+            raise DescriptionTooLarge(
+                f"model {_names(names)}: the descriptions of this publish add up to {reply_bytes} bytes, over the "
+                f"{MAX_DESCRIPTIONS_PER_REPLY} bytes its reply may carry to a gRPC client with default settings; "
+                "publish fewer models at once"
+            )
 
         states = {name: self._model_state(name) for name in names}
         with contextlib.ExitStack() as locks:
@@ -228,6 +254,8 @@ class VersionStore:
                 high_water = max(state.high_water for state in states.values())
                 _check_version(names, version, high_water)
                 number = version or high_water + 1
+                for record in verified:
+                    self._check_listing(states[record.model], record)
             created = time.time()
             records = [dataclasses.replace(record, version=number, created=created) for record in verified]
             if self.data_dir is not None:
@@ -266,7 +294,7 @@ class VersionStore:
                 f"{upload.sha256.lower()}; the bytes were corrupted in transit or the digest is wrong"
             )
         header = parse_header(upload.data, **self._header_limits)
-        return Version(
+        record = Version(
             model=model,
             version=0,
             data=upload.data,
@@ -279,6 +307,35 @@ class VersionStore:
             xxh3=xxh3_hex(upload.data),
             tensor_xxh3=tensor_digests(upload.data, header),
         )
+        if self._describe is None:
+            return record
+        # Measured as it will be at its largest: the largest number, pinned.
+        size = self._describe(dataclasses.replace(record, version=MAX_VERSION, created=time.time(), pinned=True))
+        if size > MAX_DESCRIPTION_BYTES:
+            raise DescriptionTooLarge(
+                f"model {model!r}: the version's description (names, shapes and digests of {len(header.tensors)} "
+                f"tensors, and {_metadata_bytes(record.metadata)} bytes of metadata) would be {size} bytes, over the "
+                f"limit of {MAX_DESCRIPTION_BYTES} bytes (1 MiB) that keeps it within what a gRPC client receives "
+                "by default; publish fewer tensors (split the model into several, published together as a group) "
+                "or less metadata"
+            )
+        return dataclasses.replace(record, description_bytes=size)
+
+    def _check_listing(self, state: _Model, record: Version) -> None:
+        """The retained versions' descriptions, `record` included, must fit one ListVersions
+        reply. Publishing is the only way to retain more, so checking it here is enough.
+        Caller holds the lock."""
+        versions = [*state.versions.values(), record]
+        unpinned = [v for v in versions if not v.pinned]
+        total = sum(v.description_bytes for v in versions if v.pinned) + sum(
+            v.description_bytes for v in unpinned[-self.keep :]
+        )
+        if total > MAX_DESCRIPTIONS_PER_REPLY:
+            raise DescriptionTooLarge(
+                f"model {record.model!r}: with this version the descriptions of its retained versions would add "
+                f"up to {total} bytes, over the {MAX_DESCRIPTIONS_PER_REPLY} bytes one ListVersions reply may "
+                "carry to a gRPC client with default settings; unpin or delete versions, or lower --keep"
+            )
 
     def _check_size(self, model: str, size: int) -> None:
         if self.max_model_bytes is not None and size > self.max_model_bytes:
@@ -589,8 +646,8 @@ class VersionStore:
             digest = sha256_hex(data)
             if digest != manifest["sha256"]:
                 raise IntegrityError(f"sha256 on disk is {digest}, manifest says {manifest['sha256']}")
-            header = parse_header(data)
-            return Version(
+            header = parse_header(data)  # the format's limits: what was committed loads
+            record = Version(
                 model=model,
                 version=manifest["version"],
                 data=data,
@@ -603,6 +660,9 @@ class VersionStore:
                 xxh3=xxh3_hex(data),
                 tensor_xxh3=tensor_digests(data, header),
             )
+            if self._describe is not None:
+                record = dataclasses.replace(record, description_bytes=self._describe(record))
+            return record
         except Exception as exc:  # any damage: skip this version, keep the others
             log.error("skipping %s: torn or corrupt version (%s)", data_path, exc)
             return None
@@ -688,6 +748,10 @@ def _call_logged(callback: Callable[[Version], None], record: Version) -> None:
         callback(record)
     except Exception:
         log.exception("%r failed on %s v%d", callback, record.model, record.version)
+
+
+def _metadata_bytes(metadata: Mapping[str, str]) -> int:
+    return sum(len(key.encode()) + len(value.encode()) for key, value in metadata.items())
 
 
 def _names(names: Sequence[str]) -> str:
