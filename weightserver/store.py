@@ -56,6 +56,7 @@ from weightserver.safetensors_format import SafetensorsHeader, parse_header
 log = logging.getLogger(__name__)
 
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
+_PUBLISH_ID = re.compile(r"^[\x21-\x7e]{1,128}$")  # printable ASCII, no spaces
 _DATA_SUFFIX = ".safetensors"
 _MANIFEST_SUFFIX = ".json"
 _HIGH_WATER = "high_water.json"
@@ -95,6 +96,7 @@ class Version:
     xxh3: str = ""  # xxh3-128 of the whole file
     tensor_xxh3: Mapping[str, str] = field(default_factory=dict, repr=False)  # per tensor, by name
     description_bytes: int = 0  # its description as clients receive it, at most (0: not measured)
+    publish_id: str = ""  # the idempotency key of the publish that committed it ("": none)
 
     @property
     def byte_size(self) -> int:
@@ -184,9 +186,16 @@ class VersionStore:
 
     # ------------------------------------------------------------------ publishing
     def check_publish(
-        self, model: str, *, total_bytes: int, version: int = 0, metadata: Mapping[str, str] | None = None
+        self,
+        model: str,
+        *,
+        total_bytes: int,
+        version: int = 0,
+        metadata: Mapping[str, str] | None = None,
+        publish_id: str = "",
     ) -> None:
-        """Cheap checks before any byte is received: name, size limit, metadata size, version order."""
+        """Cheap checks before any byte is received: name, size limit, metadata size, version
+        order (not for a repeat of a publish id: its version is the one already committed)."""
         validate_model_name(model)
         self._check_size(model, total_bytes)
         metadata_bytes = _metadata_bytes(metadata or {})
@@ -198,6 +207,8 @@ class VersionStore:
             )
         with self._lock:
             state = self._models.get(model)
+            if state is not None and _committed_by(state, _checked_publish_id(publish_id)):
+                return
             _check_version([model], version, state.high_water if state else 0)
 
     def publish(
@@ -210,28 +221,36 @@ class VersionStore:
         version: int = 0,
         metadata: Mapping[str, str] | None = None,
         pin: bool = False,
+        publish_id: str = "",
     ) -> Version:
         """Verify `data` and commit it as a new version of `model`; return the version.
 
         `sha256` and `total_bytes`, when given, are what the publisher declared; a mismatch
         raises IntegrityError. `version` 0 assigns latest + 1; otherwise it must exceed every
         version the model ever had (VersionConflict). Nothing is visible until this returns.
+        `publish_id`: see `publish_group`.
         """
         upload = Upload(model, data, sha256=sha256, total_bytes=total_bytes, metadata=metadata, pin=pin)
-        return self.publish_group([upload], version=version)[0]
+        return self.publish_group([upload], version=version, publish_id=publish_id)[0]
 
-    def publish_group(self, uploads: Sequence[Upload], *, version: int = 0) -> list[Version]:
+    def publish_group(self, uploads: Sequence[Upload], *, version: int = 0, publish_id: str = "") -> list[Version]:
         """Verify several models' bytes and commit them under ONE version number, together.
 
         The number is `version` (at most MAX_VERSION), or one above the highest version any of
         the models ever had.
         Readers see all of the group's versions or none of them; after a crash mid-commit the
         partial group is dropped on restart. Returns the versions in `uploads` order.
+
+        `publish_id`, an idempotency key: if retained versions were committed by a publish with
+        this id, they are returned and nothing is committed (no `on_commit`, no listener). The
+        check runs under the commit locks, so a repeat that arrives while the first publish is
+        still committing waits for it and returns its versions.
         """
         if not uploads:
             raise InvalidRequest("a publish needs at least one model")
         if version < 0:
             raise InvalidRequest(f"version must be >= 0, got {version}")
+        _checked_publish_id(publish_id)
         names = [validate_model_name(u.model) for u in uploads]
         if len(set(names)) != len(names):
             raise InvalidRequest(f"a publish names a model twice: {', '.join(names)}")
@@ -251,13 +270,20 @@ class VersionStore:
             for name in sorted(names):  # one fixed order, so two groups cannot deadlock
                 locks.enter_context(states[name].commit_lock)
             with self._lock:
+                repeated = _repeated(names, states, verified, publish_id)
+                if repeated is not None:
+                    log.info("publish id %r repeats %s v%d: nothing committed", publish_id, names, repeated[0].version)
+                    return repeated
                 high_water = max(state.high_water for state in states.values())
                 _check_version(names, version, high_water)
                 number = version or high_water + 1
                 for record in verified:
                     self._check_listing(states[record.model], record)
             created = time.time()
-            records = [dataclasses.replace(record, version=number, created=created) for record in verified]
+            records = [
+                dataclasses.replace(record, version=number, created=created, publish_id=publish_id)
+                for record in verified
+            ]
             if self.data_dir is not None:
                 self._write_group(records)
             for upload, record in zip(uploads, records, strict=True):
@@ -559,6 +585,8 @@ class VersionStore:
             "pinned": record.pinned,
             "group": list(record.group),
         }
+        if record.publish_id:  # so that a retry finds it after a restart too
+            manifest["publish_id"] = record.publish_id
         _atomic_write(manifest_path, json.dumps(manifest, indent=1).encode())
 
     def _remove_files(self, records: list[Version]) -> None:
@@ -657,6 +685,7 @@ class VersionStore:
                 header=header,
                 pinned=manifest.get("pinned", False),
                 group=tuple(manifest.get("group", ())),
+                publish_id=manifest.get("publish_id", ""),
                 xxh3=xxh3_hex(data),
                 tensor_xxh3=tensor_digests(data, header),
             )
@@ -694,6 +723,9 @@ def _check_manifest(manifest: object, path: Path) -> dict:
         raise ValueError("group must be a list of model names")
     if not isinstance(manifest.get("pinned", False), bool):
         raise ValueError("pinned must be true or false")
+    publish_id = manifest.get("publish_id", "")
+    if not isinstance(publish_id, str) or not (publish_id == "" or _PUBLISH_ID.fullmatch(publish_id)):
+        raise ValueError("publish_id must be empty or up to 128 printable ASCII characters")
     return manifest
 
 
@@ -748,6 +780,54 @@ def _call_logged(callback: Callable[[Version], None], record: Version) -> None:
         callback(record)
     except Exception:
         log.exception("%r failed on %s v%d", callback, record.model, record.version)
+
+
+def _checked_publish_id(publish_id: str) -> str:
+    if publish_id and not _PUBLISH_ID.fullmatch(publish_id):
+        raise InvalidRequest(
+            f"invalid publish id {publish_id[:200]!r}: use 1-128 printable ASCII characters without spaces "
+            "(e.g. a random UUID), or none"
+        )
+    return publish_id
+
+
+def _committed_by(state: _Model, publish_id: str) -> Version | None:
+    """The retained version of a model that a publish with `publish_id` committed, if any."""
+    if publish_id:
+        for record in state.versions.values():
+            if record.publish_id == publish_id:
+                return record
+    return None
+
+
+def _repeated(
+    names: Sequence[str], states: Mapping[str, _Model], verified: Sequence[Version], publish_id: str
+) -> list[Version] | None:
+    """The versions an earlier publish with `publish_id` committed, when this publish repeats
+    it (same models, same bytes); None when no retained version carries the id."""
+    found = [_committed_by(states[name], publish_id) for name in names]
+    first = next((record for record in found if record is not None), None)
+    if first is None:
+        return None
+    if set(first.group or (first.model,)) != set(names):
+        raise InvalidRequest(
+            f"publish id {publish_id!r} was already used by version {first.version} of "
+            f"{_names(first.group or (first.model,))}; a retry sends the same models, a new publish needs a new id"
+        )
+    repeated = []
+    for name, record, new in zip(names, found, verified, strict=True):
+        if record is None or record.version != first.version:
+            raise VersionConflict(
+                f"publish id {publish_id!r} committed version {first.version} of {_names(names)}, but {name!r} "
+                "no longer retains it (evicted or deleted); nothing was published again"
+            )
+        if record.sha256 != new.sha256:
+            raise InvalidRequest(
+                f"publish id {publish_id!r} was already used by version {record.version} of {name!r} with other "
+                "bytes; a retry sends the same bytes, a new publish needs a new id"
+            )
+        repeated.append(record)
+    return repeated
 
 
 def _metadata_bytes(metadata: Mapping[str, str]) -> int:
