@@ -129,6 +129,7 @@ class WeightClient(WeightServiceClient):
         pin: bool = False,
         timeout: float | None = None,
         wait: bool = True,
+        publish_id: str | None = None,
     ) -> int | PublishFuture:
         """Publish `weights` as a new version of `model`; return the version number.
 
@@ -138,9 +139,18 @@ class WeightClient(WeightServiceClient):
         wait=False: copy the weights into a snapshot and return a `PublishFuture` at once; the
         snapshot streams from a background thread. One publish is in flight at a time, and a
         newer one replaces a snapshot still waiting (see weightclient.background_publisher).
+
+        `publish_id`: the idempotency key of this publish (default: a new one); pass the same
+        one again to retry a publish whose reply was lost without committing it twice.
         """
         return self.publish_group(
-            {model: weights}, version=version, metadata=metadata, pin=pin, timeout=timeout, wait=wait
+            {model: weights},
+            version=version,
+            metadata=metadata,
+            pin=pin,
+            timeout=timeout,
+            wait=wait,
+            publish_id=publish_id,
         )
 
     def publish_group(
@@ -152,6 +162,7 @@ class WeightClient(WeightServiceClient):
         pin: bool = False,
         timeout: float | None = None,
         wait: bool = True,
+        publish_id: str | None = None,
     ) -> int | PublishFuture:
         """Publish several models (e.g. ``{"policy": actor, "critic": critic}``) under ONE
         version number, committed together; return that number (a `PublishFuture` with
@@ -159,10 +170,13 @@ class WeightClient(WeightServiceClient):
         if not wait:
             publisher = self._background()
             snapshot = {model: tensor_codec.snapshot(w, into=self._spare_buffer()) for model, w in weights.items()}
-            options = {"version": version, "metadata": metadata, "pin": pin, "timeout": timeout}
-            return publisher.submit(snapshot, **options)
+            return publisher.submit(
+                snapshot, version=version, metadata=metadata, pin=pin, timeout=timeout, publish_id=publish_id
+            )
         encoded = {model: tensor_codec.encode(w).parts for model, w in weights.items()}
-        infos = self.publish_group_bytes(encoded, version=version, metadata=metadata, pin=pin, timeout=timeout)
+        infos = self.publish_group_bytes(
+            encoded, version=version, metadata=metadata, pin=pin, timeout=timeout, publish_id=publish_id
+        )
         return infos[0].version
 
     def flush(self, timeout: float | None = None) -> bool:
