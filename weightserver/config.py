@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from weightserver.safetensors_format import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_TENSORS
-
 KiB = 1024
 MiB = 1024 * KiB
 GiB = 1024 * MiB
@@ -17,6 +15,22 @@ MIN_CHUNK_BYTES = 64 * KiB
 MAX_CHUNK_BYTES = 3 * MiB  # stays well below gRPC's 4 MiB default message limit
 # Received messages may be up to 4 MiB of chunk plus framing, so the server accepts a bit more.
 MAX_MESSAGE_BYTES = 8 * MiB
+# The largest message a gRPC client receives with default settings.
+CLIENT_MESSAGE_BYTES = 4 * MiB
+# A version's description (VersionInfo: tensor list with digests, metadata) as GetLatest,
+# Describe, Fetch and Watch send it. A quarter of a client message, so that the replies that
+# carry several (a publish's, which has the first twice, and ListVersions with the default
+# --keep 3) fit too.
+MAX_DESCRIPTION_BYTES = 1 * MiB
+# What the descriptions in one reply may add up to, below CLIENT_MESSAGE_BYTES by the reply's
+# own framing. A publish that would make a Publish or ListVersions reply larger is refused.
+MAX_DESCRIPTIONS_PER_REPLY = CLIENT_MESSAGE_BYTES - 64 * KiB
+# The server's limits on a published safetensors header, agreeing with MAX_DESCRIPTION_BYTES:
+# a description takes at least 43 bytes per tensor (a one-character name, dtype and xxh3), so
+# more tensors can never be described; the header's JSON takes at most about twice the bytes of
+# the description per tensor, and the rest leaves room for the file's own __metadata__.
+PUBLISH_MAX_TENSORS = MAX_DESCRIPTION_BYTES // 43
+PUBLISH_MAX_HEADER_BYTES = 4 * MAX_DESCRIPTION_BYTES
 
 
 @dataclass(frozen=True)
@@ -32,8 +46,8 @@ class ServerConfig:
     keep: int = 3
     max_model_bytes: int = 16 * GiB
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
-    max_tensors: int = DEFAULT_MAX_TENSORS
+    max_header_bytes: int = PUBLISH_MAX_HEADER_BYTES
+    max_tensors: int = PUBLISH_MAX_TENSORS
     grace_seconds: float = 5.0
     # Bulk TCP port for large fetches (weightserver.bulk): 0 picks a free one, None turns it off.
     bulk_port: int | None = 0

@@ -9,9 +9,12 @@ Exception tree::
     │   └── VersionEvicted                 the version fell out of the --keep window
     ├── InvalidRequest                     INVALID_ARGUMENT
     │   ├── InvalidModelName               empty, too long, path separators, '..'
-    │   └── InvalidSafetensors             the uploaded bytes are not a valid safetensors file
+    │   ├── InvalidSafetensors             the uploaded bytes are not a valid safetensors file
+    │   └── VersionTooLarge                a requested version number above 2^63-1
     ├── IntegrityError                     DATA_LOSS (size or sha256 mismatch)
     ├── ModelTooLarge                      RESOURCE_EXHAUSTED (over --max-model-bytes)
+    ├── StorageFull                        RESOURCE_EXHAUSTED (no space left in --data-dir)
+    ├── DescriptionTooLarge                RESOURCE_EXHAUSTED (tensor list + metadata over 1 MiB)
     ├── VersionConflict                    FAILED_PRECONDITION (version not above the latest)
     ├── CursorOutOfRange                   OUT_OF_RANGE (a version ahead of the latest)
     ├── AuthenticationRequired             UNAUTHENTICATED (no or unknown bearer token)
@@ -72,12 +75,24 @@ class InvalidSafetensors(InvalidRequest):
     """Published bytes that are not a well-formed safetensors file."""
 
 
+class VersionTooLarge(InvalidRequest):
+    """A requested version number above the largest one the server hands out (2^63-1)."""
+
+
 class IntegrityError(WeightServerError):
     """The bytes received do not match their declared size or sha256."""
 
 
 class ModelTooLarge(WeightServerError):
     """A version larger than the server accepts (--max-model-bytes)."""
+
+
+class StorageFull(WeightServerError):
+    """The data directory has no space left for a version (or a manifest)."""
+
+
+class DescriptionTooLarge(WeightServerError):
+    """A version whose description (tensor list, metadata) clients could not receive."""
 
 
 class VersionConflict(WeightServerError):
@@ -123,8 +138,11 @@ STATUS_CODES: dict[type[WeightServerError], str] = {
     InvalidRequest: "INVALID_ARGUMENT",
     InvalidModelName: "INVALID_ARGUMENT",
     InvalidSafetensors: "INVALID_ARGUMENT",
+    VersionTooLarge: "INVALID_ARGUMENT",
     IntegrityError: "DATA_LOSS",
     ModelTooLarge: "RESOURCE_EXHAUSTED",
+    StorageFull: "RESOURCE_EXHAUSTED",
+    DescriptionTooLarge: "RESOURCE_EXHAUSTED",
     VersionConflict: "FAILED_PRECONDITION",
     CursorOutOfRange: "OUT_OF_RANGE",
     AuthenticationRequired: "UNAUTHENTICATED",

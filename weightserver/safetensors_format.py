@@ -38,7 +38,9 @@ DTYPE_SIZES: dict[str, int] = {
 }
 
 METADATA_KEY = "__metadata__"
-DEFAULT_MAX_HEADER_BYTES = 100 * 1024 * 1024  # the limit the safetensors package itself uses
+# The format's own limits (the safetensors package's header limit), for reading any file; a
+# server accepts publishes within the tighter limits of weightserver.config (PUBLISH_MAX_*).
+DEFAULT_MAX_HEADER_BYTES = 100 * 1024 * 1024
 DEFAULT_MAX_TENSORS = 1_000_000
 _LEN = struct.Struct("<Q")
 

@@ -192,8 +192,12 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
             for model in incoming:
                 if model.upload is not None and model.upload.path.exists():
                     model.upload.abort()  # a publish that did not commit leaves no file
-        for record in records:
-            self._transferred("publish", record, started, context)
+        if incoming[0].committed:
+            for record in records:
+                self._transferred("publish", record, started, context)
+        else:  # a repeat of a publish id: the versions an earlier call committed
+            for record in records:
+                _log_event("publish_repeat", context, model=record.model, version=record.version)
         infos = [wire.version_info(r) for r in records]
         return pb.PublishResponse(version=infos[0], versions=infos)
 
@@ -210,12 +214,15 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
                     raise InvalidRequest(f"model {message.header.model!r} appears twice in one publish")
                 if incoming:
                     incoming[-1].check_complete()
-                    _check_group_version(incoming[0].header, message.header)
+                    _check_group_header(incoming[0].header, message.header)
                 header = message.header
+                first = incoming[0].header if incoming else header
                 self.store.check_publish(
                     header.model,
                     total_bytes=header.total_bytes,
-                    version=incoming[0].header.version if incoming else header.version,
+                    version=first.version,
+                    metadata=header.metadata,
+                    publish_id=first.publish_id,
                 )
                 incoming.append(_IncomingModel(header, self.shared_memory))
             elif not incoming:
@@ -238,7 +245,17 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
             )
         digests = _declared_sha256s(incoming, commit)
         uploads = [model.as_upload(digest) for model, digest in zip(incoming, digests, strict=True)]
-        return await asyncio.to_thread(self.store.publish_group, uploads, version=incoming[0].header.version)
+        first = incoming[0].header
+        commit = asyncio.ensure_future(
+            asyncio.to_thread(self.store.publish_group, uploads, version=first.version, publish_id=first.publish_id)
+        )
+        try:
+            return await asyncio.shield(commit)
+        finally:
+            # A call cancelled meanwhile (its deadline passed) leaves the commit running in its
+            # thread: it finishes with the uploads before Publish cleans them up, and a retry
+            # with the same publish id finds its version.
+            await asyncio.wait([commit])
 
     # ------------------------------------------------------------------ describe
     @_unary
@@ -459,6 +476,7 @@ class _IncomingModel:
         size = header.total_bytes
         self.buffer = self.upload.buffer if self.upload else memoryview(mmap.mmap(-1, size) if size else bytearray())
         self.received = 0
+        self.committed = False  # whether these bytes became a version (not so for a repeat)
 
     def add(self, chunk: bytes) -> None:
         end = self.received + len(chunk)
@@ -486,25 +504,34 @@ class _IncomingModel:
             total_bytes=self.header.total_bytes,
             metadata=dict(self.header.metadata),
             pin=self.header.pin,
-            on_commit=self._adopt if self.upload is not None else None,
+            on_commit=self._adopt,
         )
 
     def _adopt(self, record: Version) -> None:
         """The store calls this once `record` is durable and before any reader can see it, under
         the model's commit lock: a same-host fetch or a watcher that hears of the version finds
-        its file and header in place, and no pin can change `record` in between."""
-        assert self.shared_memory is not None and self.upload is not None
+        its file and header in place, and no pin can change `record` in between. Not called
+        when the publish repeats a publish id: the bytes then become nothing."""
+        self.committed = True
+        if self.upload is None:
+            return
+        assert self.shared_memory is not None
         self.shared_memory.adopt((record.model, record.version, 0, ""), self.upload)
         self.shared_memory.write_header(
             record.model, record.version, lambda: wire.version_info(record).SerializeToString()
         )
 
 
-def _check_group_version(first: pb.PublishHeader, header: pb.PublishHeader) -> None:
+def _check_group_header(first: pb.PublishHeader, header: pb.PublishHeader) -> None:
     if header.version and header.version != first.version:
         raise InvalidRequest(
             f"model {header.model!r}: a multi-model publish has one version number; this header asks for "
             f"{header.version} but the first asks for {first.version or 'the next one'} (leave later ones 0)"
+        )
+    if header.publish_id and header.publish_id != first.publish_id:
+        raise InvalidRequest(
+            f"model {header.model!r}: a multi-model publish has one publish id, the first header's; this "
+            f"header gives {header.publish_id!r} (leave later ones empty)"
         )
 
 

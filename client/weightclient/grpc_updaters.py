@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -374,9 +375,10 @@ class GrpcRemoteWeightUpdater(_LazyClient, RemoteWeightUpdaterBase):
             id. Default: one worker, ``"policy"``.
         max_interval: as in TorchRL's Ray updater: a worker is updated at most every
             ``max_interval + 1`` calls (0: every call).
-        retries, backoff: a publish that finds the server unavailable is retried this many
-            times with exponential backoff and jitter, then raises. Updates are never dropped
-            silently.
+        retries, backoff: a publish that finds the server unavailable (or whose deadline
+            passed) is retried this many times with exponential backoff and jitter, then raises.
+            Every attempt carries the same publish id, so a retry after a lost reply yields the
+            version already committed, never a second one. Updates are never dropped silently.
 
     One `update_weights()` publishes every selected model in ONE stream under one version,
     through the design's hooks (`_get_server_weights` -> `_maybe_map_weights` -> per worker
@@ -472,12 +474,14 @@ class GrpcRemoteWeightUpdater(_LazyClient, RemoteWeightUpdaterBase):
         return server_weights
 
     def publish(self, weights_by_model: Mapping[str, Weights], metadata: Mapping[str, str] | None = None) -> int:
-        """Publish ``{model: weights}`` as one version, retrying while the server is unavailable."""
+        """Publish ``{model: weights}`` as one version, retrying while the server is unavailable
+        (exactly once: every attempt sends the same publish id)."""
         meta = dict(self.metadata() if self.metadata else {})
         meta.update(metadata or {})
+        publish_id = uuid.uuid4().hex
         for attempt in range(self.retries + 1):
             try:
-                self.version = self.client.publish_group(dict(weights_by_model), metadata=meta)
+                self.version = self.client.publish_group(dict(weights_by_model), metadata=meta, publish_id=publish_id)
                 return self.version
             except (ServerUnavailable, DeadlineExceeded) as exc:
                 if attempt == self.retries:
