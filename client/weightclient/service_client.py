@@ -409,11 +409,12 @@ class WeightServiceClient:
                 stream.cancel()
 
     # ------------------------------------------------------------------ describe and admin
-    def latest(self, model: str, *, retry: bool = True) -> VersionInfo:
+    def latest(self, model: str, *, retry: bool = True, timeout: float | None = None) -> VersionInfo:
         """Describe the newest version of `model` (ModelNotFound if it has none). `retry=False`
-        raises ServerUnavailable at once instead of waiting for the server to come back."""
+        raises ServerUnavailable at once instead of waiting for the server to come back.
+        `timeout`: this call's deadline instead of the client's."""
         request = pb.GetLatestRequest(model=model)
-        return VersionInfo.from_proto(self._call(self._stub.GetLatest, request, retry=retry))
+        return VersionInfo.from_proto(self._call(self._stub.GetLatest, request, retry=retry, timeout=timeout))
 
     def describe(self, model: str, version: int = 0) -> VersionInfo:
         """Describe `version` of `model` (0: the latest)."""
@@ -439,14 +440,17 @@ class WeightServiceClient:
         request = pb.PinVersionRequest(model=model, version=version, pinned=pinned)
         return VersionInfo.from_proto(self._call(self._stub.PinVersion, request, retry=False))
 
-    def _call(self, method: grpc.UnaryUnaryMultiCallable, request: object, *, retry: bool = True) -> Any:
+    def _call(
+        self, method: grpc.UnaryUnaryMultiCallable, request: object, *, retry: bool = True, timeout: float | None = None
+    ) -> Any:
         def once(timeout: float | None) -> Any:
             with translated_rpc_errors(self.address):
                 return method(request, timeout=timeout, metadata=self._metadata)
 
+        seconds = self.timeout if timeout is None else timeout
         if not retry:
-            return once(self.timeout)
-        return retry_unavailable(once, self._retry_window(self.timeout), self.address)
+            return once(seconds)
+        return retry_unavailable(once, self._retry_window(seconds), self.address)
 
     def _retry_window(self, timeout: float | None) -> float:
         return timeout if timeout is not None else self.retry_seconds
