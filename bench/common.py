@@ -144,6 +144,16 @@ def _status_field(pid: int | str, key: str) -> int:
     return 0
 
 
+def cpu_seconds(pid: int | str = "self") -> float:
+    """CPU time (user + system) a process has used so far, in seconds; 0 if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def rss_bytes(pid: int | str = "self") -> int:
     """Resident set size (VmRSS) of a process, in bytes."""
     return _status_field(pid, "VmRSS")

@@ -9,9 +9,13 @@ when absent the row is reported as n/a, never as a made-up number.
 from __future__ import annotations
 
 import inspect
+import json
 import multiprocessing
+import os
 import queue
+import re
 import statistics
+import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +31,7 @@ from bench.common import (
     MiB,
     PeakRss,
     Row,
+    cpu_seconds,
     format_size,
     gbps,
     hwm_bytes,
@@ -670,6 +675,129 @@ def updater_poll(ctx: Context) -> list[Row]:
     return [base, row]
 
 
+# ---------------------------------------------------------------------- publish under fetch load
+LOAD_FETCHERS = 200
+LOAD_CONNECTIONS = 8
+LOAD_SIZE = 16 * MiB
+LOAD_PUBLISH_INTERVAL = 0.5  # a trainer publishing at 2 Hz
+LOAD_SECONDS = 20.0
+LOAD_SETTLE_SECONDS = 2.0
+IDLE_PUBLISHES = 20
+LOAD_TARGET = 3.0
+LOAD_SERVER_ARGS: tuple[str, ...] = ()  # server defaults (e.g. ("--max-stream-fetches", "1000") to compare)
+
+
+def _scheduled_publishes(publish: Callable[[], None], *, count: int = 0, seconds: float = 0.0) -> list[float]:
+    """Publish every LOAD_PUBLISH_INTERVAL seconds (right away when the previous one ran late)
+    for `count` publishes or `seconds`; the seconds each publish took."""
+    took: list[float] = []
+    start = time.monotonic()
+    due = start
+    while (count and len(took) < count) or (seconds and time.monotonic() - start < seconds):
+        time.sleep(max(0.0, due - time.monotonic()))
+        began = time.perf_counter()
+        publish()
+        took.append(time.perf_counter() - began)
+        due = max(due + LOAD_PUBLISH_INTERVAL, time.monotonic())
+    return took
+
+
+def publish_under_fetch_load(ctx: Context) -> list[Row]:
+    """A trainer publishing a 16 MiB model at 2 Hz while 200 collectors fetch it over gRPC
+    streams back to back: the publish's p99 under load vs its median with the server idle,
+    both measured here on a fresh server process. The fetchers run in one asyncio process
+    (raw stubs); the publisher is this process (`WeightServiceClient.publish_bytes`)."""
+    from weightclient.service_client import WeightServiceClient
+
+    model = "load-16MiB"
+    numel = LOAD_SIZE // 4
+    header = json.dumps({"w": {"dtype": "F32", "shape": [numel], "data_offsets": [0, 4 * numel]}}).encode()
+    header += b" " * (-len(header) % 8)
+    data = bytearray(struct.pack("<Q", len(header)) + header + bytes(4 * numel))
+    versions: list[int] = []
+
+    def publish() -> None:
+        struct.pack_into("<f", data, 8 + len(header), float(len(versions)))  # every version differs
+        versions.append(client.publish_bytes(model, data, timeout=120).version)
+
+    stop, results = SPAWN.Event(), SPAWN.Queue()
+    with ServerProcess(*LOAD_SERVER_ARGS) as server, WeightServiceClient(server.address) as client:
+        for _ in range(WARMUP_ROUNDS):
+            publish()
+        idle = _scheduled_publishes(publish, count=IDLE_PUBLISHES)
+        idle_versions = set(versions[-len(idle) :])
+        log(f"publish_under_fetch_load: starting {LOAD_FETCHERS} stream fetchers in one process")
+        load = SPAWN.Process(
+            target=workers.stream_fetch_load,
+            args=(server.address, model, LOAD_FETCHERS, LOAD_CONNECTIONS, stop, results),
+            daemon=True,
+        )
+        load.start()
+        try:
+            if results.get(timeout=300)[0] != "running":
+                raise RuntimeError("the fetch load did not start")
+            time.sleep(LOAD_SETTLE_SECONDS)
+            cpu_before = {pid: cpu_seconds(pid) for pid in (server.process.pid, load.pid)}
+            began = time.monotonic()
+            loaded = _scheduled_publishes(publish, seconds=LOAD_SECONDS)
+            window = time.monotonic() - began
+            cpu = {pid: (cpu_seconds(pid) - used) / window for pid, used in cpu_before.items()}
+            loaded_versions = set(versions[-len(loaded) :])
+            stop.set()
+            records = results.get(timeout=600)
+        finally:
+            stop.set()
+            load.join(30)
+            if load.is_alive():
+                load.terminate()
+        # The server's own duration of each publish (first message -> committed), from its log.
+        in_server = {
+            int(v): float(ms)
+            for v, ms in re.findall(rf"publish model={model} version=(\d+) .*duration_ms=([\d.]+)", server.log())
+        }
+    idle_ms, loaded_ms = [s * 1e3 for s in idle], [s * 1e3 for s in loaded]
+    fetch_s = [(end - start) / 1e9 for start, end, _, error in records if not error]
+    errors = [error for *_, error in records if error]
+    fetched = sum(received for _, _, received, error in records if not error)
+    span = (max(r[1] for r in records) - min(r[0] for r in records)) / 1e9 if records else 1.0
+    base = Row("publish_idle", LOAD_SIZE, "ms", idle_ms, kind="baseline")
+    server_idle = [in_server[v] for v in idle_versions if v in in_server]
+    server_loaded = [in_server[v] for v in loaded_versions if v in in_server]
+    base.note = (
+        f"publish_bytes at 2 Hz, server idle; p99 {percentile(idle_ms, 99):.1f} ms; in the server "
+        f"p50 {percentile(server_idle, 50):.1f} ms p99 {percentile(server_idle, 99):.1f} ms"
+    )
+    row = Row("publish_under_fetch_load", LOAD_SIZE, "ms", loaded_ms)
+    row.baseline, row.baseline_value = "publish_idle median", statistics.median(idle_ms)
+    p99 = percentile(loaded_ms, 99)
+    row.judge(p99 / statistics.median(idle_ms), "<=", LOAD_TARGET, target=f"p99 <= {LOAD_TARGET:g}x idle median")
+    row.note = (
+        f"p99 {p99:.1f} ms (the ratio's numerator), p50 {percentile(loaded_ms, 50):.1f} ms; "
+        f"{len(loaded)} publishes landed of {int(LOAD_SECONDS / LOAD_PUBLISH_INTERVAL)} due at 2 Hz in "
+        f"{LOAD_SECONDS:g} s; {LOAD_FETCHERS} stream fetchers over {LOAD_CONNECTIONS} connections: "
+        f"{len(fetch_s)} fetches ({fetched / span / 1e9:.2f} GB/s), fetch p50 {percentile(fetch_s, 50):.2f} s "
+        f"p99 {percentile(fetch_s, 99):.2f} s, {len(errors)} errors; in the server (first message -> committed) "
+        f"p50 {percentile(server_loaded, 50):.1f} ms p99 {percentile(server_loaded, 99):.1f} ms; "
+        f"CPU cores used while loaded: server {cpu[server.process.pid]:.2f}, "
+        f"fetcher process {cpu[load.pid]:.2f} (of {os.cpu_count()})"
+    )
+    if errors:
+        row.note += f"; first error: {errors[0][:120]}"
+        row.passed = False
+    row.extra = {
+        "idle_ms": idle_ms,
+        "loaded_ms": loaded_ms,
+        "loaded_p99_ms": p99,
+        "server_idle_ms": server_idle,
+        "server_loaded_ms": server_loaded,
+        "fetch_seconds": fetch_s,
+        "fetch_errors": errors[:20],
+        "fetch_error_count": len(errors),
+        "cpu_cores": {"server": cpu[server.process.pid], "fetchers": cpu[load.pid]},
+    }
+    return [base, row]
+
+
 SIZED_ROWS: dict[str, Callable[[Context, int], list[Row]]] = {
     "fetch_live_policy": fetch_live_policy,
     "fetch_shm_vs_gloo": fetch_shm_vs_gloo,
@@ -682,6 +810,7 @@ SIZED_ROWS: dict[str, Callable[[Context, int], list[Row]]] = {
 UNSIZED_ROWS: dict[str, Callable[[Context], list[Row]]] = {
     "watch_latency": watch_latency,
     "updater_poll": updater_poll,
+    "publish_under_fetch_load": publish_under_fetch_load,
 }
 ROW_ORDER = [
     "fetch_live_policy",
@@ -695,6 +824,7 @@ ROW_ORDER = [
     "cast_bf16_bytes",
     "server_rss_16_fetchers",
     "collector_peak_memory",
+    "publish_under_fetch_load",
 ]
 # The in-run baselines each row is compared with (measured only when a selected row needs one).
 NEEDS = {
