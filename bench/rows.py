@@ -31,7 +31,9 @@ from bench.common import (
     MiB,
     PeakRss,
     Row,
+    busy_since,
     cpu_seconds,
+    cpu_ticks,
     format_size,
     gbps,
     hwm_bytes,
@@ -738,10 +740,12 @@ def publish_under_fetch_load(ctx: Context) -> list[Row]:
                 raise RuntimeError("the fetch load did not start")
             time.sleep(LOAD_SETTLE_SECONDS)
             cpu_before = {pid: cpu_seconds(pid) for pid in (server.process.pid, load.pid)}
+            machine_before = cpu_ticks()
             began = time.monotonic()
             loaded = _scheduled_publishes(publish, seconds=LOAD_SECONDS)
             window = time.monotonic() - began
             cpu = {pid: (cpu_seconds(pid) - used) / window for pid, used in cpu_before.items()}
+            machine = busy_since(machine_before)
             loaded_versions = set(versions[-len(loaded) :])
             stop.set()
             records = results.get(timeout=600)
@@ -779,7 +783,8 @@ def publish_under_fetch_load(ctx: Context) -> list[Row]:
         f"p99 {percentile(fetch_s, 99):.2f} s, {len(errors)} errors; in the server (first message -> committed) "
         f"p50 {percentile(server_loaded, 50):.1f} ms p99 {percentile(server_loaded, 99):.1f} ms; "
         f"CPU cores used while loaded: server {cpu[server.process.pid]:.2f}, "
-        f"fetcher process {cpu[load.pid]:.2f} (of {os.cpu_count()})"
+        f"fetcher process {cpu[load.pid]:.2f}, all processes {machine * (os.cpu_count() or 1):.2f} "
+        f"(of {os.cpu_count()})"
     )
     if errors:
         row.note += f"; first error: {errors[0][:120]}"
@@ -794,6 +799,7 @@ def publish_under_fetch_load(ctx: Context) -> list[Row]:
         "fetch_errors": errors[:20],
         "fetch_error_count": len(errors),
         "cpu_cores": {"server": cpu[server.process.pid], "fetchers": cpu[load.pid]},
+        "machine_busy": machine,
     }
     return [base, row]
 
