@@ -136,6 +136,15 @@ def command_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersActio
         help="calls one client connection may have open at once (default: %(default)s)",
     )
     serve.add_argument(
+        "--max-stream-fetches",
+        type=int,
+        default=ServerConfig.max_stream_fetches,
+        metavar="N",
+        help="gRPC stream fetches sending chunks at once; more wait their turn, so that many fetchers "
+        "cannot starve publishes; raise it for collectors on slow links (default: one per CPU, at least 2: "
+        "%(default)s)",
+    )
+    serve.add_argument(
         "--publish-timeout",
         type=float,
         default=ServerConfig.publish_timeout,

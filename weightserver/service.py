@@ -1,7 +1,10 @@
 """The gRPC servicer: checks requests, calls the VersionStore, maps errors to status codes.
 
 Runs on grpc.aio. Store calls that hash, parse or fsync run in worker threads so one large
-publish never stalls the event loop that serves fetches and watchers.
+publish never stalls the event loop that serves fetches and watchers; a publish's commit has
+threads of its own, so no backlog of other work (casts, deltas) queues in front of it. Stream
+fetches send chunks a bounded number at a time (`--max-stream-fetches`), the rest waiting
+their turn, so that a publish's chunks share the loop with a few fetches, not with every open one.
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ import functools
 import logging
 import mmap
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import grpc
@@ -40,6 +44,14 @@ from weightserver.v1 import weights_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
+
+# Threads that verify and commit publishes (hash, parse, fsync), apart from asyncio's default
+# pool, which also builds casts and deltas for fetches.
+PUBLISH_THREADS = 4
+# A fetch whose chunk write has not completed after this long (its reader stopped reading or
+# reads slowly) gives its turn back for the rest of the fetch: a stalled stream costs the
+# loop nothing, and must not hold up the fetches queued behind it.
+SLOW_READER_SECONDS = 1.0
 
 
 async def _abort(context: grpc.aio.ServicerContext, error: BaseException) -> None:
@@ -98,8 +110,10 @@ def _streaming(method: F) -> F:
     async def wrapper(self: WeightServicer, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
             self._authorize(context, method.__name__)
-            async for message in method(self, request, context):
-                yield message
+            # Closed as soon as the call ends, so a fetch hands back its turn at once.
+            async with contextlib.aclosing(method(self, request, context)) as messages:
+                async for message in messages:
+                    yield message
         except Exception as error:
             await _abort(context, error)
 
@@ -127,6 +141,8 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         self.bulk = bulk
         self.shared_memory = shared_memory
         self.metrics = metrics or NoMetrics()
+        self._stream_turns = asyncio.Semaphore(config.max_stream_fetches)
+        self._publish_threads = ThreadPoolExecutor(PUBLISH_THREADS, thread_name_prefix="weightserver-publish")
         # The fast transports this server offers to Negotiate, in no order: the caller's decides.
         # Each with the name its transfers are logged and counted under.
         self._offers: dict[int, tuple[str, Callable[[Version, Payload, pb.Payload], Awaitable[None]]]] = {}
@@ -137,6 +153,10 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         store.subscribe(self._on_commit)
         for summary in store.models():  # versions loaded from a data dir
             self.metrics.retained(summary.model, store.versions(summary.model))
+
+    def close(self) -> None:
+        """Let the publish threads go (after the server stopped)."""
+        self._publish_threads.shutdown(wait=False, cancel_futures=True)
 
     def _authorize(self, context: grpc.aio.ServicerContext, method: str) -> None:
         """With --auth-tokens, the caller's bearer token must allow `method` (raises otherwise)."""
@@ -238,7 +258,8 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
             )
         digests = _declared_sha256s(incoming, commit)
         uploads = [model.as_upload(digest) for model, digest in zip(incoming, digests, strict=True)]
-        return await asyncio.to_thread(self.store.publish_group, uploads, version=incoming[0].header.version)
+        publish = functools.partial(self.store.publish_group, uploads, version=incoming[0].header.version)
+        return await asyncio.get_running_loop().run_in_executor(self._publish_threads, publish)
 
     # ------------------------------------------------------------------ describe
     @_unary
@@ -294,9 +315,34 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         if request.base_version or request.dtype:
             yield pb.FetchResponse(payload=description)
         chunk_bytes = clamp_chunk_bytes(request.chunk_size, self.config.chunk_bytes)
-        for message in framing.chunk_messages(payload.data, chunk_bytes):
-            yield message
+        async with contextlib.aclosing(self._in_turn(framing.chunk_messages(payload.data, chunk_bytes))) as chunks:
+            async for message in chunks:
+                yield message
         self._transferred("fetch", record, started, context, transport="stream", sent=payload.byte_size)
+
+    async def _in_turn(self, messages: Iterable[bytes]) -> AsyncIterator[bytes]:
+        """`messages`, sent while this fetch holds one of the --max-stream-fetches turns (first
+        waiting for one, first come first served). A write still pending after
+        SLOW_READER_SECONDS gives the turn back for the rest of the fetch."""
+        turns, loop = self._stream_turns, asyncio.get_running_loop()
+        await turns.acquire()
+        held = True
+
+        def give_back() -> None:
+            nonlocal held
+            if held:
+                held = False
+                turns.release()
+
+        try:
+            for message in messages:
+                slow = loop.call_later(SLOW_READER_SECONDS, give_back)
+                try:
+                    yield message
+                finally:
+                    slow.cancel()
+        finally:
+            give_back()
 
     @_unary
     async def Negotiate(self, request: pb.NegotiateRequest, context: grpc.aio.ServicerContext) -> pb.NegotiateResponse:
