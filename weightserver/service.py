@@ -32,10 +32,12 @@ from weightserver.errors import (
     IntegrityError,
     InvalidRequest,
     WeightServerError,
+    clipped_message,
+    clipped_repr,
     status_code_for,
 )
 from weightserver.metrics import NoMetrics
-from weightserver.payloads import Payload, PayloadCache
+from weightserver.payloads import CAST_TARGETS, Payload, PayloadCache
 from weightserver.shared_memory import SharedMemoryFiles
 from weightserver.store import Upload, Version, VersionStore, validate_model_name
 from weightserver.v1 import weights_pb2 as pb
@@ -62,7 +64,9 @@ async def _abort(context: grpc.aio.ServicerContext, error: BaseException) -> Non
         log.exception("internal error in %s", context.peer())
         code, name = grpc.StatusCode.INTERNAL, "InternalServerError"
         message = f"internal server error ({type(error).__name__}); see the server log"
-    await context.abort(code, message, trailing_metadata=((ERROR_METADATA_KEY, name),))
+    # Cut, whatever the message quotes: an oversized status would fail the call on the client
+    # with RESOURCE_EXHAUSTED (its metadata limit) instead of this status.
+    await context.abort(code, clipped_message(message), trailing_metadata=((ERROR_METADATA_KEY, name),))
 
 
 async def _within(messages: AsyncIterator[T], seconds: float | None) -> AsyncIterator[T]:
@@ -372,6 +376,10 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
 
     def _fetched_version(self, request: pb.FetchRequest) -> Version | None:
         """The version a fetch asks for; None when `newer_than` found nothing newer."""
+        if request.dtype and request.dtype not in CAST_TARGETS:
+            raise InvalidRequest(
+                f"cannot cast to {clipped_repr(request.dtype)}: choose one of {', '.join(CAST_TARGETS)} or ''"
+            )
         selector = request.WhichOneof("selector")
         if selector == "version":
             if request.version == 0:
@@ -549,7 +557,7 @@ class _IncomingModel:
 def _check_group_version(first: pb.PublishHeader, header: pb.PublishHeader) -> None:
     if header.version and header.version != first.version:
         raise InvalidRequest(
-            f"model {header.model!r}: a multi-model publish has one version number; this header asks for "
+            f"model {clipped_repr(header.model)}: a multi-model publish has one version number; this header asks for "
             f"{header.version} but the first asks for {first.version or 'the next one'} (leave later ones 0)"
         )
 
@@ -570,7 +578,8 @@ def _declared_sha256s(incoming: list[_IncomingModel], commit: pb.PublishCommit) 
             )
         if in_header and in_commit and in_header.lower() != in_commit.lower():
             raise IntegrityError(
-                f"model {model.header.model!r}: header declares sha256 {in_header} but the commit declares {in_commit}"
+                f"model {model.header.model!r}: header declares sha256 {clipped_repr(in_header)} but the commit "
+                f"declares {clipped_repr(in_commit)}"
             )
         digests.append(in_header or in_commit)
     return digests
