@@ -31,6 +31,7 @@ from weightserver.errors import (
     DeadlineExceeded,
     IntegrityError,
     InvalidRequest,
+    PermissionDenied,
     WeightServerError,
     clipped_message,
     clipped_repr,
@@ -211,7 +212,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         started = time.perf_counter()
         incoming: list[_IncomingModel] = []
         try:
-            records = await self._receive_and_commit(request_iterator, incoming)
+            records = await self._receive_and_commit(self._checked_headers(request_iterator, context), incoming)
         finally:
             for model in incoming:
                 if model.upload is not None and model.upload.path.exists():
@@ -220,6 +221,19 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
             self._transferred("publish", record, started, context)
         infos = [wire.version_info(r) for r in records]
         return pb.PublishResponse(version=infos[0], versions=infos)
+
+    async def _checked_headers(
+        self, messages: AsyncIterator[pb.PublishRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.PublishRequest]:
+        """The publish stream's messages, each header checked against the caller's token as it
+        arrives, before its bytes: pin=True pins the version, which needs the PinVersion role."""
+        async for message in messages:
+            if self.tokens is not None and message.WhichOneof("kind") == "header" and message.header.pin:
+                try:
+                    self._authorize(context, "PinVersion")
+                except PermissionDenied as exc:
+                    raise PermissionDenied(f"a publish with pin=True pins the version: {exc}") from None
+            yield message
 
     async def _receive_and_commit(
         self, request_iterator: AsyncIterator[pb.PublishRequest], incoming: list[_IncomingModel]
