@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from weightclient import WeightClient
-from weightserver.errors import ERROR_METADATA_KEY, ModelNotFound, PermissionDenied
+from weightserver.auth import TokenTable
+from weightserver.errors import ERROR_METADATA_KEY, InvalidRequest, ModelNotFound, PermissionDenied
 from weightserver.v1 import weights_pb2 as pb
 from weightserver.v1 import weights_pb2_grpc as pb_grpc
 
@@ -27,6 +28,8 @@ TOKENS = {
     "reader": ("reader", "r" * 24),
     "publisher": ("publisher", "p" * 24),
     "admin": ("admin", "a" * 24),
+    "policy-publisher": ("publisher:policy", "q" * 24),
+    "policy-admin": ("admin:policy,value", "b" * 24),
 }
 
 
@@ -69,6 +72,56 @@ def test_a_publisher_cannot_pin_through_the_publish_header(server, clients):
     assert clients["publisher"].publish(weights(), model=MODEL) == 1
     assert clients["admin"].publish(weights(2.0), model=MODEL, pin=True) == 2
     assert [(v.version, v.pinned) for v in clients["reader"].list_versions(MODEL)] == [(1, False), (2, True)]
+
+
+# ---------------------------------------------------------------------- item 13: model scopes
+def test_a_model_scoped_publisher_may_publish_only_its_models_and_read_all(clients):
+    assert clients["publisher"].publish(weights(), model="critic") == 1
+    assert clients["policy-publisher"].publish(weights(), model=MODEL) == 1
+    with pytest.raises(
+        PermissionDenied, match=r"Publish of model 'critic': the token of 'policy-publisher' may change only policy"
+    ):
+        clients["policy-publisher"].publish(weights(9.0), model="critic")  # would evict critic's versions with --keep
+    with pytest.raises(PermissionDenied, match="model 'critic'"):  # a group is all or nothing
+        clients["policy-publisher"].publish_group({MODEL: weights(), "critic": weights()})
+    assert clients["reader"].latest("critic").version == 1 and clients["reader"].latest(MODEL).version == 1
+    # Reading is never scoped.
+    assert torch.equal(clients["policy-publisher"].fetch("critic").tensors["w"], weights()["w"])
+    assert [m.model for m in clients["policy-publisher"].list_models()] == ["critic", MODEL]
+
+
+def test_a_model_scoped_admin_may_pin_and_delete_only_its_models(clients):
+    for model in (MODEL, "critic"):
+        clients["admin"].publish(weights(), model=model)
+        clients["admin"].publish(weights(2.0), model=model)
+    assert clients["policy-admin"].pin(MODEL, 1).pinned
+    assert clients["policy-admin"].delete(MODEL, 2).version == 2
+    assert clients["policy-admin"].publish(weights(3.0), model=MODEL, pin=True) == 3
+    for change in (
+        lambda c: c.pin("critic", 1),
+        lambda c: c.delete("critic", 2),
+        lambda c: c.publish(weights(), model="critic", pin=True),
+    ):
+        with pytest.raises(PermissionDenied, match="may change only policy, value"):
+            change(clients["policy-admin"])
+    assert [(v.version, v.pinned) for v in clients["reader"].list_versions("critic")] == [(1, False), (2, False)]
+
+
+@pytest.mark.parametrize(
+    ("role", "message"),
+    [
+        ("reader:policy", "a reader may read every model"),
+        ("publisher:", "invalid model name ''"),
+        ("admin:policy,../etc", "invalid model name '../etc'"),
+        ("owner:policy", "unknown role 'owner'"),
+    ],
+)
+def test_bad_model_scopes_in_a_token_file_are_refused_with_the_line(tmp_path, role, message):
+    path = tmp_path / "tokens"
+    path.write_text(f"{role} someone {'t' * 20}\n")
+    with pytest.raises(InvalidRequest, match=message) as caught:
+        TokenTable.load(path)
+    assert str(path) in str(caught.value) and "t" * 20 not in str(caught.value)
 
 
 def raw_file() -> bytes:

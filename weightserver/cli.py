@@ -119,7 +119,8 @@ def command_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersActio
         type=Path,
         metavar="FILE",
         help="require bearer tokens listed in FILE, one 'ROLE NAME TOKEN' per line; roles: reader "
-        "(fetch/watch/list), publisher (+ publish), admin (+ delete/pin). Health checks need none",
+        "(fetch/watch/list), publisher (+ publish), admin (+ delete/pin); 'publisher:a,b' or 'admin:a,b' "
+        "may change only models a and b. Health checks need none",
     )
     serve.add_argument("--tls-cert", type=Path, metavar="PEM", help="serve TLS with this certificate chain")
     serve.add_argument("--tls-key", type=Path, metavar="PEM", help="private key of --tls-cert")

@@ -100,7 +100,9 @@ def _unary(method: F) -> F:
     @functools.wraps(method)
     async def wrapper(self: WeightServicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            self._authorize(context, method.__name__)
+            # The model a call changes (DeleteVersion, PinVersion) counts for model-scoped tokens;
+            # a Publish stream's headers are checked as they arrive.
+            self._authorize(context, method.__name__, getattr(request, "model", None))
             return await method(self, request, context)
         except Exception as error:
             await _abort(context, error)
@@ -163,10 +165,10 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         """Let the publish threads go (after the server stopped)."""
         self._publish_threads.shutdown(wait=False, cancel_futures=True)
 
-    def _authorize(self, context: grpc.aio.ServicerContext, method: str) -> None:
-        """With --auth-tokens, the caller's bearer token must allow `method` (raises otherwise)."""
+    def _authorize(self, context: grpc.aio.ServicerContext, method: str, model: str | None = None) -> None:
+        """With --auth-tokens, the caller's bearer token must allow `method` (on `model`)."""
         if self.tokens is not None:
-            self.tokens.authorize(context.invocation_metadata(), method)
+            self.tokens.authorize(context.invocation_metadata(), method, model)
 
     def _on_commit(self, record: Version) -> None:
         """Store listener: a commit may have evicted older versions of the model."""
@@ -226,11 +228,14 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         self, messages: AsyncIterator[pb.PublishRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.PublishRequest]:
         """The publish stream's messages, each header checked against the caller's token as it
-        arrives, before its bytes: pin=True pins the version, which needs the PinVersion role."""
+        arrives, before its bytes: its model must be one the token may publish, and pin=True
+        pins the version, which needs what PinVersion needs."""
         async for message in messages:
-            if self.tokens is not None and message.WhichOneof("kind") == "header" and message.header.pin:
+            if self.tokens is not None and message.WhichOneof("kind") == "header":
+                self._authorize(context, "Publish", message.header.model)
                 try:
-                    self._authorize(context, "PinVersion")
+                    if message.header.pin:
+                        self._authorize(context, "PinVersion", message.header.model)
                 except PermissionDenied as exc:
                     raise PermissionDenied(f"a publish with pin=True pins the version: {exc}") from None
             yield message
