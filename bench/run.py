@@ -37,6 +37,7 @@ ALIASES = {
     "updater_poll_asking": "updater_poll",
     "updater_poll_watch": "updater_poll",
     "publish_idle": "publish_under_fetch_load",
+    "publish_under_niced_fetch_load": "publish_under_fetch_load",
 }
 
 

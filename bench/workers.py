@@ -175,10 +175,12 @@ def memory_probe(
     client.close()
 
 
-def stream_fetch_load(address: str, model: str, fetchers: int, connections: int, stop: Any, results: Any) -> None:
+def stream_fetch_load(
+    address: str, model: str, fetchers: int, connections: int, stop: Any, results: Any, nice: int = 0
+) -> None:
     """`fetchers` collectors fetching the latest `model` over gRPC streams back to back, from
     one asyncio loop over `connections` channels (raw stubs: 200 Python clients in threads
-    would measure the GIL of this process, not the server).
+    would measure the GIL of this process, not the server), in a process at `nice`.
 
     Puts ("running", 0) once every fetcher has its first response, then, after `stop` is set
     and the fetches in flight ended, a list of (start time_ns, end time_ns, bytes, error or
@@ -186,6 +188,7 @@ def stream_fetch_load(address: str, model: str, fetchers: int, connections: int,
     """
     import asyncio
 
+    os.nice(nice)
     asyncio.run(_stream_fetch_load(address, model, fetchers, connections, stop, results))
 
 
