@@ -11,8 +11,9 @@ Make a token with ``python -c "import secrets; print(secrets.token_urlsafe(32))"
 ordered: `reader` may fetch, watch, describe and list; `publisher` may also publish;
 `admin` may also delete and pin (a publish with pin=True pins too: it needs `admin`). A
 `publisher` or `admin` role may be limited to some models, ``publisher:policy,critic``: it may
-publish, pin and delete only those (and read every model). Clients send ``authorization: Bearer <token>``. A missing or
-unknown token is UNAUTHENTICATED, a known token with too small a role PERMISSION_DENIED. Health
+publish, pin and delete only those (and read every model). Clients send
+``authorization: Bearer <token>``. A missing or unknown token is UNAUTHENTICATED, a known token
+with too small a role, or a scoped one on another model, PERMISSION_DENIED. Health
 checks and reflection need no token (they reveal nothing beyond the public .proto). Tokens are
 compared in constant time (a sha256 of each, compared with every entry) and never logged: the
 name stands for the token in logs.
