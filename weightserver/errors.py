@@ -41,6 +41,35 @@ if TYPE_CHECKING:
 ERROR_METADATA_KEY = "weightserver-error"
 # Call metadata a client may send to name itself in the server's logs (and metrics).
 CLIENT_ID_METADATA_KEY = "weightserver-client-id"
+# A status message travels in the call's trailers, whose size clients cap (gRPC: 8 KiB by
+# default, and between 8 and 16 KiB a random share of calls fail with RESOURCE_EXHAUSTED
+# instead of their own status). Messages quote a caller's input cut to CLIPPED_REPR_CHARS,
+# and the server cuts any message to MAX_STATUS_MESSAGE_BYTES (3 KiB once percent-encoded).
+CLIPPED_REPR_CHARS = 100
+MAX_STATUS_MESSAGE_BYTES = 1024
+
+
+def clipped_repr(value: object, limit: int = CLIPPED_REPR_CHARS) -> str:
+    """`value` as an error message quotes it: its repr, cut to `limit` characters and followed
+    by its length when longer, so an oversized input never comes back whole.
+
+    >>> clipped_repr("x" * 1000, limit=8)
+    "'xxxxxxx...(1000 chars)"
+    """
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    size = f"{len(value)} chars" if isinstance(value, str) else f"{len(text)} chars written out"
+    return f"{text[:limit]}...({size})"
+
+
+def clipped_message(message: str, limit: int = MAX_STATUS_MESSAGE_BYTES) -> str:
+    """`message` in at most `limit` UTF-8 bytes: the server's last guard on what it sends."""
+    encoded = message.encode()
+    if len(encoded) <= limit:
+        return message
+    tail = f"...(message cut from {len(encoded)} bytes)"
+    return encoded[: limit - len(tail)].decode("utf-8", "ignore") + tail
 
 
 class WeightServerError(Exception):

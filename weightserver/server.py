@@ -255,6 +255,7 @@ class WeightServer:
         log.info("shutting down (grace %.1fs)", self._grace)
         await health.enter_graceful_shutdown()
         await server.stop(self._grace)
+        servicer.close()
         log.info("stopped")
 
 

@@ -49,6 +49,7 @@ from weightserver.errors import (
     VersionEvicted,
     VersionNotFound,
     VersionTooLarge,
+    clipped_repr,
 )
 from weightserver.payloads import tensor_digests, xxh3_hex
 from weightserver.safetensors_format import SafetensorsHeader, parse_header
@@ -70,7 +71,7 @@ def validate_model_name(model: str) -> str:
     under --data-dir, so the rules (in the error message) keep them inside it."""
     if not isinstance(model, str) or not _MODEL_NAME.fullmatch(model) or ".." in model:
         raise InvalidModelName(
-            f"invalid model name {model!r}: use 1-128 characters from A-Z a-z 0-9 . _ -, "
+            f"invalid model name {clipped_repr(model)}: use 1-128 characters from A-Z a-z 0-9 . _ -, "
             "not starting with '.' or '-' and without '..'"
         )
     return model
