@@ -11,6 +11,7 @@ import queue
 import threading
 from collections.abc import Callable, Iterator
 
+import grpc
 import pytest
 import torch
 
@@ -292,3 +293,27 @@ def test_watch_deadline_ends_the_stream(client, subscriptions) -> None:
     with pytest.raises(DeadlineExceeded):
         next(events)
     subscriptions.wait_for(lambda s: s.active == 0 and s.total == 1)
+
+
+def test_stopping_the_server_ends_open_watches_with_unavailable_and_logs_no_error(caplog) -> None:
+    """A server stopping with watchers subscribed ends their streams with UNAVAILABLE (so they
+    resubscribe) instead of leaving gRPC to cancel the handlers, which logged an ERROR each."""
+    from weightserver import ServerConfig
+    from weightserver.v1 import weights_pb2 as pb
+    from weightserver.v1 import weights_pb2_grpc as pb_grpc
+
+    server = WeightServer(ServerConfig(host="127.0.0.1", port=0, shm_dir=None, bulk_port=None)).start()
+    channel = grpc.insecure_channel(server.address)
+    streams = [pb_grpc.WeightServiceStub(channel).Watch(pb.WatchRequest(model=MODEL), timeout=WATCH_DEADLINE)]
+    streams.append(pb_grpc.WeightServiceStub(channel).Watch(pb.WatchRequest(model="critic"), timeout=WATCH_DEADLINE))
+    for stream in streams:
+        stream.initial_metadata()  # subscribed
+    with caplog.at_level("ERROR"):
+        server.stop(grace=5)
+    for stream in streams:
+        with pytest.raises(grpc.RpcError) as raised:
+            next(stream)
+        assert raised.value.code() == grpc.StatusCode.UNAVAILABLE, raised.value
+        assert "shutting down" in raised.value.details()
+    channel.close()
+    assert [r.getMessage() for r in caplog.records if r.levelno >= 40] == []

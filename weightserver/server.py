@@ -254,6 +254,7 @@ class WeightServer:
         await self._stop_requested.wait()
         log.info("shutting down (grace %.1fs)", self._grace)
         await health.enter_graceful_shutdown()
+        servicer.end_watches()
         await server.stop(self._grace)
         servicer.close()
         log.info("stopped")

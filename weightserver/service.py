@@ -32,6 +32,7 @@ from weightserver.errors import (
     IntegrityError,
     InvalidRequest,
     PermissionDenied,
+    ServerUnavailable,
     WeightServerError,
     clipped_message,
     clipped_repr,
@@ -148,6 +149,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         self.bulk = bulk
         self.shared_memory = shared_memory
         self.metrics = metrics or NoMetrics()
+        self._watch_queues: set[asyncio.Queue[Version | None]] = set()
         self._stream_turns = asyncio.Semaphore(config.max_stream_fetches)
         self._publish_threads = ThreadPoolExecutor(PUBLISH_THREADS, thread_name_prefix="weightserver-publish")
         # The fast transports this server offers to Negotiate, in no order: the caller's decides.
@@ -502,7 +504,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
     ) -> AsyncIterator[pb.VersionEvent]:
         model = validate_model_name(request.model)
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[Version] = asyncio.Queue()
+        queue: asyncio.Queue[Version | None] = asyncio.Queue()  # None: the server is stopping
 
         def on_commit(record: Version) -> None:
             if record.model == model:
@@ -512,6 +514,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         # Subscribe before reading the backlog so no version can land between the two.
         unsubscribe = self.store.subscribe(on_commit)
         self.metrics.watch_started(model)
+        self._watch_queues.add(queue)
         try:
             backlog, gap = self.store.versions_after(model, request.since)
             last = request.since
@@ -525,6 +528,8 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
                 last = record.version
             while True:
                 record = await queue.get()
+                if record is None:
+                    raise ServerUnavailable("the server is shutting down; resubscribe with since=<last version seen>")
                 if record.version <= last:
                     continue
                 # With an empty backlog the gap is reported on the first live event.
@@ -532,8 +537,16 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
                 gap = False
                 last = record.version
         finally:
+            self._watch_queues.discard(queue)
             unsubscribe()
             self.metrics.watch_ended(model)
+
+    def end_watches(self) -> None:
+        """End every Watch stream with UNAVAILABLE, so that watchers resubscribe (to this server
+        once it is back, or another) instead of being cancelled mid-call at shutdown. Call it on
+        the server's event loop."""
+        for queue in self._watch_queues:
+            queue.put_nowait(None)
 
 
 class _IncomingModel:
