@@ -9,10 +9,16 @@ and falls back to streaming if it cannot open it or the digest differs.
 Beside each version's own file lies its header (the layout is in weightserver.shm_layout): a
 client that has been handed one version of a model can then read any later version it names,
 digests included, without a round trip.
+
+Every file's space is reserved before a byte is written (posix_fallocate): a store to a page
+that a full tmpfs cannot back kills the process with SIGBUS. When the folder is full, a publish
+is received into memory instead and a fetch is offered the next transport; the publish and the
+fetch still succeed, and one warning says how to give the folder more room.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import os
@@ -44,13 +50,35 @@ def server_shm_dir(port: int, root: Path | None = None) -> Path | None:
 
 
 def _write_file(path: Path, data: bytes | bytearray | memoryview, mode: int) -> None:
-    """Write `path` whole with `mode` (temp file + rename: a reader never sees part of it)."""
+    """Write `path` whole with `mode` (temp file + rename: a reader never sees part of it).
+    OSError (ENOSPC) before anything is written when the folder has no room for it."""
     tmp = path.with_name(path.name + ".tmp")
     tmp.unlink(missing_ok=True)  # left by a crash, and read-only if it was a header's
-    with open(tmp, "wb") as f:
-        f.write(memoryview(data))
-    os.chmod(tmp, mode)
-    tmp.replace(path)
+    try:
+        with open(tmp, "wb") as f:
+            view = memoryview(data)
+            _reserve(f.fileno(), view.nbytes)
+            f.write(view)
+        os.chmod(tmp, mode)
+        tmp.replace(path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _reserve(fd: int, size: int) -> None:
+    """Allocate `size` bytes of the file `fd` now, not page by page as they are written."""
+    if size:
+        os.posix_fallocate(fd, 0, size)
+
+
+def _usage(directory: Path) -> str:
+    """'64.0 MiB, 3.2 MiB free': the size of the file system holding `directory`."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return "size unknown"
+    return f"{st.f_blocks * st.f_frsize / 2**20:.1f} MiB, {st.f_bavail * st.f_frsize / 2**20:.1f} MiB free"
 
 
 def _alive(pid: int) -> bool:
@@ -69,14 +97,16 @@ class SharedMemoryFiles:
         self.directory.mkdir(mode=FOLDER_MODE, parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._files: dict[tuple[str, int, int, str], Path] = {}
+        self._warned = False  # about a full folder, once per server
 
     def existing(self, key: tuple[str, int, int, str]) -> Path | None:
         """The file of payload `key` if it was written already."""
         with self._lock:
             return self._files.get(key)
 
-    def path_for(self, key: tuple[str, int, int, str], data: bytes | bytearray | memoryview) -> Path:
-        """The file holding `data` for payload `key` (model, version, base, dtype), written once."""
+    def path_for(self, key: tuple[str, int, int, str], data: bytes | bytearray | memoryview) -> Path | None:
+        """The file holding `data` for payload `key` (model, version, base, dtype), written
+        once; None when it cannot be written (the folder is full): offer another transport."""
         with self._lock:
             path = self._files.get(key)
             if path is not None and path.exists():
@@ -84,18 +114,26 @@ class SharedMemoryFiles:
             model, version, base, dtype = key
             suffix = (f"-delta{base}" if base else "") + (f"-{dtype}" if dtype else "")
             path = self.directory / model / version_file_name(version, suffix)
-            path.parent.mkdir(mode=FOLDER_MODE, exist_ok=True)
-            _write_file(path, data, 0o644)
+            try:
+                path.parent.mkdir(mode=FOLDER_MODE, exist_ok=True)
+                _write_file(path, data, 0o644)
+            except OSError as exc:
+                self._cannot_write(f"{model!r} v{version}", len(data), exc, "this fetch uses bulk TCP or the stream")
+                return None
             self._files[key] = path
             return path
 
-    def new_upload(self, model: str, size: int) -> SharedMemoryUpload:
+    def new_upload(self, model: str, size: int) -> SharedMemoryUpload | None:
         """A fresh file of `size` bytes, mapped writable, for a publish to receive into: the
-        version's bytes then live in shared memory from the start (no extra copy)."""
-        directory = self.directory / model
-        directory.mkdir(mode=FOLDER_MODE, parents=True, exist_ok=True)
-        path = directory / f"upload-{secrets.token_hex(8)}.tmp"
-        return SharedMemoryUpload(path, size)
+        version's bytes then live in shared memory from the start (no extra copy). None when
+        the folder has no room: the publish is received into memory instead."""
+        path = self.directory / model / f"upload-{secrets.token_hex(8)}.tmp"
+        try:
+            path.parent.mkdir(mode=FOLDER_MODE, parents=True, exist_ok=True)
+            return SharedMemoryUpload(path, size)
+        except OSError as exc:
+            self._cannot_write(f"a publish of {model!r}", size, exc, "it is received into memory instead")
+            return None
 
     def adopt(self, key: tuple[str, int, int, str], upload: SharedMemoryUpload) -> None:
         """Make a committed upload's file the payload file of `key`."""
@@ -114,8 +152,13 @@ class SharedMemoryFiles:
             if (model, version, 0, "") not in self._files:
                 return
             content = header()
-            if content is not None:
+            if content is None:
+                return
+            try:
                 _write_file(self.directory / model / header_file_name(version), content, 0o444)
+            except OSError as exc:
+                # Without its header a version is not read directly: clients ask the server.
+                self._cannot_write(f"the header of {model!r} v{version}", len(content), exc, "clients ask the server")
 
     def keys(self) -> list[tuple[str, int, int, str]]:
         with self._lock:
@@ -133,17 +176,46 @@ class SharedMemoryFiles:
     def close(self) -> None:
         shutil.rmtree(self.directory, ignore_errors=True)
 
+    def _cannot_write(self, what: str, size: int, exc: OSError, instead: str) -> None:
+        """Log that `what` found no room (a warning the first time, with what to do about it)."""
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            log.warning("cannot write %s (%d bytes) in %s: %s; %s", what, size, self.directory, exc, instead)
+            return
+        if self._warned:
+            log.debug("shared memory full: no room for %s (%d bytes); %s", what, size, instead)
+            return
+        self._warned = True
+        log.warning(
+            "shared-memory folder %s is full (%s): no room for %s (%d bytes), so %s. Same-host "
+            "fetches fall back to bulk TCP or the stream until there is room. It needs about "
+            "(--keep + 1) x the model's size, plus derived payloads (deltas, casts): give it more "
+            "(`shm_size` in compose, `docker run --shm-size`), point --shm-dir at a larger tmpfs, or "
+            "turn it off with --no-shm. This warning is logged once.",
+            self.directory,
+            _usage(self.directory),
+            what,
+            size,
+            instead,
+        )
+
 
 class SharedMemoryUpload:
     """A publish's receive buffer backed by a file in the shared-memory directory."""
 
     def __init__(self, path: Path, size: int) -> None:
+        """OSError (ENOSPC) when the folder has no room for `size` bytes; no file is left."""
         self.path = path
-        with open(path, "w+b") as f:
-            os.chmod(path, 0o644)
-            f.truncate(size)
-            # A zero-length file cannot be mapped; an empty upload gets a plain buffer.
-            self.buffer: memoryview = memoryview(mmap.mmap(f.fileno(), size)) if size else memoryview(bytearray())
+        try:
+            with open(path, "w+b") as f:
+                os.chmod(path, 0o644)
+                # Allocated now: pages of a sparse file would be allocated as the chunks arrive,
+                # and one that a full tmpfs cannot back is a SIGBUS, not an error.
+                _reserve(f.fileno(), size)
+                # A zero-length file cannot be mapped; an empty upload gets a plain buffer.
+                self.buffer: memoryview = memoryview(mmap.mmap(f.fileno(), size)) if size else memoryview(bytearray())
+        except OSError:
+            path.unlink(missing_ok=True)
+            raise
 
     def abort(self) -> None:
         self.path.unlink(missing_ok=True)
