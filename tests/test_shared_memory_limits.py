@@ -5,7 +5,10 @@ servers in other PID namespaces sharing one /dev/shm (none may remove a live ser
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,7 +16,7 @@ import pytest
 import torch
 
 from weightclient import WeightClient
-from weightserver.process import ServerProcess
+from weightserver.process import ServerProcess, wait_serving
 
 MiB = 1 << 20
 MODEL = "policy"
@@ -101,3 +104,96 @@ def test_a_version_larger_than_the_shm_tmpfs_is_published_and_fetched_over_the_n
         leftovers = [p.name for p in root.rglob("*.tmp")]
         assert leftovers == [], leftovers  # no half-written file stays behind
     assert server.log().count(FULL_WARNING) == 1
+
+
+# ---------------------------------------------------------------------- other PID namespaces
+def server_folder(root: Path, pid: int) -> Path:
+    (folder,) = root.glob(f"weightserver-*-{pid}")
+    return folder
+
+
+def start_in_new_pid_namespace(root: Path, workdir: Path) -> subprocess.Popen:
+    """`weightserver serve` under `unshare --pid --fork --mount-proc` (a container's view: no
+    other process is visible), sharing `root`; returns once it serves."""
+    port_file = workdir / "port"
+    command = [
+        "unshare", "--pid", "--fork", "--mount-proc", "--kill-child",
+        sys.executable, "-m", "weightserver", "serve", "--host", "127.0.0.1", "--port", "0",
+        "--port-file", str(port_file), "--shm-dir", str(root), "--log-level", "info",
+    ]  # fmt: skip
+    with open(workdir / "server.log", "ab") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 30
+    while not port_file.exists():
+        assert process.poll() is None, (workdir / "server.log").read_text()
+        assert time.monotonic() < deadline, "the namespaced server did not start"
+        time.sleep(0.02)
+    wait_serving(f"127.0.0.1:{int(port_file.read_text())}", deadline)
+    return process
+
+
+def stop_namespaced(process: subprocess.Popen) -> None:
+    """SIGTERM the server under `unshare` (unshare forwards no signal) and wait for both."""
+    children = Path(f"/proc/{process.pid}/task/{process.pid}/children")
+    for pid in children.read_text().split() if children.exists() else ():
+        os.kill(int(pid), signal.SIGTERM)
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        process.kill()  # the server, pid 1 of its namespace, dies with it (--fork, --kill-child)
+        process.wait()
+        raise
+
+
+def test_a_server_in_another_pid_namespace_leaves_a_live_servers_folder_alone(tmp_path):
+    """Server A runs; server C is SIGKILLed; server B starts in its own PID namespace on the
+    same shared-memory root. B removes C's folder (nobody holds its lock) but not A's, and A
+    still serves shared-memory fetches. Before the fix B judged by PID, saw no process A in its
+    namespace, and deleted A's live folder."""
+    require_root("unshare --pid")
+    root = tmp_path / "shm"
+    root.mkdir()
+    expected = weights(1, MiB)["w"]
+    with ServerProcess("--shm-dir", str(root)) as a, WeightClient(a.address) as client:
+        client.publish(weights(1, MiB), model=MODEL)
+        assert client.fetch(MODEL, transport="shm", timeout=30).stats.transport == "shm"
+        a_folder = server_folder(root, a.process.pid)
+        a_file = a_folder / MODEL / f"{1:012d}.safetensors"
+        assert a_file.exists()
+
+        killed = ServerProcess("--shm-dir", str(root)).start()
+        with WeightClient(killed.address) as c:
+            c.publish(weights(2, MiB), model=MODEL)
+        killed_folder = server_folder(root, killed.process.pid)
+        killed.kill()
+        assert killed_folder.exists()  # SIGKILL: no chance to clean up
+
+        b = start_in_new_pid_namespace(root, tmp_path)
+        try:
+            assert not killed_folder.exists(), "the SIGKILLed server's folder was not swept"
+            assert a_folder.exists() and a_file.exists(), "a live server's folder was removed"
+            with WeightClient(a.address) as other:
+                result = other.fetch(MODEL, version=1, transport="shm", timeout=30)
+                assert result.stats.transport == "shm" and torch.equal(result.tensors["w"], expected)
+                assert other.publish(weights(3, MiB), model=MODEL) == 2
+                assert other.fetch(MODEL, version=2, transport="shm", timeout=30).stats.transport == "shm"
+            (b_folder,) = set(root.glob("weightserver-*")) - {a_folder}
+            assert (b_folder / ".lock").exists()
+        finally:
+            stop_namespaced(b)
+        assert not b_folder.exists()  # a clean stop removes its own folder
+        assert a_folder.exists()
+    assert not a_folder.exists()
+
+
+def test_a_folder_without_a_lock_file_is_left_alone(tmp_path):
+    """A folder of a server from a release without lock files (alive or not, its PID means
+    nothing in another namespace) is not removed; the log names it."""
+    root = tmp_path / "shm"
+    legacy = root / "weightserver-50051-0123abcd-999999"
+    (legacy / MODEL).mkdir(parents=True)
+    (legacy / MODEL / f"{1:012d}.safetensors").write_bytes(b"x")
+    with ServerProcess("--shm-dir", str(root)) as server:
+        assert legacy.exists()
+        assert (legacy / MODEL / f"{1:012d}.safetensors").exists()
+    assert "without a lock file" in server.log() and legacy.name in server.log()

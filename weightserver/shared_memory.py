@@ -19,6 +19,7 @@ fetch still succeed, and one warning says how to give the folder more room.
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import mmap
 import os
@@ -32,6 +33,10 @@ from weightserver.shm_layout import FOLDER_MODE, header_file_name, version_file_
 
 log = logging.getLogger(__name__)
 
+# In a server's folder, beside the model folders (a model name cannot start with "."): the file
+# its server holds an exclusive flock on while it runs.
+LOCK_FILE = ".lock"
+
 
 def server_shm_dir(port: int, root: Path | None = None) -> Path | None:
     """This server's own directory, <root>/weightserver-<port>-<random>-<pid> (unique even for
@@ -41,12 +46,46 @@ def server_shm_dir(port: int, root: Path | None = None) -> Path | None:
     if not root.is_dir():
         log.warning("shared-memory directory %s does not exist; same-host fetches will stream", root)
         return None
-    for stale in root.glob("weightserver-*-*"):
-        pid = stale.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not _alive(int(pid)):
-            log.info("removing %s, left by a server that is gone", stale)
-            shutil.rmtree(stale, ignore_errors=True)
+    _remove_abandoned(root)
     return root / f"weightserver-{port}-{secrets.token_hex(4)}-{os.getpid()}"
+
+
+def _remove_abandoned(root: Path) -> None:
+    """Remove the folders under `root` whose server is gone: those whose lock file nobody holds.
+
+    A running server holds flock(LOCK_EX) on its folder's LOCK_FILE for its whole life, and the
+    kernel drops the lock when the process dies, however it dies. Unlike a PID, a lock means the
+    same thing to servers in other PID namespaces (containers) sharing this /dev/shm. A folder
+    without a lock file is left alone: it is a server's of an older release (alive or not, no
+    one here can tell) or one being created this instant (the lock file follows the mkdir)."""
+    unlocked = []
+    for folder in root.glob("weightserver-*-*"):
+        try:
+            fd = os.open(folder / LOCK_FILE, os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            if folder.is_dir() and not folder.is_symlink():
+                unlocked.append(folder.name)
+            continue
+        except OSError:
+            continue  # another user's, or not a folder: not ours to judge
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue  # its server is running
+        try:
+            log.info("removing %s, left by a server that is gone", folder)
+            shutil.rmtree(folder, ignore_errors=True)
+        finally:
+            os.close(fd)
+    if unlocked:
+        log.info(
+            "leaving %d folder(s) without a lock file in %s (%s): servers of an older release, maybe "
+            "still running; remove them by hand once those servers are gone",
+            len(unlocked),
+            root,
+            ", ".join(sorted(unlocked)[:5]) + (", ..." if len(unlocked) > 5 else ""),
+        )
 
 
 def _write_file(path: Path, data: bytes | bytearray | memoryview, mode: int) -> None:
@@ -81,20 +120,13 @@ def _usage(directory: Path) -> str:
     return f"{st.f_blocks * st.f_frsize / 2**20:.1f} MiB, {st.f_bavail * st.f_frsize / 2**20:.1f} MiB free"
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 class SharedMemoryFiles:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self.directory.mkdir(mode=FOLDER_MODE, parents=True, exist_ok=True)
+        # Held until close() or the process's end: while it is, no other server removes the folder.
+        self._lock_fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         self._lock = threading.Lock()
         self._files: dict[tuple[str, int, int, str], Path] = {}
         self._warned = False  # about a full folder, once per server
@@ -175,6 +207,9 @@ class SharedMemoryFiles:
 
     def close(self) -> None:
         shutil.rmtree(self.directory, ignore_errors=True)
+        if self._lock_fd >= 0:  # released only once the folder is gone
+            os.close(self._lock_fd)
+            self._lock_fd = -1
 
     def _cannot_write(self, what: str, size: int, exc: OSError, instead: str) -> None:
         """Log that `what` found no room (a warning the first time, with what to do about it)."""
