@@ -5,18 +5,16 @@ servers in other PID namespaces sharing one /dev/shm (none may remove a live ser
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from launch import PrefixedServer
 
 from weightclient import WeightClient
-from weightserver.process import ServerProcess, wait_serving
+from weightserver.process import ServerProcess
 
 MiB = 1 << 20
 MODEL = "policy"
@@ -112,39 +110,6 @@ def server_folder(root: Path, pid: int) -> Path:
     return folder
 
 
-def start_in_new_pid_namespace(root: Path, workdir: Path) -> subprocess.Popen:
-    """`weightserver serve` under `unshare --pid --fork --mount-proc` (a container's view: no
-    other process is visible), sharing `root`; returns once it serves."""
-    port_file = workdir / "port"
-    command = [
-        "unshare", "--pid", "--fork", "--mount-proc", "--kill-child",
-        sys.executable, "-m", "weightserver", "serve", "--host", "127.0.0.1", "--port", "0",
-        "--port-file", str(port_file), "--shm-dir", str(root), "--log-level", "info",
-    ]  # fmt: skip
-    with open(workdir / "server.log", "ab") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 30
-    while not port_file.exists():
-        assert process.poll() is None, (workdir / "server.log").read_text()
-        assert time.monotonic() < deadline, "the namespaced server did not start"
-        time.sleep(0.02)
-    wait_serving(f"127.0.0.1:{int(port_file.read_text())}", deadline)
-    return process
-
-
-def stop_namespaced(process: subprocess.Popen) -> None:
-    """SIGTERM the server under `unshare` (unshare forwards no signal) and wait for both."""
-    children = Path(f"/proc/{process.pid}/task/{process.pid}/children")
-    for pid in children.read_text().split() if children.exists() else ():
-        os.kill(int(pid), signal.SIGTERM)
-    try:
-        process.wait(30)
-    except subprocess.TimeoutExpired:
-        process.kill()  # the server, pid 1 of its namespace, dies with it (--fork, --kill-child)
-        process.wait()
-        raise
-
-
 def test_a_server_in_another_pid_namespace_leaves_a_live_servers_folder_alone(tmp_path):
     """Server A runs; server C is SIGKILLed; server B starts in its own PID namespace on the
     same shared-memory root. B removes C's folder (nobody holds its lock) but not A's, and A
@@ -168,7 +133,9 @@ def test_a_server_in_another_pid_namespace_leaves_a_live_servers_folder_alone(tm
         killed.kill()
         assert killed_folder.exists()  # SIGKILL: no chance to clean up
 
-        b = start_in_new_pid_namespace(root, tmp_path)
+        # A container's view: no other process is visible.
+        unshare = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]
+        b = PrefixedServer(tmp_path / "b", "--shm-dir", str(root), prefix=unshare)
         try:
             assert not killed_folder.exists(), "the SIGKILLed server's folder was not swept"
             assert a_folder.exists() and a_file.exists(), "a live server's folder was removed"
@@ -180,7 +147,7 @@ def test_a_server_in_another_pid_namespace_leaves_a_live_servers_folder_alone(tm
             (b_folder,) = set(root.glob("weightserver-*")) - {a_folder}
             assert (b_folder / ".lock").exists()
         finally:
-            stop_namespaced(b)
+            assert b.stop() == 0, b.log()
         assert not b_folder.exists()  # a clean stop removes its own folder
         assert a_folder.exists()
     assert not a_folder.exists()
