@@ -8,7 +8,9 @@ from __future__ import annotations
 import contextlib
 import os
 import resource
+import signal
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,8 +21,10 @@ import torch
 from launch import PrefixedServer
 from waiting import wait_until
 
+import weightclient.transports.bulk as bulk_transport
 import weightserver.bulk as bulk
 from weightclient import WeightClient
+from weightserver.errors import DeadlineExceeded
 from weightserver.process import ServerProcess
 from weightserver.v1 import weights_pb2 as pb
 from weightserver.v1 import weights_pb2_grpc as pb_grpc
@@ -218,6 +222,21 @@ def test_idle_bulk_connections_under_a_pids_limit_leave_the_server_serving(pids_
         server.stop()
 
 
+def test_a_bulk_port_that_never_answers_sends_the_fetch_to_the_stream_promptly(make_server):
+    """Tickets name a port whose connections are never served (a wedged accept loop, a full
+    backlog). Before the fix the client waited 30 s for the first byte; now FIRST_BYTE_TIMEOUT."""
+    srv = make_server(shm_dir=None)
+    with socket.create_server(("127.0.0.1", 0), backlog=16) as black_hole, WeightClient(srv.address) as client:
+        client.publish(weights(1, MiB), model=MODEL)
+        srv.bulk.port = black_hole.getsockname()[1]  # listening, never accepting
+        started = time.monotonic()
+        result = client.fetch(MODEL, transport="bulk", timeout=60)
+        seconds = time.monotonic() - started
+        assert result.stats.transport == "stream" and torch.equal(result.tensors["w"], weights(1, MiB)["w"])
+        assert seconds < bulk_transport.FIRST_BYTE_TIMEOUT + 3, seconds
+        assert client._bulk._socket is None  # dropped
+
+
 def test_silent_idle_and_stalled_bulk_connections_are_dropped(make_server, monkeypatch, caplog):
     """A connection that sends no ticket, one idle after its transfer, and one whose reader
     takes nothing: each is closed by the server after its limit and frees its place."""
@@ -246,3 +265,71 @@ def test_silent_idle_and_stalled_bulk_connections_are_dropped(make_server, monke
             wait_until(lambda: srv.bulk.connections == 1, timeout=5)
             wait_until(lambda: srv.bulk.connections == 0, timeout=5)
     assert "stalled" in caplog.text
+
+
+# ---------------------------------------------------------------------- item 7: deadlines
+class SlowSocket(socket.socket):
+    """A client socket that reads at most 1 MiB per call, 50 per second, and stops the server
+    (SIGSTOP) once `stop_after` bytes have arrived."""
+
+    server_pid = 0
+    stop_after = 0
+    received = 0
+
+    def recv_into(self, buffer, nbytes=0, flags=0):  # type: ignore[override]
+        view = memoryview(buffer)[: min(len(memoryview(buffer)), 1 * MiB)]
+        time.sleep(0.02)
+        n = super().recv_into(view, 0, flags)
+        SlowSocket.received += n
+        if SlowSocket.received >= SlowSocket.stop_after and SlowSocket.server_pid:
+            os.kill(SlowSocket.server_pid, signal.SIGSTOP)
+            SlowSocket.server_pid = 0
+        return n
+
+
+def test_a_bulk_fetch_ends_at_its_deadline_when_the_server_stops_mid_transfer(monkeypatch):
+    """The server is stopped (SIGSTOP) after 8 MiB of a 64 MiB bulk transfer. Before the fix
+    fetch_bytes(timeout=3) waited 30 s per recv, then fell back to a stream with a fresh 3 s.
+    Now it raises DeadlineExceeded at 3 s, drops the connection, and works again after SIGCONT."""
+    server = ServerProcess("--no-shm").start()
+    try:
+        with WeightClient(server.address) as client:
+            client.publish(weights(1, 64 * MiB), model=MODEL)
+            connect = bulk_transport._connect
+
+            def slow_connect(*args):
+                conn = connect(*args)
+                timeout = conn.gettimeout()
+                slow = SlowSocket(conn.family, conn.type, conn.proto, fileno=conn.detach())
+                slow.settimeout(timeout)
+                return slow
+
+            monkeypatch.setattr(bulk_transport, "_connect", slow_connect)
+            SlowSocket.server_pid, SlowSocket.stop_after = server.process.pid, 8 * MiB
+            outcome: list[object] = []
+
+            def fetch() -> None:
+                started = time.monotonic()
+                try:
+                    outcome.append(client.fetch_bytes(MODEL, transport="bulk", timeout=3))
+                except Exception as exc:
+                    outcome.append(exc)
+                outcome.append(time.monotonic() - started)
+
+            fetcher = threading.Thread(target=fetch, daemon=True)
+            fetcher.start()
+            fetcher.join(timeout=6)
+            assert not fetcher.is_alive(), "the fetch is still blocked 6 s into a 3 s timeout"
+            error, seconds = outcome
+            assert isinstance(error, DeadlineExceeded), error
+            assert 2.5 < seconds < 4.0, seconds
+            assert "bulk" in str(error) and client._bulk._socket is None
+            assert SlowSocket.server_pid == 0  # the server was stopped mid-transfer
+
+            os.kill(server.process.pid, signal.SIGCONT)
+            monkeypatch.setattr(bulk_transport, "_connect", connect)
+            result = client.fetch(MODEL, transport="bulk", timeout=30)
+            assert result.stats.transport == "bulk" and torch.equal(result.tensors["w"], weights(1, 64 * MiB)["w"])
+    finally:
+        os.kill(server.process.pid, signal.SIGCONT)
+        server.stop(timeout=30)
