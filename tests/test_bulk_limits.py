@@ -139,8 +139,10 @@ def test_bulk_max_connections_is_a_serve_flag():
     with ServerProcess("--no-shm", "--bulk-max-connections", "3") as server, WeightClient(server.address) as client:
         client.publish(weights(1, MiB), model=MODEL)
         port = bulk_port_of(server.address)
-        with idle_connections(port, 3):
+        time.sleep(0.3)  # the server notices that the connection of bulk_port_of's client closed
+        with idle_connections(port, 4) as conns:
             time.sleep(0.2)
+            assert sum(closed_by_peer(c) for c in conns) + 4 - len(conns) == 1  # the fourth
             used, seconds, _ = fetch_timed(server.address)
             assert used == "stream" and seconds < 3
         wait_until(lambda: fetch_timed(server.address)[0] == "bulk", timeout=10)

@@ -114,10 +114,9 @@ class BulkEndpoint:
         while True:
             try:
                 conn, peer = await loop.sock_accept(self._socket)
-            except asyncio.CancelledError:
-                raise
             except Exception as exc:  # EMFILE, ENFILE, ENOBUFS, ...: keep serving
-                log.warning("bulk: accept failed (%s); retrying in %.2fs", exc, pause)
+                first = pause == ACCEPT_RETRY_SECONDS[0]  # of a run of failures: warn once per run
+                log.log(logging.WARNING if first else logging.DEBUG, "bulk: accept failed (%s); retrying", exc)
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, ACCEPT_RETRY_SECONDS[1])
                 continue
