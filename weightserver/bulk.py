@@ -8,12 +8,13 @@ client). A client keeps its connection for the next ticket. Tickets are random, 
 name one payload; an unknown ticket gets the connection closed with nothing sent.
 
 The port is unauthenticated (a ticket is the capability), so what one peer can hold is
-bounded: one asyncio event loop in one thread serves every connection (no thread per
-connection); at most `max_connections` are open, and one over the cap is closed at once (the
-client falls back to the gRPC stream); a new connection must send its ticket within
-FIRST_TICKET_SECONDS, a kept one its next within IDLE_CONNECTION_SECONDS, and a reader that
-takes nothing for SEND_STALL_SECONDS is dropped. An accept that fails (out of file
-descriptors) is retried; nothing stops the loop but close().
+bounded: a few asyncio event loops, each in its own thread (LOOPS: one per core, at most 8,
+since a send's copy into the kernel costs the sending thread's CPU), serve every connection;
+there is no thread per connection. At most `max_connections` are open, and one over the cap
+is reset at once (the client falls back to the gRPC stream); a new connection must send its
+ticket within FIRST_TICKET_SECONDS, a kept one its next within IDLE_CONNECTION_SECONDS, and
+a reader that takes nothing for SEND_STALL_SECONDS is dropped. An accept that fails (out of
+file descriptors) is retried; nothing stops the loops but close().
 """
 
 from __future__ import annotations
@@ -21,12 +22,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import secrets
 import socket
 import struct
 import threading
 import time
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +43,7 @@ IDLE_CONNECTION_SECONDS = 120.0
 SEND_STALL_SECONDS = 30.0
 ACCEPT_RETRY_SECONDS = (0.05, 1.0)  # after a failed accept: first pause, longest pause
 REFUSED_LOG_SECONDS = 60.0  # at most one warning this often about connections over the cap
+LOOPS = min(8, os.cpu_count() or 1)
 
 
 @dataclass
@@ -49,7 +54,7 @@ class _Pending:
 
 
 class BulkEndpoint:
-    """Serves ticketed payloads on `host:port` (port 0 picks a free one) from one thread."""
+    """Serves ticketed payloads on `host:port` (port 0 picks a free one) from LOOPS threads."""
 
     def __init__(self, host: str, port: int = 0, *, max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
         if max_connections < 1:
@@ -63,19 +68,17 @@ class BulkEndpoint:
         self.port: int = self._socket.getsockname()[1]
         self.max_connections = max_connections
         self._tickets: dict[bytes, _Pending] = {}
-        self._lock = threading.Lock()
-        self._connections: set[asyncio.Task[None]] = set()
-        self.refused = 0  # connections closed at once because `max_connections` were open
+        self._lock = threading.Lock()  # guards the tickets and each loop's connection count
+        self.refused = 0  # connections reset at once because `max_connections` were open
         self._refused_logged = (0, -REFUSED_LOG_SECONDS)  # (refused, when) at the last warning
-        self._loop = asyncio.new_event_loop()
-        self._stopping = asyncio.Event()
-        self._thread = threading.Thread(target=self._run, name="weightserver-bulk", daemon=True)
-        self._thread.start()
+        self._loops = [_Loop(f"weightserver-bulk-{i}") for i in range(LOOPS)]
+        self._loops[0].start(self._accept_loop)
 
     @property
     def connections(self) -> int:
         """Connections open now."""
-        return len(self._connections)
+        with self._lock:
+            return sum(loop.connections for loop in self._loops)
 
     def issue(self, data: bytes | bytearray | memoryview, label: str = "") -> bytes:
         """A ticket that delivers `data` once, within TICKET_TTL_SECONDS."""
@@ -89,24 +92,9 @@ class BulkEndpoint:
 
     def close(self) -> None:
         """Stop accepting, drop every connection (a transfer in flight is cut) and the port."""
-        with contextlib.suppress(RuntimeError):  # the loop is closed already
-            self._loop.call_soon_threadsafe(self._stopping.set)
-        self._thread.join(timeout=5)
-
-    def _run(self) -> None:
-        try:
-            self._loop.run_until_complete(self._serve())
-        finally:
-            self._socket.close()
-            self._loop.close()
-
-    async def _serve(self) -> None:
-        accepting = asyncio.create_task(self._accept_loop())
-        await self._stopping.wait()
-        tasks = [accepting, *self._connections]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        for loop in self._loops:
+            loop.stop()
+        self._socket.close()
 
     async def _accept_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -121,7 +109,13 @@ class BulkEndpoint:
                 pause = min(pause * 2, ACCEPT_RETRY_SECONDS[1])
                 continue
             pause = ACCEPT_RETRY_SECONDS[0]
-            if len(self._connections) >= self.max_connections:
+            with self._lock:
+                # The least busy loop takes it; kept connections stay where they landed.
+                target = min(self._loops, key=lambda candidate: candidate.connections)
+                full = sum(candidate.connections for candidate in self._loops) >= self.max_connections
+                if not full:
+                    target.connections += 1
+            if full:
                 # Reset, not closed: the client hears at once, and this side keeps no TIME_WAIT.
                 with contextlib.suppress(OSError):
                     conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
@@ -129,13 +123,10 @@ class BulkEndpoint:
                 self._refuse(peer)
                 continue
             try:
-                task = loop.create_task(self._serve_connection(conn, peer))
-            except Exception:
-                conn.close()
+                target.start(self._serve_connection, conn, peer, target)
+            except Exception:  # the loop is closing, or out of memory: drop this one, keep accepting
+                self._closed(conn, target)
                 log.exception("bulk: could not serve a connection from %s", peer)
-                continue
-            self._connections.add(task)
-            task.add_done_callback(self._connections.discard)
 
     def _refuse(self, peer: object) -> None:
         self.refused += 1
@@ -143,15 +134,20 @@ class BulkEndpoint:
         now = time.monotonic()
         if now - when >= REFUSED_LOG_SECONDS:
             log.warning(
-                "bulk: %d connections open, the most --bulk-max-connections allows; closed %d new one(s) "
+                "bulk: %d connections open, the most --bulk-max-connections allows; reset %d new one(s) "
                 "since the last warning (the latest from %s): those clients fetch over the gRPC stream",
-                len(self._connections),
+                self.connections,
                 self.refused - logged,
                 peer,
             )
             self._refused_logged = (self.refused, now)
 
-    async def _serve_connection(self, conn: socket.socket, peer: object) -> None:
+    def _closed(self, conn: socket.socket, loop: _Loop) -> None:
+        conn.close()
+        with self._lock:
+            loop.connections -= 1
+
+    async def _serve_connection(self, conn: socket.socket, peer: object, owner: _Loop) -> None:
         """Answer tickets on one connection until the client closes it or sits idle too long
         (clients keep theirs open, so a transfer starts with a warm window instead of a TCP
         handshake)."""
@@ -193,7 +189,44 @@ class BulkEndpoint:
                 )
                 wait = IDLE_CONNECTION_SECONDS
         finally:
-            conn.close()
+            self._closed(conn, owner)
+
+
+class _Loop:
+    """An asyncio event loop in its own thread, and the tasks started on it."""
+
+    def __init__(self, name: str) -> None:
+        self.connections = 0  # handed to this loop and not closed yet (under BulkEndpoint._lock)
+        self._loop = asyncio.new_event_loop()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def start(self, function: Callable[..., Coroutine[Any, Any, None]], *args: object) -> None:
+        """Run `function(*args)` as a task on this loop (callable from any thread)."""
+        self._loop.call_soon_threadsafe(self._create_task, function, args)
+
+    def stop(self) -> None:
+        """Cancel every task, let each finish (closing its connection), stop and close the loop."""
+
+        async def cancel_all() -> None:
+            tasks = list(self._tasks)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        with contextlib.suppress(RuntimeError, TimeoutError):  # closed already; or a task hangs
+            asyncio.run_coroutine_threadsafe(cancel_all(), self._loop).result(timeout=5)
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+    def _create_task(self, function: Callable[..., Coroutine[Any, Any, None]], args: tuple[object, ...]) -> None:
+        task = self._loop.create_task(function(*args))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
 
 async def _recv_exactly(loop: asyncio.AbstractEventLoop, conn: socket.socket, view: memoryview) -> None:
@@ -207,24 +240,21 @@ async def _recv_exactly(loop: asyncio.AbstractEventLoop, conn: socket.socket, vi
 
 async def _send_all(loop: asyncio.AbstractEventLoop, conn: socket.socket, data: memoryview) -> None:
     """Send `data` (no copy: the kernel reads the memoryview), waiting for room in the socket
-    buffer between sends; TimeoutError when the reader takes nothing for SEND_STALL_SECONDS."""
-    sent = 0
-    while sent < data.nbytes:
-        try:
-            sent += conn.send(data[sent:])
-            continue
-        except (BlockingIOError, InterruptedError):
-            pass
-        writable = loop.create_future()
-        loop.add_writer(conn, _resolve, writable)
-        try:
-            async with asyncio.timeout(SEND_STALL_SECONDS):
-                await writable
-        finally:
-            loop.remove_writer(conn)
-
-
-def _resolve(future: asyncio.Future[None]) -> None:
-    """The writer callback: the loop may call it again before the waiting task runs."""
-    if not future.done():
-        future.set_result(None)
+    buffer whenever it is full; TimeoutError when the reader takes nothing for
+    SEND_STALL_SECONDS."""
+    writable = asyncio.Event()
+    loop.add_writer(conn, writable.set)  # for the whole transfer: no epoll_ctl per wait
+    try:
+        sent = 0
+        while sent < data.nbytes:
+            writable.clear()
+            try:
+                n = conn.send(data[sent:])
+            except (BlockingIOError, InterruptedError):
+                n = 0
+            sent += n
+            if sent < data.nbytes and n < 1 << 20:  # the buffer is (nearly) full: wait for room
+                async with asyncio.timeout(SEND_STALL_SECONDS):
+                    await writable.wait()
+    finally:
+        loop.remove_writer(conn)
