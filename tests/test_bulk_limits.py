@@ -324,7 +324,7 @@ def test_a_bulk_fetch_ends_at_its_deadline_when_the_server_stops_mid_transfer(mo
             assert not fetcher.is_alive(), "the fetch is still blocked 6 s into a 3 s timeout"
             error, seconds = outcome
             assert isinstance(error, DeadlineExceeded), error
-            assert 2.5 < seconds < 4.0, seconds
+            assert 2.5 < seconds < 4.5, seconds
             assert "bulk" in str(error) and client._bulk._socket is None
             assert SlowSocket.server_pid == 0  # the server was stopped mid-transfer
 
