@@ -102,6 +102,14 @@ def command_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersActio
     )
     serve.add_argument("--no-bulk", action="store_true", help="serve fetches over gRPC streams only")
     serve.add_argument(
+        "--bulk-max-connections",
+        type=int,
+        default=ServerConfig.bulk_max_connections,
+        metavar="N",
+        help="connections the bulk port keeps open at once; one more is closed at once and that "
+        "client fetches over the gRPC stream (default: %(default)s)",
+    )
+    serve.add_argument(
         "--shm-dir",
         type=Path,
         help="where to put this server's shared-memory payload files, which same-host collectors "

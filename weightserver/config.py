@@ -57,6 +57,8 @@ class ServerConfig:
     grace_seconds: float = 5.0
     # Bulk TCP port for large fetches (weightserver.bulk): 0 picks a free one, None turns it off.
     bulk_port: int | None = 0
+    # Connections the bulk port keeps open at once; one more is closed at once (it streams).
+    bulk_max_connections: int = 256
     # Where to make this server's shared-memory folder: "auto" is /dev/shm if it exists, None: off.
     shm_dir: Path | str | None = "auto"
     # Budget for derived payloads (deltas, casts) kept in memory.
@@ -89,6 +91,8 @@ class ServerConfig:
             raise ValueError(f"grace_seconds must be >= 0, got {self.grace_seconds}")
         if self.bulk_port is not None and not 0 <= self.bulk_port <= 65535:
             raise ValueError(f"bulk_port must be in 0-65535 or None, got {self.bulk_port}")
+        if self.bulk_max_connections < 1:
+            raise ValueError(f"bulk_max_connections must be >= 1, got {self.bulk_max_connections}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be in 0-65535 or None, got {self.metrics_port}")
         if self.shm_dir not in (None, "auto"):

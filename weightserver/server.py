@@ -185,7 +185,11 @@ class WeightServer:
         if bulk_port is not None and config.tls:
             log.info("bulk endpoint off: it is plain TCP and the server runs TLS (fetches use the TLS stream)")
             bulk_port = None
-        self.bulk = BulkEndpoint(config.host, bulk_port) if bulk_port is not None else None
+        self.bulk = (
+            BulkEndpoint(config.host, bulk_port, max_connections=config.bulk_max_connections)
+            if bulk_port is not None
+            else None
+        )
         shm_dir = None
         if config.shm_dir is not None:
             shm_dir = server_shm_dir(config.port, None if config.shm_dir == "auto" else Path(config.shm_dir))
@@ -232,7 +236,12 @@ class WeightServer:
             raise OSError(f"could not bind {self.config.address}: is the port in use?")
         self.port = port
         if self.bulk is not None:
-            log.info("bulk endpoint on %s:%d", self.config.host, self.bulk.port)
+            log.info(
+                "bulk endpoint on %s:%d (at most %d connections)",
+                self.config.host,
+                self.bulk.port,
+                self.bulk.max_connections,
+            )
         if self.shared_memory is not None:
             log.info("shared-memory payloads in %s", self.shared_memory.directory)
         if self.metrics_port is not None:

@@ -154,7 +154,8 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         self._publish_threads = ThreadPoolExecutor(PUBLISH_THREADS, thread_name_prefix="weightserver-publish")
         # The fast transports this server offers to Negotiate, in no order: the caller's decides.
         # Each with the name its transfers are logged and counted under.
-        self._offers: dict[int, tuple[str, Callable[[Version, Payload, pb.Payload], Awaitable[None]]]] = {}
+        # An offer that returns False cannot carry this payload now: the next one is tried.
+        self._offers: dict[int, tuple[str, Callable[[Version, Payload, pb.Payload], Awaitable[bool]]]] = {}
         if shared_memory is not None:
             self._offers[pb.TRANSPORT_SHARED_MEMORY] = ("shm", self._offer_shared_memory)
         if bulk is not None:
@@ -405,7 +406,8 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
                 continue
             name, offer = self._offers[transport]
             payload, description = await self._payload(record, request.fetch)
-            await offer(record, payload, description)
+            if not await offer(record, payload, description):
+                continue
             stream.payload.CopyFrom(description)
             stream.transport = transport
             self._transferred("fetch", record, started, context, transport=name, sent=payload.byte_size)
@@ -443,20 +445,25 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         )
         return payload, description
 
-    async def _offer_shared_memory(self, record: Version, payload: Payload, description: pb.Payload) -> None:
-        """Name the payload's file in the server's shared memory (written on first demand)."""
+    async def _offer_shared_memory(self, record: Version, payload: Payload, description: pb.Payload) -> bool:
+        """Name the payload's file in the server's shared memory (written on first demand);
+        False when it cannot be written there (the folder is full)."""
         key = (record.model, record.version, payload.base_version, payload.dtype)
         path = self.shared_memory.existing(key)
         if path is None:
             path = await asyncio.to_thread(self.shared_memory.path_for, key, payload.data)
+            if path is None:
+                return False
             if key[2:] == (0, ""):
                 await asyncio.to_thread(self._write_shm_header, record.model, record.version)
         description.shared_memory.path = str(path)
+        return True
 
-    async def _offer_bulk(self, record: Version, payload: Payload, description: pb.Payload) -> None:
+    async def _offer_bulk(self, record: Version, payload: Payload, description: pb.Payload) -> bool:
         """Issue a ticket for the payload on the bulk port."""
         description.bulk.port = self.bulk.port
         description.bulk.ticket = self.bulk.issue(payload.data, f"{record.model} v{record.version}")
+        return True
 
     def _transferred(
         self,

@@ -9,10 +9,17 @@ and falls back to streaming if it cannot open it or the digest differs.
 Beside each version's own file lies its header (the layout is in weightserver.shm_layout): a
 client that has been handed one version of a model can then read any later version it names,
 digests included, without a round trip.
+
+Every file's space is reserved before a byte is written (posix_fallocate): a store to a page
+that a full tmpfs cannot back kills the process with SIGBUS. When the folder is full, a publish
+is received into memory instead and a fetch is offered the next transport; the publish and the
+fetch still succeed, and one warning says how to give the folder more room.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import logging
 import mmap
 import os
@@ -26,6 +33,10 @@ from weightserver.shm_layout import FOLDER_MODE, header_file_name, version_file_
 
 log = logging.getLogger(__name__)
 
+# In a server's folder, beside the model folders (a model name cannot start with "."): the file
+# its server holds an exclusive flock on while it runs.
+LOCK_FILE = ".lock"
+
 
 def server_shm_dir(port: int, root: Path | None = None) -> Path | None:
     """This server's own directory, <root>/weightserver-<port>-<random>-<pid> (unique even for
@@ -35,48 +46,99 @@ def server_shm_dir(port: int, root: Path | None = None) -> Path | None:
     if not root.is_dir():
         log.warning("shared-memory directory %s does not exist; same-host fetches will stream", root)
         return None
-    for stale in root.glob("weightserver-*-*"):
-        pid = stale.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not _alive(int(pid)):
-            log.info("removing %s, left by a server that is gone", stale)
-            shutil.rmtree(stale, ignore_errors=True)
+    _remove_abandoned(root)
     return root / f"weightserver-{port}-{secrets.token_hex(4)}-{os.getpid()}"
 
 
+def _remove_abandoned(root: Path) -> None:
+    """Remove the folders under `root` whose server is gone: those whose lock file nobody holds.
+
+    A running server holds flock(LOCK_EX) on its folder's LOCK_FILE for its whole life, and the
+    kernel drops the lock when the process dies, however it dies. Unlike a PID, a lock means the
+    same thing to servers in other PID namespaces (containers) sharing this /dev/shm. A folder
+    without a lock file is left alone: it is a server's of an older release (alive or not, no
+    one here can tell) or one being created this instant (the lock file follows the mkdir)."""
+    unlocked = []
+    for folder in root.glob("weightserver-*-*"):
+        try:
+            fd = os.open(folder / LOCK_FILE, os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            if folder.is_dir() and not folder.is_symlink():
+                unlocked.append(folder.name)
+            continue
+        except OSError:
+            continue  # another user's, or not a folder: not ours to judge
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue  # its server is running
+        try:
+            log.info("removing %s, left by a server that is gone", folder)
+            shutil.rmtree(folder, ignore_errors=True)
+        finally:
+            os.close(fd)
+    if unlocked:
+        log.info(
+            "leaving %d folder(s) without a lock file in %s (%s): servers of an older release, maybe "
+            "still running; remove them by hand once those servers are gone",
+            len(unlocked),
+            root,
+            ", ".join(sorted(unlocked)[:5]) + (", ..." if len(unlocked) > 5 else ""),
+        )
+
+
 def _write_file(path: Path, data: bytes | bytearray | memoryview, mode: int) -> None:
-    """Write `path` whole with `mode` (temp file + rename: a reader never sees part of it)."""
+    """Write `path` whole with `mode` (temp file + rename: a reader never sees part of it).
+    OSError (ENOSPC) before anything is written when the folder has no room for it."""
     tmp = path.with_name(path.name + ".tmp")
     tmp.unlink(missing_ok=True)  # left by a crash, and read-only if it was a header's
-    with open(tmp, "wb") as f:
-        f.write(memoryview(data))
-    os.chmod(tmp, mode)
-    tmp.replace(path)
-
-
-def _alive(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        with open(tmp, "wb") as f:
+            view = memoryview(data)
+            _reserve(f.fileno(), view.nbytes)
+            f.write(view)
+        os.chmod(tmp, mode)
+        tmp.replace(path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _reserve(fd: int, size: int) -> None:
+    """Allocate `size` bytes of the file `fd` now, not page by page as they are written."""
+    if size:
+        os.posix_fallocate(fd, 0, size)
+
+
+def _usage(directory: Path) -> str:
+    """'64.0 MiB, 3.2 MiB free': the size of the file system holding `directory`."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return "size unknown"
+    return f"{st.f_blocks * st.f_frsize / 2**20:.1f} MiB, {st.f_bavail * st.f_frsize / 2**20:.1f} MiB free"
 
 
 class SharedMemoryFiles:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self.directory.mkdir(mode=FOLDER_MODE, parents=True, exist_ok=True)
+        # Held until close() or the process's end: while it is, no other server removes the folder.
+        self._lock_fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         self._lock = threading.Lock()
         self._files: dict[tuple[str, int, int, str], Path] = {}
+        self._warned = False  # about a full folder, once per server
 
     def existing(self, key: tuple[str, int, int, str]) -> Path | None:
         """The file of payload `key` if it was written already."""
         with self._lock:
             return self._files.get(key)
 
-    def path_for(self, key: tuple[str, int, int, str], data: bytes | bytearray | memoryview) -> Path:
-        """The file holding `data` for payload `key` (model, version, base, dtype), written once."""
+    def path_for(self, key: tuple[str, int, int, str], data: bytes | bytearray | memoryview) -> Path | None:
+        """The file holding `data` for payload `key` (model, version, base, dtype), written
+        once; None when it cannot be written (the folder is full): offer another transport."""
         with self._lock:
             path = self._files.get(key)
             if path is not None and path.exists():
@@ -84,18 +146,26 @@ class SharedMemoryFiles:
             model, version, base, dtype = key
             suffix = (f"-delta{base}" if base else "") + (f"-{dtype}" if dtype else "")
             path = self.directory / model / version_file_name(version, suffix)
-            path.parent.mkdir(mode=FOLDER_MODE, exist_ok=True)
-            _write_file(path, data, 0o644)
+            try:
+                path.parent.mkdir(mode=FOLDER_MODE, exist_ok=True)
+                _write_file(path, data, 0o644)
+            except OSError as exc:
+                self._cannot_write(f"{model!r} v{version}", len(data), exc, "this fetch uses bulk TCP or the stream")
+                return None
             self._files[key] = path
             return path
 
-    def new_upload(self, model: str, size: int) -> SharedMemoryUpload:
+    def new_upload(self, model: str, size: int) -> SharedMemoryUpload | None:
         """A fresh file of `size` bytes, mapped writable, for a publish to receive into: the
-        version's bytes then live in shared memory from the start (no extra copy)."""
-        directory = self.directory / model
-        directory.mkdir(mode=FOLDER_MODE, parents=True, exist_ok=True)
-        path = directory / f"upload-{secrets.token_hex(8)}.tmp"
-        return SharedMemoryUpload(path, size)
+        version's bytes then live in shared memory from the start (no extra copy). None when
+        the folder has no room: the publish is received into memory instead."""
+        path = self.directory / model / f"upload-{secrets.token_hex(8)}.tmp"
+        try:
+            path.parent.mkdir(mode=FOLDER_MODE, parents=True, exist_ok=True)
+            return SharedMemoryUpload(path, size)
+        except OSError as exc:
+            self._cannot_write(f"a publish of {model!r}", size, exc, "it is received into memory instead")
+            return None
 
     def adopt(self, key: tuple[str, int, int, str], upload: SharedMemoryUpload) -> None:
         """Make a committed upload's file the payload file of `key`."""
@@ -114,8 +184,13 @@ class SharedMemoryFiles:
             if (model, version, 0, "") not in self._files:
                 return
             content = header()
-            if content is not None:
+            if content is None:
+                return
+            try:
                 _write_file(self.directory / model / header_file_name(version), content, 0o444)
+            except OSError as exc:
+                # Without its header a version is not read directly: clients ask the server.
+                self._cannot_write(f"the header of {model!r} v{version}", len(content), exc, "clients ask the server")
 
     def keys(self) -> list[tuple[str, int, int, str]]:
         with self._lock:
@@ -132,18 +207,50 @@ class SharedMemoryFiles:
 
     def close(self) -> None:
         shutil.rmtree(self.directory, ignore_errors=True)
+        if self._lock_fd >= 0:  # released only once the folder is gone
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
+    def _cannot_write(self, what: str, size: int, exc: OSError, instead: str) -> None:
+        """Log that `what` found no room (a warning the first time, with what to do about it)."""
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            log.warning("cannot write %s (%d bytes) in %s: %s; %s", what, size, self.directory, exc, instead)
+            return
+        if self._warned:
+            log.debug("shared memory full: no room for %s (%d bytes); %s", what, size, instead)
+            return
+        self._warned = True
+        log.warning(
+            "shared-memory folder %s is full (%s): no room for %s (%d bytes), so %s. Same-host "
+            "fetches fall back to bulk TCP or the stream until there is room. It needs about "
+            "(--keep + 1) x the model's size, plus derived payloads (deltas, casts): give it more "
+            "(`shm_size` in compose, `docker run --shm-size`), point --shm-dir at a larger tmpfs, or "
+            "turn it off with --no-shm. This warning is logged once.",
+            self.directory,
+            _usage(self.directory),
+            what,
+            size,
+            instead,
+        )
 
 
 class SharedMemoryUpload:
     """A publish's receive buffer backed by a file in the shared-memory directory."""
 
     def __init__(self, path: Path, size: int) -> None:
+        """OSError (ENOSPC) when the folder has no room for `size` bytes; no file is left."""
         self.path = path
-        with open(path, "w+b") as f:
-            os.chmod(path, 0o644)
-            f.truncate(size)
-            # A zero-length file cannot be mapped; an empty upload gets a plain buffer.
-            self.buffer: memoryview = memoryview(mmap.mmap(f.fileno(), size)) if size else memoryview(bytearray())
+        try:
+            with open(path, "w+b") as f:
+                os.chmod(path, 0o644)
+                # Allocated now: pages of a sparse file would be allocated as the chunks arrive,
+                # and one that a full tmpfs cannot back is a SIGBUS, not an error.
+                _reserve(f.fileno(), size)
+                # A zero-length file cannot be mapped; an empty upload gets a plain buffer.
+                self.buffer: memoryview = memoryview(mmap.mmap(f.fileno(), size)) if size else memoryview(bytearray())
+        except OSError:
+            path.unlink(missing_ok=True)
+            raise
 
     def abort(self) -> None:
         self.path.unlink(missing_ok=True)

@@ -278,6 +278,7 @@ class WeightServiceClient:
         """One fetch: a direct read where possible, else a negotiated fast transport, else (or
         when that fails) the stream, which asks for the version the negotiation found."""
         started = time.perf_counter()
+        deadline = None if timeout is None else time.monotonic() + timeout
         exact = request.WhichOneof("selector") == "version" and not request.base_version and not request.dtype
         if exact and self._shm in order:
             offer, fetched = self._shm.read_directly(request.model, request.version), None
@@ -300,7 +301,7 @@ class WeightServiceClient:
                 request.model, answer.header.version, None, self.chunk_bytes, request.base_version, request.dtype
             )
             if answer.transport != pb.TRANSPORT_STREAM:
-                offer = Offer(VersionInfo.from_proto(answer.header), answer.payload)
+                offer = Offer(VersionInfo.from_proto(answer.header), answer.payload, deadline=deadline)
                 try:
                     fetched = self._receive(
                         self.transports.by_kind[answer.transport], offer, started, into, place, progress
@@ -310,8 +311,9 @@ class WeightServiceClient:
                     fetched, stream_request = None, request
                 if fetched is not None:
                     return fetched
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
         with translated_rpc_errors(self.address):
-            offer = self._stream.open(stream_request, timeout)
+            offer = self._stream.open(stream_request, remaining)
             if offer is None:
                 return None
             return self._receive(self._stream, offer, started, into, place, progress)

@@ -41,6 +41,8 @@ class Offer:
     info: VersionInfo
     payload: pb.Payload
     chunks: Iterator[Any] | None = field(default=None, repr=False)
+    # time.monotonic() by which the transfer must have ended (the fetch's timeout), or None.
+    deadline: float | None = None
 
     @property
     def whole_version(self) -> bool:

@@ -4,21 +4,30 @@ A gRPC stream of 1 MiB messages tops out near 0.6x of one loopback TCP connectio
 so a fetch may get a ticket instead: the client sends its 16 bytes on a kept-open connection
 and receives exactly the payload's bytes with `recv_into`, straight into its buffer or into
 the placed tensors. Publishing over bulk is not offered yet.
+
+Every recv waits at most what is left of the fetch's deadline (DeadlineExceeded), and at most
+FIRST_BYTE_TIMEOUT for the first byte after the ticket (a server that reads a ticket sends at
+once; one that does not, e.g. over its connection cap, sends the fetch to the stream) or
+STALL_TIMEOUT between bytes. A connection that timed out is dropped: where its stream stands
+is unknown.
 """
 
 from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import ClassVar, TypeVar
 
 from weightclient.placement import PlacedReceiver
 from weightclient.transports.base import NotOffered, Offer, OutgoingFile, Progress, TransportFailed, receive_buffer
+from weightserver.errors import DeadlineExceeded
 from weightserver.v1 import weights_pb2 as pb
 
 CONNECT_TIMEOUT = 2.0
-IDLE_TIMEOUT = 30.0
+FIRST_BYTE_TIMEOUT = 5.0
+STALL_TIMEOUT = 30.0
 SOCKET_BUFFER = 8 << 20
 T = TypeVar("T")
 
@@ -47,7 +56,7 @@ class BulkTransport:
         def fill(conn: socket.socket) -> memoryview:
             received = 0
             while received < buffer.nbytes:
-                received += _recv_some(conn, buffer[received:], started=received > 0)
+                received += _recv_some(conn, buffer[received:], started=received > 0, deadline=offer.deadline)
             return buffer
 
         return self._transfer(offer, fill)
@@ -58,7 +67,7 @@ class BulkTransport:
             started = False
             try:
                 while not receiver.done:
-                    receiver.advance(_recv_some(conn, receiver.target(), started=started))
+                    receiver.advance(_recv_some(conn, receiver.target(), started=started, deadline=offer.deadline))
                     started = True
             except ValueError as exc:
                 raise TransportFailed(f"bulk payload of {offer.label} does not match its description: {exc}") from exc
@@ -76,22 +85,32 @@ class BulkTransport:
             fresh = self._socket is None or self._port != port
             try:
                 try:
-                    return self._send_ticket(port, ticket, read)
-                except (OSError, EOFError):
+                    return self._send_ticket(port, ticket, read, offer.deadline)
+                except (ConnectionError, EOFError):
                     self._close()
                     if fresh:
                         raise
                 # A kept connection the server closed meanwhile: the ticket is unused, try afresh.
-                return self._send_ticket(port, ticket, read)
+                return self._send_ticket(port, ticket, read, offer.deadline)
             except (OSError, EOFError) as exc:
                 self._close()
                 raise TransportFailed(f"bulk transfer of {offer.label} from {self.host}:{port} failed ({exc})") from exc
+            except DeadlineExceeded as exc:
+                self._close()
+                raise DeadlineExceeded(
+                    f"bulk transfer of {offer.label} from {self.host}:{port} did not finish within the fetch's "
+                    f"timeout ({exc}); the connection was dropped"
+                ) from None
+            except BaseException:
+                self._close()  # a timeout or an interrupt part-way: the connection's position is unknown
+                raise
 
-    def _send_ticket(self, port: int, ticket: bytes, read: Callable[[socket.socket], T]) -> T:
+    def _send_ticket(self, port: int, ticket: bytes, read: Callable[[socket.socket], T], deadline: float | None) -> T:
         if self._socket is None or self._port != port:
             self._close()
-            self._socket = _connect(self.host, port)
+            self._socket = _connect(self.host, port, deadline)
             self._port = port
+        self._socket.settimeout(_wait(CONNECT_TIMEOUT, deadline))
         self._socket.sendall(ticket)
         return read(self._socket)
 
@@ -101,10 +120,31 @@ class BulkTransport:
             self._socket = None
 
 
-def _recv_some(conn: socket.socket, view: memoryview, *, started: bool) -> int:
+def _wait(limit: float, deadline: float | None) -> float:
+    """`limit`, or what is left until `deadline` if that is less; DeadlineExceeded once it passed."""
+    if deadline is None:
+        return limit
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise DeadlineExceeded("the deadline passed")
+    return min(limit, remaining)
+
+
+def _recv_some(conn: socket.socket, view: memoryview, *, started: bool, deadline: float | None) -> int:
     """recv_into `view`; EOFError if the peer closed before the first byte of a transfer (a
-    kept connection the server dropped), OSError if it closed part-way."""
-    n = conn.recv_into(view)
+    kept connection the server dropped), OSError if it closed part-way, TransportFailed if it
+    sent nothing for FIRST_BYTE_TIMEOUT (before the first byte) or STALL_TIMEOUT (after),
+    DeadlineExceeded once `deadline` passed."""
+    limit = STALL_TIMEOUT if started else FIRST_BYTE_TIMEOUT
+    wait = _wait(limit, deadline)
+    conn.settimeout(wait)
+    try:
+        n = conn.recv_into(view)
+    except TimeoutError:
+        if wait < limit:
+            raise DeadlineExceeded(f"no bytes for the last {wait:.1f}s") from None
+        what = "part-way through a transfer" if started else "after the ticket"
+        raise TransportFailed(f"the bulk port sent nothing for {limit:g}s {what}") from None
     if not n:
         if not started:
             raise EOFError("the bulk connection was closed")
@@ -112,7 +152,7 @@ def _recv_some(conn: socket.socket, view: memoryview, *, started: bool) -> int:
     return n
 
 
-def _connect(host: str, port: int) -> socket.socket:
+def _connect(host: str, port: int, deadline: float | None) -> socket.socket:
     family, _, _, _, address = socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM)[0]
     conn = socket.socket(family, socket.SOCK_STREAM)
     try:
@@ -120,10 +160,9 @@ def _connect(host: str, port: int) -> socket.socket:
         # grows from ~128 KiB, which dominates a transfer of a few MiB.
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn.settimeout(CONNECT_TIMEOUT)
+        conn.settimeout(_wait(CONNECT_TIMEOUT, deadline))
         conn.connect(address)
-        conn.settimeout(IDLE_TIMEOUT)
-    except OSError:
+    except BaseException:
         conn.close()
         raise
     return conn
