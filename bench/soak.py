@@ -940,11 +940,19 @@ def config_from_args(args: argparse.Namespace) -> SoakConfig:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     config = config_from_args(args)
+    return run_from_command_line(lambda stop: run_soak(config, stop=stop), format_summary, args.json)
+
+
+def run_from_command_line(
+    run: Callable[[threading.Event], Any], summary: Callable[[Any], str], json_path: Path | None
+) -> int:
+    """`run(stop)` with Ctrl-C setting `stop` (end early, shut down cleanly; a second Ctrl-C
+    aborts at once), then the summary and wall time on stdout and the result in `json_path`.
+    The exit code: 130 interrupted, 0 when the result is ok, else 1."""
     stop = threading.Event()
     previous = signal.getsignal(signal.SIGINT)
 
     def on_sigint(signum: int, frame: Any) -> None:
-        # First Ctrl-C: end the soak and shut down cleanly; a second one aborts at once.
         stop.set()
         signal.signal(signal.SIGINT, signal.default_int_handler)
         log("interrupted: shutting down (Ctrl-C again to abort)")
@@ -952,14 +960,14 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_sigint)
     started = time.monotonic()
     try:
-        result = run_soak(config, stop=stop)
+        result = run(stop)
     finally:
         signal.signal(signal.SIGINT, previous)
-    print(format_summary(result))
+    print(summary(result))
     print(f"wall time {time.monotonic() - started:.1f} s")
-    if args.json:
-        args.json.write_text(json.dumps(asdict(result), indent=1, default=str) + "\n")
-        log(f"wrote {args.json}")
+    if json_path:
+        json_path.write_text(json.dumps(asdict(result), indent=1, default=str) + "\n")
+        log(f"wrote {json_path}")
     if result.interrupted:
         return 130
     return 0 if result.ok else 1
