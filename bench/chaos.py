@@ -328,7 +328,8 @@ class Watchdog:
 
     def stop(self) -> None:
         self._done.set()
-        self._thread.join(5)
+        if self._thread.is_alive():
+            self._thread.join(5)
 
     def _run(self) -> None:
         while not self._done.wait(0.2):
@@ -385,11 +386,8 @@ class ChaosPublisher(soak.Publisher):
     def _send(self, seq: int) -> int | None:
         from weightclient import tensor_codec
 
-        parts = tensor_codec.encode(self.weights)
-        hasher = hashlib.sha256()
-        for part in parts:
-            hasher.update(part)
-        digest = hasher.hexdigest()
+        data = tensor_codec.snapshot(self.weights)  # the file, kept as is for every retry
+        digest = hashlib.sha256(data).hexdigest()
         self.chaos.sha256[seq] = digest
         self.current_seq = seq
         options = {"publish_id": uuid.uuid4().hex} if self.has_publish_id else {}
@@ -401,7 +399,7 @@ class ChaosPublisher(soak.Publisher):
             try:
                 with self.watchdog.call("publisher", f"publish (seq {seq}, attempt {attempt})", self.deadline):
                     infos = self.client.publish_group_bytes(
-                        {MODEL: parts},
+                        {MODEL: data},
                         metadata={"seq": str(seq)},
                         sha256s={MODEL: digest},
                         timeout=self.deadline,
@@ -791,22 +789,16 @@ class Chaos:
         finally:
             result.duration = result.duration or state.elapsed()
             state.stop.set()
-            state.closing.set()
-            self.watchdog.stop()
-            self._close_clients()
-            if self.admin is not None:
-                self.admin.close()
-            if self.proxy is not None:
-                self.proxy.close()
-            with contextlib.suppress(OSError, ProcessLookupError):
-                if self.server.process is not None and self.server.process.poll() is None:
-                    os.kill(self.server.process.pid, signal.SIGCONT)
             try:
-                result.server_exit_code = self.server.stop(timeout=30)
-            except Exception:
-                self.server.kill()
-            self._read_log(final=True)
-            self.mounts.close()
+                self.watchdog.stop()
+                self._close_clients()
+                if self.admin is not None:
+                    self.admin.close()
+                if self.proxy is not None:
+                    self.proxy.close()
+            finally:
+                self._stop_server()
+                self.mounts.close()
         self._summarise()
         return result
 
@@ -980,6 +972,16 @@ class Chaos:
                 last = f" ... {entry[-1].strip()[:200]}" if len(entry) > 1 else ""
                 self.state.fail("server error", "server-log", entry[0].strip()[:300] + last)
 
+    def _stop_server(self) -> None:
+        process = self.server.process
+        if process is not None and process.poll() is None:
+            os.kill(process.pid, signal.SIGCONT)  # in case a stop fault was cut short
+        try:
+            self.result.server_exit_code = self.server.stop(timeout=30)
+        except Exception:
+            self.server.kill()
+        self._read_log(final=True)
+
     def _check_server(self) -> None:
         process = self.server.process
         if self.expect_exit or process is None or process.poll() is None:
@@ -1074,7 +1076,8 @@ class Chaos:
         for client in clients:
             client.close()
         for watcher in self.watchers:
-            watcher.thread.join(5)
+            if watcher.thread.ident is not None:
+                watcher.thread.join(5)
 
     def _final_audit(self) -> None:
         """Restart gracefully, then every retained version must match what was published, and

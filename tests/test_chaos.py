@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -59,3 +60,17 @@ def test_arguments() -> None:
     assert config.model_bytes == 2 << 20 and config.deadline == 10 and config.recovery_seconds == 30
     with pytest.raises(ValueError, match="unknown fault"):
         chaos.ChaosConfig(faults=("meteor",))
+
+
+def test_watchdog_flags_a_call_past_its_deadline_and_slack() -> None:
+    state = chaos.ChaosState(chaos.ChaosConfig(deadline=0.05, slack=0.05))
+    watchdog = chaos.Watchdog(state, slack=0.05).start()
+    try:
+        with watchdog.call("fetcher-0", "latest fetch (bulk)", 0.05):
+            time.sleep(0.3)  # the thread reports it while it runs, once
+        with watchdog.call("fetcher-0", "latest fetch (bulk)", 0.05):
+            pass
+    finally:
+        watchdog.stop()
+    assert state.failure_counts == {"hang": 1}
+    assert "still running" in state.failures[0].message and watchdog.longest["latest fetch"] >= 0.3
