@@ -44,8 +44,8 @@ Invariants, each a failure category in the summary (exit 1 if any failure):
 * watch: a watcher sees a version out of order or twice, misses a committed version without
   the next event carrying `gap`, or its stream ends; flagged gaps are allowed (a restart or
   eviction) and counted;
-* unexpected error: a call fails outside a fault and its recovery window (deadline + slack
-  after the fault); errors inside are tolerated and counted per fault and type;
+* unexpected error: a call fails that began more than `--slack` s after the last fault ended
+  (clients reconnect meanwhile); the others are tolerated and counted per fault and type;
 * no recovery: within `--recovery` s after a fault, the publisher has not had a publish
   acknowledged, a fetcher has not completed a fetch started after the fault, or a watcher
   has not caught up.
@@ -187,7 +187,7 @@ class ChaosState(soak.SoakState):
         self.current: FaultRecord | None = None  # running, or still in its recovery window
         self.phase = "-"  # what failures outside a fault's window are put down to
         self.active = False  # the current fault is being applied
-        self.calm_after = 0.0  # monotonic: calls failing before this are tolerated
+        self.fault_ended = 0.0  # monotonic end of the current fault
         self.disrupted = False  # server stopped or down: watchers cannot progress
         self.disrupted_until = 0.0  # monotonic end of the last such spell
         self.sha256: dict[int, str] = {}  # seq -> sha256 of the published file
@@ -215,17 +215,19 @@ class ChaosState(soak.SoakState):
         category = "bad read" if source.startswith("fetcher") else "watch" if source.startswith("watcher") else None
         self.fail(category or "reused version", source, message)
 
-    def call_failed(self, source: str, kind: str, what: str, exc: BaseException) -> None:
-        """A call raised: tolerated during a fault and its recovery window (counted by `kind`
-        and error type), else a failure."""
+    def call_failed(self, source: str, kind: str, what: str, exc: BaseException, started: float) -> None:
+        """A call begun at `started` (monotonic) raised. Tolerated (counted by `kind` and error
+        type) if it failed during a fault or began before `slack` s after its end (clients
+        reconnect meanwhile); else, and always for an IntegrityError, a failure."""
         text = f"{what}: {type(exc).__name__}: {exc}"
         if isinstance(exc, IntegrityError):
             self.fail("bad read", source, text)
             return
         with self._lock:
             current = self.current
-            tolerated = current is not None and (self.active or time.monotonic() < self.calm_after)
-            if tolerated and current is not None:
+            window = self.active or started < self.fault_ended + self.config.slack
+            tolerated = current is not None and window
+            if current is not None and window:
                 key = f"{kind} {type(exc).__name__}"
                 current.tolerated[key] = current.tolerated.get(key, 0) + 1
         if not tolerated:
@@ -263,12 +265,16 @@ class ChaosState(soak.SoakState):
         with self._lock:
             record.ended = round(self.elapsed(), 3)
             self.active = False
-            self.calm_after = time.monotonic() + self.config.deadline + self.config.slack
+            self.fault_ended = time.monotonic()
 
     def settle(self) -> None:
-        """The current fault recovered: once its calm window passed, failures are nobody's."""
+        """After a recovery: once no call that may fail because of the fault can still be
+        running (deadline + slack after its end), failures are no longer put down to it."""
         with self._lock:
-            if self.current is not None and time.monotonic() >= self.calm_after:
+            if (
+                self.current is not None
+                and time.monotonic() >= self.fault_ended + self.config.deadline + self.config.slack
+            ):
                 self.current = None
 
 
@@ -380,7 +386,6 @@ class ChaosPublisher(soak.Publisher):
         self.current_seq = 0
         self.attempts = 0
         self.retries = 0
-        self.given_up: list[int] = []  # seqs left unacknowledged when the run stopped
         self.last_acked_attempt = 0.0  # monotonic start of the attempt acknowledged last
 
     def _send(self, seq: int) -> int | None:
@@ -408,9 +413,8 @@ class ChaosPublisher(soak.Publisher):
                 self.last_acked_attempt = started
                 return infos[0].version
             except Exception as exc:
-                self.chaos.call_failed("publisher", "publish", f"publish seq {seq} attempt {attempt}", exc)
+                self.chaos.call_failed("publisher", "publish", f"publish seq {seq} attempt {attempt}", exc, started)
             if self.state.stop.wait(min(2.0, 0.1 * 2**attempt)):
-                self.given_up.append(seq)
                 return None
             self.retries += 1
 
@@ -425,17 +429,19 @@ class ChaosFetcher(soak.Fetcher):
         self.chaos = state
         self.watchdog = watchdog
         self.last_ok_started = 0.0
+        self.started = 0.0  # of the fetch running or last run
 
     def _fetch(self, kind: str) -> None:
-        started = time.monotonic()
+        self.started = time.monotonic()
         calls = 2 if kind == "describe_then_fetch" else 1  # latest() then fetch(): two deadlines
         with self.watchdog.call(self.name, f"{kind} fetch ({self.transport})", calls * self.timeout):
             super()._fetch(kind)
-        self.last_ok_started = started
+        self.last_ok_started = self.started
 
     def _failed(self, kind: str, exc: Exception) -> None:
         self.counts.errors += 1
-        self.chaos.call_failed(self.name, f"fetch/{self.transport}", f"{kind} fetch ({self.transport})", exc)
+        what = f"{kind} fetch ({self.transport})"
+        self.chaos.call_failed(self.name, f"fetch/{self.transport}", what, exc, self.started)
 
     def _check(self, result: Any, kind: str, acked_before: int) -> None:
         seq = result.metadata.get("seq", "")
