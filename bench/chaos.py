@@ -15,8 +15,8 @@ mounts this command creates when it runs as root.
 Faults run one at a time, in a fresh random order each round (so every fault runs once per
 round; `--seed` replays an order), each followed by recovery and a quiet spell:
 
-* stop:       SIGSTOP the server, SIGCONT after a few seconds (every other stop outlasts the
-              deadline: calls must give up in time, then work again);
+* stop:       SIGSTOP the server, SIGCONT after a few seconds (every other stop outlasts
+              deadline + slack: calls must give up at their deadline, then work again);
 * fill-shm:   fill the shared-memory tmpfs with a ballast file, hold, delete it (root only);
 * fill-data:  the same on the data-dir tmpfs (root only);
 * flood-bulk: open `--flood-connections` idle TCP connections to the bulk port, hold, close;
@@ -835,7 +835,9 @@ class Chaos:
     def _stop(self, record: FaultRecord) -> None:
         self.stops += 1
         long = self.stops % 2 == 0
-        hold = self.config.deadline + self.rng.uniform(1, 3) if long else self.rng.uniform(*self.config.hold)
+        # A long stop outlasts deadline + slack: a call without a deadline of its own shows as a hang.
+        outlast = self.config.deadline + self.config.slack
+        hold = outlast + self.rng.uniform(1, 3) if long else self.rng.uniform(*self.config.hold)
         record.details.update(seconds=round(hold, 2), outlasts_deadline=long)
         process = self.server.process
         assert process is not None
