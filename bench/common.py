@@ -144,6 +144,16 @@ def _status_field(pid: int | str, key: str) -> int:
     return 0
 
 
+def cpu_seconds(pid: int | str = "self") -> float:
+    """CPU time (user + system) a process has used so far, in seconds; 0 if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def rss_bytes(pid: int | str = "self") -> int:
     """Resident set size (VmRSS) of a process, in bytes."""
     return _status_field(pid, "VmRSS")
@@ -154,23 +164,29 @@ def hwm_bytes(pid: int | str = "self") -> int:
     return _status_field(pid, "VmHWM")
 
 
+def cpu_ticks() -> tuple[int, int]:
+    """(busy, total) clock ticks of all CPUs so far, from /proc/stat (busy: not idle, not I/O wait)."""
+    with open("/proc/stat") as stat:
+        fields = [int(v) for v in stat.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return sum(fields[:8]) - idle, sum(fields[:8])
+
+
+def busy_since(before: tuple[int, int]) -> float:
+    """Fraction of all CPUs busy since `before` (a `cpu_ticks()` reading)."""
+    busy, total = cpu_ticks()
+    return (busy - before[0]) / max(1, total - before[1])
+
+
 def cpu_busy(seconds: float = 1.0) -> float:
     """Fraction of all CPUs busy (not idle, not I/O wait) over `seconds`, from /proc/stat.
 
     A better sign of competing work than the load average, which here also counts tasks
     blocked on I/O.
     """
-
-    def sample() -> tuple[int, int]:
-        with open("/proc/stat") as stat:
-            fields = [int(v) for v in stat.readline().split()[1:]]
-        idle = fields[3] + fields[4]  # idle + iowait
-        return sum(fields[:8]) - idle, sum(fields[:8])
-
-    busy0, total0 = sample()
+    before = cpu_ticks()
     time.sleep(seconds)
-    busy1, total1 = sample()
-    return (busy1 - busy0) / max(1, total1 - total0)
+    return busy_since(before)
 
 
 class PeakRss:

@@ -9,9 +9,13 @@ when absent the row is reported as n/a, never as a made-up number.
 from __future__ import annotations
 
 import inspect
+import json
 import multiprocessing
+import os
 import queue
+import re
 import statistics
+import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +31,9 @@ from bench.common import (
     MiB,
     PeakRss,
     Row,
+    busy_since,
+    cpu_seconds,
+    cpu_ticks,
     format_size,
     gbps,
     hwm_bytes,
@@ -670,6 +677,169 @@ def updater_poll(ctx: Context) -> list[Row]:
     return [base, row]
 
 
+# ---------------------------------------------------------------------- publish under fetch load
+LOAD_FETCHERS = 200
+LOAD_CONNECTIONS = 8
+LOAD_SIZE = 16 * MiB
+LOAD_PUBLISH_INTERVAL = 0.5  # a trainer publishing at 2 Hz
+LOAD_SECONDS = 20.0
+LOAD_SETTLE_SECONDS = 2.0
+IDLE_PUBLISHES = 20
+LOAD_TARGET = 3.0
+LOAD_SERVER_ARGS: tuple[str, ...] = ()  # server defaults (e.g. ("--max-stream-fetches", "1000") to compare)
+
+
+def _scheduled_publishes(publish: Callable[[], None], *, count: int = 0, seconds: float = 0.0) -> list[float]:
+    """Publish every LOAD_PUBLISH_INTERVAL seconds (right away when the previous one ran late)
+    for `count` publishes or `seconds`; the seconds each publish took."""
+    took: list[float] = []
+    start = time.monotonic()
+    due = start
+    while (count and len(took) < count) or (seconds and due < start + seconds):
+        time.sleep(max(0.0, due - time.monotonic()))
+        began = time.perf_counter()
+        publish()
+        took.append(time.perf_counter() - began)
+        due = max(due + LOAD_PUBLISH_INTERVAL, time.monotonic())
+    return took
+
+
+@dataclass
+class _LoadPhase:
+    """What one loaded phase of `publish_under_fetch_load` measured."""
+
+    nice: int
+    publish_seconds: list[float]
+    versions: set[int]
+    fetches: list[tuple[int, int, int, str]]  # start ns, end ns, bytes, error
+    cpu_server: float  # cores
+    cpu_fetchers: float
+    machine_busy: float  # fraction of all cores
+
+
+def _publish_under_load(server: ServerProcess, model: str, publish: Callable[[], int], nice: int) -> _LoadPhase:
+    """Start the fetch load (its process at `nice`), let it settle, publish at 2 Hz for
+    LOAD_SECONDS, stop the load; what was measured."""
+    stop, results = SPAWN.Event(), SPAWN.Queue()
+    log(f"publish_under_fetch_load: {LOAD_FETCHERS} stream fetchers in one process at nice {nice}")
+    load = SPAWN.Process(
+        target=workers.stream_fetch_load,
+        args=(server.address, model, LOAD_FETCHERS, LOAD_CONNECTIONS, stop, results, nice),
+        daemon=True,
+    )
+    load.start()
+    try:
+        if results.get(timeout=300)[0] != "running":
+            raise RuntimeError("the fetch load did not start")
+        time.sleep(LOAD_SETTLE_SECONDS)
+        pids = (server.process.pid, load.pid)
+        cpu_before, machine_before, began = [cpu_seconds(pid) for pid in pids], cpu_ticks(), time.monotonic()
+        versions: list[int] = []
+        seconds = _scheduled_publishes(lambda: versions.append(publish()), seconds=LOAD_SECONDS)
+        window = time.monotonic() - began
+        cpu = [(cpu_seconds(pid) - used) / window for pid, used in zip(pids, cpu_before, strict=True)]
+        machine = busy_since(machine_before)
+        stop.set()
+        fetches = results.get(timeout=600)
+    finally:
+        stop.set()
+        load.join(30)
+        if load.is_alive():
+            load.terminate()
+    return _LoadPhase(nice, seconds, set(versions), fetches, cpu[0], cpu[1], machine)
+
+
+def _load_row(name: str, phase: _LoadPhase, idle_median: float, in_server: dict[int, float]) -> Row:
+    """The row of one loaded phase: its publish p99 over the idle median, with what explains it."""
+    loaded_ms = [s * 1e3 for s in phase.publish_seconds]
+    records = phase.fetches
+    fetch_s = [(end - start) / 1e9 for start, end, _, error in records if not error]
+    errors = [error for *_, error in records if error]
+    fetched = sum(received for _, _, received, error in records if not error)
+    span = (max(r[1] for r in records) - min(r[0] for r in records)) / 1e9 if records else 1.0
+    server_ms = [in_server[v] for v in phase.versions if v in in_server]
+    row = Row(name, LOAD_SIZE, "ms", loaded_ms)
+    row.baseline, row.baseline_value = "publish_idle median", idle_median
+    p99 = percentile(loaded_ms, 99)
+    row.judge(p99 / idle_median, "<=", LOAD_TARGET, target=f"p99 <= {LOAD_TARGET:g}x idle median")
+    cores = os.cpu_count() or 1
+    row.note = (
+        f"fetcher process at nice {phase.nice}; p99 {p99:.1f} ms (the ratio's numerator), p50 "
+        f"{percentile(loaded_ms, 50):.1f} ms; {len(loaded_ms)} publishes landed of "
+        f"{int(LOAD_SECONDS / LOAD_PUBLISH_INTERVAL)} due at 2 Hz; {LOAD_FETCHERS} stream fetchers over "
+        f"{LOAD_CONNECTIONS} connections: {len(fetch_s)} fetches ({fetched / span / 1e9:.2f} GB/s), fetch p50 "
+        f"{percentile(fetch_s, 50):.2f} s p99 {percentile(fetch_s, 99):.2f} s, {len(errors)} errors; in the server "
+        f"(first message -> committed) p50 {percentile(server_ms, 50):.1f} ms p99 {percentile(server_ms, 99):.1f} ms; "
+        f"CPU cores used while loaded: server {phase.cpu_server:.2f}, fetcher process {phase.cpu_fetchers:.2f}, "
+        f"all processes {phase.machine_busy * cores:.2f} (of {cores})"
+    )
+    if errors:
+        row.note += f"; first error: {errors[0][:120]}"
+        row.passed = False
+    row.extra = {
+        "nice": phase.nice,
+        "loaded_ms": loaded_ms,
+        "loaded_p99_ms": p99,
+        "server_ms": server_ms,
+        "fetch_seconds": fetch_s,
+        "fetch_errors": errors[:20],
+        "fetch_error_count": len(errors),
+        "cpu_cores": {"server": phase.cpu_server, "fetchers": phase.cpu_fetchers},
+        "machine_busy": phase.machine_busy,
+    }
+    return row
+
+
+def publish_under_fetch_load(ctx: Context) -> list[Row]:
+    """A trainer publishing a 16 MiB model at 2 Hz while 200 collectors fetch it over gRPC
+    streams back to back: the publish's p99 under load vs its median with the server idle,
+    both measured here on a fresh server process. The fetchers run in one asyncio process
+    (raw stubs); the publisher is this process (`WeightServiceClient.publish_bytes`).
+
+    Judged with the fetcher process at normal priority, as the issue measured it. On a small
+    machine it then takes CPU from the server and the publisher, which collectors on other
+    hosts would not: a second phase runs it at nice 19 (it gets the cores the others leave)
+    and is reported unjudged, to show how much of the row is that competition."""
+    from weightclient.service_client import WeightServiceClient
+
+    model = "load-16MiB"
+    numel = LOAD_SIZE // 4
+    header = json.dumps({"w": {"dtype": "F32", "shape": [numel], "data_offsets": [0, 4 * numel]}}).encode()
+    header += b" " * (-len(header) % 8)
+    data = bytearray(struct.pack("<Q", len(header)) + header + bytes(4 * numel))
+    published = [0]
+
+    def publish() -> int:
+        published[0] += 1
+        struct.pack_into("<f", data, 8 + len(header), float(published[0]))  # every version differs
+        return client.publish_bytes(model, data, timeout=120).version
+
+    with ServerProcess(*LOAD_SERVER_ARGS) as server, WeightServiceClient(server.address) as client:
+        for _ in range(WARMUP_ROUNDS):
+            publish()
+        idle_versions: list[int] = []
+        idle = _scheduled_publishes(lambda: idle_versions.append(publish()), count=IDLE_PUBLISHES)
+        phases = [_publish_under_load(server, model, publish, nice) for nice in (0, 19)]
+        # The server's own duration of each publish (first message -> committed), from its log.
+        in_server = {
+            int(v): float(ms)
+            for v, ms in re.findall(rf"publish model={model} version=(\d+) .*duration_ms=([\d.]+)", server.log())
+        }
+    idle_ms = [s * 1e3 for s in idle]
+    server_idle = [in_server[v] for v in idle_versions if v in in_server]
+    base = Row("publish_idle", LOAD_SIZE, "ms", idle_ms, kind="baseline")
+    base.note = (
+        f"publish_bytes at 2 Hz, server idle; p99 {percentile(idle_ms, 99):.1f} ms; in the server "
+        f"p50 {percentile(server_idle, 50):.1f} ms p99 {percentile(server_idle, 99):.1f} ms"
+    )
+    base.extra = {"server_ms": server_idle}
+    idle_median = statistics.median(idle_ms)
+    row = _load_row("publish_under_fetch_load", phases[0], idle_median, in_server)
+    niced = _load_row("publish_under_niced_fetch_load", phases[1], idle_median, in_server)
+    niced.passed, niced.target = None, "none (shows the cause)"
+    return [base, row, niced]
+
+
 SIZED_ROWS: dict[str, Callable[[Context, int], list[Row]]] = {
     "fetch_live_policy": fetch_live_policy,
     "fetch_shm_vs_gloo": fetch_shm_vs_gloo,
@@ -682,6 +852,7 @@ SIZED_ROWS: dict[str, Callable[[Context, int], list[Row]]] = {
 UNSIZED_ROWS: dict[str, Callable[[Context], list[Row]]] = {
     "watch_latency": watch_latency,
     "updater_poll": updater_poll,
+    "publish_under_fetch_load": publish_under_fetch_load,
 }
 ROW_ORDER = [
     "fetch_live_policy",
@@ -695,6 +866,7 @@ ROW_ORDER = [
     "cast_bf16_bytes",
     "server_rss_16_fetchers",
     "collector_peak_memory",
+    "publish_under_fetch_load",
 ]
 # The in-run baselines each row is compared with (measured only when a selected row needs one).
 NEEDS = {

@@ -36,6 +36,8 @@ ALIASES = {
     "single_collector": "fanout_8",
     "updater_poll_asking": "updater_poll",
     "updater_poll_watch": "updater_poll",
+    "publish_idle": "publish_under_fetch_load",
+    "publish_under_niced_fetch_load": "publish_under_fetch_load",
 }
 
 

@@ -173,3 +173,84 @@ def memory_probe(
         }
     )
     client.close()
+
+
+def stream_fetch_load(
+    address: str, model: str, fetchers: int, connections: int, stop: Any, results: Any, nice: int = 0
+) -> None:
+    """`fetchers` collectors fetching the latest `model` over gRPC streams back to back, from
+    one asyncio loop over `connections` channels (raw stubs: 200 Python clients in threads
+    would measure the GIL of this process, not the server), in a process at `nice`.
+
+    Puts ("running", 0) once every fetcher has its first response, then, after `stop` is set
+    and the fetches in flight ended, a list of (start time_ns, end time_ns, bytes, error or
+    "") per fetch. A fetch whose bytes do not match the header's size and xxh3 is an error.
+    """
+    import asyncio
+
+    os.nice(nice)
+    asyncio.run(_stream_fetch_load(address, model, fetchers, connections, stop, results))
+
+
+async def _stream_fetch_load(address: str, model: str, fetchers: int, connections: int, stop: Any, results: Any):
+    import asyncio
+
+    import grpc
+    import xxhash
+
+    from weightserver import framing
+    from weightserver.v1 import weights_pb2 as pb
+
+    options = [("grpc.use_local_subchannel_pool", 1), ("grpc.max_receive_message_length", 8 << 20)]
+    channels = [grpc.aio.insecure_channel(address, options=options) for _ in range(connections)]
+    calls = [
+        channel.unary_stream(
+            "/weightserver.v1.WeightService/Fetch",
+            request_serializer=pb.FetchRequest.SerializeToString,
+            response_deserializer=framing.deserialize_fetch_response,
+        )
+        for channel in channels
+    ]
+    records: list[tuple[int, int, int, str]] = []
+    started = asyncio.Event()
+    waiting = [fetchers]
+
+    def answered() -> None:
+        waiting[0] -= 1
+        if not waiting[0]:
+            started.set()
+
+    async def fetch_once(fetch: Any, first: bool) -> None:
+        start, received, error = time.time_ns(), 0, ""
+        digest, info = xxhash.xxh3_128(), None
+        try:
+            async for message in fetch(pb.FetchRequest(model=model), timeout=600):
+                if isinstance(message, memoryview):
+                    digest.update(message)
+                    received += message.nbytes
+                elif message.HasField("header"):
+                    info = message.header
+                    if first:
+                        first = False
+                        answered()
+            if info is None or received != info.byte_size or digest.hexdigest() != info.xxh3:
+                error = f"wrong bytes: {received} of {info.byte_size if info else '?'}"
+        except grpc.aio.AioRpcError as exc:
+            error = f"{exc.code().name}: {exc.details()}"
+        if first:
+            answered()  # an error is an answer too: the row reports it
+        records.append((start, time.time_ns(), received, error))
+
+    async def fetcher(index: int) -> None:
+        first = True
+        while not stop.is_set():
+            await fetch_once(calls[index % connections], first)
+            first = False
+
+    tasks = [asyncio.ensure_future(fetcher(i)) for i in range(fetchers)]
+    await started.wait()
+    results.put(("running", 0))
+    await asyncio.gather(*tasks)
+    for channel in channels:
+        await channel.close()
+    results.put(records)

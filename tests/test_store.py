@@ -24,6 +24,7 @@ from weightserver.errors import (
     VersionConflict,
     VersionEvicted,
     VersionNotFound,
+    clipped_repr,
 )
 from weightserver.safetensors_format import build_header, parse_header
 from weightserver.store import Upload, Version, VersionStore, validate_model_name
@@ -273,7 +274,7 @@ VALID_NAMES = ["policy", "critic_v2", "a.b-c", "_x", "A9", "x", "a" * 128, "v1.2
 def test_invalid_model_names(store: VersionStore, name: str) -> None:
     with pytest.raises(InvalidModelName) as info:
         validate_model_name(name)
-    assert repr(name) in str(info.value)
+    assert clipped_repr(name) in str(info.value)  # long names cut to their first 100 characters
     with pytest.raises(InvalidModelName):
         store.publish(name, payload(1))
     with pytest.raises(InvalidModelName):
@@ -873,6 +874,10 @@ def test_crash_between_data_and_manifest(tmp_path: Path, caplog, monkeypatch) ->
     assert numbers(store.versions("policy")) == [1]
     assert store.newer_than("policy", 1) is None
     monkeypatch.setattr(store_module, "_atomic_write", real_write)
+    # The failed write removed the data file it had written; a crash there would have left it.
+    data_path = tmp_path / "policy" / "000000000002.safetensors"
+    assert not data_path.exists()
+    data_path.write_bytes(payload(2))
 
     with caplog.at_level(logging.INFO, logger=STORE_LOGGER):
         reloaded = VersionStore(tmp_path)
@@ -1009,3 +1014,22 @@ def test_concurrent_readers_only_see_verified_versions(tmp_path: Path) -> None:
     assert all(checks)
     assert store.latest("policy").version == 21
     assert numbers(store.versions("policy")) == [20, 21]
+
+
+def test_a_publish_id_commits_once_and_is_kept_in_the_manifest(tmp_path: Path) -> None:
+    store = VersionStore(tmp_path)
+    heard: list[int] = []
+    store.subscribe(lambda record: heard.append(record.version))
+    first = store.publish("policy", payload(1), publish_id="run-1/step-100")
+    assert store.publish("policy", payload(1), publish_id="run-1/step-100") is first
+    assert heard == [1]  # a repeat commits nothing, so nobody hears of it
+    manifest = json.loads((tmp_path / "policy" / "000000000001.json").read_text())
+    assert manifest["publish_id"] == "run-1/step-100"
+    reloaded = VersionStore(tmp_path)
+    # After a restart too, and a repeat that asked for an explicit number gets it back.
+    again = reloaded.publish("policy", payload(1), publish_id="run-1/step-100", version=1)
+    assert (again.version, again.sha256, again.created) == (1, first.sha256, first.created)
+    assert numbers(reloaded.versions("policy")) == [1]
+    for bad in ("has space", "x" * 129, "é"):
+        with pytest.raises(InvalidRequest, match="invalid publish id"):
+            reloaded.publish("policy", payload(2), publish_id=bad)

@@ -9,8 +9,11 @@
 
 Make a token with ``python -c "import secrets; print(secrets.token_urlsafe(32))"``. Roles are
 ordered: `reader` may fetch, watch, describe and list; `publisher` may also publish;
-`admin` may also delete and pin. Clients send ``authorization: Bearer <token>``. A missing or
-unknown token is UNAUTHENTICATED, a known token with too small a role PERMISSION_DENIED. Health
+`admin` may also delete and pin (a publish with pin=True pins too: it needs `admin`). A
+`publisher` or `admin` role may be limited to some models, ``publisher:policy,critic``: it may
+publish, pin and delete only those (and read every model). Clients send
+``authorization: Bearer <token>``. A missing or unknown token is UNAUTHENTICATED, a known token
+with too small a role, or a scoped one on another model, PERMISSION_DENIED. Health
 checks and reflection need no token (they reveal nothing beyond the public .proto). Tokens are
 compared in constant time (a sha256 of each, compared with every entry) and never logged: the
 name stands for the token in logs.
@@ -24,7 +27,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from weightserver.errors import AuthenticationRequired, InvalidRequest, PermissionDenied
+from weightserver.errors import AuthenticationRequired, InvalidRequest, PermissionDenied, clipped_repr
+from weightserver.store import validate_model_name
 
 ROLES = ("reader", "publisher", "admin")  # each includes the rights of the ones before it
 MIN_TOKEN_CHARS = 16
@@ -48,10 +52,12 @@ REQUIRED_ROLE: dict[str, str] = {
 
 @dataclass(frozen=True)
 class Principal:
-    """Who a token belongs to: the name from the token file and its role."""
+    """Who a token belongs to: the name from the token file, its role, and the models it may
+    publish, pin and delete (None: every model)."""
 
     name: str
     role: str
+    models: frozenset[str] | None = None
 
     def may(self, role: str) -> bool:
         return ROLES.index(self.role) >= ROLES.index(role)
@@ -61,19 +67,25 @@ class TokenTable:
     """The tokens a server accepts, held as sha256 digests."""
 
     def __init__(self, entries: Iterable[tuple[str, str, str]]) -> None:
-        """`entries`: (role, name, token) triples."""
+        """`entries`: (role, name, token) triples; a role may name its models, `publisher:a,b`."""
         self._entries: list[tuple[bytes, Principal]] = []
         seen: set[bytes] = set()
-        for role, name, token in entries:
+        for scoped_role, name, token in entries:
+            role, scoped, scope = scoped_role.partition(":")
             if role not in ROLES:
                 raise InvalidRequest(f"token {name!r}: unknown role {role!r}; use one of {', '.join(ROLES)}")
+            if scoped and role == "reader":
+                raise InvalidRequest(
+                    f"token {name!r}: a reader may read every model; only publisher and admin take models"
+                )
+            models = frozenset(validate_model_name(model) for model in scope.split(",")) if scoped else None
             if len(token) < MIN_TOKEN_CHARS:
                 raise InvalidRequest(f"token {name!r} is shorter than {MIN_TOKEN_CHARS} characters")
             digest = _digest(token)
             if digest in seen:
                 raise InvalidRequest(f"token {name!r} repeats another entry's token")
             seen.add(digest)
-            self._entries.append((digest, Principal(name, role)))
+            self._entries.append((digest, Principal(name, role, models)))
         if not self._entries:
             raise InvalidRequest("the token file lists no tokens")
 
@@ -106,9 +118,12 @@ class TokenTable:
                 found = principal
         return found
 
-    def authorize(self, metadata: Iterable[tuple[str, str | bytes]] | None, method: str) -> Principal:
-        """The caller of `method` if its bearer token allows it; else AuthenticationRequired
-        (no or unknown token) or PermissionDenied (role too small)."""
+    def authorize(
+        self, metadata: Iterable[tuple[str, str | bytes]] | None, method: str, model: str | None = None
+    ) -> Principal:
+        """The caller of `method` (on `model`, when it acts on one) if its bearer token allows
+        it; else AuthenticationRequired (no or unknown token) or PermissionDenied (role too
+        small, or a call beyond reading on a model outside the token's models)."""
         header = next((v for k, v in metadata or () if k == AUTHORIZATION_METADATA_KEY), None)
         if header is None:
             raise AuthenticationRequired(
@@ -127,6 +142,11 @@ class TokenTable:
         if not principal.may(needed):
             raise PermissionDenied(
                 f"{method} needs the {needed!r} role; the token of {principal.name!r} has {principal.role!r}"
+            )
+        if needed != "reader" and model is not None and principal.models is not None and model not in principal.models:
+            raise PermissionDenied(
+                f"{method} of model {clipped_repr(model)}: the token of {principal.name!r} may change only "
+                f"{', '.join(sorted(principal.models))}"
             )
         return principal
 

@@ -119,7 +119,8 @@ def command_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersActio
         type=Path,
         metavar="FILE",
         help="require bearer tokens listed in FILE, one 'ROLE NAME TOKEN' per line; roles: reader "
-        "(fetch/watch/list), publisher (+ publish), admin (+ delete/pin). Health checks need none",
+        "(fetch/watch/list), publisher (+ publish), admin (+ delete/pin); 'publisher:a,b' or 'admin:a,b' "
+        "may change only models a and b. Health checks need none",
     )
     serve.add_argument("--tls-cert", type=Path, metavar="PEM", help="serve TLS with this certificate chain")
     serve.add_argument("--tls-key", type=Path, metavar="PEM", help="private key of --tls-cert")
@@ -134,6 +135,15 @@ def command_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersActio
         type=int,
         default=ServerConfig.max_concurrent_streams,
         help="calls one client connection may have open at once (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--max-stream-fetches",
+        type=int,
+        default=ServerConfig.max_stream_fetches,
+        metavar="N",
+        help="gRPC stream fetches sending chunks at once; more wait their turn, so that many fetchers "
+        "cannot starve publishes; raise it for collectors on slow links (default: one per CPU, at least 2: "
+        "%(default)s)",
     )
     serve.add_argument(
         "--publish-timeout",

@@ -9,9 +9,12 @@ Exception tree::
     │   └── VersionEvicted                 the version fell out of the --keep window
     ├── InvalidRequest                     INVALID_ARGUMENT
     │   ├── InvalidModelName               empty, too long, path separators, '..'
-    │   └── InvalidSafetensors             the uploaded bytes are not a valid safetensors file
+    │   ├── InvalidSafetensors             the uploaded bytes are not a valid safetensors file
+    │   └── VersionTooLarge                a requested version number above 2^63-1
     ├── IntegrityError                     DATA_LOSS (size or sha256 mismatch)
     ├── ModelTooLarge                      RESOURCE_EXHAUSTED (over --max-model-bytes)
+    ├── StorageFull                        RESOURCE_EXHAUSTED (no space left in --data-dir)
+    ├── DescriptionTooLarge                RESOURCE_EXHAUSTED (tensor list + metadata over 1 MiB)
     ├── VersionConflict                    FAILED_PRECONDITION (version not above the latest)
     ├── CursorOutOfRange                   OUT_OF_RANGE (a version ahead of the latest)
     ├── AuthenticationRequired             UNAUTHENTICATED (no or unknown bearer token)
@@ -38,6 +41,35 @@ if TYPE_CHECKING:
 ERROR_METADATA_KEY = "weightserver-error"
 # Call metadata a client may send to name itself in the server's logs (and metrics).
 CLIENT_ID_METADATA_KEY = "weightserver-client-id"
+# A status message travels in the call's trailers, whose size clients cap (gRPC: 8 KiB by
+# default, and between 8 and 16 KiB a random share of calls fail with RESOURCE_EXHAUSTED
+# instead of their own status). Messages quote a caller's input cut to CLIPPED_REPR_CHARS,
+# and the server cuts any message to MAX_STATUS_MESSAGE_BYTES (3 KiB once percent-encoded).
+CLIPPED_REPR_CHARS = 100
+MAX_STATUS_MESSAGE_BYTES = 1024
+
+
+def clipped_repr(value: object, limit: int = CLIPPED_REPR_CHARS) -> str:
+    """`value` as an error message quotes it: its repr, cut to `limit` characters and followed
+    by its length when longer, so an oversized input never comes back whole.
+
+    >>> clipped_repr("x" * 1000, limit=8)
+    "'xxxxxxx...(1000 chars)"
+    """
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    size = f"{len(value)} chars" if isinstance(value, str) else f"{len(text)} chars written out"
+    return f"{text[:limit]}...({size})"
+
+
+def clipped_message(message: str, limit: int = MAX_STATUS_MESSAGE_BYTES) -> str:
+    """`message` in at most `limit` UTF-8 bytes: the server's last guard on what it sends."""
+    encoded = message.encode()
+    if len(encoded) <= limit:
+        return message
+    tail = f"...(message cut from {len(encoded)} bytes)"
+    return encoded[: limit - len(tail)].decode("utf-8", "ignore") + tail
 
 
 class WeightServerError(Exception):
@@ -72,12 +104,24 @@ class InvalidSafetensors(InvalidRequest):
     """Published bytes that are not a well-formed safetensors file."""
 
 
+class VersionTooLarge(InvalidRequest):
+    """A requested version number above the largest one the server hands out (2^63-1)."""
+
+
 class IntegrityError(WeightServerError):
     """The bytes received do not match their declared size or sha256."""
 
 
 class ModelTooLarge(WeightServerError):
     """A version larger than the server accepts (--max-model-bytes)."""
+
+
+class StorageFull(WeightServerError):
+    """The data directory has no space left for a version (or a manifest)."""
+
+
+class DescriptionTooLarge(WeightServerError):
+    """A version whose description (tensor list, metadata) clients could not receive."""
 
 
 class VersionConflict(WeightServerError):
@@ -123,8 +167,11 @@ STATUS_CODES: dict[type[WeightServerError], str] = {
     InvalidRequest: "INVALID_ARGUMENT",
     InvalidModelName: "INVALID_ARGUMENT",
     InvalidSafetensors: "INVALID_ARGUMENT",
+    VersionTooLarge: "INVALID_ARGUMENT",
     IntegrityError: "DATA_LOSS",
     ModelTooLarge: "RESOURCE_EXHAUSTED",
+    StorageFull: "RESOURCE_EXHAUSTED",
+    DescriptionTooLarge: "RESOURCE_EXHAUSTED",
     VersionConflict: "FAILED_PRECONDITION",
     CursorOutOfRange: "OUT_OF_RANGE",
     AuthenticationRequired: "UNAUTHENTICATED",

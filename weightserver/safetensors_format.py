@@ -16,7 +16,7 @@ import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from weightserver.errors import InvalidSafetensors
+from weightserver.errors import InvalidSafetensors, clipped_repr
 
 # dtype name -> bytes per element. The names and sizes of the safetensors specification.
 DTYPE_SIZES: dict[str, int] = {
@@ -38,7 +38,9 @@ DTYPE_SIZES: dict[str, int] = {
 }
 
 METADATA_KEY = "__metadata__"
-DEFAULT_MAX_HEADER_BYTES = 100 * 1024 * 1024  # the limit the safetensors package itself uses
+# The format's own limits (the safetensors package's header limit), for reading any file; a
+# server accepts publishes within the tighter limits of weightserver.config (PUBLISH_MAX_*).
+DEFAULT_MAX_HEADER_BYTES = 100 * 1024 * 1024
 DEFAULT_MAX_TENSORS = 1_000_000
 _LEN = struct.Struct("<Q")
 
@@ -74,7 +76,7 @@ def _reject_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
     result: dict[str, object] = {}
     for key, value in pairs:
         if key in result:
-            raise InvalidSafetensors(f"header names tensor {key!r} twice; tensor names must be unique")
+            raise InvalidSafetensors(f"header names tensor {clipped_repr(key)} twice; tensor names must be unique")
         result[key] = value
     return result
 
@@ -133,27 +135,28 @@ def parse_header(
 def _parse_entry(name: str, spec: object) -> TensorEntry:
     if not name:
         raise InvalidSafetensors("header has a tensor with an empty name")
+    tensor = f"tensor {clipped_repr(name)}"
     if not isinstance(spec, dict):
-        raise InvalidSafetensors(f"tensor {name!r}: expected an object with dtype, shape, data_offsets")
+        raise InvalidSafetensors(f"{tensor}: expected an object with dtype, shape, data_offsets")
     missing = {"dtype", "shape", "data_offsets"} - spec.keys()
     if missing:
-        raise InvalidSafetensors(f"tensor {name!r}: missing {', '.join(sorted(missing))}")
+        raise InvalidSafetensors(f"{tensor}: missing {', '.join(sorted(missing))}")
     dtype = spec["dtype"]
     if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
-        raise InvalidSafetensors(f"tensor {name!r}: unknown dtype {dtype!r}; known: {', '.join(DTYPE_SIZES)}")
+        raise InvalidSafetensors(f"{tensor}: unknown dtype {clipped_repr(dtype)}; known: {', '.join(DTYPE_SIZES)}")
     shape = spec["shape"]
     if not isinstance(shape, list) or not all(_is_uint(d) for d in shape):
-        raise InvalidSafetensors(f"tensor {name!r}: shape must be a list of non-negative integers, got {shape!r}")
+        raise InvalidSafetensors(f"{tensor}: shape must be a list of non-negative integers, got {clipped_repr(shape)}")
     offsets = spec["data_offsets"]
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_uint(o) for o in offsets)):
-        raise InvalidSafetensors(f"tensor {name!r}: data_offsets must be [begin, end], got {offsets!r}")
+        raise InvalidSafetensors(f"{tensor}: data_offsets must be [begin, end], got {clipped_repr(offsets)}")
     begin, end = offsets
     if end < begin:
-        raise InvalidSafetensors(f"tensor {name!r}: data_offsets end {end} is before begin {begin}")
+        raise InvalidSafetensors(f"{tensor}: data_offsets end {end} is before begin {begin}")
     expected = math.prod(shape) * DTYPE_SIZES[dtype]
     if end - begin != expected:
         raise InvalidSafetensors(
-            f"tensor {name!r}: shape {shape} of {dtype} needs {expected} bytes "
+            f"{tensor}: shape {clipped_repr(shape)} of {dtype} needs {expected} bytes "
             f"but data_offsets [{begin}, {end}] span {end - begin}"
         )
     return TensorEntry(name, dtype, tuple(shape), begin, end)
@@ -169,17 +172,17 @@ def _check_layout(entries: list[TensorEntry], data_len: int) -> None:
     for entry in sorted(entries, key=lambda e: (e.begin, e.end)):
         if entry.end > data_len:
             raise InvalidSafetensors(
-                f"tensor {entry.name!r}: data_offsets [{entry.begin}, {entry.end}] run past the "
+                f"tensor {clipped_repr(entry.name)}: data_offsets [{entry.begin}, {entry.end}] run past the "
                 f"{data_len}-byte data section"
             )
         if entry.begin < position:
             raise InvalidSafetensors(
-                f"tensor {entry.name!r}: data_offsets [{entry.begin}, {entry.end}] overlap the "
+                f"tensor {clipped_repr(entry.name)}: data_offsets [{entry.begin}, {entry.end}] overlap the "
                 f"previous tensor, which ends at {position}"
             )
         if entry.begin > position:
             raise InvalidSafetensors(
-                f"tensor {entry.name!r}: gap of {entry.begin - position} bytes before its data "
+                f"tensor {clipped_repr(entry.name)}: gap of {entry.begin - position} bytes before its data "
                 f"(offset {position}); tensors must be packed"
             )
         position = entry.end
@@ -206,9 +209,9 @@ def build_header(
     position = 0
     for name, dtype, shape, nbytes in entries:
         if dtype not in DTYPE_SIZES:
-            raise InvalidSafetensors(f"tensor {name!r}: unknown dtype {dtype!r}")
+            raise InvalidSafetensors(f"tensor {clipped_repr(name)}: unknown dtype {clipped_repr(dtype)}")
         if name in header or name == METADATA_KEY:
-            raise InvalidSafetensors(f"tensor name {name!r} appears twice or is reserved")
+            raise InvalidSafetensors(f"tensor name {clipped_repr(name)} appears twice or is reserved")
         header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [position, position + nbytes]}
         placed.append(TensorEntry(name, dtype, tuple(shape), position, position + nbytes))
         position += nbytes

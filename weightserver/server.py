@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from weightserver import framing
+from weightserver import framing, wire
 from weightserver.auth import TokenTable
 from weightserver.bulk import BulkEndpoint
 from weightserver.config import MAX_MESSAGE_BYTES, ServerConfig, url_host
@@ -95,6 +95,7 @@ class WeightServer:
             max_model_bytes=self.config.max_model_bytes,
             max_header_bytes=self.config.max_header_bytes,
             max_tensors=self.config.max_tensors,
+            describe=wire.description_bytes,
         )
         # A bad token file stops the server here, before it binds a port.
         self.tokens = TokenTable.load(self.config.auth_tokens) if self.config.auth_tokens else None
@@ -254,6 +255,7 @@ class WeightServer:
         log.info("shutting down (grace %.1fs)", self._grace)
         await health.enter_graceful_shutdown()
         await server.stop(self._grace)
+        servicer.close()
         log.info("stopped")
 
 

@@ -1,7 +1,10 @@
 """The gRPC servicer: checks requests, calls the VersionStore, maps errors to status codes.
 
 Runs on grpc.aio. Store calls that hash, parse or fsync run in worker threads so one large
-publish never stalls the event loop that serves fetches and watchers.
+publish never stalls the event loop that serves fetches and watchers; a publish's commit has
+threads of its own, so no backlog of other work (casts, deltas) queues in front of it. Stream
+fetches send chunks a bounded number at a time (`--max-stream-fetches`), the rest waiting
+their turn, so that a publish's chunks share the loop with a few fetches, not with every open one.
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ import functools
 import logging
 import mmap
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import grpc
@@ -27,11 +31,14 @@ from weightserver.errors import (
     DeadlineExceeded,
     IntegrityError,
     InvalidRequest,
+    PermissionDenied,
     WeightServerError,
+    clipped_message,
+    clipped_repr,
     status_code_for,
 )
 from weightserver.metrics import NoMetrics
-from weightserver.payloads import Payload, PayloadCache
+from weightserver.payloads import CAST_TARGETS, Payload, PayloadCache
 from weightserver.shared_memory import SharedMemoryFiles
 from weightserver.store import Upload, Version, VersionStore, validate_model_name
 from weightserver.v1 import weights_pb2 as pb
@@ -40,6 +47,14 @@ from weightserver.v1 import weights_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
+
+# Threads that verify and commit publishes (hash, parse, fsync), apart from asyncio's default
+# pool, which also builds casts and deltas for fetches.
+PUBLISH_THREADS = 4
+# A fetch whose chunk write has not completed after this long (its reader stopped reading or
+# reads slowly) gives its turn back for the rest of the fetch: a stalled stream costs the
+# loop nothing, and must not hold up the fetches queued behind it.
+SLOW_READER_SECONDS = 1.0
 
 
 async def _abort(context: grpc.aio.ServicerContext, error: BaseException) -> None:
@@ -50,7 +65,9 @@ async def _abort(context: grpc.aio.ServicerContext, error: BaseException) -> Non
         log.exception("internal error in %s", context.peer())
         code, name = grpc.StatusCode.INTERNAL, "InternalServerError"
         message = f"internal server error ({type(error).__name__}); see the server log"
-    await context.abort(code, message, trailing_metadata=((ERROR_METADATA_KEY, name),))
+    # Cut, whatever the message quotes: an oversized status would fail the call on the client
+    # with RESOURCE_EXHAUSTED (its metadata limit) instead of this status.
+    await context.abort(code, clipped_message(message), trailing_metadata=((ERROR_METADATA_KEY, name),))
 
 
 async def _within(messages: AsyncIterator[T], seconds: float | None) -> AsyncIterator[T]:
@@ -83,7 +100,9 @@ def _unary(method: F) -> F:
     @functools.wraps(method)
     async def wrapper(self: WeightServicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            self._authorize(context, method.__name__)
+            # The model a call changes (DeleteVersion, PinVersion) counts for model-scoped tokens;
+            # a Publish stream's headers are checked as they arrive.
+            self._authorize(context, method.__name__, getattr(request, "model", None))
             return await method(self, request, context)
         except Exception as error:
             await _abort(context, error)
@@ -98,8 +117,10 @@ def _streaming(method: F) -> F:
     async def wrapper(self: WeightServicer, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
             self._authorize(context, method.__name__)
-            async for message in method(self, request, context):
-                yield message
+            # Closed as soon as the call ends, so a fetch hands back its turn at once.
+            async with contextlib.aclosing(method(self, request, context)) as messages:
+                async for message in messages:
+                    yield message
         except Exception as error:
             await _abort(context, error)
 
@@ -127,6 +148,8 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         self.bulk = bulk
         self.shared_memory = shared_memory
         self.metrics = metrics or NoMetrics()
+        self._stream_turns = asyncio.Semaphore(config.max_stream_fetches)
+        self._publish_threads = ThreadPoolExecutor(PUBLISH_THREADS, thread_name_prefix="weightserver-publish")
         # The fast transports this server offers to Negotiate, in no order: the caller's decides.
         # Each with the name its transfers are logged and counted under.
         self._offers: dict[int, tuple[str, Callable[[Version, Payload, pb.Payload], Awaitable[None]]]] = {}
@@ -138,10 +161,14 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         for summary in store.models():  # versions loaded from a data dir
             self.metrics.retained(summary.model, store.versions(summary.model))
 
-    def _authorize(self, context: grpc.aio.ServicerContext, method: str) -> None:
-        """With --auth-tokens, the caller's bearer token must allow `method` (raises otherwise)."""
+    def close(self) -> None:
+        """Let the publish threads go (after the server stopped)."""
+        self._publish_threads.shutdown(wait=False, cancel_futures=True)
+
+    def _authorize(self, context: grpc.aio.ServicerContext, method: str, model: str | None = None) -> None:
+        """With --auth-tokens, the caller's bearer token must allow `method` (on `model`)."""
         if self.tokens is not None:
-            self.tokens.authorize(context.invocation_metadata(), method)
+            self.tokens.authorize(context.invocation_metadata(), method, model)
 
     def _on_commit(self, record: Version) -> None:
         """Store listener: a commit may have evicted older versions of the model."""
@@ -187,15 +214,35 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         started = time.perf_counter()
         incoming: list[_IncomingModel] = []
         try:
-            records = await self._receive_and_commit(request_iterator, incoming)
+            records = await self._receive_and_commit(self._checked_headers(request_iterator, context), incoming)
         finally:
             for model in incoming:
                 if model.upload is not None and model.upload.path.exists():
                     model.upload.abort()  # a publish that did not commit leaves no file
-        for record in records:
-            self._transferred("publish", record, started, context)
+        if incoming[0].committed:
+            for record in records:
+                self._transferred("publish", record, started, context)
+        else:  # a repeat of a publish id: the versions an earlier call committed
+            for record in records:
+                _log_event("publish_repeat", context, model=record.model, version=record.version)
         infos = [wire.version_info(r) for r in records]
         return pb.PublishResponse(version=infos[0], versions=infos)
+
+    async def _checked_headers(
+        self, messages: AsyncIterator[pb.PublishRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.PublishRequest]:
+        """The publish stream's messages, each header checked against the caller's token as it
+        arrives, before its bytes: its model must be one the token may publish, and pin=True
+        pins the version, which needs what PinVersion needs."""
+        async for message in messages:
+            if self.tokens is not None and message.WhichOneof("kind") == "header":
+                self._authorize(context, "Publish", message.header.model)
+                try:
+                    if message.header.pin:
+                        self._authorize(context, "PinVersion", message.header.model)
+                except PermissionDenied as exc:
+                    raise PermissionDenied(f"a publish with pin=True pins the version: {exc}") from None
+            yield message
 
     async def _receive_and_commit(
         self, request_iterator: AsyncIterator[pb.PublishRequest], incoming: list[_IncomingModel]
@@ -210,12 +257,15 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
                     raise InvalidRequest(f"model {message.header.model!r} appears twice in one publish")
                 if incoming:
                     incoming[-1].check_complete()
-                    _check_group_version(incoming[0].header, message.header)
+                    _check_group_header(incoming[0].header, message.header)
                 header = message.header
+                first = incoming[0].header if incoming else header
                 self.store.check_publish(
                     header.model,
                     total_bytes=header.total_bytes,
-                    version=incoming[0].header.version if incoming else header.version,
+                    version=first.version,
+                    metadata=header.metadata,
+                    publish_id=first.publish_id,
                 )
                 incoming.append(_IncomingModel(header, self.shared_memory))
             elif not incoming:
@@ -238,7 +288,18 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
             )
         digests = _declared_sha256s(incoming, commit)
         uploads = [model.as_upload(digest) for model, digest in zip(incoming, digests, strict=True)]
-        return await asyncio.to_thread(self.store.publish_group, uploads, version=incoming[0].header.version)
+        first = incoming[0].header
+        publish = functools.partial(
+            self.store.publish_group, uploads, version=first.version, publish_id=first.publish_id
+        )
+        commit = asyncio.get_running_loop().run_in_executor(self._publish_threads, publish)
+        try:
+            return await asyncio.shield(commit)
+        finally:
+            # A call cancelled meanwhile (its deadline passed) leaves the commit running in its
+            # thread: it finishes with the uploads before Publish cleans them up, and a retry
+            # with the same publish id finds its version.
+            await asyncio.wait([commit])
 
     # ------------------------------------------------------------------ describe
     @_unary
@@ -294,9 +355,34 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         if request.base_version or request.dtype:
             yield pb.FetchResponse(payload=description)
         chunk_bytes = clamp_chunk_bytes(request.chunk_size, self.config.chunk_bytes)
-        for message in framing.chunk_messages(payload.data, chunk_bytes):
-            yield message
+        async with contextlib.aclosing(self._in_turn(framing.chunk_messages(payload.data, chunk_bytes))) as chunks:
+            async for message in chunks:
+                yield message
         self._transferred("fetch", record, started, context, transport="stream", sent=payload.byte_size)
+
+    async def _in_turn(self, messages: Iterable[bytes]) -> AsyncIterator[bytes]:
+        """`messages`, sent while this fetch holds one of the --max-stream-fetches turns (first
+        waiting for one, first come first served). A write still pending after
+        SLOW_READER_SECONDS gives the turn back for the rest of the fetch."""
+        turns, loop = self._stream_turns, asyncio.get_running_loop()
+        await turns.acquire()
+        held = True
+
+        def give_back() -> None:
+            nonlocal held
+            if held:
+                held = False
+                turns.release()
+
+        try:
+            for message in messages:
+                slow = loop.call_later(SLOW_READER_SECONDS, give_back)
+                try:
+                    yield message
+                finally:
+                    slow.cancel()
+        finally:
+            give_back()
 
     @_unary
     async def Negotiate(self, request: pb.NegotiateRequest, context: grpc.aio.ServicerContext) -> pb.NegotiateResponse:
@@ -326,6 +412,10 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
 
     def _fetched_version(self, request: pb.FetchRequest) -> Version | None:
         """The version a fetch asks for; None when `newer_than` found nothing newer."""
+        if request.dtype and request.dtype not in CAST_TARGETS:
+            raise InvalidRequest(
+                f"cannot cast to {clipped_repr(request.dtype)}: choose one of {', '.join(CAST_TARGETS)} or ''"
+            )
         selector = request.WhichOneof("selector")
         if selector == "version":
             if request.version == 0:
@@ -459,6 +549,7 @@ class _IncomingModel:
         size = header.total_bytes
         self.buffer = self.upload.buffer if self.upload else memoryview(mmap.mmap(-1, size) if size else bytearray())
         self.received = 0
+        self.committed = False  # whether these bytes became a version (not so for a repeat)
 
     def add(self, chunk: bytes) -> None:
         end = self.received + len(chunk)
@@ -486,25 +577,34 @@ class _IncomingModel:
             total_bytes=self.header.total_bytes,
             metadata=dict(self.header.metadata),
             pin=self.header.pin,
-            on_commit=self._adopt if self.upload is not None else None,
+            on_commit=self._adopt,
         )
 
     def _adopt(self, record: Version) -> None:
         """The store calls this once `record` is durable and before any reader can see it, under
         the model's commit lock: a same-host fetch or a watcher that hears of the version finds
-        its file and header in place, and no pin can change `record` in between."""
-        assert self.shared_memory is not None and self.upload is not None
+        its file and header in place, and no pin can change `record` in between. Not called
+        when the publish repeats a publish id: the bytes then become nothing."""
+        self.committed = True
+        if self.upload is None:
+            return
+        assert self.shared_memory is not None
         self.shared_memory.adopt((record.model, record.version, 0, ""), self.upload)
         self.shared_memory.write_header(
             record.model, record.version, lambda: wire.version_info(record).SerializeToString()
         )
 
 
-def _check_group_version(first: pb.PublishHeader, header: pb.PublishHeader) -> None:
+def _check_group_header(first: pb.PublishHeader, header: pb.PublishHeader) -> None:
     if header.version and header.version != first.version:
         raise InvalidRequest(
-            f"model {header.model!r}: a multi-model publish has one version number; this header asks for "
+            f"model {clipped_repr(header.model)}: a multi-model publish has one version number; this header asks for "
             f"{header.version} but the first asks for {first.version or 'the next one'} (leave later ones 0)"
+        )
+    if header.publish_id and header.publish_id != first.publish_id:
+        raise InvalidRequest(
+            f"model {header.model!r}: a multi-model publish has one publish id, the first header's; this "
+            f"header gives {header.publish_id!r} (leave later ones empty)"
         )
 
 
@@ -524,7 +624,8 @@ def _declared_sha256s(incoming: list[_IncomingModel], commit: pb.PublishCommit) 
             )
         if in_header and in_commit and in_header.lower() != in_commit.lower():
             raise IntegrityError(
-                f"model {model.header.model!r}: header declares sha256 {in_header} but the commit declares {in_commit}"
+                f"model {model.header.model!r}: header declares sha256 {clipped_repr(in_header)} but the commit "
+                f"declares {clipped_repr(in_commit)}"
             )
         digests.append(in_header or in_commit)
     return digests

@@ -12,7 +12,10 @@ On-disk layout under ``data_dir``::
     <model>/high_water.json              highest version ever committed (written on delete)
 
 The manifest is written after the data file, so its presence marks a committed version; a
-data file without a manifest is debris from a crash and is removed on start.
+data file without a manifest is debris from a crash and is removed on start. A delete removes
+the data file first (so it works on a full disk), then records the high-water mark, then
+removes the manifest: a manifest without its data file is never loaded, and keeps its number
+from being handed out again until the high-water mark holds it.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
 import logging
@@ -31,16 +35,21 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from weightserver.config import MAX_DESCRIPTION_BYTES, MAX_DESCRIPTIONS_PER_REPLY
 from weightserver.errors import (
     CursorOutOfRange,
+    DescriptionTooLarge,
     IntegrityError,
     InvalidModelName,
     InvalidRequest,
     ModelNotFound,
     ModelTooLarge,
+    StorageFull,
     VersionConflict,
     VersionEvicted,
     VersionNotFound,
+    VersionTooLarge,
+    clipped_repr,
 )
 from weightserver.payloads import tensor_digests, xxh3_hex
 from weightserver.safetensors_format import SafetensorsHeader, parse_header
@@ -48,9 +57,13 @@ from weightserver.safetensors_format import SafetensorsHeader, parse_header
 log = logging.getLogger(__name__)
 
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
+_PUBLISH_ID = re.compile(r"^[\x21-\x7e]{1,128}$")  # printable ASCII, no spaces
 _DATA_SUFFIX = ".safetensors"
 _MANIFEST_SUFFIX = ".json"
 _HIGH_WATER = "high_water.json"
+# The largest version number: every version fits a signed 64-bit integer (clients in other
+# languages, JSON) and the next one still fits the proto's uint64.
+MAX_VERSION = 2**63 - 1
 
 
 def validate_model_name(model: str) -> str:
@@ -58,7 +71,7 @@ def validate_model_name(model: str) -> str:
     under --data-dir, so the rules (in the error message) keep them inside it."""
     if not isinstance(model, str) or not _MODEL_NAME.fullmatch(model) or ".." in model:
         raise InvalidModelName(
-            f"invalid model name {model!r}: use 1-128 characters from A-Z a-z 0-9 . _ -, "
+            f"invalid model name {clipped_repr(model)}: use 1-128 characters from A-Z a-z 0-9 . _ -, "
             "not starting with '.' or '-' and without '..'"
         )
     return model
@@ -83,6 +96,8 @@ class Version:
     group: tuple[str, ...] = ()  # models committed together under this version number
     xxh3: str = ""  # xxh3-128 of the whole file
     tensor_xxh3: Mapping[str, str] = field(default_factory=dict, repr=False)  # per tensor, by name
+    description_bytes: int = 0  # its description as clients receive it, at most (0: not measured)
+    publish_id: str = ""  # the idempotency key of the publish that committed it ("": none)
 
     @property
     def byte_size(self) -> int:
@@ -146,12 +161,18 @@ class VersionStore:
         max_model_bytes: int | None = None,
         max_header_bytes: int | None = None,
         max_tensors: int | None = None,
+        describe: Callable[[Version], int] | None = None,
     ) -> None:
+        """`describe(version)`: the bytes of a version's description as clients receive it
+        (the server passes `wire.description_bytes`). With it, a publish is refused before it
+        commits if a description would be over MAX_DESCRIPTION_BYTES, or the descriptions a
+        Publish or ListVersions reply carries would add up to more than a client receives."""
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.data_dir = Path(data_dir) if data_dir is not None else None
         self.keep = keep
         self.max_model_bytes = max_model_bytes
+        self._describe = describe
         self._header_limits: dict[str, int] = {}
         if max_header_bytes is not None:
             self._header_limits["max_header_bytes"] = max_header_bytes
@@ -165,13 +186,31 @@ class VersionStore:
             self._load()
 
     # ------------------------------------------------------------------ publishing
-    def check_publish(self, model: str, *, total_bytes: int, version: int = 0) -> None:
-        """Cheap checks before any byte is received: name, size limit, version order."""
+    def check_publish(
+        self,
+        model: str,
+        *,
+        total_bytes: int,
+        version: int = 0,
+        metadata: Mapping[str, str] | None = None,
+        publish_id: str = "",
+    ) -> None:
+        """Cheap checks before any byte is received: name, size limit, metadata size, version
+        order (not for a repeat of a publish id: its version is the one already committed)."""
         validate_model_name(model)
         self._check_size(model, total_bytes)
+        metadata_bytes = _metadata_bytes(metadata or {})
+        if self._describe is not None and metadata_bytes > MAX_DESCRIPTION_BYTES:
+            raise DescriptionTooLarge(
+                f"model {model!r}: {metadata_bytes} bytes of metadata are over the limit of {MAX_DESCRIPTION_BYTES} "
+                "bytes (1 MiB) on a version's description (tensor list and metadata), which keeps it within "
+                "what a gRPC client receives by default; publish less metadata"
+            )
         with self._lock:
             state = self._models.get(model)
-            _check_above_high_water([model], version, state.high_water if state else 0)
+            if state is not None and _committed_by(state, _checked_publish_id(publish_id)):
+                return
+            _check_version([model], version, state.high_water if state else 0)
 
     def publish(
         self,
@@ -183,43 +222,69 @@ class VersionStore:
         version: int = 0,
         metadata: Mapping[str, str] | None = None,
         pin: bool = False,
+        publish_id: str = "",
     ) -> Version:
         """Verify `data` and commit it as a new version of `model`; return the version.
 
         `sha256` and `total_bytes`, when given, are what the publisher declared; a mismatch
         raises IntegrityError. `version` 0 assigns latest + 1; otherwise it must exceed every
         version the model ever had (VersionConflict). Nothing is visible until this returns.
+        `publish_id`: see `publish_group`.
         """
         upload = Upload(model, data, sha256=sha256, total_bytes=total_bytes, metadata=metadata, pin=pin)
-        return self.publish_group([upload], version=version)[0]
+        return self.publish_group([upload], version=version, publish_id=publish_id)[0]
 
-    def publish_group(self, uploads: Sequence[Upload], *, version: int = 0) -> list[Version]:
+    def publish_group(self, uploads: Sequence[Upload], *, version: int = 0, publish_id: str = "") -> list[Version]:
         """Verify several models' bytes and commit them under ONE version number, together.
 
-        The number is `version`, or one above the highest version any of the models ever had.
+        The number is `version` (at most MAX_VERSION), or one above the highest version any of
+        the models ever had.
         Readers see all of the group's versions or none of them; after a crash mid-commit the
         partial group is dropped on restart. Returns the versions in `uploads` order.
+
+        `publish_id`, an idempotency key: if retained versions were committed by a publish with
+        this id, they are returned and nothing is committed (no `on_commit`, no listener). The
+        check runs under the commit locks, so a repeat that arrives while the first publish is
+        still committing waits for it and returns its versions.
         """
         if not uploads:
             raise InvalidRequest("a publish needs at least one model")
         if version < 0:
             raise InvalidRequest(f"version must be >= 0, got {version}")
+        _checked_publish_id(publish_id)
         names = [validate_model_name(u.model) for u in uploads]
         if len(set(names)) != len(names):
             raise InvalidRequest(f"a publish names a model twice: {', '.join(names)}")
         group = tuple(names) if len(names) > 1 else ()
         verified = [self._verify(u, group) for u in uploads]  # hashed before taking any lock
+        # The reply lists every model's description, and the first one once more.
+        reply_bytes = verified[0].description_bytes + sum(v.description_bytes for v in verified)
+        if reply_bytes > MAX_DESCRIPTIONS_PER_REPLY:
+            raise DescriptionTooLarge(
+                f"model {_names(names)}: the descriptions of this publish add up to {reply_bytes} bytes, over the "
+                f"{MAX_DESCRIPTIONS_PER_REPLY} bytes its reply may carry to a gRPC client with default settings; "
+                "publish fewer models at once"
+            )
 
         states = {name: self._model_state(name) for name in names}
         with contextlib.ExitStack() as locks:
             for name in sorted(names):  # one fixed order, so two groups cannot deadlock
                 locks.enter_context(states[name].commit_lock)
             with self._lock:
+                repeated = _repeated(names, states, verified, publish_id)
+                if repeated is not None:
+                    log.info("publish id %r repeats %s v%d: nothing committed", publish_id, names, repeated[0].version)
+                    return repeated
                 high_water = max(state.high_water for state in states.values())
-                _check_above_high_water(names, version, high_water)
+                _check_version(names, version, high_water)
                 number = version or high_water + 1
+                for record in verified:
+                    self._check_listing(states[record.model], record)
             created = time.time()
-            records = [dataclasses.replace(record, version=number, created=created) for record in verified]
+            records = [
+                dataclasses.replace(record, version=number, created=created, publish_id=publish_id)
+                for record in verified
+            ]
             if self.data_dir is not None:
                 self._write_group(records)
             for upload, record in zip(uploads, records, strict=True):
@@ -256,7 +321,7 @@ class VersionStore:
                 f"{upload.sha256.lower()}; the bytes were corrupted in transit or the digest is wrong"
             )
         header = parse_header(upload.data, **self._header_limits)
-        return Version(
+        record = Version(
             model=model,
             version=0,
             data=upload.data,
@@ -269,6 +334,35 @@ class VersionStore:
             xxh3=xxh3_hex(upload.data),
             tensor_xxh3=tensor_digests(upload.data, header),
         )
+        if self._describe is None:
+            return record
+        # Measured as it will be at its largest: the largest number, pinned.
+        size = self._describe(dataclasses.replace(record, version=MAX_VERSION, created=time.time(), pinned=True))
+        if size > MAX_DESCRIPTION_BYTES:
+            raise DescriptionTooLarge(
+                f"model {model!r}: the version's description (names, shapes and digests of {len(header.tensors)} "
+                f"tensors, and {_metadata_bytes(record.metadata)} bytes of metadata) would be {size} bytes, over the "
+                f"limit of {MAX_DESCRIPTION_BYTES} bytes (1 MiB) that keeps it within what a gRPC client receives "
+                "by default; publish fewer tensors (split the model into several, published together as a group) "
+                "or less metadata"
+            )
+        return dataclasses.replace(record, description_bytes=size)
+
+    def _check_listing(self, state: _Model, record: Version) -> None:
+        """The retained versions' descriptions, `record` included, must fit one ListVersions
+        reply. Publishing is the only way to retain more, so checking it here is enough.
+        Caller holds the lock."""
+        versions = [*state.versions.values(), record]
+        unpinned = [v for v in versions if not v.pinned]
+        total = sum(v.description_bytes for v in versions if v.pinned) + sum(
+            v.description_bytes for v in unpinned[-self.keep :]
+        )
+        if total > MAX_DESCRIPTIONS_PER_REPLY:
+            raise DescriptionTooLarge(
+                f"model {record.model!r}: with this version the descriptions of its retained versions would add "
+                f"up to {total} bytes, over the {MAX_DESCRIPTIONS_PER_REPLY} bytes one ListVersions reply may "
+                "carry to a gRPC client with default settings; unpin or delete versions, or lower --keep"
+            )
 
     def _check_size(self, model: str, size: int) -> None:
         if self.max_model_bytes is not None and size > self.max_model_bytes:
@@ -384,19 +478,17 @@ class VersionStore:
 
     # ------------------------------------------------------------------ admin
     def delete(self, model: str, version: int) -> Version:
-        """Delete one retained version, also from disk."""
-        record = self.get(model, version)
+        """Delete one retained version, from disk first (see the module docstring for the order)."""
+        self.get(model, version)  # raises the right NotFound before taking the commit lock
         state = self._model_state(model)
-        with state.commit_lock:
+        with state.commit_lock:  # no commit, eviction or pin of this model meanwhile
+            record = self.get(model, version)
+            if self.data_dir is not None:
+                self._delete_files(record, state.high_water)
             with self._lock:
-                if state.versions.pop(version, None) is None:
-                    raise VersionNotFound(f"model {model!r}: version {version} was deleted concurrently")
+                del state.versions[version]
                 bisect.insort(state.removed, version)
                 state.deleted.add(version)
-                high_water = state.high_water
-            if self.data_dir is not None:
-                _atomic_write(self._model_dir(model) / _HIGH_WATER, json.dumps({"high_water": high_water}).encode())
-        self._remove_files([record])
         return record
 
     def set_pinned(self, model: str, version: int, pinned: bool) -> Version:
@@ -406,7 +498,8 @@ class VersionStore:
         with state.commit_lock:
             updated = dataclasses.replace(self.get(model, version), pinned=pinned)
             if self.data_dir is not None:
-                self._write_manifest(updated)
+                with self._disk_writes():
+                    self._write_manifest(updated)
             with self._lock:
                 if version not in state.versions:
                     raise VersionNotFound(f"model {model!r}: version {version} was removed concurrently")
@@ -434,12 +527,51 @@ class VersionStore:
 
     def _write_group(self, records: list[Version]) -> None:
         """Every data file first, then every manifest: a crash leaves either no manifest of the
-        group (debris, removed on start) or some, which `_drop_torn_groups` detects."""
-        for record in records:
-            self._model_dir(record.model).mkdir(parents=True, exist_ok=True)
-            _atomic_write(self._paths(record.model, record.version)[0], record.data)
-        for record in records:
-            self._write_manifest(record)
+        group (debris, removed on start) or some, which `_drop_torn_groups` detects. A write
+        that fails removes what the group wrote, manifests first, so a full disk stays no fuller."""
+        written: list[Path] = []
+        try:
+            with self._disk_writes():
+                for record in records:
+                    self._model_dir(record.model).mkdir(parents=True, exist_ok=True)
+                    written.append(self._paths(record.model, record.version)[0])
+                    _atomic_write(written[-1], record.data)
+                for record in records:
+                    written.append(self._paths(record.model, record.version)[1])
+                    self._write_manifest(record)
+        except BaseException:
+            for path in reversed(written):
+                _remove_logged(path)
+            raise
+
+    @contextlib.contextmanager
+    def _disk_writes(self) -> Iterator[None]:
+        """Raise StorageFull, which says what to do, when the data directory has no space left."""
+        try:
+            yield
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise StorageFull(
+                f"the data directory {self.data_dir} is full ({exc.strerror}), so nothing was written "
+                "or changed; free space by deleting versions (weightserver delete) or unpinning them, "
+                "lower --keep, or give the data directory more space"
+            ) from exc
+
+    def _delete_files(self, record: Version, high_water: int) -> None:
+        """Remove a deleted version's files: the data file first (that frees the space, and a
+        manifest without its data file is never loaded again), then record the high-water mark,
+        then the manifest, which until then keeps the version's number from being reused."""
+        data_path, manifest_path = self._paths(record.model, record.version)
+        data_path.unlink(missing_ok=True)
+        try:
+            with self._disk_writes():
+                record_path = self._model_dir(record.model) / _HIGH_WATER
+                _atomic_write(record_path, json.dumps({"high_water": high_water}).encode())
+        except (StorageFull, OSError) as exc:
+            log.warning("keeping %s so that its number is never reused: %s", manifest_path, exc)
+            return
+        _remove_logged(manifest_path)
 
     def _write_manifest(self, record: Version) -> None:
         _, manifest_path = self._paths(record.model, record.version)
@@ -454,6 +586,8 @@ class VersionStore:
             "pinned": record.pinned,
             "group": list(record.group),
         }
+        if record.publish_id:  # so that a retry finds it after a restart too
+            manifest["publish_id"] = record.publish_id
         _atomic_write(manifest_path, json.dumps(manifest, indent=1).encode())
 
     def _remove_files(self, records: list[Version]) -> None:
@@ -462,11 +596,8 @@ class VersionStore:
         for record in records:
             data_path, manifest_path = self._paths(record.model, record.version)
             # Manifest first: without it a leftover data file is debris, never a version.
-            for path in (manifest_path, data_path):
-                try:
-                    path.unlink(missing_ok=True)
-                except OSError as exc:
-                    log.warning("could not remove %s: %s", path, exc)
+            _remove_logged(manifest_path)
+            _remove_logged(data_path)
 
     def _load(self) -> None:
         assert self.data_dir is not None
@@ -485,10 +616,11 @@ class VersionStore:
                 state.versions[record.version] = record
                 state.high_water = max(state.high_water, record.version)
             # A manifest marks a committed version even when its files are damaged and it was
-            # skipped: never hand its number out again.
+            # skipped: never hand its number out again (unless it is out of range).
             for manifest_path in directory.glob("*" + _MANIFEST_SUFFIX):
-                if manifest_path.stem.isascii() and manifest_path.stem.isdigit():
-                    state.high_water = max(state.high_water, int(manifest_path.stem))
+                stem = manifest_path.stem
+                if stem.isascii() and stem.isdigit() and int(stem) <= MAX_VERSION:
+                    state.high_water = max(state.high_water, int(stem))
         self._drop_torn_groups()
         for model, state in self._models.items():
             self._remove_files(self._evict(state))
@@ -543,8 +675,8 @@ class VersionStore:
             digest = sha256_hex(data)
             if digest != manifest["sha256"]:
                 raise IntegrityError(f"sha256 on disk is {digest}, manifest says {manifest['sha256']}")
-            header = parse_header(data)
-            return Version(
+            header = parse_header(data)  # the format's limits: what was committed loads
+            record = Version(
                 model=model,
                 version=manifest["version"],
                 data=data,
@@ -554,9 +686,13 @@ class VersionStore:
                 header=header,
                 pinned=manifest.get("pinned", False),
                 group=tuple(manifest.get("group", ())),
+                publish_id=manifest.get("publish_id", ""),
                 xxh3=xxh3_hex(data),
                 tensor_xxh3=tensor_digests(data, header),
             )
+            if self._describe is not None:
+                record = dataclasses.replace(record, description_bytes=self._describe(record))
+            return record
         except Exception as exc:  # any damage: skip this version, keep the others
             log.error("skipping %s: torn or corrupt version (%s)", data_path, exc)
             return None
@@ -571,6 +707,8 @@ def _check_manifest(manifest: object, path: Path) -> dict:
     version = manifest.get("version")
     if type(version) is not int or version < 1 or f"{version:012d}" != path.stem:
         raise ValueError(f"the manifest names version {version!r} but its file name says {path.stem}")
+    if version > MAX_VERSION:
+        raise ValueError(f"version {version} is over the largest version number, {MAX_VERSION}")
     if type(manifest.get("byte_size")) is not int or not isinstance(manifest.get("sha256"), str):
         raise ValueError("byte_size must be an integer and sha256 a string")
     created = manifest.get("created", 0.0)
@@ -586,14 +724,17 @@ def _check_manifest(manifest: object, path: Path) -> dict:
         raise ValueError("group must be a list of model names")
     if not isinstance(manifest.get("pinned", False), bool):
         raise ValueError("pinned must be true or false")
+    publish_id = manifest.get("publish_id", "")
+    if not isinstance(publish_id, str) or not (publish_id == "" or _PUBLISH_ID.fullmatch(publish_id)):
+        raise ValueError("publish_id must be empty or up to 128 printable ASCII characters")
     return manifest
 
 
 def _read_high_water(path: Path) -> int:
     try:
         value = json.loads(path.read_text())["high_water"]
-        if type(value) is not int or value < 0:
-            raise ValueError(f"high_water must be a non-negative integer, got {value!r}")
+        if type(value) is not int or not 0 <= value <= MAX_VERSION:
+            raise ValueError(f"high_water must be an integer in 0-{MAX_VERSION}, got {value!r}")
         return value
     except FileNotFoundError:
         return 0
@@ -603,23 +744,35 @@ def _read_high_water(path: Path) -> int:
 
 
 def _atomic_write(path: Path, data: bytes | bytearray | memoryview) -> None:
-    """Write `data` to `path` so that a crash leaves either the old file or the new one."""
+    """Write `data` to `path` so that a crash leaves either the old file or the new one, and a
+    failed write (a full disk) leaves no temp file behind."""
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        view = memoryview(data)
-        while view:
-            written = os.write(fd, view)
-            view = view[written:]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        try:
+            view = memoryview(data)
+            while view:
+                written = os.write(fd, view)
+                view = view[written:]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        _remove_logged(tmp)
+        raise
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def _remove_logged(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        log.warning("could not remove %s: %s", path, exc)
 
 
 def _call_logged(callback: Callable[[Version], None], record: Version) -> None:
@@ -630,16 +783,79 @@ def _call_logged(callback: Callable[[Version], None], record: Version) -> None:
         log.exception("%r failed on %s v%d", callback, record.model, record.version)
 
 
+def _checked_publish_id(publish_id: str) -> str:
+    if publish_id and not _PUBLISH_ID.fullmatch(publish_id):
+        raise InvalidRequest(
+            f"invalid publish id {publish_id[:200]!r}: use 1-128 printable ASCII characters without spaces "
+            "(e.g. a random UUID), or none"
+        )
+    return publish_id
+
+
+def _committed_by(state: _Model, publish_id: str) -> Version | None:
+    """The retained version of a model that a publish with `publish_id` committed, if any."""
+    if publish_id:
+        for record in state.versions.values():
+            if record.publish_id == publish_id:
+                return record
+    return None
+
+
+def _repeated(
+    names: Sequence[str], states: Mapping[str, _Model], verified: Sequence[Version], publish_id: str
+) -> list[Version] | None:
+    """The versions an earlier publish with `publish_id` committed, when this publish repeats
+    it (same models, same bytes); None when no retained version carries the id."""
+    found = [_committed_by(states[name], publish_id) for name in names]
+    first = next((record for record in found if record is not None), None)
+    if first is None:
+        return None
+    if set(first.group or (first.model,)) != set(names):
+        raise InvalidRequest(
+            f"publish id {publish_id!r} was already used by version {first.version} of "
+            f"{_names(first.group or (first.model,))}; a retry sends the same models, a new publish needs a new id"
+        )
+    repeated = []
+    for name, record, new in zip(names, found, verified, strict=True):
+        if record is None or record.version != first.version:
+            raise VersionConflict(
+                f"publish id {publish_id!r} committed version {first.version} of {_names(names)}, but {name!r} "
+                "no longer retains it (evicted or deleted); nothing was published again"
+            )
+        if record.sha256 != new.sha256:
+            raise InvalidRequest(
+                f"publish id {publish_id!r} was already used by version {record.version} of {name!r} with other "
+                "bytes; a retry sends the same bytes, a new publish needs a new id"
+            )
+        repeated.append(record)
+    return repeated
+
+
+def _metadata_bytes(metadata: Mapping[str, str]) -> int:
+    return sum(len(key.encode()) + len(value.encode()) for key, value in metadata.items())
+
+
 def _names(names: Sequence[str]) -> str:
     return ", ".join(repr(n) for n in names)
 
 
-def _check_above_high_water(names: Sequence[str], version: int, high_water: int) -> None:
-    """A requested `version` (0: the next one) must exceed every version the models ever had."""
+def _check_version(names: Sequence[str], version: int, high_water: int) -> None:
+    """A requested `version` (0: the next one) must exceed every version the models ever had
+    and be at most MAX_VERSION."""
+    if version > MAX_VERSION:
+        raise VersionTooLarge(
+            f"model {_names(names)}: requested version {version} is over the largest version number, "
+            f"{MAX_VERSION} (2^63-1); ask for a smaller one or leave it unset (0) to get the next one"
+        )
     if version and version <= high_water:
         raise VersionConflict(
             f"model {_names(names)}: requested version {version} is not greater than the latest version "
             f"{high_water}; ask for a version > {high_water} or leave it unset (0) to get the next one"
+        )
+    if not version and high_water >= MAX_VERSION:
+        raise VersionConflict(
+            f"model {_names(names)}: the latest version is {high_water}, the largest version number "
+            "(2^63-1), so no version can follow it; publish under another model name"
         )
 
 

@@ -35,6 +35,11 @@ def version_info(record: Version) -> pb.VersionInfo:
     )
 
 
+def description_bytes(record: Version) -> int:
+    """Bytes of `record`'s description (VersionInfo) as clients receive it."""
+    return version_info(record).ByteSize()
+
+
 def model_summary(info: ModelInfo) -> pb.ModelSummary:
     return pb.ModelSummary(
         model=info.model,

@@ -120,13 +120,22 @@ class WeightClient(WeightServiceClient):
         pin: bool = False,
         timeout: float | None = None,
         wait: bool = True,
+        publish_id: str | None = None,
     ) -> int | PublishFuture:
         """Publish `weights` (an nn.Module, a TensorDict or a state dict) as a new version of
         `model`; return its number once the server committed it. wait=False: snapshot the
         weights and return a `PublishFuture` at once (see weightclient.background_publisher).
+        `publish_id`: the idempotency key (default: a new one); pass it again to retry a publish
+        whose reply was lost without committing it twice.
         """
         return self.publish_group(
-            {model: weights}, version=version, metadata=metadata, pin=pin, timeout=timeout, wait=wait
+            {model: weights},
+            version=version,
+            metadata=metadata,
+            pin=pin,
+            timeout=timeout,
+            wait=wait,
+            publish_id=publish_id,
         )
 
     def publish_group(
@@ -138,6 +147,7 @@ class WeightClient(WeightServiceClient):
         pin: bool = False,
         timeout: float | None = None,
         wait: bool = True,
+        publish_id: str | None = None,
     ) -> int | PublishFuture:
         """Publish several models (e.g. ``{"policy": actor, "critic": critic}``) under ONE
         version number, committed together; return that number (a `PublishFuture` with
@@ -145,10 +155,13 @@ class WeightClient(WeightServiceClient):
         if not wait:
             publisher = self._background()
             snapshot = {model: tensor_codec.snapshot(w, into=publisher.spare_buffer()) for model, w in weights.items()}
-            options = {"version": version, "metadata": metadata, "pin": pin, "timeout": timeout}
-            return publisher.submit(snapshot, **options)
+            return publisher.submit(
+                snapshot, version=version, metadata=metadata, pin=pin, timeout=timeout, publish_id=publish_id
+            )
         encoded = {model: tensor_codec.encode(w) for model, w in weights.items()}
-        infos = self.publish_group_bytes(encoded, version=version, metadata=metadata, pin=pin, timeout=timeout)
+        infos = self.publish_group_bytes(
+            encoded, version=version, metadata=metadata, pin=pin, timeout=timeout, publish_id=publish_id
+        )
         return infos[0].version
 
     def flush(self, timeout: float | None = None) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,12 +23,18 @@ from weightclient.service_client import FetchStats
 from weightclient.updaters import LocalWeightUpdaterBase, RemoteWeightUpdaterBase, WorkerId
 from weightclient.version_follower import VersionFollower
 from weightclient.version_info import VersionInfo
-from weightserver.errors import DeadlineExceeded, ModelNotFound, ServerUnavailable
+from weightserver.errors import DeadlineExceeded, ModelNotFound, ServerUnavailable, WeightServerError
 
 log = logging.getLogger(__name__)
 
 Weights = torch.nn.Module | TensorDictBase | Mapping[str, torch.Tensor]
 UNAVAILABLE_MAX_BACKOFF = 5.0  # seconds between fetch attempts while the server is down
+# The deadline of each call an update makes: 5-10x a 256 MiB fetch over loopback (0.1-0.3 s
+# by shared memory, 0.5-1 s by the stream), short enough for a collector to wait out.
+DEFAULT_UPDATE_TIMEOUT = 5.0
+# An attempt that waited t seconds for a stalled server is not repeated for STALL_BACKOFF * t:
+# a collector spends at most a fifth of its time waiting for a server that does not answer.
+STALL_BACKOFF = 4.0
 
 
 class _LazyClient:
@@ -100,6 +107,10 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         transport: "auto", "shm", "bulk" or "stream" (see WeightClient.fetch).
         watch: follow the model's Watch stream and ask the server only once it announced a
             newer version (and every `watch_confirm_seconds` regardless), not every update.
+        update_timeout: the deadline, in seconds, of every call the updater makes (each call
+            of a fetch, `latest` for `lag`): a server that does not answer in time is treated
+            as one that is down. Raise it for a fetch that takes longer (a large model, a
+            slow link).
 
     `update_weights()` (or calling the updater) runs two public steps: `pull()` fetches the
     next version, if any, into a reused staging buffer as an `Update`, changing nothing;
@@ -126,7 +137,13 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         transport: str = "auto",
         watch: bool = False,
         watch_confirm_seconds: float = 1.0,
+        update_timeout: float = DEFAULT_UPDATE_TIMEOUT,
     ) -> None:
+        if not (isinstance(update_timeout, (int, float)) and update_timeout > 0):
+            raise ValueError(
+                f"update_timeout must be a number of seconds > 0 (the deadline of each call an update makes), "
+                f"got {update_timeout!r}"
+            )
         self._set_client(client)
         self.model = model
         self.policy = policy
@@ -137,6 +154,7 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         self.transport = transport
         self.watch = watch
         self.watch_confirm_seconds = watch_confirm_seconds
+        self.update_timeout = float(update_timeout)
         self.version: int | None = None  # the version applied to the policy
         self.last_fetch: FetchStats | None = None
         self._applied: VersionInfo | None = None  # the description of the applied version (delta base)
@@ -145,6 +163,7 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         self._last_asked = 0.0  # monotonic time the server last answered a fetch
         self._waiting_logged = False
         self._unavailable_since: float | None = None  # monotonic time the server went away
+        self._stalled = False  # the last failed call ran out of time (rather than finding no server)
         self._failures = 0
         self._next_attempt = 0.0
 
@@ -161,18 +180,23 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
 
     @property
     def lag(self) -> int | None:
-        """Server's latest version (with watch=True, the latest announced) minus the applied
-        one; None before any is applied and while the server is unavailable."""
-        if self.version is None or self._unavailable_since is not None:
+        """Server's latest version minus the applied one; None before any is applied and while
+        the server is unavailable. With watch=True the latest announced version stands in for
+        the server's while the server answered within `watch_confirm_seconds`."""
+        if self.version is None or self._backing_off():
             return None
         newest = self._follower.newest() if self._follower is not None else None
-        if newest is not None:
+        if newest is not None and not self._confirm_due():
             return max(0, newest - self.version)
+        began = time.monotonic()
         try:
-            # Never wait for a server that is down: a collector reads this between batches.
-            return self.client.latest(self.model, retry=False).version - self.version
-        except ServerUnavailable:
+            # A collector reads this between batches: one try, within update_timeout.
+            latest = self.client.latest(self.model, retry=False, timeout=self.update_timeout)
+        except (ServerUnavailable, DeadlineExceeded) as exc:
+            self._server_unavailable(exc, began)
             return None
+        self._server_available()
+        return latest.version - self.version
 
     @property
     def following(self) -> bool:
@@ -190,7 +214,8 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         applied = f"v{self.version}" if self.version is not None else "no version applied"
         if self._unavailable_since is not None:
             down = time.monotonic() - self._unavailable_since
-            return f"{applied}; server {self.client.address} unavailable for {down:.0f}s"
+            why = f" (no answer within update_timeout={self.update_timeout:g}s)" if self._stalled else ""
+            return f"{applied}; server {self.client.address} unavailable for {down:.0f}s{why}"
         return applied
 
     # ------------------------------------------------------------------ the two public steps
@@ -198,10 +223,11 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         """Fetch the version this updater should apply next, without applying it.
 
         None when there is nothing to apply: nothing newer (or announced, with watch=True), no
-        version yet, or the server unavailable (logged once per outage, asked again with
-        backoff). Other errors (integrity, a pinned version gone) raise; the policy is untouched.
+        version yet, or the server unavailable or not answering within `update_timeout`
+        (logged once per outage, asked again with backoff). Other errors (integrity, a pinned
+        version gone) raise; the policy is untouched.
         """
-        if self._unavailable_since is not None and time.monotonic() < self._next_attempt:
+        if self._backing_off():
             return None  # the server is down: keep the current weights, try again later
         if self.pinned_version is not None and self.version == self.pinned_version:
             return None
@@ -213,7 +239,9 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
             "transport": self.transport,
             "into": self._staging,
             "retry": False,
+            "timeout": self.update_timeout,
         }
+        began = time.monotonic()
         try:
             if self.pinned_version is not None:
                 result = self.client.fetch(self.model, version=self.pinned_version, **options)
@@ -226,8 +254,8 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
                 )
                 self._waiting_logged = True
             return None
-        except ServerUnavailable as exc:
-            self._server_unavailable(exc)
+        except (ServerUnavailable, DeadlineExceeded) as exc:
+            self._server_unavailable(exc, began)
             return None
         self._server_available()
         self._last_asked = time.monotonic()
@@ -343,16 +371,33 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         newest = self._follower.newest()
         if newest is None or newest > self.version:
             return False
-        return time.monotonic() - self._last_asked < self.watch_confirm_seconds
+        return not self._confirm_due()
 
-    def _server_unavailable(self, error: ServerUnavailable) -> None:
-        """Keep the current weights, warn once per outage, back off."""
+    def _confirm_due(self) -> bool:
+        """The server last answered a fetch `watch_confirm_seconds` ago or more: what the Watch
+        stream announced may be stale (a stream can stall without an error)."""
+        return time.monotonic() - self._last_asked >= self.watch_confirm_seconds
+
+    def _backing_off(self) -> bool:
+        return self._unavailable_since is not None and time.monotonic() < self._next_attempt
+
+    def _server_unavailable(self, error: WeightServerError, began: float) -> None:
+        """A call begun at `began` found no server or ran out of time: keep the current
+        weights, warn once per outage, back off (longer after a call that waited)."""
         now = time.monotonic()
+        self._stalled = isinstance(error, DeadlineExceeded)
         if self._unavailable_since is None:
             self._unavailable_since, self._failures = now, 0
             held = f"v{self.version}" if self.version is not None else "its initial weights"
-            log.warning("%s; the policy keeps %s and catches up when the server is back", error, held)
-        self._next_attempt = now + min(UNAVAILABLE_MAX_BACKOFF, 0.1 * 2**self._failures)
+            why = str(error)
+            if self._stalled:
+                why = (
+                    f"weight server at {self.client.address} did not answer within update_timeout="
+                    f"{self.update_timeout:g}s (stopped or overloaded, or a fetch that needs longer: raise it)"
+                )
+            log.warning("%s; the policy keeps %s and catches up when the server is back", why, held)
+        backoff = min(UNAVAILABLE_MAX_BACKOFF, 0.1 * 2**self._failures)
+        self._next_attempt = now + max(backoff, STALL_BACKOFF * (now - began))
         self._failures += 1
 
     def _server_available(self) -> None:
@@ -360,7 +405,7 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
             log.warning(
                 "weight server %s is back after %.1fs", self.client.address, time.monotonic() - self._unavailable_since
             )
-            self._unavailable_since = None
+            self._unavailable_since, self._stalled = None, False
 
 
 class GrpcRemoteWeightUpdater(_LazyClient, RemoteWeightUpdaterBase):
@@ -374,9 +419,10 @@ class GrpcRemoteWeightUpdater(_LazyClient, RemoteWeightUpdaterBase):
             id. Default: one worker, ``"policy"``.
         max_interval: as in TorchRL's Ray updater: a worker is updated at most every
             ``max_interval + 1`` calls (0: every call).
-        retries, backoff: a publish that finds the server unavailable is retried this many
-            times with exponential backoff and jitter, then raises. Updates are never dropped
-            silently.
+        retries, backoff: a publish that finds the server unavailable (or whose deadline
+            passed) is retried this many times with exponential backoff and jitter, then raises.
+            Every attempt carries the same publish id, so a retry after a lost reply yields the
+            version already committed, never a second one. Updates are never dropped silently.
 
     One `update_weights()` publishes every selected model in ONE stream under one version,
     through the design's hooks (`_get_server_weights` -> `_maybe_map_weights` -> per worker
@@ -472,12 +518,14 @@ class GrpcRemoteWeightUpdater(_LazyClient, RemoteWeightUpdaterBase):
         return server_weights
 
     def publish(self, weights_by_model: Mapping[str, Weights], metadata: Mapping[str, str] | None = None) -> int:
-        """Publish ``{model: weights}`` as one version, retrying while the server is unavailable."""
+        """Publish ``{model: weights}`` as one version, retrying while the server is unavailable
+        (exactly once: every attempt sends the same publish id)."""
         meta = dict(self.metadata() if self.metadata else {})
         meta.update(metadata or {})
+        publish_id = uuid.uuid4().hex
         for attempt in range(self.retries + 1):
             try:
-                self.version = self.client.publish_group(dict(weights_by_model), metadata=meta)
+                self.version = self.client.publish_group(dict(weights_by_model), metadata=meta, publish_id=publish_id)
                 return self.version
             except (ServerUnavailable, DeadlineExceeded) as exc:
                 if attempt == self.retries:

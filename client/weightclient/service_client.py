@@ -11,6 +11,7 @@ import hashlib
 import logging
 import os
 import time
+import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -95,6 +96,8 @@ class WeightServiceClient:
             `$WEIGHTSERVER_TLS_CA` / _CERT / _KEY, plaintext when none is set).
         retry_seconds: idempotent calls (latest, describe, list, fetch, watch) retry while the
             server is unavailable, with backoff, for the call's timeout or else this long.
+            Publish, delete and pin never retry here; a publish carries a `publish_id`, so
+            retrying it with the same id commits it once.
 
     `transports` (a `TransportChain`) holds the transports and what this client learned of them.
     """
@@ -158,11 +161,13 @@ class WeightServiceClient:
         sha256: str | None = None,
         timeout: float | None = None,
         progress: Progress | None = None,
+        publish_id: str | None = None,
     ) -> VersionInfo:
         """Publish one safetensors file, given whole or as consecutive parts; return the version.
 
         `version` 0 lets the server assign latest + 1. The parts are streamed in chunks without
-        being joined first. `progress(sent, total)` is called as chunks go out.
+        being joined first. `progress(sent, total)` is called as chunks go out. `publish_id`:
+        see `publish_group_bytes`.
         """
         return self.publish_group_bytes(
             {model: parts},
@@ -172,6 +177,7 @@ class WeightServiceClient:
             sha256s={model: sha256},
             timeout=timeout,
             progress=progress,
+            publish_id=publish_id,
         )[0]
 
     def publish_group_bytes(
@@ -184,14 +190,20 @@ class WeightServiceClient:
         sha256s: Mapping[str, str | None] | None = None,
         timeout: float | None = None,
         progress: Progress | None = None,
+        publish_id: str | None = None,
     ) -> list[VersionInfo]:
         """Publish several models' safetensors files in one stream under ONE version number,
         committed together (no reader sees one model's new version beside another's old one).
         Returns each model's version, in `files` order. `progress(sent, total)` counts all models.
 
+        `publish_id` names this logical publish (default: a new random id; "" sends none): the
+        server commits a publish id once, so a retry with the same id after a lost reply gets
+        the version the first attempt committed instead of a second one.
+
         Publishes travel over the stream: no other transport sends yet (`Transport.sends`)."""
         if not files:
             raise InvalidRequest("publish needs at least one model")
+        publish_id = uuid.uuid4().hex if publish_id is None else publish_id
         meta = {str(k): str(v) for k, v in (metadata or {}).items()}
         outgoing = []
         for i, (model, parts) in enumerate(files.items()):
@@ -203,6 +215,7 @@ class WeightServiceClient:
                 total_bytes=sum(v.nbytes for v in views),
                 sha256=(sha256s or {}).get(model) or _sha256(views),
                 pin=pin,
+                publish_id=publish_id if i == 0 else "",
             )
             outgoing.append(OutgoingFile(header, views))
         with translated_rpc_errors(self.address):
@@ -396,11 +409,12 @@ class WeightServiceClient:
                 stream.cancel()
 
     # ------------------------------------------------------------------ describe and admin
-    def latest(self, model: str, *, retry: bool = True) -> VersionInfo:
+    def latest(self, model: str, *, retry: bool = True, timeout: float | None = None) -> VersionInfo:
         """Describe the newest version of `model` (ModelNotFound if it has none). `retry=False`
-        raises ServerUnavailable at once instead of waiting for the server to come back."""
+        raises ServerUnavailable at once instead of waiting for the server to come back.
+        `timeout`: this call's deadline instead of the client's."""
         request = pb.GetLatestRequest(model=model)
-        return VersionInfo.from_proto(self._call(self._stub.GetLatest, request, retry=retry))
+        return VersionInfo.from_proto(self._call(self._stub.GetLatest, request, retry=retry, timeout=timeout))
 
     def describe(self, model: str, version: int = 0) -> VersionInfo:
         """Describe `version` of `model` (0: the latest)."""
@@ -426,14 +440,17 @@ class WeightServiceClient:
         request = pb.PinVersionRequest(model=model, version=version, pinned=pinned)
         return VersionInfo.from_proto(self._call(self._stub.PinVersion, request, retry=False))
 
-    def _call(self, method: grpc.UnaryUnaryMultiCallable, request: object, *, retry: bool = True) -> Any:
+    def _call(
+        self, method: grpc.UnaryUnaryMultiCallable, request: object, *, retry: bool = True, timeout: float | None = None
+    ) -> Any:
         def once(timeout: float | None) -> Any:
             with translated_rpc_errors(self.address):
                 return method(request, timeout=timeout, metadata=self._metadata)
 
+        seconds = self.timeout if timeout is None else timeout
         if not retry:
-            return once(self.timeout)
-        return retry_unavailable(once, self._retry_window(self.timeout), self.address)
+            return once(seconds)
+        return retry_unavailable(once, self._retry_window(seconds), self.address)
 
     def _retry_window(self, timeout: float | None) -> float:
         return timeout if timeout is not None else self.retry_seconds

@@ -20,7 +20,7 @@ from torchrl.envs.llm.transforms.policy_version import PolicyVersion
 from torchrl.weight_update import SharedMemWeightSyncScheme
 
 from weightclient.client import WeightClient
-from weightclient.grpc_updaters import GrpcLocalWeightUpdater, Update
+from weightclient.grpc_updaters import DEFAULT_UPDATE_TIMEOUT, GrpcLocalWeightUpdater, Update
 from weightclient.key_mapping import IDENTITY, KeyMap
 
 with warnings.catch_warnings():
@@ -96,12 +96,13 @@ class GrpcWeightSyncScheme(SharedMemWeightSyncScheme):
         dtype: str | None = None,
         transport: str = "auto",
         watch: bool = False,
+        update_timeout: float = DEFAULT_UPDATE_TIMEOUT,
         puller: GrpcLocalWeightUpdater | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         options = {"model": model, "key_map": key_map, "version": version, "delta": delta, "dtype": dtype}
-        options.update(transport=transport, watch=watch)
+        options.update(transport=transport, watch=watch, update_timeout=update_timeout)
         if puller is None:
             puller = GrpcLocalWeightUpdater(client, **options)
         else:  # the given updater is the whole updater: no server argument may go unused

@@ -22,7 +22,9 @@ RETRY_SECONDS = 1.0  # after a stream failed for good (the client's retry window
 
 class VersionFollower:
     """Follows `model` from `since` on: `newest()` is the newest version announced, or None
-    while no stream is open (not yet, or after a failure: ask the server then)."""
+    while no stream is open (not yet, or after a failure: ask the server then). A stream that
+    stalls (a stopped server, a silent network) stays open until its renewal: a caller trusts
+    it only as long as the server has answered recently (the updater's watch_confirm_seconds)."""
 
     def __init__(self, client: WeightServiceClient, model: str, since: int) -> None:
         self._client = client

@@ -47,7 +47,7 @@ class PublishCommit(_message.Message):
     def __init__(self, sha256: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PublishHeader(_message.Message):
-    __slots__ = ("model", "version", "metadata", "total_bytes", "sha256", "pin")
+    __slots__ = ("model", "version", "metadata", "total_bytes", "sha256", "pin", "publish_id")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -61,13 +61,15 @@ class PublishHeader(_message.Message):
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
     PIN_FIELD_NUMBER: _ClassVar[int]
+    PUBLISH_ID_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     metadata: _containers.ScalarMap[str, str]
     total_bytes: int
     sha256: str
     pin: bool
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., pin: _Optional[bool] = ...) -> None: ...
+    publish_id: str
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., pin: _Optional[bool] = ..., publish_id: _Optional[str] = ...) -> None: ...
 
 class PublishResponse(_message.Message):
     __slots__ = ("version", "versions")

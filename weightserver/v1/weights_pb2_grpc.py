@@ -107,8 +107,10 @@ class WeightServiceServicer:
         becomes visible: a publish that is cut off or fails a check is never seen by anyone.
         With --data-dir the version is on disk (fsynced) before the reply is sent.
         Errors: INVALID_ARGUMENT (bad model name, malformed safetensors, bad message order),
-        DATA_LOSS (size or digest mismatch), RESOURCE_EXHAUSTED (over --max-model-bytes),
-        FAILED_PRECONDITION (requested version not greater than the latest).
+        DATA_LOSS (size or digest mismatch), RESOURCE_EXHAUSTED (over --max-model-bytes, no
+        space left in --data-dir, or a description over 1 MiB: every VersionInfo fits what a
+        client receives by default), FAILED_PRECONDITION (requested version not greater than the
+        latest).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
