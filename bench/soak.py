@@ -146,16 +146,22 @@ class Publisher:
         self.state.expected[seq] = {name: _digest(t) for name, t in self.weights.items()}
         started = time.monotonic()
         self.state.publish_started[seq] = started
-        try:
-            version = self.client.publish(self.weights, model=MODEL, metadata={"seq": str(seq)}, timeout=30)
-        except Exception as exc:
-            self.state.error("publisher", f"publish seq {seq} failed: {type(exc).__name__}: {exc}")
+        version = self._send(seq)
+        if version is None:
             return None
         self.latencies.append(time.monotonic() - started)
         if self.state.acked and version <= self.state.acked[-1]:
             self.state.error("publisher", f"publish seq {seq} got v{version}, not above v{self.state.acked[-1]}")
         self.state.ack(version, seq)
         return version
+
+    def _send(self, seq: int) -> int | None:
+        """Publish the current weights under `seq`; the version, or None (an error) on failure."""
+        try:
+            return self.client.publish(self.weights, model=MODEL, metadata={"seq": str(seq)}, timeout=30)
+        except Exception as exc:
+            self.state.error("publisher", f"publish seq {seq} failed: {type(exc).__name__}: {exc}")
+            return None
 
     def _run(self) -> None:
         next_at = time.monotonic()
@@ -200,32 +206,37 @@ class Watcher:
     def _run(self) -> None:
         try:
             for event in self.client.watch(MODEL, since=0):
-                received = time.monotonic()
-                version = event.version
-                if event.gap:
-                    self.gaps += 1
-                    self.state.error(self.name, f"event v{version} reports a gap (versions missed for good)")
-                if self.versions and version <= self.versions[-1]:
-                    self.problems += 1
-                    self.state.error(self.name, f"v{version} after v{self.versions[-1]} (out of order or duplicate)")
-                seq = int(event.info.metadata.get("seq", "-1"))
-                started = self.state.publish_started.get(seq)
-                if started is not None and seq > 1:  # v1 was published before the watchers started
-                    self.delays.append(received - started)
-                known = self.state.version_seq.get(version)
-                if known is not None and known != seq:
-                    self.problems += 1
-                    self.state.error(
-                        self.name, f"v{version} carries seq {seq}, the publisher got v{version} for {known}"
-                    )
-                with self.seen:
-                    self.versions.append(version)
-                    self.seen.notify_all()
+                self._on_event(event, time.monotonic())
             self.ended = "stream ended"
         except Exception as exc:
             self.ended = f"{type(exc).__name__}: {exc}"
         if not self.state.closing.is_set():
             self.state.error(self.name, f"watch stream ended before shutdown: {self.ended}")
+
+    def _on_event(self, event: Any, received: float) -> None:
+        """Check and record one event: in order, no duplicate, the seq the publisher got."""
+        version = event.version
+        if event.gap:
+            self._on_gap(version)
+        if self.versions and version <= self.versions[-1]:
+            self.problems += 1
+            self.state.error(self.name, f"v{version} after v{self.versions[-1]} (out of order or duplicate)")
+        seq = int(event.info.metadata.get("seq", "-1"))
+        started = self.state.publish_started.get(seq)
+        if started is not None and seq > 1:  # v1 was published before the watchers started
+            self.delays.append(received - started)
+        known = self.state.version_seq.get(version)
+        if known is not None and known != seq:
+            self.problems += 1
+            self.state.error(self.name, f"v{version} carries seq {seq}, the publisher got v{version} for {known}")
+        with self.seen:
+            self.versions.append(version)
+            self.seen.notify_all()
+
+    def _on_gap(self, version: int) -> None:
+        """An event flagged `gap`: in a soak (no restarts, nobody slow enough) an error."""
+        self.gaps += 1
+        self.state.error(self.name, f"event v{version} reports a gap (versions missed for good)")
 
     def wait_for(self, version: int, timeout: float) -> bool:
         with self.seen:
@@ -256,7 +267,9 @@ class Fetcher:
     record. Cycle of 10: newer_than at 3, a delta at 6, latest()+fetch(version) at 8, else
     the latest."""
 
-    def __init__(self, index: int, address: str, state: SoakState, transport: str, pause: float) -> None:
+    def __init__(
+        self, index: int, address: str, state: SoakState, transport: str, pause: float, timeout: float = 30.0
+    ) -> None:
         from weightclient import WeightClient
 
         self.index = index
@@ -264,7 +277,8 @@ class Fetcher:
         self.state = state
         self.transport = transport
         self.pause = pause
-        self.client = WeightClient(address, client_id=f"soak-{self.name}")
+        self.timeout = timeout  # of every call (fetch, latest)
+        self.client = WeightClient(address, client_id=f"soak-{self.name}", timeout=timeout)
         self.counts = FetchCounts()
         self.last_version = 0
         self.base: Any = None  # the last complete FetchResult, for delta fetches
@@ -287,17 +301,20 @@ class Fetcher:
             except Exception as exc:
                 if self.state.stop.is_set() and self.state.closing.is_set():
                     break
-                self.counts.errors += 1
-                self.state.error(self.name, f"{kind} fetch ({self.transport}): {type(exc).__name__}: {exc}")
+                self._failed(kind, exc)
             if self.pause:
                 self.state.stop.wait(self.pause)
+
+    def _failed(self, kind: str, exc: Exception) -> None:
+        self.counts.errors += 1
+        self.state.error(self.name, f"{kind} fetch ({self.transport}): {type(exc).__name__}: {exc}")
 
     def _fetch(self, kind: str) -> None:
         acked_before = self.state.acked_max
         started = time.perf_counter()
         if kind == "newer_than":
             since = self.last_version
-            result = self.client.fetch(MODEL, newer_than=since, transport=self.transport, timeout=30)
+            result = self.client.fetch(MODEL, newer_than=since, transport=self.transport, timeout=self.timeout)
             self.counts.newer_than += 1
             if result is None:
                 self.counts.up_to_date += 1
@@ -307,15 +324,15 @@ class Fetcher:
             if result.version <= since:
                 self.state.error(self.name, f"newer_than={since} returned v{result.version}")
         elif kind == "delta":
-            result = self.client.fetch(MODEL, base=self.base, transport=self.transport, timeout=30)
+            result = self.client.fetch(MODEL, base=self.base, transport=self.transport, timeout=self.timeout)
             self.counts.delta += 1
         elif kind == "describe_then_fetch":
             info = self.client.latest(MODEL)
             # VersionEvicted here (evicted since latest()) is counted and retried by _run.
-            result = self.client.fetch(MODEL, version=info.version, transport=self.transport, timeout=30)
+            result = self.client.fetch(MODEL, version=info.version, transport=self.transport, timeout=self.timeout)
             self.counts.describe_then_fetch += 1
         else:
-            result = self.client.fetch(MODEL, transport=self.transport, timeout=30)
+            result = self.client.fetch(MODEL, transport=self.transport, timeout=self.timeout)
             self.counts.latest += 1
         self.counts.seconds.append(time.perf_counter() - started)
         if result.stats is not None:
@@ -923,11 +940,19 @@ def config_from_args(args: argparse.Namespace) -> SoakConfig:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     config = config_from_args(args)
+    return run_from_command_line(lambda stop: run_soak(config, stop=stop), format_summary, args.json)
+
+
+def run_from_command_line(
+    run: Callable[[threading.Event], Any], summary: Callable[[Any], str], json_path: Path | None
+) -> int:
+    """`run(stop)` with Ctrl-C setting `stop` (end early, shut down cleanly; a second Ctrl-C
+    aborts at once), then the summary and wall time on stdout and the result in `json_path`.
+    The exit code: 130 interrupted, 0 when the result is ok, else 1."""
     stop = threading.Event()
     previous = signal.getsignal(signal.SIGINT)
 
     def on_sigint(signum: int, frame: Any) -> None:
-        # First Ctrl-C: end the soak and shut down cleanly; a second one aborts at once.
         stop.set()
         signal.signal(signal.SIGINT, signal.default_int_handler)
         log("interrupted: shutting down (Ctrl-C again to abort)")
@@ -935,14 +960,14 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_sigint)
     started = time.monotonic()
     try:
-        result = run_soak(config, stop=stop)
+        result = run(stop)
     finally:
         signal.signal(signal.SIGINT, previous)
-    print(format_summary(result))
+    print(summary(result))
     print(f"wall time {time.monotonic() - started:.1f} s")
-    if args.json:
-        args.json.write_text(json.dumps(asdict(result), indent=1, default=str) + "\n")
-        log(f"wrote {args.json}")
+    if json_path:
+        json_path.write_text(json.dumps(asdict(result), indent=1, default=str) + "\n")
+        log(f"wrote {json_path}")
     if result.interrupted:
         return 130
     return 0 if result.ok else 1
