@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from test_torchrl_integration import ATOL, single_collector
+from test_torchrl_integration import ATOL, catch_up, single_collector
 from torchrl_models import actions_of, make_policy
 from waiting import wait_until
 
@@ -158,16 +158,7 @@ def test_collector_keeps_collecting_while_the_server_is_down_and_reaches_the_lat
             client.latest(MODEL)
             client.publish(trained[1], model=MODEL)
             client.publish(trained[2], model=MODEL)
-            for _ in range(400):
-                collector.update_policy_weights_()
-                batch = next(batches)
-                if scheme.version == 3:
-                    break
-                time.sleep(0.02)
-            assert scheme.version == 3 and scheme.lag == 0
-            batch = next(batches)
-            assert batch["next", "policy_version"].unique().tolist() == [3]
-            assert torch.allclose(batch["action"], actions_of(trained[2], batch), atol=ATOL)
+            catch_up(collector, scheme, batches, 3, trained[2])
         finally:
             collector.shutdown()
             scheme.puller.client.close()

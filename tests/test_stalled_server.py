@@ -224,7 +224,7 @@ def test_a_watching_updater_is_bounded_too_and_follows_again(proc, caplog):
 
 def test_a_collector_keeps_collecting_through_a_stopped_server(proc):
     pytest.importorskip("torchrl", reason="torchrl is not installed: pip install -e '.[torchrl]'")
-    from test_torchrl_integration import ATOL, single_collector
+    from test_torchrl_integration import ATOL, catch_up, single_collector
     from torchrl_models import actions_of, make_policy
 
     from weightclient.torchrl_adapters import GrpcWeightSyncScheme
@@ -254,15 +254,7 @@ def test_a_collector_keeps_collecting_through_a_stopped_server(proc):
                 assert scheme.version == 1 and scheme.lag is None
 
             trainer.publish(trained[2], model=MODEL)
-            deadline = time.monotonic() + CATCH_UP
-            while scheme.version != 3 and time.monotonic() < deadline:
-                collector.update_policy_weights_()
-                next(batches)
-                time.sleep(0.02)
-            assert scheme.version == 3 and scheme.lag == 0
-            batch = next(batches)
-            assert batch["next", "policy_version"].unique().tolist() == [3]
-            assert torch.allclose(batch["action"], actions_of(trained[2], batch), atol=ATOL)
+            catch_up(collector, scheme, batches, 3, trained[2], CATCH_UP)
         finally:
             collector.shutdown()
             scheme.puller.client.close()

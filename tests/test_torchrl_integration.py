@@ -7,6 +7,7 @@ skip below (see conftest.py).
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Mapping
 
@@ -53,6 +54,20 @@ def single_collector(policy, scheme, frames_per_batch=8, **kwargs) -> Collector:
         auto_register_policy_transforms=False,
         **kwargs,
     )
+
+
+def catch_up(collector, scheme, batches, version: int, policy, seconds: float = 20.0) -> None:
+    """Update before every batch until `scheme` applied `version`; the next batch is then
+    stamped with it and acts as `policy` does."""
+    deadline = time.monotonic() + seconds
+    while scheme.version != version and time.monotonic() < deadline:
+        collector.update_policy_weights_()
+        next(batches)
+        time.sleep(0.02)
+    assert scheme.version == version and scheme.lag == 0
+    batch = next(batches)
+    assert batch["next", "policy_version"].unique().tolist() == [version]
+    assert torch.allclose(batch["action"], actions_of(policy, batch), atol=ATOL)
 
 
 def test_collector_pulls_through_our_scheme(client: WeightClient):
