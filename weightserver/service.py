@@ -295,14 +295,14 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         publish = functools.partial(
             self.store.publish_group, uploads, version=first.version, publish_id=first.publish_id
         )
-        commit = asyncio.get_running_loop().run_in_executor(self._publish_threads, publish)
+        committing = asyncio.get_running_loop().run_in_executor(self._publish_threads, publish)
         try:
-            return await asyncio.shield(commit)
+            return await asyncio.shield(committing)
         finally:
             # A call cancelled meanwhile (its deadline passed) leaves the commit running in its
             # thread: it finishes with the uploads before Publish cleans them up, and a retry
             # with the same publish id finds its version.
-            await asyncio.wait([commit])
+            await asyncio.wait([committing])
 
     # ------------------------------------------------------------------ describe
     @_unary
