@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -23,8 +24,16 @@ class ServerProcess:
     comes back on the same address. `start()` returns once the health service says SERVING.
     """
 
-    def __init__(self, *args: str, port: int = 0, log_path: str | os.PathLike[str] | None = None) -> None:
+    def __init__(
+        self,
+        *args: str,
+        port: int = 0,
+        log_path: str | os.PathLike[str] | None = None,
+        prefix: Sequence[str] = (),
+    ) -> None:
+        """`prefix`: a command the server runs under, e.g. ``unshare --pid --fork``."""
         self.args = list(args)
+        self.prefix = list(prefix)
         self.port = port
         self._workdir = Path(tempfile.mkdtemp(prefix="weightserver-proc-"))
         self.log_path = Path(log_path) if log_path else self._workdir / "server.log"
@@ -38,7 +47,7 @@ class ServerProcess:
         port_file = self._workdir / "port"
         port_file.unlink(missing_ok=True)
         serve = ["serve", "--host", "127.0.0.1", "--port", str(self.port), "--port-file", str(port_file), *self.args]
-        command = [sys.executable, "-m", "weightserver", *serve]
+        command = [*self.prefix, sys.executable, "-m", "weightserver", *serve]
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
