@@ -31,14 +31,22 @@ DIRECTION_FETCH: Direction
 DIRECTION_PUBLISH: Direction
 
 class PublishRequest(_message.Message):
-    __slots__ = ("header", "chunk", "commit")
+    __slots__ = ("header", "chunk", "commit", "uploaded")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
+    UPLOADED_FIELD_NUMBER: _ClassVar[int]
     header: PublishHeader
     chunk: bytes
     commit: PublishCommit
-    def __init__(self, header: _Optional[_Union[PublishHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ..., commit: _Optional[_Union[PublishCommit, _Mapping]] = ...) -> None: ...
+    uploaded: PublishUploaded
+    def __init__(self, header: _Optional[_Union[PublishHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ..., commit: _Optional[_Union[PublishCommit, _Mapping]] = ..., uploaded: _Optional[_Union[PublishUploaded, _Mapping]] = ...) -> None: ...
+
+class PublishUploaded(_message.Message):
+    __slots__ = ("upload",)
+    UPLOAD_FIELD_NUMBER: _ClassVar[int]
+    upload: str
+    def __init__(self, upload: _Optional[str] = ...) -> None: ...
 
 class PublishCommit(_message.Message):
     __slots__ = ("sha256",)
@@ -47,7 +55,7 @@ class PublishCommit(_message.Message):
     def __init__(self, sha256: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PublishHeader(_message.Message):
-    __slots__ = ("model", "version", "metadata", "total_bytes", "sha256", "pin", "publish_id")
+    __slots__ = ("model", "version", "metadata", "total_bytes", "sha256", "pin", "publish_id", "xxh3")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +70,7 @@ class PublishHeader(_message.Message):
     SHA256_FIELD_NUMBER: _ClassVar[int]
     PIN_FIELD_NUMBER: _ClassVar[int]
     PUBLISH_ID_FIELD_NUMBER: _ClassVar[int]
+    XXH3_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     metadata: _containers.ScalarMap[str, str]
@@ -69,7 +78,8 @@ class PublishHeader(_message.Message):
     sha256: str
     pin: bool
     publish_id: str
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., pin: _Optional[bool] = ..., publish_id: _Optional[str] = ...) -> None: ...
+    xxh3: str
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., pin: _Optional[bool] = ..., publish_id: _Optional[str] = ..., xxh3: _Optional[str] = ...) -> None: ...
 
 class PublishResponse(_message.Message):
     __slots__ = ("version", "versions")
@@ -181,16 +191,18 @@ class NegotiateRequest(_message.Message):
     def __init__(self, direction: _Optional[_Union[Direction, str]] = ..., accept: _Optional[_Iterable[_Union[Transport, str]]] = ..., fetch: _Optional[_Union[FetchRequest, _Mapping]] = ..., publish: _Optional[_Union[PublishHeader, _Mapping]] = ...) -> None: ...
 
 class NegotiateResponse(_message.Message):
-    __slots__ = ("transport", "up_to_date", "header", "payload")
+    __slots__ = ("transport", "up_to_date", "header", "payload", "upload")
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     UP_TO_DATE_FIELD_NUMBER: _ClassVar[int]
     HEADER_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    UPLOAD_FIELD_NUMBER: _ClassVar[int]
     transport: Transport
     up_to_date: UpToDate
     header: VersionInfo
     payload: Payload
-    def __init__(self, transport: _Optional[_Union[Transport, str]] = ..., up_to_date: _Optional[_Union[UpToDate, _Mapping]] = ..., header: _Optional[_Union[VersionInfo, _Mapping]] = ..., payload: _Optional[_Union[Payload, _Mapping]] = ...) -> None: ...
+    upload: str
+    def __init__(self, transport: _Optional[_Union[Transport, str]] = ..., up_to_date: _Optional[_Union[UpToDate, _Mapping]] = ..., header: _Optional[_Union[VersionInfo, _Mapping]] = ..., payload: _Optional[_Union[Payload, _Mapping]] = ..., upload: _Optional[str] = ...) -> None: ...
 
 class Payload(_message.Message):
     __slots__ = ("byte_size", "xxh3", "base_version", "dtype", "shared_memory", "bulk", "base_xxh3")

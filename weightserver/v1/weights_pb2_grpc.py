@@ -101,8 +101,9 @@ class WeightServiceServicer:
         step): each `header` is followed by that model's chunks, and the single `commit` ends the
         stream. All of them get ONE version number (the next above every one of their versions,
         or the first header's `version`) and become visible together: no reader sees the new
-        policy beside the old critic. The server checks
-        the byte count, the sha256 digest and the safetensors header (known dtypes, offsets in
+        policy beside the old critic. A model's bytes may instead have been moved over bulk TCP or
+        shared memory (see Negotiate): its header is then followed by `uploaded`, not chunks.
+        The server checks the byte count, the declared digests (sha256, xxh3) and the safetensors header (known dtypes, offsets in
         bounds, contiguous and non-overlapping, shapes matching byte lengths) before the version
         becomes visible: a publish that is cut off or fails a check is never seen by anyone.
         With --data-dir the version is on disk (fsynced) before the reply is sent.
@@ -151,8 +152,13 @@ class WeightServiceServicer:
         a bulk TCP ticket). TRANSPORT_STREAM in the answer means: use the Fetch or Publish stream
         (for a fetch, ask Fetch for `header.version` exactly, so a newer publish in between does
         not change what arrives). A client that negotiates nothing simply uses the streams.
-        Publishing over bulk or shared memory is not offered yet: a publish is answered
-        TRANSPORT_STREAM. Errors are Fetch's (NOT_FOUND, OUT_OF_RANGE, INVALID_ARGUMENT).
+        A publish (DIRECTION_PUBLISH, one model's header) is answered with where to put that
+        model's bytes (`payload`: a shared-memory file to write, or a bulk ticket to send them
+        with) and an `upload` id; the caller moves the bytes, then names the upload in a Publish
+        stream (`PublishRequest.uploaded`) instead of sending chunks. Nothing is visible until
+        that Publish commits. Errors are Fetch's (NOT_FOUND, OUT_OF_RANGE, INVALID_ARGUMENT), and
+        for a publish Publish's header checks (INVALID_ARGUMENT, RESOURCE_EXHAUSTED,
+        FAILED_PRECONDITION, PERMISSION_DENIED).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
