@@ -73,15 +73,6 @@ def test_the_stream_is_the_answer_when_nothing_accepted_is_offered(make_server):
         assert not reply.HasField("payload") and not reply.HasField("up_to_date")
 
 
-def test_a_publish_is_answered_with_the_stream(server):
-    request = pb.NegotiateRequest(
-        direction=pb.DIRECTION_PUBLISH, accept=[SHM, BULK], publish=pb.PublishHeader(model=MODEL, total_bytes=10)
-    )
-    with grpc.insecure_channel(server.address) as channel:
-        reply = pb_grpc.WeightServiceStub(channel).Negotiate(request, timeout=30)
-    assert reply.transport == pb.TRANSPORT_STREAM and not reply.HasField("payload")
-
-
 def test_up_to_date_and_errors(server, client):
     client.publish(mixed_model(), model=MODEL)
     reply = negotiate(server.address, pb.FetchRequest(model=MODEL, newer_than=1))

@@ -40,7 +40,8 @@ from weightserver.errors import (
 )
 from weightserver.metrics import NoMetrics
 from weightserver.payloads import CAST_TARGETS, Payload, PayloadCache
-from weightserver.shared_memory import SharedMemoryFiles
+from weightserver.shared_memory import SharedMemoryFiles, SharedMemoryUpload
+from weightserver.staged_uploads import StagedUpload, StagedUploads
 from weightserver.store import Upload, Version, VersionStore, validate_model_name
 from weightserver.v1 import weights_pb2 as pb
 from weightserver.v1 import weights_pb2_grpc as pb_grpc
@@ -152,6 +153,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         self._watch_queues: set[asyncio.Queue[Version | None]] = set()
         self._stream_turns = asyncio.Semaphore(config.max_stream_fetches)
         self._publish_threads = ThreadPoolExecutor(PUBLISH_THREADS, thread_name_prefix="weightserver-publish")
+        self.staged = StagedUploads({"max_header_bytes": config.max_header_bytes, "max_tensors": config.max_tensors})
         # The fast transports this server offers to Negotiate, in no order: the caller's decides.
         # Each with the name its transfers are logged and counted under.
         # An offer that returns False cannot carry this payload now: the next one is tried.
@@ -165,8 +167,9 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
             self.metrics.retained(summary.model, store.versions(summary.model))
 
     def close(self) -> None:
-        """Let the publish threads go (after the server stopped)."""
+        """Let the publish threads go and drop uploads nobody committed (after the server stopped)."""
         self._publish_threads.shutdown(wait=False, cancel_futures=True)
+        self.staged.close()
 
     def _authorize(self, context: grpc.aio.ServicerContext, method: str, model: str | None = None) -> None:
         """With --auth-tokens, the caller's bearer token must allow `method` (on `model`)."""
@@ -223,8 +226,8 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
                 if model.upload is not None and model.upload.path.exists():
                     model.upload.abort()  # a publish that did not commit leaves no file
         if incoming[0].committed:
-            for record in records:
-                self._transferred("publish", record, started, context)
+            for model, record in zip(incoming, records, strict=True):
+                self._transferred("publish", record, started, context, transport=model.transport)
         else:  # a repeat of a publish id: the versions an earlier call committed
             for record in records:
                 _log_event("publish_repeat", context, model=record.model, version=record.version)
@@ -238,14 +241,20 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         arrives, before its bytes: its model must be one the token may publish, and pin=True
         pins the version, which needs what PinVersion needs."""
         async for message in messages:
-            if self.tokens is not None and message.WhichOneof("kind") == "header":
-                self._authorize(context, "Publish", message.header.model)
-                try:
-                    if message.header.pin:
-                        self._authorize(context, "PinVersion", message.header.model)
-                except PermissionDenied as exc:
-                    raise PermissionDenied(f"a publish with pin=True pins the version: {exc}") from None
+            if message.WhichOneof("kind") == "header":
+                self._authorize_header(context, message.header)
             yield message
+
+    def _authorize_header(self, context: grpc.aio.ServicerContext, header: pb.PublishHeader) -> None:
+        """The caller's token must allow publishing `header.model`, and pinning it with pin=True."""
+        if self.tokens is None:
+            return
+        self._authorize(context, "Publish", header.model)
+        try:
+            if header.pin:
+                self._authorize(context, "PinVersion", header.model)
+        except PermissionDenied as exc:
+            raise PermissionDenied(f"a publish with pin=True pins the version: {exc}") from None
 
     async def _receive_and_commit(
         self, request_iterator: AsyncIterator[pb.PublishRequest], incoming: list[_IncomingModel]
@@ -275,6 +284,9 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
                 raise InvalidRequest("a Publish stream must start with a header message (model, total_bytes, sha256)")
             elif kind == "chunk":
                 incoming[-1].add(message.chunk)
+            elif kind == "uploaded":
+                header = incoming[-1].header
+                incoming[-1].use(self.staged.take(message.uploaded.upload, header.model, header.total_bytes))
             elif kind == "commit":
                 incoming[-1].check_complete()
                 commit = message.commit
@@ -290,11 +302,13 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
                 "was published (the publisher was cancelled or failed before finishing)"
             )
         digests = _declared_sha256s(incoming, commit)
-        uploads = [model.as_upload(digest) for model, digest in zip(incoming, digests, strict=True)]
         first = incoming[0].header
-        publish = functools.partial(
-            self.store.publish_group, uploads, version=first.version, publish_id=first.publish_id
-        )
+
+        def publish() -> list[Version]:
+            # In a publish thread: an upload written into shared memory is hashed here.
+            uploads = [model.as_upload(digest) for model, digest in zip(incoming, digests, strict=True)]
+            return self.store.publish_group(uploads, version=first.version, publish_id=first.publish_id)
+
         committing = asyncio.get_running_loop().run_in_executor(self._publish_threads, publish)
         try:
             return await asyncio.shield(committing)
@@ -391,8 +405,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
     async def Negotiate(self, request: pb.NegotiateRequest, context: grpc.aio.ServicerContext) -> pb.NegotiateResponse:
         stream = pb.NegotiateResponse(transport=pb.TRANSPORT_STREAM)
         if request.direction == pb.DIRECTION_PUBLISH:
-            self._authorize(context, "Publish")
-            return stream  # bulk and shared-memory publishes are not offered yet
+            return await self._negotiate_publish(request, context)
         if request.direction != pb.DIRECTION_FETCH:
             raise InvalidRequest("Negotiate needs a direction: DIRECTION_FETCH or DIRECTION_PUBLISH")
         started = time.perf_counter()
@@ -413,6 +426,57 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
             self._transferred("fetch", record, started, context, transport=name, sent=payload.byte_size)
             break
         return stream
+
+    async def _negotiate_publish(
+        self, request: pb.NegotiateRequest, context: grpc.aio.ServicerContext
+    ) -> pb.NegotiateResponse:
+        """Set up one model's upload over the first fast transport the caller accepts that this
+        server offers and has room for; TRANSPORT_STREAM when none (or no bytes)."""
+        header = request.publish
+        self._authorize_header(context, header)
+        self.store.check_publish(
+            header.model,
+            total_bytes=header.total_bytes,
+            version=header.version,
+            metadata=header.metadata,
+            publish_id=header.publish_id,
+        )
+        answer = pb.NegotiateResponse(transport=pb.TRANSPORT_STREAM)
+        for transport in request.accept if header.total_bytes else ():
+            if transport == pb.TRANSPORT_SHARED_MEMORY and self.shared_memory is not None:
+                upload = await asyncio.to_thread(self._stage, header, "shm")
+                if upload is None:
+                    continue
+                assert upload.file is not None
+                answer.payload.shared_memory.path = str(upload.file.path)
+            elif transport == pb.TRANSPORT_BULK and self.bulk is not None:
+                upload = await asyncio.to_thread(self._stage, header, "bulk")
+                if upload is None:
+                    continue
+                answer.payload.bulk.port = self.bulk.port
+                answer.payload.bulk.ticket = self.bulk.issue_upload(
+                    upload.buffer, f"an upload of {header.model}", upload.arrived, upload.transferred
+                )
+            else:
+                continue
+            answer.transport = transport
+            answer.payload.byte_size = header.total_bytes
+            answer.upload = upload.id
+            break
+        return answer
+
+    def _stage(self, header: pb.PublishHeader, transport: str) -> StagedUpload | None:
+        """A staged upload for `header`'s bytes, in a shared-memory file where there is room
+        (needed for "shm"); None when "shm" finds none."""
+        shared_memory = self.shared_memory
+
+        def new_file() -> Any:
+            return shared_memory.new_upload(header.model, header.total_bytes) if shared_memory else None
+
+        try:
+            return self.staged.create(header.model, header.total_bytes, transport, new_file)
+        except OSError:
+            return None
 
     def _fetched_version(self, request: pb.FetchRequest) -> Version | None:
         """The version a fetch asks for; None when `newer_than` found nothing newer."""
@@ -557,21 +621,25 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
 
 
 class _IncomingModel:
-    """One model's bytes arriving in a Publish stream, into a buffer of the declared size (a
-    shared-memory file when the server has a shared-memory directory)."""
+    """One model's bytes in a Publish stream: arriving as chunks, into a buffer of the declared
+    size (a shared-memory file when the server has a shared-memory directory), or moved before
+    over bulk TCP or shared memory (`use`)."""
 
     def __init__(self, header: pb.PublishHeader, shared_memory: SharedMemoryFiles | None = None) -> None:
         self.header = header
         self.shared_memory = shared_memory
-        self.upload = shared_memory.new_upload(header.model, header.total_bytes) if shared_memory else None
-        # Anonymous memory is committed page by page as chunks arrive, so a header that claims
-        # more than it sends reserves nothing (a bytearray would be zero-filled up front).
-        size = header.total_bytes
-        self.buffer = self.upload.buffer if self.upload else memoryview(mmap.mmap(-1, size) if size else bytearray())
+        self.transport = "stream"
+        self.staged: StagedUpload | None = None
+        self.upload: SharedMemoryUpload | None = None  # the buffer's file, removed unless committed
+        self.buffer: memoryview | None = None  # allocated with the first chunk
         self.received = 0
         self.committed = False  # whether these bytes became a version (not so for a repeat)
 
     def add(self, chunk: bytes) -> None:
+        if self.staged is not None:
+            raise InvalidRequest(f"model {self.header.model!r}: chunks after `uploaded`; send one or the other")
+        if self.buffer is None:
+            self.buffer = self._allocate()
         end = self.received + len(chunk)
         if end > self.header.total_bytes:
             raise IntegrityError(
@@ -579,6 +647,22 @@ class _IncomingModel:
             )
         self.buffer[self.received : end] = chunk
         self.received = end
+
+    def use(self, staged: StagedUpload) -> None:
+        """Take the model's bytes from an upload set up by Negotiate, instead of chunks."""
+        if self.staged is not None or self.received:
+            raise InvalidRequest(f"model {self.header.model!r}: a model's bytes come as chunks or one `uploaded`")
+        self.staged, self.transport = staged, staged.transport
+        self.upload, self.buffer, self.received = staged.file, staged.buffer, staged.total_bytes
+
+    def _allocate(self) -> memoryview:
+        size = self.header.total_bytes
+        self.upload = self.shared_memory.new_upload(self.header.model, size) if self.shared_memory else None
+        if self.upload is not None:
+            return self.upload.buffer
+        # Anonymous memory is committed page by page as chunks arrive, so a header that claims
+        # more than it sends reserves nothing (a bytearray would be zero-filled up front).
+        return memoryview(mmap.mmap(-1, size) if size else bytearray())
 
     def check_complete(self) -> None:
         if self.received != self.header.total_bytes:
@@ -589,10 +673,13 @@ class _IncomingModel:
 
     def as_upload(self, sha256: str) -> Upload:
         """The store's Upload of the received bytes; one received into a shared-memory file
-        brings the hook that makes the file its version's payload file."""
+        brings the hook that makes the file its version's payload file. Blocks (an upload in
+        shared memory is hashed now): call it off the event loop."""
+        if self.staged is not None:
+            self.staged.finish()
         return Upload(
             self.header.model,
-            self.buffer,
+            self.buffer if self.buffer is not None else memoryview(b""),
             sha256=sha256,
             total_bytes=self.header.total_bytes,
             metadata=dict(self.header.metadata),
