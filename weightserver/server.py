@@ -89,6 +89,7 @@ class WeightServer:
 
     def __init__(self, config: ServerConfig | None = None, store: VersionStore | None = None) -> None:
         self.config = config or ServerConfig()
+        self._owns_store = store is None  # closed with the server (its sha256 worker)
         self.store = store or VersionStore(
             self.config.data_dir,
             keep=self.config.keep,
@@ -174,6 +175,8 @@ class WeightServer:
                 log.exception("server stopped on an error")
         finally:
             _cancel_pending(loop)
+            if self._owns_store:
+                self.store.close()
             self._ready.set()
             self._stopped.set()
             loop.close()
