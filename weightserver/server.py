@@ -175,8 +175,6 @@ class WeightServer:
                 log.exception("server stopped on an error")
         finally:
             _cancel_pending(loop)
-            if self._owns_store:
-                self.store.close()
             self._ready.set()
             self._stopped.set()
             loop.close()
@@ -207,6 +205,8 @@ class WeightServer:
                 self.metrics_port = metrics.serve(config.host, config.metrics_port)
             await self._serve_grpc()
         finally:
+            if self._owns_store:  # first: a sha256 it finishes may rewrite a shared-memory header
+                self.store.close()
             self.metrics.close()
             if self.bulk is not None:
                 self.bulk.close()
