@@ -587,21 +587,12 @@ class VersionStore:
         return failed
 
     def _worker(self) -> ThreadPoolExecutor | None:
-        """The thread that computes sha256s beside commits and after them (started on first
-        need); None once the store is closed."""
+        """The thread that computes sha256s after commits (started on first need); None once
+        the store is closed."""
         with self._lock:
             if not self._closed and self._sha256_worker is None:
                 self._sha256_worker = ThreadPoolExecutor(1, thread_name_prefix="weightserver-sha256")
             return self._sha256_worker
-
-    def _hash_soon(self, data: bytes | bytearray | memoryview) -> Future[str]:
-        """The sha256 of `data`, computed by the worker while the caller goes on (here, once the
-        store is closed)."""
-        worker = self._worker()
-        if worker is not None:
-            with contextlib.suppress(RuntimeError):  # closed meanwhile
-                return worker.submit(sha256_hex, data)
-        return _done_future(sha256_hex(data))
 
     def _hash_later(self, record: Version) -> None:
         """Queue `record` (just committed with sha256 "") for the background worker."""
@@ -663,9 +654,8 @@ class VersionStore:
         that fails removes what the group wrote, manifests first, so a full disk stays no fuller.
 
         A record without a sha256 is hashed in a thread while the data files are written and
-        fsynced (hashlib lets go of the GIL), so that its manifest carries it; returns the
-        records with their sha256s."""
-        hashing = {i: self._hash_soon(record.data) for i, record in enumerate(records) if not record.sha256}
+        fsynced, so that its manifest carries it; returns the records with their sha256s."""
+        hashing = {i: _hashed_aside(record.data) for i, record in enumerate(records) if not record.sha256}
         written: list[Path] = []
         try:
             with self._disk_writes():
@@ -923,6 +913,21 @@ def _call_logged(callback: Callable[[Version], None], record: Version) -> None:
         callback(record)
     except Exception:
         log.exception("%r failed on %s v%d", callback, record.model, record.version)
+
+
+def _hashed_aside(data: bytes | bytearray | memoryview) -> Future[str]:
+    """The sha256 of `data`, computed in a thread of its own while the caller goes on (hashlib
+    lets go of the GIL)."""
+    future = _running_future()
+
+    def run() -> None:
+        try:
+            future.set_result(sha256_hex(data))
+        except BaseException as exc:
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="weightserver-sha256", daemon=True).start()
+    return future
 
 
 def _running_future() -> Future[str]:
