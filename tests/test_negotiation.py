@@ -32,7 +32,7 @@ def test_shared_memory_first_names_the_versions_own_file(server, client):
     reply = negotiate(server.address, pb.FetchRequest(model=MODEL))
     described = client.describe(MODEL)
     assert reply.transport == SHM
-    assert reply.header.version == version == described.version and reply.header.sha256 == described.sha256
+    assert reply.header.version == version == described.version and reply.header.xxh3 == described.xxh3
     assert [t.name for t in reply.header.tensors] == [t.name for t in described.tensors]
     path = reply.payload.shared_memory.path
     assert path.startswith(str(server.shared_memory.directory)) and not reply.payload.HasField("bulk")

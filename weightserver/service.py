@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
+import hashlib
 import logging
 import mmap
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import grpc
@@ -25,12 +27,14 @@ from weightserver import framing, wire
 from weightserver.auth import TokenTable
 from weightserver.bulk import BulkEndpoint
 from weightserver.config import ServerConfig, clamp_chunk_bytes
+from weightserver.digests import IncomingDigests
 from weightserver.errors import (
     CLIENT_ID_METADATA_KEY,
     ERROR_METADATA_KEY,
     DeadlineExceeded,
     IntegrityError,
     InvalidRequest,
+    InvalidSafetensors,
     PermissionDenied,
     ServerUnavailable,
     WeightServerError,
@@ -42,7 +46,7 @@ from weightserver.metrics import NoMetrics
 from weightserver.payloads import CAST_TARGETS, Payload, PayloadCache
 from weightserver.shared_memory import SharedMemoryFiles, SharedMemoryUpload
 from weightserver.staged_uploads import StagedUpload, StagedUploads
-from weightserver.store import Upload, Version, VersionStore, validate_model_name
+from weightserver.store import Upload, Version, VersionStore, sha256_hex, validate_model_name
 from weightserver.v1 import weights_pb2 as pb
 from weightserver.v1 import weights_pb2_grpc as pb_grpc
 
@@ -53,6 +57,8 @@ T = TypeVar("T")
 # Threads that verify and commit publishes (hash, parse, fsync), apart from asyncio's default
 # pool, which also builds casts and deltas for fetches.
 PUBLISH_THREADS = 4
+# A stream publish's sha256, when it is computed, is handed to its thread this many bytes at a time.
+SHA256_BATCH_BYTES = 4 << 20
 # A fetch whose chunk write has not completed after this long (its reader stopped reading or
 # reads slowly) gives its turn back for the rest of the fetch: a stalled stream costs the
 # loop nothing, and must not hold up the fetches queued behind it.
@@ -153,7 +159,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         self._watch_queues: set[asyncio.Queue[Version | None]] = set()
         self._stream_turns = asyncio.Semaphore(config.max_stream_fetches)
         self._publish_threads = ThreadPoolExecutor(PUBLISH_THREADS, thread_name_prefix="weightserver-publish")
-        self.staged = StagedUploads({"max_header_bytes": config.max_header_bytes, "max_tensors": config.max_tensors})
+        self.staged = StagedUploads(store.header_limits)
         # The fast transports this server offers to Negotiate, in no order: the caller's decides.
         # Each with the name its transfers are logged and counted under.
         # An offer that returns False cannot carry this payload now: the next one is tried.
@@ -177,8 +183,17 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
             self.tokens.authorize(context.invocation_metadata(), method, model)
 
     def _on_commit(self, record: Version) -> None:
-        """Store listener: a commit may have evicted older versions of the model."""
+        """Store listener: a commit may have evicted older versions of the model. A version
+        committed without its sha256 gets its shared-memory header rewritten once the store
+        has computed it, for readers of that file."""
         self._forget_removed(record.model)
+        if not record.sha256 and self.shared_memory is not None:
+
+            def rewrite(future: Future[str]) -> None:
+                if future.exception() is None:
+                    self._write_shm_header(record.model, record.version)
+
+            self.store.sha256_of(record).add_done_callback(rewrite)
 
     def _write_shm_header(self, model: str, version: int) -> None:
         """Write the header file beside a version's shared-memory file from the store's
@@ -279,7 +294,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
                     metadata=header.metadata,
                     publish_id=first.publish_id,
                 )
-                incoming.append(_IncomingModel(header, self.shared_memory))
+                incoming.append(_IncomingModel(header, self.shared_memory, self.store.header_limits))
             elif not incoming:
                 raise InvalidRequest("a Publish stream must start with a header message (model, total_bytes, sha256)")
             elif kind == "chunk":
@@ -302,13 +317,11 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
                 "was published (the publisher was cancelled or failed before finishing)"
             )
         digests = _declared_sha256s(incoming, commit)
+        uploads = [await model.as_upload(digest) for model, digest in zip(incoming, digests, strict=True)]
         first = incoming[0].header
-
-        def publish() -> list[Version]:
-            # In a publish thread: an upload written into shared memory is hashed here.
-            uploads = [model.as_upload(digest) for model, digest in zip(incoming, digests, strict=True)]
-            return self.store.publish_group(uploads, version=first.version, publish_id=first.publish_id)
-
+        publish = functools.partial(
+            self.store.publish_group, uploads, version=first.version, publish_id=first.publish_id
+        )
         committing = asyncio.get_running_loop().run_in_executor(self._publish_threads, publish)
         try:
             return await asyncio.shield(committing)
@@ -367,7 +380,10 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         if record is None:
             yield pb.FetchResponse(up_to_date=pb.UpToDate(latest_version=request.newer_than))
             return
-        yield pb.FetchResponse(header=wire.version_info(record))
+        header = wire.version_info(record)
+        if not header.sha256:  # published with only an xxh3: its sha256 is being computed
+            header.sha256 = await self._sha256(record)
+        yield pb.FetchResponse(header=header)
         payload, description = await self._payload(record, request)
         if request.base_version or request.dtype:
             yield pb.FetchResponse(payload=description)
@@ -376,6 +392,15 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
             async for message in chunks:
                 yield message
         self._transferred("fetch", record, started, context, transport="stream", sent=payload.byte_size)
+
+    async def _sha256(self, record: Version) -> str:
+        """The sha256 the store computes after the commit, awaited without holding up the loop;
+        if the version was evicted or deleted before its turn, this fetch hashes the bytes it
+        holds."""
+        try:
+            return await asyncio.wrap_future(self.store.sha256_of(record))
+        except WeightServerError:
+            return await asyncio.to_thread(sha256_hex, record.data)
 
     async def _in_turn(self, messages: Iterable[bytes]) -> AsyncIterator[bytes]:
         """`messages`, sent while this fetch holds one of the --max-stream-fetches turns (first
@@ -622,24 +647,37 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
 
 class _IncomingModel:
     """One model's bytes in a Publish stream: arriving as chunks, into a buffer of the declared
-    size (a shared-memory file when the server has a shared-memory directory), or moved before
-    over bulk TCP or shared memory (`use`)."""
+    size (a shared-memory file when the server has a shared-memory directory), each chunk
+    hashed as it lands (xxh3 at once; sha256, when needed, in a thread of its own), so that no
+    pass over the bytes follows the transfer; or moved before over bulk TCP or shared memory
+    (`use`), and hashed there."""
 
-    def __init__(self, header: pb.PublishHeader, shared_memory: SharedMemoryFiles | None = None) -> None:
+    def __init__(
+        self,
+        header: pb.PublishHeader,
+        shared_memory: SharedMemoryFiles | None = None,
+        header_limits: dict[str, int] | None = None,
+    ) -> None:
         self.header = header
         self.shared_memory = shared_memory
+        self.header_limits = header_limits
         self.transport = "stream"
         self.staged: StagedUpload | None = None
         self.upload: SharedMemoryUpload | None = None  # the buffer's file, removed unless committed
         self.buffer: memoryview | None = None  # allocated with the first chunk
         self.received = 0
         self.committed = False  # whether these bytes became a version (not so for a repeat)
+        # None once the bytes turned out not to be a safetensors file: the store then checks
+        # them from scratch, so that the error is the one it always gave (a wrong size or
+        # digest before a bad header). Both start with the buffer, at the first chunk.
+        self.digests: IncomingDigests | None = None
+        self.sha256: _Sha256Feed | None = None
 
     def add(self, chunk: bytes) -> None:
         if self.staged is not None:
             raise InvalidRequest(f"model {self.header.model!r}: chunks after `uploaded`; send one or the other")
         if self.buffer is None:
-            self.buffer = self._allocate()
+            self._allocate()
         end = self.received + len(chunk)
         if end > self.header.total_bytes:
             raise IntegrityError(
@@ -647,6 +685,15 @@ class _IncomingModel:
             )
         self.buffer[self.received : end] = chunk
         self.received = end
+        if self.digests is None:
+            return
+        try:
+            self.digests.advance(end)
+        except InvalidSafetensors:
+            self.digests = self.sha256 = None
+            return
+        if self.sha256 is not None:
+            self.sha256.advance(end)
 
     def use(self, staged: StagedUpload) -> None:
         """Take the model's bytes from an upload set up by Negotiate, instead of chunks."""
@@ -655,14 +702,20 @@ class _IncomingModel:
         self.staged, self.transport = staged, staged.transport
         self.upload, self.buffer, self.received = staged.file, staged.buffer, staged.total_bytes
 
-    def _allocate(self) -> memoryview:
-        size = self.header.total_bytes
-        self.upload = self.shared_memory.new_upload(self.header.model, size) if self.shared_memory else None
+    def _allocate(self) -> None:
+        """The buffer for the chunks, and the digests that follow them into it."""
+        size, header = self.header.total_bytes, self.header
+        self.upload = self.shared_memory.new_upload(header.model, size) if self.shared_memory else None
         if self.upload is not None:
-            return self.upload.buffer
-        # Anonymous memory is committed page by page as chunks arrive, so a header that claims
-        # more than it sends reserves nothing (a bytearray would be zero-filled up front).
-        return memoryview(mmap.mmap(-1, size) if size else bytearray())
+            self.buffer = self.upload.buffer
+        else:
+            # Anonymous memory is committed page by page as chunks arrive, so a header that claims
+            # more than it sends reserves nothing (a bytearray would be zero-filled up front).
+            self.buffer = memoryview(mmap.mmap(-1, size) if size else bytearray())
+        self.digests = IncomingDigests(self.buffer, header_limits=self.header_limits)
+        # sha256 for a header that declares one, or no xxh3 (the commit message then brings the
+        # sha256); with only an xxh3 declared, the store computes it after the commit.
+        self.sha256 = _Sha256Feed(self.buffer) if header.sha256 or not header.xxh3 else None
 
     def check_complete(self) -> None:
         if self.received != self.header.total_bytes:
@@ -671,12 +724,18 @@ class _IncomingModel:
                 f"{self.received}; the upload was cut short or the header is wrong"
             )
 
-    def as_upload(self, sha256: str) -> Upload:
-        """The store's Upload of the received bytes; one received into a shared-memory file
-        brings the hook that makes the file its version's payload file. Blocks (an upload in
-        shared memory is hashed now): call it off the event loop."""
+    async def as_upload(self, sha256: str | None) -> Upload:
+        """The store's Upload of the received bytes, with their digests (once the sha256 thread,
+        if any, has caught up; an upload a publisher wrote into shared memory is hashed now,
+        in a thread) and the declared ones; one received into a shared-memory file brings the
+        hook that makes the file its version's payload file."""
+        digests = None
         if self.staged is not None:
-            self.staged.finish()
+            digests = await asyncio.to_thread(self.staged.finish)
+        with contextlib.suppress(InvalidSafetensors):  # too short for a header: as above
+            digests = self.digests.finish() if self.digests is not None else digests
+        if digests is not None and self.sha256 is not None:
+            digests = dataclasses.replace(digests, sha256=await self.sha256.hexdigest(self.received))
         return Upload(
             self.header.model,
             self.buffer if self.buffer is not None else memoryview(b""),
@@ -685,6 +744,8 @@ class _IncomingModel:
             metadata=dict(self.header.metadata),
             pin=self.header.pin,
             on_commit=self._adopt,
+            digests=digests,
+            xxh3=self.header.xxh3 or None,
         )
 
     def _adopt(self, record: Version) -> None:
@@ -702,6 +763,33 @@ class _IncomingModel:
         )
 
 
+class _Sha256Feed:
+    """The sha256 of a buffer that fills front to back, computed in a thread of its own, batch
+    by batch in order: it costs about 1 ms per MiB, too long for the event loop that receives
+    the chunks, and the thread hashes while later chunks arrive. The thread ends with the
+    digest, or when the feed is dropped."""
+
+    def __init__(self, buffer: memoryview) -> None:
+        self._buffer = buffer
+        self._hasher = hashlib.sha256()
+        self._fed = 0
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="weightserver-publish-sha256")
+
+    def advance(self, end: int, batch: int = SHA256_BATCH_BYTES) -> None:
+        """Bytes [0, end) are in place: hand the new ones to the thread once `batch` are waiting."""
+        if end - self._fed >= batch:
+            self._thread.submit(self._hasher.update, self._buffer[self._fed : end])
+            self._fed = end
+
+    async def hexdigest(self, end: int) -> str:
+        """The digest of bytes [0, end), once the thread has hashed them all."""
+        self.advance(end, batch=1)
+        try:
+            return await asyncio.wrap_future(self._thread.submit(self._hasher.hexdigest))
+        finally:
+            self._thread.shutdown(wait=False)
+
+
 def _check_group_header(first: pb.PublishHeader, header: pb.PublishHeader) -> None:
     if header.version and header.version != first.version:
         raise InvalidRequest(
@@ -715,8 +803,9 @@ def _check_group_header(first: pb.PublishHeader, header: pb.PublishHeader) -> No
         )
 
 
-def _declared_sha256s(incoming: list[_IncomingModel], commit: pb.PublishCommit) -> list[str]:
-    """Each model's digest as declared in its header and/or the commit message."""
+def _declared_sha256s(incoming: list[_IncomingModel], commit: pb.PublishCommit) -> list[str | None]:
+    """Each model's sha256 as declared in its header and/or the commit message; None for a
+    model whose header declares only an xxh3."""
     from_commit = list(commit.sha256)
     if from_commit and len(from_commit) != len(incoming):
         raise InvalidRequest(
@@ -725,16 +814,17 @@ def _declared_sha256s(incoming: list[_IncomingModel], commit: pb.PublishCommit) 
     digests = []
     for i, model in enumerate(incoming):
         in_header, in_commit = model.header.sha256, from_commit[i] if from_commit else ""
-        if not in_header and not in_commit:
+        if not in_header and not in_commit and not model.header.xxh3:
             raise InvalidRequest(
-                f"model {model.header.model!r}: give the sha256 of the bytes in the header or the commit"
+                f"model {model.header.model!r}: give the xxh3 of the bytes in the header, or their sha256 in the "
+                "header or the commit"
             )
         if in_header and in_commit and in_header.lower() != in_commit.lower():
             raise IntegrityError(
                 f"model {model.header.model!r}: header declares sha256 {clipped_repr(in_header)} but the commit "
                 f"declares {clipped_repr(in_commit)}"
             )
-        digests.append(in_header or in_commit)
+        digests.append(in_header or in_commit or None)
     return digests
 
 
