@@ -480,7 +480,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
                     continue
                 answer.payload.bulk.port = self.bulk.port
                 answer.payload.bulk.ticket = self.bulk.issue_upload(
-                    upload.buffer, f"an upload of {header.model}", upload.arrived, upload.transferred
+                    upload.buffer, repr(header.model), upload.arrived, upload.transferred
                 )
             else:
                 continue
