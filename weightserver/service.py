@@ -610,7 +610,7 @@ class _IncomingModel:
         self.digests: IncomingDigests | None = IncomingDigests(self.buffer, header_limits=header_limits)
         # sha256 for a header that declares one, or no xxh3 (the commit message then brings the
         # sha256); with only an xxh3 declared, the store computes it after the commit.
-        self.sha256 = _Sha256Feed(self.buffer) if header.sha256 or not header.xxh3 else None
+        self.sha256_feed = _Sha256Feed(self.buffer) if header.sha256 or not header.xxh3 else None
 
     def add(self, chunk: bytes) -> None:
         end = self.received + len(chunk)
@@ -625,10 +625,10 @@ class _IncomingModel:
         try:
             self.digests.advance(end)
         except InvalidSafetensors:
-            self.digests = self.sha256 = None
+            self.digests = self.sha256_feed = None
             return
-        if self.sha256 is not None:
-            self.sha256.advance(end)
+        if self.sha256_feed is not None:
+            self.sha256_feed.advance(end)
 
     def check_complete(self) -> None:
         if self.received != self.header.total_bytes:
@@ -644,8 +644,8 @@ class _IncomingModel:
         digests = None
         with contextlib.suppress(InvalidSafetensors):  # too short for a header: as above
             digests = self.digests.finish() if self.digests is not None else None
-        if digests is not None and self.sha256 is not None:
-            digests = dataclasses.replace(digests, sha256=await self.sha256.hexdigest(self.received))
+        if digests is not None and self.sha256_feed is not None:
+            digests = dataclasses.replace(digests, sha256=await self.sha256_feed.hexdigest(self.received))
         return Upload(
             self.header.model,
             self.buffer,
