@@ -296,7 +296,7 @@ def test_a_bulk_fetch_ends_at_its_deadline_when_the_server_stops_mid_transfer(mo
     server = ServerProcess("--no-shm").start()
     try:
         with WeightClient(server.address) as client:
-            client.publish(weights(1, 64 * MiB), model=MODEL)
+            client.publish(weights(1, 64 * MiB), model=MODEL, transport="stream")  # no kept bulk connection
             connect = bulk_transport._connect
 
             def slow_connect(*args):

@@ -151,8 +151,10 @@ def test_a_publish_whose_reply_was_lost_is_committed_once_across_a_restart(tmp_p
         with proxy_to(server.port) as proxy, WeightServiceClient(proxy.address) as client:
             assert client.publish_bytes(MODEL, payload(1)).version == 1  # the connection is up
             proxy.drop_replies()
+            # Over the stream: the proxy drops the commit's reply (a fast transport's Negotiate
+            # reply would be dropped first: test_publish_transports covers that path).
             thread, outcome = in_thread(
-                lambda: client.publish_bytes(MODEL, payload(2), publish_id=PUBLISH_ID, timeout=60)
+                lambda: client.publish_bytes(MODEL, payload(2), publish_id=PUBLISH_ID, timeout=60, transport="stream")
             )
             wait_until(lambda: latest(server.address) == 2)  # committed; its reply goes nowhere
             server.kill()
@@ -177,7 +179,7 @@ def test_the_updater_retrying_after_a_lost_reply_publishes_one_version(make_serv
     server = make_server(shm_dir=None)
     policy = torch.nn.Linear(4, 2)
     with proxy_to(server.port) as proxy, WeightClient(proxy.address) as client:
-        updater = GrpcRemoteWeightUpdater(client, policy, retries=3, backoff=0.05)
+        updater = GrpcRemoteWeightUpdater(client, policy, retries=3, backoff=0.05, transport="stream")
         assert updater.update_weights() == 1
         with torch.no_grad():
             policy.weight.add_(1.0)

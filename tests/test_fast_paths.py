@@ -243,7 +243,7 @@ def test_refused_bulk_port_falls_back_to_the_stream_and_is_not_asked_again(make_
         raise ConnectionRefusedError(111, "Connection refused")
 
     with WeightClient(srv.address) as c:
-        c.publish(weights, model=MODEL)
+        c.publish(weights, model=MODEL, transport="stream")  # opens no bulk connection to keep
         monkeypatch.setattr(bulk_transport, "_connect", refuse)
         result = c.fetch(MODEL, transport="auto")
         assert result.stats.transport == "stream"

@@ -32,7 +32,7 @@ def publish_and_fetch(address: str) -> bytes:
     """One publish by "trainer-1" and two fetches (stream, bulk) by "collector-7"; the bytes."""
     data = weights(5000)
     with WeightServiceClient(address, client_id="trainer-1") as trainer:
-        assert trainer.publish_bytes(MODEL, data).version == 1
+        assert trainer.publish_bytes(MODEL, data, transport="stream").version == 1
     with WeightServiceClient(address, client_id="collector-7") as collector:
         for transport in ("stream", "bulk"):
             fetched = collector.fetch_bytes(MODEL, transport=transport)

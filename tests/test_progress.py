@@ -37,7 +37,9 @@ def test_publish_reports_every_chunk_up_to_the_total(server):
     data = weights(5 * CHUNK + 123)
     calls: list[tuple[int, int]] = []
     with WeightServiceClient(server.address, chunk_bytes=CHUNK) as client:
-        client.publish_bytes("policy", data, progress=lambda done, total: calls.append((done, total)))
+        client.publish_bytes(
+            "policy", data, transport="stream", progress=lambda done, total: calls.append((done, total))
+        )
     assert_counts_up_to(calls, len(data), at_least=6)
     assert calls[0][0] == CHUNK
 
@@ -47,7 +49,9 @@ def test_group_publish_counts_all_models(server):
     calls: list[tuple[int, int]] = []
     with WeightServiceClient(server.address, chunk_bytes=CHUNK) as client:
         client.publish_group_bytes(
-            {"policy": policy, "critic": critic}, progress=lambda done, total: calls.append((done, total))
+            {"policy": policy, "critic": critic},
+            transport="stream",
+            progress=lambda done, total: calls.append((done, total)),
         )
     assert_counts_up_to(calls, len(policy) + len(critic), at_least=5)
 

@@ -423,6 +423,8 @@ class GrpcRemoteWeightUpdater(_LazyClient, RemoteWeightUpdaterBase):
             passed) is retried this many times with exponential backoff and jitter, then raises.
             Every attempt carries the same publish id, so a retry after a lost reply yields the
             version already committed, never a second one. Updates are never dropped silently.
+        transport: how the weights travel (`WeightClient.publish`): "auto" (shared memory on
+            the server's host, else bulk TCP, else the stream), "shm", "bulk" or "stream".
 
     One `update_weights()` publishes every selected model in ONE stream under one version,
     through the design's hooks (`_get_server_weights` -> `_maybe_map_weights` -> per worker
@@ -439,9 +441,11 @@ class GrpcRemoteWeightUpdater(_LazyClient, RemoteWeightUpdaterBase):
         retries: int = 3,
         backoff: float = 0.5,
         metadata: Callable[[], Mapping[str, str]] | None = None,
+        transport: str = "auto",
     ) -> None:
         self._set_client(client)
         self.policy_weights = policy_weights
+        self.transport = transport
         self.models: dict[WorkerId, str] = dict(models) if isinstance(models, Mapping) else {m: m for m in models}
         if not self.models:
             raise ValueError("models must name at least one model")
@@ -525,7 +529,9 @@ class GrpcRemoteWeightUpdater(_LazyClient, RemoteWeightUpdaterBase):
         publish_id = uuid.uuid4().hex
         for attempt in range(self.retries + 1):
             try:
-                self.version = self.client.publish_group(dict(weights_by_model), metadata=meta, publish_id=publish_id)
+                self.version = self.client.publish_group(
+                    dict(weights_by_model), metadata=meta, publish_id=publish_id, transport=self.transport
+                )
                 return self.version
             except (ServerUnavailable, DeadlineExceeded) as exc:
                 if attempt == self.retries:
