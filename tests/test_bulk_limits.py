@@ -137,7 +137,7 @@ def test_two_thousand_idle_bulk_connections_add_no_threads_and_others_are_served
 
 def test_bulk_max_connections_is_a_serve_flag():
     with ServerProcess("--no-shm", "--bulk-max-connections", "3") as server, WeightClient(server.address) as client:
-        client.publish(weights(1, MiB), model=MODEL)
+        client.publish(weights(1, MiB), model=MODEL, transport="stream")  # keeps no bulk connection open
         port = bulk_port_of(server.address)
         time.sleep(0.3)  # the server notices that the connection of bulk_port_of's client closed
         with idle_connections(port, 4) as conns:

@@ -17,6 +17,7 @@ import xxhash
 from weightserver.safetensors_format import DEFAULT_MAX_HEADER_BYTES, SafetensorsHeader, parse_header
 
 PREFIX_BYTES = 8  # the safetensors header's length prefix
+BLOCK_BYTES = 1 << 20  # hashed by every digest in turn while it is in cache
 
 
 @dataclass(frozen=True)
@@ -49,18 +50,20 @@ class IncomingDigests:
         self._tensor_hashers: dict[str, xxhash.xxh3_128] = {}
 
     def advance(self, end: int) -> None:
-        """Bytes [hashed, end) of the buffer are in place: hash them."""
-        if end <= self.hashed:
-            return
-        block = self.buffer[self.hashed : end]
-        self._xxh3.update(block)
-        if self._sha256 is not None:
-            self._sha256.update(block)
-        if self._header is None:
-            self._parse(end)
-        if self._header is not None:
-            self._hash_tensors(self.hashed, end)
-        self.hashed = end
+        """Bytes [hashed, end) of the buffer are in place: hash them, a block at a time, so
+        that each byte is read from memory once whatever the stretch (the second digest of a
+        block finds it in cache)."""
+        while self.hashed < end:
+            stop = min(end, self.hashed + BLOCK_BYTES)
+            block = self.buffer[self.hashed : stop]
+            self._xxh3.update(block)
+            if self._sha256 is not None:
+                self._sha256.update(block)
+            if self._header is None:
+                self._parse(stop)
+            if self._header is not None:
+                self._hash_tensors(self.hashed, stop)
+            self.hashed = stop
 
     def finish(self) -> FileDigests:
         """The digests once every byte is in (ValueError before)."""
