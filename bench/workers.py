@@ -254,3 +254,53 @@ async def _stream_fetch_load(address: str, model: str, fetchers: int, connection
     for channel in channels:
         await channel.close()
     results.put(records)
+
+
+def freshness_collector(
+    index: int,
+    address: str,
+    model: str,
+    shapes: list[int],
+    transport: str,
+    poll_seconds: float,
+    stop: Any,
+    results: Any,
+) -> None:
+    """A collector for the freshness rows: a live policy kept current by
+    `GrpcLocalWeightUpdater(watch=True, transport=transport)`, called every `poll_seconds`
+    (a collector with nothing else to do; a cheap call while nothing was announced).
+
+    Puts ("ready", index) once its policy holds a version and the Watch stream is open, then
+    for every version it applies (index, version, time.monotonic() right after the update
+    returned with the new version in the policy, transport used, [(p[0], p[-1]) of each
+    parameter]). CLOCK_MONOTONIC is one clock for every process on a Linux host, so the
+    publisher compares these stamps with its own. Runs until `stop` is set.
+    """
+    import torch
+
+    from bench.models import policy_from_shapes
+    from weightclient import WeightClient
+    from weightclient.grpc_updaters import GrpcLocalWeightUpdater
+
+    torch.set_num_threads(1)
+    policy = policy_from_shapes(shapes, fill=-1.0)
+    client = WeightClient(address)
+    updater = GrpcLocalWeightUpdater(client, model=model, policy=policy, watch=True, transport=transport)
+    applied, ready = None, False
+    try:
+        while not stop.is_set():
+            updater()
+            if updater.version != applied:
+                at = time.monotonic()
+                applied = updater.version
+                stats = updater.last_fetch
+                used = getattr(stats, "transport", None) or "stream"
+                with torch.no_grad():
+                    ends = [(float(p[0]), float(p[-1])) for p in policy.parameters()]
+                results.put((index, applied, at, used, ends))
+            if not ready and applied is not None and updater.following:
+                ready = True
+                results.put(("ready", index))
+            time.sleep(poll_seconds)
+    finally:
+        client.close()
