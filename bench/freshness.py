@@ -34,9 +34,6 @@ from weightclient import WeightClient
 SPAWN = multiprocessing.get_context("spawn")
 LOCAL_COLLECTORS = 2
 MANY_COLLECTORS = 8
-# A freshness collector calls its updater every millisecond: a collector doing nothing but
-# waiting for weights. Up to this much of each sample is the collector's own poll period.
-POLL_SECONDS = 0.001
 APPLY_TIMEOUT = 300.0
 
 PUBLISH_BULK_TARGET = 1.3  # x one raw TCP transfer
@@ -133,7 +130,7 @@ class Collectors:
         self.processes = [
             SPAWN.Process(
                 target=workers.freshness_collector,
-                args=(i, address, model, shapes, transport, POLL_SECONDS, self.stop, self.results),
+                args=(i, address, model, shapes, transport, self.stop, self.results),
                 daemon=True,
                 name=f"bench-collector-{i}",
             )
@@ -224,7 +221,7 @@ def _freshness_row(ctx: Context, size: int, name: str, collectors: int, transpor
     published_via = "/".join(sorted(set(_server_publish_transports(ctx, model).values()) or {"unknown"}))
     row.note = (
         f"publish() call -> last of {collectors} collector processes (GrpcLocalWeightUpdater(watch=True, "
-        f"transport={transport}), polled every {POLL_SECONDS * 1e3:g} ms) applied, wall clock; fetched via "
+        f"transport={transport}), woken by a Watch event) applied, wall clock; fetched via "
         f"{'/'.join(sorted(used))}; published via {published_via}; publish() returned after "
         f"{statistics.median(publish_ms):.1f} ms (median)"
     )
@@ -242,7 +239,6 @@ def _freshness_row(ctx: Context, size: int, name: str, collectors: int, transpor
         "per_collector_ms": per_collector,
         "fetch_transports": sorted(used),
         "wrong_weights": wrong,
-        "poll_seconds": POLL_SECONDS,
     }
     return row
 
