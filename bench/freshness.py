@@ -218,7 +218,8 @@ def _freshness_row(ctx: Context, size: int, name: str, collectors: int, transpor
                 wrong += any(end != (value, value) for end in ends)
     ctx.drop(model)
     row = Row(name, size, "ms", samples)
-    published_via = "/".join(sorted(set(_server_publish_transports(ctx, model).values()) or {"unknown"}))
+    carried = set(_server_publish_transports(ctx, model).values())
+    published_via = "/".join(sorted(carried or {"unknown"}))
     row.note = (
         f"publish() call -> last of {collectors} collector processes (GrpcLocalWeightUpdater(watch=True, "
         f"transport={transport}), woken by a Watch event) applied, wall clock; fetched via "
@@ -228,7 +229,9 @@ def _freshness_row(ctx: Context, size: int, name: str, collectors: int, transpor
     if not kwargs:
         row.note += " (publish has no transport=: stream publish)"
     if used != {transport}:
-        row.note += f"; FELL BACK from {transport}"
+        row.note += f"; fetches FELL BACK from {transport}"
+    if kwargs and carried != {transport}:
+        row.note += f"; publishes NOT {transport}"
     if wrong:
         row.note += f"; WRONG WEIGHTS in {wrong} applications"
     row.extra = {
@@ -238,6 +241,7 @@ def _freshness_row(ctx: Context, size: int, name: str, collectors: int, transpor
         "publish_returned_ms": publish_ms,
         "per_collector_ms": per_collector,
         "fetch_transports": sorted(used),
+        "publish_transports": sorted(carried),
         "wrong_weights": wrong,
     }
     return row
