@@ -6,7 +6,8 @@
 Prints a table (median of the repeats, min-max, unit, the baseline's median, the ratio, the
 target and PASS/FAIL) and writes every raw sample to JSON. Progress goes to stderr. Rows whose
 feature does not exist yet print "n/a (not implemented)". Baselines: memcpy, raw_tcp,
-gloo_broadcast, torchrl_shared_mem (see bench/baselines.py); rows: see bench/rows.py.
+gloo_broadcast, torchrl_shared_mem (see bench/baselines.py); rows: see bench/rows.py and
+bench/freshness.py (publish over bulk / shared memory, publish-to-collector freshness).
 """
 
 from __future__ import annotations
@@ -41,9 +42,20 @@ ALIASES = {
 }
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from bench.rows import ROW_ORDER
+def row_registry() -> tuple[list[str], dict[str, Callable[..., list[Row]]], dict[str, list[str]]]:
+    """(every row in table order, the sized rows' functions, the baselines each row needs)
+    of bench/rows.py and bench/freshness.py together."""
+    from bench import freshness, rows
 
+    return (
+        [*rows.ROW_ORDER, *freshness.ROW_ORDER],
+        {**rows.SIZED_ROWS, **freshness.SIZED_ROWS},
+        {**rows.NEEDS, **freshness.NEEDS},
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    row_order = row_registry()[0]
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -57,14 +69,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="transport= for the network rows (fetch_live_policy, fanout_8, delta/cast, memory rows) when the "
         "client has one: bulk (default: what 'auto' picks for a collector on another host), stream, auto, shm",
     )
-    parser.add_argument("--only", default="", help=f"comma-separated rows: {', '.join(BASELINES + ROW_ORDER)}")
+    parser.add_argument("--only", default="", help=f"comma-separated rows: {', '.join(BASELINES + row_order)}")
     args = parser.parse_args(argv)
     args.sizes = sorted({parse_size(s) for s in args.sizes.split(",") if s.strip()} | ({GiB} if args.large else set()))
-    known = set(BASELINES) | set(ROW_ORDER) | set(ALIASES)
+    known = set(BASELINES) | set(row_order) | set(ALIASES)
     args.only = [name.strip() for name in args.only.split(",") if name.strip()]
     unknown = [name for name in args.only if name not in known]
     if unknown:
-        parser.error(f"unknown row(s) {', '.join(unknown)}; choose from {', '.join(BASELINES + ROW_ORDER)}")
+        parser.error(f"unknown row(s) {', '.join(unknown)}; choose from {', '.join(BASELINES + row_order)}")
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
     return args
@@ -118,10 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     from weightclient import WeightClient
     from weightserver.process import ServerProcess
 
-    wanted = {ALIASES.get(name, name) for name in args.only} or set(BASELINES) | set(rows.ROW_ORDER)
+    row_order, sized_rows, needs = row_registry()
+    wanted = {ALIASES.get(name, name) for name in args.only} or set(BASELINES) | set(row_order)
     needed = {b for b in BASELINES if b in wanted}
     for row in wanted:
-        needed |= set(rows.NEEDS.get(row, []))
+        needed |= set(needs.get(row, []))
     started, load_start, busy_start = time.perf_counter(), os.getloadavg(), cpu_busy()
     if busy_start > 0.1:
         log(f"warning: CPUs {busy_start:.0%} busy before the suite started: other work shares the cores")
@@ -138,9 +151,12 @@ def main(argv: list[str] | None = None) -> int:
                     measured[(name, size)] = row
                     results.append(row)
     if "torchrl_shared_mem" in needed:
-        results += guarded("torchrl_shared_mem", None, baselines.torchrl_shared_mem, args.sizes, args.repeats)
+        for row in guarded("torchrl_shared_mem", None, baselines.torchrl_shared_mem, args.sizes, args.repeats):
+            if row.size is not None:
+                measured[("torchrl_shared_mem", row.size)] = row  # freshness_local's baseline
+            results.append(row)
 
-    server_rows = [r for r in rows.ROW_ORDER if r in wanted and (r in rows.SIZED_ROWS or r in rows.UNSIZED_ROWS)]
+    server_rows = [r for r in row_order if r in wanted and (r in sized_rows or r in rows.UNSIZED_ROWS)]
     if server_rows:
         with ServerProcess() as server, WeightClient(server.address) as client:
             log(f"server pid {server.process.pid} on {server.address}, log {server.log_path}")
@@ -151,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                         results += guarded(name, None, rows.UNSIZED_ROWS[name], ctx)
                         continue
                     for size in args.sizes:
-                        results += guarded(name, size, rows.SIZED_ROWS[name], ctx, size)
+                        results += guarded(name, size, sized_rows[name], ctx, size)
             finally:
                 ctx.close()
     if "server_rss_16_fetchers" in wanted:
@@ -160,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     elapsed = time.perf_counter() - started
-    order = {name: i for i, name in enumerate([*BASELINES, "single_collector", *rows.ROW_ORDER])}
+    order = {name: i for i, name in enumerate([*BASELINES, "single_collector", *row_order])}
     results.sort(
         key=lambda r: (r.kind != "baseline", order.get(r.name, order.get(ALIASES.get(r.name, ""), 99)), r.size or 0)
     )

@@ -254,3 +254,78 @@ async def _stream_fetch_load(address: str, model: str, fetchers: int, connection
     for channel in channels:
         await channel.close()
     results.put(records)
+
+
+def freshness_collector(
+    index: int,
+    address: str,
+    model: str,
+    shapes: list[int],
+    transport: str,
+    stop: Any,
+    results: Any,
+) -> None:
+    """A collector for the freshness rows: a live policy kept current by
+    `GrpcLocalWeightUpdater(watch=True, transport=transport)`.
+
+    It sleeps until a version newer than the applied one is announced (a Watch stream of its
+    own, the wake-up), then calls the updater until the policy holds it: the updater fetches
+    only once its own follower has the announcement too, so it may take a few calls, 0.2 ms
+    apart. A collector polling its updater every millisecond instead cost 3% of a core each
+    while idle, which 8 of them take from the server and the publisher on a 2-core machine.
+
+    Puts ("ready", index) once its policy holds a version and its updater follows the Watch
+    stream, then for every version it applies (index, version, time.monotonic() right after
+    the updater returned with it in the policy, transport used, [(p[0], p[-1]) of each
+    parameter]). CLOCK_MONOTONIC is one clock for every process on a Linux host, so the
+    publisher compares these stamps with its own. Runs until `stop` is set.
+    """
+    import torch
+
+    from bench.models import policy_from_shapes
+    from weightclient import WeightClient
+    from weightclient.grpc_updaters import GrpcLocalWeightUpdater
+    from weightclient.service_client import WeightServiceClient
+    from weightserver.errors import DeadlineExceeded
+
+    torch.set_num_threads(1)
+    policy = policy_from_shapes(shapes, fill=-1.0)
+    client, wakeups = WeightClient(address), WeightServiceClient(address)
+    updater = GrpcLocalWeightUpdater(client, model=model, policy=policy, watch=True, transport=transport)
+
+    def update() -> None:
+        before = updater.version
+        updater()
+        if updater.version != before:
+            at = time.monotonic()
+            used = getattr(updater.last_fetch, "transport", None) or "stream"
+            with torch.no_grad():
+                ends = [(float(p[0]), float(p[-1])) for p in policy.parameters()]
+            results.put((index, updater.version, at, used, ends))
+
+    def catch_up(version: int) -> None:
+        while (updater.version or 0) < version and not stop.is_set():
+            update()
+            if (updater.version or 0) < version:
+                time.sleep(0.0002)
+
+    ready = False
+    try:
+        while not stop.is_set():
+            try:
+                # renewed every second so that `stop` is seen; replays anything newer than applied
+                for event in wakeups.watch(model, since=updater.version or 0, timeout=1.0):
+                    catch_up(event.version)
+                    while not updater.following and not stop.is_set():  # the first time: start following
+                        update()
+                        time.sleep(0.001)
+                    if not ready and updater.following:
+                        results.put(("ready", index))
+                        ready = True
+                    if stop.is_set():
+                        break
+            except DeadlineExceeded:
+                pass
+    finally:
+        wakeups.close()
+        client.close()

@@ -43,6 +43,9 @@ class CollectorStats:
     frames: int = 0
     batches: int = 0
     applied: list[int] = field(default_factory=list)  # versions applied, in order
+    # [version, time.monotonic()] as each was applied: the trainer, on this host, knows when it
+    # called publish for each version (same clock), and reports the freshness
+    applied_at: list[list[float]] = field(default_factory=list)
     fetched_bytes: int = 0
     transports: dict[str, int] = field(default_factory=dict)
     lags: list[int] = field(default_factory=list)  # server latest - applied, after each batch
@@ -50,9 +53,11 @@ class CollectorStats:
     waited_seconds: float = 0.0  # waiting for the trainer to consume
 
     def after_update(self, updater: Any) -> None:
+        now = time.monotonic()  # right after the update: the policy holds `version`
         version = updater.version
         if version is not None and (not self.applied or self.applied[-1] != version):
             self.applied.append(version)
+            self.applied_at.append([version, now])
             stats = updater.puller.last_fetch
             if stats is not None:
                 self.fetched_bytes += stats.wire_bytes
@@ -85,6 +90,7 @@ class CollectorStats:
             "versions_applied": len(self.applied),
             "first_version": self.applied[0] if self.applied else None,
             "final_version": self.applied[-1] if self.applied else None,
+            "applied_at": self.applied_at,
             "fetched_bytes": self.fetched_bytes,
             "transports": self.transports,
             "max_lag": max(self.lags, default=None),

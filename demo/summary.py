@@ -3,6 +3,7 @@ printed as lines and written as JSON (`--summary-json`)."""
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -44,6 +45,30 @@ def collector_totals(reports: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]
     }
 
 
+def freshness(published_at: Mapping[int, float], reports: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """Publish call -> collector applied, in ms: for every version a collector applied after
+    its first (the first is its start-up catch-up, not a refresh), that collector's
+    `applied_at` time minus the trainer's `published_at` time of the version. Both are
+    `time.monotonic()` readings of processes on one host (one clock on Linux). Versions a
+    collector skipped (a newer one had arrived by its next pull) count for none."""
+
+    def stats(values: list[float]) -> dict[str, Any]:
+        return {
+            "p50_ms": round(statistics.median(values), 1) if values else None,
+            "max_ms": round(max(values), 1) if values else None,
+            "samples": len(values),
+        }
+
+    per_collector = {}
+    for name, report in reports.items():
+        applied = report.get("applied_at", [])[1:]
+        per_collector[name] = [
+            (at - published_at[int(version)]) * 1e3 for version, at in applied if int(version) in published_at
+        ]
+    every = [ms for values in per_collector.values() for ms in values]
+    return {**stats(every), "per_collector": {name: stats(values) for name, values in per_collector.items()}}
+
+
 def _num(value: float | None, digits: int) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
@@ -78,6 +103,11 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         f"lag (server latest - applied, after each batch): max {lag['max']}, mean {_num(lag['mean'], 2)}; "
         f"data age when consumed (latest published - version that collected it): max {stale['max']}, "
         f"mean {_num(stale['mean'], 1)} versions"
+    )
+    fresh = s.get("freshness") or {}
+    lines.append(
+        f"freshness (publish call -> collector applied, pulled before each batch): p50 {_num(fresh.get('p50_ms'), 1)} "
+        f"ms, max {_num(fresh.get('max_ms'), 1)} ms over {fresh.get('samples', 0)} updates"
     )
     lines.append(f"bytes served to collectors: {_kb(s['bytes_served'])}")
     r = s["reward"]

@@ -29,7 +29,7 @@ from demo.lifecycle import StopRequest, run_role
 from demo.models import make_actor, make_critic
 from demo.output import Every, quiet_torchrl, say
 from demo.spool import Spool
-from demo.summary import collector_totals, format_summary, reward_trend
+from demo.summary import collector_totals, format_summary, freshness, reward_trend
 
 
 class Learner:
@@ -116,6 +116,22 @@ class Trainer:
         self.hook = PublishWeights(self.publisher, args.publish_every)
         self.session = Spool(args.spool_dir).open_session()
         self.first_version: int | None = None
+        # version -> time.monotonic() of the publish call that made it; collectors on this
+        # host stamp their applications with the same clock (CLOCK_MONOTONIC is system-wide)
+        self.published_at: dict[int, float] = {}
+
+    def publish(self, now: bool = False) -> int | None:
+        """The hook's publish (every `publish_every` steps; at once with `now`), noting when
+        it was called under the version it made, for the summary's freshness."""
+        called, count = time.monotonic(), len(self.hook.published)
+        if now:
+            self.hook.publish()
+        else:
+            self.hook()
+        if len(self.hook.published) > count:
+            self.published_at[self.hook.published[-1]] = called
+            return self.hook.published[-1]
+        return None
 
     def start(self) -> None:
         say(
@@ -123,7 +139,7 @@ class Trainer:
             f"starting: server {self.args.server}, spool {self.session.dir}, training {self.args.seconds:.0f}s",
         )
         self.publisher.client.list_models()  # waits while the server is unavailable (client retries, 30 s)
-        self.first_version = self.hook.publish()  # collectors get a version of this run from their first batch
+        self.first_version = self.publish(now=True)  # collectors get a version of this run from their first batch
 
     def consume(self, path: Path) -> None:
         batch = self.session.take(path)
@@ -151,7 +167,7 @@ class Trainer:
                     self.stop.wait(0.01)
                     continue
             learner.step()
-            self.hook()  # PublishWeights: publishes every `publish_every` steps
+            self.publish()  # PublishWeights: publishes every `publish_every` steps
             if progress.due():
                 say("trainer", stats.line(learner.steps, self.publisher.version))
         say("trainer", stats.line(learner.steps, self.publisher.version))
@@ -160,7 +176,7 @@ class Trainer:
     def wind_down(self) -> tuple[int | None, dict[str, dict[str, Any]]]:
         """Publish the final version, tell the collectors to stop, take what they still send."""
         try:
-            final = self.hook.publish()
+            final = self.publish(now=True)
         except Exception as exc:  # e.g. the server is already gone after a Ctrl-C
             say("trainer", f"final publish failed: {exc}")
             final = self.publisher.version
@@ -207,6 +223,7 @@ class Trainer:
             "collectors_expected": self.args.collectors,
             "collectors": reports,
             **collector_totals(reports),
+            "freshness": freshness(self.published_at, reports),
             "reward": reward_trend(self.stats.episode_rewards),
             "spool_leftovers": leftovers,
             "spool_empty": not leftovers,

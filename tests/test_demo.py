@@ -81,6 +81,11 @@ def test_demo_trains_publishes_and_collectors_follow(tmp_path: Path):
     assert summary["lag"]["max"] is not None and summary["lag"]["max"] <= 5, summary["lag"]
     assert summary["lag"]["mean"] <= 2, summary["lag"]
     assert summary["bytes_served"] == sum(r["fetched_bytes"] for r in summary["collectors"].values())
+    # freshness: the trainer's publish call -> a collector applied that version (both monotonic)
+    fresh = summary["freshness"]
+    assert fresh["samples"] > 0 and 0 <= fresh["p50_ms"] <= fresh["max_ms"], fresh
+    assert sorted(fresh["per_collector"]) == ["collector-0", "collector-1"]
+    assert fresh["samples"] == sum(c["samples"] for c in fresh["per_collector"].values())
     # every collected frame went through the spool and was consumed; nothing is left there
     assert summary["frames_consumed"] == summary["frames_collected"] > 0
     assert summary["updates"] > 0 and summary["reward"]["episodes"] > 0
@@ -88,7 +93,8 @@ def test_demo_trains_publishes_and_collectors_follow(tmp_path: Path):
     session = tmp_path / "spool" / json.loads((tmp_path / "spool" / "session.json").read_text())["id"]
     assert not any((session / "ready").iterdir()) and not any((session / "incoming").iterdir())
     # live progress lines from every process, then the summary
-    for needle in ("trainer ", "published v", "collector-0 ", "collector-1 ", "applied v", "summary ", "OK:"):
+    needles = ("trainer ", "published v", "collector-0 ", "collector-1 ", "applied v", "summary ", "OK:")
+    for needle in (*needles, "freshness (publish call -> collector applied, pulled before each batch): p50 "):
         assert needle in output, needle
     assert still_running(processes_using(tmp_path / "spool")) == []
 
@@ -127,3 +133,19 @@ def test_ctrl_c_stops_every_process_cleanly(tmp_path: Path):
     assert summary["spool_empty"] and len(summary["collectors"]) == 2
     server_pid = int(re.search(r"weightserver serving on \S+ \(pid (\d+)", output).group(1))
     assert still_running([*children, server_pid]) == []
+
+
+def test_freshness_counts_each_collectors_updates_after_its_first():
+    from demo.summary import freshness
+
+    published_at = {1: 10.0, 2: 11.0, 3: 12.0, 4: 13.0}
+    reports = {
+        "a": {"applied_at": [[1, 10.5], [2, 11.010], [4, 13.020]]},  # v1: start-up catch-up, not counted
+        "b": {"applied_at": [[2, 11.3], [3, 12.004]]},
+        "c": {"applied_at": [[4, 13.5]]},  # only its first: nothing to count
+    }
+    fresh = freshness(published_at, reports)
+    assert fresh["samples"] == 3 and fresh["p50_ms"] == 10.0 and fresh["max_ms"] == 20.0
+    assert fresh["per_collector"]["a"] == {"p50_ms": 15.0, "max_ms": 20.0, "samples": 2}
+    assert fresh["per_collector"]["c"] == {"p50_ms": None, "max_ms": None, "samples": 0}
+    assert freshness({}, {})["p50_ms"] is None

@@ -1,0 +1,301 @@
+"""Publish at wire speed, and freshness: the rows of issue 15.
+
+- `publish_bulk` / `publish_shm`: the trainer blocked in `publish(..., transport=...)` until
+  the version is committed, over the bulk TCP path / shared memory, against one raw TCP
+  transfer / one memcpy of the same bytes (the suite's `raw_tcp` / `memcpy` rows).
+- `freshness_remote` / `freshness_local` / `freshness_8`: from the trainer's `publish()` call
+  until every collector process (a `GrpcLocalWeightUpdater(watch=True)` applying to its live
+  policy) holds the new version, wall clock: 2 collectors over bulk, 2 over shared memory, 8
+  over bulk; against one raw TCP transfer, TorchRL's own `MultiSyncCollector` shared-memory
+  sync (`torchrl_shared_mem`) and `freshness_remote` at the same size.
+
+A client whose `publish` has no `transport=` gets the two publish rows as n/a and the
+freshness rows measured with its stream publish (said in the note).
+"""
+
+from __future__ import annotations
+
+import inspect
+import multiprocessing
+import queue
+import re
+import statistics
+import time
+
+import torch
+
+from bench import workers
+from bench.baselines import median_seconds
+from bench.common import WARMUP_ROUNDS, Row, format_size, log, not_available
+from bench.models import FlatPolicy
+from bench.rows import Context, compare
+from weightclient import WeightClient
+
+SPAWN = multiprocessing.get_context("spawn")
+LOCAL_COLLECTORS = 2
+MANY_COLLECTORS = 8
+APPLY_TIMEOUT = 300.0
+
+PUBLISH_BULK_TARGET = 1.3  # x one raw TCP transfer
+PUBLISH_SHM_TARGET = 2.0  # x one memcpy
+FRESHNESS_REMOTE_TARGET = 2.0  # x one raw TCP transfer
+FRESHNESS_LOCAL_TARGET = 1.0  # x torchrl MultiSyncCollector(2 workers) shared-memory sync
+FRESHNESS_8_TARGET = 1.5  # x freshness_remote
+
+
+def publish_transports() -> bool:
+    """Whether `WeightClient.publish` takes `transport=` (publish over bulk / shared memory)."""
+    return "transport" in inspect.signature(WeightClient.publish).parameters
+
+
+def publish_kwargs(transport: str) -> dict[str, str]:
+    return {"transport": transport} if publish_transports() else {}
+
+
+def _server_publish_transports(ctx: Context, model: str) -> dict[int, str]:
+    """{version: transport} of `model`'s publishes, from the server's log lines
+    (`publish model=M version=V ... transport=T`): the path that actually carried each."""
+    found = re.findall(rf"publish model={re.escape(model)} version=(\d+) .*?transport=(\w+)", ctx.server.log())
+    return {int(version): transport for version, transport in found}
+
+
+@torch.no_grad()
+def _mark(weights: FlatPolicy, value: float) -> None:
+    """Write `value` at both ends of every parameter: each publish differs in every tensor
+    (so a delta fetch carries the whole model, as after a real training step), and a
+    collector's copy is checked at both ends of each."""
+    for param in weights.parameters():
+        param[0] = value
+        param[-1] = value
+
+
+# ---------------------------------------------------------------------- publish rows
+def _publish_row(ctx: Context, size: int, transport: str, name: str) -> tuple[Row, set[str]]:
+    """`publish(weights, model=..., transport=transport)` blocked until committed, in ms."""
+    weights = FlatPolicy(size, 4, fill=3.0)
+    model = f"{name}-{format_size(size)}"
+    kwargs = publish_kwargs(transport)
+    for i in range(WARMUP_ROUNDS):
+        _mark(weights, float(-1 - i))
+        ctx.client.publish(weights, model=model, **kwargs)
+    seconds, versions = [], []
+    for i in range(ctx.repeats):
+        _mark(weights, float(i))  # untimed: every version differs
+        start = time.perf_counter()
+        versions.append(ctx.client.publish(weights, model=model, **kwargs))
+        seconds.append(time.perf_counter() - start)
+    carried = _server_publish_transports(ctx, model)
+    used = {carried.get(v, "unknown") for v in versions}
+    ctx.drop(model)
+    row = Row(name, size, "ms", [s * 1e3 for s in seconds])
+    row.extra = {"seconds": seconds, "versions": versions, "server_transports": [carried.get(v) for v in versions]}
+    row.note = f"publish(transport={transport}) until committed; carried by {'/'.join(sorted(used))} (server log)"
+    if used != {transport}:
+        row.note += f"; NOT {transport}"
+    return row, used
+
+
+def publish_bulk(ctx: Context, size: int) -> list[Row]:
+    """The trainer blocked in `publish(transport="bulk")` until committed, vs one raw TCP
+    transfer of the same bytes (the suite's `raw_tcp`)."""
+    target = f"ratio <= {PUBLISH_BULK_TARGET:g}x"
+    if not publish_transports():
+        return [not_available("publish_bulk", size, "ms", target, "WeightClient.publish has no transport=")]
+    row, _ = _publish_row(ctx, size, "bulk", "publish_bulk")
+    return [compare(row, ctx.baseline("raw_tcp", size), "<=", PUBLISH_BULK_TARGET, time_based=True)]
+
+
+def publish_shm(ctx: Context, size: int) -> list[Row]:
+    """The trainer blocked in `publish(transport="shm")` until committed, vs a memcpy of the
+    weights (the suite's `memcpy`)."""
+    target = f"ratio <= {PUBLISH_SHM_TARGET:g}x"
+    if not publish_transports():
+        return [not_available("publish_shm", size, "ms", target, "WeightClient.publish has no transport=")]
+    row, _ = _publish_row(ctx, size, "shm", "publish_shm")
+    return [compare(row, ctx.baseline("memcpy", size), "<=", PUBLISH_SHM_TARGET, time_based=True)]
+
+
+# ---------------------------------------------------------------------- freshness
+class Collectors:
+    """`count` collector processes (`workers.freshness_collector`), each following `model`
+    with `GrpcLocalWeightUpdater(watch=True, transport=transport)` into a live policy of
+    `shapes`. `start()` returns once each applied the model's current version and follows the
+    Watch stream; `applied(version)` waits for every collector to report that version."""
+
+    def __init__(self, count: int, address: str, model: str, shapes: list[int], transport: str) -> None:
+        self.count = count
+        self.stop = SPAWN.Event()
+        self.results = SPAWN.Queue()
+        self.reports: dict[int, dict[int, tuple[float, str, list[tuple[float, float]]]]] = {}
+        self.processes = [
+            SPAWN.Process(
+                target=workers.freshness_collector,
+                args=(i, address, model, shapes, transport, self.stop, self.results),
+                daemon=True,
+                name=f"bench-collector-{i}",
+            )
+            for i in range(count)
+        ]
+
+    def start(self, timeout: float = 300.0) -> Collectors:
+        for process in self.processes:
+            process.start()
+        ready: set[int] = set()
+        deadline = time.monotonic() + timeout
+        while len(ready) < self.count:
+            message = self._next(deadline)
+            if message[0] == "ready":
+                ready.add(message[1])
+        return self
+
+    def _next(self, deadline: float) -> tuple:
+        while True:
+            try:
+                message = self.results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [p.name for p in self.processes if not p.is_alive()]
+                if dead:
+                    raise RuntimeError(f"collectors died: {', '.join(dead)}") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError("collectors did not report in time") from None
+                continue
+            if message[0] != "ready":
+                index, version, at, used, ends = message
+                self.reports.setdefault(index, {})[version] = (at, used, ends)
+            return message
+
+    def applied(self, version: int, timeout: float = APPLY_TIMEOUT) -> dict[int, tuple[float, str, list]]:
+        """{collector: (monotonic time it applied `version`, transport, parameter ends)} once
+        every collector applied it (a collector that skipped it for a newer one fails)."""
+        deadline = time.monotonic() + timeout
+        while any(version not in self.reports.get(i, {}) for i in range(self.count)):
+            self._next(deadline)
+        return {i: self.reports[i][version] for i in range(self.count)}
+
+    def close(self) -> None:
+        self.stop.set()
+        for process in self.processes:
+            process.join(10)
+            if process.is_alive():
+                process.terminate()
+                process.join(5)
+
+    def __enter__(self) -> Collectors:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _freshness_row(ctx: Context, size: int, name: str, collectors: int, transport: str) -> Row:
+    """Freshness in ms: `time.monotonic()` just before the publisher's `publish()` call ->
+    the latest of the collectors' `time.monotonic()` stamps, each taken right after its
+    updater returned with that version in the live policy. One publish at a time: the next
+    starts once every collector applied the previous one."""
+    weights = FlatPolicy(size, 4, fill=0.0)
+    model = f"{name}-{format_size(size)}"
+    kwargs = publish_kwargs(transport)
+    _mark(weights, -100.0)
+    ctx.client.publish(weights, model=model, **kwargs)  # a version to start from
+    log(f"{name} {format_size(size)}: starting {collectors} collector processes ({transport})")
+    samples, publish_ms, per_collector, used, wrong = [], [], [], set(), 0
+    with Collectors(collectors, ctx.address, model, weights.shapes(), transport) as group:
+        for i in range(WARMUP_ROUNDS + ctx.repeats):
+            value = float(i)
+            _mark(weights, value)  # untimed
+            called = time.monotonic()
+            version = ctx.client.publish(weights, model=model, **kwargs)
+            returned = time.monotonic()
+            applied = group.applied(version)
+            if i < WARMUP_ROUNDS:
+                continue
+            stamps = [applied[c][0] for c in range(collectors)]
+            samples.append((max(stamps) - called) * 1e3)
+            publish_ms.append((returned - called) * 1e3)
+            per_collector.append([(at - called) * 1e3 for at in stamps])
+            for _, via, ends in applied.values():
+                used.add(via)
+                wrong += any(end != (value, value) for end in ends)
+    ctx.drop(model)
+    row = Row(name, size, "ms", samples)
+    carried = set(_server_publish_transports(ctx, model).values())
+    published_via = "/".join(sorted(carried or {"unknown"}))
+    row.note = (
+        f"publish() call -> last of {collectors} collector processes (GrpcLocalWeightUpdater(watch=True, "
+        f"transport={transport}), woken by a Watch event) applied, wall clock; fetched via "
+        f"{'/'.join(sorted(used))}; published via {published_via}; publish() returned after "
+        f"{statistics.median(publish_ms):.1f} ms (median)"
+    )
+    if not kwargs:
+        row.note += " (publish has no transport=: stream publish)"
+    if used != {transport}:
+        row.note += f"; fetches FELL BACK from {transport}"
+    if kwargs and carried != {transport}:
+        row.note += f"; publishes NOT {transport}"
+    if wrong:
+        row.note += f"; WRONG WEIGHTS in {wrong} applications"
+    row.extra = {
+        "collectors": collectors,
+        "transport": transport,
+        "publish_kwargs": kwargs,
+        "publish_returned_ms": publish_ms,
+        "per_collector_ms": per_collector,
+        "fetch_transports": sorted(used),
+        "publish_transports": sorted(carried),
+        "wrong_weights": wrong,
+    }
+    return row
+
+
+def freshness_remote(ctx: Context, size: int) -> list[Row]:
+    """Publish call -> 2 collector processes applied, over bulk, vs one raw TCP transfer."""
+    row = _freshness_row(ctx, size, "freshness_remote", LOCAL_COLLECTORS, "bulk")
+    ctx.baselines[("freshness_remote", size)] = row
+    return [compare(row, ctx.baseline("raw_tcp", size), "<=", FRESHNESS_REMOTE_TARGET, time_based=True)]
+
+
+def freshness_local(ctx: Context, size: int) -> list[Row]:
+    """The same over shared memory, vs torchrl's MultiSyncCollector(2 workers) shared-memory
+    weight sync (`torchrl_shared_mem`, which also waits for both workers' acknowledgement)."""
+    row = _freshness_row(ctx, size, "freshness_local", LOCAL_COLLECTORS, "shm")
+    return [compare(row, ctx.baseline("torchrl_shared_mem", size), "<=", FRESHNESS_LOCAL_TARGET, time_based=True)]
+
+
+def freshness_8(ctx: Context, size: int) -> list[Row]:
+    """As freshness_remote with 8 collectors, vs freshness_remote at the same size (measured
+    here first when the run did not include it)."""
+    rows = []
+    if ctx.baseline("freshness_remote", size) is None:
+        rows += freshness_remote(ctx, size)
+    row = _freshness_row(ctx, size, "freshness_8", MANY_COLLECTORS, "bulk")
+    remote = ctx.baseline("freshness_remote", size)
+    if remote is None:
+        rows.append(compare(row, None, "<=", FRESHNESS_8_TARGET))
+        return rows
+    row.baseline = f"freshness_remote {format_size(size)}"
+    row.baseline_value = remote.median
+    rows.append(row.judge(row.median / remote.median, "<=", FRESHNESS_8_TARGET))
+    raw = ctx.baseline("raw_tcp", size)
+    if raw is not None:
+        row.extra["ratio_to_raw_tcp"] = row.median / (median_seconds(raw) * 1e3)
+        row.note += f"; {row.extra['ratio_to_raw_tcp']:.2f}x one raw TCP transfer"
+    return rows
+
+
+SIZED_ROWS = {
+    "publish_bulk": publish_bulk,
+    "publish_shm": publish_shm,
+    "freshness_remote": freshness_remote,
+    "freshness_local": freshness_local,
+    "freshness_8": freshness_8,
+}
+ROW_ORDER = list(SIZED_ROWS)
+# The in-run baselines each row is compared with (freshness_8 measures freshness_remote itself
+# when the run did not include it).
+NEEDS = {
+    "publish_bulk": ["raw_tcp"],
+    "publish_shm": ["memcpy"],
+    "freshness_remote": ["raw_tcp"],
+    "freshness_local": ["torchrl_shared_mem"],
+    "freshness_8": ["raw_tcp"],
+}
