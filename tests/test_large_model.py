@@ -1,0 +1,136 @@
+"""A 4 GiB model round trip (issue 15): one float32 tensor of 4 GiB + 4 KiB, so the file and the
+tensor are each over 2^31 and 2^32 bytes, published and fetched back bit-exact over every
+transport, as bytes and placed into a live module.
+
+One server and one model for the whole module: the module's weight is filled once with its
+element index as int32 bits, so a byte landing anywhere but its own place changes the digest,
+and each test compares xxh3-128 digests of 4 GiB (a fraction of a second), never elements.
+At most one 4 GiB copy lives beside the module's own and the server's (about 12.5 GiB at
+the peak), so the tests need that much memory free; CI sets WEIGHTSERVER_REQUIRE_LARGE=1 so
+that they never pass by being skipped there.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+
+from weightclient import WeightClient
+from weightserver import ServerConfig, WeightServer
+
+GiB = 1 << 30
+MODEL = "large"
+ELEMENTS = GiB + 1024  # float32: 4 GiB + 4 KiB in one tensor
+TENSOR_BYTES = ELEMENTS * 4
+NEEDED_MEMORY = 13 * GiB  # the module's tensor, the server's copy, one fetched copy, and slack
+NEEDED_SHM = 9 * GiB  # the server's copy of one version, and of the next while it commits
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+@dataclass
+class LargeModel:
+    server: WeightServer
+    client: WeightClient
+    module: torch.nn.Module
+    version: int  # the latest version published, which the module held when it was published
+    digest: str  # xxh3-128 of its tensor's bytes
+
+
+def memory_available() -> int:
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def fill(weight: torch.Tensor, seed: int) -> str:
+    """Element i of `weight` gets the int32 bits i + seed; returns the tensor's xxh3-128."""
+    bits = weight.data.view(torch.int32)
+    torch.arange(seed, seed + ELEMENTS, dtype=torch.int32, out=bits)
+    return digest_of(weight)
+
+
+def digest_of(tensor: torch.Tensor) -> str:
+    return xxhash.xxh3_128_hexdigest(memoryview(tensor.detach().numpy()).cast("B"))
+
+
+def tensor_digest(data: memoryview, info) -> str:
+    """xxh3-128 of the one tensor's bytes in a fetched safetensors file."""
+    (entry,) = info.tensors
+    data_start = 8 + int.from_bytes(data[:8], "little")  # after the header's length and the header
+    return xxhash.xxh3_128_hexdigest(data[data_start + entry.begin : data_start + entry.end])
+
+
+@pytest.fixture(scope="module")
+def large() -> Iterator[LargeModel]:
+    """A server (keep=1) holding one version of the 4 GiB model, published over the stream,
+    and the client and module that published it."""
+    required = os.environ.get("WEIGHTSERVER_REQUIRE_LARGE") == "1"
+    shm_free = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else 0
+    if memory_available() < NEEDED_MEMORY or shm_free < NEEDED_SHM:
+        why = (
+            f"the 4 GiB round trip needs {NEEDED_MEMORY / GiB:.0f} GiB of memory and {NEEDED_SHM / GiB:.0f} GiB "
+            f"free in /dev/shm; {memory_available() / GiB:.1f} GiB and {shm_free / GiB:.1f} GiB are available"
+        )
+        if required:
+            pytest.fail(f"WEIGHTSERVER_REQUIRE_LARGE=1 but {why}")
+        pytest.skip(why)
+    server = WeightServer(ServerConfig(host="127.0.0.1", port=0, keep=1)).start()
+    try:
+        with WeightClient(server.address, timeout=120) as client:
+            module = torch.nn.Module()
+            module.weight = torch.nn.Parameter(torch.empty(ELEMENTS), requires_grad=False)
+            digest = fill(module.weight, 0)
+            version = client.publish(module, model=MODEL)
+            yield LargeModel(server, client, module, version, digest)
+    finally:
+        server.stop(grace=0)
+
+
+def test_the_server_holds_what_the_stream_published(large: LargeModel) -> None:
+    info = large.client.describe(MODEL, large.version)
+    (entry,) = info.tensors
+    assert entry.nbytes == TENSOR_BYTES > 2**32 and info.byte_size > 2**32
+    assert tuple(entry.shape) == (ELEMENTS,)
+    assert entry.xxh3 == large.digest  # hashed by the server from the bytes it received
+
+
+@pytest.mark.parametrize("transport", ["stream", "bulk", "shm"])
+def test_fetch_bytes(large: LargeModel, transport: str) -> None:
+    fetched = large.client.fetch_bytes(MODEL, version=large.version, transport=transport)
+    assert fetched.stats.transport == transport
+    assert fetched.data.nbytes == fetched.info.byte_size
+    assert tensor_digest(fetched.data, fetched.info) == large.digest
+
+
+@pytest.mark.parametrize("transport", ["stream", "bulk", "shm"])
+def test_fetch_placed_into_a_live_module(large: LargeModel, transport: str) -> None:
+    weight = large.module.weight
+    weight.data.view(torch.int32).fill_(-1)
+    result = large.client.fetch(
+        MODEL, version=large.version, transport=transport, place=lambda info: {"weight": weight}
+    )
+    assert result.placed and result.stats.transport == transport
+    assert result.tensors["weight"] is weight
+    assert digest_of(weight) == large.digest
+
+
+def test_fetch_tensors_into_a_reused_buffer(large: LargeModel) -> None:
+    """fetch(into=...): the tensor views the caller's buffer, offset past 2^31 elements and all."""
+    size = large.client.describe(MODEL, large.version).byte_size
+    buffer = np.empty(size, dtype=np.uint8)
+    result = large.client.fetch(MODEL, version=large.version, transport="bulk", into=memoryview(buffer))
+    weight = result.tensors["weight"]
+    assert result.stats.transport == "bulk"
+    assert buffer.ctypes.data <= weight.data_ptr() < buffer.ctypes.data + size
+    assert weight.view(torch.int32)[[0, 2**31 // 4, 2**32 // 4, -1]].tolist() == [0, 2**29, 2**30, ELEMENTS - 1]
+    assert digest_of(weight) == large.digest
