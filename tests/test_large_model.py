@@ -12,8 +12,10 @@ that they never pass by being skipped there.
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -32,7 +34,10 @@ TENSOR_BYTES = ELEMENTS * 4
 NEEDED_MEMORY = 13 * GiB  # the module's tensor, the server's copy, one fetched copy, and slack
 NEEDED_SHM = 9 * GiB  # the server's copy of one version, and of the next while it commits
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+def large_test(test):
+    """Marks a test of the 4 GiB model: slow, and more time than the suite's default."""
+    return pytest.mark.slow(pytest.mark.timeout(600)(test))
 
 
 @dataclass
@@ -96,6 +101,7 @@ def large() -> Iterator[LargeModel]:
         server.stop(grace=0)
 
 
+@large_test
 def test_the_server_holds_what_the_stream_published(large: LargeModel) -> None:
     info = large.client.describe(MODEL, large.version)
     (entry,) = info.tensors
@@ -104,6 +110,7 @@ def test_the_server_holds_what_the_stream_published(large: LargeModel) -> None:
     assert entry.xxh3 == large.digest  # hashed by the server from the bytes it received
 
 
+@large_test
 @pytest.mark.parametrize("transport", ["stream", "bulk", "shm"])
 def test_fetch_bytes(large: LargeModel, transport: str) -> None:
     fetched = large.client.fetch_bytes(MODEL, version=large.version, transport=transport)
@@ -112,6 +119,7 @@ def test_fetch_bytes(large: LargeModel, transport: str) -> None:
     assert tensor_digest(fetched.data, fetched.info) == large.digest
 
 
+@large_test
 @pytest.mark.parametrize("transport", ["stream", "bulk", "shm"])
 def test_fetch_placed_into_a_live_module(large: LargeModel, transport: str) -> None:
     weight = large.module.weight
@@ -124,6 +132,7 @@ def test_fetch_placed_into_a_live_module(large: LargeModel, transport: str) -> N
     assert digest_of(weight) == large.digest
 
 
+@large_test
 def test_fetch_tensors_into_a_reused_buffer(large: LargeModel) -> None:
     """fetch(into=...): the tensor views the caller's buffer, offset past 2^31 elements and all."""
     size = large.client.describe(MODEL, large.version).byte_size
@@ -134,3 +143,16 @@ def test_fetch_tensors_into_a_reused_buffer(large: LargeModel) -> None:
     assert buffer.ctypes.data <= weight.data_ptr() < buffer.ctypes.data + size
     assert weight.view(torch.int32)[[0, 2**31 // 4, 2**32 // 4, -1]].tolist() == [0, 2**29, 2**30, ELEMENTS - 1]
     assert digest_of(weight) == large.digest
+
+
+def test_a_kept_bulk_connection_lets_go_of_the_payload_it_sent(server: WeightServer, client: WeightClient) -> None:
+    """A client keeps its bulk connection open for its next ticket; while it waits, the server
+    must not keep the last payload it sent alive: a version evicted or deleted meanwhile would
+    stay in memory (a second 4 GiB beside the new version of a large model) until that client
+    fetched again or sat idle for IDLE_CONNECTION_SECONDS."""
+    version = client.publish({"w": torch.ones(1024)}, model=MODEL)
+    assert client.fetch_bytes(MODEL, transport="bulk").stats.transport == "bulk"
+    memory = weakref.ref(server.store.get(MODEL, version).data.obj)
+    client.delete(MODEL, version)
+    gc.collect()
+    assert memory() is None

@@ -187,6 +187,9 @@ class BulkEndpoint:
                 log.debug(
                     "bulk: sent %s (%d bytes) to %s in %.1f ms", pending.label, pending.data.nbytes, peer, seconds * 1e3
                 )
+                # Not held while the connection waits for its next ticket: the version may be
+                # evicted meanwhile, and its memory must go with it.
+                pending = None
                 wait = IDLE_CONNECTION_SECONDS
         finally:
             self._closed(conn, owner)
