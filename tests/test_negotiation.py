@@ -32,7 +32,7 @@ def test_shared_memory_first_names_the_versions_own_file(server, client):
     reply = negotiate(server.address, pb.FetchRequest(model=MODEL))
     described = client.describe(MODEL)
     assert reply.transport == SHM
-    assert reply.header.version == version == described.version and reply.header.sha256 == described.sha256
+    assert reply.header.version == version == described.version and reply.header.xxh3 == described.xxh3
     assert [t.name for t in reply.header.tensors] == [t.name for t in described.tensors]
     path = reply.payload.shared_memory.path
     assert path.startswith(str(server.shared_memory.directory)) and not reply.payload.HasField("bulk")
@@ -71,15 +71,6 @@ def test_the_stream_is_the_answer_when_nothing_accepted_is_offered(make_server):
         reply = negotiate(srv.address, pb.FetchRequest(model=MODEL), accept=accept)
         assert reply.transport == pb.TRANSPORT_STREAM and reply.header.version == 1
         assert not reply.HasField("payload") and not reply.HasField("up_to_date")
-
-
-def test_a_publish_is_answered_with_the_stream(server):
-    request = pb.NegotiateRequest(
-        direction=pb.DIRECTION_PUBLISH, accept=[SHM, BULK], publish=pb.PublishHeader(model=MODEL, total_bytes=10)
-    )
-    with grpc.insecure_channel(server.address) as channel:
-        reply = pb_grpc.WeightServiceStub(channel).Negotiate(request, timeout=30)
-    assert reply.transport == pb.TRANSPORT_STREAM and not reply.HasField("payload")
 
 
 def test_up_to_date_and_errors(server, client):

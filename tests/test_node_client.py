@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from pki import make_pki
+from waiting import wait_until
 
 from weightclient import WeightClient
 
@@ -88,6 +89,7 @@ def _describe(weights: dict[str, torch.Tensor]) -> dict[str, dict]:
 
 def _published(client: WeightClient, model: str, weights: dict[str, torch.Tensor], metadata: dict) -> dict:
     version = client.publish(weights, model=model, metadata=metadata)
+    wait_until(lambda: client.describe(model, version).sha256 != "", 10)  # computed after the commit
     info = client.describe(model, version)
     return {
         "version": version,

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import torch
+from waiting import wait_until
 
 from weightclient import WeightClient
 
@@ -176,6 +177,7 @@ def test_generic_client_lists_services_and_calls_through_reflection(server, clie
     assert client.publish({"w": torch.ones(3)}, model="policy") == 1
     assert client.publish({"w": torch.ones(3), "b": torch.zeros(2)}, model="policy", metadata={"step": "7"}) == 2
     assert client.publish({"q": torch.zeros(4, 2, dtype=torch.float16)}, model="critic") == 1
+    wait_until(lambda: client.latest("policy").sha256 != "")  # computed after the commit
     expected = client.latest("policy")  # through the generated stubs, in this process
 
     seen = run_generic_client(server.address)

@@ -1,11 +1,9 @@
 """The transport layer in process: TransportChain's order and retry rule with fake transports,
-the PlacedReceiver fed in awkward pieces, and the send side of every transport (the stream
-publishes bit-exact; bulk and shared memory say they are not offered yet)."""
+the PlacedReceiver fed in awkward pieces. Publishing over each transport: test_publish_transports."""
 
 from __future__ import annotations
 
 import time
-from typing import ClassVar
 
 import pytest
 import xxhash
@@ -14,11 +12,8 @@ from tests.test_fast_paths import assert_bit_exact, mixed_model
 from weightclient import InvalidRequest
 from weightclient.placement import PlacedReceiver
 from weightclient.transports import (
-    BulkTransport,
     NotOffered,
     Offer,
-    OutgoingFile,
-    SharedMemoryTransport,
     TransportChain,
     TransportFailed,
 )
@@ -31,13 +26,11 @@ MODEL = "policy"
 class FakeTransport:
     """An in-process transport: hands out `data` for any offer, or fails as told."""
 
-    sends: ClassVar[bool] = False
-
     def __init__(self, name: str, kind: int, data: bytes = b"", fail: bool = False) -> None:
         self.name, self.kind, self.data, self.fail = name, kind, data, fail
         self.received = 0
 
-    def send(self, files, *, timeout, progress):
+    def upload(self, payload, parts, *, deadline, progress):
         raise NotOffered(self.name)
 
     def receive(self, offer, *, into, progress):
@@ -154,16 +147,10 @@ def test_the_placed_receiver_names_tensors_that_fail_and_refuses_a_layout_that_d
         receiver.advance(8)
 
 
-def test_the_stream_publishes_bit_exact_and_the_fast_transports_do_not_send_yet(server, client):
-    weights = mixed_model()
-    version = client.publish(weights, model=MODEL)
-    assert_bit_exact(client.fetch(MODEL, version=version, transport="stream").state_dict(), weights)
-    assert client.transports.stream.sends
-    header = pb.PublishHeader(model=MODEL, total_bytes=1)
-    for transport in (BulkTransport("127.0.0.1"), SharedMemoryTransport()):
-        assert not transport.sends
-        with pytest.raises(NotOffered, match="not offered yet"):
-            transport.send([OutgoingFile(header, [memoryview(b"x")])], timeout=1, progress=None)
+def test_a_stream_offer_is_whole_unless_it_is_a_delta_or_a_cast(server, client):
+    client.publish(mixed_model(), model=MODEL)
+    with pytest.raises(NotOffered):  # a publish's bytes go in the Publish call itself
+        client.transports.stream.upload(pb.Payload(byte_size=1), [memoryview(b"x")], deadline=None, progress=None)
     info = client.describe(MODEL)
     assert Offer(info, pb.Payload(xxh3=info.xxh3)).whole_version
     assert not Offer(info, pb.Payload(xxh3=info.xxh3, dtype="BF16")).whole_version

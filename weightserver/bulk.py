@@ -35,6 +35,9 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 TICKET_BYTES = 16
+ACK = b"\x01"  # an upload's bytes are all in
+HASH_STRETCH = 1 << 20  # an upload's bytes are handed on (hashed) once this many more are in
+YIELD_STRETCH = 16 << 20
 TICKET_TTL_SECONDS = 60.0
 SOCKET_BUFFER = 8 << 20  # a fresh connection's window otherwise starts small
 DEFAULT_MAX_CONNECTIONS = 256
@@ -51,6 +54,10 @@ class _Pending:
     data: memoryview
     expires: float
     label: str
+    # An upload ticket: the bytes come the other way, into `data`; `arrived(n)` as the first n
+    # are in, `done(error)` at the end (None: all in, acknowledged with ACK).
+    arrived: Callable[[int], None] | None = None
+    done: Callable[[BaseException | None], None] | None = None
 
 
 class BulkEndpoint:
@@ -62,6 +69,8 @@ class BulkEndpoint:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._socket = socket.socket(family, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        # Inherited by accepted connections: an upload's window is large from its first byte.
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
         self._socket.bind((host, port))
         self._socket.listen(1024)
         self._socket.setblocking(False)
@@ -82,12 +91,30 @@ class BulkEndpoint:
 
     def issue(self, data: bytes | bytearray | memoryview, label: str = "") -> bytes:
         """A ticket that delivers `data` once, within TICKET_TTL_SECONDS."""
+        return self._issue(_Pending(memoryview(data).cast("B"), time.monotonic() + TICKET_TTL_SECONDS, label))
+
+    def issue_upload(
+        self,
+        into: memoryview,
+        label: str,
+        arrived: Callable[[int], None],
+        done: Callable[[BaseException | None], None],
+    ) -> bytes:
+        """A ticket for a publisher to send exactly `into.nbytes` bytes into `into`, once,
+        within TICKET_TTL_SECONDS. `arrived(n)` is called on this endpoint's thread as the
+        first n bytes are in (it may raise to stop the transfer), `done(error)` once at the end."""
+        expires = time.monotonic() + TICKET_TTL_SECONDS
+        return self._issue(_Pending(into.cast("B"), expires, label, arrived, done))
+
+    def _issue(self, pending: _Pending) -> bytes:
         ticket = secrets.token_bytes(TICKET_BYTES)
         now = time.monotonic()
         with self._lock:
             for key in [k for k, p in self._tickets.items() if p.expires < now]:
-                del self._tickets[key]
-            self._tickets[ticket] = _Pending(memoryview(data).cast("B"), now + TICKET_TTL_SECONDS, label)
+                expired = self._tickets.pop(key)
+                if expired.done is not None:
+                    expired.done(TimeoutError("the upload ticket expired unused"))
+            self._tickets[ticket] = pending
         return ticket
 
     def close(self) -> None:
@@ -168,8 +195,15 @@ class BulkEndpoint:
                     pending = self._tickets.pop(bytes(ticket), None)
                 if pending is None or pending.expires < time.monotonic():
                     log.warning("bulk: unknown or expired ticket from %s", peer)
+                    if pending is not None and pending.done is not None:
+                        pending.done(TimeoutError("the upload ticket expired before it was used"))
                     return
                 started = time.perf_counter()
+                if pending.done is not None:
+                    if not await self._receive_upload(loop, conn, peer, pending):
+                        return
+                    wait = IDLE_CONNECTION_SECONDS
+                    continue
                 try:
                     await _send_all(loop, conn, pending.data)
                 except TimeoutError:
@@ -193,6 +227,34 @@ class BulkEndpoint:
                 wait = IDLE_CONNECTION_SECONDS
         finally:
             self._closed(conn, owner)
+
+    async def _receive_upload(
+        self, loop: asyncio.AbstractEventLoop, conn: socket.socket, peer: object, pending: _Pending
+    ) -> bool:
+        """Receive an upload's bytes and acknowledge them; whether the connection may carry
+        another ticket (not after a failure: where its stream stands is unknown)."""
+        assert pending.arrived is not None and pending.done is not None
+        started = time.perf_counter()
+        try:
+            await _receive_all(loop, conn, pending.data, pending.arrived)
+        except Exception as exc:  # a stall, a reset, bytes that are no safetensors file, ...
+            log.warning("bulk: upload of %s from %s failed: %s", pending.label, peer, exc)
+            pending.done(exc)
+            return False
+        except BaseException as exc:  # cancelled: the server stops
+            pending.done(exc)
+            raise
+        pending.done(None)  # before the ACK: the publisher's next call may name the upload at once
+        try:
+            await loop.sock_sendall(conn, ACK)
+        except OSError as exc:
+            log.warning("bulk: could not acknowledge the upload of %s to %s: %s", pending.label, peer, exc)
+            return False
+        seconds = time.perf_counter() - started
+        log.debug(
+            "bulk: received %s (%d bytes) from %s in %.1f ms", pending.label, pending.data.nbytes, peer, seconds * 1e3
+        )
+        return True
 
 
 class _Loop:
@@ -239,6 +301,36 @@ async def _recv_exactly(loop: asyncio.AbstractEventLoop, conn: socket.socket, vi
         if not n:
             raise EOFError("connection closed before a ticket arrived")
         received += n
+
+
+async def _receive_all(
+    loop: asyncio.AbstractEventLoop, conn: socket.socket, into: memoryview, arrived: Callable[[int], None]
+) -> None:
+    """Fill `into` from the connection, reading while bytes are there and waiting for more when
+    not, and tell `arrived` of every HASH_STRETCH more; EOFError when the sender closes early,
+    TimeoutError when it sends nothing for SEND_STALL_SECONDS."""
+    readable = asyncio.Event()
+    loop.add_reader(conn, readable.set)
+    try:
+        received = told = 0
+        while received < into.nbytes:
+            readable.clear()
+            try:
+                n = conn.recv_into(into[received:])
+            except (BlockingIOError, InterruptedError):
+                async with asyncio.timeout(SEND_STALL_SECONDS):
+                    await readable.wait()
+                continue
+            if not n:
+                raise EOFError(f"the sender closed the connection after {received} of {into.nbytes} bytes")
+            received += n
+            if received - told >= HASH_STRETCH or received == into.nbytes:
+                arrived(received)
+                if received // YIELD_STRETCH != told // YIELD_STRETCH:
+                    await asyncio.sleep(0)  # a long upload lets this loop's other connections in
+                told = received
+    finally:
+        loop.remove_reader(conn)
 
 
 async def _send_all(loop: asyncio.AbstractEventLoop, conn: socket.socket, data: memoryview) -> None:

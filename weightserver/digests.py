@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from weightserver.safetensors_format import SafetensorsHeader, parse_header
+from weightserver.safetensors_format import DEFAULT_MAX_HEADER_BYTES, SafetensorsHeader, parse_header
 
 PREFIX_BYTES = 8  # the safetensors header's length prefix
 
@@ -82,8 +82,10 @@ class IncomingDigests:
         size = self.buffer.nbytes
         if end < min(PREFIX_BYTES, size):
             return
-        if end < size and end < PREFIX_BYTES + int.from_bytes(self.buffer[:PREFIX_BYTES], "little"):
-            return
+        length = int.from_bytes(self.buffer[:PREFIX_BYTES], "little") if end >= PREFIX_BYTES else 0
+        too_long = length > self._limits.get("max_header_bytes", DEFAULT_MAX_HEADER_BYTES)
+        if end < size and end < PREFIX_BYTES + length and not too_long:
+            return  # parse_header refuses a header over the limit before it is all in
         header = parse_header(self.buffer[:end], size, **self._limits)
         self._header = header
         self._tensors = [(t.name, header.data_start + t.begin, header.data_start + t.end) for t in header.tensors]

@@ -6,7 +6,8 @@ Exception tree::
     ├── NotFoundError                      NOT_FOUND
     │   ├── ModelNotFound                  the model has no versions
     │   ├── VersionNotFound                that version was never committed or was deleted
-    │   └── VersionEvicted                 the version fell out of the --keep window
+    │   ├── VersionEvicted                 the version fell out of the --keep window
+    │   └── UploadNotFound                 a publish names an upload that is unknown, used or expired
     ├── InvalidRequest                     INVALID_ARGUMENT
     │   ├── InvalidModelName               empty, too long, path separators, '..'
     │   ├── InvalidSafetensors             the uploaded bytes are not a valid safetensors file
@@ -15,6 +16,7 @@ Exception tree::
     ├── ModelTooLarge                      RESOURCE_EXHAUSTED (over --max-model-bytes)
     ├── StorageFull                        RESOURCE_EXHAUSTED (no space left in --data-dir)
     ├── DescriptionTooLarge                RESOURCE_EXHAUSTED (tensor list + metadata over 1 MiB)
+    ├── TooManyUploads                     RESOURCE_EXHAUSTED (bulk/shm uploads set up and not yet used)
     ├── VersionConflict                    FAILED_PRECONDITION (version not above the latest)
     ├── CursorOutOfRange                   OUT_OF_RANGE (a version ahead of the latest)
     ├── AuthenticationRequired             UNAUTHENTICATED (no or unknown bearer token)
@@ -92,6 +94,11 @@ class VersionEvicted(NotFoundError):
     """The version existed but is older than the retained window (--keep)."""
 
 
+class UploadNotFound(NotFoundError):
+    """A Publish names an upload (NegotiateResponse.upload) that this server does not hold: never
+    set up, used already, or expired."""
+
+
 class InvalidRequest(WeightServerError):
     """A request the server cannot act on as sent."""
 
@@ -122,6 +129,10 @@ class StorageFull(WeightServerError):
 
 class DescriptionTooLarge(WeightServerError):
     """A version whose description (tensor list, metadata) clients could not receive."""
+
+
+class TooManyUploads(WeightServerError):
+    """Too many publishes over bulk or shared memory were set up (Negotiate) and not yet used."""
 
 
 class VersionConflict(WeightServerError):
@@ -164,6 +175,7 @@ STATUS_CODES: dict[type[WeightServerError], str] = {
     ModelNotFound: "NOT_FOUND",
     VersionNotFound: "NOT_FOUND",
     VersionEvicted: "NOT_FOUND",
+    UploadNotFound: "NOT_FOUND",
     InvalidRequest: "INVALID_ARGUMENT",
     InvalidModelName: "INVALID_ARGUMENT",
     InvalidSafetensors: "INVALID_ARGUMENT",
@@ -172,6 +184,7 @@ STATUS_CODES: dict[type[WeightServerError], str] = {
     ModelTooLarge: "RESOURCE_EXHAUSTED",
     StorageFull: "RESOURCE_EXHAUSTED",
     DescriptionTooLarge: "RESOURCE_EXHAUSTED",
+    TooManyUploads: "RESOURCE_EXHAUSTED",
     VersionConflict: "FAILED_PRECONDITION",
     CursorOutOfRange: "OUT_OF_RANGE",
     AuthenticationRequired: "UNAUTHENTICATED",

@@ -89,6 +89,7 @@ class WeightServer:
 
     def __init__(self, config: ServerConfig | None = None, store: VersionStore | None = None) -> None:
         self.config = config or ServerConfig()
+        self._owns_store = store is None  # closed with the server (its sha256 worker)
         self.store = store or VersionStore(
             self.config.data_dir,
             keep=self.config.keep,
@@ -204,6 +205,8 @@ class WeightServer:
                 self.metrics_port = metrics.serve(config.host, config.metrics_port)
             await self._serve_grpc()
         finally:
+            if self._owns_store:  # first: a sha256 it finishes may rewrite a shared-memory header
+                self.store.close()
             self.metrics.close()
             if self.bulk is not None:
                 self.bulk.close()

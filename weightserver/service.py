@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
+import hashlib
 import logging
 import mmap
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import grpc
@@ -25,12 +27,14 @@ from weightserver import framing, wire
 from weightserver.auth import TokenTable
 from weightserver.bulk import BulkEndpoint
 from weightserver.config import ServerConfig, clamp_chunk_bytes
+from weightserver.digests import IncomingDigests
 from weightserver.errors import (
     CLIENT_ID_METADATA_KEY,
     ERROR_METADATA_KEY,
     DeadlineExceeded,
     IntegrityError,
     InvalidRequest,
+    InvalidSafetensors,
     PermissionDenied,
     ServerUnavailable,
     WeightServerError,
@@ -40,8 +44,9 @@ from weightserver.errors import (
 )
 from weightserver.metrics import NoMetrics
 from weightserver.payloads import CAST_TARGETS, Payload, PayloadCache
-from weightserver.shared_memory import SharedMemoryFiles
-from weightserver.store import Upload, Version, VersionStore, validate_model_name
+from weightserver.shared_memory import SharedMemoryFiles, SharedMemoryUpload
+from weightserver.staged_uploads import StagedUpload, StagedUploads
+from weightserver.store import Upload, Version, VersionStore, sha256_hex, validate_model_name
 from weightserver.v1 import weights_pb2 as pb
 from weightserver.v1 import weights_pb2_grpc as pb_grpc
 
@@ -52,6 +57,8 @@ T = TypeVar("T")
 # Threads that verify and commit publishes (hash, parse, fsync), apart from asyncio's default
 # pool, which also builds casts and deltas for fetches.
 PUBLISH_THREADS = 4
+# A stream publish's sha256, when it is computed, is handed to its thread this many bytes at a time.
+SHA256_BATCH_BYTES = 4 << 20
 # A fetch whose chunk write has not completed after this long (its reader stopped reading or
 # reads slowly) gives its turn back for the rest of the fetch: a stalled stream costs the
 # loop nothing, and must not hold up the fetches queued behind it.
@@ -152,6 +159,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         self._watch_queues: set[asyncio.Queue[Version | None]] = set()
         self._stream_turns = asyncio.Semaphore(config.max_stream_fetches)
         self._publish_threads = ThreadPoolExecutor(PUBLISH_THREADS, thread_name_prefix="weightserver-publish")
+        self.staged = StagedUploads(store.header_limits)
         # The fast transports this server offers to Negotiate, in no order: the caller's decides.
         # Each with the name its transfers are logged and counted under.
         # An offer that returns False cannot carry this payload now: the next one is tried.
@@ -165,8 +173,9 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
             self.metrics.retained(summary.model, store.versions(summary.model))
 
     def close(self) -> None:
-        """Let the publish threads go (after the server stopped)."""
+        """Let the publish threads go and drop uploads nobody committed (after the server stopped)."""
         self._publish_threads.shutdown(wait=False, cancel_futures=True)
+        self.staged.close()
 
     def _authorize(self, context: grpc.aio.ServicerContext, method: str, model: str | None = None) -> None:
         """With --auth-tokens, the caller's bearer token must allow `method` (on `model`)."""
@@ -174,8 +183,17 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
             self.tokens.authorize(context.invocation_metadata(), method, model)
 
     def _on_commit(self, record: Version) -> None:
-        """Store listener: a commit may have evicted older versions of the model."""
+        """Store listener: a commit may have evicted older versions of the model. A version
+        committed without its sha256 gets its shared-memory header rewritten once the store
+        has computed it, for readers of that file."""
         self._forget_removed(record.model)
+        if not record.sha256 and self.shared_memory is not None:
+
+            def rewrite(future: Future[str]) -> None:
+                if future.exception() is None:
+                    self._write_shm_header(record.model, record.version)
+
+            self.store.sha256_of(record).add_done_callback(rewrite)
 
     def _write_shm_header(self, model: str, version: int) -> None:
         """Write the header file beside a version's shared-memory file from the store's
@@ -223,8 +241,8 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
                 if model.upload is not None and model.upload.path.exists():
                     model.upload.abort()  # a publish that did not commit leaves no file
         if incoming[0].committed:
-            for record in records:
-                self._transferred("publish", record, started, context)
+            for model, record in zip(incoming, records, strict=True):
+                self._transferred("publish", record, started, context, transport=model.transport)
         else:  # a repeat of a publish id: the versions an earlier call committed
             for record in records:
                 _log_event("publish_repeat", context, model=record.model, version=record.version)
@@ -238,14 +256,20 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         arrives, before its bytes: its model must be one the token may publish, and pin=True
         pins the version, which needs what PinVersion needs."""
         async for message in messages:
-            if self.tokens is not None and message.WhichOneof("kind") == "header":
-                self._authorize(context, "Publish", message.header.model)
-                try:
-                    if message.header.pin:
-                        self._authorize(context, "PinVersion", message.header.model)
-                except PermissionDenied as exc:
-                    raise PermissionDenied(f"a publish with pin=True pins the version: {exc}") from None
+            if message.WhichOneof("kind") == "header":
+                self._authorize_header(context, message.header)
             yield message
+
+    def _authorize_header(self, context: grpc.aio.ServicerContext, header: pb.PublishHeader) -> None:
+        """The caller's token must allow publishing `header.model`, and pinning it with pin=True."""
+        if self.tokens is None:
+            return
+        self._authorize(context, "Publish", header.model)
+        try:
+            if header.pin:
+                self._authorize(context, "PinVersion", header.model)
+        except PermissionDenied as exc:
+            raise PermissionDenied(f"a publish with pin=True pins the version: {exc}") from None
 
     async def _receive_and_commit(
         self, request_iterator: AsyncIterator[pb.PublishRequest], incoming: list[_IncomingModel]
@@ -270,11 +294,14 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
                     metadata=header.metadata,
                     publish_id=first.publish_id,
                 )
-                incoming.append(_IncomingModel(header, self.shared_memory))
+                incoming.append(_IncomingModel(header, self.shared_memory, self.store.header_limits))
             elif not incoming:
                 raise InvalidRequest("a Publish stream must start with a header message (model, total_bytes, sha256)")
             elif kind == "chunk":
                 incoming[-1].add(message.chunk)
+            elif kind == "uploaded":
+                header = incoming[-1].header
+                incoming[-1].use(self.staged.take(message.uploaded.upload, header.model, header.total_bytes))
             elif kind == "commit":
                 incoming[-1].check_complete()
                 commit = message.commit
@@ -290,7 +317,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
                 "was published (the publisher was cancelled or failed before finishing)"
             )
         digests = _declared_sha256s(incoming, commit)
-        uploads = [model.as_upload(digest) for model, digest in zip(incoming, digests, strict=True)]
+        uploads = [await model.as_upload(digest) for model, digest in zip(incoming, digests, strict=True)]
         first = incoming[0].header
         publish = functools.partial(
             self.store.publish_group, uploads, version=first.version, publish_id=first.publish_id
@@ -353,7 +380,10 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         if record is None:
             yield pb.FetchResponse(up_to_date=pb.UpToDate(latest_version=request.newer_than))
             return
-        yield pb.FetchResponse(header=wire.version_info(record))
+        header = wire.version_info(record)
+        if not header.sha256:  # published with only an xxh3: its sha256 is being computed
+            header.sha256 = await self._sha256(record)
+        yield pb.FetchResponse(header=header)
         payload, description = await self._payload(record, request)
         if request.base_version or request.dtype:
             yield pb.FetchResponse(payload=description)
@@ -362,6 +392,15 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
             async for message in chunks:
                 yield message
         self._transferred("fetch", record, started, context, transport="stream", sent=payload.byte_size)
+
+    async def _sha256(self, record: Version) -> str:
+        """The sha256 the store computes after the commit, awaited without holding up the loop;
+        if the version was evicted or deleted before its turn, this fetch hashes the bytes it
+        holds."""
+        try:
+            return await asyncio.wrap_future(self.store.sha256_of(record))
+        except WeightServerError:
+            return await asyncio.to_thread(sha256_hex, record.data)
 
     async def _in_turn(self, messages: Iterable[bytes]) -> AsyncIterator[bytes]:
         """`messages`, sent while this fetch holds one of the --max-stream-fetches turns (first
@@ -391,8 +430,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
     async def Negotiate(self, request: pb.NegotiateRequest, context: grpc.aio.ServicerContext) -> pb.NegotiateResponse:
         stream = pb.NegotiateResponse(transport=pb.TRANSPORT_STREAM)
         if request.direction == pb.DIRECTION_PUBLISH:
-            self._authorize(context, "Publish")
-            return stream  # bulk and shared-memory publishes are not offered yet
+            return await self._negotiate_publish(request, context)
         if request.direction != pb.DIRECTION_FETCH:
             raise InvalidRequest("Negotiate needs a direction: DIRECTION_FETCH or DIRECTION_PUBLISH")
         started = time.perf_counter()
@@ -413,6 +451,57 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
             self._transferred("fetch", record, started, context, transport=name, sent=payload.byte_size)
             break
         return stream
+
+    async def _negotiate_publish(
+        self, request: pb.NegotiateRequest, context: grpc.aio.ServicerContext
+    ) -> pb.NegotiateResponse:
+        """Set up one model's upload over the first fast transport the caller accepts that this
+        server offers and has room for; TRANSPORT_STREAM when none (or no bytes)."""
+        header = request.publish
+        self._authorize_header(context, header)
+        self.store.check_publish(
+            header.model,
+            total_bytes=header.total_bytes,
+            version=header.version,
+            metadata=header.metadata,
+            publish_id=header.publish_id,
+        )
+        answer = pb.NegotiateResponse(transport=pb.TRANSPORT_STREAM)
+        for transport in request.accept if header.total_bytes else ():
+            if transport == pb.TRANSPORT_SHARED_MEMORY and self.shared_memory is not None:
+                upload = await asyncio.to_thread(self._stage, header, "shm")
+                if upload is None:
+                    continue
+                assert upload.file is not None
+                answer.payload.shared_memory.path = str(upload.file.path)
+            elif transport == pb.TRANSPORT_BULK and self.bulk is not None:
+                upload = await asyncio.to_thread(self._stage, header, "bulk")
+                if upload is None:
+                    continue
+                answer.payload.bulk.port = self.bulk.port
+                answer.payload.bulk.ticket = self.bulk.issue_upload(
+                    upload.buffer, f"an upload of {header.model}", upload.arrived, upload.transferred
+                )
+            else:
+                continue
+            answer.transport = transport
+            answer.payload.byte_size = header.total_bytes
+            answer.upload = upload.id
+            break
+        return answer
+
+    def _stage(self, header: pb.PublishHeader, transport: str) -> StagedUpload | None:
+        """A staged upload for `header`'s bytes, in a shared-memory file where there is room
+        (needed for "shm"); None when "shm" finds none."""
+        shared_memory = self.shared_memory
+
+        def new_file() -> Any:
+            return shared_memory.new_upload(header.model, header.total_bytes) if shared_memory else None
+
+        try:
+            return self.staged.create(header.model, header.total_bytes, transport, new_file)
+        except OSError:
+            return None
 
     def _fetched_version(self, request: pb.FetchRequest) -> Version | None:
         """The version a fetch asks for; None when `newer_than` found nothing newer."""
@@ -557,21 +646,38 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
 
 
 class _IncomingModel:
-    """One model's bytes arriving in a Publish stream, into a buffer of the declared size (a
-    shared-memory file when the server has a shared-memory directory)."""
+    """One model's bytes in a Publish stream: arriving as chunks, into a buffer of the declared
+    size (a shared-memory file when the server has a shared-memory directory), each chunk
+    hashed as it lands (xxh3 at once; sha256, when needed, in a thread of its own), so that no
+    pass over the bytes follows the transfer; or moved before over bulk TCP or shared memory
+    (`use`), and hashed there."""
 
-    def __init__(self, header: pb.PublishHeader, shared_memory: SharedMemoryFiles | None = None) -> None:
+    def __init__(
+        self,
+        header: pb.PublishHeader,
+        shared_memory: SharedMemoryFiles | None = None,
+        header_limits: dict[str, int] | None = None,
+    ) -> None:
         self.header = header
         self.shared_memory = shared_memory
-        self.upload = shared_memory.new_upload(header.model, header.total_bytes) if shared_memory else None
-        # Anonymous memory is committed page by page as chunks arrive, so a header that claims
-        # more than it sends reserves nothing (a bytearray would be zero-filled up front).
-        size = header.total_bytes
-        self.buffer = self.upload.buffer if self.upload else memoryview(mmap.mmap(-1, size) if size else bytearray())
+        self.header_limits = header_limits
+        self.transport = "stream"
+        self.staged: StagedUpload | None = None
+        self.upload: SharedMemoryUpload | None = None  # the buffer's file, removed unless committed
+        self.buffer: memoryview | None = None  # allocated with the first chunk
         self.received = 0
         self.committed = False  # whether these bytes became a version (not so for a repeat)
+        # None once the bytes turned out not to be a safetensors file: the store then checks
+        # them from scratch, so that the error is the one it always gave (a wrong size or
+        # digest before a bad header). Both start with the buffer, at the first chunk.
+        self.digests: IncomingDigests | None = None
+        self.sha256: _Sha256Feed | None = None
 
     def add(self, chunk: bytes) -> None:
+        if self.staged is not None:
+            raise InvalidRequest(f"model {self.header.model!r}: chunks after `uploaded`; send one or the other")
+        if self.buffer is None:
+            self._allocate()
         end = self.received + len(chunk)
         if end > self.header.total_bytes:
             raise IntegrityError(
@@ -579,6 +685,37 @@ class _IncomingModel:
             )
         self.buffer[self.received : end] = chunk
         self.received = end
+        if self.digests is None:
+            return
+        try:
+            self.digests.advance(end)
+        except InvalidSafetensors:
+            self.digests = self.sha256 = None
+            return
+        if self.sha256 is not None:
+            self.sha256.advance(end)
+
+    def use(self, staged: StagedUpload) -> None:
+        """Take the model's bytes from an upload set up by Negotiate, instead of chunks."""
+        if self.staged is not None or self.received:
+            raise InvalidRequest(f"model {self.header.model!r}: a model's bytes come as chunks or one `uploaded`")
+        self.staged, self.transport = staged, staged.transport
+        self.upload, self.buffer, self.received = staged.file, staged.buffer, staged.total_bytes
+
+    def _allocate(self) -> None:
+        """The buffer for the chunks, and the digests that follow them into it."""
+        size, header = self.header.total_bytes, self.header
+        self.upload = self.shared_memory.new_upload(header.model, size) if self.shared_memory else None
+        if self.upload is not None:
+            self.buffer = self.upload.buffer
+        else:
+            # Anonymous memory is committed page by page as chunks arrive, so a header that claims
+            # more than it sends reserves nothing (a bytearray would be zero-filled up front).
+            self.buffer = memoryview(mmap.mmap(-1, size) if size else bytearray())
+        self.digests = IncomingDigests(self.buffer, header_limits=self.header_limits)
+        # sha256 for a header that declares one, or no xxh3 (the commit message then brings the
+        # sha256); with only an xxh3 declared, the store computes it after the commit.
+        self.sha256 = _Sha256Feed(self.buffer) if header.sha256 or not header.xxh3 else None
 
     def check_complete(self) -> None:
         if self.received != self.header.total_bytes:
@@ -587,17 +724,28 @@ class _IncomingModel:
                 f"{self.received}; the upload was cut short or the header is wrong"
             )
 
-    def as_upload(self, sha256: str) -> Upload:
-        """The store's Upload of the received bytes; one received into a shared-memory file
-        brings the hook that makes the file its version's payload file."""
+    async def as_upload(self, sha256: str | None) -> Upload:
+        """The store's Upload of the received bytes, with their digests (once the sha256 thread,
+        if any, has caught up; an upload a publisher wrote into shared memory is hashed now,
+        in a thread) and the declared ones; one received into a shared-memory file brings the
+        hook that makes the file its version's payload file."""
+        digests = None
+        if self.staged is not None:
+            digests = await asyncio.to_thread(self.staged.finish)
+        with contextlib.suppress(InvalidSafetensors):  # too short for a header: as above
+            digests = self.digests.finish() if self.digests is not None else digests
+        if digests is not None and self.sha256 is not None:
+            digests = dataclasses.replace(digests, sha256=await self.sha256.hexdigest(self.received))
         return Upload(
             self.header.model,
-            self.buffer,
+            self.buffer if self.buffer is not None else memoryview(b""),
             sha256=sha256,
             total_bytes=self.header.total_bytes,
             metadata=dict(self.header.metadata),
             pin=self.header.pin,
             on_commit=self._adopt,
+            digests=digests,
+            xxh3=self.header.xxh3 or None,
         )
 
     def _adopt(self, record: Version) -> None:
@@ -615,6 +763,33 @@ class _IncomingModel:
         )
 
 
+class _Sha256Feed:
+    """The sha256 of a buffer that fills front to back, computed in a thread of its own, batch
+    by batch in order: it costs about 1 ms per MiB, too long for the event loop that receives
+    the chunks, and the thread hashes while later chunks arrive. The thread ends with the
+    digest, or when the feed is dropped."""
+
+    def __init__(self, buffer: memoryview) -> None:
+        self._buffer = buffer
+        self._hasher = hashlib.sha256()
+        self._fed = 0
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="weightserver-publish-sha256")
+
+    def advance(self, end: int, batch: int = SHA256_BATCH_BYTES) -> None:
+        """Bytes [0, end) are in place: hand the new ones to the thread once `batch` are waiting."""
+        if end - self._fed >= batch:
+            self._thread.submit(self._hasher.update, self._buffer[self._fed : end])
+            self._fed = end
+
+    async def hexdigest(self, end: int) -> str:
+        """The digest of bytes [0, end), once the thread has hashed them all."""
+        self.advance(end, batch=1)
+        try:
+            return await asyncio.wrap_future(self._thread.submit(self._hasher.hexdigest))
+        finally:
+            self._thread.shutdown(wait=False)
+
+
 def _check_group_header(first: pb.PublishHeader, header: pb.PublishHeader) -> None:
     if header.version and header.version != first.version:
         raise InvalidRequest(
@@ -628,8 +803,9 @@ def _check_group_header(first: pb.PublishHeader, header: pb.PublishHeader) -> No
         )
 
 
-def _declared_sha256s(incoming: list[_IncomingModel], commit: pb.PublishCommit) -> list[str]:
-    """Each model's digest as declared in its header and/or the commit message."""
+def _declared_sha256s(incoming: list[_IncomingModel], commit: pb.PublishCommit) -> list[str | None]:
+    """Each model's sha256 as declared in its header and/or the commit message; None for a
+    model whose header declares only an xxh3."""
     from_commit = list(commit.sha256)
     if from_commit and len(from_commit) != len(incoming):
         raise InvalidRequest(
@@ -638,16 +814,17 @@ def _declared_sha256s(incoming: list[_IncomingModel], commit: pb.PublishCommit) 
     digests = []
     for i, model in enumerate(incoming):
         in_header, in_commit = model.header.sha256, from_commit[i] if from_commit else ""
-        if not in_header and not in_commit:
+        if not in_header and not in_commit and not model.header.xxh3:
             raise InvalidRequest(
-                f"model {model.header.model!r}: give the sha256 of the bytes in the header or the commit"
+                f"model {model.header.model!r}: give the xxh3 of the bytes in the header, or their sha256 in the "
+                "header or the commit"
             )
         if in_header and in_commit and in_header.lower() != in_commit.lower():
             raise IntegrityError(
                 f"model {model.header.model!r}: header declares sha256 {clipped_repr(in_header)} but the commit "
                 f"declares {clipped_repr(in_commit)}"
             )
-        digests.append(in_header or in_commit)
+        digests.append(in_header or in_commit or None)
     return digests
 
 

@@ -1,9 +1,16 @@
 """VersionStore: the versions of every model, their retention and their persistence.
 
 Plain Python with no gRPC import, thread-safe, testable alone. A version becomes visible only
-after its bytes passed every check (size, sha256, safetensors header) and, with a data
-directory, after its file and manifest were written to a temp file, fsynced and renamed into
-place. Readers therefore only ever see complete, verified versions.
+after its bytes passed every check (size, the digests the publisher declared, safetensors
+header) and, with a data directory, after its file and manifest were written to a temp file,
+fsynced and renamed into place. Readers therefore only ever see complete, verified versions.
+
+Digests: xxh3-128 of the file and of each tensor, and sha256. An upload brings them when they
+were computed while its bytes arrived (`Upload.digests`), else they are computed here. A
+version whose publisher declared only an xxh3 is committed in memory with sha256 "" and hashed
+afterwards by one background worker (`sha256_of` waits for it); with a data directory the
+sha256 is instead computed while the data file is written and fsynced, so that every manifest
+carries it.
 
 On-disk layout under ``data_dir``::
 
@@ -32,10 +39,12 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from weightserver.config import MAX_DESCRIPTION_BYTES, MAX_DESCRIPTIONS_PER_REPLY
+from weightserver.digests import FileDigests
 from weightserver.errors import (
     CursorOutOfRange,
     DescriptionTooLarge,
@@ -44,11 +53,13 @@ from weightserver.errors import (
     InvalidRequest,
     ModelNotFound,
     ModelTooLarge,
+    ServerUnavailable,
     StorageFull,
     VersionConflict,
     VersionEvicted,
     VersionNotFound,
     VersionTooLarge,
+    WeightServerError,
     clipped_repr,
 )
 from weightserver.payloads import tensor_digests, xxh3_hex
@@ -83,12 +94,13 @@ def sha256_hex(data: bytes | bytearray | memoryview) -> str:
 
 @dataclass(frozen=True)
 class Version:
-    """One committed, verified version. Immutable; pinning replaces the record."""
+    """One committed, verified version. Immutable; pinning, and a sha256 computed after the
+    commit, replace the record."""
 
     model: str
     version: int
     data: bytes | bytearray | memoryview = field(repr=False)
-    sha256: str
+    sha256: str  # "" until the background worker has hashed it (see the module docstring)
     created: float
     metadata: Mapping[str, str]
     header: SafetensorsHeader = field(repr=False)
@@ -108,6 +120,11 @@ class Version:
 class Upload:
     """One model's bytes in a publish, with what the publisher declared about them.
 
+    `sha256`, `xxh3`: the digests the publisher declared (None: not declared); each one given
+    is checked. `digests`: what the receiver computed while the bytes arrived (the header
+    parsed with this store's `header_limits`), so that nothing is hashed twice; None: the
+    store computes them, sha256 included unless only an xxh3 was declared.
+
     `on_commit`, when given, is called with the Version these bytes became once it is durable
     and before any reader can see it (no get, no fetch, no listener yet), under the model's
     commit lock: the caller's chance to put things in place beside the version. It must not
@@ -121,6 +138,8 @@ class Upload:
     metadata: Mapping[str, str] | None = None
     pin: bool = False
     on_commit: Callable[[Version], None] | None = field(default=None, repr=False)
+    digests: FileDigests | None = field(default=None, repr=False)
+    xxh3: str | None = None
 
 
 @dataclass(frozen=True)
@@ -181,9 +200,27 @@ class VersionStore:
         self._lock = threading.Lock()
         self._models: dict[str, _Model] = {}
         self._listeners: list[Callable[[Version], None]] = []
+        # Versions committed with sha256 "", until the worker (started on first need) hashed them.
+        self._pending_sha256: dict[tuple[str, int], Future[str]] = {}
+        self._sha256_worker: ThreadPoolExecutor | None = None
+        self._closed = False
         if self.data_dir is not None:
             self.data_dir.mkdir(parents=True, exist_ok=True)
             self._load()
+
+    @property
+    def header_limits(self) -> dict[str, int]:
+        """parse_header's keyword limits this store applies (for `Upload.digests` computed elsewhere)."""
+        return dict(self._header_limits)
+
+    def close(self) -> None:
+        """Let the background sha256 worker go. The hash it is computing finishes; versions still
+        waiting keep sha256 "" and their `sha256_of` futures fail with ServerUnavailable."""
+        with self._lock:
+            self._closed = True
+            worker, self._sha256_worker = self._sha256_worker, None
+        if worker is not None:
+            worker.shutdown(wait=True)
 
     # ------------------------------------------------------------------ publishing
     def check_publish(
@@ -223,15 +260,17 @@ class VersionStore:
         metadata: Mapping[str, str] | None = None,
         pin: bool = False,
         publish_id: str = "",
+        xxh3: str | None = None,
     ) -> Version:
         """Verify `data` and commit it as a new version of `model`; return the version.
 
-        `sha256` and `total_bytes`, when given, are what the publisher declared; a mismatch
-        raises IntegrityError. `version` 0 assigns latest + 1; otherwise it must exceed every
-        version the model ever had (VersionConflict). Nothing is visible until this returns.
-        `publish_id`: see `publish_group`.
+        `sha256`, `xxh3` and `total_bytes`, when given, are what the publisher declared; a
+        mismatch raises IntegrityError. With only `xxh3` declared, the version's sha256 is
+        computed after the commit (see `sha256_of`). `version` 0 assigns latest + 1; otherwise
+        it must exceed every version the model ever had (VersionConflict). Nothing is visible
+        until this returns. `publish_id`: see `publish_group`.
         """
-        upload = Upload(model, data, sha256=sha256, total_bytes=total_bytes, metadata=metadata, pin=pin)
+        upload = Upload(model, data, sha256=sha256, total_bytes=total_bytes, metadata=metadata, pin=pin, xxh3=xxh3)
         return self.publish_group([upload], version=version, publish_id=publish_id)[0]
 
     def publish_group(self, uploads: Sequence[Upload], *, version: int = 0, publish_id: str = "") -> list[Version]:
@@ -286,7 +325,7 @@ class VersionStore:
                 for record in verified
             ]
             if self.data_dir is not None:
-                self._write_group(records)
+                records = self._write_group(records)
             for upload, record in zip(uploads, records, strict=True):
                 if upload.on_commit is not None:
                     _call_logged(upload.on_commit, record)
@@ -297,11 +336,16 @@ class VersionStore:
                     state.versions[number] = record
                     state.high_water = number
                     evicted += self._evict(state)
+                    if not record.sha256:  # registered before any reader can see the record
+                        self._pending_sha256[(record.model, number)] = _running_future()
                 listeners = list(self._listeners)
             # Still under the commit locks, so listeners see each model's versions in order.
             for record in records:
                 for listener in listeners:
                     _call_logged(listener, record)
+        for record in records:
+            if not record.sha256:
+                self._hash_later(record)
         self._remove_files(evicted)
         return records
 
@@ -314,30 +358,43 @@ class VersionStore:
                 "the upload was cut short or the header is wrong"
             )
         self._check_size(model, size)
-        digest = sha256_hex(upload.data)
-        if upload.sha256 is not None and upload.sha256.lower() != digest:
+        # Without `digests` (a direct caller) they are computed here, the declared digests
+        # checked before the header is parsed. The sha256 is left to the background worker
+        # only when the publisher declared just an xxh3.
+        digests, data = upload.digests, upload.data
+        xxh3 = digests.xxh3 if digests is not None else xxh3_hex(data)
+        if upload.xxh3 is not None and upload.xxh3.lower() != xxh3:
             raise IntegrityError(
-                f"model {model!r}: sha256 of the received bytes is {digest}, publisher declared "
+                f"model {model!r}: xxh3 of the received bytes is {xxh3}, publisher declared "
+                f"{upload.xxh3.lower()}; the bytes were corrupted in transit or the digest is wrong"
+            )
+        sha256 = digests.sha256 if digests is not None else None
+        if sha256 is None and (upload.sha256 is not None or upload.xxh3 is None):
+            sha256 = sha256_hex(data)
+        if upload.sha256 is not None and upload.sha256.lower() != sha256:
+            raise IntegrityError(
+                f"model {model!r}: sha256 of the received bytes is {sha256}, publisher declared "
                 f"{upload.sha256.lower()}; the bytes were corrupted in transit or the digest is wrong"
             )
-        header = parse_header(upload.data, **self._header_limits)
+        header = digests.header if digests is not None else parse_header(data, **self._header_limits)
         record = Version(
             model=model,
             version=0,
-            data=upload.data,
-            sha256=digest,
+            data=data,
+            sha256=sha256 or "",
             created=0.0,
             metadata=dict(upload.metadata or {}),
             header=header,
             pinned=upload.pin,
             group=group,
-            xxh3=xxh3_hex(upload.data),
-            tensor_xxh3=tensor_digests(upload.data, header),
+            xxh3=xxh3,
+            tensor_xxh3=digests.tensor_xxh3 if digests is not None else tensor_digests(data, header),
         )
         if self._describe is None:
             return record
-        # Measured as it will be at its largest: the largest number, pinned.
-        size = self._describe(dataclasses.replace(record, version=MAX_VERSION, created=time.time(), pinned=True))
+        # Measured as it will be at its largest: the largest number, pinned, its sha256 known.
+        largest = dataclasses.replace(record, version=MAX_VERSION, created=time.time(), pinned=True, sha256="0" * 64)
+        size = self._describe(largest)
         if size > MAX_DESCRIPTION_BYTES:
             raise DescriptionTooLarge(
                 f"model {model!r}: the version's description (names, shapes and digests of {len(header.tensors)} "
@@ -508,6 +565,72 @@ class VersionStore:
         self._remove_files(evicted)
         return updated
 
+    # ------------------------------------------------------------------ background sha256
+    def sha256_of(self, record: Version) -> Future[str]:
+        """A future of the sha256 of `record`'s bytes: done at once when it is known, else done
+        when the background worker has hashed them. It fails with VersionNotFound when the
+        version was evicted or deleted before it was hashed (its job is dropped; a caller still
+        holding `record` may hash `record.data` itself), or ServerUnavailable once the store is
+        closed. Nobody can cancel it: several callers may wait on the same one."""
+        if record.sha256:
+            return _done_future(record.sha256)
+        with self._lock:
+            pending = self._pending_sha256.get((record.model, record.version))
+            if pending is not None:
+                return pending
+            state = self._models.get(record.model)
+            current = state.versions.get(record.version) if state is not None else None
+        if current is not None and current.sha256:
+            return _done_future(current.sha256)
+        failed: Future[str] = _running_future()
+        failed.set_exception(self._gone(record))
+        return failed
+
+    def _worker(self) -> ThreadPoolExecutor | None:
+        """The thread that computes sha256s after commits (started on first need); None once
+        the store is closed."""
+        with self._lock:
+            if not self._closed and self._sha256_worker is None:
+                self._sha256_worker = ThreadPoolExecutor(1, thread_name_prefix="weightserver-sha256")
+            return self._sha256_worker
+
+    def _hash_later(self, record: Version) -> None:
+        """Queue `record` (just committed with sha256 "") for the background worker."""
+        worker = self._worker()
+        if worker is not None:
+            with contextlib.suppress(RuntimeError):  # closed meanwhile
+                worker.submit(self._hash_pending, record)
+                return
+        self._hash_pending(record)  # closed: fails the future at once
+
+    def _hash_pending(self, record: Version) -> None:
+        """The worker's job: hash a retained version and put its sha256 in its record. A pin that
+        replaced the record meanwhile is kept (both take the model's commit lock), and a later
+        pin keeps the sha256 (it replaces the record this puts in place)."""
+        key = (record.model, record.version)
+        state = self._models[record.model]
+        with self._lock:
+            future = self._pending_sha256[key]
+            if self._closed or record.version not in state.versions:
+                del self._pending_sha256[key]
+                future.set_exception(self._gone(record))
+                return
+        digest = sha256_hex(record.data)
+        with state.commit_lock, self._lock:
+            current = state.versions.get(record.version)
+            if current is not None:  # else deleted or evicted while it was being hashed
+                state.versions[record.version] = dataclasses.replace(current, sha256=digest)
+            del self._pending_sha256[key]
+        future.set_result(digest)
+
+    def _gone(self, record: Version) -> WeightServerError:
+        """Why a pending sha256 will not be computed."""
+        if self._closed:
+            return ServerUnavailable(f"model {record.model!r} v{record.version}: the server is stopping")
+        return VersionNotFound(
+            f"model {record.model!r}: version {record.version} was evicted or deleted before its sha256 was computed"
+        )
+
     def _retained(self, model: str) -> _Model:
         """The state of `model` if it retains versions, else ModelNotFound. Caller holds the lock."""
         state = self._models.get(validate_model_name(model))
@@ -525,10 +648,14 @@ class VersionStore:
         stem = self._model_dir(model) / f"{version:012d}"
         return stem.with_suffix(_DATA_SUFFIX), stem.with_suffix(_MANIFEST_SUFFIX)
 
-    def _write_group(self, records: list[Version]) -> None:
+    def _write_group(self, records: list[Version]) -> list[Version]:
         """Every data file first, then every manifest: a crash leaves either no manifest of the
         group (debris, removed on start) or some, which `_drop_torn_groups` detects. A write
-        that fails removes what the group wrote, manifests first, so a full disk stays no fuller."""
+        that fails removes what the group wrote, manifests first, so a full disk stays no fuller.
+
+        A record without a sha256 is hashed in a thread while the data files are written and
+        fsynced, so that its manifest carries it; returns the records with their sha256s."""
+        hashing = {i: _hashed_aside(record.data) for i, record in enumerate(records) if not record.sha256}
         written: list[Path] = []
         try:
             with self._disk_writes():
@@ -536,6 +663,10 @@ class VersionStore:
                     self._model_dir(record.model).mkdir(parents=True, exist_ok=True)
                     written.append(self._paths(record.model, record.version)[0])
                     _atomic_write(written[-1], record.data)
+                records = [
+                    dataclasses.replace(record, sha256=hashing[i].result()) if i in hashing else record
+                    for i, record in enumerate(records)
+                ]
                 for record in records:
                     written.append(self._paths(record.model, record.version)[1])
                     self._write_manifest(record)
@@ -543,6 +674,7 @@ class VersionStore:
             for path in reversed(written):
                 _remove_logged(path)
             raise
+        return records
 
     @contextlib.contextmanager
     def _disk_writes(self) -> Iterator[None]:
@@ -783,6 +915,34 @@ def _call_logged(callback: Callable[[Version], None], record: Version) -> None:
         log.exception("%r failed on %s v%d", callback, record.model, record.version)
 
 
+def _hashed_aside(data: bytes | bytearray | memoryview) -> Future[str]:
+    """The sha256 of `data`, computed in a thread of its own while the caller goes on (hashlib
+    lets go of the GIL)."""
+    future = _running_future()
+
+    def run() -> None:
+        try:
+            future.set_result(sha256_hex(data))
+        except BaseException as exc:
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="weightserver-sha256", daemon=True).start()
+    return future
+
+
+def _running_future() -> Future[str]:
+    """A future that nobody can cancel (it is marked running): for sha256s several callers wait on."""
+    future: Future[str] = Future()
+    future.set_running_or_notify_cancel()
+    return future
+
+
+def _done_future(result: str) -> Future[str]:
+    future = _running_future()
+    future.set_result(result)
+    return future
+
+
 def _checked_publish_id(publish_id: str) -> str:
     if publish_id and not _PUBLISH_ID.fullmatch(publish_id):
         raise InvalidRequest(
@@ -822,7 +982,7 @@ def _repeated(
                 f"publish id {publish_id!r} committed version {first.version} of {_names(names)}, but {name!r} "
                 "no longer retains it (evicted or deleted); nothing was published again"
             )
-        if record.sha256 != new.sha256:
+        if record.xxh3 != new.xxh3:
             raise InvalidRequest(
                 f"publish id {publish_id!r} was already used by version {record.version} of {name!r} with other "
                 "bytes; a retry sends the same bytes, a new publish needs a new id"

@@ -121,12 +121,14 @@ class WeightClient(WeightServiceClient):
         timeout: float | None = None,
         wait: bool = True,
         publish_id: str | None = None,
+        transport: str = "auto",
     ) -> int | PublishFuture:
         """Publish `weights` (an nn.Module, a TensorDict or a state dict) as a new version of
         `model`; return its number once the server committed it. wait=False: snapshot the
         weights and return a `PublishFuture` at once (see weightclient.background_publisher).
         `publish_id`: the idempotency key (default: a new one); pass it again to retry a publish
-        whose reply was lost without committing it twice.
+        whose reply was lost without committing it twice. `transport`: "auto" (shared memory on
+        the server's host, else bulk TCP, else the stream), "shm", "bulk" or "stream".
         """
         return self.publish_group(
             {model: weights},
@@ -136,6 +138,7 @@ class WeightClient(WeightServiceClient):
             timeout=timeout,
             wait=wait,
             publish_id=publish_id,
+            transport=transport,
         )
 
     def publish_group(
@@ -148,6 +151,7 @@ class WeightClient(WeightServiceClient):
         timeout: float | None = None,
         wait: bool = True,
         publish_id: str | None = None,
+        transport: str = "auto",
     ) -> int | PublishFuture:
         """Publish several models (e.g. ``{"policy": actor, "critic": critic}``) under ONE
         version number, committed together; return that number (a `PublishFuture` with
@@ -156,11 +160,23 @@ class WeightClient(WeightServiceClient):
             publisher = self._background()
             snapshot = {model: tensor_codec.snapshot(w, into=publisher.spare_buffer()) for model, w in weights.items()}
             return publisher.submit(
-                snapshot, version=version, metadata=metadata, pin=pin, timeout=timeout, publish_id=publish_id
+                snapshot,
+                version=version,
+                metadata=metadata,
+                pin=pin,
+                timeout=timeout,
+                publish_id=publish_id,
+                transport=transport,
             )
         encoded = {model: tensor_codec.encode(w) for model, w in weights.items()}
         infos = self.publish_group_bytes(
-            encoded, version=version, metadata=metadata, pin=pin, timeout=timeout, publish_id=publish_id
+            encoded,
+            version=version,
+            metadata=metadata,
+            pin=pin,
+            timeout=timeout,
+            publish_id=publish_id,
+            transport=transport,
         )
         return infos[0].version
 

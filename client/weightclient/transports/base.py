@@ -2,8 +2,10 @@
 
 A fetch gets an `Offer` (from Negotiate, or the head of the Fetch stream) and hands it to the
 transport it names, which receives the bytes into a buffer or scatters the tensors into the
-caller's views ("placed"); a publish hands a transport its files. Transports move bytes and
-say when they cannot (`TransportFailed`); the caller verifies and falls back.
+caller's views ("placed"). A publish negotiates each model's transport the same way: a fast
+transport moves the bytes where the server said (`upload`), and the Publish stream then names
+the upload instead of carrying chunks. Transports move bytes and say when they cannot
+(`TransportFailed`); the caller verifies and falls back.
 """
 
 from __future__ import annotations
@@ -56,10 +58,12 @@ class Offer:
 
 @dataclass(frozen=True)
 class OutgoingFile:
-    """One model's safetensors file to publish: its header and its bytes as consecutive parts."""
+    """One model's safetensors file to publish: its header and its bytes as consecutive parts,
+    or, once a fast transport moved them, the id of that upload (`uploaded`)."""
 
     header: pb.PublishHeader
     parts: Sequence[memoryview]
+    uploaded: str = ""
 
 
 class Transport(Protocol):
@@ -68,12 +72,13 @@ class Transport(Protocol):
 
     name: ClassVar[str]  # "stream", "bulk" or "shm": what FetchStats.transport reports
     kind: ClassVar[int]  # its pb.Transport value, as negotiated
-    sends: ClassVar[bool]  # whether it carries publishes yet
 
-    def send(
-        self, files: Sequence[OutgoingFile], *, timeout: float | None, progress: Progress | None
-    ) -> pb.PublishResponse:
-        """Publish `files` as one version; the server's reply. NotOffered where it cannot."""
+    def upload(
+        self, payload: pb.Payload, parts: Sequence[memoryview], *, deadline: float | None, progress: Progress | None
+    ) -> str:
+        """Move one model's file (`parts`, consecutive) where a publish's Negotiate answer
+        says; the xxh3-128 (hex) of the bytes moved, hashed on the way. NotOffered for the
+        stream, which carries a publish's bytes in the Publish call itself."""
         ...
 
     def receive(self, offer: Offer, *, into: memoryview | None, progress: Progress | None) -> memoryview:

@@ -3,7 +3,9 @@
 A gRPC stream of 1 MiB messages tops out near 0.6x of one loopback TCP connection in Python,
 so a fetch may get a ticket instead: the client sends its 16 bytes on a kept-open connection
 and receives exactly the payload's bytes with `recv_into`, straight into its buffer or into
-the placed tensors. Publishing over bulk is not offered yet.
+the placed tensors. A publish's ticket goes the other way: the client sends the ticket, then
+the file's bytes straight from the tensors (hashing each block just before it goes, while it
+is in cache), and waits for the server's one-byte ACK that every byte is in.
 
 Every recv waits at most what is left of the fetch's deadline (DeadlineExceeded), and at most
 FIRST_BYTE_TIMEOUT for the first byte after the ticket (a server that reads a ticket sends at
@@ -20,8 +22,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import ClassVar, TypeVar
 
+import xxhash
+
 from weightclient.placement import PlacedReceiver
-from weightclient.transports.base import NotOffered, Offer, OutgoingFile, Progress, TransportFailed, receive_buffer
+from weightclient.transports.base import Offer, Progress, TransportFailed, receive_buffer
 from weightserver.errors import DeadlineExceeded
 from weightserver.v1 import weights_pb2 as pb
 
@@ -29,6 +33,8 @@ CONNECT_TIMEOUT = 2.0
 FIRST_BYTE_TIMEOUT = 5.0
 STALL_TIMEOUT = 30.0
 SOCKET_BUFFER = 8 << 20
+SEND_BLOCK = 2 << 20  # a publish hashes and sends this much at a time
+ACK = b"\x01"
 T = TypeVar("T")
 
 
@@ -37,7 +43,6 @@ class BulkTransport:
 
     name: ClassVar[str] = "bulk"
     kind: ClassVar[int] = pb.TRANSPORT_BULK
-    sends: ClassVar[bool] = False
 
     def __init__(self, host: str) -> None:
         self.host = host
@@ -45,10 +50,31 @@ class BulkTransport:
         self._socket: socket.socket | None = None
         self._port: int | None = None
 
-    def send(
-        self, files: Sequence[OutgoingFile], *, timeout: float | None, progress: Progress | None
-    ) -> pb.PublishResponse:
-        raise NotOffered("publishing over bulk TCP is not offered yet; publishes use the gRPC stream")
+    def upload(
+        self, payload: pb.Payload, parts: Sequence[memoryview], *, deadline: float | None, progress: Progress | None
+    ) -> str:
+        total = payload.byte_size
+        if sum(part.nbytes for part in parts) != total:
+            raise TransportFailed(f"the server expects {total} bytes, not {sum(p.nbytes for p in parts)}")
+
+        def send(conn: socket.socket) -> str:
+            hasher = xxhash.xxh3_128()
+            sent = 0
+            for part in parts:
+                for start in range(0, part.nbytes, SEND_BLOCK):
+                    block = part[start : start + SEND_BLOCK]
+                    hasher.update(block)
+                    conn.settimeout(_wait(STALL_TIMEOUT, deadline))
+                    conn.sendall(block)
+                    sent += block.nbytes
+                    if progress is not None:
+                        progress(sent, total)
+            ack = bytearray(1)
+            if _recv_some(conn, memoryview(ack), started=True, deadline=deadline) != 1 or ack != ACK:
+                raise OSError(f"the bulk port answered {bytes(ack)!r}, not its acknowledgement")
+            return hasher.hexdigest()
+
+        return self._transfer(payload.bulk.port, payload.bulk.ticket, "an upload", deadline, send)
 
     def receive(self, offer: Offer, *, into: memoryview | None, progress: Progress | None) -> memoryview:
         buffer = receive_buffer(offer.payload.byte_size, into)
@@ -59,7 +85,7 @@ class BulkTransport:
                 received += _recv_some(conn, buffer[received:], started=received > 0, deadline=offer.deadline)
             return buffer
 
-        return self._transfer(offer, fill)
+        return self._transfer(offer.payload.bulk.port, offer.payload.bulk.ticket, offer.label, offer.deadline, fill)
 
     def receive_placed(self, offer: Offer, views: Mapping[str, memoryview]) -> list[str]:
         def fill(conn: socket.socket) -> list[str]:
@@ -73,32 +99,35 @@ class BulkTransport:
                 raise TransportFailed(f"bulk payload of {offer.label} does not match its description: {exc}") from exc
             return receiver.bad()
 
-        return self._transfer(offer, fill)
+        return self._transfer(offer.payload.bulk.port, offer.payload.bulk.ticket, offer.label, offer.deadline, fill)
 
     def close(self) -> None:
         with self._lock:
             self._close()
 
-    def _transfer(self, offer: Offer, read: Callable[[socket.socket], T]) -> T:
-        port, ticket = offer.payload.bulk.port, offer.payload.bulk.ticket
+    def _transfer(
+        self, port: int, ticket: bytes, label: str, deadline: float | None, exchange: Callable[[socket.socket], T]
+    ) -> T:
+        """Send `ticket` on the kept connection to `port` (a fresh one if needed), then let
+        `exchange` move the bytes."""
         with self._lock:
             fresh = self._socket is None or self._port != port
             try:
                 try:
-                    return self._send_ticket(port, ticket, read, offer.deadline)
+                    return self._send_ticket(port, ticket, exchange, deadline)
                 except (ConnectionError, EOFError):
                     self._close()
                     if fresh:
                         raise
                 # A kept connection the server closed meanwhile: the ticket is unused, try afresh.
-                return self._send_ticket(port, ticket, read, offer.deadline)
+                return self._send_ticket(port, ticket, exchange, deadline)
             except (OSError, EOFError) as exc:
                 self._close()
-                raise TransportFailed(f"bulk transfer of {offer.label} from {self.host}:{port} failed ({exc})") from exc
+                raise TransportFailed(f"bulk transfer of {label} with {self.host}:{port} failed ({exc})") from exc
             except DeadlineExceeded as exc:
                 self._close()
                 raise DeadlineExceeded(
-                    f"bulk transfer of {offer.label} from {self.host}:{port} did not finish within the fetch's "
+                    f"bulk transfer of {label} with {self.host}:{port} did not finish within the call's "
                     f"timeout ({exc}); the connection was dropped"
                 ) from None
             except BaseException:

@@ -4,14 +4,18 @@ The server names the file (Negotiate); the client maps it copy-on-write or, plac
 each tensor's blocks into the caller's views (`block_reader`). Once handed a version's own
 file, it reads later exact versions by their header files without asking (`read_directly`,
 layout in `weightserver.shm_layout`); anything unexpected sends the fetch to the server.
-Publishing through shared memory is not offered yet.
+A publish writes the model's file straight from the tensors into the upload file the server
+created for it (`pwrite`: one copy, and no page faults in this process), hashing each block
+while it is in cache.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import re
 import stat
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -22,12 +26,16 @@ from google.protobuf.message import DecodeError
 
 from weightclient.block_reader import read_blocks
 from weightclient.placement import BLOCK_BYTES, PREFIX_BYTES, layout, mismatched
-from weightclient.transports.base import NotOffered, Offer, OutgoingFile, PayloadGone, Progress, TransportFailed
+from weightclient.transports.base import Offer, PayloadGone, Progress, TransportFailed
 from weightclient.version_info import VersionInfo
+from weightserver.errors import DeadlineExceeded
 from weightserver.shm_layout import header_file_name, version_file_name
 from weightserver.v1 import weights_pb2 as pb
 
 MAX_HEADER_BYTES = 64 << 20  # far above any real manifest; a larger file is not one of ours
+WRITE_BLOCK = 4 << 20  # a publish writes and hashes this much at a time
+# The name of a file the server made for a publish to write: anything else is not written to.
+UPLOAD_FILE = re.compile(r"upload-[0-9a-f]+\.tmp")
 
 
 class SharedMemoryTransport:
@@ -35,15 +43,31 @@ class SharedMemoryTransport:
 
     name: ClassVar[str] = "shm"
     kind: ClassVar[int] = pb.TRANSPORT_SHARED_MEMORY
-    sends: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self._folders: dict[str, SharedMemoryDirectory] = {}  # per model, once a version's file was read
 
-    def send(
-        self, files: Sequence[OutgoingFile], *, timeout: float | None, progress: Progress | None
-    ) -> pb.PublishResponse:
-        raise NotOffered("publishing through shared memory is not offered yet; publishes use the gRPC stream")
+    def upload(
+        self, payload: pb.Payload, parts: Sequence[memoryview], *, deadline: float | None, progress: Progress | None
+    ) -> str:
+        """Write `parts` into the server's upload file: only a regular file of exactly the
+        announced size, named as the server names uploads, and not through a link."""
+        path, total = payload.shared_memory.path, payload.byte_size
+        if not UPLOAD_FILE.fullmatch(os.path.basename(path)) or sum(p.nbytes for p in parts) != total:
+            raise TransportFailed(f"{path} is not an upload file of {total} bytes")
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW)
+        except OSError as exc:
+            raise TransportFailed(f"cannot open {path} for writing here ({exc})") from exc
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != total or st.st_nlink != 1:
+                raise TransportFailed(f"{path} is not an upload file of {total} bytes")
+            return _write_hashed(fd, parts, total, deadline, progress)
+        except OSError as exc:
+            raise TransportFailed(f"cannot write {path}: {exc}") from exc
+        finally:
+            os.close(fd)
 
     def receive(self, offer: Offer, *, into: memoryview | None, progress: Progress | None) -> memoryview:
         """The file mapped copy-on-write: reading costs no copy, a write to a tensor viewing it
@@ -107,6 +131,28 @@ class SharedMemoryTransport:
         if not os.path.exists(path) and os.path.isdir(os.path.dirname(path)):
             return PayloadGone(f"{path} was removed before it could be read")
         return TransportFailed(f"cannot open {path} here ({exc})")
+
+
+def _write_hashed(
+    fd: int, parts: Sequence[memoryview], total: int, deadline: float | None, progress: Progress | None
+) -> str:
+    """pwrite `parts` one after another from offset 0, each block hashed after it is written
+    (still in cache); their xxh3-128."""
+    hasher = xxhash.xxh3_128()
+    offset = 0
+    for part in parts:
+        for start in range(0, part.nbytes, WRITE_BLOCK):
+            if deadline is not None and time.monotonic() > deadline:
+                raise DeadlineExceeded(f"writing the upload took longer than the call's timeout ({offset} bytes in)")
+            block = part[start : start + WRITE_BLOCK]
+            written = 0
+            while written < block.nbytes:  # a write may be short (a signal, or over 2 GiB)
+                written += os.pwrite(fd, block[written:], offset + written)
+            hasher.update(block)
+            offset += block.nbytes
+            if progress is not None:
+                progress(offset, total)
+    return hasher.hexdigest()
 
 
 def _read_placed(fd: int, info: VersionInfo, views: Mapping[str, memoryview]) -> list[str]:

@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 import grpc
 
 from weightclient.placement import PlacedReceiver
-from weightclient.transports.base import Offer, OutgoingFile, Progress, receive_buffer
+from weightclient.transports.base import NotOffered, Offer, OutgoingFile, Progress, receive_buffer
 from weightclient.version_info import VersionInfo
 from weightserver import framing
 from weightserver.errors import IntegrityError
@@ -21,7 +21,6 @@ class StreamTransport:
 
     name: ClassVar[str] = "stream"
     kind: ClassVar[int] = pb.TRANSPORT_STREAM
-    sends: ClassVar[bool] = True
 
     def __init__(self, channel: grpc.Channel, metadata: Any, chunk_bytes: int) -> None:
         self.chunk_bytes = chunk_bytes
@@ -41,15 +40,26 @@ class StreamTransport:
     def send(
         self, files: Sequence[OutgoingFile], *, timeout: float | None, progress: Progress | None
     ) -> pb.PublishResponse:
+        """Publish `files` as one version (a Publish call); the server's reply."""
         return self._publish(self._publish_messages(files, progress), timeout=timeout, metadata=self._metadata)
 
+    def upload(
+        self, payload: pb.Payload, parts: Sequence[memoryview], *, deadline: float | None, progress: Progress | None
+    ) -> str:
+        raise NotOffered("the stream carries a publish's bytes in the Publish call itself (send)")
+
     def _publish_messages(self, files: Sequence[OutgoingFile], progress: Progress | None) -> Iterator[Any]:
-        """Each header followed by its parts re-cut into chunks (small parts are merged), then
-        the commit. `progress` hears of each chunk once gRPC has taken it."""
+        """Each header followed by its parts re-cut into chunks (small parts are merged), or by
+        the upload that moved them, then the commit. `progress` hears of each chunk once gRPC
+        has taken it."""
         total = sum(f.header.total_bytes for f in files)
         sent = 0
         for file in files:
             yield pb.PublishRequest(header=file.header)
+            if file.uploaded:
+                yield pb.PublishRequest(uploaded=pb.PublishUploaded(upload=file.uploaded))
+                sent += file.header.total_bytes
+                continue
             pending: list[memoryview] = []
             pending_bytes = 0
             for view in file.parts:

@@ -1,0 +1,170 @@
+"""StagedUploads: a publish's bytes moved outside the Publish stream, until a Publish names them.
+
+Negotiate (DIRECTION_PUBLISH) sets up one model's upload: a buffer of the announced size (a
+file in the shared-memory folder when there is one, so a committed version is served from
+there without a copy) and an id. The bytes then arrive over bulk TCP (the endpoint hashes
+each stretch as it lands) or are written by a same-host publisher straight into the file
+(hashed once it says it is done). A Publish stream names the id after the model's header; the
+upload is then the stream's, and goes with it. Uploads nobody names expire.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from weightserver.digests import FileDigests, IncomingDigests
+from weightserver.errors import (
+    IntegrityError,
+    InvalidRequest,
+    TooManyUploads,
+    UploadNotFound,
+    WeightServerError,
+    clipped_repr,
+)
+from weightserver.shared_memory import SharedMemoryUpload
+
+log = logging.getLogger(__name__)
+
+UPLOAD_TTL_SECONDS = 60.0
+MAX_STAGED_UPLOADS = 64  # set up and not yet named: each may hold a model's size of memory
+
+
+@dataclass(eq=False)
+class StagedUpload:
+    """One model's bytes, arriving or arrived, outside a Publish stream."""
+
+    id: str
+    model: str
+    total_bytes: int
+    transport: str  # "bulk" or "shm": who writes the buffer
+    buffer: memoryview = field(repr=False)
+    file: SharedMemoryUpload | None = field(repr=False)  # the buffer's file, in shared memory
+    digests: IncomingDigests = field(repr=False)
+    expires: float
+    received: bool = False  # every byte is in the buffer (bulk); a shm writer says so by naming it
+    failure: BaseException | None = None  # why the transfer stopped short
+
+    def arrived(self, end: int) -> None:
+        """Bytes [0, end) are in (bulk): hash the new ones while they are in cache. A transfer
+        that moves keeps the upload from expiring."""
+        self.digests.advance(end)
+        self.expires = time.monotonic() + UPLOAD_TTL_SECONDS
+
+    def transferred(self, error: BaseException | None) -> None:
+        """The bulk endpoint's word on the transfer: all bytes in, or why not."""
+        if error is None:
+            self.received = True
+        else:
+            self.failure = error
+        self.expires = time.monotonic() + UPLOAD_TTL_SECONDS
+
+    def finish(self) -> FileDigests:
+        """The digests of the bytes, once they are all in (hashing what a shared-memory writer
+        put in the file now; a bulk upload was hashed as it arrived). Blocks: call it off the
+        event loop. IntegrityError when the transfer fell short."""
+        if self.transport == "shm":
+            self.digests.advance(self.total_bytes)
+        elif not self.received:
+            if isinstance(self.failure, WeightServerError):
+                raise self.failure  # bytes that are no safetensors file: the check's own error
+            why = (str(self.failure) or type(self.failure).__name__) if self.failure else "it has not finished"
+            raise IntegrityError(
+                f"model {self.model!r}: the bulk upload of {self.total_bytes} bytes did not arrive whole ({why}); "
+                "publish again"
+            )
+        return self.digests.finish()
+
+    def discard(self) -> None:
+        """Let the bytes go (a file is removed; a commit has moved it away already)."""
+        if self.file is not None and self.file.path.exists():
+            self.file.abort()
+
+
+class StagedUploads:
+    """The uploads set up and not yet named by a Publish stream, by id."""
+
+    def __init__(self, header_limits: dict, *, max_uploads: int = MAX_STAGED_UPLOADS) -> None:
+        self._header_limits = header_limits
+        self._max = max_uploads
+        self._lock = threading.Lock()
+        self._uploads: dict[str, StagedUpload] = {}
+
+    def create(
+        self, model: str, total_bytes: int, transport: str, new_file: Callable[[], SharedMemoryUpload | None]
+    ) -> StagedUpload:
+        """A new upload of `total_bytes` for `model`, in the file `new_file()` makes (None:
+        in anonymous memory, which is committed page by page as bytes arrive)."""
+        self._expire()
+        with self._lock:
+            if len(self._uploads) >= self._max:
+                raise TooManyUploads(
+                    f"{len(self._uploads)} publishes over bulk or shared memory are set up and not yet committed, "
+                    f"the most this server holds; finish or cancel those (they expire {UPLOAD_TTL_SECONDS:.0f} s "
+                    "after Negotiate) or publish over the stream"
+                )
+        file = new_file()
+        if file is None and transport == "shm":
+            raise OSError("no room in the shared-memory folder")
+        if file is not None:
+            buffer = file.buffer
+        else:
+            buffer = memoryview(mmap.mmap(-1, total_bytes) if total_bytes else bytearray())
+        upload = StagedUpload(
+            id=secrets.token_hex(16),
+            model=model,
+            total_bytes=total_bytes,
+            transport=transport,
+            buffer=buffer,
+            file=file,
+            digests=IncomingDigests(buffer, header_limits=self._header_limits),
+            expires=time.monotonic() + UPLOAD_TTL_SECONDS,
+        )
+        with self._lock:
+            self._uploads[upload.id] = upload
+        return upload
+
+    def take(self, upload_id: str, model: str, total_bytes: int) -> StagedUpload:
+        """The upload `upload_id`, now the caller's: it must be for `model` and `total_bytes`."""
+        self._expire()
+        with self._lock:
+            upload = self._uploads.pop(upload_id, None)
+        if upload is None:
+            raise UploadNotFound(
+                f"model {model!r}: upload {clipped_repr(upload_id)} is unknown, used already or expired (uploads "
+                f"expire {UPLOAD_TTL_SECONDS:.0f} s after Negotiate, and a server restart forgets them); publish again"
+            )
+        if upload.model != model or upload.total_bytes != total_bytes:
+            upload.discard()
+            raise InvalidRequest(
+                f"model {model!r}: upload {upload_id} was set up for {upload.model!r} with {upload.total_bytes} "
+                f"bytes, but the header says {total_bytes} bytes of {model!r}"
+            )
+        return upload
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._uploads)
+
+    def close(self) -> None:
+        with self._lock:
+            uploads, self._uploads = list(self._uploads.values()), {}
+        for upload in uploads:
+            upload.discard()
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            expired = [u for u in self._uploads.values() if u.expires < now]
+            for upload in expired:
+                del self._uploads[upload.id]
+        for upload in expired:
+            log.info(
+                "upload %s of %r (%s) expired unused; its bytes are dropped", upload.id, upload.model, upload.transport
+            )
+            upload.discard()
