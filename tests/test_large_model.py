@@ -148,13 +148,20 @@ def test_fetch_tensors_into_a_reused_buffer(large: LargeModel) -> None:
     assert digest_of(weight) == large.digest
 
 
-def test_a_kept_bulk_connection_lets_go_of_the_payload_it_sent(server: WeightServer, client: WeightClient) -> None:
+@pytest.mark.parametrize("direction", ["fetch", "publish"])
+def test_a_kept_bulk_connection_lets_go_of_the_bytes_it_moved(
+    server: WeightServer, client: WeightClient, direction: str
+) -> None:
     """A client keeps its bulk connection open for its next ticket; while it waits, the server
-    must not keep the last payload it sent alive: a version evicted or deleted meanwhile would
-    stay in memory (a second 4 GiB beside the new version of a large model) until that client
-    fetched again or sat idle for IDLE_CONNECTION_SECONDS."""
-    version = client.publish({"w": torch.ones(1024)}, model=MODEL)
-    assert client.fetch_bytes(MODEL, transport="bulk").stats.transport == "bulk"
+    must not keep the last payload it sent (or the upload it received) alive: a version evicted
+    or deleted meanwhile would stay in memory (a second 4 GiB beside the next version of a
+    large model) until that client moved something again or sat idle for IDLE_CONNECTION_SECONDS."""
+    transport = "bulk" if direction == "publish" else "stream"
+    version = client.publish({"w": torch.ones(1024)}, model=MODEL, transport=transport)
+    if direction == "publish":
+        assert client.transports.usable("bulk") is True  # it carried the upload
+    else:
+        assert client.fetch_bytes(MODEL, transport="bulk").stats.transport == "bulk"
     memory = weakref.ref(server.store.get(MODEL, version).data.obj)
     client.delete(MODEL, version)
     gc.collect()

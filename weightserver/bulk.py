@@ -186,6 +186,9 @@ class BulkEndpoint:
             wait = FIRST_TICKET_SECONDS
             ticket = bytearray(TICKET_BYTES)
             while True:
+                # The last transfer's bytes are not held while the connection waits for its next
+                # ticket: their version may be evicted meanwhile, and its memory must go with it.
+                pending = None
                 try:
                     async with asyncio.timeout(wait):
                         await _recv_exactly(loop, conn, memoryview(ticket))
@@ -221,9 +224,6 @@ class BulkEndpoint:
                 log.debug(
                     "bulk: sent %s (%d bytes) to %s in %.1f ms", pending.label, pending.data.nbytes, peer, seconds * 1e3
                 )
-                # Not held while the connection waits for its next ticket: the version may be
-                # evicted meanwhile, and its memory must go with it.
-                pending = None
                 wait = IDLE_CONNECTION_SECONDS
         finally:
             self._closed(conn, owner)
