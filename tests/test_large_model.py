@@ -13,6 +13,7 @@ that they never pass by being skipped there.
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import shutil
 import subprocess
@@ -98,7 +99,7 @@ def large() -> Iterator[LargeModel]:
             module = torch.nn.Module()
             module.weight = torch.nn.Parameter(torch.empty(ELEMENTS), requires_grad=False)
             digest = fill(module.weight, 0)
-            version = client.publish(module, model=MODEL)
+            version = client.publish(module, model=MODEL, transport="stream")
             yield LargeModel(server, client, module, version, digest)
     finally:
         server.stop(grace=0)
@@ -146,6 +147,26 @@ def test_fetch_tensors_into_a_reused_buffer(large: LargeModel) -> None:
     assert buffer.ctypes.data <= weight.data_ptr() < buffer.ctypes.data + size
     assert weight.view(torch.int32)[[0, 2**31 // 4, 2**32 // 4, -1]].tolist() == [0, 2**29, 2**30, ELEMENTS - 1]
     assert digest_of(weight) == large.digest
+
+
+@large_test
+@pytest.mark.parametrize("transport", ["bulk", "shm"])
+def test_publish_over_a_fast_transport(large: LargeModel, transport: str, caplog: pytest.LogCaptureFixture) -> None:
+    """New contents published over bulk TCP or shared memory, then read back placed (over
+    shared memory, the quickest) and compared by digest. The older version is deleted first,
+    so that the server holds one 4 GiB version at a time."""
+    weight = large.module.weight
+    digest = fill(weight, {"bulk": 1, "shm": 2}[transport])
+    large.client.delete(MODEL, large.version)
+    with caplog.at_level(logging.INFO, logger="weightserver.service"):
+        version = large.client.publish(large.module, model=MODEL, transport=transport)
+    large.version, large.digest = version, digest
+    (event,) = [r for r in caplog.records if getattr(r, "event", None) == "publish"]
+    assert event.transport == transport and event.version == version
+    assert large.client.describe(MODEL, version).tensors[0].xxh3 == digest  # hashed by the server as it landed
+    weight.data.view(torch.int32).fill_(-1)
+    result = large.client.fetch(MODEL, version=version, transport="shm", place=lambda info: {"weight": weight})
+    assert result.placed and digest_of(weight) == digest
 
 
 @pytest.mark.parametrize("direction", ["fetch", "publish"])
