@@ -686,8 +686,11 @@ def test_publish_deadline_commits_nothing(server, client, good) -> None:
     with fetching(server.address, {2: good[2]}):
         for _ in range(3):
             with pytest.raises(DeadlineExceeded) as info:
-                client.publish_bytes(MODEL, data, timeout=0.001)
+                client.publish_bytes(MODEL, data, timeout=0.001, transport="stream")
             assert_deadline_exceeded(info)
+        for transport in ("shm", "bulk"):  # the deadline runs out in the transfer, before the Publish call
+            with pytest.raises(DeadlineExceeded):
+                client.publish_bytes(MODEL, data, timeout=0.001, transport=transport)
         time.sleep(0.2)  # anything the server still had in flight has ended
     assert_unchanged(client, good)
 

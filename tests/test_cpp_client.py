@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from waiting import wait_until
 
 from weightserver import WeightServer
 
@@ -67,6 +68,8 @@ def test_cpp_client_ctest(cpp_build: Path, server: WeightServer, tmp_path: Path)
         client.publish({"w": w, "steps": steps}, model="policy", metadata={"step": "7"})
         version = client.publish({"w": w + 1, "steps": steps * 2}, model="policy", metadata={"step": "7"})
         client.publish({"big": torch.arange(big_numel, dtype=torch.float32)}, model="big")
+        # The sha256s the server computes after the commits (the Python client declares xxh3).
+        wait_until(lambda: client.latest("policy").sha256 != "" and client.latest("big").sha256 != "")
         info = client.latest("policy")
         big = client.latest("big")
     assert info.version == version == 2
@@ -106,6 +109,7 @@ def test_cpp_cli_writes_verified_file(cpp_build: Path, server: WeightServer, tmp
 
     with WeightClient(server.address) as client:
         version = client.publish({"w": torch.ones(4, 4)}, model="policy", metadata={"step": "1"})
+        wait_until(lambda: client.latest("policy").sha256 != "")  # computed after the commit
         info = client.latest("policy")
     out = tmp_path / "policy.safetensors"
     result = subprocess.run(

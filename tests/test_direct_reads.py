@@ -46,6 +46,12 @@ def header_file(server, version: int, model: str = MODEL):
     return server.shared_memory.directory / model / f"{version:012d}.header"
 
 
+def settled(server, version: int) -> None:
+    """Wait until the server rewrote the version's header file with the sha256 it computes after
+    the commit: a test's own change to the files must not be overwritten by it."""
+    wait_until(lambda: pb.VersionInfo.FromString(header_file(server, version).read_bytes()).sha256 != "", 10)
+
+
 def learn(client: WeightClient, version: int = 1) -> None:
     """One fetch the server answers: the client learns the model's folder from it."""
     result = client.fetch(MODEL, version=version, transport="shm")
@@ -172,6 +178,7 @@ def test_a_header_that_does_not_match_its_file_sends_the_fetch_to_the_server(ser
     client.publish(weights(1), model=MODEL)
     learn(client)
     client.publish(weights(2), model=MODEL)
+    settled(server, 2)
     path = header_file(server, 2)
     header = pb.VersionInfo.FromString(path.read_bytes())
     header.tensors[0].xxh3 = "0" * 32
@@ -188,6 +195,7 @@ def test_headers_not_to_be_trusted_are_ignored(server, client, damage):
     client.publish(weights(1), model=MODEL)
     learn(client)
     client.publish(weights(2), model=MODEL)
+    settled(server, 2)
     path = header_file(server, 2)
     os.chmod(path, 0o644)
     if damage == "writable by others":
@@ -248,6 +256,7 @@ def test_a_file_damaged_under_its_header_is_refused_everywhere(server, client):
     client.publish(weights(1), model=MODEL)
     learn(client)
     client.publish(weights(2), model=MODEL)
+    settled(server, 2)
     path = header_file(server, 2).with_suffix(".safetensors")
     os.chmod(path, 0o644)
     with open(path, "r+b") as f:

@@ -272,7 +272,10 @@ class _Loop:
         self._loop.call_soon_threadsafe(self._create_task, function, args)
 
     def stop(self) -> None:
-        """Cancel every task, let each finish (closing its connection), stop and close the loop."""
+        """Cancel every task, let each finish (closing its connection), stop and close the loop
+        (once: a second call does nothing)."""
+        if self._loop.is_closed():
+            return
 
         async def cancel_all() -> None:
             tasks = list(self._tasks)

@@ -480,7 +480,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
                     continue
                 answer.payload.bulk.port = self.bulk.port
                 answer.payload.bulk.ticket = self.bulk.issue_upload(
-                    upload.buffer, f"an upload of {header.model}", upload.arrived, upload.transferred
+                    upload.buffer, repr(header.model), upload.arrived, upload.transferred
                 )
             else:
                 continue
@@ -671,7 +671,7 @@ class _IncomingModel:
         # them from scratch, so that the error is the one it always gave (a wrong size or
         # digest before a bad header). Both start with the buffer, at the first chunk.
         self.digests: IncomingDigests | None = None
-        self.sha256: _Sha256Feed | None = None
+        self.sha256_feed: _Sha256Feed | None = None
 
     def add(self, chunk: bytes) -> None:
         if self.staged is not None:
@@ -690,10 +690,10 @@ class _IncomingModel:
         try:
             self.digests.advance(end)
         except InvalidSafetensors:
-            self.digests = self.sha256 = None
+            self.digests = self.sha256_feed = None
             return
-        if self.sha256 is not None:
-            self.sha256.advance(end)
+        if self.sha256_feed is not None:
+            self.sha256_feed.advance(end)
 
     def use(self, staged: StagedUpload) -> None:
         """Take the model's bytes from an upload set up by Negotiate, instead of chunks."""
@@ -715,7 +715,7 @@ class _IncomingModel:
         self.digests = IncomingDigests(self.buffer, header_limits=self.header_limits)
         # sha256 for a header that declares one, or no xxh3 (the commit message then brings the
         # sha256); with only an xxh3 declared, the store computes it after the commit.
-        self.sha256 = _Sha256Feed(self.buffer) if header.sha256 or not header.xxh3 else None
+        self.sha256_feed = _Sha256Feed(self.buffer) if header.sha256 or not header.xxh3 else None
 
     def check_complete(self) -> None:
         if self.received != self.header.total_bytes:
@@ -734,8 +734,8 @@ class _IncomingModel:
             digests = await asyncio.to_thread(self.staged.finish)
         with contextlib.suppress(InvalidSafetensors):  # too short for a header: as above
             digests = self.digests.finish() if self.digests is not None else digests
-        if digests is not None and self.sha256 is not None:
-            digests = dataclasses.replace(digests, sha256=await self.sha256.hexdigest(self.received))
+        if digests is not None and self.sha256_feed is not None:
+            digests = dataclasses.replace(digests, sha256=await self.sha256_feed.hexdigest(self.received))
         return Upload(
             self.header.model,
             self.buffer if self.buffer is not None else memoryview(b""),

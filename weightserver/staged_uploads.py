@@ -5,7 +5,8 @@ file in the shared-memory folder when there is one, so a committed version is se
 there without a copy) and an id. The bytes then arrive over bulk TCP (the endpoint hashes
 each stretch as it lands) or are written by a same-host publisher straight into the file
 (hashed once it says it is done). A Publish stream names the id after the model's header; the
-upload is then the stream's, and goes with it. Uploads nobody names expire.
+upload is then the stream's, and goes with it. Uploads nobody names expire: a sweeper thread,
+running while any upload is staged, drops them and their files.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from weightserver.shared_memory import SharedMemoryUpload
 log = logging.getLogger(__name__)
 
 UPLOAD_TTL_SECONDS = 60.0
+SWEEP_SECONDS = 1.0
 MAX_STAGED_UPLOADS = 64  # set up and not yet named: each may hold a model's size of memory
 
 
@@ -94,6 +96,8 @@ class StagedUploads:
         self._max = max_uploads
         self._lock = threading.Lock()
         self._uploads: dict[str, StagedUpload] = {}
+        self._sweeper: threading.Thread | None = None
+        self._closed = threading.Event()
 
     def create(
         self, model: str, total_bytes: int, transport: str, new_file: Callable[[], SharedMemoryUpload | None]
@@ -127,6 +131,9 @@ class StagedUploads:
         )
         with self._lock:
             self._uploads[upload.id] = upload
+            if self._sweeper is None or not self._sweeper.is_alive():
+                self._sweeper = threading.Thread(target=self._sweep, name="weightserver-upload-sweeper", daemon=True)
+                self._sweeper.start()
         return upload
 
     def take(self, upload_id: str, model: str, total_bytes: int) -> StagedUpload:
@@ -152,10 +159,20 @@ class StagedUploads:
             return len(self._uploads)
 
     def close(self) -> None:
+        self._closed.set()
         with self._lock:
             uploads, self._uploads = list(self._uploads.values()), {}
         for upload in uploads:
             upload.discard()
+
+    def _sweep(self) -> None:
+        """Expire uploads until none is left (the next one starts a new sweeper) or close()."""
+        while not self._closed.wait(SWEEP_SECONDS):
+            self._expire()
+            with self._lock:
+                if not self._uploads:
+                    self._sweeper = None
+                    return
 
     def _expire(self) -> None:
         now = time.monotonic()

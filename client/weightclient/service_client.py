@@ -253,22 +253,26 @@ class WeightServiceClient:
         deadline: float | None,
         progress: Progress | None,
     ) -> str:
-        """Move one model's bytes over the fast transport the server picks from `order`, and set
-        the header's xxh3 from them: the upload's id, or "" when the stream is to carry them."""
-        if not header.total_bytes:
-            return ""
-        negotiate = pb.NegotiateRequest(direction=pb.DIRECTION_PUBLISH, accept=[t.kind for t in order], publish=header)
-        answer = self._stub.Negotiate(negotiate, timeout=_remaining(deadline), metadata=self._metadata)
-        if answer.transport == pb.TRANSPORT_STREAM:
-            return ""
-        transport = self.transports.by_kind[answer.transport]
-        try:
-            header.xxh3 = transport.upload(answer.payload, views, deadline=deadline, progress=progress)
-        except TransportFailed as exc:
-            self.transports.failed(transport, exc)
-            return ""
-        self.transports.worked(transport)
-        return answer.upload
+        """Move one model's bytes over the fast transport the server picks from `order` (the
+        next one when it fails here), and set the header's xxh3 from them: the upload's id, or
+        "" when the stream is to carry them. An upload that failed is left to expire on the
+        server."""
+        while order and header.total_bytes:
+            accept = [t.kind for t in order]
+            negotiate = pb.NegotiateRequest(direction=pb.DIRECTION_PUBLISH, accept=accept, publish=header)
+            answer = self._stub.Negotiate(negotiate, timeout=_remaining(deadline), metadata=self._metadata)
+            if answer.transport == pb.TRANSPORT_STREAM:
+                return ""
+            transport = self.transports.by_kind[answer.transport]
+            try:
+                header.xxh3 = transport.upload(answer.payload, views, deadline=deadline, progress=progress)
+            except TransportFailed as exc:
+                self.transports.failed(transport, exc)
+                order = [t for t in order if t is not transport]
+                continue
+            self.transports.worked(transport)
+            return answer.upload
+        return ""
 
     # ------------------------------------------------------------------ fetch
     def fetch_bytes(
