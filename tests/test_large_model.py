@@ -23,13 +23,18 @@ import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import grpc
 import numpy as np
 import pytest
 import torch
 import xxhash
+from waiting import wait_until
 
+import weightserver.bulk as bulk
 from weightclient import WeightClient
 from weightserver import ServerConfig, WeightServer
+from weightserver.v1 import weights_pb2 as pb
+from weightserver.v1 import weights_pb2_grpc as pb_grpc
 
 GiB = 1 << 30
 MODEL = "large"
@@ -187,6 +192,24 @@ def test_a_kept_bulk_connection_lets_go_of_the_bytes_it_moved(
     client.delete(MODEL, version)
     gc.collect()
     assert memory() is None
+
+
+def test_an_unused_bulk_ticket_lets_go_of_its_bytes_when_it_expires(
+    server: WeightServer, client: WeightClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fetcher that negotiated a bulk ticket and never used it (it crashed, or fell back)
+    must not keep the payload in memory past the ticket's expiry, whether or not another
+    ticket is ever issued: it may be a whole large version, evicted meanwhile."""
+    monkeypatch.setattr(bulk, "TICKET_TTL_SECONDS", 0.2)
+    version = client.publish({"w": torch.ones(1024)}, model=MODEL, transport="stream")
+    request = pb.NegotiateRequest(
+        direction=pb.DIRECTION_FETCH, accept=[pb.TRANSPORT_BULK], fetch=pb.FetchRequest(model=MODEL)
+    )
+    with grpc.insecure_channel(server.address) as channel:
+        assert pb_grpc.WeightServiceStub(channel).Negotiate(request, timeout=30).transport == pb.TRANSPORT_BULK
+    memory = weakref.ref(server.store.get(MODEL, version).data.obj)
+    client.delete(MODEL, version)
+    wait_until(lambda: gc.collect() >= 0 and memory() is None, timeout=10)
 
 
 @pytest.mark.parametrize("dtype", ["BF16", "F16"])
