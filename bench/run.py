@@ -3,6 +3,8 @@
     .venv/bin/python bench/run.py [--sizes 16MiB,256MiB] [--large] [--repeats 5]
                                   [--json bench/results.json] [--only ROW,ROW]
 
+--large adds 1GiB to the sizes and the report-only 4 GiB round trip (bench/large.py).
+
 Prints a table (median of the repeats, min-max, unit, the baseline's median, the ratio, the
 target and PASS/FAIL) and writes every raw sample to JSON. Progress goes to stderr. Rows whose
 feature does not exist yet print "n/a (not implemented)". Baselines: memcpy, raw_tcp,
@@ -60,7 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--sizes", default="16MiB,256MiB", help="comma-separated sizes (default: %(default)s)")
-    parser.add_argument("--large", action="store_true", help="also run at 1GiB")
+    parser.add_argument(
+        "--large", action="store_true", help="also run at 1GiB, and the 4 GiB round trip (roundtrip_4gib)"
+    )
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per row and size (default: 5)")
     parser.add_argument("--json", type=Path, default=REPO / "bench" / "results.json", help="raw results file")
     parser.add_argument(
@@ -69,14 +73,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="transport= for the network rows (fetch_live_policy, fanout_8, delta/cast, memory rows) when the "
         "client has one: bulk (default: what 'auto' picks for a collector on another host), stream, auto, shm",
     )
-    parser.add_argument("--only", default="", help=f"comma-separated rows: {', '.join(BASELINES + row_order)}")
+    from bench.large import ROW as LARGE_ROW
+
+    choices = [*BASELINES, *row_order, LARGE_ROW]
+    parser.add_argument("--only", default="", help=f"comma-separated rows: {', '.join(choices)}")
     args = parser.parse_args(argv)
     args.sizes = sorted({parse_size(s) for s in args.sizes.split(",") if s.strip()} | ({GiB} if args.large else set()))
-    known = set(BASELINES) | set(row_order) | set(ALIASES)
+    known = set(choices) | set(ALIASES)
     args.only = [name.strip() for name in args.only.split(",") if name.strip()]
     unknown = [name for name in args.only if name not in known]
     if unknown:
-        parser.error(f"unknown row(s) {', '.join(unknown)}; choose from {', '.join(BASELINES + row_order)}")
+        parser.error(f"unknown row(s) {', '.join(unknown)}; choose from {', '.join(choices)}")
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
     return args
@@ -126,12 +133,13 @@ def environment() -> dict[str, object]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from bench import baselines, rows
+    from bench import baselines, large, rows
     from weightclient import WeightClient
     from weightserver.process import ServerProcess
 
     row_order, sized_rows, needs = row_registry()
-    wanted = {ALIASES.get(name, name) for name in args.only} or set(BASELINES) | set(row_order)
+    everything = set(BASELINES) | set(row_order) | ({large.ROW} if args.large else set())
+    wanted = {ALIASES.get(name, name) for name in args.only} or everything
     needed = {b for b in BASELINES if b in wanted}
     for row in wanted:
         needed |= set(needs.get(row, []))
@@ -174,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         results += guarded(
             "server_rss_16_fetchers", rows.RSS_SIZE, rows.server_rss_16_fetchers, args.repeats, args.transport
         )
+    if large.ROW in wanted:  # last, on a server of its own: it needs the memory the others held
+        results += guarded(large.ROW, large.TENSOR_BYTES, large.roundtrip_4gib, args.repeats)
 
     elapsed = time.perf_counter() - started
     order = {name: i for i, name in enumerate([*BASELINES, "single_collector", *row_order])}

@@ -108,14 +108,21 @@ class BulkEndpoint:
 
     def _issue(self, pending: _Pending) -> bytes:
         ticket = secrets.token_bytes(TICKET_BYTES)
+        self._drop_expired()
+        with self._lock:
+            self._tickets[ticket] = pending
+        # Dropped once expired even if no ticket follows: an unused one holds its bytes (a
+        # whole version, perhaps evicted meanwhile) until it is dropped.
+        self._loops[0].call_later(pending.expires - time.monotonic() + 0.1, self._drop_expired)
+        return ticket
+
+    def _drop_expired(self) -> None:
         now = time.monotonic()
         with self._lock:
             for key in [k for k, p in self._tickets.items() if p.expires < now]:
                 expired = self._tickets.pop(key)
                 if expired.done is not None:
                     expired.done(TimeoutError("the upload ticket expired unused"))
-            self._tickets[ticket] = pending
-        return ticket
 
     def close(self) -> None:
         """Stop accepting, drop every connection (a transfer in flight is cut) and the port."""
@@ -186,6 +193,9 @@ class BulkEndpoint:
             wait = FIRST_TICKET_SECONDS
             ticket = bytearray(TICKET_BYTES)
             while True:
+                # The last transfer's bytes are not held while the connection waits for its next
+                # ticket: their version may be evicted meanwhile, and its memory must go with it.
+                pending = None
                 try:
                     async with asyncio.timeout(wait):
                         await _recv_exactly(loop, conn, memoryview(ticket))
@@ -267,6 +277,12 @@ class _Loop:
     def start(self, function: Callable[..., Coroutine[Any, Any, None]], *args: object) -> None:
         """Run `function(*args)` as a task on this loop (callable from any thread)."""
         self._loop.call_soon_threadsafe(self._create_task, function, args)
+
+    def call_later(self, seconds: float, function: Callable[[], None]) -> None:
+        """Call `function()` on this loop in `seconds` (callable from any thread; nothing once
+        the loop is closed)."""
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._loop.call_later, seconds, function)
 
     def stop(self) -> None:
         """Cancel every task, let each finish (closing its connection), stop and close the loop

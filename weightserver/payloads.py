@@ -46,20 +46,30 @@ class Payload:
         return len(self.data)
 
 
-def cast_f32(data: memoryview, dtype: str) -> bytes:
-    """Little-endian float32 bytes -> `dtype` bytes, rounding to nearest even like torch."""
+CAST_BLOCK_VALUES = 1 << 22  # 16 MiB of float32 at a time: a cast's temporaries stay this small
+
+
+def cast_f32(data: memoryview, dtype: str) -> memoryview:
+    """Little-endian float32 bytes -> `dtype` bytes, rounding to nearest even like torch. Cast
+    block by block into one output buffer: whole-tensor temporaries would add several times a
+    large tensor's size to the server's memory."""
     import numpy as np  # only servers that cast pay for the import
 
     values = np.frombuffer(data, dtype="<f4")
-    if dtype == "F16":
-        with np.errstate(over="ignore"):  # |x| > 65504 becomes inf, as in torch; no RuntimeWarning
-            return values.astype("<f2").tobytes()
-    bits = values.view("<u4")
-    rounded = ((bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16).astype("<u2")
-    nan = np.isnan(values)
-    if nan.any():  # rounding could carry a NaN's payload into infinity: keep it a quiet NaN
-        rounded[nan] = ((bits[nan] >> 16) & 0x8000).astype("<u2") | 0x7FC0
-    return rounded.tobytes()
+    out = np.empty(values.size, dtype="<f2" if dtype == "F16" else "<u2")
+    for start in range(0, values.size, CAST_BLOCK_VALUES):
+        block = values[start : start + CAST_BLOCK_VALUES]
+        if dtype == "F16":
+            with np.errstate(over="ignore"):  # |x| > 65504 becomes inf, as in torch; no RuntimeWarning
+                out[start : start + block.size] = block
+            continue
+        bits = block.view("<u4")
+        rounded = (bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16
+        nan = np.isnan(block)
+        if nan.any():  # rounding could carry a NaN's payload into infinity: keep it a quiet NaN
+            rounded[nan] = ((bits[nan] >> 16) & 0x8000) | 0x7FC0
+        out[start : start + block.size] = rounded
+    return memoryview(out).cast("B")
 
 
 def derive(
