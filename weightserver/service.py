@@ -496,7 +496,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         shared_memory = self.shared_memory
 
         def new_file() -> Any:
-            return shared_memory.new_upload(header.model, header.total_bytes) if shared_memory else None
+            return shared_memory.new_upload(header.model, header.total_bytes, populate=True) if shared_memory else None
 
         try:
             return self.staged.create(header.model, header.total_bytes, transport, new_file)

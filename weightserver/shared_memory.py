@@ -29,6 +29,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from weightserver import page_tables
 from weightserver.shm_layout import FOLDER_MODE, header_file_name, version_file_name
 
 log = logging.getLogger(__name__)
@@ -155,14 +156,15 @@ class SharedMemoryFiles:
             self._files[key] = path
             return path
 
-    def new_upload(self, model: str, size: int) -> SharedMemoryUpload | None:
+    def new_upload(self, model: str, size: int, *, populate: bool = False) -> SharedMemoryUpload | None:
         """A fresh file of `size` bytes, mapped writable, for a publish to receive into: the
         version's bytes then live in shared memory from the start (no extra copy). None when
-        the folder has no room: the publish is received into memory instead."""
+        the folder has no room: the publish is received into memory instead. `populate`: map
+        every page now (see SharedMemoryUpload)."""
         path = self.directory / model / f"upload-{secrets.token_hex(8)}.tmp"
         try:
             path.parent.mkdir(mode=FOLDER_MODE, parents=True, exist_ok=True)
-            return SharedMemoryUpload(path, size)
+            return SharedMemoryUpload(path, size, populate=populate)
         except OSError as exc:
             self._cannot_write(f"a publish of {model!r}", size, exc, "it is received into memory instead")
             return None
@@ -237,8 +239,11 @@ class SharedMemoryFiles:
 class SharedMemoryUpload:
     """A publish's receive buffer backed by a file in the shared-memory directory."""
 
-    def __init__(self, path: Path, size: int) -> None:
-        """OSError (ENOSPC) when the folder has no room for `size` bytes; no file is left."""
+    def __init__(self, path: Path, size: int, *, populate: bool = False) -> None:
+        """OSError (ENOSPC) when the folder has no room for `size` bytes; no file is left.
+        `populate`: fill this process's page table for the mapping in the background
+        (`page_tables`), rather than a page fault at a time while the bytes
+        arrive or are hashed: for an upload set up before its bytes come."""
         self.path = path
         try:
             with open(path, "w+b") as f:
@@ -247,7 +252,10 @@ class SharedMemoryUpload:
                 # and one that a full tmpfs cannot back is a SIGBUS, not an error.
                 _reserve(f.fileno(), size)
                 # A zero-length file cannot be mapped; an empty upload gets a plain buffer.
-                self.buffer: memoryview = memoryview(mmap.mmap(f.fileno(), size)) if size else memoryview(bytearray())
+                mapping = mmap.mmap(f.fileno(), size) if size else None
+                if mapping is not None and populate:
+                    threading.Thread(target=page_tables.populate, args=(mapping,), name="weightserver-populate").start()
+                self.buffer: memoryview = memoryview(mapping) if mapping is not None else memoryview(bytearray())
         except OSError:
             path.unlink(missing_ok=True)
             raise

@@ -591,9 +591,7 @@ class VersionStore:
         the store is closed."""
         with self._lock:
             if not self._closed and self._sha256_worker is None:
-                self._sha256_worker = ThreadPoolExecutor(
-                    1, thread_name_prefix="weightserver-sha256", initializer=_lowest_priority
-                )
+                self._sha256_worker = ThreadPoolExecutor(1, thread_name_prefix="weightserver-sha256")
             return self._sha256_worker
 
     def _hash_later(self, record: Version) -> None:
@@ -875,13 +873,6 @@ def _read_high_water(path: Path) -> int:
     except (ValueError, KeyError, TypeError, OverflowError, OSError) as exc:
         log.error("ignoring %s: %s", path, exc)
         return 0
-
-
-def _lowest_priority() -> None:
-    """Run the calling thread at nice 19: a sha256 computed after a commit (a core for about a
-    second per GB) must not take CPU from the fetches of the version it belongs to."""
-    with contextlib.suppress(OSError, AttributeError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
 def _atomic_write(path: Path, data: bytes | bytearray | memoryview) -> None:

@@ -22,6 +22,7 @@ from weightclient.connection import PathLike, backoff_delay, call_metadata, open
 from weightclient.latest_only_worker import LatestOnlyWorker
 from weightclient.placement import Placement, checked_views
 from weightclient.rpc_errors import translated_rpc_errors
+from weightclient.spare_uploads import SpareUploads
 from weightclient.transports import (
     BulkTransport,
     Offer,
@@ -36,11 +37,13 @@ from weightclient.transports import (
 from weightclient.transports.base import Progress
 from weightclient.version_info import ModelSummary, VersionEvent, VersionInfo
 from weightserver.config import DEFAULT_CHUNK_BYTES, DEFAULT_PORT
-from weightserver.errors import IntegrityError, InvalidRequest, ServerUnavailable
+from weightserver.errors import IntegrityError, InvalidRequest, ServerUnavailable, UploadNotFound
 from weightserver.v1 import weights_pb2 as pb
 from weightserver.v1 import weights_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+
+SPARE_NEGOTIATE_SECONDS = 10.0  # a spare upload's Negotiate, in the background
 
 ADDRESS_ENV = "WEIGHTSERVER_ADDRESS"
 DEFAULT_ADDRESS = f"localhost:{DEFAULT_PORT}"
@@ -126,6 +129,9 @@ class WeightServiceClient:
         self._bulk = BulkTransport(_host_of(self.address))
         self._stream = StreamTransport(self._channel, self._metadata, chunk_bytes)
         self.transports = TransportChain([self._shm, self._bulk], self._stream)
+        self._spares = SpareUploads(
+            lambda request: self._stub.Negotiate(request, timeout=SPARE_NEGOTIATE_SECONDS, metadata=self._metadata)
+        )
         self._reports = LatestOnlyWorker(self._report, "weightclient-fetch-reports")
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -136,6 +142,7 @@ class WeightServiceClient:
     def close(self) -> None:
         """Close the channel (cancels running calls) and the bulk connection."""
         self._reports.close()
+        self._spares.close()
         self._bulk.close()
         self._channel.close()
 
@@ -215,6 +222,29 @@ class WeightServiceClient:
         if not files:
             raise InvalidRequest("publish needs at least one model")
         publish_id = uuid.uuid4().hex if publish_id is None else publish_id
+        options = dict(version=version, metadata=metadata, pin=pin, sha256s=sha256s, progress=progress)
+        try:
+            return self._publish_group(files, publish_id, transport, timeout, spares=True, **options)
+        except UploadNotFound:
+            # An upload set up ahead that the server no longer holds (it restarted): once more,
+            # negotiating afresh. The same publish id: this cannot commit twice.
+            log.info("the server forgot an upload set up ahead; publishing again without it")
+            return self._publish_group(files, publish_id, transport, timeout, spares=False, **options)
+
+    def _publish_group(
+        self,
+        files: Mapping[str, Buffer | Sequence[Buffer]],
+        publish_id: str,
+        transport: str,
+        timeout: float | None,
+        *,
+        spares: bool,
+        version: int,
+        metadata: Mapping[str, str] | None,
+        pin: bool,
+        sha256s: Mapping[str, str | None] | None,
+        progress: Progress | None,
+    ) -> list[VersionInfo]:
         meta = {str(k): str(v) for k, v in (metadata or {}).items()}
         order = self.transports.order(transport)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -237,12 +267,17 @@ class WeightServiceClient:
                     publish_id=publish_id if i == 0 else "",
                 )
                 counted = _shifted(progress, total, grand_total)
-                uploaded = self._upload(header, views, order, deadline, counted) if order else ""
+                uploaded, carrier = self._upload(header, views, order, deadline, counted, spares)
                 if not uploaded:
                     header.xxh3 = _xxh3(views)
-                outgoing.append(OutgoingFile(header, views, uploaded))
+                outgoing.append(OutgoingFile(header, views, uploaded, carrier))
                 total += header.total_bytes
             reply = self._stream.send(outgoing, timeout=_remaining(deadline), progress=progress)
+        # Committed: set up each fast upload's successor while the trainer trains (not before:
+        # on few cores it would slow this publish's commit down).
+        for file in outgoing:
+            if file.transport is not None:
+                self._spares.refill(file.header.model, file.header.total_bytes, file.transport)
         return [VersionInfo.from_proto(v) for v in reply.versions] or [VersionInfo.from_proto(reply.version)]
 
     def _upload(
@@ -252,18 +287,27 @@ class WeightServiceClient:
         order: list[Transport],
         deadline: float | None,
         progress: Progress | None,
-    ) -> str:
+        spares: bool = True,
+    ) -> tuple[str, Transport | None]:
         """Move one model's bytes over the fast transport the server picks from `order` (the
-        next one when it fails here), and set the header's xxh3 from them: the upload's id, or
-        "" when the stream is to carry them. An upload that failed is left to expire on the
-        server."""
-        while order and header.total_bytes:
-            accept = [t.kind for t in order]
-            negotiate = pb.NegotiateRequest(direction=pb.DIRECTION_PUBLISH, accept=accept, publish=header)
-            answer = self._stub.Negotiate(negotiate, timeout=_remaining(deadline), metadata=self._metadata)
-            if answer.transport == pb.TRANSPORT_STREAM:
-                return ""
-            transport = self.transports.by_kind[answer.transport]
+        next one when it fails here), and set the header's xxh3 from them: the upload's id and
+        the transport, or ("", None) when the stream is to carry them. An upload set up ahead (`SpareUploads`) is used
+        first. An upload that failed is left to expire on the server."""
+        model, size = header.model, header.total_bytes
+        spare = self._spares.take(model, size, order) if size else None
+        if spare is not None and not spares:
+            spare.transport.release(spare.answer.payload)
+            spare = None
+        while order and size:
+            if spare is not None:
+                answer = spare.answer
+            else:
+                accept = [t.kind for t in order]
+                negotiate = pb.NegotiateRequest(direction=pb.DIRECTION_PUBLISH, accept=accept, publish=header)
+                answer = self._stub.Negotiate(negotiate, timeout=_remaining(deadline), metadata=self._metadata)
+                if answer.transport == pb.TRANSPORT_STREAM:
+                    return "", None
+            transport, spare = self.transports.by_kind[answer.transport], None
             try:
                 header.xxh3 = transport.upload(answer.payload, views, deadline=deadline, progress=progress)
             except TransportFailed as exc:
@@ -271,8 +315,8 @@ class WeightServiceClient:
                 order = [t for t in order if t is not transport]
                 continue
             self.transports.worked(transport)
-            return answer.upload
-        return ""
+            return answer.upload, transport
+        return "", None
 
     # ------------------------------------------------------------------ fetch
     def fetch_bytes(

@@ -64,6 +64,7 @@ class OutgoingFile:
     header: pb.PublishHeader
     parts: Sequence[memoryview]
     uploaded: str = ""
+    transport: Transport | None = None  # the one that moved them, when uploaded
 
 
 class Transport(Protocol):
@@ -79,6 +80,15 @@ class Transport(Protocol):
         """Move one model's file (`parts`, consecutive) where a publish's Negotiate answer
         says; the xxh3-128 (hex) of the bytes moved, hashed on the way. NotOffered for the
         stream, which carries a publish's bytes in the Publish call itself."""
+        ...
+
+    def prepare(self, payload: pb.Payload) -> None:
+        """Get ready to `upload` into a publish's upload set up ahead (spare_uploads), so the
+        upload itself costs only the copy. `release` undoes it when it goes unused."""
+        ...
+
+    def release(self, payload: pb.Payload) -> None:
+        """Let go of what `prepare` held for `payload`, if anything."""
         ...
 
     def receive(self, offer: Offer, *, into: memoryview | None, progress: Progress | None) -> memoryview:

@@ -76,6 +76,12 @@ class BulkTransport:
 
         return self._transfer(payload.bulk.port, payload.bulk.ticket, "an upload", deadline, send)
 
+    def prepare(self, payload: pb.Payload) -> None:
+        pass  # the server set the buffer up; the kept connection is ready
+
+    def release(self, payload: pb.Payload) -> None:
+        pass
+
     def receive(self, offer: Offer, *, into: memoryview | None, progress: Progress | None) -> memoryview:
         buffer = receive_buffer(offer.payload.byte_size, into)
 

@@ -48,6 +48,12 @@ class StreamTransport:
     ) -> str:
         raise NotOffered("the stream carries a publish's bytes in the Publish call itself (send)")
 
+    def prepare(self, payload: pb.Payload) -> None:
+        raise NotOffered("the stream has no uploads to set up ahead")
+
+    def release(self, payload: pb.Payload) -> None:
+        pass
+
     def _publish_messages(self, files: Sequence[OutgoingFile], progress: Progress | None) -> Iterator[Any]:
         """Each header followed by its parts re-cut into chunks (small parts are merged), or by
         the upload that moved them, then the commit. `progress` hears of each chunk once gRPC
