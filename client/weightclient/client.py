@@ -156,29 +156,15 @@ class WeightClient(WeightServiceClient):
         """Publish several models (e.g. ``{"policy": actor, "critic": critic}``) under ONE
         version number, committed together; return that number (a `PublishFuture` with
         wait=False, as in `publish`)."""
+        options = dict(
+            version=version, metadata=metadata, pin=pin, timeout=timeout, publish_id=publish_id, transport=transport
+        )
         if not wait:
             publisher = self._background()
             snapshot = {model: tensor_codec.snapshot(w, into=publisher.spare_buffer()) for model, w in weights.items()}
-            return publisher.submit(
-                snapshot,
-                version=version,
-                metadata=metadata,
-                pin=pin,
-                timeout=timeout,
-                publish_id=publish_id,
-                transport=transport,
-            )
+            return publisher.submit(snapshot, **options)
         encoded = {model: tensor_codec.encode(w) for model, w in weights.items()}
-        infos = self.publish_group_bytes(
-            encoded,
-            version=version,
-            metadata=metadata,
-            pin=pin,
-            timeout=timeout,
-            publish_id=publish_id,
-            transport=transport,
-        )
-        return infos[0].version
+        return self.publish_group_bytes(encoded, **options)[0].version
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for background publishes (wait=False) to finish and direct fetches to be
