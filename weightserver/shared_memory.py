@@ -225,7 +225,8 @@ class SharedMemoryFiles:
         log.warning(
             "shared-memory folder %s is full (%s): no room for %s (%d bytes), so %s. Same-host "
             "fetches fall back to bulk TCP or the stream until there is room. It needs about "
-            "(--keep + 1) x the model's size, plus derived payloads (deltas, casts): give it more "
+            "(--keep + 2) x the model's size (a publish in flight and the next one set up ahead), plus "
+            "derived payloads (deltas, casts): give it more "
             "(`shm_size` in compose, `docker run --shm-size`), point --shm-dir at a larger tmpfs, or "
             "turn it off with --no-shm. This warning is logged once.",
             self.directory,
