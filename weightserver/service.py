@@ -479,11 +479,15 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
 
     def _stage(self, header: pb.PublishHeader, transport: str) -> StagedUpload | None:
         """A staged upload for `header`'s bytes, in a shared-memory file where there is room
-        (needed for "shm"); None when "shm" finds none."""
-        shared_memory = self.shared_memory
+        (needed for "shm"); None when "shm" finds none. For bulk, this process writes the bytes
+        (`recv_into`), so its page table for the file is filled ahead; a shared-memory writer
+        fills its own, and this process only reads the file once, to hash it."""
+        shared_memory, populate = self.shared_memory, transport == "bulk"
 
         def new_file() -> Any:
-            return shared_memory.new_upload(header.model, header.total_bytes, populate=True) if shared_memory else None
+            if shared_memory is None:
+                return None
+            return shared_memory.new_upload(header.model, header.total_bytes, populate=populate)
 
         try:
             return self.staged.create(header.model, header.total_bytes, transport, new_file)
