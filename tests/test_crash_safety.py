@@ -458,7 +458,8 @@ def test_sigkill_mid_stream_of_a_large_publish(tmp_path):
     server = ServerProcess("--data-dir", str(data_dir), "--shm-dir", str(shm_dir)).start()
     try:
         with WeightClient(server.address, timeout=CALL_TIMEOUT) as client:
-            assert client.publish({"w": torch.ones(4)}, model="policy", metadata={"n": "1"}) == 1
+            # Over the stream: no upload is set up ahead to be found among the temp files below.
+            assert client.publish({"w": torch.ones(4)}, model="policy", metadata={"n": "1"}, transport="stream") == 1
         payload = b"".join(bytes(memoryview(t.numpy())) for t in big_weights(1).values())
         # Raw tensor bytes stand in for the file: the stream stops long before anything checks them.
         total = len(payload)

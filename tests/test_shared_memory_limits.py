@@ -86,7 +86,9 @@ def test_a_version_larger_than_the_shm_tmpfs_is_published_and_fetched_over_the_n
     received into memory, and a fetch that asks for shared memory is offered the next transport."""
     root = small_tmpfs(16)
     with ServerProcess("--shm-dir", str(root)) as server, WeightClient(server.address) as client:
-        assert client.publish(weights(7, 32 * MiB), model=MODEL) == 1
+        # Over the stream: a fast publish would leave the next upload set up ahead among the
+        # temp files checked below (the shared-memory publish: test_publish_transports).
+        assert client.publish(weights(7, 32 * MiB), model=MODEL, transport="stream") == 1
         expected = weights(7, 32 * MiB)["w"]
         used, tensor = fetch_exact(client, 1, "auto")  # shm cannot be written: bulk is offered
         assert used == "bulk" and torch.equal(tensor, expected)
@@ -95,7 +97,7 @@ def test_a_version_larger_than_the_shm_tmpfs_is_published_and_fetched_over_the_n
         cast = client.fetch(MODEL, version=1, dtype="BF16", transport="auto", timeout=60)  # a derived payload
         assert cast.stats.transport == "bulk" and torch.equal(cast.tensors["w"], expected.to(torch.bfloat16))
         # What fits still goes through shared memory.
-        assert client.publish(weights(8, 4 * MiB), model="small") == 1
+        assert client.publish(weights(8, 4 * MiB), model="small", transport="stream") == 1
         result = client.fetch("small", version=1, transport="shm", timeout=60)
         assert result.stats.transport == "shm" and torch.equal(result.tensors["w"], weights(8, 4 * MiB)["w"])
         assert server.process.poll() is None
