@@ -16,6 +16,7 @@ from weightclient import WeightClient
 from weightclient.grpc_updaters import GrpcLocalWeightUpdater
 from weightclient.version_follower import VersionFollower
 from weightserver.service import WeightServicer
+from weightserver.v1 import weights_pb2 as pb
 
 MODEL = "policy"
 
@@ -36,12 +37,14 @@ def announced(updater: GrpcLocalWeightUpdater, version: int) -> Callable[[], boo
 
 @pytest.fixture
 def locates(monkeypatch) -> list[tuple[str, int]]:
-    """Every Negotiate the servers started after this fixture answer, as (model, newer_than)."""
+    """Every fetch's Negotiate the servers started after this fixture answer, as (model,
+    newer_than); a publisher's (DIRECTION_PUBLISH, also in the background) is not counted."""
     calls: list[tuple[str, int]] = []
     original = WeightServicer.Negotiate
 
     async def counted(self, request, context):
-        calls.append((request.fetch.model, request.fetch.newer_than))
+        if request.direction == pb.DIRECTION_FETCH:
+            calls.append((request.fetch.model, request.fetch.newer_than))
         return await original(self, request, context)
 
     monkeypatch.setattr(WeightServicer, "Negotiate", counted)
