@@ -723,8 +723,9 @@ class _IncomingModel:
         digests = None
         if self.staged is not None:
             digests = await asyncio.to_thread(self.staged.finish)
-        with contextlib.suppress(InvalidSafetensors):  # too short for a header: as above
-            digests = self.digests.finish() if self.digests is not None else digests
+        elif self.digests is not None:
+            with contextlib.suppress(InvalidSafetensors):  # too short for a header: as above
+                digests = self.digests.finish()
         if digests is not None and self.sha256_feed is not None:
             digests = dataclasses.replace(digests, sha256=await self.sha256_feed.hexdigest(self.received))
         return Upload(

@@ -13,6 +13,7 @@ from tensordict import TensorDict
 
 from weightclient import tensor_codec
 from weightclient.background_publisher import BackgroundPublisher, PublishFuture
+from weightclient.connection import remaining
 from weightclient.service_client import FetchStats, WeightServiceClient
 from weightclient.version_info import TensorInfo, VersionInfo
 from weightserver.errors import IntegrityError, InvalidRequest, NotFoundError
@@ -172,7 +173,7 @@ class WeightClient(WeightServiceClient):
         deadline = None if timeout is None else time.monotonic() + timeout
         if self._publisher is not None and not self._publisher.flush(timeout):
             return False
-        return super().flush(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return super().flush(remaining(deadline))
 
     def close(self) -> None:
         """Finish background publishes, then close the channel."""

@@ -75,6 +75,11 @@ def call_metadata(token: str | None, client_id: str | None) -> tuple[tuple[str, 
     return tuple(metadata) or None
 
 
+def remaining(deadline: float | None) -> float | None:
+    """Seconds left until `deadline` (a time.monotonic() reading), at least 0; None for none."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
 def retry_unavailable(call: Callable[[float | None], T], timeout: float | None, what: str) -> T:
     """Run `call(remaining_timeout)`, retrying while it raises ServerUnavailable, with
     exponential backoff and jitter, until `timeout` seconds have passed (forever if None).
@@ -82,9 +87,8 @@ def retry_unavailable(call: Callable[[float | None], T], timeout: float | None, 
     deadline = None if timeout is None else time.monotonic() + timeout
     attempt = 0
     while True:
-        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
-            return call(remaining)
+            return call(remaining(deadline))
         except ServerUnavailable:
             delay = backoff_delay(attempt)
             if deadline is not None and time.monotonic() + delay >= deadline:

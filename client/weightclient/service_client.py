@@ -18,7 +18,14 @@ from typing import Any
 import grpc
 import xxhash
 
-from weightclient.connection import PathLike, backoff_delay, call_metadata, open_channel, retry_unavailable
+from weightclient.connection import (
+    PathLike,
+    backoff_delay,
+    call_metadata,
+    open_channel,
+    remaining,
+    retry_unavailable,
+)
 from weightclient.latest_only_worker import LatestOnlyWorker
 from weightclient.placement import Placement, checked_views
 from weightclient.rpc_errors import translated_rpc_errors
@@ -272,7 +279,7 @@ class WeightServiceClient:
                     header.xxh3 = _xxh3(views)
                 outgoing.append(OutgoingFile(header, views, uploaded, carrier))
                 total += header.total_bytes
-            reply = self._stream.send(outgoing, timeout=_remaining(deadline), progress=progress)
+            reply = self._stream.send(outgoing, timeout=remaining(deadline), progress=progress)
         # Committed: set up each fast upload's successor while the trainer trains (not before:
         # on few cores it would slow this publish's commit down).
         for file in outgoing:
@@ -304,7 +311,7 @@ class WeightServiceClient:
             else:
                 accept = [t.kind for t in order]
                 negotiate = pb.NegotiateRequest(direction=pb.DIRECTION_PUBLISH, accept=accept, publish=header)
-                answer = self._stub.Negotiate(negotiate, timeout=_remaining(deadline), metadata=self._metadata)
+                answer = self._stub.Negotiate(negotiate, timeout=remaining(deadline), metadata=self._metadata)
                 if answer.transport == pb.TRANSPORT_STREAM:
                     return "", None
             transport, spare = self.transports.by_kind[answer.transport], None
@@ -352,8 +359,8 @@ class WeightServiceClient:
         request = _fetch_request(model, version, newer_than, self.chunk_bytes, base_version, dtype)
         order = self.transports.order(transport)
 
-        def once(remaining: float | None) -> FetchedBytes | None:
-            return self._fetch_once(request, order, remaining, into, place, progress)
+        def once(left: float | None) -> FetchedBytes | None:
+            return self._fetch_once(request, order, left, into, place, progress)
 
         fetched = retry_unavailable(once, self._retry_window(timeout), self.address) if retry else once(timeout)
         if fetched is not None and fetched.base_version and base_xxh3 and fetched.base_xxh3 != base_xxh3:
@@ -407,9 +414,8 @@ class WeightServiceClient:
                     fetched, stream_request = None, request
                 if fetched is not None:
                     return fetched
-        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
         with translated_rpc_errors(self.address):
-            offer = self._stream.open(stream_request, remaining)
+            offer = self._stream.open(stream_request, remaining(deadline))
             if offer is None:
                 return None
             return self._receive(self._stream, offer, started, into, place, progress)
@@ -482,9 +488,9 @@ class WeightServiceClient:
         deadline = None if timeout is None else time.monotonic() + timeout
         cursor, failures, outage_began = since, 0, 0.0
         while True:
-            remaining = None if deadline is None else deadline - time.monotonic()
+            left = None if deadline is None else deadline - time.monotonic()
             request = pb.WatchRequest(model=model, since=cursor)
-            stream = self._stub.Watch(request, timeout=remaining, metadata=self._metadata)
+            stream = self._stub.Watch(request, timeout=left, metadata=self._metadata)
             try:
                 with translated_rpc_errors(self.address):
                     for event in stream:
@@ -497,7 +503,7 @@ class WeightServiceClient:
                 # version seen, so that nothing is missed or repeated.
                 now = time.monotonic()
                 outage_began = now if failures == 0 else outage_began
-                if now - outage_began >= self._retry_window(remaining):
+                if now - outage_began >= self._retry_window(left):
                     raise
                 if failures == 0:
                     log.warning("watch of %r at %s interrupted after v%d; resubscribing", model, self.address, cursor)
@@ -552,10 +558,6 @@ class WeightServiceClient:
 
     def _retry_window(self, timeout: float | None) -> float:
         return timeout if timeout is not None else self.retry_seconds
-
-
-def _remaining(deadline: float | None) -> float | None:
-    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 def _shifted(progress: Progress | None, offset: int, total: int) -> Progress | None:
