@@ -112,8 +112,11 @@ def test_a_group_publish_over_bulk_commits_once(server, client):
 def test_the_shm_upload_becomes_the_versions_file_without_a_copy(server, client):
     weights = mixed_model()
     version = client.publish(weights, model=MODEL, transport="shm")
+    wait_for(lambda: staged_count(server) == 1)  # the next upload, set up ahead: its file is the only upload-*
     files = sorted(p.name for p in (server.shared_memory.directory / MODEL).iterdir())
-    assert files == [f"{version:012d}.header", f"{version:012d}.safetensors"]  # adopted: no upload-*.tmp left
+    own = [f"{version:012d}.header", f"{version:012d}.safetensors"]
+    assert [f for f in files if not f.startswith("upload-")] == own
+    assert len(files) == 3  # adopted: this publish's upload file is the version's
     assert (server.shared_memory.directory / MODEL / f"{version:012d}.safetensors").read_bytes() == file_of(weights)
 
 
