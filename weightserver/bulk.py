@@ -28,7 +28,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +58,9 @@ class _Pending:
     # are in, `done(error)` at the end (None: all in, acknowledged with ACK).
     arrived: Callable[[int], None] | None = None
     done: Callable[[BaseException | None], None] | None = None
+    # A fetch of bytes still arriving (cut-through): `landed(sent, timeout)` waits until more
+    # than `sent` of `data` are in place and says how many (it raises once they never will be).
+    landed: Callable[[int, float], Awaitable[int]] | None = None
 
 
 class BulkEndpoint:
@@ -92,6 +95,12 @@ class BulkEndpoint:
     def issue(self, data: bytes | bytearray | memoryview, label: str = "") -> bytes:
         """A ticket that delivers `data` once, within TICKET_TTL_SECONDS."""
         return self._issue(_Pending(memoryview(data).cast("B"), time.monotonic() + TICKET_TTL_SECONDS, label))
+
+    def issue_arriving(self, data: memoryview, label: str, landed: Callable[[int, float], Awaitable[int]]) -> bytes:
+        """A ticket that delivers `data` once, within TICKET_TTL_SECONDS, each part as soon as
+        `landed` says it is in place; the connection is closed short if `landed` raises."""
+        expires = time.monotonic() + TICKET_TTL_SECONDS
+        return self._issue(_Pending(data.cast("B"), expires, label, landed=landed))
 
     def issue_upload(
         self,
@@ -215,16 +224,19 @@ class BulkEndpoint:
                     wait = IDLE_CONNECTION_SECONDS
                     continue
                 try:
-                    await _send_all(loop, conn, pending.data)
+                    if pending.landed is None:
+                        await _send_all(loop, conn, pending.data)
+                    else:
+                        await _send_as_landed(loop, conn, pending.data, pending.landed)
                 except TimeoutError:
                     log.warning(
-                        "bulk: transfer of %s to %s stalled: the reader took nothing for %gs; dropped",
+                        "bulk: transfer of %s to %s stalled: nothing moved for %gs; dropped",
                         pending.label,
                         peer,
                         SEND_STALL_SECONDS,
                     )
                     return
-                except OSError as exc:
+                except Exception as exc:  # a reset; or bytes still arriving whose publish failed
                     log.warning("bulk: transfer of %s to %s failed: %s", pending.label, peer, exc)
                     return
                 seconds = time.perf_counter() - started
@@ -347,6 +359,20 @@ async def _receive_all(
                 told = received
     finally:
         loop.remove_reader(conn)
+
+
+async def _send_as_landed(
+    loop: asyncio.AbstractEventLoop,
+    conn: socket.socket,
+    data: memoryview,
+    landed: Callable[[int, float], Awaitable[int]],
+) -> None:
+    """Send `data` as its bytes land, each part once `landed` says it is in place."""
+    sent = 0
+    while sent < data.nbytes:
+        end = await landed(sent, SEND_STALL_SECONDS)
+        await _send_all(loop, conn, data[sent:end])
+        sent = end
 
 
 async def _send_all(loop: asyncio.AbstractEventLoop, conn: socket.socket, data: memoryview) -> None:

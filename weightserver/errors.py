@@ -12,7 +12,7 @@ Exception tree::
     │   ├── InvalidModelName               empty, too long, path separators, '..'
     │   ├── InvalidSafetensors             the uploaded bytes are not a valid safetensors file
     │   └── VersionTooLarge                a requested version number above 2^63-1
-    ├── IntegrityError                     DATA_LOSS (size or sha256 mismatch)
+    ├── IntegrityError                     DATA_LOSS (size or digest mismatch)
     ├── ModelTooLarge                      RESOURCE_EXHAUSTED (over --max-model-bytes)
     ├── StorageFull                        RESOURCE_EXHAUSTED (no space left in --data-dir)
     ├── DescriptionTooLarge                RESOURCE_EXHAUSTED (tensor list + metadata over 1 MiB)
@@ -24,6 +24,7 @@ Exception tree::
     ├── ServerUnavailable                  UNAVAILABLE (client side: server unreachable)
     ├── DeadlineExceeded                   DEADLINE_EXCEEDED
     ├── Cancelled                          CANCELLED
+    ├── PublishAborted                     ABORTED (bytes fetched while arriving: their publish failed)
     └── InternalServerError                INTERNAL / UNKNOWN / anything else
 
 The server aborts a call with the code from `STATUS_CODES` and puts the exception's class name
@@ -163,6 +164,11 @@ class Cancelled(WeightServerError):
     """The call was cancelled before it finished."""
 
 
+class PublishAborted(WeightServerError):
+    """A publish whose bytes were being fetched as they arrived (cut-through) failed: they
+    never become a version."""
+
+
 class InternalServerError(WeightServerError):
     """A failure inside the server; its log has the details."""
 
@@ -192,6 +198,7 @@ STATUS_CODES: dict[type[WeightServerError], str] = {
     ServerUnavailable: "UNAVAILABLE",
     DeadlineExceeded: "DEADLINE_EXCEEDED",
     Cancelled: "CANCELLED",
+    PublishAborted: "ABORTED",
     InternalServerError: "INTERNAL",
 }
 

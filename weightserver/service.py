@@ -36,12 +36,14 @@ from weightserver.errors import (
     InvalidRequest,
     InvalidSafetensors,
     PermissionDenied,
+    PublishAborted,
     ServerUnavailable,
     WeightServerError,
     clipped_message,
     clipped_repr,
     status_code_for,
 )
+from weightserver.incoming import IncomingPublish, IncomingPublishes
 from weightserver.metrics import NoMetrics
 from weightserver.payloads import CAST_TARGETS, Payload, PayloadCache
 from weightserver.shared_memory import SharedMemoryFiles, SharedMemoryUpload
@@ -63,6 +65,8 @@ SHA256_BATCH_BYTES = 4 << 20
 # reads slowly) gives its turn back for the rest of the fetch: a stalled stream costs the
 # loop nothing, and must not hold up the fetches queued behind it.
 SLOW_READER_SECONDS = 1.0
+# A fetch of a publish's bytes as they arrive gives up when none arrive for this long.
+ARRIVING_STALL_SECONDS = 60.0
 
 
 async def _abort(context: grpc.aio.ServicerContext, error: BaseException) -> None:
@@ -156,10 +160,12 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         self.bulk = bulk
         self.shared_memory = shared_memory
         self.metrics = metrics or NoMetrics()
-        self._watch_queues: set[asyncio.Queue[Version | None]] = set()
+        self._watch_queues: set[asyncio.Queue[Version | IncomingPublish | None]] = set()
         self._stream_turns = asyncio.Semaphore(config.max_stream_fetches)
         self._publish_threads = ThreadPoolExecutor(PUBLISH_THREADS, thread_name_prefix="weightserver-publish")
-        self.staged = StagedUploads(store.header_limits)
+        # Publishes whose bytes are arriving, for watchers that fetch them early (cut-through).
+        self.incoming = IncomingPublishes()
+        self.staged = StagedUploads(store.header_limits, incoming=self.incoming)
         # The fast transports this server offers to Negotiate, in no order: the caller's decides.
         # Each with the name its transfers are logged and counted under.
         # An offer that returns False cannot carry this payload now: the next one is tried.
@@ -234,12 +240,19 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
     ) -> pb.PublishResponse:
         started = time.perf_counter()
         incoming: list[_IncomingModel] = []
+        failure = "the publish stream ended without committing"
         try:
             records = await self._receive_and_commit(self._checked_headers(request_iterator, context), incoming)
+            failure = "a repeat of a publish id committed before: its version was announced then"
+        except BaseException as exc:
+            failure = clipped_message(str(exc) or type(exc).__name__, 200)
+            raise
         finally:
             for model in incoming:
                 if model.upload is not None and model.upload.path.exists():
                     model.upload.abort()  # a publish that did not commit leaves no file
+                if model.arriving is not None and not model.committed:
+                    model.arriving.fail(failure)  # followers that took bytes early drop them
         if incoming[0].committed:
             for model, record in zip(incoming, records, strict=True):
                 self._transferred("publish", record, started, context, transport=model.transport)
@@ -287,7 +300,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
                     _check_group_header(incoming[0].header, message.header)
                 header = message.header
                 _check_publish(self.store, header, incoming[0].header if incoming else header)
-                incoming.append(_IncomingModel(header, self.shared_memory, self.store.header_limits))
+                incoming.append(_IncomingModel(header, self.shared_memory, self.store.header_limits, self.incoming))
             elif not incoming:
                 raise InvalidRequest("a Publish stream must start with a header message (model, total_bytes, sha256)")
             elif kind == "chunk":
@@ -369,6 +382,11 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         self, request: pb.FetchRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.FetchResponse | bytes]:
         started = time.perf_counter()
+        if request.WhichOneof("selector") == "incoming":
+            async with contextlib.aclosing(self._fetch_arriving(request, context)) as messages:
+                async for message in messages:
+                    yield message
+            return
         record = self._fetched_version(request)
         if record is None:
             yield pb.FetchResponse(up_to_date=pb.UpToDate(latest_version=request.newer_than))
@@ -385,6 +403,29 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
             async for message in chunks:
                 yield message
         self._transferred("fetch", record, started, context, transport="stream", sent=payload.byte_size)
+
+    async def _fetch_arriving(
+        self, request: pb.FetchRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.FetchResponse | bytes]:
+        """A publish's bytes as they land (cut-through): the payload's size, then chunks."""
+        started = time.perf_counter()
+        arriving = self.incoming.get(request.incoming, request.model)
+        yield pb.FetchResponse(payload=pb.Payload(byte_size=arriving.byte_size))
+        chunk_bytes = clamp_chunk_bytes(request.chunk_size, self.config.chunk_bytes)
+        sent = 0
+        while sent < arriving.byte_size:
+            try:
+                landed = await arriving.landed_beyond(sent, ARRIVING_STALL_SECONDS)
+            except TimeoutError:
+                raise PublishAborted(
+                    f"the publish of {arriving.model!r} sent nothing for {ARRIVING_STALL_SECONDS:g}s; "
+                    "fetch the version once it is committed"
+                ) from None
+            for message in framing.chunk_messages(arriving.buffer[sent:landed], chunk_bytes):
+                yield message
+            sent = landed
+        seconds = time.perf_counter() - started
+        _log_event("fetch_arriving", context, model=arriving.model, bytes=sent, duration_ms=round(seconds * 1e3, 3))
 
     async def _sha256(self, record: Version) -> str:
         """The sha256 the store computes after the commit, awaited without holding up the loop;
@@ -426,6 +467,8 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
             return await self._negotiate_publish(request, context)
         if request.direction != pb.DIRECTION_FETCH:
             raise InvalidRequest("Negotiate needs a direction: DIRECTION_FETCH or DIRECTION_PUBLISH")
+        if request.fetch.WhichOneof("selector") == "incoming":
+            return self._negotiate_arriving(request)
         started = time.perf_counter()
         record = self._fetched_version(request.fetch)
         if record is None:
@@ -444,6 +487,20 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
             self._transferred("fetch", record, started, context, transport=name, sent=payload.byte_size)
             break
         return stream
+
+    def _negotiate_arriving(self, request: pb.NegotiateRequest) -> pb.NegotiateResponse:
+        """A bulk ticket for a publish's bytes as they land, when the caller takes bulk and
+        this server offers it; else the stream (Fetch with the same `incoming`). Shared memory
+        is not offered: a same-host reader gets the committed version's file as fast."""
+        arriving = self.incoming.get(request.fetch.incoming, request.fetch.model)
+        answer = pb.NegotiateResponse(transport=pb.TRANSPORT_STREAM)
+        if self.bulk is not None and pb.TRANSPORT_BULK in request.accept:
+            answer.transport = pb.TRANSPORT_BULK
+            answer.payload.byte_size = arriving.byte_size
+            answer.payload.bulk.port = self.bulk.port
+            label = f"{arriving.model!r} (arriving)"
+            answer.payload.bulk.ticket = self.bulk.issue_arriving(arriving.buffer, label, arriving.landed_beyond)
+        return answer
 
     async def _negotiate_publish(
         self, request: pb.NegotiateRequest, context: grpc.aio.ServicerContext
@@ -591,15 +648,18 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
     ) -> AsyncIterator[pb.VersionEvent]:
         model = validate_model_name(request.model)
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[Version | None] = asyncio.Queue()  # None: the server is stopping
+        # Commits, and with `incoming` publishes as they start and fail; None: the server stops.
+        queue: asyncio.Queue[Version | IncomingPublish | None] = asyncio.Queue()
 
-        def on_commit(record: Version) -> None:
-            if record.model == model:
+        def on_event(event: Version | IncomingPublish) -> None:
+            if event.model == model:
                 with contextlib.suppress(RuntimeError):  # loop closed: the server is shutting down
-                    loop.call_soon_threadsafe(queue.put_nowait, record)
+                    loop.call_soon_threadsafe(queue.put_nowait, event)
 
         # Subscribe before reading the backlog so no version can land between the two.
-        unsubscribe = self.store.subscribe(on_commit)
+        unsubscribes = [self.store.subscribe(on_event)]
+        if request.incoming:
+            unsubscribes.append(self.incoming.subscribe(on_event))
         self.metrics.watch_started(model)
         self._watch_queues.add(queue)
         try:
@@ -610,23 +670,39 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
             await context.send_initial_metadata(())
             _log_event("watch", context, model=model, since=request.since, backlog=len(backlog))
             for record in backlog:
-                yield pb.VersionEvent(version=wire.version_info(record), gap=gap)
+                yield self._version_event(record, gap, request.incoming)
                 gap = False
                 last = record.version
             while True:
-                record = await queue.get()
-                if record is None:
+                event = await queue.get()
+                if event is None:
                     raise ServerUnavailable("the server is shutting down; resubscribe with since=<last version seen>")
-                if record.version <= last:
+                if isinstance(event, IncomingPublish):
+                    announced = pb.IncomingPublish(
+                        id=event.id, byte_size=event.byte_size, failed=event.failure is not None
+                    )
+                    yield pb.VersionEvent(incoming=announced)
+                    continue
+                if event.version <= last:
                     continue
                 # With an empty backlog the gap is reported on the first live event.
-                yield pb.VersionEvent(version=wire.version_info(record), gap=gap)
+                yield self._version_event(event, gap, request.incoming)
                 gap = False
-                last = record.version
+                last = event.version
         finally:
             self._watch_queues.discard(queue)
-            unsubscribe()
+            for unsubscribe in unsubscribes:
+                unsubscribe()
             self.metrics.watch_ended(model)
+
+    def _version_event(self, record: Version, gap: bool, incoming: bool) -> pb.VersionEvent:
+        """The event of a commit; for a watcher of incoming publishes, naming the announced
+        bytes that became it, if any."""
+        event = pb.VersionEvent(version=wire.version_info(record), gap=gap)
+        announced = self.incoming.id_of(record.model, record.version) if incoming else ""
+        if announced:
+            event.incoming.id, event.incoming.byte_size = announced, record.byte_size
+        return event
 
     def end_watches(self) -> None:
         """End every Watch stream with UNAVAILABLE, so that watchers resubscribe (to this server
@@ -648,10 +724,13 @@ class _IncomingModel:
         header: pb.PublishHeader,
         shared_memory: SharedMemoryFiles | None = None,
         header_limits: dict[str, int] | None = None,
+        arrivals: IncomingPublishes | None = None,
     ) -> None:
         self.header = header
         self.shared_memory = shared_memory
         self.header_limits = header_limits
+        self.arrivals = arrivals
+        self.arriving: IncomingPublish | None = None  # announced to watchers as the bytes arrive
         self.transport = "stream"
         self.staged: StagedUpload | None = None
         self.upload: SharedMemoryUpload | None = None  # the buffer's file, removed unless committed
@@ -676,6 +755,8 @@ class _IncomingModel:
             )
         self.buffer[self.received : end] = chunk
         self.received = end
+        if self.arriving is not None:
+            self.arriving.advance(end)
         if self.digests is None:
             return
         try:
@@ -692,6 +773,7 @@ class _IncomingModel:
             raise InvalidRequest(f"model {self.header.model!r}: a model's bytes come as chunks or one `uploaded`")
         self.staged, self.transport = staged, staged.transport
         self.upload, self.buffer, self.received = staged.file, staged.buffer, staged.total_bytes
+        self.arriving = staged.arriving
 
     def _allocate(self) -> None:
         """The buffer for the chunks, and the digests that follow them into it."""
@@ -704,6 +786,8 @@ class _IncomingModel:
             # more than it sends reserves nothing (a bytearray would be zero-filled up front).
             self.buffer = memoryview(mmap.mmap(-1, size) if size else bytearray())
         self.digests = IncomingDigests(self.buffer, header_limits=self.header_limits)
+        if self.arrivals is not None and size:
+            self.arriving = self.arrivals.start(header.model, self.buffer)
         # sha256 for a header that declares one, or no xxh3 (the commit message then brings the
         # sha256); with only an xxh3 declared, the store computes it after the commit.
         self.sha256_feed = _Sha256Feed(self.buffer) if header.sha256 or not header.xxh3 else None
@@ -746,6 +830,8 @@ class _IncomingModel:
         its file and header in place, and no pin can change `record` in between. Not called
         when the publish repeats a publish id: the bytes then become nothing."""
         self.committed = True
+        if self.arriving is not None and self.arrivals is not None:
+            self.arrivals.committed(self.arriving, record.model, record.version)
         if self.upload is None:
             return
         assert self.shared_memory is not None

@@ -28,6 +28,7 @@ from weightserver.errors import (
     WeightServerError,
     clipped_repr,
 )
+from weightserver.incoming import IncomingPublish, IncomingPublishes
 from weightserver.shared_memory import SharedMemoryUpload
 
 log = logging.getLogger(__name__)
@@ -51,12 +52,19 @@ class StagedUpload:
     expires: float
     received: bool = False  # every byte is in the buffer (bulk); a shm writer says so by naming it
     failure: BaseException | None = None  # why the transfer stopped short
+    # Bulk: announced to watchers with the first bytes (cut-through), by `arrivals`.
+    arrivals: IncomingPublishes | None = field(default=None, repr=False)
+    arriving: IncomingPublish | None = field(default=None, repr=False)
 
     def arrived(self, end: int) -> None:
         """Bytes [0, end) are in (bulk): hash the new ones while they are in cache. A transfer
         that moves keeps the upload from expiring."""
         self.digests.advance(end)
         self.expires = time.monotonic() + UPLOAD_TTL_SECONDS
+        if self.arriving is None and self.arrivals is not None:
+            self.arriving = self.arrivals.start(self.model, self.buffer)
+        if self.arriving is not None:
+            self.arriving.advance(end)
 
     def transferred(self, error: BaseException | None) -> None:
         """The bulk endpoint's word on the transfer: all bytes in, or why not."""
@@ -64,6 +72,8 @@ class StagedUpload:
             self.received = True
         else:
             self.failure = error
+            if self.arriving is not None:
+                self.arriving.fail(f"the bulk upload stopped short: {str(error) or type(error).__name__}")
         self.expires = time.monotonic() + UPLOAD_TTL_SECONDS
 
     def finish(self) -> FileDigests:
@@ -84,6 +94,8 @@ class StagedUpload:
 
     def discard(self) -> None:
         """Let the bytes go (a file is removed; a commit has moved it away already)."""
+        if self.arriving is not None:
+            self.arriving.fail("the upload was never committed")
         if self.file is not None and self.file.path.exists():
             self.file.abort()
 
@@ -91,8 +103,11 @@ class StagedUpload:
 class StagedUploads:
     """The uploads set up and not yet named by a Publish stream, by id."""
 
-    def __init__(self, header_limits: dict, *, max_uploads: int = MAX_STAGED_UPLOADS) -> None:
+    def __init__(
+        self, header_limits: dict, *, max_uploads: int = MAX_STAGED_UPLOADS, incoming: IncomingPublishes | None = None
+    ) -> None:
         self._header_limits = header_limits
+        self._incoming = incoming
         self._max = max_uploads
         self._lock = threading.Lock()
         self._uploads: dict[str, StagedUpload] = {}
@@ -128,6 +143,7 @@ class StagedUploads:
             file=file,
             digests=IncomingDigests(buffer, header_limits=self._header_limits),
             expires=time.monotonic() + UPLOAD_TTL_SECONDS,
+            arrivals=self._incoming if transport == "bulk" else None,
         )
         with self._lock:
             self._uploads[upload.id] = upload

@@ -17,13 +17,16 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase
 
+from weightclient import tensor_codec
 from weightclient.client import WeightClient
+from weightclient.cut_through import CutThrough
 from weightclient.key_mapping import IDENTITY, KeyMap, check_weights, map_keys
-from weightclient.service_client import FetchStats
+from weightclient.service_client import FetchedBytes, FetchStats
 from weightclient.updaters import LocalWeightUpdaterBase, RemoteWeightUpdaterBase, WorkerId
 from weightclient.version_follower import VersionFollower
 from weightclient.version_info import VersionInfo
 from weightserver.errors import DeadlineExceeded, ModelNotFound, ServerUnavailable, WeightServerError
+from weightserver.safetensors_format import parse_header
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +110,12 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         transport: "auto", "shm", "bulk" or "stream" (see WeightClient.fetch).
         watch: follow the model's Watch stream and ask the server only once it announced a
             newer version (and every `watch_confirm_seconds` regardless), not every update.
+        cut_through: with watch=True, receive each version while the trainer is still
+            publishing it (its bytes as they reach the server, over bulk TCP or the stream),
+            so that it is ready about when it commits; it is applied only once its commit is
+            announced and the bytes match the committed version. Off with `dtype` or
+            transport="shm" (a same-host publish over shared memory is announced only at its
+            commit anyway). A whole version travels even where a delta would be smaller.
         update_timeout: the deadline, in seconds, of every call the updater makes (each call
             of a fetch, `latest` for `lag`): a server that does not answer in time is treated
             as one that is down. Raise it for a fetch that takes longer (a large model, a
@@ -138,6 +147,7 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         watch: bool = False,
         watch_confirm_seconds: float = 1.0,
         update_timeout: float = DEFAULT_UPDATE_TIMEOUT,
+        cut_through: bool = True,
     ) -> None:
         if not (isinstance(update_timeout, (int, float)) and update_timeout > 0):
             raise ValueError(
@@ -153,6 +163,7 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         self.dtype = dtype
         self.transport = transport
         self.watch = watch
+        self.cut_through = cut_through
         self.watch_confirm_seconds = watch_confirm_seconds
         self.update_timeout = float(update_timeout)
         self.version: int | None = None  # the version applied to the policy
@@ -233,6 +244,9 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
             return None
         if self._nothing_announced():
             return None
+        early = self._follower.take_ready(self.version or 0, self.update_timeout) if self._follower else None
+        if early is not None:
+            return self._early_update(early)
         options = {
             "base": self._applied if self.delta and self.version is not None else None,
             "dtype": self.dtype,
@@ -285,7 +299,10 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
             self.version, self._applied = update.version, update.info
             log.debug("applied %s v%s", self.model, self.version)
         finally:
-            self._give_back(update.buffer)
+            if update.stats is not None and update.stats.early and self._follower is not None:
+                self._follower.give_back(update.buffer)
+            else:
+                self._give_back(update.buffer)
 
     def load(self, weights: Weights) -> None:
         """Copy `weights` keyed like the policy (e.g. another copy of it) into the policy: no
@@ -358,6 +375,15 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
             self.version, self._applied = None, None
             raise
 
+    def _early_update(self, early: FetchedBytes) -> Update:
+        """An Update of a version the follower received while it was published (cut-through)."""
+        self._server_available()
+        self._last_asked = time.monotonic()  # its commit was just announced
+        self.last_fetch = early.stats
+        tensors = tensor_codec.decode(parse_header(early.data), early.data)
+        weights = TensorDict(tensors, batch_size=[])
+        return Update(early.info, weights, partial=False, stats=early.stats, buffer=early.data)
+
     def _give_back(self, buffer: memoryview | None) -> None:
         if buffer is not None and (self._staging is None or buffer.nbytes > self._staging.nbytes):
             self._staging = buffer
@@ -367,7 +393,10 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         if not self.watch or self.pinned_version is not None or self.version is None:
             return False
         if self._follower is None or not self._follower.running():  # first time, or a forked child
-            self._follower = VersionFollower(self.client, self.model, since=self.version)
+            early = None
+            if self.cut_through and not self.dtype and self.transport != "shm":
+                early = CutThrough(self.client, transport=self.transport, timeout=self.update_timeout)
+            self._follower = VersionFollower(self.client, self.model, since=self.version, cut_through=early)
         newest = self._follower.newest()
         if newest is None or newest > self.version:
             return False

@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
+from datetime import datetime, timezone
 from typing import Any
 
 import grpc
@@ -42,9 +43,9 @@ from weightclient.transports import (
     TransportFailed,
 )
 from weightclient.transports.base import Progress
-from weightclient.version_info import ModelSummary, VersionEvent, VersionInfo
+from weightclient.version_info import Arriving, ModelSummary, VersionEvent, VersionInfo
 from weightserver.config import DEFAULT_CHUNK_BYTES, DEFAULT_PORT
-from weightserver.errors import IntegrityError, InvalidRequest, ServerUnavailable, UploadNotFound
+from weightserver.errors import IntegrityError, InvalidRequest, PublishAborted, ServerUnavailable, UploadNotFound
 from weightserver.v1 import weights_pb2 as pb
 from weightserver.v1 import weights_pb2_grpc as pb_grpc
 
@@ -66,13 +67,16 @@ def default_address() -> str:
 
 @dataclass(frozen=True)
 class FetchStats:
-    """How a fetch went: which transport carried it, payload bytes moved, wall time, and
-    whether it was read from the server's shared memory without asking the server first."""
+    """How a fetch went: which transport carried it, payload bytes moved, wall time, whether
+    it was read from the server's shared memory without asking the server first, and whether
+    it was received while its publish was still arriving (cut-through; `seconds` then counts
+    from the announcement)."""
 
     transport: str
     wire_bytes: int
     seconds: float
     direct: bool = False
+    early: bool = False  # received while its publish was still arriving (cut-through)
 
 
 @dataclass(frozen=True)
@@ -467,6 +471,49 @@ class WeightServiceClient:
             placed=views is not None,
         )
 
+    def fetch_arriving(
+        self,
+        arriving: Arriving,
+        *,
+        transport: str = "auto",
+        timeout: float | None = None,
+        into: memoryview | None = None,
+        progress: Progress | None = None,
+    ) -> FetchedBytes:
+        """The bytes of a publish still arriving at the server (cut-through), received as they
+        land: over bulk TCP when `transport` allows it, else the Fetch stream. UNVERIFIED: the
+        caller applies them only once the commit event names `arriving.id` and they match its
+        xxh3 (`info` here is a stand-in with version 0). `progress(received, total)` follows
+        the transfer. PublishAborted when the publish
+        fails first; UploadNotFound once it has ended (fetch the committed version instead)."""
+        started = time.perf_counter()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        request = pb.FetchRequest(model=arriving.model, incoming=arriving.id, chunk_size=self.chunk_bytes)
+        placeholder = VersionInfo(arriving.model, 0, arriving.byte_size, "", datetime.now(timezone.utc))
+        order = [t for t in self.transports.order(transport) if t is self._bulk]
+        with translated_rpc_errors(self.address):
+            if order:
+                negotiate = pb.NegotiateRequest(direction=pb.DIRECTION_FETCH, accept=[pb.TRANSPORT_BULK], fetch=request)
+                answer = self._stub.Negotiate(negotiate, timeout=timeout, metadata=self._metadata)
+                if answer.transport == pb.TRANSPORT_BULK:
+                    offer = Offer(placeholder, answer.payload, deadline=deadline)
+                    try:
+                        data = self._bulk.receive(offer, into=into, progress=progress)
+                    except TransportFailed as exc:
+                        # Cut short: the publish failed, or the connection did. Either way the
+                        # commit event decides; the caller then fetches the version normally.
+                        raise PublishAborted(
+                            f"the bytes of {arriving.model!r} arriving were cut short ({exc})"
+                        ) from exc
+                    return FetchedBytes(placeholder, data, stats=self._early_stats("bulk", data, started))
+            offer = self._stream.open_arriving(request, placeholder, remaining(deadline))
+            data = self._stream.receive(offer, into=into, progress=progress)
+        return FetchedBytes(placeholder, data, stats=self._early_stats("stream", data, started))
+
+    @staticmethod
+    def _early_stats(transport: str, data: memoryview, started: float) -> FetchStats:
+        return FetchStats(transport, data.nbytes, time.perf_counter() - started, early=True)
+
     def _report(self, request: pb.FetchRequest) -> None:
         """Tell the server of a direct shared-memory read (its metrics and logs count it): the
         skipped Negotiate, made later by `_reports`, which keeps only the latest waiting. A
@@ -477,11 +524,15 @@ class WeightServiceClient:
         self._stub.Negotiate(negotiate, timeout=self.timeout, metadata=self._metadata)
 
     # ------------------------------------------------------------------ watch
-    def watch(self, model: str, *, since: int = 0, timeout: float | None = None) -> Iterator[VersionEvent]:
+    def watch(
+        self, model: str, *, since: int = 0, timeout: float | None = None, incoming: bool = False
+    ) -> Iterator[VersionEvent | Arriving]:
         """Yield an event for every version of `model` committed after `since`, in order.
 
         Versions that landed before the call but after `since` (and are still retained) come
         first. The iterator runs until closed, the deadline passes, or the server stops.
+        `incoming=True` also yields an `Arriving` as each publish's bytes begin to arrive
+        (or fail), for cut-through (`fetch_arriving`).
         """
         if since < 0:
             raise InvalidRequest(f"since must be >= 0 (a version number, 0 for all retained), got {since}")
@@ -489,14 +540,19 @@ class WeightServiceClient:
         cursor, failures, outage_began = since, 0, 0.0
         while True:
             left = None if deadline is None else deadline - time.monotonic()
-            request = pb.WatchRequest(model=model, since=cursor)
+            request = pb.WatchRequest(model=model, since=cursor, incoming=incoming)
             stream = self._stub.Watch(request, timeout=left, metadata=self._metadata)
             try:
                 with translated_rpc_errors(self.address):
                     for event in stream:
                         failures = 0
+                        if not event.HasField("version"):
+                            announced = event.incoming
+                            yield Arriving(model, announced.id, announced.byte_size, failed=announced.failed)
+                            continue
                         cursor = max(cursor, event.version.version)
-                        yield VersionEvent(VersionInfo.from_proto(event.version), gap=event.gap)
+                        info = VersionInfo.from_proto(event.version)
+                        yield VersionEvent(info, gap=event.gap, arriving=event.incoming.id)
                 return
             except ServerUnavailable:
                 # The server went away (restart, network): subscribe again from the last

@@ -2,7 +2,9 @@
 by a Watch stream in a daemon thread.
 
 An updater that follows the Watch stream asks the server only once a newer version was
-announced (and every `watch_confirm_seconds` regardless), instead of one call per batch.
+announced (and every `watch_confirm_seconds` regardless), instead of one call per batch. With
+`cut_through`, the follower also receives each publish's bytes while they arrive at the server,
+and holds the version ready (`take_ready`) once its commit is announced and the bytes match it.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ import logging
 import os
 import threading
 
-from weightclient.service_client import WeightServiceClient
+from weightclient.cut_through import CutThrough
+from weightclient.service_client import FetchedBytes, WeightServiceClient
+from weightclient.version_info import Arriving
 from weightserver.errors import Cancelled, DeadlineExceeded
 
 log = logging.getLogger(__name__)
@@ -26,10 +30,15 @@ class VersionFollower:
     stalls (a stopped server, a silent network) stays open until its renewal: a caller trusts
     it only as long as the server has answered recently (the updater's watch_confirm_seconds)."""
 
-    def __init__(self, client: WeightServiceClient, model: str, since: int) -> None:
+    def __init__(
+        self, client: WeightServiceClient, model: str, since: int, cut_through: CutThrough | None = None
+    ) -> None:
         self._client = client
         self._model = model
         self._cursor = since
+        self._cut_through = cut_through
+        self._ready: FetchedBytes | None = None  # the newest version received early, not yet taken
+        self._settling: threading.Event | None = None  # set once an announced version's early bytes are checked
         self._open = False  # the current stream has delivered an event
         self._lock = threading.Lock()
         self._stopped = threading.Event()
@@ -43,6 +52,28 @@ class VersionFollower:
         with self._lock:
             return self._cursor if self._open else None
 
+    def take_ready(self, newer_than: int, timeout: float) -> FetchedBytes | None:
+        """The newest version received early (cut-through), verified, if newer than `newer_than`;
+        each is handed out once. Give its buffer back with `give_back` once applied. A version
+        announced whose early bytes are still being checked is waited for (up to `timeout`),
+        rather than fetched a second time."""
+        if os.getpid() != self._pid:
+            return None
+        with self._lock:
+            settling = self._settling
+        if settling is not None:
+            settling.wait(timeout)
+        with self._lock:
+            ready, self._ready = self._ready, None
+        if ready is not None and ready.info.version <= newer_than:
+            self.give_back(ready.data)
+            return None
+        return ready
+
+    def give_back(self, buffer: memoryview | None) -> None:
+        if self._cut_through is not None:
+            self._cut_through.give_back(buffer)
+
     def running(self) -> bool:
         """Whether the thread is alive in this process (not in a forked child, not stopped)."""
         return os.getpid() == self._pid and self._thread.is_alive() and not self._stopped.is_set()
@@ -50,17 +81,47 @@ class VersionFollower:
     def stop(self) -> None:
         """Stop following; the thread exits when its current Watch call ends."""
         self._stopped.set()
+        if self._cut_through is not None:
+            self._cut_through.close()
+
+    def _settle(self, ready: FetchedBytes | None, settling: threading.Event) -> None:
+        """The early bytes of the version just announced are checked: `ready`, or None."""
+        replaced = None
+        with self._lock:
+            if ready is not None:
+                replaced, self._ready = self._ready, ready
+            if self._settling is settling:
+                self._settling = None
+        settling.set()
+        if replaced is not None:
+            self.give_back(replaced.data)
 
     def _run(self) -> None:
         while not self._stopped.is_set():
             # From just before the cursor: the server replays the cursor's version at once (or
             # newer ones, if it was evicted), and the first event marks the stream open.
             since = max(0, self._cursor - 1)
+            cut_through = self._cut_through
             try:
-                for event in self._client.watch(self._model, since=since, timeout=RENEW_SECONDS):
+                for event in self._client.watch(
+                    self._model, since=since, timeout=RENEW_SECONDS, incoming=cut_through is not None
+                ):
+                    if isinstance(event, Arriving):
+                        cut_through.arriving(event)  # type: ignore[union-attr]
+                        continue
+                    settling = threading.Event() if cut_through is not None and cut_through.expects(event) else None
                     with self._lock:
+                        # An update that sees the new version waits for `settling` and takes it
+                        # from here, rather than fetching it a second time.
+                        self._settling = settling
                         self._cursor = max(self._cursor, event.version)
                         self._open = True
+                    if settling is not None:
+                        ready = None
+                        try:
+                            ready = cut_through.committed(event)  # type: ignore[union-attr]
+                        finally:
+                            self._settle(ready, settling)
                     if self._stopped.is_set():
                         return
             except DeadlineExceeded:

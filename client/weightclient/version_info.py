@@ -65,11 +65,27 @@ class ModelSummary:
 
 @dataclass(frozen=True)
 class VersionEvent:
-    """A Watch event: a version landed. `gap` is True when versions were missed for good."""
+    """A Watch event: a version landed. `gap` is True when versions were missed for good.
+    `arriving`: on a watch of incoming publishes, the id of the announced bytes (`Arriving`)
+    that became this version, if they were announced."""
 
     info: VersionInfo
     gap: bool = False
+    arriving: str = ""
 
     @property
     def version(self) -> int:
         return self.info.version
+
+
+@dataclass(frozen=True)
+class Arriving:
+    """A Watch announcement (`watch(..., incoming=True)`): a publish's bytes began to arrive
+    at the server, so they can be fetched before the commit (`fetch_arriving`), and applied
+    once a `VersionEvent` names `id` and they match its xxh3. `failed`: that publish failed;
+    its bytes never become a version."""
+
+    model: str
+    id: str
+    byte_size: int
+    failed: bool = False

@@ -151,20 +151,22 @@ class DescribeRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("model", "version", "newer_than", "chunk_size", "base_version", "dtype")
+    __slots__ = ("model", "version", "newer_than", "incoming", "chunk_size", "base_version", "dtype")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NEWER_THAN_FIELD_NUMBER: _ClassVar[int]
+    INCOMING_FIELD_NUMBER: _ClassVar[int]
     CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     newer_than: int
+    incoming: str
     chunk_size: int
     base_version: int
     dtype: str
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., newer_than: _Optional[int] = ..., chunk_size: _Optional[int] = ..., base_version: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., newer_than: _Optional[int] = ..., incoming: _Optional[str] = ..., chunk_size: _Optional[int] = ..., base_version: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class FetchResponse(_message.Message):
     __slots__ = ("header", "chunk", "up_to_date", "payload")
@@ -243,20 +245,34 @@ class UpToDate(_message.Message):
     def __init__(self, latest_version: _Optional[int] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
-    __slots__ = ("model", "since")
+    __slots__ = ("model", "since", "incoming")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SINCE_FIELD_NUMBER: _ClassVar[int]
+    INCOMING_FIELD_NUMBER: _ClassVar[int]
     model: str
     since: int
-    def __init__(self, model: _Optional[str] = ..., since: _Optional[int] = ...) -> None: ...
+    incoming: bool
+    def __init__(self, model: _Optional[str] = ..., since: _Optional[int] = ..., incoming: _Optional[bool] = ...) -> None: ...
 
 class VersionEvent(_message.Message):
-    __slots__ = ("version", "gap")
+    __slots__ = ("version", "gap", "incoming")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     GAP_FIELD_NUMBER: _ClassVar[int]
+    INCOMING_FIELD_NUMBER: _ClassVar[int]
     version: VersionInfo
     gap: bool
-    def __init__(self, version: _Optional[_Union[VersionInfo, _Mapping]] = ..., gap: _Optional[bool] = ...) -> None: ...
+    incoming: IncomingPublish
+    def __init__(self, version: _Optional[_Union[VersionInfo, _Mapping]] = ..., gap: _Optional[bool] = ..., incoming: _Optional[_Union[IncomingPublish, _Mapping]] = ...) -> None: ...
+
+class IncomingPublish(_message.Message):
+    __slots__ = ("id", "byte_size", "failed")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    byte_size: int
+    failed: bool
+    def __init__(self, id: _Optional[str] = ..., byte_size: _Optional[int] = ..., failed: _Optional[bool] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()

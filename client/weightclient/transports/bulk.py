@@ -89,6 +89,8 @@ class BulkTransport:
             received = 0
             while received < buffer.nbytes:
                 received += _recv_some(conn, buffer[received:], started=received > 0, deadline=offer.deadline)
+                if progress is not None:
+                    progress(received, buffer.nbytes)
             return buffer
 
         return self._transfer(offer.payload.bulk.port, offer.payload.bulk.ticket, offer.label, offer.deadline, fill)

@@ -113,6 +113,21 @@ class StreamTransport:
             raise
         return Offer(info, payload, chunks=stream)
 
+    def open_arriving(self, request: pb.FetchRequest, info: VersionInfo, timeout: float | None) -> Offer:
+        """Start a Fetch stream for a publish's bytes as they arrive (`request.incoming`) and
+        read its head, the payload's size: an offer under `info` whose chunks follow."""
+        stream = self._fetch(request, timeout=timeout, metadata=self._metadata)
+        try:
+            first = next(stream, None)
+            if not isinstance(first, pb.FetchResponse) or not first.HasField("payload"):
+                raise IntegrityError(
+                    f"model {request.model!r}: the fetch of arriving bytes did not start with a payload"
+                )
+        except BaseException:
+            stream.cancel()
+            raise
+        return Offer(info, first.payload, chunks=stream)
+
     def receive(self, offer: Offer, *, into: memoryview | None, progress: Progress | None) -> memoryview:
         size = offer.payload.byte_size
         buffer = receive_buffer(size, into)
