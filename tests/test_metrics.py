@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import platform
 import re
 import subprocess
 import sys
@@ -9,13 +10,17 @@ import time
 import urllib.error
 import urllib.request
 
+import google.protobuf
+import grpc
 import pytest
+from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
+import weightserver
 from weightclient.service_client import WeightServiceClient
 from weightserver import WeightServer
 from weightserver.errors import InvalidSafetensors
-from weightserver.metrics import DURATION_BUCKETS, ServerMetrics
+from weightserver.metrics import DURATION_BUCKETS, ServerMetrics, build_labels
 from weightserver.process import ServerProcess
 from weightserver.safetensors_format import build_header
 
@@ -204,6 +209,35 @@ def test_each_server_has_its_own_registry(make_server):
         client.publish_bytes("policy", weights(10))
     assert value(scrape(first), "weightserver_versions_published_total", model="policy") == 1
     assert value(scrape(second), "weightserver_versions_published_total", model="policy") is None
+    for srv in (first, second):  # the standard collectors too, registered once per server
+        samples = scrape(srv)
+        assert value(samples, "process_cpu_seconds_total") > 0
+        assert value(samples, "weightserver_build_info", **build_labels()) == 1
+
+
+def test_standard_collectors_go_to_each_servers_registry_not_the_global_one():
+    first, second = ServerMetrics(), ServerMetrics()  # a duplicate registration would raise here
+    assert first.registry is not second.registry and REGISTRY not in (first.registry, second.registry)
+    for metrics in (first, second):
+        assert metrics.registry.get_sample_value("process_cpu_seconds_total") > 0
+        assert metrics.registry.get_sample_value("weightserver_build_info", build_labels()) == 1
+    assert REGISTRY.get_sample_value("weightserver_build_info", build_labels()) is None
+
+
+def test_a_fresh_server_shows_process_python_and_build_series(metered):
+    samples = scrape(metered)
+    assert value(samples, "process_cpu_seconds_total") > 0
+    assert value(samples, "process_resident_memory_bytes") > 1_000_000
+    assert value(samples, "process_open_fds") > 0
+    python = {dict(labels)["version"]: v for (name, labels), v in samples.items() if name == "python_info"}
+    assert python == {platform.python_version(): 1}
+    assert value(samples, "python_gc_collections_total", generation="0") is not None
+    build = [dict(labels) for name, labels in samples if name == "weightserver_build_info"]
+    assert build == [build_labels()]
+    assert value(samples, "weightserver_build_info", **build_labels()) == 1
+    assert build[0]["version"] == weightserver.__version__  # the installed metadata agrees with the source
+    assert build[0]["grpc"] == grpc.__version__ and build[0]["python"] == platform.python_version()
+    assert build[0]["protobuf"] == google.protobuf.__version__
 
 
 def test_versions_loaded_from_the_data_dir_are_reported(make_server, tmp_path):

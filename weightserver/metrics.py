@@ -1,20 +1,36 @@
 """Prometheus metrics of one server: what was published and fetched, by whom, and how fast.
 
 Each `ServerMetrics` has its own registry (several servers may run in one process, as in the
-tests) and serves it over plain HTTP at ``/metrics`` on `serve()`. `NoMetrics` takes the same
-calls and does nothing, so the servicer never checks whether metrics are on.
+tests) and serves it over plain HTTP at ``/metrics`` on `serve()`: the server's own series, the
+standard ``process_*`` and ``python_*`` ones, and ``weightserver_build_info``. `NoMetrics` takes
+the same calls and does nothing, so the servicer never checks whether metrics are on.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import logging
+import platform
 import threading
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+import google.protobuf
+import grpc
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    start_http_server,
+)
+
+import weightserver
 
 if TYPE_CHECKING:
     from weightserver.store import Version
@@ -26,6 +42,20 @@ DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 # Client ids tracked for the per-collector gauges; more are served but not tracked, so a
 # caller inventing a fresh id per call cannot grow the server's memory without bound.
 MAX_TRACKED_CLIENTS = 10_000
+
+
+def build_labels() -> dict[str, str]:
+    """The labels of `weightserver_build_info`: this server's version and those of what it runs on."""
+    try:
+        version = importlib.metadata.version("weightserver")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that is not installed
+        version = weightserver.__version__
+    return {
+        "version": version,
+        "python": platform.python_version(),
+        "grpc": grpc.__version__,
+        "protobuf": google.protobuf.__version__,
+    }
 
 
 class NoMetrics:
@@ -58,6 +88,9 @@ class ServerMetrics(NoMetrics):
 
     def __init__(self, max_tracked_clients: int = MAX_TRACKED_CLIENTS) -> None:
         self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
         self._http: tuple[WSGIServer, threading.Thread] | None = None
         self._max_tracked_clients = max_tracked_clients
         self._lock = threading.Lock()
@@ -104,6 +137,11 @@ class ServerMetrics(NoMetrics):
             "The model's latest version minus the last version the client fetched.",
             ["client_id", "model"],
         )
+        build = build_labels()
+        self.build_info = gauge(
+            "weightserver_build_info", "Always 1; the labels name the versions this server runs.", list(build)
+        )
+        self.build_info.labels(**build).set(1)
 
     def published(self, model: str, nbytes: int, seconds: float) -> None:
         self.versions_published.labels(model).inc()
