@@ -240,17 +240,42 @@ def test_a_fresh_server_shows_process_python_and_build_series(metered):
     assert build[0]["protobuf"] == google.protobuf.__version__
 
 
+def test_a_model_first_published_gets_all_its_series(make_server):
+    srv = make_server(metrics_port=0, bulk_port=None)  # shm and stream only
+    with WeightServiceClient(srv.address) as client:
+        client.publish_bytes("critic", weights(10))
+    samples = scrape(srv)
+    assert value(samples, "weightserver_versions_published_total", model="critic") == 1
+    assert value(samples, "weightserver_active_watchers", model="critic") == 0
+    for transport in ("stream", "shm"):
+        assert value(samples, "weightserver_fetch_bytes_total", model="critic", transport=transport) == 0
+        assert value(samples, "weightserver_fetch_duration_seconds_count", model="critic", transport=transport) == 0
+    assert value(samples, "weightserver_fetch_bytes_total", model="critic", transport="bulk") is None  # not served
+
+
 def test_versions_loaded_from_the_data_dir_are_reported(make_server, tmp_path):
     first = make_server(data_dir=tmp_path)
     with WeightServiceClient(first.address) as client:
         client.publish_bytes("policy", weights(10))
         client.publish_bytes("policy", weights(20))
+        client.publish_bytes("critic", weights(30))
     first.stop(grace=0)
     restarted = make_server(data_dir=tmp_path, metrics_port=0)
     samples = scrape(restarted)
     assert value(samples, "weightserver_latest_version", model="policy") == 2
     assert value(samples, "weightserver_retained_versions", model="policy") == 2
-    assert value(samples, "weightserver_versions_published_total", model="policy") is None
+    assert value(samples, "weightserver_retained_bytes", model="policy") == len(weights(10)) + len(weights(20))
+    assert value(samples, "weightserver_latest_version", model="critic") == 1
+    # Every series of a loaded model is there before any publish, counted from this start.
+    for model in ("policy", "critic"):
+        assert value(samples, "weightserver_versions_published_total", model=model) == 0
+        assert value(samples, "weightserver_publish_bytes_total", model=model) == 0
+        assert value(samples, "weightserver_publish_duration_seconds_count", model=model) == 0
+        assert value(samples, "weightserver_publish_duration_seconds_bucket", model=model, le="+Inf") == 0
+        assert value(samples, "weightserver_active_watchers", model=model) == 0
+        for transport in ("stream", "bulk", "shm"):
+            assert value(samples, "weightserver_fetch_bytes_total", model=model, transport=transport) == 0
+            assert value(samples, "weightserver_fetch_duration_seconds_count", model=model, transport=transport) == 0
 
 
 def test_metrics_endpoint_closes_with_the_server(make_server):

@@ -84,13 +84,17 @@ class NoMetrics:
 
 
 class ServerMetrics(NoMetrics):
-    """The metrics of one server in their own `CollectorRegistry` (names start `weightserver_`)."""
+    """The metrics of one server in their own `CollectorRegistry` (names start `weightserver_`).
 
-    def __init__(self, max_tracked_clients: int = MAX_TRACKED_CLIENTS) -> None:
+    `transports` are those the server serves fetches over: each model known gets its fetch series
+    at zero for each of them."""
+
+    def __init__(self, max_tracked_clients: int = MAX_TRACKED_CLIENTS, transports: Iterable[str] = ("stream",)) -> None:
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
         GCCollector(registry=self.registry)
+        self._transports = tuple(transports)
         self._http: tuple[WSGIServer, threading.Thread] | None = None
         self._max_tracked_clients = max_tracked_clients
         self._lock = threading.Lock()
@@ -170,6 +174,7 @@ class ServerMetrics(NoMetrics):
         self.active_watchers.labels(model).dec()
 
     def retained(self, model: str, versions: Iterable[Version]) -> None:
+        self._known(model)
         versions = list(versions)
         self.retained_versions.labels(model).set(len(versions))
         self.retained_bytes.labels(model).set(sum(v.byte_size for v in versions))
@@ -180,6 +185,24 @@ class ServerMetrics(NoMetrics):
             # A new version makes every collector that has not fetched it fall one further behind.
             for client_id, version in self._client_versions.get(model, {}).items():
                 self.client_lag.labels(client_id, model).set(max(latest - version, 0))
+
+    def _known(self, model: str) -> None:
+        """Create every series of `model` not labelled by client, at zero where not yet set, so a
+        scrape shows them from the moment the store holds the model (a rate needs the zero
+        before the first increment)."""
+        for metric in (
+            self.versions_published,
+            self.publish_bytes,
+            self.publish_seconds,
+            self.active_watchers,
+            self.latest_version,
+            self.retained_versions,
+            self.retained_bytes,
+        ):
+            metric.labels(model)
+        for transport in self._transports:
+            self.fetch_bytes.labels(model, transport)
+            self.fetch_seconds.labels(model, transport)
 
     def _track(self, client_id: str) -> bool:
         """Whether `client_id` has (or now gets) per-client gauges; called under the lock."""
