@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import platform
 import re
 import subprocess
 import sys
@@ -9,13 +10,17 @@ import time
 import urllib.error
 import urllib.request
 
+import google.protobuf
+import grpc
 import pytest
+from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
+import weightserver
 from weightclient.service_client import WeightServiceClient
 from weightserver import WeightServer
 from weightserver.errors import InvalidSafetensors
-from weightserver.metrics import DURATION_BUCKETS, ServerMetrics
+from weightserver.metrics import DURATION_BUCKETS, ServerMetrics, build_labels
 from weightserver.process import ServerProcess
 from weightserver.safetensors_format import build_header
 
@@ -204,6 +209,48 @@ def test_each_server_has_its_own_registry(make_server):
         client.publish_bytes("policy", weights(10))
     assert value(scrape(first), "weightserver_versions_published_total", model="policy") == 1
     assert value(scrape(second), "weightserver_versions_published_total", model="policy") is None
+    for srv in (first, second):  # the standard collectors too, registered once per server
+        samples = scrape(srv)
+        assert value(samples, "process_cpu_seconds_total") > 0
+        assert value(samples, "weightserver_build_info", **build_labels()) == 1
+
+
+def test_standard_collectors_go_to_each_servers_registry_not_the_global_one():
+    first, second = ServerMetrics(), ServerMetrics()  # a duplicate registration would raise here
+    assert first.registry is not second.registry and REGISTRY not in (first.registry, second.registry)
+    for metrics in (first, second):
+        assert metrics.registry.get_sample_value("process_cpu_seconds_total") > 0
+        assert metrics.registry.get_sample_value("weightserver_build_info", build_labels()) == 1
+    assert REGISTRY.get_sample_value("weightserver_build_info", build_labels()) is None
+
+
+def test_a_fresh_server_shows_process_python_and_build_series(metered):
+    samples = scrape(metered)
+    assert value(samples, "process_cpu_seconds_total") > 0
+    assert value(samples, "process_resident_memory_bytes") > 1_000_000
+    assert value(samples, "process_open_fds") > 0
+    python = {dict(labels)["version"]: v for (name, labels), v in samples.items() if name == "python_info"}
+    assert python == {platform.python_version(): 1}
+    assert value(samples, "python_gc_collections_total", generation="0") is not None
+    build = [dict(labels) for name, labels in samples if name == "weightserver_build_info"]
+    assert build == [build_labels()]
+    assert value(samples, "weightserver_build_info", **build_labels()) == 1
+    assert build[0]["version"] == weightserver.__version__  # the installed metadata agrees with the source
+    assert build[0]["grpc"] == grpc.__version__ and build[0]["python"] == platform.python_version()
+    assert build[0]["protobuf"] == google.protobuf.__version__
+
+
+def test_a_model_first_published_gets_all_its_series(make_server):
+    srv = make_server(metrics_port=0, bulk_port=None)  # shm and stream only
+    with WeightServiceClient(srv.address) as client:
+        client.publish_bytes("critic", weights(10))
+    samples = scrape(srv)
+    assert value(samples, "weightserver_versions_published_total", model="critic") == 1
+    assert value(samples, "weightserver_active_watchers", model="critic") == 0
+    for transport in ("stream", "shm"):
+        assert value(samples, "weightserver_fetch_bytes_total", model="critic", transport=transport) == 0
+        assert value(samples, "weightserver_fetch_duration_seconds_count", model="critic", transport=transport) == 0
+    assert value(samples, "weightserver_fetch_bytes_total", model="critic", transport="bulk") is None  # not served
 
 
 def test_versions_loaded_from_the_data_dir_are_reported(make_server, tmp_path):
@@ -211,12 +258,24 @@ def test_versions_loaded_from_the_data_dir_are_reported(make_server, tmp_path):
     with WeightServiceClient(first.address) as client:
         client.publish_bytes("policy", weights(10))
         client.publish_bytes("policy", weights(20))
+        client.publish_bytes("critic", weights(30))
     first.stop(grace=0)
     restarted = make_server(data_dir=tmp_path, metrics_port=0)
     samples = scrape(restarted)
     assert value(samples, "weightserver_latest_version", model="policy") == 2
     assert value(samples, "weightserver_retained_versions", model="policy") == 2
-    assert value(samples, "weightserver_versions_published_total", model="policy") is None
+    assert value(samples, "weightserver_retained_bytes", model="policy") == len(weights(10)) + len(weights(20))
+    assert value(samples, "weightserver_latest_version", model="critic") == 1
+    # Every series of a loaded model is there before any publish, counted from this start.
+    for model in ("policy", "critic"):
+        assert value(samples, "weightserver_versions_published_total", model=model) == 0
+        assert value(samples, "weightserver_publish_bytes_total", model=model) == 0
+        assert value(samples, "weightserver_publish_duration_seconds_count", model=model) == 0
+        assert value(samples, "weightserver_publish_duration_seconds_bucket", model=model, le="+Inf") == 0
+        assert value(samples, "weightserver_active_watchers", model=model) == 0
+        for transport in ("stream", "bulk", "shm"):
+            assert value(samples, "weightserver_fetch_bytes_total", model=model, transport=transport) == 0
+            assert value(samples, "weightserver_fetch_duration_seconds_count", model=model, transport=transport) == 0
 
 
 def test_metrics_endpoint_closes_with_the_server(make_server):

@@ -1,20 +1,36 @@
 """Prometheus metrics of one server: what was published and fetched, by whom, and how fast.
 
 Each `ServerMetrics` has its own registry (several servers may run in one process, as in the
-tests) and serves it over plain HTTP at ``/metrics`` on `serve()`. `NoMetrics` takes the same
-calls and does nothing, so the servicer never checks whether metrics are on.
+tests) and serves it over plain HTTP at ``/metrics`` on `serve()`: the server's own series, the
+standard ``process_*`` and ``python_*`` ones, and ``weightserver_build_info``. `NoMetrics` takes
+the same calls and does nothing, so the servicer never checks whether metrics are on.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import logging
+import platform
 import threading
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+import google.protobuf
+import grpc
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    start_http_server,
+)
+
+import weightserver
 
 if TYPE_CHECKING:
     from weightserver.store import Version
@@ -26,6 +42,20 @@ DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 # Client ids tracked for the per-collector gauges; more are served but not tracked, so a
 # caller inventing a fresh id per call cannot grow the server's memory without bound.
 MAX_TRACKED_CLIENTS = 10_000
+
+
+def build_labels() -> dict[str, str]:
+    """The labels of `weightserver_build_info`: this server's version and those of what it runs on."""
+    try:
+        version = importlib.metadata.version("weightserver")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that is not installed
+        version = weightserver.__version__
+    return {
+        "version": version,
+        "python": platform.python_version(),
+        "grpc": grpc.__version__,
+        "protobuf": google.protobuf.__version__,
+    }
 
 
 class NoMetrics:
@@ -54,10 +84,17 @@ class NoMetrics:
 
 
 class ServerMetrics(NoMetrics):
-    """The metrics of one server in their own `CollectorRegistry` (names start `weightserver_`)."""
+    """The metrics of one server in their own `CollectorRegistry` (names start `weightserver_`).
 
-    def __init__(self, max_tracked_clients: int = MAX_TRACKED_CLIENTS) -> None:
+    `transports` are those the server serves fetches over: each model known gets its fetch series
+    at zero for each of them."""
+
+    def __init__(self, max_tracked_clients: int = MAX_TRACKED_CLIENTS, transports: Iterable[str] = ("stream",)) -> None:
         self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
+        self._transports = tuple(transports)
         self._http: tuple[WSGIServer, threading.Thread] | None = None
         self._max_tracked_clients = max_tracked_clients
         self._lock = threading.Lock()
@@ -104,6 +141,11 @@ class ServerMetrics(NoMetrics):
             "The model's latest version minus the last version the client fetched.",
             ["client_id", "model"],
         )
+        build = build_labels()
+        self.build_info = gauge(
+            "weightserver_build_info", "Always 1; the labels name the versions this server runs.", list(build)
+        )
+        self.build_info.labels(**build).set(1)
 
     def published(self, model: str, nbytes: int, seconds: float) -> None:
         self.versions_published.labels(model).inc()
@@ -132,6 +174,7 @@ class ServerMetrics(NoMetrics):
         self.active_watchers.labels(model).dec()
 
     def retained(self, model: str, versions: Iterable[Version]) -> None:
+        self._known(model)
         versions = list(versions)
         self.retained_versions.labels(model).set(len(versions))
         self.retained_bytes.labels(model).set(sum(v.byte_size for v in versions))
@@ -142,6 +185,24 @@ class ServerMetrics(NoMetrics):
             # A new version makes every collector that has not fetched it fall one further behind.
             for client_id, version in self._client_versions.get(model, {}).items():
                 self.client_lag.labels(client_id, model).set(max(latest - version, 0))
+
+    def _known(self, model: str) -> None:
+        """Create every series of `model` not labelled by client, at zero where not yet set, so a
+        scrape shows them from the moment the store holds the model (a rate needs the zero
+        before the first increment)."""
+        for metric in (
+            self.versions_published,
+            self.publish_bytes,
+            self.publish_seconds,
+            self.active_watchers,
+            self.latest_version,
+            self.retained_versions,
+            self.retained_bytes,
+        ):
+            metric.labels(model)
+        for transport in self._transports:
+            self.fetch_bytes.labels(model, transport)
+            self.fetch_seconds.labels(model, transport)
 
     def _track(self, client_id: str) -> bool:
         """Whether `client_id` has (or now gets) per-client gauges; called under the lock."""

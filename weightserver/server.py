@@ -201,7 +201,9 @@ class WeightServer:
             self.shared_memory.directory.chmod(0o700)
         try:
             if config.metrics_port is not None:
-                self.metrics = metrics = ServerMetrics()
+                offered = {"bulk": self.bulk, "shm": self.shared_memory}
+                transports = ["stream", *(name for name, endpoint in offered.items() if endpoint is not None)]
+                self.metrics = metrics = ServerMetrics(transports=transports)
                 self.metrics_port = metrics.serve(config.host, config.metrics_port)
             await self._serve_grpc()
         finally:
