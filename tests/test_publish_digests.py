@@ -219,6 +219,27 @@ def test_the_direct_api_still_computes_the_sha256_at_once_unless_only_an_xxh3_is
     store.close()
 
 
+def test_the_sha256_waits_out_its_delay_unless_a_reader_asks(monkeypatch) -> None:
+    """The moments after a commit are the followers': the background sha256 waits
+    SHA256_DELAY_SECONDS, unless a reader (a Fetch stream's header) asks for it."""
+    monkeypatch.setattr(store_module, "SHA256_DELAY_SECONDS", 3600.0)
+    store = VersionStore()
+    data = make_file(1)
+    record = store.publish(MODEL, data, xxh3=xxh3(data))
+    quiet = store.sha256_of(record, hurry=False)  # as the shm header rewrite asks: no hurry
+    with pytest.raises(TimeoutError):
+        quiet.result(0.3)
+    assert store.get(MODEL, 1).sha256 == ""
+    assert store.sha256_of(record).result(WAIT) == sha(data)  # a reader: at once
+    assert quiet.result(0) == sha(data) and store.get(MODEL, 1).sha256 == sha(data)
+    later = store.publish(MODEL, make_file(2), xxh3=xxh3(make_file(2)))
+    with pytest.raises(TimeoutError):  # the hurry was for the one asked for, not for later ones
+        store.sha256_of(later, hurry=False).result(0.3)
+    store.close()  # does not wait out the delay either
+    with pytest.raises(ServerUnavailable):
+        store.sha256_of(later, hurry=False).result(WAIT)
+
+
 def test_a_pin_while_the_sha256_is_computed_keeps_both(gate) -> None:
     store = VersionStore(keep=1)
     data = make_file(1)

@@ -199,7 +199,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
                 if future.exception() is None:
                     self._write_shm_header(record.model, record.version)
 
-            self.store.sha256_of(record).add_done_callback(rewrite)
+            self.store.sha256_of(record, hurry=False).add_done_callback(rewrite)
 
     def _write_shm_header(self, model: str, version: int) -> None:
         """Write the header file beside a version's shared-memory file from the store's

@@ -8,7 +8,9 @@ fsynced and renamed into place. Readers therefore only ever see complete, verifi
 Digests: xxh3-128 of the file and of each tensor, and sha256. An upload brings them when they
 were computed while its bytes arrived (`Upload.digests`), else they are computed here. A
 version whose publisher declared only an xxh3 is committed in memory with sha256 "" and hashed
-afterwards by one background worker (`sha256_of` waits for it); with a data directory the
+afterwards by one background worker (`sha256_of` waits for it), which first lets
+SHA256_DELAY_SECONDS pass unless a reader asks for the digest (`sha256_of(hurry=True)`): the
+moments after a commit belong to the followers applying the version. With a data directory the
 sha256 is instead computed while the data file is written and fsynced, so that every manifest
 carries it.
 
@@ -75,6 +77,8 @@ _HIGH_WATER = "high_water.json"
 # The largest version number: every version fits a signed 64-bit integer (clients in other
 # languages, JSON) and the next one still fits the proto's uint64.
 MAX_VERSION = 2**63 - 1
+# A version's sha256, computed after its commit, waits this long unless a reader asks for it.
+SHA256_DELAY_SECONDS = 0.5
 
 
 def validate_model_name(model: str) -> str:
@@ -202,6 +206,7 @@ class VersionStore:
         self._listeners: list[Callable[[Version], None]] = []
         # Versions committed with sha256 "", until the worker (started on first need) hashed them.
         self._pending_sha256: dict[tuple[str, int], Future[str]] = {}
+        self._sha256_hurry = threading.Event()  # a reader waits for a pending sha256: no delay
         self._sha256_worker: ThreadPoolExecutor | None = None
         self._closed = False
         if self.data_dir is not None:
@@ -219,6 +224,7 @@ class VersionStore:
         with self._lock:
             self._closed = True
             worker, self._sha256_worker = self._sha256_worker, None
+        self._sha256_hurry.set()  # no job waits out its delay now
         if worker is not None:
             worker.shutdown(wait=True)
 
@@ -566,9 +572,10 @@ class VersionStore:
         return updated
 
     # ------------------------------------------------------------------ background sha256
-    def sha256_of(self, record: Version) -> Future[str]:
+    def sha256_of(self, record: Version, *, hurry: bool = True) -> Future[str]:
         """A future of the sha256 of `record`'s bytes: done at once when it is known, else done
-        when the background worker has hashed them. It fails with VersionNotFound when the
+        when the background worker has hashed them (at once with `hurry`, a reader waiting for
+        it; else after SHA256_DELAY_SECONDS). It fails with VersionNotFound when the
         version was evicted or deleted before it was hashed (its job is dropped; a caller still
         holding `record` may hash `record.data` itself), or ServerUnavailable once the store is
         closed. Nobody can cancel it: several callers may wait on the same one."""
@@ -577,6 +584,8 @@ class VersionStore:
         with self._lock:
             pending = self._pending_sha256.get((record.model, record.version))
             if pending is not None:
+                if hurry:
+                    self._sha256_hurry.set()
                 return pending
             state = self._models.get(record.model)
             current = state.versions.get(record.version) if state is not None else None
@@ -609,6 +618,7 @@ class VersionStore:
         pin keeps the sha256 (it replaces the record this puts in place)."""
         key = (record.model, record.version)
         state = self._models[record.model]
+        self._sha256_hurry.wait(max(0.0, record.created + SHA256_DELAY_SECONDS - time.time()))
         with self._lock:
             future = self._pending_sha256[key]
             if self._closed or record.version not in state.versions:
@@ -621,6 +631,8 @@ class VersionStore:
             if current is not None:  # else deleted or evicted while it was being hashed
                 state.versions[record.version] = dataclasses.replace(current, sha256=digest)
             del self._pending_sha256[key]
+            if not self._pending_sha256:
+                self._sha256_hurry.clear()  # none left that a reader waits for
         future.set_result(digest)
 
     def _gone(self, record: Version) -> WeightServerError:
