@@ -249,8 +249,20 @@ def _publish_wrong_xxh3(address: str, data: bytes) -> None:
 
 
 # ---------------------------------------------------------------------- the updater
-def make_updater(address: str, policy: torch.nn.Module, transport: str) -> GrpcLocalWeightUpdater:
-    return GrpcLocalWeightUpdater(address, model=MODEL, policy=policy, watch=True, transport=transport)
+@pytest.fixture
+def make_updater() -> Iterator:
+    """Watching updaters with clients of their own, stopped and closed after the test."""
+    made: list[GrpcLocalWeightUpdater] = []
+
+    def make(address: str, policy: torch.nn.Module, transport: str) -> GrpcLocalWeightUpdater:
+        made.append(GrpcLocalWeightUpdater(address, model=MODEL, policy=policy, watch=True, transport=transport))
+        return made[-1]
+
+    yield make
+    for updater in made:
+        if updater._follower is not None:
+            updater._follower.stop()
+        updater.client.close()
 
 
 class Linear(torch.nn.Module):
@@ -269,7 +281,7 @@ def catch_up(updater: GrpcLocalWeightUpdater, version: int, seconds: float = 20.
 
 
 @pytest.mark.parametrize("transport", ["bulk", "stream"])
-def test_the_watching_updater_applies_versions_received_early(server, client, transport):
+def test_the_watching_updater_applies_versions_received_early(server, client, make_updater, transport):
     client.publish(weights_filled(0.0), model=MODEL, transport="stream")
     policy = Linear()
     updater = make_updater(server.address, policy, transport)
@@ -287,10 +299,9 @@ def test_the_watching_updater_applies_versions_received_early(server, client, tr
     weights = weights_filled(3.0)  # and a publish as a trainer makes it
     catch_up(updater, client.publish(weights, model=MODEL, transport=transport))
     assert torch.equal(policy.w.detach(), weights["w"])
-    updater._follower.stop()
 
 
-def test_the_updater_never_applies_a_publish_cut_half_way(server, client, caplog):
+def test_the_updater_never_applies_a_publish_cut_half_way(server, client, make_updater, caplog):
     client.publish(weights_filled(0.0), model=MODEL, transport="stream")
     policy = Linear()
     updater = make_updater(server.address, policy, "bulk")
@@ -313,4 +324,3 @@ def test_the_updater_never_applies_a_publish_cut_half_way(server, client, caplog
     version = client.publish(weights, model=MODEL, transport="bulk", publish_id=uuid.uuid4().hex)
     catch_up(updater, version)
     assert torch.equal(policy.w.detach(), weights["w"])
-    updater._follower.stop()
