@@ -194,10 +194,11 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         has computed it, for readers of that file."""
         self._forget_removed(record.model)
         if not record.sha256 and self.shared_memory is not None:
+            model, version = record.model, record.version  # not the record: its bytes may go meanwhile
 
             def rewrite(future: Future[str]) -> None:
                 if future.exception() is None:
-                    self._write_shm_header(record.model, record.version)
+                    self._write_shm_header(model, version)
 
             self.store.sha256_of(record, hurry=False).add_done_callback(rewrite)
 

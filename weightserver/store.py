@@ -592,7 +592,7 @@ class VersionStore:
         if current is not None and current.sha256:
             return _done_future(current.sha256)
         failed: Future[str] = _running_future()
-        failed.set_exception(self._gone(record))
+        failed.set_exception(self._gone(record.model, record.version))
         return failed
 
     def _worker(self) -> ThreadPoolExecutor | None:
@@ -606,24 +606,29 @@ class VersionStore:
     def _hash_later(self, record: Version) -> None:
         """Queue `record` (just committed with sha256 "") for the background worker."""
         worker = self._worker()
+        key, created = (record.model, record.version), record.created
         if worker is not None:
+            # The key, not the record: a version deleted or evicted while its job waits is not
+            # kept in memory by it.
             with contextlib.suppress(RuntimeError):  # closed meanwhile
-                worker.submit(self._hash_pending, record)
+                worker.submit(self._hash_pending, key, created)
                 return
-        self._hash_pending(record)  # closed: fails the future at once
+        self._hash_pending(key, created)  # closed: fails the future at once
 
-    def _hash_pending(self, record: Version) -> None:
-        """The worker's job: hash a retained version and put its sha256 in its record. A pin that
+    def _hash_pending(self, key: tuple[str, int], created: float) -> None:
+        """The worker's job: hash a retained version (model, version) committed at `created`
+        once its delay is out, and put its sha256 in its record. A pin that
         replaced the record meanwhile is kept (both take the model's commit lock), and a later
         pin keeps the sha256 (it replaces the record this puts in place)."""
-        key = (record.model, record.version)
-        state = self._models[record.model]
-        self._sha256_hurry.wait(max(0.0, record.created + SHA256_DELAY_SECONDS - time.time()))
+        model, version = key
+        state = self._models[model]
+        self._sha256_hurry.wait(max(0.0, created + SHA256_DELAY_SECONDS - time.time()))
         with self._lock:
             future = self._pending_sha256[key]
-            if self._closed or record.version not in state.versions:
+            record = state.versions.get(version)
+            if self._closed or record is None:
                 del self._pending_sha256[key]
-                future.set_exception(self._gone(record))
+                future.set_exception(self._gone(model, version))
                 return
         digest = sha256_hex(record.data)
         with state.commit_lock, self._lock:
@@ -635,12 +640,12 @@ class VersionStore:
                 self._sha256_hurry.clear()  # none left that a reader waits for
         future.set_result(digest)
 
-    def _gone(self, record: Version) -> WeightServerError:
+    def _gone(self, model: str, version: int) -> WeightServerError:
         """Why a pending sha256 will not be computed."""
         if self._closed:
-            return ServerUnavailable(f"model {record.model!r} v{record.version}: the server is stopping")
+            return ServerUnavailable(f"model {model!r} v{version}: the server is stopping")
         return VersionNotFound(
-            f"model {record.model!r}: version {record.version} was evicted or deleted before its sha256 was computed"
+            f"model {model!r}: version {version} was evicted or deleted before its sha256 was computed"
         )
 
     def _retained(self, model: str) -> _Model:

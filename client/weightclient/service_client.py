@@ -444,7 +444,8 @@ class WeightServiceClient:
                 bad = transport.receive_placed(offer, views)
                 data, problem = memoryview(b""), f"placed tensors {bad[:5]} do not match their digests" if bad else ""
             else:
-                data = transport.receive(offer, into=into, progress=progress)
+                # A fast transport's progress is reported once, at the end (below).
+                data = transport.receive(offer, into=into, progress=None if fast else progress)
                 digest, announced = xxhash.xxh3_128_hexdigest(data), offer.payload.xxh3
                 problem = f"xxh3 of the payload is {digest}, announced {announced}" if digest != announced else ""
             if problem and fast:
