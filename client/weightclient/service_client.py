@@ -138,6 +138,9 @@ class WeightServiceClient:
         self._metadata = call_metadata(token, client_id)
         self._shm = SharedMemoryTransport()
         self._bulk = BulkTransport(_host_of(self.address))
+        # A connection of its own for bytes received as they arrive (`fetch_arriving`): such a
+        # transfer lasts as long as the publish, and must not hold up this client's fetches.
+        self._early_bulk = BulkTransport(_host_of(self.address))
         self._stream = StreamTransport(self._channel, self._metadata, chunk_bytes)
         self.transports = TransportChain([self._shm, self._bulk], self._stream)
         self._spares = SpareUploads(
@@ -155,6 +158,7 @@ class WeightServiceClient:
         self._reports.close()
         self._spares.close()
         self._bulk.close()
+        self._early_bulk.close()
         self._channel.close()
 
     def __enter__(self) -> WeightServiceClient:
@@ -499,7 +503,7 @@ class WeightServiceClient:
                 if answer.transport == pb.TRANSPORT_BULK:
                     offer = Offer(placeholder, answer.payload, deadline=deadline)
                     try:
-                        data = self._bulk.receive(offer, into=into, progress=progress)
+                        data = self._early_bulk.receive(offer, into=into, progress=progress)
                     except TransportFailed as exc:
                         # Cut short: the publish failed, or the connection did. Either way the
                         # commit event decides; the caller then fetches the version normally.
