@@ -443,3 +443,18 @@ def test_a_spare_the_server_forgot_does_not_fail_the_publish(server, client, tra
     assert version == 2
     assert_bit_exact(client.fetch(MODEL, version=version, transport="stream").state_dict(), weights)
     assert [v.version for v in client.list_versions(MODEL)] == [1, 2]
+
+
+def test_a_model_over_the_spare_limit_gets_no_spare(server, client, monkeypatch):
+    """A spare holds a model's size of the server's memory: above MAX_SPARE_BYTES none is set up."""
+    import weightclient.spare_uploads as spare_uploads
+
+    weights = mixed_model(1)
+    monkeypatch.setattr(spare_uploads, "MAX_SPARE_BYTES", len(file_of(weights)) - 1)
+    for transport in ("shm", "bulk"):
+        client.publish(weights, model=MODEL, transport=transport)
+        time.sleep(0.3)  # a spare would be set up in the background by now
+        assert staged_count(server) == 0
+    monkeypatch.setattr(spare_uploads, "MAX_SPARE_BYTES", len(file_of(weights)))
+    client.publish(weights, model=MODEL, transport="shm")
+    wait_for(lambda: staged_count(server) == 1)  # at the limit: one is

@@ -7,7 +7,10 @@ each publish over a fast transport the client sets up the model's next upload in
 background and the transport prepares it; the next
 publish of that size moves its bytes at once. A spare unused for SPARE_SECONDS is let go (the
 server drops an upload nobody named 60 s after Negotiate). Each spare holds one model's size
-of the server's memory (shared memory, where it has some) while it waits.
+of the server's memory (shared memory, where it has some) while it waits, so models over
+MAX_SPARE_BYTES get none: for them a second copy in the server's memory (a 4 GiB model's spare
+beside its version ran the 24 GiB development machine out of memory) costs more than the
+setup saves, a small part of such a transfer.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from weightserver.v1 import weights_pb2 as pb
 log = logging.getLogger(__name__)
 
 SPARE_SECONDS = 45.0  # under the server's 60 s for an upload nobody named
+MAX_SPARE_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -67,7 +71,10 @@ class SpareUploads:
         return found
 
     def refill(self, model: str, size: int, transport: Transport) -> None:
-        """Set up the next upload of `model` at `size` bytes on `transport`, in the background."""
+        """Set up the next upload of `model` at `size` bytes on `transport`, in the background
+        (not for a model over MAX_SPARE_BYTES)."""
+        if size > MAX_SPARE_BYTES:
+            return
         with contextlib.suppress(RuntimeError):  # closed meanwhile
             self._thread.submit(self._prepare, model, size, transport)
 
