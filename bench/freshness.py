@@ -127,15 +127,17 @@ class Collectors:
     `shapes`. `start()` returns once each applied the model's current version and follows the
     Watch stream; `applied(version)` waits for every collector to report that version."""
 
-    def __init__(self, count: int, address: str, model: str, shapes: list[int], transport: str) -> None:
+    def __init__(
+        self, count: int, address: str, model: str, shapes: list[int], transport: str, cut_through: bool = True
+    ) -> None:
         self.count = count
         self.stop = SPAWN.Event()
         self.results = SPAWN.Queue()
-        self.reports: dict[int, dict[int, tuple[float, str, list[tuple[float, float]]]]] = {}
+        self.reports: dict[int, dict[int, tuple[float, str, list[tuple[float, float]], bool]]] = {}
         self.processes = [
             SPAWN.Process(
                 target=workers.freshness_collector,
-                args=(i, address, model, shapes, transport, self.stop, self.results),
+                args=(i, address, model, shapes, transport, self.stop, self.results, cut_through),
                 daemon=True,
                 name=f"bench-collector-{i}",
             )
@@ -165,12 +167,13 @@ class Collectors:
                     raise TimeoutError("collectors did not report in time") from None
                 continue
             if message[0] != "ready":
-                index, version, at, used, ends = message
-                self.reports.setdefault(index, {})[version] = (at, used, ends)
+                index, version, at, used, ends, early = message
+                self.reports.setdefault(index, {})[version] = (at, used, ends, early)
             return message
 
-    def applied(self, version: int, timeout: float = APPLY_TIMEOUT) -> dict[int, tuple[float, str, list]]:
-        """{collector: (monotonic time it applied `version`, transport, parameter ends)} once
+    def applied(self, version: int, timeout: float = APPLY_TIMEOUT) -> dict[int, tuple[float, str, list, bool]]:
+        """{collector: (monotonic time it applied `version`, transport, parameter ends, whether
+        it was received before its commit)} once
         every collector applied it (a collector that skipped it for a newer one fails)."""
         deadline = time.monotonic() + timeout
         while any(version not in self.reports.get(i, {}) for i in range(self.count)):
@@ -192,7 +195,9 @@ class Collectors:
         self.close()
 
 
-def _freshness_row(ctx: Context, size: int, name: str, collectors: int, transport: str) -> Row:
+def _freshness_row(
+    ctx: Context, size: int, name: str, collectors: int, transport: str, cut_through: bool = True
+) -> Row:
     """Freshness in ms: `time.monotonic()` just before the publisher's `publish()` call ->
     the latest of the collectors' `time.monotonic()` stamps, each taken right after its
     updater returned with that version in the live policy. One publish at a time: the next
@@ -203,8 +208,8 @@ def _freshness_row(ctx: Context, size: int, name: str, collectors: int, transpor
     _mark(weights, -100.0)
     ctx.client.publish(weights, model=model, **kwargs)  # a version to start from
     log(f"{name} {format_size(size)}: starting {collectors} collector processes ({transport})")
-    samples, publish_ms, per_collector, used, wrong = [], [], [], set(), 0
-    with Collectors(collectors, ctx.address, model, weights.shapes(), transport) as group:
+    samples, publish_ms, per_collector, used, wrong, early = [], [], [], set(), 0, 0
+    with Collectors(collectors, ctx.address, model, weights.shapes(), transport, cut_through) as group:
         for i in range(WARMUP_ROUNDS + ctx.repeats):
             value = float(i)
             _mark(weights, value)  # untimed
@@ -219,17 +224,19 @@ def _freshness_row(ctx: Context, size: int, name: str, collectors: int, transpor
             samples.append((max(stamps) - called) * 1e3)
             publish_ms.append((returned - called) * 1e3)
             per_collector.append([(at - called) * 1e3 for at in stamps])
-            for _, via, ends in applied.values():
+            for _, via, ends, before_commit in applied.values():
                 used.add(via)
                 wrong += any(end != (value, value) for end in ends)
+                early += before_commit
     ctx.drop(model)
     row = Row(name, size, "ms", samples)
     carried = set(_server_publish_transports(ctx, model).values())
     published_via = "/".join(sorted(carried or {"unknown"}))
     row.note = (
         f"publish() call -> last of {collectors} collector processes (GrpcLocalWeightUpdater(watch=True, "
-        f"transport={transport}), woken by a Watch event) applied, wall clock; fetched via "
-        f"{'/'.join(sorted(used))}; published via {published_via}; publish() returned after "
+        f"transport={transport}, cut_through={cut_through}), woken by a Watch event) applied, wall clock; "
+        f"fetched via {'/'.join(sorted(used))}, {early} of {collectors * ctx.repeats} received before the "
+        f"commit (cut-through); published via {published_via}; publish() returned after "
         f"{statistics.median(publish_ms):.1f} ms (median)"
     )
     if not kwargs:
@@ -249,6 +256,8 @@ def _freshness_row(ctx: Context, size: int, name: str, collectors: int, transpor
         "fetch_transports": sorted(used),
         "publish_transports": sorted(carried),
         "wrong_weights": wrong,
+        "cut_through": cut_through,
+        "received_before_commit": early,
     }
     return row
 
@@ -258,6 +267,18 @@ def freshness_remote(ctx: Context, size: int) -> list[Row]:
     row = _freshness_row(ctx, size, "freshness_remote", LOCAL_COLLECTORS, "bulk")
     ctx.baselines[("freshness_remote", size)] = row
     return [compare(row, ctx.baseline("raw_tcp", size), "<=", FRESHNESS_REMOTE_TARGET, time_based=True)]
+
+
+def freshness_remote_no_cut_through(ctx: Context, size: int) -> list[Row]:
+    """freshness_remote with `cut_through=False`: each collector fetches a version once its
+    commit is announced. Report only: what cut-through changes, measured in the same run."""
+    row = _freshness_row(ctx, size, "freshness_remote_no_cut_through", LOCAL_COLLECTORS, "bulk", cut_through=False)
+    row.target = "none (reported)"
+    remote = ctx.baseline("freshness_remote", size)
+    if remote is not None:
+        row.baseline, row.baseline_value = f"freshness_remote {format_size(size)}", remote.median
+        row.ratio = row.median / remote.median
+    return [row]
 
 
 def freshness_local(ctx: Context, size: int) -> list[Row]:
@@ -292,6 +313,7 @@ SIZED_ROWS = {
     "publish_bulk": publish_bulk,
     "publish_shm": publish_shm,
     "freshness_remote": freshness_remote,
+    "freshness_remote_no_cut_through": freshness_remote_no_cut_through,
     "freshness_local": freshness_local,
     "freshness_8": freshness_8,
 }
@@ -302,6 +324,7 @@ NEEDS = {
     "publish_bulk": ["raw_tcp"],
     "publish_shm": ["memcpy"],
     "freshness_remote": ["raw_tcp"],
+    "freshness_remote_no_cut_through": ["raw_tcp"],
     "freshness_local": ["torchrl_shared_mem"],
     "freshness_8": ["raw_tcp"],
 }

@@ -264,9 +264,10 @@ def freshness_collector(
     transport: str,
     stop: Any,
     results: Any,
+    cut_through: bool = True,
 ) -> None:
     """A collector for the freshness rows: a live policy kept current by
-    `GrpcLocalWeightUpdater(watch=True, transport=transport)`.
+    `GrpcLocalWeightUpdater(watch=True, transport=transport, cut_through=cut_through)`.
 
     It sleeps until a version newer than the applied one is announced (a Watch stream of its
     own, the wake-up), then calls the updater until the policy holds it: the updater fetches
@@ -277,8 +278,9 @@ def freshness_collector(
     Puts ("ready", index) once its policy holds a version and its updater follows the Watch
     stream, then for every version it applies (index, version, time.monotonic() right after
     the updater returned with it in the policy, transport used, [(p[0], p[-1]) of each
-    parameter]). CLOCK_MONOTONIC is one clock for every process on a Linux host, so the
-    publisher compares these stamps with its own. Runs until `stop` is set.
+    parameter], whether it was received before its commit (cut-through)). CLOCK_MONOTONIC is
+    one clock for every process on a Linux host, so the publisher compares these stamps with
+    its own. Runs until `stop` is set.
     """
     import torch
 
@@ -291,7 +293,8 @@ def freshness_collector(
     torch.set_num_threads(1)
     policy = policy_from_shapes(shapes, fill=-1.0)
     client, wakeups = WeightClient(address), WeightServiceClient(address)
-    updater = GrpcLocalWeightUpdater(client, model=model, policy=policy, watch=True, transport=transport)
+    options = {"cut_through": cut_through} if cut_through is not True else {}  # a client without it: default
+    updater = GrpcLocalWeightUpdater(client, model=model, policy=policy, watch=True, transport=transport, **options)
 
     def update() -> None:
         before = updater.version
@@ -301,7 +304,8 @@ def freshness_collector(
             used = getattr(updater.last_fetch, "transport", None) or "stream"
             with torch.no_grad():
                 ends = [(float(p[0]), float(p[-1])) for p in policy.parameters()]
-            results.put((index, updater.version, at, used, ends))
+            early = bool(getattr(updater.last_fetch, "early", False))
+            results.put((index, updater.version, at, used, ends, early))
 
     def catch_up(version: int) -> None:
         while (updater.version or 0) < version and not stop.is_set():

@@ -58,6 +58,10 @@ class CutThrough:
         for stale in [i for i, f in self._receiving.items() if f.done()][: -MAX_RECEIVING or None]:
             self._receiving.pop(stale)
 
+    def busy(self) -> bool:
+        """Whether bytes announced are being received now."""
+        return any(not future.done() for future in list(self._receiving.values()))
+
     def expects(self, event: VersionEvent) -> bool:
         """Whether bytes of the version `event` announces are being (or were) received here."""
         return bool(event.arriving) and event.arriving in self._receiving

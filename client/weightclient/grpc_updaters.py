@@ -403,9 +403,11 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         return not self._confirm_due()
 
     def _confirm_due(self) -> bool:
-        """The server last answered a fetch `watch_confirm_seconds` ago or more: what the Watch
-        stream announced may be stale (a stream can stall without an error)."""
-        return time.monotonic() - self._last_asked >= self.watch_confirm_seconds
+        """The server last answered a fetch, and the Watch stream last showed life (an event, or
+        bytes it announced still arriving), `watch_confirm_seconds` ago or more: what the stream
+        announced may be stale (a stream can stall without an error)."""
+        heard = self._follower.heard() if self._follower is not None else 0.0
+        return time.monotonic() - max(self._last_asked, heard) >= self.watch_confirm_seconds
 
     def _backing_off(self) -> bool:
         return self._unavailable_since is not None and time.monotonic() < self._next_attempt

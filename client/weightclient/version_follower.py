@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 
 from weightclient.cut_through import CutThrough
 from weightclient.service_client import FetchedBytes, WeightServiceClient
@@ -40,6 +41,7 @@ class VersionFollower:
         self._ready: FetchedBytes | None = None  # the newest version received early, not yet taken
         self._settling: threading.Event | None = None  # set once an announced version's early bytes are checked
         self._open = False  # the current stream has delivered an event
+        self._heard = 0.0  # time.monotonic() of the stream's last event
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._pid = os.getpid()
@@ -74,6 +76,13 @@ class VersionFollower:
         if self._cut_through is not None:
             self._cut_through.give_back(buffer)
 
+    def heard(self) -> float:
+        """When the Watch stream last showed life (time.monotonic()): its last event, or now
+        while bytes it announced are being received early (their commit event is still to come)."""
+        if self._cut_through is not None and self._cut_through.busy():
+            return time.monotonic()
+        return self._heard
+
     def running(self) -> bool:
         """Whether the thread is alive in this process (not in a forked child, not stopped)."""
         return os.getpid() == self._pid and self._thread.is_alive() and not self._stopped.is_set()
@@ -106,6 +115,7 @@ class VersionFollower:
                 for event in self._client.watch(
                     self._model, since=since, timeout=RENEW_SECONDS, incoming=cut_through is not None
                 ):
+                    self._heard = time.monotonic()
                     if isinstance(event, Arriving):
                         cut_through.arriving(event)  # type: ignore[union-attr]
                         continue
