@@ -17,7 +17,7 @@ import hashlib
 import logging
 import mmap
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -67,6 +67,10 @@ SHA256_BATCH_BYTES = 4 << 20
 SLOW_READER_SECONDS = 1.0
 # A fetch of a publish's bytes as they arrive gives up when none arrive for this long.
 ARRIVING_STALL_SECONDS = 60.0
+# While a publish verifies and commits, stream fetches hold their next chunk, each at most this
+# long: the CPU goes to the version every collector waits for, and a commit that hangs (a disk
+# that does not answer) slows fetches down but does not stop them.
+COMMIT_FIRST_SECONDS = 0.25
 
 
 async def _abort(context: grpc.aio.ServicerContext, error: BaseException) -> None:
@@ -162,6 +166,9 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         self.metrics = metrics or NoMetrics()
         self._watch_queues: set[asyncio.Queue[Version | IncomingPublish | None]] = set()
         self._stream_turns = asyncio.Semaphore(config.max_stream_fetches)
+        self._committing = 0  # publishes verifying and committing now (their bytes are all in)
+        self._no_commit = asyncio.Event()  # set while none is
+        self._no_commit.set()
         self._publish_threads = ThreadPoolExecutor(PUBLISH_THREADS, thread_name_prefix="weightserver-publish")
         # Publishes whose bytes are arriving, for watchers that fetch them early (cut-through).
         self.incoming = IncomingPublishes()
@@ -324,19 +331,33 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
                 "was published (the publisher was cancelled or failed before finishing)"
             )
         digests = _declared_sha256s(incoming, commit)
-        uploads = [await model.as_upload(digest) for model, digest in zip(incoming, digests, strict=True)]
-        first = incoming[0].header
-        publish = functools.partial(
-            self.store.publish_group, uploads, version=first.version, publish_id=first.publish_id
-        )
-        committing = asyncio.get_running_loop().run_in_executor(self._publish_threads, publish)
+        with self._commit_first():
+            uploads = [await model.as_upload(digest) for model, digest in zip(incoming, digests, strict=True)]
+            first = incoming[0].header
+            publish = functools.partial(
+                self.store.publish_group, uploads, version=first.version, publish_id=first.publish_id
+            )
+            committing = asyncio.get_running_loop().run_in_executor(self._publish_threads, publish)
+            try:
+                return await asyncio.shield(committing)
+            finally:
+                # A call cancelled meanwhile (its deadline passed) leaves the commit running in its
+                # thread: it finishes with the uploads before Publish cleans them up, and a retry
+                # with the same publish id finds its version.
+                await asyncio.wait([committing])
+
+    @contextlib.contextmanager
+    def _commit_first(self) -> Iterator[None]:
+        """Stream fetches hold their chunks while this publish verifies and commits (see
+        COMMIT_FIRST_SECONDS)."""
+        self._committing += 1
+        self._no_commit.clear()
         try:
-            return await asyncio.shield(committing)
+            yield
         finally:
-            # A call cancelled meanwhile (its deadline passed) leaves the commit running in its
-            # thread: it finishes with the uploads before Publish cleans them up, and a retry
-            # with the same publish id finds its version.
-            await asyncio.wait([committing])
+            self._committing -= 1
+            if not self._committing:
+                self._no_commit.set()
 
     # ------------------------------------------------------------------ describe
     @_unary
@@ -439,8 +460,9 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
 
     async def _in_turn(self, messages: Iterable[bytes]) -> AsyncIterator[bytes]:
         """`messages`, sent while this fetch holds one of the --max-stream-fetches turns (first
-        waiting for one, first come first served). A write still pending after
-        SLOW_READER_SECONDS gives the turn back for the rest of the fetch."""
+        waiting for one, first come first served), each after any commit under way (at most
+        COMMIT_FIRST_SECONDS). A write still pending after SLOW_READER_SECONDS gives the turn
+        back for the rest of the fetch."""
         turns, loop = self._stream_turns, asyncio.get_running_loop()
         await turns.acquire()
         held = True
@@ -453,6 +475,9 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
 
         try:
             for message in messages:
+                if not self._no_commit.is_set():
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._no_commit.wait(), COMMIT_FIRST_SECONDS)
                 slow = loop.call_later(SLOW_READER_SECONDS, give_back)
                 try:
                     yield message
