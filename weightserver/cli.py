@@ -50,6 +50,14 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
+def _model_list(text: str) -> tuple[str, ...]:
+    """'policy,critic' -> ('policy', 'critic')."""
+    models = tuple(name.strip() for name in text.split(",") if name.strip())
+    if not models:
+        raise argparse.ArgumentTypeError(f"invalid model list {text!r}: name them with commas, e.g. policy,critic")
+    return models
+
+
 def command_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction[argparse.ArgumentParser]]:
     """The `weightserver` parser with its global options and the `serve` command, and its
     subcommands, to which the console script adds the client's."""
@@ -168,6 +176,30 @@ def command_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersActio
     )
     serve.add_argument(
         "--port-file", type=Path, help="write the bound port to this file once serving (useful with --port 0)"
+    )
+    serve.add_argument(
+        "--upstream",
+        metavar="ADDRESS",
+        help="run as a relay of the server at ADDRESS (host:port, a primary or another relay): fetch each of "
+        "its versions once and serve them under the same numbers, metadata and digests; publishes, deletes "
+        "and pins are refused with FAILED_PRECONDITION naming the primary (default: off, a primary)",
+    )
+    serve.add_argument(
+        "--models",
+        dest="upstream_models",
+        type=_model_list,
+        metavar="A,B",
+        help="with --upstream: follow only these models (default: every model the upstream has, "
+        "including ones that appear later)",
+    )
+    serve.add_argument(
+        "--upstream-poll",
+        dest="upstream_poll_seconds",
+        type=float,
+        default=ServerConfig.upstream_poll_seconds,
+        metavar="SECONDS",
+        help="with --upstream: how often to list the upstream's models, to find new ones and to tell "
+        "whether it is up (default: %(default)s)",
     )
     serve.set_defaults(handler=cmd_serve)
     return parser, commands

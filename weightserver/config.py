@@ -77,6 +77,13 @@ class ServerConfig:
     publish_timeout: float | None = 600.0
     # Prometheus /metrics over plain HTTP (weightserver.metrics): 0 picks a free port, None: off.
     metrics_port: int | None = None
+    # Relay mode (weightserver.relay): follow the server at this host:port and refuse publishes.
+    # None: this server is a primary.
+    upstream: str | None = None
+    # The models a relay follows; None: every model the upstream has, including later ones.
+    upstream_models: tuple[str, ...] | None = None
+    # Seconds between a relay's ListModels calls to its upstream (new models, and whether it is up).
+    upstream_poll_seconds: float = 2.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -110,6 +117,16 @@ class ServerConfig:
             raise ValueError(f"max_concurrent_streams must be >= 1, got {self.max_concurrent_streams}")
         if self.max_stream_fetches < 1:
             raise ValueError(f"max_stream_fetches must be >= 1, got {self.max_stream_fetches}")
+        if self.upstream is not None and not self.upstream.strip():
+            raise ValueError("upstream must be a host:port, got an empty string")
+        if self.upstream_models is not None:
+            if self.upstream is None:
+                raise ValueError("upstream_models (--models) is what a relay follows: give upstream (--upstream) too")
+            if not self.upstream_models:
+                raise ValueError("upstream_models must name at least one model, or be None to follow every model")
+            object.__setattr__(self, "upstream_models", tuple(self.upstream_models))
+        if not self.upstream_poll_seconds > 0:
+            raise ValueError(f"upstream_poll_seconds must be > 0, got {self.upstream_poll_seconds}")
 
     @property
     def tls(self) -> bool:

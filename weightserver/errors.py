@@ -18,6 +18,7 @@ Exception tree::
     ├── DescriptionTooLarge                RESOURCE_EXHAUSTED (tensor list + metadata over 1 MiB)
     ├── TooManyUploads                     RESOURCE_EXHAUSTED (bulk/shm uploads set up and not yet used)
     ├── VersionConflict                    FAILED_PRECONDITION (version not above the latest)
+    ├── NotPrimary                         FAILED_PRECONDITION (a relay takes no publish, delete or pin)
     ├── CursorOutOfRange                   OUT_OF_RANGE (a version ahead of the latest)
     ├── AuthenticationRequired             UNAUTHENTICATED (no or unknown bearer token)
     ├── PermissionDenied                   PERMISSION_DENIED (the token's role is too small)
@@ -140,6 +141,11 @@ class VersionConflict(WeightServerError):
     """A requested version number that is not greater than the model's latest."""
 
 
+class NotPrimary(WeightServerError):
+    """A publish, delete or pin sent to a relay (`weightserver serve --upstream`): only the
+    primary changes versions; the message names it."""
+
+
 class CursorOutOfRange(WeightServerError):
     """A caller's version cursor is ahead of the model's latest version."""
 
@@ -192,6 +198,7 @@ STATUS_CODES: dict[type[WeightServerError], str] = {
     DescriptionTooLarge: "RESOURCE_EXHAUSTED",
     TooManyUploads: "RESOURCE_EXHAUSTED",
     VersionConflict: "FAILED_PRECONDITION",
+    NotPrimary: "FAILED_PRECONDITION",
     CursorOutOfRange: "OUT_OF_RANGE",
     AuthenticationRequired: "UNAUTHENTICATED",
     PermissionDenied: "PERMISSION_DENIED",

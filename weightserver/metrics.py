@@ -79,6 +79,15 @@ class NoMetrics:
     def retained(self, model: str, versions: Iterable[Version]) -> None:
         """The versions of `model` the store now retains (after a commit, delete or unpin)."""
 
+    def upstream_up(self, up: bool) -> None:
+        """A relay's upstream answers (True) or not (False)."""
+
+    def upstream_latest(self, model: str, version: int) -> None:
+        """A relay heard that its upstream's newest version of `model` is `version`."""
+
+    def relayed(self, model: str, nbytes: int, *, delta: bool) -> None:
+        """A relay fetched a version of `model` from its upstream: `nbytes` of payload, a delta or whole."""
+
     def close(self) -> None:
         """Stop serving /metrics."""
 
@@ -87,9 +96,16 @@ class ServerMetrics(NoMetrics):
     """The metrics of one server in their own `CollectorRegistry` (names start `weightserver_`).
 
     `transports` are those the server serves fetches over: each model known gets its fetch series
-    at zero for each of them."""
+    at zero for each of them. A `relay` also gets the `weightserver_relay_*` series, and measures
+    its clients' lag against its upstream's latest version when that is newer than its own."""
 
-    def __init__(self, max_tracked_clients: int = MAX_TRACKED_CLIENTS, transports: Iterable[str] = ("stream",)) -> None:
+    def __init__(
+        self,
+        max_tracked_clients: int = MAX_TRACKED_CLIENTS,
+        transports: Iterable[str] = ("stream",),
+        *,
+        relay: bool = False,
+    ) -> None:
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
@@ -99,6 +115,7 @@ class ServerMetrics(NoMetrics):
         self._max_tracked_clients = max_tracked_clients
         self._lock = threading.Lock()
         self._latest: dict[str, int] = {}
+        self._upstream_latest: dict[str, int] = {}  # a relay's: what its clients' lag counts against
         # model -> client id -> last version that client fetched
         self._client_versions: dict[str, dict[str, int]] = {}
         self._client_ids: set[str] = set()
@@ -146,6 +163,21 @@ class ServerMetrics(NoMetrics):
             "weightserver_build_info", "Always 1; the labels name the versions this server runs.", list(build)
         )
         self.build_info.labels(**build).set(1)
+        self.relay = relay
+        if relay:
+            self.relay_upstream_up = gauge(
+                "weightserver_relay_upstream_up", "1 while this relay's upstream answers, else 0."
+            )
+            self.relay_upstream_latest = gauge(
+                "weightserver_relay_upstream_latest_version",
+                "The upstream's newest version of a model, as this relay last heard it.",
+                ["model"],
+            )
+            self.relay_fetch_bytes = counter(
+                "weightserver_relay_fetch_bytes",
+                "Payload bytes this relay fetched from its upstream (payload: delta or whole).",
+                ["model", "payload"],
+            )
 
     def published(self, model: str, nbytes: int, seconds: float) -> None:
         self.versions_published.labels(model).inc()
@@ -163,7 +195,7 @@ class ServerMetrics(NoMetrics):
             if not self._track(client_id):
                 return
             self._client_versions.setdefault(model, {})[client_id] = version
-            latest = max(self._latest.get(model, 0), version)
+            latest = max(self._reference(model), version)
             self.client_version.labels(client_id, model).set(version)
             self.client_lag.labels(client_id, model).set(latest - version)
 
@@ -182,9 +214,35 @@ class ServerMetrics(NoMetrics):
         self.latest_version.labels(model).set(latest)
         with self._lock:
             self._latest[model] = latest
-            # A new version makes every collector that has not fetched it fall one further behind.
-            for client_id, version in self._client_versions.get(model, {}).items():
-                self.client_lag.labels(client_id, model).set(max(latest - version, 0))
+            self._update_lags(model)
+
+    def upstream_latest(self, model: str, version: int) -> None:
+        if not self.relay:
+            return
+        self.relay_upstream_latest.labels(model).set(version)
+        with self._lock:
+            self._upstream_latest[model] = version
+            self._update_lags(model)
+
+    def upstream_up(self, up: bool) -> None:
+        if self.relay:
+            self.relay_upstream_up.set(1 if up else 0)
+
+    def relayed(self, model: str, nbytes: int, *, delta: bool) -> None:
+        if self.relay:
+            self.relay_fetch_bytes.labels(model, "delta" if delta else "whole").inc(nbytes)
+
+    def _reference(self, model: str) -> int:
+        """What clients' lag counts against: the latest version, or on a relay its upstream's
+        when newer. Called under the lock."""
+        return max(self._latest.get(model, 0), self._upstream_latest.get(model, 0))
+
+    def _update_lags(self, model: str) -> None:
+        """A new version makes every collector that has not fetched it fall one further behind.
+        Called under the lock."""
+        reference = self._reference(model)
+        for client_id, version in self._client_versions.get(model, {}).items():
+            self.client_lag.labels(client_id, model).set(max(reference - version, 0))
 
     def _known(self, model: str) -> None:
         """Create every series of `model` not labelled by client, at zero where not yet set, so a
@@ -203,6 +261,9 @@ class ServerMetrics(NoMetrics):
         for transport in self._transports:
             self.fetch_bytes.labels(model, transport)
             self.fetch_seconds.labels(model, transport)
+        if self.relay:
+            for payload in ("delta", "whole"):
+                self.relay_fetch_bytes.labels(model, payload)
 
     def _track(self, client_id: str) -> bool:
         """Whether `client_id` has (or now gets) per-client gauges; called under the lock."""

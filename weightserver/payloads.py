@@ -2,6 +2,7 @@
 
 A payload is a safetensors file: the version itself, a delta (only the tensors whose xxh3
 differs from a base version's), a cast (float32 tensors as bfloat16 or float16), or both.
+`apply_delta` turns a delta back into the version's file (for a relay that fetched one).
 Derived payloads are built once per (version, base, dtype), even when many collectors ask at
 the same moment, and cached within a byte budget. Casting uses numpy; no torch.
 """
@@ -10,13 +11,13 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import xxhash
 
-from weightserver.errors import InvalidRequest
-from weightserver.safetensors_format import DTYPE_SIZES, SafetensorsHeader, TensorEntry, build_header
+from weightserver.errors import InvalidRequest, InvalidSafetensors
+from weightserver.safetensors_format import DTYPE_SIZES, SafetensorsHeader, TensorEntry, build_header, parse_header
 
 CAST_TARGETS = ("BF16", "F16")
 
@@ -95,6 +96,43 @@ def derive(
     selected.sort(key=lambda item: (-DTYPE_SIZES[item[1]], item[0].name))
     prefix, _ = build_header((e.name, d, e.shape, len(raw)) for e, d, raw in selected)
     return b"".join([prefix, *(raw for _, _, raw in selected)])
+
+
+def apply_delta(
+    base: bytes | bytearray | memoryview,
+    base_header: SafetensorsHeader,
+    layout: Sequence[TensorEntry],
+    byte_size: int,
+    delta: bytes | bytearray | memoryview,
+) -> bytearray | None:
+    """The inverse of `derive(..., keep=changed)`: a version's file rebuilt from the file of a
+    base version and a delta (a safetensors file of the tensors that changed). `layout` and
+    `byte_size` are the target version's tensors and size, as its description gives them.
+
+    The base's bytes, with each tensor the delta carries written over its own place: so it
+    needs the target laid out as the base is (same names, dtypes, shapes and offsets, same
+    size), else None. The result keeps the base's header, so a target whose header differs
+    otherwise (its `__metadata__`) rebuilds wrong: the caller checks the result's digest."""
+    if len(base) != byte_size or [_placement(t) for t in base_header.tensors] != [_placement(t) for t in layout]:
+        return None
+    try:
+        changed = parse_header(delta)
+    except InvalidSafetensors:
+        return None
+    places = {t.name: t for t in base_header.tensors}
+    rebuilt = bytearray(base)
+    source = memoryview(delta)
+    for entry in changed.tensors:
+        place = places.get(entry.name)
+        if place is None or (entry.dtype, entry.shape, entry.nbytes) != (place.dtype, place.shape, place.nbytes):
+            return None
+        start, begin = base_header.data_start + place.begin, changed.data_start + entry.begin
+        rebuilt[start : start + place.nbytes] = source[begin : begin + entry.nbytes]
+    return rebuilt
+
+
+def _placement(entry: TensorEntry) -> tuple[str, str, tuple[int, ...], int, int]:
+    return entry.name, entry.dtype, tuple(entry.shape), entry.begin, entry.end
 
 
 class PayloadCache:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import threading
 from pathlib import Path
 from types import TracebackType
@@ -22,6 +23,7 @@ from weightserver.auth import TokenTable
 from weightserver.bulk import BulkEndpoint
 from weightserver.config import MAX_MESSAGE_BYTES, ServerConfig, url_host
 from weightserver.metrics import NoMetrics, ServerMetrics
+from weightserver.relay import Relay
 from weightserver.service import WeightServicer
 from weightserver.shared_memory import SharedMemoryFiles, server_shm_dir
 from weightserver.store import VersionStore
@@ -106,6 +108,8 @@ class WeightServer:
         self.bulk: BulkEndpoint | None = None
         self.shared_memory: SharedMemoryFiles | None = None
         self.metrics: NoMetrics = NoMetrics()
+        # With config.upstream: what follows the upstream into the store, once started.
+        self.relay: Relay | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
@@ -203,7 +207,7 @@ class WeightServer:
             if config.metrics_port is not None:
                 offered = {"bulk": self.bulk, "shm": self.shared_memory}
                 transports = ["stream", *(name for name, endpoint in offered.items() if endpoint is not None)]
-                self.metrics = metrics = ServerMetrics(transports=transports)
+                self.metrics = metrics = ServerMetrics(transports=transports, relay=config.upstream is not None)
                 self.metrics_port = metrics.serve(config.host, config.metrics_port)
             await self._serve_grpc()
         finally:
@@ -229,6 +233,15 @@ class WeightServer:
         add_weight_service(servicer, server)
         health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
+        if self.config.upstream is not None:  # set before serving: no publish may slip in
+            self.relay = servicer.relay = Relay(
+                self.store,
+                self.config.upstream,
+                models=self.config.upstream_models,
+                poll_seconds=self.config.upstream_poll_seconds,
+                metrics=self.metrics,
+                health=health,
+            )
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             server,
@@ -254,6 +267,8 @@ class WeightServer:
         await server.start()
         for service in ("", SERVICE_NAME):
             await health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        if self.relay is not None:  # named in the upstream's logs and per-client lag metrics
+            await self.relay.start(client_id=f"relay@{socket.gethostname()}:{port}")
         log.info(
             "serving on %s:%d (%s%s; data dir: %s, keep %d, max model %d bytes)",
             self.config.host,
@@ -267,6 +282,8 @@ class WeightServer:
         self._ready.set()
         await self._stop_requested.wait()
         log.info("shutting down (grace %.1fs)", self._grace)
+        if self.relay is not None:
+            await self.relay.stop()
         await health.enter_graceful_shutdown()
         servicer.end_watches()
         await server.stop(self._grace)

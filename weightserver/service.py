@@ -19,7 +19,7 @@ import mmap
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
@@ -51,6 +51,9 @@ from weightserver.staged_uploads import StagedUpload, StagedUploads
 from weightserver.store import Upload, Version, VersionStore, sha256_hex, validate_model_name
 from weightserver.v1 import weights_pb2 as pb
 from weightserver.v1 import weights_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from weightserver.relay import Relay
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
@@ -119,6 +122,8 @@ def _unary(method: F) -> F:
             # The model a call changes (DeleteVersion, PinVersion) counts for model-scoped tokens;
             # a Publish stream's headers are checked as they arrive.
             self._authorize(context, method.__name__, getattr(request, "model", None))
+            if self.relay is not None and method.__name__ in ("Publish", "DeleteVersion", "PinVersion"):
+                self.relay.refuse(method.__name__)  # NotPrimary, naming the primary
             return await method(self, request, context)
         except Exception as error:
             await _abort(context, error)
@@ -164,6 +169,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         self.bulk = bulk
         self.shared_memory = shared_memory
         self.metrics = metrics or NoMetrics()
+        self.relay: Relay | None = None  # set on a relay: it refuses changes and names its primary to watchers
         self._watch_queues: set[asyncio.Queue[Version | IncomingPublish | None]] = set()
         self._stream_turns = asyncio.Semaphore(config.max_stream_fetches)
         self._committing = 0  # publishes verifying and committing now (their bytes are all in)
@@ -535,6 +541,8 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         server offers and has room for; TRANSPORT_STREAM when none (or no bytes)."""
         header = request.publish
         self._authorize_header(context, header)
+        if self.relay is not None:
+            self.relay.refuse("Negotiate")
         _check_publish(self.store, header, header)
         answer = pb.NegotiateResponse(transport=pb.TRANSPORT_STREAM)
         for transport in request.accept if header.total_bytes else ():
@@ -693,7 +701,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
             last = request.since
             # Headers now, not with the first event: a client waiting for them knows that its
             # subscription is live even when nothing has been published since its cursor.
-            await context.send_initial_metadata(())
+            await context.send_initial_metadata(self.relay.watch_metadata() if self.relay is not None else ())
             _log_event("watch", context, model=model, since=request.since, backlog=len(backlog))
             for record in backlog:
                 yield self._version_event(record, gap, request.incoming)

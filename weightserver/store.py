@@ -279,7 +279,9 @@ class VersionStore:
         upload = Upload(model, data, sha256=sha256, total_bytes=total_bytes, metadata=metadata, pin=pin, xxh3=xxh3)
         return self.publish_group([upload], version=version, publish_id=publish_id)[0]
 
-    def publish_group(self, uploads: Sequence[Upload], *, version: int = 0, publish_id: str = "") -> list[Version]:
+    def publish_group(
+        self, uploads: Sequence[Upload], *, version: int = 0, publish_id: str = "", created: float | None = None
+    ) -> list[Version]:
         """Verify several models' bytes and commit them under ONE version number, together.
 
         The number is `version` (at most MAX_VERSION), or one above the highest version any of
@@ -291,6 +293,9 @@ class VersionStore:
         this id, they are returned and nothing is committed (no `on_commit`, no listener). The
         check runs under the commit locks, so a repeat that arrives while the first publish is
         still committing waits for it and returns its versions.
+
+        `created`: the commit time to record (Unix seconds), for a relay that keeps its
+        upstream's; default now.
         """
         if not uploads:
             raise InvalidRequest("a publish needs at least one model")
@@ -325,7 +330,7 @@ class VersionStore:
                 number = version or high_water + 1
                 for record in verified:
                     self._check_listing(states[record.model], record)
-            created = time.time()
+            created = time.time() if created is None else created
             records = [
                 dataclasses.replace(record, version=number, created=created, publish_id=publish_id)
                 for record in verified

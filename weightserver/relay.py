@@ -1,0 +1,368 @@
+"""Relay: a server that follows another (`weightserver serve --upstream ADDRESS`) instead of
+taking publishes, so that collectors can fetch from a server near them and the primary sends
+each version once per relay, not once per collector.
+
+For each model it follows, a relay keeps a Watch open on its upstream, since the newest version
+it holds, and fetches each version the Watch announces once: as a delta against the version it
+holds when it holds one (weightserver.upstream), rebuilt whole and checked. It commits the
+version in its own VersionStore under the upstream's number, metadata and commit time; the
+store checks its size, sha256 and xxh3 against the upstream's, so the relay's description and
+digests are the upstream's. Its own watchers hear of a version only once the store holds it
+whole and verified, and every transport serves it like any version. A relay's upstream may be a
+relay: the tree is as deep as you make it.
+
+Models: those named (`--models`), else every model the upstream lists, polled every
+`poll_seconds` (ListModels), and any model a group publish names. A group publish (several
+models under one number) is committed together, as on the primary, once the follower of each of
+its models has reached it; a member this relay does not follow is left out of it.
+
+Upstream away: the poll and the Watch calls notice it; the relay keeps serving what it holds,
+sets the health service `weightserver.relay` to NOT_SERVING (the server itself stays SERVING)
+and `weightserver_relay_upstream_up` to 0, and retries with backoff (woken at once when the
+poll reaches the upstream again). Each Watch resubscribes since the newest version held, so the
+upstream replays every retained version the relay missed.
+
+Changes are refused: Publish, Negotiate to publish, DeleteVersion and PinVersion raise
+NotPrimary naming the primary, which is the upstream, or the primary the upstream names in its
+Watch's initial metadata when it is a relay itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NoReturn
+
+from grpc_health.v1 import health_pb2
+from grpc_health.v1.health import aio as health_aio
+
+from weightserver.errors import (
+    DeadlineExceeded,
+    DescriptionTooLarge,
+    InvalidSafetensors,
+    ModelNotFound,
+    ModelTooLarge,
+    NotFoundError,
+    NotPrimary,
+    ServerUnavailable,
+    VersionConflict,
+    WeightServerError,
+)
+from weightserver.metrics import NoMetrics
+from weightserver.store import Upload, Version, VersionStore, validate_model_name
+from weightserver.upstream import PRIMARY_METADATA_KEY, FetchedVersion, UpstreamClient
+from weightserver.v1 import weights_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+# The health service name whose status says whether the upstream answers.
+RELAY_HEALTH_SERVICE = "weightserver.relay"
+# A follower's waits after a failure: doubling from the first to the last, with jitter.
+BACKOFF_FIRST_SECONDS = 0.1
+BACKOFF_MAX_SECONDS = 5.0
+# How long a follower that reached a group version waits for the followers of the group's
+# other models to reach it; then it commits its own model alone.
+GROUP_WAIT_SECONDS = 60.0
+# Versions a relay cannot hold whatever it tries: logged and skipped.
+_NEVER_FITS = (ModelTooLarge, DescriptionTooLarge, InvalidSafetensors)
+# The calls that would change versions, refused on a relay.
+_CHANGES = {"Publish": "publishes", "Negotiate": "publishes", "DeleteVersion": "deletes", "PinVersion": "pins"}
+
+
+@dataclass
+class _GroupCommit:
+    """A group version that the followers of its models reach one by one."""
+
+    waiting: set[str]  # the members whose followers have not reached it yet
+    done: asyncio.Future[bool] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+class Relay:
+    """Follows `upstream` into `store`, on the running event loop, from `start()` to `stop()`.
+
+    `models`: the models to follow (None: every model the upstream has, including later ones).
+    `health`: the server's health servicer, for the `weightserver.relay` status.
+    """
+
+    def __init__(
+        self,
+        store: VersionStore,
+        upstream: str,
+        *,
+        models: Sequence[str] | None = None,
+        poll_seconds: float = 2.0,
+        metrics: NoMetrics | None = None,
+        health: health_aio.HealthServicer | None = None,
+    ) -> None:
+        self.store = store
+        self.address = upstream
+        self.models = None if models is None else frozenset(validate_model_name(m) for m in models)
+        self.poll_seconds = poll_seconds
+        self.metrics = metrics or NoMetrics()
+        self.health = health
+        self.upstream_up: bool | None = None  # None until the first call answered or failed
+        self.upstream_latest: dict[str, int] = {}  # model -> the upstream's newest version, as last heard
+        self._client: UpstreamClient | None = None
+        self._tasks: dict[str, asyncio.Task[None]] = {}  # "" polls, each model's follows it
+        self._groups: dict[int, _GroupCommit] = {}
+        self._upstream_back = asyncio.Event()  # set (and replaced) when the upstream answers again
+
+    @property
+    def followed(self) -> list[str]:
+        """The models this relay follows now, sorted."""
+        return sorted(name for name in self._tasks if name)
+
+    @property
+    def primary(self) -> str:
+        """The address of the primary: the upstream's own primary when it is a relay."""
+        named = self._client.primary if self._client is not None else None
+        return named or self.address
+
+    def watch_metadata(self) -> tuple[tuple[str, str], ...]:
+        """Initial metadata of the Watch calls this relay serves: the primary, for relays below."""
+        return ((PRIMARY_METADATA_KEY, self.primary),)
+
+    def refuse(self, call: str) -> NoReturn:
+        """Raise NotPrimary for a call that would change versions (`_CHANGES`)."""
+        raise NotPrimary(
+            f"this server is a relay of {self.address} and takes no {_CHANGES.get(call, 'changes')}: its versions "
+            f"are the primary's; send publishes, deletes and pins to the primary, {self.primary}"
+        )
+
+    async def start(self, client_id: str | None = None) -> None:
+        """Start following; `client_id` names this relay to its upstream (logs, per-client metrics)."""
+        self._client = UpstreamClient(self.address, client_id)
+        self.metrics.upstream_up(False)
+        if self.health is not None:  # until the upstream first answers
+            await self.health.set(RELAY_HEALTH_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._tasks[""] = asyncio.create_task(self._poll(), name="weightserver-relay-poll")
+        for model in sorted(self.models or ()):
+            self._follow(model)
+        log.info(
+            "relaying %s (models: %s; polled every %gs)",
+            self.address,
+            ", ".join(sorted(self.models)) if self.models is not None else "all",
+            self.poll_seconds,
+        )
+
+    async def stop(self) -> None:
+        """Stop following; a commit under way finishes first."""
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._client is not None:
+            await self._client.close()
+
+    # ------------------------------------------------------------------ the upstream's models
+    def _follows(self, model: str) -> bool:
+        return self.models is None or model in self.models
+
+    def _follow(self, model: str) -> None:
+        if model not in self._tasks:
+            self._tasks[model] = asyncio.create_task(self._follower(model), name=f"weightserver-relay-{model}")
+
+    async def _poll(self) -> None:
+        """Ask the upstream for its models every `poll_seconds`: a new one is followed (when all
+        are), and the answer (or its absence) says whether the upstream is up."""
+        assert self._client is not None
+        while True:
+            try:
+                summaries = await self._client.list_models()
+            except WeightServerError as exc:
+                await self._report(False, exc)
+            except Exception as exc:
+                log.exception("polling the upstream %s failed", self.address)
+                await self._report(False, exc)
+            else:
+                await self._report(True)
+                for summary in summaries:
+                    if self._follows(summary.model):
+                        self._heard(summary.model, summary.latest_version, exact=True)
+                        self._follow(summary.model)
+            await asyncio.sleep(self.poll_seconds)
+
+    def _heard(self, model: str, version: int, *, exact: bool = False) -> None:
+        """The upstream's latest version of `model` is `version` (`exact`), or at least that."""
+        latest = version if exact else max(version, self.upstream_latest.get(model, 0))
+        self.upstream_latest[model] = latest
+        self.metrics.upstream_latest(model, latest)
+
+    async def _report(self, up: bool, error: BaseException | None = None) -> None:
+        """Record whether the upstream answers: health, metric, one log line per change; when it
+        answers again, followers waiting to retry go at once."""
+        if up == self.upstream_up:
+            return
+        self.upstream_up = up
+        self.metrics.upstream_up(up)
+        if self.health is not None:
+            status = health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
+            await self.health.set(RELAY_HEALTH_SERVICE, status)
+        if up:
+            log.info("upstream %s answers: following it", self.address)
+            self._upstream_back.set()
+            self._upstream_back = asyncio.Event()
+        else:
+            log.warning("upstream %s does not answer (%s): serving the versions held, retrying", self.address, error)
+
+    # ------------------------------------------------------------------ following one model
+    def _held(self, model: str) -> Version | None:
+        try:
+            return self.store.latest(model)
+        except ModelNotFound:
+            return None
+
+    def _held_version(self, model: str) -> int:
+        held = self._held(model)
+        return held.version if held is not None else 0
+
+    async def _follower(self, model: str) -> None:
+        """Watch `model` on the upstream since the newest version held, and relay each version
+        announced; after a failure, back off and resubscribe."""
+        assert self._client is not None
+        attempt, failure = 0, ""
+
+        async def subscribed() -> None:
+            nonlocal attempt, failure
+            attempt, failure = 0, ""
+            await self._report(True)
+
+        while True:
+            try:
+                async for event in self._client.watch(model, self._held_version(model), subscribed):
+                    await self._on_event(model, event)
+                continue  # the Watch's deadline passed: resubscribe at once
+            except (ServerUnavailable, DeadlineExceeded) as exc:
+                await self._report(False, exc)
+            except WeightServerError as exc:  # logged once while it repeats (e.g. CursorOutOfRange)
+                repeated, failure = failure == str(exc), str(exc)
+                log.log(
+                    logging.DEBUG if repeated else logging.WARNING,
+                    "relay of %r: %s: %s; retrying",
+                    model,
+                    type(exc).__name__,
+                    exc,
+                )
+            except Exception:
+                log.exception("relay of %r failed; retrying", model)
+            await self._backoff(attempt)
+            attempt += 1
+
+    async def _backoff(self, attempt: int) -> None:
+        delay = min(BACKOFF_MAX_SECONDS, BACKOFF_FIRST_SECONDS * 2**attempt) * (0.5 + random.random())
+        with contextlib.suppress(asyncio.TimeoutError):  # else woken: the upstream answers again
+            await asyncio.wait_for(self._upstream_back.wait(), delay)
+
+    async def _on_event(self, model: str, event: pb.VersionEvent) -> None:
+        number = event.version.version
+        self._heard(model, number)
+        if event.gap:
+            log.warning(
+                "relay of %r: versions before v%d were evicted or deleted upstream before this relay fetched them",
+                model,
+                number,
+            )
+        if number <= self._held_version(model):
+            return  # committed already, with its group
+        members = [m for m in event.version.group if self._follows(m)]
+        if len(members) > 1:
+            await self._reach_group(model, members, number)
+        else:
+            await self._relay([model], number)
+
+    async def _reach_group(self, model: str, members: list[str], number: int) -> None:
+        """`model`'s follower reached group version `number`: the last of `members` to reach it
+        fetches and commits every member's version together; the others wait for it."""
+        for member in members:
+            self._follow(member)  # a group may name a model the poll has not listed yet
+        group = self._groups.get(number)
+        if group is None:  # members committed already (alone, after a wait that timed out) are not waited for
+            group = self._groups[number] = _GroupCommit({m for m in members if self._held_version(m) < number})
+        group.waiting.discard(model)
+        if not group.waiting:
+            committed = False
+            try:
+                await self._relay([m for m in members if self._held_version(m) < number], number)
+                committed = True
+            finally:
+                self._groups.pop(number, None)
+                group.done.set_result(committed)
+            return
+        try:
+            committed = await asyncio.wait_for(asyncio.shield(group.done), GROUP_WAIT_SECONDS)
+        except asyncio.TimeoutError:  # TimeoutError from 3.11 on
+            log.warning(
+                "relay of %r v%d: the followers of %s did not reach this group version within %gs; committing it alone",
+                model,
+                number,
+                ", ".join(sorted(group.waiting)),
+                GROUP_WAIT_SECONDS,
+            )
+            if self._groups.get(number) is group:
+                del self._groups[number]
+            await self._relay([model], number)
+            return
+        if not committed:
+            raise ServerUnavailable(f"the group commit of v{number} failed; {model!r} resubscribes")
+
+    async def _relay(self, models: list[str], number: int) -> None:
+        """Fetch version `number` of `models` and commit them (together)."""
+        assert self._client is not None
+        started = time.perf_counter()
+        fetched: list[FetchedVersion] = []
+        for model in models:
+            try:
+                fetched.append(await self._client.fetch_version(model, number, self._held(model)))
+            except NotFoundError as exc:  # evicted or deleted upstream since it was announced
+                log.warning("relay of %r v%d: gone upstream before it was fetched (%s)", model, number, exc)
+        if not fetched:
+            return
+        uploads = [
+            Upload(
+                f.info.model,
+                f.data,
+                sha256=f.info.sha256 or None,
+                xxh3=f.info.xxh3,
+                total_bytes=f.info.byte_size,
+                metadata=dict(f.info.metadata),
+            )
+            for f in fetched
+        ]
+        created = fetched[0].info.created.ToNanoseconds() / 1e9
+        try:
+            records = await self._commit(uploads, number, created)
+        except VersionConflict:
+            return  # committed meanwhile (a group's other follower)
+        except _NEVER_FITS as exc:
+            log.error("relay of %s v%d: cannot hold it, skipped: %s", [f.info.model for f in fetched], number, exc)
+            return
+        seconds = time.perf_counter() - started
+        for f, record in zip(fetched, records, strict=True):
+            self.metrics.relayed(record.model, f.moved, delta=f.delta)
+            self.metrics.published(record.model, record.byte_size, seconds)
+            fields = {
+                "event": "relay",
+                "model": record.model,
+                "version": record.version,
+                "bytes": f.moved,
+                "payload": "delta" if f.delta else "whole",
+                "duration_ms": round(seconds * 1e3, 3),
+            }
+            pairs = " ".join(f"{key}={value}" for key, value in fields.items() if key != "event")
+            log.info("relay %s upstream=%s", pairs, self.address, extra=fields)
+
+    async def _commit(self, uploads: list[Upload], number: int, created: float) -> list[Version]:
+        """Commit in a worker thread (it hashes and may fsync); a cancelled caller (the relay
+        stopping) waits for a commit under way to finish."""
+        publish = functools.partial(self.store.publish_group, uploads, version=number, created=created)
+        committing = asyncio.get_running_loop().run_in_executor(None, publish)
+        try:
+            return await asyncio.shield(committing)
+        finally:
+            await asyncio.wait([committing])

@@ -1,0 +1,206 @@
+"""UpstreamClient: a relay's calls to the server it follows, each with a deadline.
+
+Built on the generated stubs and Fetch's pre-serialized chunk deserializer (the server never
+imports the client package). A failed call raises the domain exception of its status
+(weightserver.errors), as the client package does.
+
+A version is fetched once: as a delta against the version the relay holds when it names one
+(`FetchRequest.base_version`), rebuilt whole (`payloads.apply_delta`) and checked against the
+upstream's xxh3 of the file; a delta that does not line up is fetched again whole.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from weightserver import framing
+from weightserver.config import MAX_CHUNK_BYTES, MAX_MESSAGE_BYTES
+from weightserver.errors import (
+    CLIENT_ID_METADATA_KEY,
+    ERROR_METADATA_KEY,
+    DeadlineExceeded,
+    IntegrityError,
+    error_from_status,
+)
+from weightserver.payloads import apply_delta, xxh3_hex
+from weightserver.safetensors_format import TensorEntry
+from weightserver.store import Version
+from weightserver.v1 import weights_pb2 as pb
+from weightserver.v1 import weights_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    # Reconnect within a second of a restarted upstream coming back (gRPC's default backoff
+    # grows to two minutes).
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+# Deadline of a unary call (ListModels).
+CALL_SECONDS = 5.0
+# Deadline of a Watch: then it ends and is resubscribed from the newest version held, so even
+# an upstream that stopped without closing its connection is asked again this often.
+WATCH_SECONDS = 60.0
+# Deadline of a Fetch, whatever its size (a 16 GiB model at 10 MiB/s takes 28 minutes) ...
+FETCH_SECONDS = 3600.0
+# ... and a fetch that receives nothing for this long is dropped (and retried).
+FETCH_STALL_SECONDS = 30.0
+# Initial metadata of a relay's Watch: the primary it follows, so that a relay of a relay
+# names the root of the tree when it refuses a publish.
+PRIMARY_METADATA_KEY = "weightserver-primary"
+
+
+@dataclass(frozen=True)
+class FetchedVersion:
+    """A version fetched from the upstream, whole and checked against its xxh3."""
+
+    info: pb.VersionInfo  # the Fetch header: its sha256 is always set
+    data: bytes | bytearray = field(repr=False)
+    moved: int  # payload bytes received: the delta's, or the whole file's (and a delta's that did not rebuild)
+    delta: bool  # rebuilt from a delta against the version the relay held
+
+
+class UpstreamClient:
+    """The calls a relay makes to `address` (plaintext), on the running event loop.
+
+    `client_id` names the relay in the upstream's logs and per-client metrics. `primary`: the
+    address the upstream names as its primary in its Watch's initial metadata (the upstream is
+    itself a relay), once a Watch has subscribed; None while it named none.
+    """
+
+    def __init__(self, address: str, client_id: str | None = None) -> None:
+        self.address = address
+        self.primary: str | None = None
+        self._metadata = ((CLIENT_ID_METADATA_KEY, client_id),) if client_id else None
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = pb_grpc.WeightServiceStub(self._channel)
+        service = pb.DESCRIPTOR.services_by_name["WeightService"].full_name
+        self._fetch = self._channel.unary_stream(
+            f"/{service}/Fetch",
+            request_serializer=pb.FetchRequest.SerializeToString,
+            response_deserializer=framing.deserialize_fetch_response,
+        )
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def list_models(self) -> list[pb.ModelSummary]:
+        with _mapped_errors():
+            reply = await self._stub.ListModels(pb.ListModelsRequest(), timeout=CALL_SECONDS, metadata=self._metadata)
+        return list(reply.models)
+
+    async def watch(
+        self, model: str, since: int, on_subscribed: Callable[[], Awaitable[None]]
+    ) -> AsyncIterator[pb.VersionEvent]:
+        """The upstream's events for `model` after `since` (missed retained versions first),
+        until WATCH_SECONDS have passed; then it simply ends, to be resubscribed.
+        `on_subscribed` is awaited once the upstream has taken the subscription (sent its
+        initial metadata, naming its primary if it is a relay)."""
+        request = pb.WatchRequest(model=model, since=since)
+        call = self._stub.Watch(request, timeout=WATCH_SECONDS, metadata=self._metadata)
+        try:
+            with _mapped_errors():
+                metadata = dict(await call.initial_metadata() or ())
+                if not call.done():  # else refused at once (trailers only): the loop raises its error
+                    self.primary = metadata.get(PRIMARY_METADATA_KEY) or None
+                    await on_subscribed()
+                async for event in call:
+                    yield event
+        except DeadlineExceeded:
+            return
+        finally:
+            call.cancel()
+
+    async def fetch_version(self, model: str, version: int, base: Version | None) -> FetchedVersion:
+        """`version` of `model`, whole: as a delta against `base` (a version this relay holds,
+        the same bytes as the upstream's copy) when the upstream sends one that rebuilds to the
+        version's xxh3, else the whole file."""
+        discarded = 0
+        if base is not None:
+            info, payload, data = await self._receive(model, version, base.version)
+            if payload is None or not payload.base_version:  # the upstream sent the whole file
+                return _checked_whole(info, data)
+            rebuilt = _rebuilt(base, info, payload, data)
+            if rebuilt is not None:
+                return FetchedVersion(info, rebuilt, moved=len(data), delta=True)
+            log.info(
+                "%s v%d: the delta against v%d did not rebuild it; fetching it whole", model, version, base.version
+            )
+            discarded = len(data)
+        info, _, data = await self._receive(model, version, 0)
+        return _checked_whole(info, data, discarded)
+
+    async def _receive(
+        self, model: str, version: int, base_version: int
+    ) -> tuple[pb.VersionInfo, pb.Payload | None, bytearray]:
+        """One Fetch: the header, the payload's description (with a base), and its bytes."""
+        request = pb.FetchRequest(model=model, version=version, chunk_size=MAX_CHUNK_BYTES, base_version=base_version)
+        call = self._fetch(request, timeout=FETCH_SECONDS, metadata=self._metadata)
+        info: pb.VersionInfo | None = None
+        payload: pb.Payload | None = None
+        data = bytearray()
+        messages = aiter(call)
+        try:
+            with _mapped_errors():
+                while True:
+                    try:
+                        message = await asyncio.wait_for(anext(messages), FETCH_STALL_SECONDS)
+                    except StopAsyncIteration:
+                        break
+                    except asyncio.TimeoutError:  # TimeoutError from 3.11 on
+                        raise DeadlineExceeded(
+                            f"{model!r} v{version}: the upstream {self.address} sent nothing for "
+                            f"{FETCH_STALL_SECONDS:g}s"
+                        ) from None
+                    if isinstance(message, memoryview):
+                        data += message
+                    elif message.WhichOneof("kind") == "header":
+                        info = message.header
+                    elif message.WhichOneof("kind") == "payload":
+                        payload = message.payload
+        finally:
+            call.cancel()
+        if info is None or info.model != model or info.version != version:
+            raise IntegrityError(f"{model!r} v{version}: the upstream {self.address} sent another version or none")
+        expected = payload.byte_size if payload is not None else info.byte_size
+        if len(data) != expected:
+            raise IntegrityError(f"{model!r} v{version}: {len(data)} bytes came from the upstream, {expected} expected")
+        return info, payload, data
+
+
+def _checked_whole(info: pb.VersionInfo, data: bytearray, discarded: int = 0) -> FetchedVersion:
+    digest = xxh3_hex(data)
+    if digest != info.xxh3:
+        raise IntegrityError(
+            f"{info.model!r} v{info.version}: the bytes fetched have xxh3 {digest}, the upstream's is {info.xxh3}"
+        )
+    return FetchedVersion(info, data, moved=discarded + len(data), delta=False)
+
+
+def _rebuilt(base: Version, info: pb.VersionInfo, payload: pb.Payload, delta: bytearray) -> bytearray | None:
+    """The version's file from `base` and a delta, if the delta is against the relay's copy
+    of `base` and the file it rebuilds has the version's xxh3; else None."""
+    if payload.base_version != base.version or payload.base_xxh3 != base.xxh3 or xxh3_hex(delta) != payload.xxh3:
+        return None
+    layout = [TensorEntry(t.name, t.dtype, tuple(t.shape), t.data_begin, t.data_end) for t in info.tensors]
+    rebuilt = apply_delta(base.data, base.header, layout, info.byte_size, delta)
+    return rebuilt if rebuilt is not None and xxh3_hex(rebuilt) == info.xxh3 else None
+
+
+@contextlib.contextmanager
+def _mapped_errors() -> Iterator[None]:
+    """A failed call raises the domain exception of its status and `weightserver-error` name."""
+    try:
+        yield
+    except grpc.aio.AioRpcError as exc:
+        name = dict(exc.trailing_metadata() or ()).get(ERROR_METADATA_KEY)
+        raise error_from_status(exc.code(), exc.details() or "", name) from None
