@@ -3,8 +3,9 @@
 Stream fetches send their chunks a bounded number at a time (--max-stream-fetches), the rest
 waiting their turn; a fetch whose reader stops reading gives its turn back; a publish's commit
 runs on threads of its own. Raw generated stubs play the fetchers, so that a test decides
-exactly when each one reads. No timing is asserted: speed under load is measured in the bench
-row `publish_under_fetch_load`.
+exactly when each one reads. No speed is asserted (only that fetches wait behind a commit
+that hangs, and no longer than they should): speed under load is measured in the bench row
+`publish_under_fetch_load`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import os
 import struct
 import threading
+import time
 
 import grpc
 import pytest
@@ -133,3 +135,40 @@ def test_max_stream_fetches_is_a_serve_flag_with_a_default_from_the_cpu_count():
     assert ServerConfig().max_stream_fetches == max(2, os.cpu_count() or 1)
     with pytest.raises(ValueError, match="max_stream_fetches"):
         ServerConfig(max_stream_fetches=0)
+
+
+def test_stream_fetches_hold_their_chunks_while_a_publish_commits_but_never_stop(make_server, monkeypatch):
+    """Commits first: while a publish verifies and commits, each stream fetch chunk waits for it,
+    at most COMMIT_FIRST_SECONDS, so a commit that hangs slows fetches down without stopping them."""
+    import weightserver.service as service_module
+    from weightserver.store import VersionStore
+
+    monkeypatch.setattr(service_module, "COMMIT_FIRST_SECONDS", 0.2)
+    server = make_server()
+    data = safetensors_file(6 * 64 * 1024)  # 7 chunks of 64 KiB
+    held, entered = threading.Event(), threading.Event()
+    real = VersionStore.publish_group
+
+    def held_commit(self, *args, **kwargs):
+        if threading.current_thread().name.startswith("weightserver-publish"):
+            entered.set()
+            assert held.wait(WAIT)
+        return real(self, *args, **kwargs)
+
+    with WeightServiceClient(server.address, chunk_bytes=64 * 1024) as client:
+        client.publish_bytes(MODEL, data, transport="stream")  # a version to fetch
+        monkeypatch.setattr(VersionStore, "publish_group", held_commit)
+        publisher = threading.Thread(target=lambda: client.publish_bytes(MODEL, data, transport="stream"))
+        publisher.start()
+        assert entered.wait(WAIT)  # a commit is under way, and hangs
+        started = time.monotonic()
+        fetched = client.fetch_bytes(MODEL, version=1, transport="stream", timeout=WAIT)
+        during = time.monotonic() - started
+        held.set()
+        publisher.join(WAIT)
+        started = time.monotonic()
+        again = client.fetch_bytes(MODEL, version=1, transport="stream", timeout=WAIT)
+        after = time.monotonic() - started
+    assert bytes(fetched.data) == bytes(again.data) == data  # it finished, whole
+    assert during >= 6 * 0.2  # each chunk after the first waited its turn behind the commit
+    assert after < during
