@@ -33,9 +33,10 @@ import asyncio
 import contextlib
 import functools
 import logging
+import mmap
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NoReturn
 
@@ -45,6 +46,7 @@ from grpc_health.v1.health import aio as health_aio
 from weightserver.errors import (
     DeadlineExceeded,
     DescriptionTooLarge,
+    IntegrityError,
     InvalidSafetensors,
     ModelNotFound,
     ModelTooLarge,
@@ -54,6 +56,7 @@ from weightserver.errors import (
     VersionConflict,
     WeightServerError,
 )
+from weightserver.incoming import IncomingPublish, IncomingPublishes
 from weightserver.metrics import NoMetrics
 from weightserver.store import Upload, Version, VersionStore, validate_model_name
 from weightserver.upstream import PRIMARY_METADATA_KEY, FetchedVersion, UpstreamClient
@@ -69,6 +72,8 @@ BACKOFF_MAX_SECONDS = 5.0
 # How long a follower that reached a group version waits for the followers of the group's
 # other models to reach it; then it commits its own model alone.
 GROUP_WAIT_SECONDS = 60.0
+# Publishes received early at once, awaiting their commit; beyond, the oldest are let go.
+MAX_EARLY = 8
 # Versions a relay cannot hold whatever it tries: logged and skipped.
 _NEVER_FITS = (ModelTooLarge, DescriptionTooLarge, InvalidSafetensors)
 # The calls that would change versions, refused on a relay.
@@ -83,11 +88,25 @@ class _GroupCommit:
     done: asyncio.Future[bool] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
+@dataclass
+class _Early:
+    """A publish's bytes received from the upstream while they arrive there (cut-through),
+    passed on to this relay's own followers as they land (`arriving`)."""
+
+    arriving: IncomingPublish
+    buffer: memoryview
+    task: asyncio.Task[None]
+
+
 class Relay:
     """Follows `upstream` into `store`, on the running event loop, from `start()` to `stop()`.
 
     `models`: the models to follow (None: every model the upstream has, including later ones).
     `health`: the server's health servicer, for the `weightserver.relay` status.
+    `incoming`: the server's publishes-as-they-arrive (cut-through): with it, the relay receives
+    each publish's bytes while they arrive upstream and passes them on to its own followers as
+    they land, so that depth adds about a chunk's latency, not a transfer; it commits them once
+    the upstream's commit names them and they match.
     """
 
     def __init__(
@@ -99,8 +118,11 @@ class Relay:
         poll_seconds: float = 2.0,
         metrics: NoMetrics | None = None,
         health: health_aio.HealthServicer | None = None,
+        incoming: IncomingPublishes | None = None,
     ) -> None:
         self.store = store
+        self.incoming = incoming
+        self._early: dict[str, _Early] = {}  # by the upstream's announcement id
         self.address = upstream
         self.models = None if models is None else frozenset(validate_model_name(m) for m in models)
         self.poll_seconds = poll_seconds
@@ -153,7 +175,7 @@ class Relay:
 
     async def stop(self) -> None:
         """Stop following; a commit under way finishes first."""
-        tasks = list(self._tasks.values())
+        tasks = list(self._tasks.values()) + [early.task for early in self._early.values()]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -235,7 +257,8 @@ class Relay:
 
         while True:
             try:
-                async for event in self._client.watch(model, self._held_version(model), subscribed):
+                watch = self._client.watch(model, self._held_version(model), subscribed, incoming=bool(self.incoming))
+                async for event in watch:
                     await self._on_event(model, event)
                 continue  # the Watch's deadline passed: resubscribe at once
             except (ServerUnavailable, DeadlineExceeded) as exc:
@@ -260,7 +283,11 @@ class Relay:
             await asyncio.wait_for(self._upstream_back.wait(), delay)
 
     async def _on_event(self, model: str, event: pb.VersionEvent) -> None:
+        if not event.HasField("version"):
+            self._on_arriving(model, event.incoming)
+            return
         number = event.version.version
+        early = self._early.pop(event.incoming.id, None) if event.incoming.id else None
         self._heard(model, number)
         if event.gap:
             log.warning(
@@ -269,8 +296,14 @@ class Relay:
                 number,
             )
         if number <= self._held_version(model):
+            if early is not None:
+                early.arriving.fail("this relay holds that version already")
             return  # committed already, with its group
         members = [m for m in event.version.group if self._follows(m)]
+        if early is not None:
+            if len(members) <= 1 and await self._relay_early(model, event.version, early):
+                return
+            early.arriving.fail("the relay fetches this version again after its commit")
         if len(members) > 1:
             await self._reach_group(model, members, number)
         else:
@@ -311,6 +344,65 @@ class Relay:
         if not committed:
             raise ServerUnavailable(f"the group commit of v{number} failed; {model!r} resubscribes")
 
+    # ------------------------------------------------------------------ cut-through
+    def _on_arriving(self, model: str, announced: pb.IncomingPublish) -> None:
+        """The upstream announced a publish's bytes arriving (or, `failed`, never to commit):
+        receive them, announcing them to this relay's own followers as they land."""
+        if self.incoming is None or self._client is None:
+            return
+        if announced.failed:
+            early = self._early.pop(announced.id, None)
+            if early is not None:
+                early.task.cancel()
+                early.arriving.fail("the publish failed upstream")
+            return
+        if announced.id in self._early or not announced.byte_size:
+            return
+        while len(self._early) >= MAX_EARLY:  # commits that never came (the upstream restarted)
+            stale = self._early.pop(next(iter(self._early)))
+            stale.task.cancel()
+            stale.arriving.fail("its commit never came from the upstream")
+        # Anonymous memory: committed page by page as the bytes land.
+        buffer = memoryview(mmap.mmap(-1, announced.byte_size))
+        arriving = self.incoming.start(model, buffer)
+        task = asyncio.create_task(
+            self._receive_early(model, announced.id, arriving), name=f"weightserver-early-{model}"
+        )
+        self._early[announced.id] = _Early(arriving, buffer, task)
+
+    async def _receive_early(self, model: str, upstream_id: str, arriving: IncomingPublish) -> None:
+        assert self._client is not None
+        try:
+            await self._client.receive_arriving(model, upstream_id, arriving.buffer, arriving.advance)
+        except BaseException as exc:
+            arriving.fail(f"the relay's transfer from its upstream stopped: {str(exc) or type(exc).__name__}")
+            raise
+
+    async def _relay_early(self, model: str, info: pb.VersionInfo, early: _Early) -> bool:
+        """Commit the version the upstream just committed from the bytes received early, if
+        they all came and the store finds them to be that version (size, xxh3); False if not
+        (the caller fetches it)."""
+        try:
+            await early.task
+        except (asyncio.CancelledError, Exception) as exc:
+            log.info("relay of %r v%d: receiving it early failed (%s); fetching it", model, info.version, exc)
+            return False
+        fetched = FetchedVersion(info, early.buffer, moved=early.buffer.nbytes, delta=False)
+
+        def committed(record: Version) -> None:  # under the commit lock: this relay's events name the bytes
+            assert self.incoming is not None
+            self.incoming.committed(early.arriving, record.model, record.version)
+
+        try:
+            await self._commit_fetched([fetched], info.version, time.perf_counter(), on_commit=committed)
+        except IntegrityError as exc:
+            log.warning(
+                "relay of %r v%d: the bytes received early are not it (%s); fetching it", model, info.version, exc
+            )
+            return False
+        return early.arriving.ended and early.arriving.failure is None
+
+    # ------------------------------------------------------------------ fetch and commit
     async def _relay(self, models: list[str], number: int) -> None:
         """Fetch version `number` of `models` and commit them (together)."""
         assert self._client is not None
@@ -321,8 +413,18 @@ class Relay:
                 fetched.append(await self._client.fetch_version(model, number, self._held(model)))
             except NotFoundError as exc:  # evicted or deleted upstream since it was announced
                 log.warning("relay of %r v%d: gone upstream before it was fetched (%s)", model, number, exc)
-        if not fetched:
-            return
+        if fetched:
+            await self._commit_fetched(fetched, number, started)
+
+    async def _commit_fetched(
+        self,
+        fetched: list[FetchedVersion],
+        number: int,
+        started: float,
+        on_commit: Callable[[Version], None] | None = None,
+    ) -> None:
+        """Commit the fetched versions together under `number`, with the upstream's metadata,
+        digests and commit time; log and count them."""
         uploads = [
             Upload(
                 f.info.model,
@@ -331,6 +433,7 @@ class Relay:
                 xxh3=f.info.xxh3,
                 total_bytes=f.info.byte_size,
                 metadata=dict(f.info.metadata),
+                on_commit=on_commit,
             )
             for f in fetched
         ]

@@ -241,6 +241,7 @@ class WeightServer:
                 poll_seconds=self.config.upstream_poll_seconds,
                 metrics=self.metrics,
                 health=health,
+                incoming=servicer.incoming,
             )
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),

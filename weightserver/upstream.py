@@ -99,13 +99,14 @@ class UpstreamClient:
         return list(reply.models)
 
     async def watch(
-        self, model: str, since: int, on_subscribed: Callable[[], Awaitable[None]]
+        self, model: str, since: int, on_subscribed: Callable[[], Awaitable[None]], *, incoming: bool = False
     ) -> AsyncIterator[pb.VersionEvent]:
         """The upstream's events for `model` after `since` (missed retained versions first),
         until WATCH_SECONDS have passed; then it simply ends, to be resubscribed.
         `on_subscribed` is awaited once the upstream has taken the subscription (sent its
-        initial metadata, naming its primary if it is a relay)."""
-        request = pb.WatchRequest(model=model, since=since)
+        initial metadata, naming its primary if it is a relay). `incoming`: also the
+        announcements of publishes whose bytes are arriving (cut-through)."""
+        request = pb.WatchRequest(model=model, since=since, incoming=incoming)
         call = self._stub.Watch(request, timeout=WATCH_SECONDS, metadata=self._metadata)
         try:
             with _mapped_errors():
@@ -138,6 +139,44 @@ class UpstreamClient:
             discarded = len(data)
         info, _, data = await self._receive(model, version, 0)
         return _checked_whole(info, data, discarded)
+
+    async def receive_arriving(
+        self, model: str, arriving_id: str, into: memoryview, landed: Callable[[int], None]
+    ) -> None:
+        """The bytes of a publish still arriving upstream (FetchRequest.incoming), into `into`
+        (its declared size) as they come, telling `landed(n)` as the first n are in. Unchecked:
+        the caller keeps them only once the upstream's commit names them and they match it.
+        PublishAborted when that publish fails; UploadNotFound when it has ended already."""
+        request = pb.FetchRequest(model=model, incoming=arriving_id, chunk_size=MAX_CHUNK_BYTES)
+        call = self._fetch(request, timeout=FETCH_SECONDS, metadata=self._metadata)
+        received = 0
+        messages = aiter(call)
+        try:
+            with _mapped_errors():
+                while True:
+                    try:
+                        message = await asyncio.wait_for(anext(messages), FETCH_STALL_SECONDS)
+                    except StopAsyncIteration:
+                        break
+                    except asyncio.TimeoutError:  # TimeoutError from 3.11 on
+                        raise DeadlineExceeded(
+                            f"{model!r}: the upstream {self.address} sent nothing of a publish's bytes for "
+                            f"{FETCH_STALL_SECONDS:g}s"
+                        ) from None
+                    if not isinstance(message, memoryview):
+                        if message.WhichOneof("kind") == "payload" and message.payload.byte_size != into.nbytes:
+                            raise IntegrityError(f"{model!r}: the upstream's arriving bytes changed size")
+                        continue
+                    end = received + message.nbytes
+                    if end > into.nbytes:
+                        raise IntegrityError(f"{model!r}: the upstream sent more arriving bytes than announced")
+                    into[received:end] = message
+                    received = end
+                    landed(received)
+        finally:
+            call.cancel()
+        if received != into.nbytes:
+            raise IntegrityError(f"{model!r}: {received} of {into.nbytes} arriving bytes came from the upstream")
 
     async def _receive(
         self, model: str, version: int, base_version: int
