@@ -125,8 +125,9 @@ class WeightServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Describe(self, request, context):
-        """Describes one version of a model (latest when `version` is 0).
-        NOT_FOUND for an unknown model or version; the message lists what exists.
+        """Describes one version of a model; `version` 0 means the latest (unlike Fetch, where a
+        `version` set to 0 is INVALID_ARGUMENT: there the latest is asked for by leaving the
+        selector unset). NOT_FOUND for an unknown model or version; the message lists what exists.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
