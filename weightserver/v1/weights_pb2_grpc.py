@@ -173,7 +173,10 @@ class WeightServiceServicer:
         """Streams an event for every version of a model committed after `since`, in order:
         first the retained versions the caller has missed, then new ones as they land. Never
         ends on its own; the caller cancels it. Watching a model that has no version yet waits
-        for its first one. OUT_OF_RANGE when `since` is ahead of the latest version.
+        for its first one, on purpose (collectors start before their trainer publishes), so a
+        misspelled model name waits forever with no error: give every Watch a deadline (or a
+        timer that cancels it) and check the name with GetLatest or ListModels when nothing
+        arrives. OUT_OF_RANGE when `since` is ahead of the latest version.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

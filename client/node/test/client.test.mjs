@@ -12,6 +12,7 @@ import { WeightServerClient, WeightServerError, parseSafetensors } from "../src/
 const ADDRESS = process.env.WEIGHTSERVER_ADDRESS;
 const EXPECTED_PATH = process.env.EXPECTED_JSON;
 const skip = !ADDRESS || !EXPECTED_PATH ? "needs WEIGHTSERVER_ADDRESS and EXPECTED_JSON (see tests/test_node_client.py)" : false;
+const GRPC_DEADLINE_EXCEEDED = 4;
 const GRPC_NOT_FOUND = 5;
 const GRPC_UNAUTHENTICATED = 16;
 
@@ -128,6 +129,23 @@ describe("weightserver node client", { skip }, () => {
     assert.deepEqual(seen, [since + 1, since + 2]);
     // The channel still works after cancelling the watch.
     assert.ok((await client.latest(model)).version >= since + 2);
+  });
+
+  test("watch of a model with no version waits, so only a deadline ends it", async () => {
+    // A misspelled name looks like a model whose first version is still to come (the server
+    // waits for it on purpose): no error arrives, the caller's deadline ends the watch.
+    const started = Date.now();
+    await assert.rejects(
+      (async () => {
+        for await (const event of client.watch("polciy", { timeoutMs: 500 })) assert.fail(`unexpected event ${event.version.version}`);
+      })(),
+      (err) => {
+        assert.ok(err instanceof WeightServerError);
+        assert.equal(err.code, GRPC_DEADLINE_EXCEEDED);
+        return true;
+      },
+    );
+    assert.ok(Date.now() - started >= 400, "the watch ended before its deadline");
   });
 
   test("token: missing is UNAUTHENTICATED, a reader token works", async () => {
