@@ -22,6 +22,34 @@ function sha256(typedArray) {
     .digest("hex");
 }
 
+/** Runs `body` with the environment variables `values` set (undefined: unset), then puts the
+ * environment back as it was. */
+async function withEnvironment(values, body) {
+  const saved = Object.fromEntries(Object.keys(values).map((name) => [name, process.env[name]]));
+  const put = (entries) => {
+    for (const [name, value] of Object.entries(entries)) {
+      if (value === undefined) delete process.env[name];
+      else process.env[name] = value;
+    }
+  };
+  put(values);
+  try {
+    return await body();
+  } finally {
+    put(saved);
+  }
+}
+
+/** `body(client)` with a client made by `make()`, closed afterwards. */
+async function using(make, body) {
+  const client = make();
+  try {
+    return await body(client);
+  } finally {
+    client.close();
+  }
+}
+
 function assertTensor(name, actual, expected) {
   assert.ok(actual, `tensor ${name} missing`);
   assert.equal(actual.dtype, expected.dtype, `${name} dtype`);
@@ -194,6 +222,54 @@ describe("weightserver node client", { skip }, () => {
     } finally {
       plain.close();
     }
+  });
+
+  test("WEIGHTSERVER_ADDRESS and WEIGHTSERVER_TOKEN are the defaults; what is given wins", async () => {
+    const { auth } = expected;
+    const plainLatest = expected.policy.at(-1).version;
+    assert.notEqual(plainLatest, auth.version, "the two servers must be told apart by their latest version");
+    // The harness sets WEIGHTSERVER_ADDRESS to the plain server.
+    await using(() => new WeightServerClient(), async (c) => assert.equal((await c.latest("policy")).version, plainLatest));
+    await withEnvironment({ WEIGHTSERVER_ADDRESS: auth.address, WEIGHTSERVER_TOKEN: auth.token }, async () => {
+      await using(() => new WeightServerClient(), async (c) => {
+        assert.equal(c.address, auth.address);
+        assert.deepEqual(Array.from((await c.fetch("policy")).tensors.w.data), auth.w);
+      });
+      await using(() => new WeightServerClient(ADDRESS), async (c) => assert.equal((await c.latest("policy")).version, plainLatest));
+      for (const token of ["wrong-token-0123456789", ""]) {
+        await using(
+          () => new WeightServerClient(undefined, { token }),
+          (c) => assert.rejects(c.latest("policy"), (err) => err.code === GRPC_UNAUTHENTICATED),
+        );
+      }
+    });
+  });
+
+  test("WEIGHTSERVER_TLS_CA, _CERT and _KEY turn on mutual TLS; tls: false and given files win", async () => {
+    const { tls } = expected;
+    const files = { WEIGHTSERVER_TLS_CA: tls.ca, WEIGHTSERVER_TLS_CERT: tls.cert, WEIGHTSERVER_TLS_KEY: tls.key };
+    await withEnvironment(files, async () => {
+      await using(() => new WeightServerClient(tls.address), async (c) => assert.equal((await c.fetch("policy")).version, tls.version));
+      await using(
+        () => new WeightServerClient(tls.address, { tls: false }),
+        (c) => assert.rejects(c.latest("policy", { timeoutMs: 3000 }), (err) => [4, 14].includes(err.code)),
+      );
+      // A given CA wins over the environment's: one that did not sign the server's certificate fails.
+      await using(
+        () => new WeightServerClient(tls.address, { tls: { ca: tls.other_ca } }),
+        (c) => assert.rejects(c.latest("policy", { timeoutMs: 3000 }), (err) => [4, 14].includes(err.code)),
+      );
+    });
+    // Without the client certificate the server refuses the handshake: the environment carried it.
+    await withEnvironment({ WEIGHTSERVER_TLS_CA: tls.ca }, () =>
+      using(
+        () => new WeightServerClient(tls.address),
+        (c) => assert.rejects(c.latest("policy", { timeoutMs: 3000 }), (err) => [4, 14].includes(err.code)),
+      ),
+    );
+    await withEnvironment({ WEIGHTSERVER_TLS_CERT: tls.cert, WEIGHTSERVER_TLS_KEY: undefined }, () =>
+      assert.throws(() => new WeightServerClient(tls.address), TypeError),
+    );
   });
 });
 
