@@ -55,6 +55,26 @@ def weights() -> dict[str, torch.Tensor]:
 
 
 # ---------------------------------------------------------------------- tokens
+def test_the_proto_names_the_call_metadata_and_environment_that_clients_use():
+    """A client written from the proto alone learns there how to authenticate and name itself,
+    and which environment variables the project's clients read: the names the server and the
+    Python client actually use."""
+    from weightclient import connection, service_client
+    from weightserver.auth import AUTHORIZATION_METADATA_KEY
+    from weightserver.errors import CLIENT_ID_METADATA_KEY, ERROR_METADATA_KEY
+
+    proto = (Path(__file__).resolve().parents[1] / "protos/weightserver/v1/weights.proto").read_text()
+    top = proto.split("syntax = ")[0]  # the file's top comment
+    assert f"`{AUTHORIZATION_METADATA_KEY}: Bearer <token>`" in top
+    assert f"`{CLIENT_ID_METADATA_KEY}: <name>`" in top
+    assert f'"{ERROR_METADATA_KEY}"' in top
+    assert service_client.ADDRESS_ENV in top and connection.TOKEN_ENV in top
+    tls = f"{connection.TLS_CA_ENV}, _CERT, _KEY"  # as the proto shortens the three names
+    assert tls in top and {connection.TLS_CERT_ENV, connection.TLS_KEY_ENV} == {
+        connection.TLS_CA_ENV.replace("_CA", suffix) for suffix in ("_CERT", "_KEY")
+    }
+
+
 def test_every_rpc_of_the_proto_has_a_required_role():
     methods = {m.name for m in pb.DESCRIPTOR.services_by_name["WeightService"].methods}
     assert set(REQUIRED_ROLE) == methods

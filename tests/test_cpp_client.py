@@ -1,4 +1,6 @@
-"""The C++ client (client/cpp) against a live server: build it with CMake, run its ctest suite.
+"""The C++ client (client/cpp) against live servers: build it with CMake, run its ctest suite
+(one case per section of the expected file: basic, environment, token, tls, mtls; the file's
+format is in client/cpp/README.md, "Tests").
 
 Skipped when cmake, Debian's protoc / grpc_cpp_plugin or libgrpc++ are missing, unless
 WEIGHTSERVER_REQUIRE_TOOLCHAINS=1 (CI), which turns a missing toolchain into a failure.
@@ -15,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from pki import make_pki
 from waiting import wait_until
 
 from weightserver import WeightServer
@@ -22,6 +25,46 @@ from weightserver import WeightServer
 ROOT = Path(__file__).resolve().parents[1]
 CPP = ROOT / "client" / "cpp"
 BUILD = CPP / "build"
+READER_TOKEN = "r" * 8 + "eader-token-1234"
+PUBLISHER_TOKEN = "p" * 8 + "ublish-token-123"
+CTEST_CASES = {"client_basic", "client_environment", "client_token", "client_tls", "client_mtls"}
+
+
+def _published(address: str, model: str, weights: dict[str, torch.Tensor], **connection) -> dict:
+    """Publish `weights` and describe the version as the expected file does (its sha256 once the
+    server has computed it: the Python client declares only an xxh3)."""
+    from weightclient import WeightClient
+
+    with WeightClient(address, **connection) as client:
+        version = client.publish(weights, model=model)
+        wait_until(lambda: client.describe(model, version).sha256 != "")
+        info = client.describe(model, version)
+    return {"address": address, "model": model, "version": version, "sha256": info.sha256}
+
+
+def _secured_servers(make_server, tmp_path: Path) -> dict:
+    """The expected file's "token", "tls" and "mtls" entries, each with a server of its own."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"reader cpp-reader {READER_TOKEN}\npublisher cpp-publisher {PUBLISHER_TOKEN}\n")
+    pki = make_pki(tmp_path)
+    token_server = make_server(auth_tokens=tokens)
+    tls_server = make_server(tls_cert=pki["server_cert"], tls_key=pki["server_key"])
+    mtls_server = make_server(tls_cert=pki["server_cert"], tls_key=pki["server_key"], tls_client_ca=pki["ca"])
+    weights = {"w": torch.tensor([1.0, 2.0, 3.0])}
+    client_files = {"tls_cert": pki["client_cert"], "tls_key": pki["client_key"]}
+    return {
+        "token": {
+            **_published(token_server.address, "policy", weights, token=PUBLISHER_TOKEN),
+            "token": READER_TOKEN,
+        },
+        "tls": {**_published(tls_server.address, "policy", weights, tls_ca=pki["ca"]), "ca": str(pki["ca"])},
+        "mtls": {
+            **_published(mtls_server.address, "policy", weights, tls_ca=pki["ca"], **client_files),
+            "ca": str(pki["ca"]),
+            "cert": str(pki["client_cert"]),
+            "key": str(pki["client_key"]),
+        },
+    }
 
 
 def _missing_toolchain() -> str | None:
@@ -58,7 +101,7 @@ def cpp_build() -> Path:
     return BUILD
 
 
-def test_cpp_client_ctest(cpp_build: Path, server: WeightServer, tmp_path: Path) -> None:
+def test_cpp_client_ctest(cpp_build: Path, server: WeightServer, make_server, tmp_path: Path) -> None:
     from weightclient import WeightClient
 
     w = torch.arange(12, dtype=torch.float32).reshape(3, 4)
@@ -86,11 +129,14 @@ def test_cpp_client_ctest(cpp_build: Path, server: WeightServer, tmp_path: Path)
         "big_sha256": big.sha256,
         "big_size": big.byte_size,
         "big_numel": big_numel,
+        **_secured_servers(make_server, tmp_path),
     }
     expected_path = tmp_path / "expected.json"
     expected_path.write_text(json.dumps(expected))
 
-    env = dict(os.environ, WEIGHTSERVER_ADDRESS=server.address, WEIGHTSERVER_EXPECTED_JSON=str(expected_path))
+    # The client's defaults come from the environment: none leak in from the caller's.
+    env = {name: value for name, value in os.environ.items() if not name.startswith("WEIGHTSERVER_")}
+    env.update(WEIGHTSERVER_ADDRESS=server.address, WEIGHTSERVER_EXPECTED_JSON=str(expected_path))
     result = subprocess.run(
         ["ctest", "--output-on-failure", "--timeout", "120"],
         cwd=cpp_build,
@@ -100,6 +146,8 @@ def test_cpp_client_ctest(cpp_build: Path, server: WeightServer, tmp_path: Path)
         text=True,
     )
     assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-8000:]
+    passed = {line.split()[3] for line in result.stdout.splitlines() if " Passed " in line and "Test #" in line}
+    assert passed == CTEST_CASES, result.stdout[-8000:]
 
 
 def test_cpp_cli_writes_verified_file(cpp_build: Path, server: WeightServer, tmp_path: Path) -> None:

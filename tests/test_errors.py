@@ -378,9 +378,16 @@ def test_digest_may_come_with_the_commit(stub, other_client, published) -> None:
     assert other_client.latest(MODEL).version == published + 1
 
 
-def test_fetch_version_zero_is_invalid(stub, other_client, published) -> None:
+def test_fetch_version_zero_is_invalid_while_describe_reads_zero_as_latest(stub, other_client, published) -> None:
+    """The difference the proto documents: FetchRequest.version sits in a oneof, so a 0 that
+    was set is told apart from none (INVALID_ARGUMENT); DescribeRequest.version has no such
+    presence, and 0 there is the latest. A Fetch with no selector is the latest."""
     with raw_raises(InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT, "version must be >= 1"):
         list(stub.Fetch(pb.FetchRequest(model=MODEL, version=0), timeout=10))
+    assert stub.Describe(pb.DescribeRequest(model=MODEL, version=0), timeout=10).version == published
+    assert stub.Describe(pb.DescribeRequest(model=MODEL), timeout=10).version == published
+    assert next(stub.Fetch(pb.FetchRequest(model=MODEL), timeout=10)).header.version == published
+    assert stub.Describe(pb.DescribeRequest(model=MODEL, version=1), timeout=10).version == 1
     assert_last_good(other_client, MODEL, published, GOOD[2])
 
 

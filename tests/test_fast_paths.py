@@ -120,10 +120,10 @@ def raw_fetch(address: str, request: pb.FetchRequest) -> list[bytes]:
         return list(call(request, timeout=30))
 
 
-def bulk_ticket(server, model: str = MODEL) -> pb.Payload:
-    """A bulk ticket for the latest version, asked for with the generated stub."""
+def bulk_ticket(server, model: str = MODEL, version: int | None = None) -> pb.Payload:
+    """A bulk ticket for the latest version (or exactly `version`), asked for with the generated stub."""
     request = pb.NegotiateRequest(
-        direction=pb.DIRECTION_FETCH, accept=[pb.TRANSPORT_BULK], fetch=pb.FetchRequest(model=model)
+        direction=pb.DIRECTION_FETCH, accept=[pb.TRANSPORT_BULK], fetch=pb.FetchRequest(model=model, version=version)
     )
     with grpc.insecure_channel(server.address) as channel:
         answer = pb_grpc.WeightServiceStub(channel).Negotiate(request, timeout=30)
@@ -344,6 +344,41 @@ def test_unknown_bulk_ticket_gets_nothing(server, client):
     assert redeem(server.bulk.port, b"") == b""  # closed before a ticket arrived
     assert redeem(server.bulk.port, payload.bulk.ticket[:8]) == b""  # half a ticket
     assert len(redeem(server.bulk.port, payload.bulk.ticket)) == payload.byte_size
+
+
+def recv_exactly(conn: socket.socket, size: int) -> bytes:
+    """`size` bytes from `conn`, as a client reads a bulk payload: never until the close."""
+    received = bytearray()
+    while len(received) < size:
+        part = conn.recv(size - len(received))
+        assert part, f"the server closed the connection after {len(received)} of {size} bytes"
+        received += part
+    return bytes(received)
+
+
+def test_a_bulk_connection_is_kept_for_the_next_ticket_and_closed_on_an_unknown_one(server, client):
+    """BulkTicket's contract, with a bare socket as a client written from the proto would use
+    it: exactly Payload.byte_size bytes per ticket, the connection left open after each, and an
+    unknown ticket answered by a close with nothing sent."""
+    client.publish(mixed_model(), model=MODEL)
+    first = bytes(client.fetch_bytes(MODEL, transport="stream").data)
+    client.publish(layered_model(), model=MODEL)
+    second = bytes(client.fetch_bytes(MODEL, transport="stream").data)
+    one = bulk_ticket(server, version=1)
+    two = bulk_ticket(server, version=2)
+    with socket.create_connection(("127.0.0.1", server.bulk.port), timeout=10) as conn:
+        conn.sendall(one.bulk.ticket)
+        assert recv_exactly(conn, one.byte_size) == first
+        conn.settimeout(0.3)  # kept: nothing more comes, and no close
+        with pytest.raises(TimeoutError):
+            conn.recv(1)
+        conn.settimeout(10)
+
+        conn.sendall(two.bulk.ticket)  # the same connection carries the next ticket
+        assert recv_exactly(conn, two.byte_size) == second
+
+        conn.sendall(secrets.token_bytes(bulk.TICKET_BYTES))
+        assert conn.recv(1 << 20) == b""  # closed, 0 bytes sent
 
 
 def test_expired_bulk_ticket_is_refused(server, client, monkeypatch):

@@ -176,6 +176,7 @@ def test_node_client_against_live_server(node: str, make_server, tmp_path: Path)
         "ca": str(pki["ca"]),
         "cert": str(pki["client_cert"]),
         "key": str(pki["client_key"]),
+        "other_ca": str(pki["other_ca"]),
         "version": tls_version,
         "w": [4.0, 5.0],
     }
@@ -183,7 +184,9 @@ def test_node_client_against_live_server(node: str, make_server, tmp_path: Path)
 
     expected_path = tmp_path / "expected.json"
     expected_path.write_text(json.dumps(expected))
-    env = {**os.environ, "WEIGHTSERVER_ADDRESS": server.address, "EXPECTED_JSON": str(expected_path)}
+    # The client's other defaults come from the environment: none leak in from the caller's.
+    env = {name: value for name, value in os.environ.items() if not name.startswith("WEIGHTSERVER_")}
+    env.update(WEIGHTSERVER_ADDRESS=server.address, EXPECTED_JSON=str(expected_path))
     with _KeepPublishing(server.address, "watched") as publisher:
         result = subprocess.run(
             [node, "--test", "test/"], cwd=NODE_DIR, env=env, capture_output=True, text=True, timeout=120

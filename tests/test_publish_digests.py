@@ -85,6 +85,45 @@ def publisher(make_server) -> Iterator[tuple[WeightServiceClient, pb_grpc.Weight
         yield client, pb_grpc.WeightServiceStub(channel)
 
 
+# ---------------------------------------------------------------------- the digests' format
+# XXH3-128 reference vectors from xxHash's own sanity test (xxhsum's XSUM_XXH128_testdata), as
+# (length, seed, (low64, high64)) over its generated buffer: written down, not computed here.
+XXH3_128_VECTORS = [(0, 0, (0x6001C324468D497F, 0x99AA06D3014798D8)), (6, 0, (0x3E7039BDDA43CFC6, 0x082AFE0B8162D12A))]
+
+
+def xxhsum_sanity_buffer(length: int) -> bytes:
+    """The input of xxHash's sanity test vectors (XSUM_fillTestBuffer)."""
+    prime32, prime64 = 2654435761, 11400714785074694797
+    generator, out = prime32, bytearray()
+    for _ in range(length):
+        out.append(generator >> 56)
+        generator = (generator * prime64) % 2**64
+    return bytes(out)
+
+
+def test_xxh3_digests_are_xxh3_128_seed_0_in_canonical_big_endian_order(publisher) -> None:
+    """The proto's "Digests": 32 hex characters, the high 64 bits first, each half most
+    significant byte first (XXH128_canonicalFromHash), as the server sends them for each tensor
+    and as python-xxhash's xxh3_128_hexdigest writes them."""
+    client, stub = publisher
+    tensors = {f"t{length}": xxhsum_sanity_buffer(length) for length, _, _ in XXH3_128_VECTORS}
+    prefix, _ = build_header([(name, "U8", (len(data),), len(data)) for name, data in tensors.items()])
+    data = prefix + b"".join(tensors.values())
+    client.publish_bytes(MODEL, data, sha256=sha(data))
+    messages = list(stub.Fetch(pb.FetchRequest(model=MODEL), timeout=WAIT))
+    described = {t.name: t.xxh3 for t in messages[0].header.tensors}
+    for length, seed, (low, high) in XXH3_128_VECTORS:
+        canonical = high.to_bytes(8, "big").hex() + low.to_bytes(8, "big").hex()
+        assert described[f"t{length}"] == canonical
+        assert xxhash.xxh3_128_hexdigest(tensors[f"t{length}"], seed=seed) == canonical
+    assert described["t0"] == "99aa06d3014798d86001c324468d497f"  # the proto's worked example
+    # The whole file: the same order, and a client without xxh3 checks the sha256 the Fetch
+    # header carries against the chunks, which are the published file byte for byte.
+    assert messages[0].header.xxh3 == f"{xxhash.xxh3_128_intdigest(data):032x}"
+    assert b"".join(m.chunk for m in messages[1:]) == data
+    assert hashlib.sha256(data).hexdigest() == messages[0].header.sha256
+
+
 # ---------------------------------------------------------------------- sha256 after the commit
 def test_an_xxh3_only_publish_commits_before_its_sha256_and_gets_it_soon(publisher, gate) -> None:
     client, _ = publisher

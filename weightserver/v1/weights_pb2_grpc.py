@@ -125,8 +125,9 @@ class WeightServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Describe(self, request, context):
-        """Describes one version of a model (latest when `version` is 0).
-        NOT_FOUND for an unknown model or version; the message lists what exists.
+        """Describes one version of a model; `version` 0 means the latest (unlike Fetch, where a
+        `version` set to 0 is INVALID_ARGUMENT: there the latest is asked for by leaving the
+        selector unset). NOT_FOUND for an unknown model or version; the message lists what exists.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -134,12 +135,16 @@ class WeightServiceServicer:
 
     def Fetch(self, request, context):
         """Streams one version: first a `header` (the version's description with its tensor
-        manifest and digests), then the safetensors bytes as `chunk`s of at most `chunk_size`
-        bytes. With `newer_than` set and no newer version, the stream holds a single
-        `up_to_date` message and no bytes are sent. A request that sets base_version or dtype
-        gets a `payload` message after the header saying what the chunks are (a delta, a cast,
-        or the version itself). Clients that set neither see only header and chunks. This is
-        the transport every client has; Negotiate offers faster ones.
+        manifest and digests; at most 1 MiB, see "Message sizes" above; its `sha256` is always
+        set), then the safetensors bytes as `chunk`s of at most `chunk_size` bytes. With
+        `newer_than` set and no newer version, the stream holds a single `up_to_date` message and
+        no bytes are sent. A request that sets base_version or dtype gets a `payload` message after
+        the header saying what the chunks are (a delta, a cast, or the version itself). Clients
+        that set neither see only header and chunks, and the chunks concatenated are the
+        version's file byte for byte: `header.byte_size` bytes whose SHA-256 is `header.sha256`.
+        This is the transport every client has; Negotiate offers faster ones.
+        Errors: NOT_FOUND (unknown model or version), OUT_OF_RANGE (`newer_than` ahead of the
+        latest), INVALID_ARGUMENT (`version` set to 0, an unknown `dtype`, a bad model name).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -168,7 +173,10 @@ class WeightServiceServicer:
         """Streams an event for every version of a model committed after `since`, in order:
         first the retained versions the caller has missed, then new ones as they land. Never
         ends on its own; the caller cancels it. Watching a model that has no version yet waits
-        for its first one. OUT_OF_RANGE when `since` is ahead of the latest version.
+        for its first one, on purpose (collectors start before their trainer publishes), so a
+        misspelled model name waits forever with no error: give every Watch a deadline (or a
+        timer that cancels it) and check the name with GetLatest or ListModels when nothing
+        arrives. OUT_OF_RANGE when `since` is ahead of the latest version.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

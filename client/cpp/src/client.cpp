@@ -1,6 +1,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <fstream>
 #include <sstream>
 
@@ -12,6 +13,7 @@ namespace weightserver {
 namespace pb = ::weightserver::v1;
 
 struct Client::Impl {
+  std::string address;
   ClientOptions options;
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<pb::WeightService::Stub> stub;
@@ -30,23 +32,64 @@ static Error rpc_error(const char* what, const grpc::Status& s) {
                static_cast<int>(s.error_code()));
 }
 
+std::string read_file(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f.is_open()) throw Error("cannot read " + path);
+  std::ostringstream contents;
+  contents << f.rdbuf();
+  if (f.bad()) throw Error("cannot read " + path);
+  return contents.str();
+}
+
+// The value of an environment variable; "" when it is unset.
+static std::string environment_variable(const char* name) {
+  const char* value = std::getenv(name);
+  return value ? value : "";
+}
+
+// Fills `field`, when empty, with the contents of the file $`name` names, if set.
+static void pem_from_environment(std::string& field, const char* name) {
+  std::string path = environment_variable(name);
+  if (!field.empty() || path.empty()) return;
+  try {
+    field = read_file(path);
+  } catch (const Error&) {
+    throw Error(std::string("cannot read $") + name + " (" + path + ")");
+  }
+}
+
 Client::Client(const std::string& address, ClientOptions options) : impl_(new Impl) {
-  impl_->options = std::move(options);
+  ClientOptions& o = impl_->options = std::move(options);
+  impl_->address = address;
+  if (o.environment) {
+    if (impl_->address.empty()) impl_->address = environment_variable("WEIGHTSERVER_ADDRESS");
+    if (o.token.empty()) o.token = environment_variable("WEIGHTSERVER_TOKEN");
+    pem_from_environment(o.root_certs_pem, "WEIGHTSERVER_TLS_CA");
+    pem_from_environment(o.cert_chain_pem, "WEIGHTSERVER_TLS_CERT");
+    pem_from_environment(o.private_key_pem, "WEIGHTSERVER_TLS_KEY");
+  }
+  if (impl_->address.empty()) impl_->address = kDefaultAddress;
+  if (o.cert_chain_pem.empty() != o.private_key_pem.empty())
+    throw Error("a client certificate needs its key and vice versa (cert_chain_pem and private_key_pem)");
   std::shared_ptr<grpc::ChannelCredentials> creds;
-  if (impl_->options.tls) {
+  if (o.tls || !o.root_certs_pem.empty() || !o.cert_chain_pem.empty()) {
     grpc::SslCredentialsOptions ssl;
-    ssl.pem_root_certs = impl_->options.root_certs_pem;
+    ssl.pem_root_certs = o.root_certs_pem;
+    ssl.pem_cert_chain = o.cert_chain_pem;
+    ssl.pem_private_key = o.private_key_pem;
     creds = grpc::SslCredentials(ssl);
   } else {
     creds = grpc::InsecureChannelCredentials();
   }
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(64 * 1024 * 1024);
-  impl_->channel = grpc::CreateCustomChannel(address, creds, args);
+  impl_->channel = grpc::CreateCustomChannel(impl_->address, creds, args);
   impl_->stub = pb::WeightService::NewStub(impl_->channel);
 }
 
 Client::~Client() = default;
+
+const std::string& Client::address() const { return impl_->address; }
 
 VersionInfo Client::latest(const std::string& model) {
   grpc::ClientContext ctx;

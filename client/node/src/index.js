@@ -1,7 +1,7 @@
 // Node.js client for weightserver (protos/weightserver/v1/weights.proto), loaded at run time.
 //
 //   import { WeightServerClient } from "weightserver-client";
-//   const client = new WeightServerClient("localhost:50051", { token: process.env.WEIGHTSERVER_TOKEN });
+//   const client = new WeightServerClient("localhost:50051");   // token, TLS: $WEIGHTSERVER_* unless given
 //   const { version, metadata, tensors } = await client.fetch("policy");
 //   for await (const event of client.watch("policy", { since: version })) console.log(event.version.version);
 //   client.close();
@@ -20,6 +20,17 @@ const HERE = dirname(fileURLToPath(import.meta.url));
 export const DEFAULT_PROTO_PATH = resolve(HERE, "../../../protos/weightserver/v1/weights.proto");
 
 const LOADER_OPTIONS = { longs: String, enums: String, defaults: true, oneofs: true, keepCase: true };
+
+/** Where the client takes the defaults of the options not given, as the Python client does. */
+export const ENVIRONMENT = {
+  address: "WEIGHTSERVER_ADDRESS",
+  token: "WEIGHTSERVER_TOKEN",
+  tlsCa: "WEIGHTSERVER_TLS_CA",
+  tlsCert: "WEIGHTSERVER_TLS_CERT",
+  tlsKey: "WEIGHTSERVER_TLS_KEY",
+};
+/** The address when neither the caller nor $WEIGHTSERVER_ADDRESS gives one. */
+export const DEFAULT_ADDRESS = "localhost:50051";
 
 /** An error from the server: `code` is the gRPC status code, `errorName` the server's
  * "weightserver-error" trailer (e.g. "VersionEvicted") when it sent one. Also used for
@@ -112,6 +123,30 @@ function readPem(value) {
   return text.includes("-----BEGIN") ? Buffer.from(text) : readFileSync(text);
 }
 
+/** The value of an environment variable; undefined when it is unset or empty. */
+function fromEnvironment(name) {
+  const value = process.env[name];
+  return value ? value : undefined;
+}
+
+/** Channel credentials: TLS when `tls` is true or an object, or when $WEIGHTSERVER_TLS_CA or
+ * $WEIGHTSERVER_TLS_CERT is set; plaintext otherwise, and always for `tls: false`. Each of
+ * ca, cert and key not given in `tls` comes from its environment variable. */
+function channelCredentials(tls) {
+  if (tls === false) return grpc.credentials.createInsecure();
+  const given = tls !== null && typeof tls === "object" ? tls : {};
+  const ca = given.ca ?? fromEnvironment(ENVIRONMENT.tlsCa);
+  const cert = given.cert ?? fromEnvironment(ENVIRONMENT.tlsCert);
+  const key = given.key ?? fromEnvironment(ENVIRONMENT.tlsKey);
+  if ((cert == null) !== (key == null)) {
+    throw new TypeError(
+      `a client certificate needs its key and vice versa: give tls.cert and tls.key (or $${ENVIRONMENT.tlsCert} and $${ENVIRONMENT.tlsKey})`,
+    );
+  }
+  if (tls == null && ca == null && cert == null) return grpc.credentials.createInsecure();
+  return grpc.credentials.createSsl(readPem(ca), readPem(key), readPem(cert));
+}
+
 /** Converts a VersionInfo message into plain JS: numbers for versions and sizes. */
 function versionInfo(message) {
   return {
@@ -129,12 +164,16 @@ function versionInfo(message) {
 
 export class WeightServerClient {
   /**
-   * @param {string} address "host:port"
+   * Options not given default to the environment, as in the Python client (what is given wins).
+   * @param {string} [address] "host:port"; default $WEIGHTSERVER_ADDRESS, else localhost:50051
    * @param {object} [options]
-   * @param {string} [options.token] bearer token, sent as "authorization: Bearer <token>"
+   * @param {string} [options.token] bearer token, sent as "authorization: Bearer <token>";
+   *   default $WEIGHTSERVER_TOKEN ("" sends none)
    * @param {string} [options.clientId] sent as "weightserver-client-id" metadata
-   * @param {{ca?: Buffer|string, cert?: Buffer|string, key?: Buffer|string}} [options.tls]
-   *   TLS (PEM contents or file paths; cert+key for mutual TLS); default: plaintext
+   * @param {boolean|{ca?: Buffer|string, cert?: Buffer|string, key?: Buffer|string}} [options.tls]
+   *   TLS (PEM contents or file paths; cert+key for mutual TLS; `true`: the system's roots);
+   *   fields not given come from $WEIGHTSERVER_TLS_CA / _CERT / _KEY, and TLS is on when a CA or
+   *   certificate is given either way; `false`: plaintext, whatever the environment says
    * @param {string} [options.protoPath] where weights.proto lives
    * @param {object} [options.channelOptions] extra grpc-js channel options
    */
@@ -142,14 +181,12 @@ export class WeightServerClient {
     const definition = protoLoader.loadSync(protoPath, LOADER_OPTIONS);
     const pkg = grpc.loadPackageDefinition(definition);
     const Service = pkg.weightserver.v1.WeightService;
-    const credentials = tls
-      ? grpc.credentials.createSsl(readPem(tls.ca), readPem(tls.key), readPem(tls.cert))
-      : grpc.credentials.createInsecure();
-    this._stub = new Service(address, credentials, {
+    this.address = address || fromEnvironment(ENVIRONMENT.address) || DEFAULT_ADDRESS;
+    this._stub = new Service(this.address, channelCredentials(tls), {
       "grpc.max_receive_message_length": 16 * 1024 * 1024,
       ...channelOptions,
     });
-    this._token = token ?? null;
+    this._token = token ?? fromEnvironment(ENVIRONMENT.token) ?? null;
     this._clientId = clientId ?? null;
   }
 

@@ -12,6 +12,7 @@ import { WeightServerClient, WeightServerError, parseSafetensors } from "../src/
 const ADDRESS = process.env.WEIGHTSERVER_ADDRESS;
 const EXPECTED_PATH = process.env.EXPECTED_JSON;
 const skip = !ADDRESS || !EXPECTED_PATH ? "needs WEIGHTSERVER_ADDRESS and EXPECTED_JSON (see tests/test_node_client.py)" : false;
+const GRPC_DEADLINE_EXCEEDED = 4;
 const GRPC_NOT_FOUND = 5;
 const GRPC_UNAUTHENTICATED = 16;
 
@@ -19,6 +20,34 @@ function sha256(typedArray) {
   return createHash("sha256")
     .update(new Uint8Array(typedArray.buffer, typedArray.byteOffset, typedArray.byteLength))
     .digest("hex");
+}
+
+/** Runs `body` with the environment variables `values` set (undefined: unset), then puts the
+ * environment back as it was. */
+async function withEnvironment(values, body) {
+  const saved = Object.fromEntries(Object.keys(values).map((name) => [name, process.env[name]]));
+  const put = (entries) => {
+    for (const [name, value] of Object.entries(entries)) {
+      if (value === undefined) delete process.env[name];
+      else process.env[name] = value;
+    }
+  };
+  put(values);
+  try {
+    return await body();
+  } finally {
+    put(saved);
+  }
+}
+
+/** `body(client)` with a client made by `make()`, closed afterwards. */
+async function using(make, body) {
+  const client = make();
+  try {
+    return await body(client);
+  } finally {
+    client.close();
+  }
 }
 
 function assertTensor(name, actual, expected) {
@@ -130,6 +159,23 @@ describe("weightserver node client", { skip }, () => {
     assert.ok((await client.latest(model)).version >= since + 2);
   });
 
+  test("watch of a model with no version waits, so only a deadline ends it", async () => {
+    // A misspelled name looks like a model whose first version is still to come (the server
+    // waits for it on purpose): no error arrives, the caller's deadline ends the watch.
+    const started = Date.now();
+    await assert.rejects(
+      (async () => {
+        for await (const event of client.watch("polciy", { timeoutMs: 500 })) assert.fail(`unexpected event ${event.version.version}`);
+      })(),
+      (err) => {
+        assert.ok(err instanceof WeightServerError);
+        assert.equal(err.code, GRPC_DEADLINE_EXCEEDED);
+        return true;
+      },
+    );
+    assert.ok(Date.now() - started >= 400, "the watch ended before its deadline");
+  });
+
   test("token: missing is UNAUTHENTICATED, a reader token works", async () => {
     const auth = expected.auth;
     assert.ok(auth, "EXPECTED_JSON has no \"auth\" entry");
@@ -176,6 +222,54 @@ describe("weightserver node client", { skip }, () => {
     } finally {
       plain.close();
     }
+  });
+
+  test("WEIGHTSERVER_ADDRESS and WEIGHTSERVER_TOKEN are the defaults; what is given wins", async () => {
+    const { auth } = expected;
+    const plainLatest = expected.policy.at(-1).version;
+    assert.notEqual(plainLatest, auth.version, "the two servers must be told apart by their latest version");
+    // The harness sets WEIGHTSERVER_ADDRESS to the plain server.
+    await using(() => new WeightServerClient(), async (c) => assert.equal((await c.latest("policy")).version, plainLatest));
+    await withEnvironment({ WEIGHTSERVER_ADDRESS: auth.address, WEIGHTSERVER_TOKEN: auth.token }, async () => {
+      await using(() => new WeightServerClient(), async (c) => {
+        assert.equal(c.address, auth.address);
+        assert.deepEqual(Array.from((await c.fetch("policy")).tensors.w.data), auth.w);
+      });
+      await using(() => new WeightServerClient(ADDRESS), async (c) => assert.equal((await c.latest("policy")).version, plainLatest));
+      for (const token of ["wrong-token-0123456789", ""]) {
+        await using(
+          () => new WeightServerClient(undefined, { token }),
+          (c) => assert.rejects(c.latest("policy"), (err) => err.code === GRPC_UNAUTHENTICATED),
+        );
+      }
+    });
+  });
+
+  test("WEIGHTSERVER_TLS_CA, _CERT and _KEY turn on mutual TLS; tls: false and given files win", async () => {
+    const { tls } = expected;
+    const files = { WEIGHTSERVER_TLS_CA: tls.ca, WEIGHTSERVER_TLS_CERT: tls.cert, WEIGHTSERVER_TLS_KEY: tls.key };
+    await withEnvironment(files, async () => {
+      await using(() => new WeightServerClient(tls.address), async (c) => assert.equal((await c.fetch("policy")).version, tls.version));
+      await using(
+        () => new WeightServerClient(tls.address, { tls: false }),
+        (c) => assert.rejects(c.latest("policy", { timeoutMs: 3000 }), (err) => [4, 14].includes(err.code)),
+      );
+      // A given CA wins over the environment's: one that did not sign the server's certificate fails.
+      await using(
+        () => new WeightServerClient(tls.address, { tls: { ca: tls.other_ca } }),
+        (c) => assert.rejects(c.latest("policy", { timeoutMs: 3000 }), (err) => [4, 14].includes(err.code)),
+      );
+    });
+    // Without the client certificate the server refuses the handshake: the environment carried it.
+    await withEnvironment({ WEIGHTSERVER_TLS_CA: tls.ca }, () =>
+      using(
+        () => new WeightServerClient(tls.address),
+        (c) => assert.rejects(c.latest("policy", { timeoutMs: 3000 }), (err) => [4, 14].includes(err.code)),
+      ),
+    );
+    await withEnvironment({ WEIGHTSERVER_TLS_CERT: tls.cert, WEIGHTSERVER_TLS_KEY: undefined }, () =>
+      assert.throws(() => new WeightServerClient(tls.address), TypeError),
+    );
   });
 });
 

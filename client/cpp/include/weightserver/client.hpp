@@ -100,12 +100,27 @@ struct VersionInfo {
   std::map<std::string, std::string> metadata;
 };
 
+// The server address when neither the caller nor $WEIGHTSERVER_ADDRESS gives one.
+inline constexpr const char* kDefaultAddress = "localhost:50051";
+
+// How a Client connects. Empty fields take their defaults from the environment when the
+// client is made, as in the Python client (what is given wins): `token` from
+// $WEIGHTSERVER_TOKEN, and the PEM fields from the files named by $WEIGHTSERVER_TLS_CA,
+// $WEIGHTSERVER_TLS_CERT and $WEIGHTSERVER_TLS_KEY. `environment = false` ignores them all.
+// TLS is on when `tls` is set or a CA or client certificate is there (given or from the
+// environment); a client certificate needs its key and vice versa (Error otherwise).
 struct ClientOptions {
   std::string token;            // sent as "authorization: Bearer <token>"
-  bool tls = false;             // use TLS
+  bool tls = false;             // use TLS even with no CA or certificate (the system's roots)
   std::string root_certs_pem;   // PEM CA bundle for TLS ("" = system roots)
   double timeout_seconds = 0;   // per call deadline; 0 = none
+  std::string cert_chain_pem;   // PEM client certificate, for servers that demand mutual TLS
+  std::string private_key_pem;  // PEM private key of cert_chain_pem
+  bool environment = true;      // fill empty fields (and an empty address) from WEIGHTSERVER_*
 };
+
+// The contents of a file, e.g. a PEM certificate; throws Error when it cannot be read.
+std::string read_file(const std::string& path);
 
 // Parses a safetensors file; tensor views point into `bytes`. Throws Error when malformed.
 std::map<std::string, Tensor> parse_safetensors(const std::vector<uint8_t>& bytes);
@@ -115,10 +130,15 @@ std::string sha256_hex(const uint8_t* data, size_t size);
 
 class Client {
  public:
-  explicit Client(const std::string& address, ClientOptions options = {});
+  // `address` "host:port"; "" = $WEIGHTSERVER_ADDRESS (unless options.environment is false),
+  // else kDefaultAddress.
+  explicit Client(const std::string& address = "", ClientOptions options = {});
   ~Client();
   Client(const Client&) = delete;
   Client& operator=(const Client&) = delete;
+
+  // The address the client connects to.
+  const std::string& address() const;
 
   // Describes the newest version of `model`.
   VersionInfo latest(const std::string& model);
