@@ -80,16 +80,27 @@ def remaining(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
-def retry_unavailable(call: Callable[[float | None], T], timeout: float | None, what: str) -> T:
+def retry_unavailable(
+    call: Callable[[float | None], T],
+    timeout: float | None,
+    what: str,
+    *,
+    move_on: Callable[[ServerUnavailable], bool] | None = None,
+) -> T:
     """Run `call(remaining_timeout)`, retrying while it raises ServerUnavailable, with
     exponential backoff and jitter, until `timeout` seconds have passed (forever if None).
-    Only for idempotent calls: a retried call must not do anything twice."""
+    Only for idempotent calls: a retried call must not do anything twice. `move_on(error)`, for
+    a client of several addresses, moves it to the next one: tried at once after the first
+    failure, then one per retry."""
     deadline = None if timeout is None else time.monotonic() + timeout
     attempt = 0
     while True:
         try:
             return call(remaining(deadline))
-        except ServerUnavailable:
+        except ServerUnavailable as exc:
+            if move_on is not None and move_on(exc) and attempt == 0:
+                attempt += 1
+                continue
             delay = backoff_delay(attempt)
             if deadline is not None and time.monotonic() + delay >= deadline:
                 raise

@@ -25,7 +25,13 @@ from weightclient.service_client import FetchedBytes, FetchStats
 from weightclient.updaters import LocalWeightUpdaterBase, RemoteWeightUpdaterBase, WorkerId
 from weightclient.version_follower import VersionFollower
 from weightclient.version_info import VersionInfo
-from weightserver.errors import DeadlineExceeded, ModelNotFound, ServerUnavailable, WeightServerError
+from weightserver.errors import (
+    CursorOutOfRange,
+    DeadlineExceeded,
+    ModelNotFound,
+    ServerUnavailable,
+    WeightServerError,
+)
 from weightserver.safetensors_format import parse_header
 
 log = logging.getLogger(__name__)
@@ -48,7 +54,7 @@ class _LazyClient:
     _client: WeightClient | None = None
 
     def _set_client(self, client: WeightClient | str | None) -> None:
-        self._address = client.address if isinstance(client, WeightClient) else client
+        self._address = ",".join(client.addresses) if isinstance(client, WeightClient) else client
         self._client = client if isinstance(client, WeightClient) else None
 
     @property
@@ -207,7 +213,7 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
             self._server_unavailable(exc, began)
             return None
         self._server_available()
-        return latest.version - self.version
+        return max(0, latest.version - self.version)  # a server behind the policy (see pull) is 0 behind
 
     @property
     def following(self) -> bool:
@@ -261,6 +267,12 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
                 result = self.client.fetch(self.model, version=self.pinned_version, **options)
             else:
                 result = self.client.fetch(self.model, newer_than=self.version or 0, **options)
+        except CursorOutOfRange:
+            # This server (a relay, or the next address after a failover) is behind the version
+            # the policy holds: nothing newer here, and never an older version.
+            self._server_available()
+            self._last_asked = time.monotonic()
+            return None
         except ModelNotFound:
             if not self._waiting_logged:
                 log.info(

@@ -7,16 +7,16 @@ business; this module decides what to ask for, verifies what arrived and falls b
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, TypeVar
 
-import grpc
 import xxhash
 
 from weightclient.connection import (
@@ -30,6 +30,7 @@ from weightclient.connection import (
 from weightclient.latest_only_worker import LatestOnlyWorker
 from weightclient.placement import Placement, checked_views
 from weightclient.rpc_errors import translated_rpc_errors
+from weightclient.server_link import ServerLinks, connector, parse_addresses
 from weightclient.spare_uploads import SpareUploads
 from weightclient.transports import (
     BulkTransport,
@@ -45,12 +46,20 @@ from weightclient.transports import (
 from weightclient.transports.base import Progress
 from weightclient.version_info import Arriving, ModelSummary, VersionEvent, VersionInfo
 from weightserver.config import DEFAULT_CHUNK_BYTES, DEFAULT_PORT
-from weightserver.errors import IntegrityError, InvalidRequest, PublishAborted, ServerUnavailable, UploadNotFound
+from weightserver.errors import (
+    DeadlineExceeded,
+    IntegrityError,
+    InvalidRequest,
+    PublishAborted,
+    ServerUnavailable,
+    UploadNotFound,
+)
 from weightserver.v1 import weights_pb2 as pb
 from weightserver.v1 import weights_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 SPARE_NEGOTIATE_SECONDS = 10.0  # a spare upload's Negotiate, in the background
 
 ADDRESS_ENV = "WEIGHTSERVER_ADDRESS"
@@ -101,6 +110,9 @@ class WeightServiceClient:
 
     Args:
         address: host:port of the server; default `$WEIGHTSERVER_ADDRESS`, then localhost:50051.
+            Several, comma-separated (e.g. "relay-a:50052,primary:50051", or a list): the first
+            is used, and a call that finds its server down or stalled moves on to the next (see
+            `server_link`); a server behind the version a caller holds is never gone back to.
         timeout: deadline in seconds for unary calls (describe, list, delete, pin).
         chunk_bytes: size of the chunks a publish sends and a fetch asks for.
         client_id: a name for this client in the server's logs (e.g. "collector-3").
@@ -129,24 +141,61 @@ class WeightServiceClient:
         tls_key: PathLike | None = None,
         retry_seconds: float = 30.0,
     ) -> None:
-        self.address = address or default_address()
+        addresses = parse_addresses(address or default_address())
         self.timeout = timeout
         self.chunk_bytes = chunk_bytes
         self.retry_seconds = retry_seconds
-        self._channel = open_channel(self.address, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
-        self._stub = pb_grpc.WeightServiceStub(self._channel)
         self._metadata = call_metadata(token, client_id)
         self._shm = SharedMemoryTransport()
-        self._bulk = BulkTransport(_host_of(self.address))
-        # A connection of its own for bytes received as they arrive (`fetch_arriving`): such a
-        # transfer lasts as long as the publish, and must not hold up this client's fetches.
-        self._early_bulk = BulkTransport(_host_of(self.address))
-        self._stream = StreamTransport(self._channel, self._metadata, chunk_bytes)
-        self.transports = TransportChain([self._shm, self._bulk], self._stream)
+        channel = functools.partial(open_channel, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
+        self._links = ServerLinks(addresses, connector(channel, self._metadata, chunk_bytes, self._shm, _host_of))
         self._spares = SpareUploads(
             lambda request: self._stub.Negotiate(request, timeout=SPARE_NEGOTIATE_SECONDS, metadata=self._metadata)
         )
         self._reports = LatestOnlyWorker(self._report, "weightclient-fetch-reports")
+
+    # The link in use: its address, channel, stub and transports (they change on `_move_on`).
+    @property
+    def address(self) -> str:
+        """The address in use (the first of several given, until it failed)."""
+        return self._links.current.address
+
+    @property
+    def addresses(self) -> list[str]:
+        """Every address this client may use, in order."""
+        return list(self._links.addresses)
+
+    @property
+    def transports(self) -> TransportChain:
+        """The transports to the server in use, in order, and what this client learned of them."""
+        return self._links.current.transports
+
+    @transports.setter
+    def transports(self, chain: TransportChain) -> None:
+        self._links.current.transports = chain
+
+    @property
+    def _stub(self) -> pb_grpc.WeightServiceStub:
+        return self._links.current.stub
+
+    @property
+    def _stream(self) -> StreamTransport:
+        return self._links.current.stream
+
+    @property
+    def _bulk(self) -> BulkTransport:
+        return self._links.current.bulk
+
+    @property
+    def _early_bulk(self) -> BulkTransport:
+        return self._links.current.early_bulk
+
+    def _move_on(self, failed: str, why: object) -> bool:
+        """The server at `failed` is down or stalled: use the next address, if there is one."""
+        return self._links.move_on(failed, why)
+
+    def _move_on_from_current(self, why: object) -> bool:
+        return self._links.move_on(self.address, why)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until the server has heard of every fetch read directly from its shared memory
@@ -157,9 +206,7 @@ class WeightServiceClient:
         """Close the channel (cancels running calls) and the bulk connection."""
         self._reports.close()
         self._spares.close()
-        self._bulk.close()
-        self._early_bulk.close()
-        self._channel.close()
+        self._links.close()
 
     def __enter__(self) -> WeightServiceClient:
         return self
@@ -370,7 +417,12 @@ class WeightServiceClient:
         def once(left: float | None) -> FetchedBytes | None:
             return self._fetch_once(request, order, left, into, place, progress)
 
-        fetched = retry_unavailable(once, self._retry_window(timeout), self.address) if retry else once(timeout)
+        if retry:
+            fetched = retry_unavailable(
+                once, self._retry_window(timeout), self.address, move_on=self._move_on_from_current
+            )
+        else:
+            fetched = self._once_then_next(once, timeout)
         if fetched is not None and fetched.base_version and base_xxh3 and fetched.base_xxh3 != base_xxh3:
             log.info("%s v%d on the server differs from the caller's; fetching it whole", model, base_version)
             exact = _fetch_request(model, fetched.info.version, None, self.chunk_bytes, dtype=dtype)
@@ -559,16 +611,19 @@ class WeightServiceClient:
                         info = VersionInfo.from_proto(event.version)
                         yield VersionEvent(info, gap=event.gap, arriving=event.incoming.id)
                 return
-            except ServerUnavailable:
+            except ServerUnavailable as exc:
                 # The server went away (restart, network): subscribe again from the last
-                # version seen, so that nothing is missed or repeated.
+                # version seen (on the next address, if there is one), so that nothing is
+                # missed or repeated.
                 now = time.monotonic()
                 outage_began = now if failures == 0 else outage_began
                 if now - outage_began >= self._retry_window(left):
                     raise
                 if failures == 0:
                     log.warning("watch of %r at %s interrupted after v%d; resubscribing", model, self.address, cursor)
-                time.sleep(backoff_delay(failures))
+                moved = self._move_on(self.address, exc)
+                if not (moved and failures == 0):  # the next address is asked at once, the first time
+                    time.sleep(backoff_delay(failures))
                 failures += 1
             finally:
                 stream.cancel()
@@ -579,43 +634,61 @@ class WeightServiceClient:
         raises ServerUnavailable at once instead of waiting for the server to come back.
         `timeout`: this call's deadline instead of the client's."""
         request = pb.GetLatestRequest(model=model)
-        return VersionInfo.from_proto(self._call(self._stub.GetLatest, request, retry=retry, timeout=timeout))
+        return VersionInfo.from_proto(self._call("GetLatest", request, retry=retry, timeout=timeout))
 
     def describe(self, model: str, version: int = 0) -> VersionInfo:
         """Describe `version` of `model` (0: the latest)."""
-        return VersionInfo.from_proto(self._call(self._stub.Describe, pb.DescribeRequest(model=model, version=version)))
+        return VersionInfo.from_proto(self._call("Describe", pb.DescribeRequest(model=model, version=version)))
 
     def list_models(self) -> list[ModelSummary]:
         """Every model on the server, sorted by name."""
-        reply = self._call(self._stub.ListModels, pb.ListModelsRequest())
+        reply = self._call("ListModels", pb.ListModelsRequest())
         return [ModelSummary.from_proto(m) for m in reply.models]
 
     def list_versions(self, model: str) -> list[VersionInfo]:
         """Retained versions of `model`, oldest first."""
-        reply = self._call(self._stub.ListVersions, pb.ListVersionsRequest(model=model))
+        reply = self._call("ListVersions", pb.ListVersionsRequest(model=model))
         return [VersionInfo.from_proto(v) for v in reply.versions]
 
     def delete(self, model: str, version: int) -> VersionInfo:
         """Delete one version from the server (and its data dir)."""
-        reply = self._call(self._stub.DeleteVersion, pb.DeleteVersionRequest(model=model, version=version), retry=False)
+        reply = self._call("DeleteVersion", pb.DeleteVersionRequest(model=model, version=version), change=True)
         return VersionInfo.from_proto(reply.deleted)
 
     def pin(self, model: str, version: int, pinned: bool = True) -> VersionInfo:
         """Pin (keep beyond --keep) or unpin a version."""
         request = pb.PinVersionRequest(model=model, version=version, pinned=pinned)
-        return VersionInfo.from_proto(self._call(self._stub.PinVersion, request, retry=False))
+        return VersionInfo.from_proto(self._call("PinVersion", request, change=True))
 
     def _call(
-        self, method: grpc.UnaryUnaryMultiCallable, request: object, *, retry: bool = True, timeout: float | None = None
+        self, method: str, request: object, *, retry: bool = True, timeout: float | None = None, change: bool = False
     ) -> Any:
+        """A unary call by name, on the server in use when it starts. A `change` (delete, pin) is
+        made once, on this server; others retry while no server answers (`retry`), or ask the
+        next address once (not `retry`)."""
+
         def once(timeout: float | None) -> Any:
-            with translated_rpc_errors(self.address):
-                return method(request, timeout=timeout, metadata=self._metadata)
+            address = self.address
+            with translated_rpc_errors(address):
+                return getattr(self._stub, method)(request, timeout=timeout, metadata=self._metadata)
 
         seconds = self.timeout if timeout is None else timeout
-        if not retry:
+        if change:
             return once(seconds)
-        return retry_unavailable(once, self._retry_window(seconds), self.address)
+        if not retry:
+            return self._once_then_next(once, seconds)
+        return retry_unavailable(once, self._retry_window(seconds), self.address, move_on=self._move_on_from_current)
+
+    def _once_then_next(self, call: Callable[[float | None], T], timeout: float | None) -> T:
+        """`call(timeout)`; if its server is down or stalled and there is another address, once
+        more there."""
+        address = self.address
+        try:
+            return call(timeout)
+        except (ServerUnavailable, DeadlineExceeded) as exc:
+            if not self._move_on(address, exc):
+                raise
+        return call(timeout)
 
     def _retry_window(self, timeout: float | None) -> float:
         return timeout if timeout is not None else self.retry_seconds

@@ -1,0 +1,94 @@
+"""Client failover (issue 16): a client given several addresses ("relay,primary") moves to the
+next when its server is down or stalled, and never applies an older version than it holds.
+Real servers: a primary and a relay of it in this process, stopped servers in subprocesses."""
+
+from __future__ import annotations
+
+import torch
+from test_relay import held
+from test_stalled_server import stopped
+from waiting import wait_until
+
+from weightclient import WeightClient
+from weightclient.grpc_updaters import GrpcLocalWeightUpdater
+from weightserver.process import ServerProcess
+
+MODEL = "policy"
+
+
+def linear(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Linear(8, 8)
+
+
+def holds(policy: torch.nn.Module, weights: torch.nn.Module) -> bool:
+    return all(
+        torch.equal(a, b) for a, b in zip(policy.state_dict().values(), weights.state_dict().values(), strict=True)
+    )
+
+
+def test_a_client_moves_to_the_next_address_when_its_server_is_down(make_server):
+    primary = make_server()
+    relay = make_server(upstream=primary.address, upstream_poll_seconds=0.1)
+    with WeightClient(primary.address) as trainer, WeightClient(f"{relay.address},{primary.address}") as client:
+        trainer.publish(linear(1), model=MODEL)
+        wait_until(lambda: held(relay, MODEL) == 1, timeout=15)
+        assert client.fetch(MODEL).version == 1 and client.address == relay.address
+        relay.stop(grace=0)
+        trainer.publish(linear(2), model=MODEL)
+        result = client.fetch(MODEL, transport="bulk", timeout=20)
+        assert result.version == 2 and client.address == primary.address
+        assert client.addresses == [relay.address, primary.address]
+        assert [event.version for event in _first_events(client, since=0, count=2)] == [1, 2]
+
+
+def _first_events(client: WeightClient, since: int, count: int) -> list:
+    events = []
+    for event in client.watch(MODEL, since=since, timeout=10):
+        events.append(event)
+        if len(events) == count:
+            break
+    return events
+
+
+def test_a_watching_updater_follows_on_through_the_next_address(make_server):
+    primary = make_server()
+    relay = make_server(upstream=primary.address, upstream_poll_seconds=0.1)
+    policy = torch.nn.Linear(8, 8)
+    with WeightClient(primary.address) as trainer, WeightClient(f"{relay.address},{primary.address}") as client:
+        trainer.publish(linear(1), model=MODEL)
+        updater = GrpcLocalWeightUpdater(client, model=MODEL, policy=policy, watch=True, update_timeout=2.0)
+        wait_until(lambda: (updater(), updater.version == 1)[1], timeout=15)
+        relay.stop(grace=0)
+        weights = linear(2)
+        trainer.publish(weights, model=MODEL)
+        wait_until(lambda: (updater(), updater.version == 2)[1], timeout=30)
+        assert holds(policy, weights) and client.address == primary.address
+        if updater._follower is not None:
+            updater._follower.stop()
+
+
+def test_a_stalled_server_is_left_for_the_next_and_an_older_version_is_never_applied(make_server, tmp_path):
+    """The first server holds v3 and stalls (SIGSTOP: its port accepts, nothing answers); the
+    next holds only v1: the updater keeps v3, asks the next one, and applies nothing older."""
+    ahead = ServerProcess("--data-dir", str(tmp_path / "ahead"))
+    ahead.start()
+    behind = make_server()
+    policy = torch.nn.Linear(8, 8)
+    try:
+        with WeightClient(ahead.address) as trainer, WeightClient(behind.address) as other:
+            for seed in (1, 2, 3):
+                trainer.publish(linear(seed), model=MODEL)
+            other.publish(linear(9), model=MODEL)
+        with WeightClient(f"{ahead.address},{behind.address}") as client:
+            updater = GrpcLocalWeightUpdater(client, model=MODEL, policy=policy, update_timeout=1.0)
+            updater()
+            assert updater.version == 3 and holds(policy, linear(3))
+            with stopped(ahead):
+                for _ in range(5):
+                    updater()
+                assert client.address == behind.address  # it moved on
+                assert updater.version == 3 and holds(policy, linear(3))  # and went back to nothing
+                assert updater.lag == 0 and updater.server_available
+    finally:
+        ahead.kill()
