@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator
+import shutil
+import subprocess
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +68,10 @@ def named(kind: str) -> dict[str, dict[str, Any]]:
 def one(kind: str) -> dict[str, Any]:
     [obj] = named(kind).values()
     return obj
+
+
+def identities(items: Iterable[dict[str, Any]]) -> list[tuple[str, str]]:
+    return sorted((obj["kind"], obj["metadata"]["name"]) for obj in items)
 
 
 def pod_spec(workload: dict[str, Any]) -> dict[str, Any]:
@@ -169,6 +175,20 @@ def test_kustomization_lists_every_manifest_and_the_compose_image():
         assert container["imagePullPolicy"] == "IfNotPresent"  # an image loaded into the nodes works too
     for _, obj in objects():  # kustomize sets the namespace; `kubectl apply -n` can too
         assert "namespace" not in obj["metadata"], f"{obj['kind']}/{obj['metadata']['name']}"
+
+
+def test_kubectl_kustomize_renders_every_object_into_the_namespace():
+    """`kubectl kustomize` (offline, client-side) where kubectl is installed; CI has none, the
+    schema checks above cover the files themselves."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed")
+    result = subprocess.run([kubectl, "kustomize", str(MANIFESTS)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    rendered = [obj for obj in yaml.safe_load_all(result.stdout) if obj]
+    assert identities(rendered) == identities(obj for _, obj in objects())
+    namespace = yaml.safe_load((MANIFESTS / "kustomization.yaml").read_text())["namespace"]
+    assert all(o["metadata"].get("namespace") == namespace for o in rendered if o["kind"] != "Namespace")
 
 
 # --------------------------------------------------------------- the servers' flags
