@@ -32,6 +32,9 @@ from demo.spool import Spool, SpoolSession
 from weightserver.errors import Cancelled, DeadlineExceeded
 
 WAIT = 0.02  # seconds between spool checks while waiting
+# How long a collector keeps pulling for the trainer's final version after STOP: through a
+# relay it lands a moment after the trainer's publish returned.
+FINAL_WAIT = 10.0
 
 
 @dataclass
@@ -136,6 +139,19 @@ def pull(collector: Any, name: str) -> None:
         say(name, f"weight update skipped ({type(exc).__name__}): keeping the current weights")
 
 
+def pull_final(collector: Any, scheme: Any, stats: CollectorStats, name: str, final: int | None, stop: Any) -> None:
+    """Pull the trainer's final version. From a relay (or with a version still on its way) it
+    may not be there at the first pull, so pull until it is applied, for at most FINAL_WAIT
+    seconds; `final` None (no STOP, or no version): pull once."""
+    deadline = time.monotonic() + FINAL_WAIT
+    while True:
+        pull(collector, name)
+        stats.after_update(scheme)
+        if final is None or (scheme.version or 0) >= final or stop or time.monotonic() >= deadline:
+            return
+        stop.wait(0.05)
+
+
 def lag_of(updater: Any) -> int | None:
     try:
         return updater.lag
@@ -200,8 +216,8 @@ def run(args: Any, stop: StopRequest) -> int:
                 say(name, stats.line())
         if stop:
             reason = stop.signal_name or "signal"
-        pull(collector, name)  # the trainer's final version
-        stats.after_update(scheme)
+        final = session.final_version() if reason == "trainer" and session is not None else None
+        pull_final(collector, scheme, stats, name, final, stop)
     finally:
         collector.shutdown()
     say(name, stats.line())

@@ -106,6 +106,13 @@ class SpoolSession:
     def stopped(self) -> bool:
         return (self.dir / "STOP").exists()
 
+    def final_version(self) -> int | None:
+        """The trainer's final version, as its STOP holds it (None before STOP, or if it has none)."""
+        try:
+            return json.loads((self.dir / "STOP").read_text())["final_version"]
+        except (FileNotFoundError, json.JSONDecodeError, KeyError):
+            return None
+
     def finish(self) -> None:
         write_json_atomic(self.dir / "FINISHED", {"time": time.time()})
 

@@ -1,11 +1,13 @@
-"""docker/compose.yaml and docker/Dockerfile, checked without a Docker engine.
+"""docker/compose.yaml, docker/compose.tree.yaml and docker/Dockerfile, checked without a
+Docker engine.
 
-The compose file is the single source of truth for how the services run: these tests read
-each service's command and environment from it (interpolating ``${VAR:-default}`` the way
-compose does, from this process's environment), map what only exists inside containers to
-this machine (service host names -> 127.0.0.1, container ports -> free ports, named volumes ->
-temp dirs, `python` -> this interpreter, console scripts -> this venv's) and start them as
-processes on loopback. The Dockerfile's CMD and HEALTHCHECK run the same way.
+A compose file is the single source of truth for how its services run: these tests read each
+service's command and environment from it (interpolating ``${VAR:-default}`` the way compose
+does, from this process's environment), map what only exists inside containers to this machine
+(service host names -> 127.0.0.1, each service's container ports -> free ports of its own, named
+volumes -> temp dirs, `python` -> this interpreter, console scripts -> this venv's) and start
+them as processes on loopback, in `depends_on` order, waiting for a `service_healthy`
+dependency's HEALTHCHECK as compose does. The Dockerfile's CMD and HEALTHCHECK run the same way.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from importlib.metadata import metadata
 from pathlib import Path
 from typing import Any
@@ -28,10 +32,13 @@ from typing import Any
 import pytest
 import yaml
 
+from weightserver.cli import build_parser, server_config
+
 pytest.importorskip("torchrl", reason="torchrl is not installed: pip install -e '.[torchrl]'")
 
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE = REPO / "docker" / "compose.yaml"
+COMPOSE_TREE = REPO / "docker" / "compose.tree.yaml"
 DOCKERFILE = REPO / "docker" / "Dockerfile"
 BIN = Path(sys.executable).parent
 _VARIABLE = re.compile(
@@ -61,8 +68,8 @@ def interpolate(value: str, env: Mapping[str, str]) -> str:
     return _VARIABLE.sub(replace, value)
 
 
-def load_compose() -> dict[str, Any]:
-    return yaml.safe_load(COMPOSE.read_text())
+def load_compose(path: Path = COMPOSE) -> dict[str, Any]:
+    return yaml.safe_load(path.read_text())
 
 
 def environment_of(service: Mapping[str, Any]) -> dict[str, str]:
@@ -79,6 +86,38 @@ def volume_mounts(service: Mapping[str, Any]) -> dict[str, str]:
         source, target = item.split(":")[:2]
         mounts[source] = target
     return mounts
+
+
+def is_server(service: Mapping[str, Any]) -> bool:
+    """A service that runs until stopped and reports health (the image's HEALTHCHECK); the
+    others (trainer, collectors) disable it and run to completion."""
+    return not (service.get("healthcheck") or {}).get("disable", False)
+
+
+def replicas(service: Mapping[str, Any]) -> int:
+    return service.get("deploy", {}).get("replicas", 1)
+
+
+def serve_options(command: list[str]) -> Any:
+    """A `weightserver serve ...` command parsed by the real parser, as its ServerConfig."""
+    assert command[:2] == ["weightserver", "serve"], command
+    return server_config(build_parser().parse_args(command[1:]))
+
+
+def start_order(services: Mapping[str, Any]) -> list[str]:
+    """Service names, each after every service it depends on (as compose starts them)."""
+    order: list[str] = []
+
+    def visit(name: str, path: tuple[str, ...]) -> None:
+        assert name not in path, f"depends_on cycle: {' -> '.join((*path, name))}"
+        if name not in order:
+            for dependency in services[name].get("depends_on", {}):
+                visit(dependency, (*path, name))
+            order.append(name)
+
+    for name in services:
+        visit(name, ())
+    return order
 
 
 def dockerfile_instructions() -> list[tuple[str, str]]:
@@ -111,42 +150,50 @@ def free_port() -> int:
 
 
 class Loopback:
-    """Maps what a service sees inside its container onto this machine."""
+    """Maps what a service sees inside its container onto this machine: each service's exposed
+    ports get free ports of their own (the primary and the relays all listen on 50051 inside
+    their containers), and its own address (127.0.0.1, localhost, 0.0.0.0) means its ports."""
 
     def __init__(self, compose: Mapping[str, Any], tmp_path: Path) -> None:
-        services = compose["services"]
-        self.hosts = set(services)
-        ports = {str(p).split(":")[-1] for s in services.values() for p in s.get("expose", [])}
-        self.ports = {port: str(free_port()) for port in ports}
+        self.services = compose["services"]
+        self.ports = {
+            (name, str(port).split(":")[-1]): str(free_port())
+            for name, service in self.services.items()
+            for port in service.get("expose", [])
+        }
         self.volumes = {name: tmp_path / "volumes" / name for name in compose.get("volumes", {})}
         for path in self.volumes.values():
             path.mkdir(parents=True)
 
-    def value(self, text: str, mounts: Mapping[str, str]) -> str:
-        def address(match: re.Match[str]) -> str:
-            port = match.group(2)
-            return f"127.0.0.1:{self.ports.get(port, port)}"
+    def port(self, service: str, port: int | str) -> int:
+        """The loopback port of `service`'s container port."""
+        return int(self.ports[(service, str(port))])
 
-        hosts = "|".join(map(re.escape, sorted(self.hosts | {"127.0.0.1", "localhost", "0.0.0.0"})))
+    def value(self, text: str, service: str) -> str:
+        def address(match: re.Match[str]) -> str:
+            host, port = match.group(1), match.group(2)
+            owner = host if host in self.services else service
+            return f"127.0.0.1:{self.ports.get((owner, port), port)}"
+
+        hosts = "|".join(map(re.escape, sorted({*self.services, "127.0.0.1", "localhost", "0.0.0.0"})))
         text = re.sub(rf"\b({hosts}):(\d+)\b", address, text)
-        if text in self.ports:
-            return self.ports[text]
+        if (service, text) in self.ports:
+            return self.ports[(service, text)]
         if text == "0.0.0.0":
             return "127.0.0.1"
-        for volume, target in mounts.items():
+        for volume, target in volume_mounts(self.services[service]).items():
             if text == target or text.startswith(target + "/"):
                 return str(self.volumes[volume]) + text[len(target) :]
         return text
 
-    def command(self, command: list[str], mounts: Mapping[str, str] | None = None) -> list[str]:
-        mounts = mounts or {}
+    def command(self, command: list[str], service: str) -> list[str]:
+        """`command` as `service` runs it, mapped onto this machine."""
         program = {"python": sys.executable}.get(command[0]) or str(BIN / command[0])
         assert Path(program).exists(), f"{command[0]!r}: no such console script in {BIN}"
-        return [program, *(self.value(arg, mounts) for arg in command[1:])]
+        return [program, *(self.value(arg, service) for arg in command[1:])]
 
-    def environment(self, service: Mapping[str, Any]) -> dict[str, str]:
-        mounts = volume_mounts(service)
-        return {key: self.value(value, mounts) for key, value in environment_of(service).items()}
+    def environment(self, service: str) -> dict[str, str]:
+        return {key: self.value(value, service) for key, value in environment_of(self.services[service]).items()}
 
 
 def healthcheck() -> list[str]:
@@ -180,40 +227,89 @@ def stop(process: subprocess.Popen, timeout: float = 15.0) -> int:
         raise
 
 
+@contextmanager
+def running(
+    compose: Mapping[str, Any], loopback: Loopback, tmp_path: Path
+) -> Iterator[dict[str, list[subprocess.Popen]]]:
+    """Start every service (each replica) as compose would, in depends_on order, waiting for a
+    dependency's HEALTHCHECK where the condition is service_healthy; yield {service: its
+    processes}. Whatever still runs at the end is stopped, last started first."""
+    services = compose["services"]
+    started: dict[str, list[subprocess.Popen]] = {}
+    healthy: set[str] = set()
+    try:
+        for name in start_order(services):
+            for dependency, condition in services[name].get("depends_on", {}).items():
+                if condition.get("condition") == "service_healthy" and dependency not in healthy:
+                    wait_healthy(loopback.command(healthcheck(), dependency))
+                    healthy.add(dependency)
+            service = services[name]
+            started[name] = [
+                start(
+                    loopback.command(service["command"], name),
+                    loopback.environment(name),
+                    log=tmp_path / f"{name}-{replica}.log",
+                )
+                for replica in range(replicas(service))
+            ]
+        yield started
+    finally:
+        for processes in reversed(list(started.values())):
+            for process in processes:
+                if process.poll() is None:
+                    stop(process)
+
+
+def logs(tmp_path: Path) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted(tmp_path.glob("*.log")))
+
+
 @pytest.fixture
 def compose() -> dict[str, Any]:
     return load_compose()
 
 
-def help_texts(services: Mapping[str, Any], tmp_path: Path) -> dict[str, str]:
-    """`--help` of each service's program (the command up to its first option), run in parallel."""
-    loopback = Loopback(load_compose(), tmp_path)
-    running = {}
-    for name, service in services.items():
+@pytest.fixture
+def tree() -> dict[str, Any]:
+    return load_compose(COMPOSE_TREE)
+
+
+def help_texts(compose: Mapping[str, Any], tmp_path: Path) -> dict[str, str]:
+    """`--help` of each service's program (the command up to its first option), each program
+    run once, in parallel."""
+    loopback = Loopback(compose, tmp_path)
+    programs, running = {}, {}
+    for name, service in compose["services"].items():
         command = service["command"]
-        program = command[: next((i for i, arg in enumerate(command) if arg.startswith("--")), len(command))]
-        running[name] = subprocess.Popen(
-            [*loopback.command(program), "--help"], cwd=REPO, stdout=subprocess.PIPE, text=True
-        )
-    texts = {name: process.communicate(timeout=60)[0] for name, process in running.items()}  # waits for all
+        programs[name] = tuple(command[: next((i for i, a in enumerate(command) if a.startswith("--")), len(command))])
+        if programs[name] not in running:
+            running[programs[name]] = subprocess.Popen(
+                [*loopback.command(list(programs[name]), name), "--help"], cwd=REPO, stdout=subprocess.PIPE, text=True
+            )
+    texts = {program: process.communicate(timeout=60)[0] for program, process in running.items()}  # waits for all
     assert all(process.returncode == 0 for process in running.values()), texts
-    return texts
+    return {name: texts[program] for name, program in programs.items()}
 
 
-def test_compose_services_settings_and_volumes(compose: dict[str, Any], tmp_path: Path):
-    services = compose["services"]
-    assert set(services) == {"weightserver", "trainer", "collector"}
-    replicas = services["collector"]["deploy"]["replicas"]
-    assert replicas == 2
-    # the trainer waits for exactly as many collector reports as compose starts collectors
-    assert int(environment_of(services["trainer"])["DEMO_COLLECTORS"]) == replicas
-    helps = help_texts(services, tmp_path)
-    for name, service in services.items():
+def check_variables_and_volumes(compose: Mapping[str, Any], tmp_path: Path) -> None:
+    helps = help_texts(compose, tmp_path)
+    for name, service in compose["services"].items():
         # every variable a service gets is one its program reads (its --help names it)
         unread = {variable for variable in environment_of(service) if f"${variable}" not in helps[name]}
         assert not unread, f"{name} sets variables its program does not read: {unread}"
         for volume in volume_mounts(service):
             assert volume in compose["volumes"], f"{name} mounts undeclared volume {volume}"
+        if service["command"][:2] == ["weightserver", "serve"]:
+            serve_options(service["command"])  # accepted by `weightserver serve`, as a ServerConfig
+
+
+def test_compose_services_settings_and_volumes(compose: dict[str, Any], tmp_path: Path):
+    services = compose["services"]
+    assert set(services) == {"weightserver", "trainer", "collector"}
+    assert replicas(services["collector"]) == 2
+    # the trainer waits for exactly as many collector reports as compose starts collectors
+    assert int(environment_of(services["trainer"])["DEMO_COLLECTORS"]) == replicas(services["collector"])
+    check_variables_and_volumes(compose, tmp_path)
     assert volume_mounts(services["weightserver"]) == {"weights": "/data"}
     assert "--data-dir" in services["weightserver"]["command"]
     assert volume_mounts(services["trainer"]) == volume_mounts(services["collector"]) == {"spool": "/spool"}
@@ -223,7 +319,15 @@ def test_compose_services_settings_and_volumes(compose: dict[str, Any], tmp_path
     assert "${DEMO_SECONDS" in COMPOSE.read_text()
 
 
-def test_docker_compose_validates_the_file():
+@pytest.mark.parametrize(
+    ("path", "services"),
+    [
+        (COMPOSE, ["collector", "trainer", "weightserver"]),
+        (COMPOSE_TREE, ["collector-a", "collector-b", "relay-a", "relay-b", "trainer", "weightserver"]),
+    ],
+    ids=["compose", "tree"],
+)
+def test_docker_compose_validates_the_file(path: Path, services: list[str]):
     """`docker-compose config` (the Debian package, what CI runs) or `docker compose config`."""
     if shutil.which("docker-compose"):
         command = ["docker-compose"]
@@ -234,10 +338,10 @@ def test_docker_compose_validates_the_file():
     else:
         pytest.skip("neither docker-compose nor the docker compose plugin is installed (apt install docker-compose)")
     result = subprocess.run(
-        [*command, "-f", str(COMPOSE), "config", "--services"], cwd=REPO, capture_output=True, text=True
+        [*command, "-f", str(path), "config", "--services"], cwd=REPO, capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr
-    assert sorted(result.stdout.split()) == ["collector", "trainer", "weightserver"]
+    assert sorted(result.stdout.split()) == services
 
 
 def test_dockerfile_copies_what_exists_and_installs_cpu_torch():
@@ -277,9 +381,9 @@ def test_dockerfile_cmd_serves_and_healthcheck_reports_it(compose: dict[str, Any
     """The image's CMD starts a server; its HEALTHCHECK passes against it and fails without."""
     loopback = Loopback(compose, tmp_path)
     cmd = exec_form([a for i, a in dockerfile_instructions() if i == "CMD"][-1])
-    check = loopback.command(healthcheck())
-    mounts = volume_mounts(compose["services"]["weightserver"])  # where compose mounts the image's /data
-    server = start(loopback.command(cmd, mounts), log=tmp_path / "server.log")
+    # as the weightserver service, where compose mounts the image's /data
+    check = loopback.command(healthcheck(), "weightserver")
+    server = start(loopback.command(cmd, "weightserver"), log=tmp_path / "server.log")
     try:
         wait_healthy(check)
     finally:
@@ -287,51 +391,118 @@ def test_dockerfile_cmd_serves_and_healthcheck_reports_it(compose: dict[str, Any
     assert subprocess.run(check, cwd=REPO, capture_output=True, timeout=30).returncode != 0
 
 
-def processes(compose: dict[str, Any], loopback: Loopback, tmp_path: Path) -> Iterator[subprocess.Popen]:
+SHORT_RUN = {  # through the ${...:-default} entries of the compose files
+    "DEMO_SECONDS": "6",
+    "DEMO_FRAMES_PER_BATCH": "50",
+    "DEMO_PUBLISH_EVERY": "10",
+    "DEMO_WARMUP_FRAMES": "200",
+    "DEMO_RANDOM_FRAMES": "100",
+}
+
+
+def scrape(port: int) -> dict[str, float]:
+    """A server's Prometheus metrics: {'name{labels}': value}."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    return {
+        series: float(value)
+        for series, _, value in (line.rpartition(" ") for line in text.splitlines())
+        if series and not series.startswith("#")
+    }
+
+
+def run_to_completion(
+    compose: Mapping[str, Any], loopback: Loopback, tmp_path: Path
+) -> tuple[dict[str, Any], dict[str, dict[str, float]]]:
+    """Run the stack until the trainer and the collectors exit, then stop the servers. Checks
+    that every process exited 0 and every collector ended on the trainer's final version, and
+    returns the trainer's summary and the metrics of each server with a metrics port (9100),
+    scraped before it was stopped."""
     services = compose["services"]
-    for name in ("trainer", "collector"):
-        service = services[name]
-        for replica in range(service.get("deploy", {}).get("replicas", 1)):
-            command = loopback.command(service["command"], volume_mounts(service))
-            yield start(command, loopback.environment(service), log=tmp_path / f"{name}-{replica}.log")
+    with running(compose, loopback, tmp_path) as started:
+        finite = [p for name, ps in started.items() if not is_server(services[name]) for p in ps]
+        codes = [p.wait(timeout=150) for p in finite]
+        servers = [name for name in started if is_server(services[name])]
+        metrics = {name: scrape(loopback.port(name, 9100)) for name in servers if (name, "9100") in loopback.ports}
+        server_codes = [stop(p) for name in reversed(servers) for p in started[name]]
+    assert codes == [0] * len(finite) and server_codes == [0] * len(server_codes), logs(tmp_path)
+    summary = json.loads((tmp_path / "volumes" / "spool" / "summary.json").read_text())
+    collectors = sum(replicas(service) for name, service in services.items() if name.startswith("collector"))
+    assert len(summary["collectors"]) == collectors, logs(tmp_path)
+    for report in summary["collectors"].values():
+        assert report["final_version"] == summary["final_version"], report
+        assert report["versions_applied"] >= 2, report
+    assert summary["spool_empty"] and summary["frames_consumed"] == summary["frames_collected"] > 0
+    return summary, metrics
 
 
 @pytest.mark.slow
 def test_compose_services_run_on_loopback(compose: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """Start exactly what compose would start; the collectors end on the trainer's last version."""
-    for name, value in {
-        "DEMO_SECONDS": "6",
-        "DEMO_FRAMES_PER_BATCH": "50",
-        "DEMO_PUBLISH_EVERY": "10",
-        "DEMO_WARMUP_FRAMES": "200",
-        "DEMO_RANDOM_FRAMES": "100",
-    }.items():
-        monkeypatch.setenv(name, value)  # through the ${...:-default} entries of the compose file
-    loopback = Loopback(compose, tmp_path)
-    server_service = compose["services"]["weightserver"]
-    server = start(
-        loopback.command(server_service["command"], volume_mounts(server_service)),
-        loopback.environment(server_service),
-        log=tmp_path / "server.log",
-    )
-    started: list[subprocess.Popen] = []
-    try:
-        wait_healthy(loopback.command(healthcheck()))
-        started = list(processes(compose, loopback, tmp_path))
-        codes = [p.wait(timeout=90) for p in started]
-    finally:
-        for process in started:
-            if process.poll() is None:
-                stop(process)
-        server_code = stop(server)
-    logs = "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted(tmp_path.glob("*.log")))
-    assert codes == [0] * len(started) and server_code == 0, logs
-    spool = tmp_path / "volumes" / "spool"
-    summary = json.loads((spool / "summary.json").read_text())
-    assert len(summary["collectors"]) == compose["services"]["collector"]["deploy"]["replicas"], logs
-    for report in summary["collectors"].values():
-        assert report["final_version"] == summary["final_version"], report
-        assert report["versions_applied"] >= 2, report
-    assert summary["spool_empty"] and summary["frames_consumed"] == summary["frames_collected"] > 0
+    for name, value in SHORT_RUN.items():
+        monkeypatch.setenv(name, value)
+    run_to_completion(compose, Loopback(compose, tmp_path), tmp_path)
     # the server kept the versions in its data-dir volume
     assert (tmp_path / "volumes" / "weights" / "policy").is_dir()
+
+
+# ---------------------------------------------------------------- the two-level tree
+def test_compose_tree_primary_relays_and_collectors(compose: dict[str, Any], tree: dict[str, Any], tmp_path: Path):
+    """docker/compose.tree.yaml: the primary and the demo as in compose.yaml; each relay follows
+    the primary and shares its --shm-dir volume with its 2 collectors, which fetch from it."""
+    services = tree["services"]
+    assert set(services) == {"weightserver", "relay-a", "relay-b", "trainer", "collector-a", "collector-b"}
+    assert tree["x-image"] == compose["x-image"]  # the same image, built the same way
+    primary = services["weightserver"]
+    assert primary["command"] == compose["services"]["weightserver"]["command"]
+    primary_port = serve_options(primary["command"]).port
+    assert str(primary_port) in primary["expose"]
+    relays = {name: serve_options(s["command"]) for name, s in services.items() if "--upstream" in s["command"]}
+    assert set(relays) == {"relay-a", "relay-b"}
+    for name, options in relays.items():
+        service = services[name]
+        assert options.upstream == f"weightserver:{primary_port}", name
+        assert {str(options.port), str(options.bulk_port), str(options.metrics_port)} <= set(service["expose"]), name
+        assert service["depends_on"]["weightserver"]["condition"] == "service_healthy"
+        [shm_volume] = [v for v, target in volume_mounts(service).items() if target == str(options.shm_dir)]
+        assert tree["volumes"][shm_volume]["driver_opts"]["type"] == "tmpfs", shm_volume
+        followers = [
+            c for c, s in services.items() if environment_of(s).get("WEIGHTSERVER_ADDRESS") == f"{name}:{options.port}"
+        ]
+        assert sum(replicas(services[c]) for c in followers) == 2, (name, followers)
+        for collector in followers:
+            follower = services[collector]
+            assert follower["command"] == compose["services"]["collector"]["command"]
+            assert follower["depends_on"] == {name: {"condition": "service_healthy"}}, collector
+            # the relay hands out paths: its collectors mount its tmpfs at the same path, read-only
+            assert f"{shm_volume}:{options.shm_dir}:ro" in follower["volumes"], collector
+            assert "spool:/spool" in follower["volumes"], collector
+            # settings as in compose.yaml but for the address
+            expected = {
+                **environment_of(compose["services"]["collector"]),
+                "WEIGHTSERVER_ADDRESS": f"{name}:{options.port}",
+            }
+            assert environment_of(follower) == expected, collector
+    collectors = [name for name in services if name.startswith("collector")]
+    trainer = environment_of(services["trainer"])
+    assert trainer == {**environment_of(compose["services"]["trainer"]), "DEMO_COLLECTORS": "4"}
+    assert trainer["WEIGHTSERVER_ADDRESS"] == f"weightserver:{primary_port}"  # publishes to the primary
+    assert int(trainer["DEMO_COLLECTORS"]) == sum(replicas(services[name]) for name in collectors)
+    check_variables_and_volumes(tree, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_compose_tree_runs_on_loopback(tree: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Start exactly what compose.tree.yaml would start: the trainer publishes to the primary,
+    and every collector ends on its final version, fetched through its relay."""
+    for name, value in SHORT_RUN.items():
+        monkeypatch.setenv(name, value)
+    summary, metrics = run_to_completion(tree, Loopback(tree, tmp_path), tmp_path)
+    final = summary["final_version"]
+    assert set(metrics) == {"relay-a", "relay-b"}
+    for relay, series in metrics.items():
+        assert series['weightserver_latest_version{model="policy"}'] == final, (relay, logs(tmp_path))
+        assert series["weightserver_relay_upstream_up"] == 1, relay
+        # its collectors read its files in the tmpfs volume they share
+        assert series['weightserver_fetch_bytes_total{model="policy",transport="shm"}'] > 0, (relay, series)

@@ -235,16 +235,21 @@ def _add_log_options(parser: argparse.ArgumentParser, default: object) -> None:
 
 
 # ---------------------------------------------------------------------- commands
-def cmd_serve(args: argparse.Namespace) -> int:
-    """Run a server with the parsed options until SIGTERM or SIGINT."""
-    from weightserver.server import WeightServer
-
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    """The ServerConfig of parsed `serve` options (ValueError for a combination it refuses)."""
     # Options are stored under their ServerConfig field's names; these three need translating.
     options = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig) if hasattr(args, f.name)}
     options["bulk_port"] = None if args.no_bulk else args.bulk_port
     options["shm_dir"] = None if args.no_shm else (args.shm_dir or "auto")
     options["publish_timeout"] = args.publish_timeout or None
-    server = WeightServer(ServerConfig(**options)).start()
+    return ServerConfig(**options)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Run a server with the parsed options until SIGTERM or SIGINT."""
+    from weightserver.server import WeightServer
+
+    server = WeightServer(server_config(args)).start()
     if args.port_file is not None:
         tmp = args.port_file.with_name(args.port_file.name + ".tmp")
         tmp.write_text(f"{server.port}\n")
