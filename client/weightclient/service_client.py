@@ -194,9 +194,6 @@ class WeightServiceClient:
         """The server at `failed` is down or stalled: use the next address, if there is one."""
         return self._links.move_on(failed, why)
 
-    def _move_on_from_current(self, why: object) -> bool:
-        return self._links.move_on(self.address, why)
-
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until the server has heard of every fetch read directly from its shared memory
         (they are reported in the background); False on timeout."""
@@ -412,21 +409,15 @@ class WeightServiceClient:
         with ServerUnavailable. `progress(received, total)` follows the transfer.
         """
         request = _fetch_request(model, version, newer_than, self.chunk_bytes, base_version, dtype)
-        order = self.transports.order(transport)
 
         def once(left: float | None) -> FetchedBytes | None:
-            return self._fetch_once(request, order, left, into, place, progress)
+            return self._fetch_once(request, self.transports.order(transport), left, into, place, progress)
 
-        if retry:
-            fetched = retry_unavailable(
-                once, self._retry_window(timeout), self.address, move_on=self._move_on_from_current
-            )
-        else:
-            fetched = self._once_then_next(once, timeout)
+        fetched = self._on_any_server(once, timeout, retry=retry)
         if fetched is not None and fetched.base_version and base_xxh3 and fetched.base_xxh3 != base_xxh3:
             log.info("%s v%d on the server differs from the caller's; fetching it whole", model, base_version)
             exact = _fetch_request(model, fetched.info.version, None, self.chunk_bytes, dtype=dtype)
-            return self._fetch_once(exact, order, timeout, into, None, progress)
+            return self._fetch_once(exact, self.transports.order(transport), timeout, into, None, progress)
         return fetched
 
     def _fetch_once(
@@ -598,6 +589,7 @@ class WeightServiceClient:
         while True:
             left = None if deadline is None else deadline - time.monotonic()
             request = pb.WatchRequest(model=model, since=cursor, incoming=incoming)
+            address = self.address  # the server this stream goes to: the one to move on from
             stream = self._stub.Watch(request, timeout=left, metadata=self._metadata)
             try:
                 with translated_rpc_errors(self.address):
@@ -621,7 +613,7 @@ class WeightServiceClient:
                     raise
                 if failures == 0:
                     log.warning("watch of %r at %s interrupted after v%d; resubscribing", model, self.address, cursor)
-                moved = self._move_on(self.address, exc)
+                moved = self._move_on(address, exc)
                 if not (moved and failures == 0):  # the next address is asked at once, the first time
                     time.sleep(backoff_delay(failures))
                 failures += 1
@@ -668,27 +660,35 @@ class WeightServiceClient:
         next address once (not `retry`)."""
 
         def once(timeout: float | None) -> Any:
-            address = self.address
-            with translated_rpc_errors(address):
+            with translated_rpc_errors(self.address):
                 return getattr(self._stub, method)(request, timeout=timeout, metadata=self._metadata)
 
         seconds = self.timeout if timeout is None else timeout
         if change:
             return once(seconds)
-        if not retry:
-            return self._once_then_next(once, seconds)
-        return retry_unavailable(once, self._retry_window(seconds), self.address, move_on=self._move_on_from_current)
+        return self._on_any_server(once, seconds, retry=retry)
 
-    def _once_then_next(self, call: Callable[[float | None], T], timeout: float | None) -> T:
-        """`call(timeout)`; if its server is down or stalled and there is another address, once
-        more there."""
-        address = self.address
+    def _on_any_server(self, call: Callable[[float | None], T], timeout: float | None, *, retry: bool) -> T:
+        """`call(timeout)` on the server in use. When its server is down or stalled and there is
+        another address: with `retry`, retried while no server answers (`retry_unavailable`,
+        moving on from each that fails); without, once more on the next address."""
+        used = [self.address]  # the address the latest attempt went to: the one to move on from
+
+        def attempt(left: float | None) -> T:
+            used[0] = self.address
+            return call(left)
+
+        def move_on(error: object) -> bool:
+            return self._move_on(used[0], error)
+
+        if retry:
+            return retry_unavailable(attempt, self._retry_window(timeout), used[0], move_on=move_on)
         try:
-            return call(timeout)
+            return attempt(timeout)
         except (ServerUnavailable, DeadlineExceeded) as exc:
-            if not self._move_on(address, exc):
+            if not move_on(exc):
                 raise
-        return call(timeout)
+        return attempt(timeout)
 
     def _retry_window(self, timeout: float | None) -> float:
         return timeout if timeout is not None else self.retry_seconds
