@@ -9,7 +9,8 @@ Prints a table (median of the repeats, min-max, unit, the baseline's median, the
 target and PASS/FAIL) and writes every raw sample to JSON. Progress goes to stderr. Rows whose
 feature does not exist yet print "n/a (not implemented)". Baselines: memcpy, raw_tcp,
 gloo_broadcast, torchrl_shared_mem (see bench/baselines.py); rows: see bench/rows.py and
-bench/freshness.py (publish over bulk / shared memory, publish-to-collector freshness).
+bench/freshness.py (publish over bulk / shared memory, publish-to-collector freshness) and
+bench/fanout_tree.py (a primary, 4 relays, 32 collectors: freshness and the primary's egress).
 """
 
 from __future__ import annotations
@@ -41,16 +42,20 @@ ALIASES = {
     "updater_poll_watch": "updater_poll",
     "publish_idle": "publish_under_fetch_load",
     "publish_under_niced_fetch_load": "publish_under_fetch_load",
+    "fanout_tree_single": "fanout_tree",
+    "fanout_tree_direct": "fanout_tree",
+    "fanout_tree_egress": "fanout_tree",
 }
 
 
 def row_registry() -> tuple[list[str], dict[str, Callable[..., list[Row]]], dict[str, list[str]]]:
     """(every row in table order, the sized rows' functions, the baselines each row needs)
-    of bench/rows.py and bench/freshness.py together."""
-    from bench import freshness, rows
+    of bench/rows.py and bench/freshness.py together, and bench/fanout_tree.py's row (servers of
+    its own, at 16 MiB whatever --sizes says)."""
+    from bench import fanout_tree, freshness, rows
 
     return (
-        [*rows.ROW_ORDER, *freshness.ROW_ORDER],
+        [*rows.ROW_ORDER, *freshness.ROW_ORDER, fanout_tree.ROW],
         {**rows.SIZED_ROWS, **freshness.SIZED_ROWS},
         {**rows.NEEDS, **freshness.NEEDS},
     )
@@ -133,7 +138,7 @@ def environment() -> dict[str, object]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from bench import baselines, large, rows
+    from bench import baselines, fanout_tree, large, rows
     from weightclient import WeightClient
     from weightserver.process import ServerProcess
 
@@ -182,11 +187,13 @@ def main(argv: list[str] | None = None) -> int:
         results += guarded(
             "server_rss_16_fetchers", rows.RSS_SIZE, rows.server_rss_16_fetchers, args.repeats, args.transport
         )
+    if fanout_tree.ROW in wanted:  # a primary, 4 relays and 32 collectors of its own
+        results += guarded(fanout_tree.ROW, fanout_tree.SIZE, fanout_tree.fanout_tree, args.repeats, args.transport)
     if large.ROW in wanted:  # last, on a server of its own: it needs the memory the others held
         results += guarded(large.ROW, large.TENSOR_BYTES, large.roundtrip_4gib, args.repeats)
 
     elapsed = time.perf_counter() - started
-    order = {name: i for i, name in enumerate([*BASELINES, "single_collector", *row_order])}
+    order = {name: i for i, name in enumerate([*BASELINES, "single_collector", *row_order, *fanout_tree.NAMES])}
     results.sort(
         key=lambda r: (r.kind != "baseline", order.get(r.name, order.get(ALIASES.get(r.name, ""), 99)), r.size or 0)
     )

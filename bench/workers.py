@@ -333,3 +333,62 @@ def freshness_collector(
     finally:
         wakeups.close()
         client.close()
+
+
+def tree_collectors(first: int, addresses: list[str], model: str, transport: str, stop: Any, results: Any) -> None:
+    """Byte-level collectors for the `fanout_tree` row: one thread per address in `addresses`
+    (collector `first + i` follows `addresses[i]`), no torch import, so 32 of them fit a small
+    machine in a few processes.
+
+    Each thread is what a deployed collector does with a byte-level client: one
+    `WeightServiceClient` (client id `collector-N`), the model's current version fetched into a
+    receive buffer of its own, then a Watch of committed versions; for every version
+    announced, `fetch_bytes(version=V, transport=transport, into=buffer)`, which checks the
+    bytes against the announced xxh3 (on a relay: the primary's digests). Cut-through stops
+    at the relay: a collector fetches a version once its commit is announced.
+
+    Puts ("ready", index) after the first fetch, then (index, version, time.monotonic() right
+    after the fetch returned, transport that carried it, xxh3 of the version) per version, or
+    ("error", index, text) if a thread fails. Runs until `stop` is set.
+    """
+    import threading
+
+    from weightclient.service_client import WeightServiceClient
+    from weightclient.version_info import VersionEvent
+    from weightserver.errors import DeadlineExceeded
+
+    def follow(index: int, address: str) -> None:
+        try:
+            with WeightServiceClient(address, client_id=f"collector-{index}") as client:
+                latest = client.latest(model)
+                buffer = memoryview(bytearray(latest.byte_size))
+                held = client.fetch_bytes(model, version=latest.version, transport=transport, into=buffer).info.version
+                results.put(("ready", index))
+                while not stop.is_set():
+                    try:
+                        # renewed every second so that `stop` is seen; replays anything newer than held
+                        for event in client.watch(model, since=held, timeout=1.0):
+                            if not isinstance(event, VersionEvent) or event.version <= held:
+                                continue
+                            if event.info.byte_size > buffer.nbytes:
+                                buffer = memoryview(bytearray(event.info.byte_size))
+                            fetched = client.fetch_bytes(model, version=event.version, transport=transport, into=buffer)
+                            at = time.monotonic()
+                            used = fetched.stats.transport if fetched.stats else "stream"
+                            held = fetched.info.version
+                            results.put((index, held, at, used, fetched.info.xxh3))
+                            if stop.is_set():
+                                break
+                    except DeadlineExceeded:
+                        pass
+        except Exception as exc:  # reported: the row fails rather than waiting for a dead thread
+            results.put(("error", index, f"{type(exc).__name__}: {exc}"))
+
+    threads = [
+        threading.Thread(target=follow, args=(first + i, address), name=f"collector-{first + i}", daemon=True)
+        for i, address in enumerate(addresses)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
