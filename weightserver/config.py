@@ -16,6 +16,16 @@ MIN_CHUNK_BYTES = 64 * KiB
 MAX_CHUNK_BYTES = 3 * MiB  # stays well below gRPC's 4 MiB default message limit
 # Received messages may be up to 4 MiB of chunk plus framing, so the server accepts a bit more.
 MAX_MESSAGE_BYTES = 8 * MiB
+# Options of a channel to a server (a client's, a relay's to its upstream): messages as large as
+# the server's, and a reconnect within a second of a restarted server coming back (gRPC's
+# default backoff grows to two minutes, which would keep a collector on old weights that long).
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 # The largest message a gRPC client receives with default settings.
 CLIENT_MESSAGE_BYTES = 4 * MiB
 # A version's description (VersionInfo: tensor list with digests, metadata) as GetLatest,

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from weightserver import framing
-from weightserver.config import MAX_CHUNK_BYTES, MAX_MESSAGE_BYTES
+from weightserver.config import CHANNEL_OPTIONS, MAX_CHUNK_BYTES
 from weightserver.errors import (
     CLIENT_ID_METADATA_KEY,
     ERROR_METADATA_KEY,
@@ -36,15 +36,6 @@ from weightserver.v1 import weights_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
-CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    # Reconnect within a second of a restarted upstream coming back (gRPC's default backoff
-    # grows to two minutes).
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-]
 # Deadline of a unary call (ListModels).
 CALL_SECONDS = 5.0
 # Deadline of a Watch: then it ends and is resubscribed from the newest version held, so even
@@ -148,8 +139,25 @@ class UpstreamClient:
         the caller keeps them only once the upstream's commit names them and they match it.
         PublishAborted when that publish fails; UploadNotFound when it has ended already."""
         request = pb.FetchRequest(model=model, incoming=arriving_id, chunk_size=MAX_CHUNK_BYTES)
-        call = self._fetch(request, timeout=FETCH_SECONDS, metadata=self._metadata)
         received = 0
+        async for message in self._fetched(request, f"{model!r} (a publish's bytes)"):
+            if not isinstance(message, memoryview):
+                if message.WhichOneof("kind") == "payload" and message.payload.byte_size != into.nbytes:
+                    raise IntegrityError(f"{model!r}: the upstream's arriving bytes changed size")
+                continue
+            end = received + message.nbytes
+            if end > into.nbytes:
+                raise IntegrityError(f"{model!r}: the upstream sent more arriving bytes than announced")
+            into[received:end] = message
+            received = end
+            landed(received)
+        if received != into.nbytes:
+            raise IntegrityError(f"{model!r}: {received} of {into.nbytes} arriving bytes came from the upstream")
+
+    async def _fetched(self, request: pb.FetchRequest, what: str) -> AsyncIterator[pb.FetchResponse | memoryview]:
+        """A Fetch call's messages (chunks as views), each within FETCH_STALL_SECONDS of the last
+        (DeadlineExceeded otherwise); failures as domain exceptions."""
+        call = self._fetch(request, timeout=FETCH_SECONDS, metadata=self._metadata)
         messages = aiter(call)
         try:
             with _mapped_errors():
@@ -157,57 +165,30 @@ class UpstreamClient:
                     try:
                         message = await asyncio.wait_for(anext(messages), FETCH_STALL_SECONDS)
                     except StopAsyncIteration:
-                        break
+                        return
                     except asyncio.TimeoutError:  # TimeoutError from 3.11 on
                         raise DeadlineExceeded(
-                            f"{model!r}: the upstream {self.address} sent nothing of a publish's bytes for "
-                            f"{FETCH_STALL_SECONDS:g}s"
+                            f"{what}: the upstream {self.address} sent nothing for {FETCH_STALL_SECONDS:g}s"
                         ) from None
-                    if not isinstance(message, memoryview):
-                        if message.WhichOneof("kind") == "payload" and message.payload.byte_size != into.nbytes:
-                            raise IntegrityError(f"{model!r}: the upstream's arriving bytes changed size")
-                        continue
-                    end = received + message.nbytes
-                    if end > into.nbytes:
-                        raise IntegrityError(f"{model!r}: the upstream sent more arriving bytes than announced")
-                    into[received:end] = message
-                    received = end
-                    landed(received)
+                    yield message
         finally:
             call.cancel()
-        if received != into.nbytes:
-            raise IntegrityError(f"{model!r}: {received} of {into.nbytes} arriving bytes came from the upstream")
 
     async def _receive(
         self, model: str, version: int, base_version: int
     ) -> tuple[pb.VersionInfo, pb.Payload | None, bytearray]:
         """One Fetch: the header, the payload's description (with a base), and its bytes."""
         request = pb.FetchRequest(model=model, version=version, chunk_size=MAX_CHUNK_BYTES, base_version=base_version)
-        call = self._fetch(request, timeout=FETCH_SECONDS, metadata=self._metadata)
         info: pb.VersionInfo | None = None
         payload: pb.Payload | None = None
         data = bytearray()
-        messages = aiter(call)
-        try:
-            with _mapped_errors():
-                while True:
-                    try:
-                        message = await asyncio.wait_for(anext(messages), FETCH_STALL_SECONDS)
-                    except StopAsyncIteration:
-                        break
-                    except asyncio.TimeoutError:  # TimeoutError from 3.11 on
-                        raise DeadlineExceeded(
-                            f"{model!r} v{version}: the upstream {self.address} sent nothing for "
-                            f"{FETCH_STALL_SECONDS:g}s"
-                        ) from None
-                    if isinstance(message, memoryview):
-                        data += message
-                    elif message.WhichOneof("kind") == "header":
-                        info = message.header
-                    elif message.WhichOneof("kind") == "payload":
-                        payload = message.payload
-        finally:
-            call.cancel()
+        async for message in self._fetched(request, f"{model!r} v{version}"):
+            if isinstance(message, memoryview):
+                data += message
+            elif message.WhichOneof("kind") == "header":
+                info = message.header
+            elif message.WhichOneof("kind") == "payload":
+                payload = message.payload
         if info is None or info.model != model or info.version != version:
             raise IntegrityError(f"{model!r} v{version}: the upstream {self.address} sent another version or none")
         expected = payload.byte_size if payload is not None else info.byte_size

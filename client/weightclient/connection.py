@@ -13,7 +13,7 @@ from typing import TypeVar
 
 import grpc
 
-from weightserver.config import MAX_MESSAGE_BYTES
+from weightserver.config import CHANNEL_OPTIONS
 from weightserver.errors import CLIENT_ID_METADATA_KEY, ServerUnavailable
 
 log = logging.getLogger(__name__)
@@ -23,15 +23,6 @@ TLS_CA_ENV = "WEIGHTSERVER_TLS_CA"
 TLS_CERT_ENV = "WEIGHTSERVER_TLS_CERT"
 TLS_KEY_ENV = "WEIGHTSERVER_TLS_KEY"
 
-CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    # Reconnect within a second of a restarted server coming back (gRPC's default backoff
-    # grows to two minutes, which would keep a collector on old weights that long).
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-]
 RETRY_FIRST_DELAY = 0.05
 RETRY_MAX_DELAY = 2.0
 
