@@ -92,3 +92,32 @@ def test_a_stalled_server_is_left_for_the_next_and_an_older_version_is_never_app
                 assert updater.lag == 0 and updater.server_available
     finally:
         ahead.kill()
+
+
+def test_a_relay_killed_mid_transfer_leaves_the_fetch_to_the_primary_whole(make_server):
+    """SIGKILL the relay while it streams a version to a collector: the fetch moves on to the
+    primary and returns the version whole and verified, nothing torn."""
+    primary = make_server()
+    weights = {"w": torch.randn(8 << 20)}  # 32 MiB: many chunks
+    with WeightClient(primary.address) as trainer:
+        trainer.publish(weights, model=MODEL)
+    relay = ServerProcess("--upstream", primary.address, "--upstream-poll", "0.1")
+    relay.start()
+    try:
+        wait_until(lambda: held(relay.address, MODEL) == 1, timeout=15)
+        killed = []
+
+        def kill_half_way(received: int, total: int) -> None:
+            if received > total // 2 and not killed:
+                relay.kill()
+                killed.append(received)
+
+        with WeightClient(f"{relay.address},{primary.address}") as client:
+            fetched = client.fetch_bytes(MODEL, version=1, transport="stream", progress=kill_half_way, timeout=30)
+            assert killed and client.address == primary.address
+            result = client.fetch(MODEL, version=1, transport="stream")
+        assert fetched is not None and fetched.info.version == 1
+        assert torch.equal(result.state_dict()["w"], weights["w"])
+        assert fetched.data.nbytes == result.data.nbytes and bytes(fetched.data) == bytes(result.data)
+    finally:
+        relay.kill()
