@@ -94,6 +94,20 @@ class RelayPlacement:
         self.stop()
 
 
+def alive_node_ids() -> list[str]:
+    """The ids of the Ray cluster's alive nodes."""
+    import ray
+
+    return [node["NodeID"] for node in ray.nodes() if node["Alive"]]
+
+
+def pinned_to(node_id: str) -> Any:
+    """A scheduling strategy that keeps an actor on `node_id` (soft=False: never moved)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return NodeAffinitySchedulingStrategy(node_id, soft=False)
+
+
 def place_relays(
     upstream: str,
     *,
@@ -109,18 +123,13 @@ def place_relays(
     to its node (soft=False: if the node goes, so does its relay; it is not moved).
     """
     import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    if node_ids is None:
-        node_ids = [node["NodeID"] for node in ray.nodes() if node["Alive"]]
     remote = ray.remote(num_cpus=0)(RelayServer)
     actors = {
         node_id: remote.options(
-            name=relay_actor_name(node_id),
-            namespace=RELAY_NAMESPACE,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+            name=relay_actor_name(node_id), namespace=RELAY_NAMESPACE, scheduling_strategy=pinned_to(node_id)
         ).remote(upstream, list(args), timeout)
-        for node_id in node_ids
+        for node_id in (alive_node_ids() if node_ids is None else node_ids)
     }
     placement = RelayPlacement(upstream, {}, actors)
     try:

@@ -27,7 +27,7 @@ from tensordict import TensorDictBase
 
 from weightclient.client import WeightClient
 from weightclient.torchrl_adapters import GrpcWeightSyncScheme, ServerPolicyVersion
-from weightserver.ray_relays import node_relay_address
+from weightserver.ray_relays import alive_node_ids, node_relay_address, pinned_to
 
 with warnings.catch_warnings():
     # Importing torchrl.collectors defines its own WeightUpdaterBase subclasses, which warn.
@@ -120,15 +120,10 @@ def start_node_collectors(
     pinned there (NodeAffinitySchedulingStrategy, soft=False); `kwargs` go to NodeCollector.
     Returns the actor handles, node by node. Start the relays first (`place_relays`)."""
     import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    if node_ids is None:
-        node_ids = [node["NodeID"] for node in ray.nodes() if node["Alive"]]
     remote = ray.remote(num_cpus=num_cpus)(NodeCollector)
     return [
-        remote.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(
-            make_env, make_policy, **kwargs
-        )
-        for node_id in node_ids
+        remote.options(scheduling_strategy=pinned_to(node_id)).remote(make_env, make_policy, **kwargs)
+        for node_id in (alive_node_ids() if node_ids is None else node_ids)
         for _ in range(per_node)
     ]
