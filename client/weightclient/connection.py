@@ -8,12 +8,12 @@ import os
 import random
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import TypeVar
 
 import grpc
 
 from weightserver.config import CHANNEL_OPTIONS
+from weightserver.dialing import bearer_metadata, channel_credentials
 from weightserver.errors import CLIENT_ID_METADATA_KEY, ServerUnavailable
 
 log = logging.getLogger(__name__)
@@ -44,13 +44,9 @@ def open_channel(
     tls_ca = tls_ca or os.environ.get(TLS_CA_ENV) or None
     tls_cert = tls_cert or os.environ.get(TLS_CERT_ENV) or None
     tls_key = tls_key or os.environ.get(TLS_KEY_ENV) or None
-    if (tls_cert is None) != (tls_key is None):
-        raise ValueError("a client certificate needs its key and vice versa (tls_cert and tls_key)")
-    if tls is False or (tls is None and not (tls_ca or tls_cert)):
+    if tls is False or (tls is None and not (tls_ca or tls_cert or tls_key)):
         return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-    credentials = grpc.ssl_channel_credentials(
-        root_certificates=_read(tls_ca), private_key=_read(tls_key), certificate_chain=_read(tls_cert)
-    )
+    credentials = channel_credentials(tls_ca, tls_cert, tls_key)  # ValueError for half a client certificate
     return grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
 
 
@@ -60,7 +56,7 @@ def call_metadata(token: str | None, client_id: str | None) -> tuple[tuple[str, 
     token = token if token is not None else os.environ.get(TOKEN_ENV) or None
     metadata = []
     if token:
-        metadata.append(("authorization", f"Bearer {token}"))
+        metadata.append(bearer_metadata(token))
     if client_id:
         metadata.append((CLIENT_ID_METADATA_KEY, client_id))
     return tuple(metadata) or None
@@ -105,7 +101,3 @@ def backoff_delay(attempt: int) -> float:
     """Seconds to wait before retry `attempt` (0-based): doubling from 50 ms up to 2 s, with
     jitter so that many clients do not come back in step."""
     return min(RETRY_MAX_DELAY, RETRY_FIRST_DELAY * 2**attempt) * (0.5 + random.random())
-
-
-def _read(path: PathLike | None) -> bytes | None:
-    return Path(path).read_bytes() if path else None
