@@ -7,7 +7,7 @@ which the installed `weightserver` console script runs: it builds on `command_pa
 asked for a client command, `python -m weightserver` says where to find it.
 
 `WEIGHTSERVER_LOG_LEVEL` and `WEIGHTSERVER_LOG_FORMAT` are read here (`run_command`) and nowhere
-else.
+else; so is `WEIGHTSERVER_UPSTREAM_TOKEN`, a relay's token for its upstream (`server_config`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import os
 import re
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from weightserver import __version__
@@ -29,6 +29,9 @@ from weightserver.logs import LOG_FORMATS, configure_logging
 
 log = logging.getLogger("weightserver")
 
+# A relay's bearer token for its upstream, when --upstream-token-file is not given: a secret
+# kept out of the process list (a Kubernetes Secret as an environment variable, say).
+UPSTREAM_TOKEN_ENV = "WEIGHTSERVER_UPSTREAM_TOKEN"
 # The console script's commands besides `serve`, all from the client package.
 CLIENT_COMMANDS = ("publish", "fetch", "ls", "watch", "delete", "pin")
 
@@ -201,6 +204,35 @@ def command_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersActio
         help="with --upstream: how often to list the upstream's models, to find new ones and to tell "
         "whether it is up (default: %(default)s)",
     )
+    serve.add_argument(
+        "--upstream-token-file",
+        type=Path,
+        metavar="FILE",
+        help=f"with --upstream: send the bearer token in FILE with every call to the upstream, for an "
+        f"upstream started with --auth-tokens (its file must list it with role reader or above) "
+        f"(default: ${UPSTREAM_TOKEN_ENV}, if set)",
+    )
+    serve.add_argument(
+        "--upstream-tls",
+        action="store_true",
+        help="with --upstream: dial the upstream over TLS, trusting the system's root certificates "
+        "(implied by --upstream-tls-ca, --upstream-tls-cert and --upstream-tls-key)",
+    )
+    serve.add_argument(
+        "--upstream-tls-ca",
+        type=Path,
+        metavar="PEM",
+        help="with --upstream: dial the upstream over TLS, trusting the CA in PEM (the one that signed "
+        "the upstream's --tls-cert)",
+    )
+    serve.add_argument(
+        "--upstream-tls-cert",
+        type=Path,
+        metavar="PEM",
+        help="with --upstream: present this client certificate to an upstream that demands one "
+        "(--tls-client-ca, mutual TLS); needs --upstream-tls-key",
+    )
+    serve.add_argument("--upstream-tls-key", type=Path, metavar="PEM", help="private key of --upstream-tls-cert")
     serve.set_defaults(handler=cmd_serve)
     return parser, commands
 
@@ -235,14 +267,29 @@ def _add_log_options(parser: argparse.ArgumentParser, default: object) -> None:
 
 
 # ---------------------------------------------------------------------- commands
-def server_config(args: argparse.Namespace) -> ServerConfig:
-    """The ServerConfig of parsed `serve` options (ValueError for a combination it refuses)."""
+def server_config(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> ServerConfig:
+    """The ServerConfig of parsed `serve` options (ValueError for a combination it refuses);
+    a relay's upstream token from --upstream-token-file, else $WEIGHTSERVER_UPSTREAM_TOKEN in
+    `environ` (read only for a relay)."""
     # Options are stored under their ServerConfig field's names; these three need translating.
     options = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig) if hasattr(args, f.name)}
     options["bulk_port"] = None if args.no_bulk else args.bulk_port
     options["shm_dir"] = None if args.no_shm else (args.shm_dir or "auto")
     options["publish_timeout"] = args.publish_timeout or None
+    options["upstream_token"] = _upstream_token(args, environ)
     return ServerConfig(**options)
+
+
+def _upstream_token(args: argparse.Namespace, environ: Mapping[str, str]) -> str | None:
+    path = getattr(args, "upstream_token_file", None)
+    if path is not None:
+        try:
+            return path.read_text()
+        except OSError as exc:
+            raise ValueError(f"--upstream-token-file {path}: {exc.strerror}") from None
+    if args.upstream is None:  # a primary's environment may hold it for other programs: not read
+        return None
+    return environ.get(UPSTREAM_TOKEN_ENV) or None
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

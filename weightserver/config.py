@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 KiB = 1024
@@ -94,6 +94,15 @@ class ServerConfig:
     upstream_models: tuple[str, ...] | None = None
     # Seconds between a relay's ListModels calls to its upstream (new models, and whether it is up).
     upstream_poll_seconds: float = 2.0
+    # How a relay dials its upstream. The bearer token it sends (an entry of the upstream's
+    # --auth-tokens file, role reader); never shown by repr() or logged.
+    upstream_token: str | None = field(default=None, repr=False)
+    # TLS to the upstream: on with upstream_tls (the system's roots) or any file below; a CA to
+    # trust instead of the system's roots; a client certificate and key for mutual TLS.
+    upstream_tls: bool = False
+    upstream_tls_ca: Path | None = None
+    upstream_tls_cert: Path | None = None
+    upstream_tls_key: Path | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -137,10 +146,47 @@ class ServerConfig:
             object.__setattr__(self, "upstream_models", tuple(self.upstream_models))
         if not self.upstream_poll_seconds > 0:
             raise ValueError(f"upstream_poll_seconds must be > 0, got {self.upstream_poll_seconds}")
+        self._check_upstream_link()
+
+    def _check_upstream_link(self) -> None:
+        """The settings of a relay's link to its upstream go together (they are checked, never shown)."""
+        files = ("upstream_tls_ca", "upstream_tls_cert", "upstream_tls_key")
+        for name in files:
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, Path(getattr(self, name)))
+        given = [name for name in ("upstream_token", "upstream_tls", *files) if getattr(self, name)]
+        if given and self.upstream is None:
+            raise ValueError(
+                f"{', '.join(given)} say how a relay dials its upstream: give upstream (--upstream ADDRESS) "
+                "too, or leave them out on a primary"
+            )
+        if (self.upstream_tls_cert is None) != (self.upstream_tls_key is None):
+            given, missing = (
+                ("upstream_tls_cert", "upstream_tls_key")
+                if self.upstream_tls_key is None
+                else ("upstream_tls_key", "upstream_tls_cert")
+            )
+            raise ValueError(
+                f"{given} without {missing}: the relay's client certificate (mutual TLS to its upstream) "
+                "needs its private key; give both --upstream-tls-cert and --upstream-tls-key, or neither"
+            )
+        if self.upstream_token is not None:
+            token = self.upstream_token.strip()
+            where = "upstream_token (--upstream-token-file, $WEIGHTSERVER_UPSTREAM_TOKEN)"
+            if not token:
+                raise ValueError(f"{where} is empty: give the token itself, one line")
+            if not all("!" <= c <= "~" for c in token):  # never quoted: it is a secret
+                raise ValueError(f"{where}: a token is one word of printable ASCII (no spaces or line breaks)")
+            object.__setattr__(self, "upstream_token", token)
 
     @property
     def tls(self) -> bool:
         return self.tls_cert is not None
+
+    @property
+    def upstream_uses_tls(self) -> bool:
+        """A relay dials its upstream over TLS."""
+        return self.upstream_tls or any((self.upstream_tls_ca, self.upstream_tls_cert, self.upstream_tls_key))
 
     @property
     def address(self) -> str:

@@ -79,8 +79,13 @@ class NoMetrics:
     def retained(self, model: str, versions: Iterable[Version]) -> None:
         """The versions of `model` the store now retains (after a commit, delete or unpin)."""
 
-    def upstream_up(self, up: bool) -> None:
-        """A relay's upstream answers (True) or not (False)."""
+    def upstream_up(self, up: bool, *, refused: bool = False) -> None:
+        """A relay's upstream answers (True) or not (False); `refused`: it answers, refusing
+        this relay's credentials."""
+
+    def upstream_refusal(self) -> None:
+        """A relay's call was refused by its upstream for its credentials (UNAUTHENTICATED,
+        PERMISSION_DENIED)."""
 
     def upstream_latest(self, model: str, version: int) -> None:
         """A relay heard that its upstream's newest version of `model` is `version`."""
@@ -168,6 +173,14 @@ class ServerMetrics(NoMetrics):
             self.relay_upstream_up = gauge(
                 "weightserver_relay_upstream_up", "1 while this relay's upstream answers, else 0."
             )
+            self.relay_upstream_refused = gauge(
+                "weightserver_relay_upstream_refused",
+                "1 while this relay's upstream refuses its credentials (UNAUTHENTICATED, PERMISSION_DENIED), else 0.",
+            )
+            self.relay_upstream_refusals = counter(
+                "weightserver_relay_upstream_refusals",
+                "Calls of this relay that its upstream refused for its credentials.",
+            )
             self.relay_upstream_latest = gauge(
                 "weightserver_relay_upstream_latest_version",
                 "The upstream's newest version of a model, as this relay last heard it.",
@@ -224,9 +237,14 @@ class ServerMetrics(NoMetrics):
             self._upstream_latest[model] = version
             self._update_lags(model)
 
-    def upstream_up(self, up: bool) -> None:
+    def upstream_up(self, up: bool, *, refused: bool = False) -> None:
         if self.relay:
             self.relay_upstream_up.set(1 if up else 0)
+            self.relay_upstream_refused.set(1 if refused else 0)
+
+    def upstream_refusal(self) -> None:
+        if self.relay:
+            self.relay_upstream_refusals.inc()
 
     def relayed(self, model: str, nbytes: int, *, delta: bool) -> None:
         if self.relay:

@@ -22,6 +22,13 @@ and `weightserver_relay_upstream_up` to 0, and retries with backoff (woken at on
 poll reaches the upstream again). Each Watch resubscribes since the newest version held, so the
 upstream replays every retained version the relay missed.
 
+Upstream refusing the relay (its token missing, unknown or too small: UNAUTHENTICATED,
+PERMISSION_DENIED): reported as "away" is, and besides `weightserver_relay_upstream_refused`
+is 1; one error is logged naming the cause and what to set (--upstream-token-file or
+$WEIGHTSERVER_UPSTREAM_TOKEN), and the poll backs off as the followers do, so a relay with the
+wrong token asks a few times a minute, not continuously. A TLS handshake that fails shows as the
+upstream being away (gRPC reports it as UNAVAILABLE); the warning says which TLS options to check.
+
 Changes are refused: Publish, Negotiate to publish, DeleteVersion and PinVersion raise
 NotPrimary naming the primary, which is the upstream, or the primary the upstream names in its
 Watch's initial metadata when it is a relay itself.
@@ -44,6 +51,7 @@ from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import aio as health_aio
 
 from weightserver.errors import (
+    AuthenticationRequired,
     DeadlineExceeded,
     DescriptionTooLarge,
     IntegrityError,
@@ -52,6 +60,7 @@ from weightserver.errors import (
     ModelTooLarge,
     NotFoundError,
     NotPrimary,
+    PermissionDenied,
     ServerUnavailable,
     VersionConflict,
     WeightServerError,
@@ -59,7 +68,7 @@ from weightserver.errors import (
 from weightserver.incoming import IncomingPublish, IncomingPublishes
 from weightserver.metrics import NoMetrics
 from weightserver.store import Upload, Version, VersionStore, validate_model_name
-from weightserver.upstream import PRIMARY_METADATA_KEY, FetchedVersion, UpstreamClient
+from weightserver.upstream import PRIMARY_METADATA_KEY, FetchedVersion, UpstreamClient, UpstreamLink
 from weightserver.v1 import weights_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -76,6 +85,8 @@ GROUP_WAIT_SECONDS = 60.0
 MAX_EARLY = 8
 # Versions a relay cannot hold whatever it tries: logged and skipped.
 _NEVER_FITS = (ModelTooLarge, DescriptionTooLarge, InvalidSafetensors)
+# The upstream's answers that refuse this relay itself (its credentials), not a call.
+_REFUSALS = (AuthenticationRequired, PermissionDenied)
 # The calls that would change versions, refused on a relay.
 _CHANGES = {"Publish": "publishes", "Negotiate": "publishes", "DeleteVersion": "deletes", "PinVersion": "pins"}
 
@@ -107,6 +118,7 @@ class Relay:
     each publish's bytes while they arrive upstream and passes them on to its own followers as
     they land, so that depth adds about a chunk's latency, not a transfer; it commits them once
     the upstream's commit names them and they match.
+    `link`: how to dial the upstream (TLS, bearer token); default plaintext without a token.
     """
 
     def __init__(
@@ -119,8 +131,10 @@ class Relay:
         metrics: NoMetrics | None = None,
         health: health_aio.HealthServicer | None = None,
         incoming: IncomingPublishes | None = None,
+        link: UpstreamLink | None = None,
     ) -> None:
         self.store = store
+        self.link = link or UpstreamLink()
         self.incoming = incoming
         self._early: dict[str, _Early] = {}  # by the upstream's announcement id
         self.address = upstream
@@ -129,6 +143,8 @@ class Relay:
         self.metrics = metrics or NoMetrics()
         self.health = health
         self.upstream_up: bool | None = None  # None until the first call answered or failed
+        self.upstream_refused = False  # the upstream refuses this relay's credentials (as last heard)
+        self.upstream_error: str | None = None  # why the upstream is away or refuses, while it is
         self.upstream_latest: dict[str, int] = {}  # model -> the upstream's newest version, as last heard
         self._client: UpstreamClient | None = None
         self._tasks: dict[str, asyncio.Task[None]] = {}  # "" polls, each model's follows it
@@ -159,7 +175,7 @@ class Relay:
 
     async def start(self, client_id: str | None = None) -> None:
         """Start following; `client_id` names this relay to its upstream (logs, per-client metrics)."""
-        self._client = UpstreamClient(self.address, client_id)
+        self._client = UpstreamClient(self.address, client_id, self.link)
         self.metrics.upstream_up(False)
         if self.health is not None:  # until the upstream first answers
             await self.health.set(RELAY_HEALTH_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -167,11 +183,19 @@ class Relay:
         for model in sorted(self.models or ()):
             self._follow(model)
         log.info(
-            "relaying %s (models: %s; polled every %gs)",
+            "relaying %s (models: %s; polled every %gs; %s, %s)",
             self.address,
             ", ".join(sorted(self.models)) if self.models is not None else "all",
             self.poll_seconds,
+            "TLS" if self.link.tls else "plaintext",
+            "with a token" if self.link.token else "no token",
         )
+        if self.link.token and not self.link.tls:
+            log.warning(
+                "relay: the upstream token travels in plaintext to %s; dial it over TLS (--upstream-tls-ca) "
+                "unless the network between them is private",
+                self.address,
+            )
 
     async def stop(self) -> None:
         """Stop following; a commit under way finishes first."""
@@ -194,6 +218,7 @@ class Relay:
         """Ask the upstream for its models every `poll_seconds`: a new one is followed (when all
         are), and the answer (or its absence) says whether the upstream is up."""
         assert self._client is not None
+        refusals = 0  # in a row: the poll backs off while the upstream refuses this relay
         while True:
             try:
                 summaries = await self._client.list_models()
@@ -208,7 +233,8 @@ class Relay:
                     if self._follows(summary.model):
                         self._heard(summary.model, summary.latest_version, exact=True)
                         self._follow(summary.model)
-            await asyncio.sleep(self.poll_seconds)
+            refusals = refusals + 1 if self.upstream_refused else 0
+            await asyncio.sleep(max(self.poll_seconds, _backoff_seconds(refusals - 1) if refusals else 0.0))
 
     def _heard(self, model: str, version: int, *, exact: bool = False) -> None:
         """The upstream's latest version of `model` is `version` (`exact`), or at least that."""
@@ -217,21 +243,62 @@ class Relay:
         self.metrics.upstream_latest(model, latest)
 
     async def _report(self, up: bool, error: BaseException | None = None) -> None:
-        """Record whether the upstream answers: health, metric, one log line per change; when it
-        answers again, followers waiting to retry go at once."""
-        if up == self.upstream_up:
+        """Record whether the upstream answers, and if not whether it refuses this relay: health,
+        metrics, one log line per change; when it answers again, followers waiting to retry go
+        at once."""
+        refused = not up and isinstance(error, _REFUSALS)
+        if refused:
+            self.metrics.upstream_refusal()
+        if not up:
+            self.upstream_error = f"{type(error).__name__}: {error}" if error is not None else "no answer"
+        if up == self.upstream_up and refused == self.upstream_refused:
             return
-        self.upstream_up = up
-        self.metrics.upstream_up(up)
+        self.upstream_up, self.upstream_refused = up, refused
+        self.metrics.upstream_up(up, refused=refused)
         if self.health is not None:
             status = health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
             await self.health.set(RELAY_HEALTH_SERVICE, status)
         if up:
+            self.upstream_error = None
             log.info("upstream %s answers: following it", self.address)
             self._upstream_back.set()
             self._upstream_back = asyncio.Event()
+        elif refused:
+            log.error(
+                "upstream %s refuses this relay (%s): %s; serving the versions held, retrying with backoff",
+                self.address,
+                self.upstream_error,
+                self._refusal_advice(),
+            )
         else:
-            log.warning("upstream %s does not answer (%s): serving the versions held, retrying", self.address, error)
+            log.warning(
+                "upstream %s does not answer (%s): serving the versions held, retrying%s",
+                self.address,
+                error,
+                self._handshake_advice(),
+            )
+
+    def _refusal_advice(self) -> str:
+        """What to set when the upstream refuses this relay's token."""
+        if not self.link.token:
+            return (
+                "it requires a token: give the relay one with --upstream-token-file FILE or "
+                "$WEIGHTSERVER_UPSTREAM_TOKEN (an entry of the upstream's --auth-tokens file, role reader)"
+            )
+        return (
+            "check the token of --upstream-token-file or $WEIGHTSERVER_UPSTREAM_TOKEN against the "
+            "upstream's --auth-tokens file: it must be listed there, with role reader or above"
+        )
+
+    def _handshake_advice(self) -> str:
+        """What to check when the upstream is unreachable: maybe TLS is the cause."""
+        if self.link.tls:
+            return (
+                " (if it is up, the TLS handshake may be what fails: --upstream-tls-ca must be the CA that "
+                "signed its certificate, which must name the address dialled; an upstream with "
+                "--tls-client-ca also needs --upstream-tls-cert and --upstream-tls-key)"
+            )
+        return " (if it is up and serves TLS, dial it with --upstream-tls-ca PEM or --upstream-tls)"
 
     # ------------------------------------------------------------------ following one model
     def _held(self, model: str) -> Version | None:
@@ -261,7 +328,7 @@ class Relay:
                 async for event in watch:
                     await self._on_event(model, event)
                 continue  # the Watch's deadline passed: resubscribe at once
-            except (ServerUnavailable, DeadlineExceeded) as exc:
+            except (ServerUnavailable, DeadlineExceeded, *_REFUSALS) as exc:
                 await self._report(False, exc)
             except WeightServerError as exc:  # logged once while it repeats (e.g. CursorOutOfRange)
                 repeated, failure = failure == str(exc), str(exc)
@@ -278,9 +345,8 @@ class Relay:
             attempt += 1
 
     async def _backoff(self, attempt: int) -> None:
-        delay = min(BACKOFF_MAX_SECONDS, BACKOFF_FIRST_SECONDS * 2**attempt) * (0.5 + random.random())
         with contextlib.suppress(asyncio.TimeoutError):  # else woken: the upstream answers again
-            await asyncio.wait_for(self._upstream_back.wait(), delay)
+            await asyncio.wait_for(self._upstream_back.wait(), _backoff_seconds(attempt))
 
     async def _on_event(self, model: str, event: pb.VersionEvent) -> None:
         if not event.HasField("version"):
@@ -469,3 +535,8 @@ class Relay:
             return await asyncio.shield(committing)
         finally:
             await asyncio.wait([committing])
+
+
+def _backoff_seconds(attempt: int) -> float:
+    """The wait before retry `attempt` (0-based): doubling from the first to the last, with jitter."""
+    return min(BACKOFF_MAX_SECONDS, BACKOFF_FIRST_SECONDS * 2**attempt) * (0.5 + random.random())

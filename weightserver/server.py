@@ -27,6 +27,7 @@ from weightserver.relay import Relay
 from weightserver.service import WeightServicer
 from weightserver.shared_memory import SharedMemoryFiles, server_shm_dir
 from weightserver.store import VersionStore
+from weightserver.upstream import UpstreamLink
 from weightserver.v1 import weights_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -100,8 +101,10 @@ class WeightServer:
             max_tensors=self.config.max_tensors,
             describe=wire.description_bytes,
         )
-        # A bad token file stops the server here, before it binds a port.
+        # A bad token file stops the server here, before it binds a port; so does a bad PEM file
+        # of the relay's link to its upstream.
         self.tokens = TokenTable.load(self.config.auth_tokens) if self.config.auth_tokens else None
+        self.upstream_link = UpstreamLink.from_config(self.config) if self.config.upstream is not None else None
         self.port: int = 0
         # The bound port of /metrics (with config.metrics_port), once started.
         self.metrics_port: int | None = None
@@ -242,6 +245,7 @@ class WeightServer:
                 metrics=self.metrics,
                 health=health,
                 incoming=servicer.incoming,
+                link=self.upstream_link,
             )
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),

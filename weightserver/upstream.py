@@ -7,6 +7,10 @@ imports the client package). A failed call raises the domain exception of its st
 A version is fetched once: as a delta against the version the relay holds when it names one
 (`FetchRequest.base_version`), rebuilt whole (`payloads.apply_delta`) and checked against the
 upstream's xxh3 of the file; a delta that does not line up is fetched again whole.
+
+How it dials (`UpstreamLink`): plaintext, or TLS (mutual TLS with a client certificate), and a
+bearer token sent with every call (ListModels, Watch, Fetch and the receives of bytes still
+arriving), as the client package dials (weightserver.dialing).
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from weightserver import framing
-from weightserver.config import CHANNEL_OPTIONS, MAX_CHUNK_BYTES
+from weightserver.config import CHANNEL_OPTIONS, MAX_CHUNK_BYTES, ServerConfig
+from weightserver.dialing import bearer_metadata, channel_credentials
 from weightserver.errors import (
     CLIENT_ID_METADATA_KEY,
     ERROR_METADATA_KEY,
@@ -51,6 +56,34 @@ PRIMARY_METADATA_KEY = "weightserver-primary"
 
 
 @dataclass(frozen=True)
+class UpstreamLink:
+    """How a relay dials its upstream: TLS `credentials` (None: plaintext) and the bearer
+    `token` its calls carry (None: none). `from_config` reads the PEM files, so a missing or
+    wrong one stops the server before it binds its port."""
+
+    credentials: grpc.ChannelCredentials | None = None
+    token: str | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_config(cls, config: ServerConfig) -> UpstreamLink:
+        """The link `config`'s upstream_* settings describe (ValueError naming the option at fault)."""
+        credentials = None
+        if config.upstream_uses_tls:
+            names = ("--upstream-tls-ca", "--upstream-tls-cert", "--upstream-tls-key")
+            try:
+                credentials = channel_credentials(
+                    config.upstream_tls_ca, config.upstream_tls_cert, config.upstream_tls_key, names=names
+                )
+            except OSError as exc:
+                raise ValueError(f"cannot read the upstream's TLS file {exc.filename}: {exc.strerror}") from None
+        return cls(credentials, config.upstream_token)
+
+    @property
+    def tls(self) -> bool:
+        return self.credentials is not None
+
+
+@dataclass(frozen=True)
 class FetchedVersion:
     """A version fetched from the upstream, whole and checked against its xxh3."""
 
@@ -61,18 +94,26 @@ class FetchedVersion:
 
 
 class UpstreamClient:
-    """The calls a relay makes to `address` (plaintext), on the running event loop.
+    """The calls a relay makes to `address`, dialled as `link` says (default: plaintext, no
+    token), on the running event loop.
 
     `client_id` names the relay in the upstream's logs and per-client metrics. `primary`: the
     address the upstream names as its primary in its Watch's initial metadata (the upstream is
     itself a relay), once a Watch has subscribed; None while it named none.
     """
 
-    def __init__(self, address: str, client_id: str | None = None) -> None:
+    def __init__(self, address: str, client_id: str | None = None, link: UpstreamLink | None = None) -> None:
         self.address = address
+        self.link = link or UpstreamLink()
         self.primary: str | None = None
-        self._metadata = ((CLIENT_ID_METADATA_KEY, client_id),) if client_id else None
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        metadata = [bearer_metadata(self.link.token)] if self.link.token else []
+        if client_id:
+            metadata.append((CLIENT_ID_METADATA_KEY, client_id))
+        self._metadata = tuple(metadata) or None  # sent with every call
+        if self.link.credentials is not None:
+            self._channel = grpc.aio.secure_channel(address, self.link.credentials, options=CHANNEL_OPTIONS)
+        else:
+            self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.WeightServiceStub(self._channel)
         service = pb.DESCRIPTOR.services_by_name["WeightService"].full_name
         self._fetch = self._channel.unary_stream(
