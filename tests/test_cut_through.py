@@ -88,10 +88,22 @@ class EarlyReceive:
 
 class HeldPublish:
     """A publish of `data` over "bulk" or "stream" that sends half its bytes, then waits for
-    `finish()` (the rest, then the commit) or `cut()` (the connection or call dropped)."""
+    `finish()` (the rest, then the commit) or `cut()` (the connection or call dropped).
+    `credentials` and `token`: for a server with TLS and tokens (over "stream" only)."""
 
-    def __init__(self, address: str, data: bytes, over: str) -> None:
+    def __init__(
+        self,
+        address: str,
+        data: bytes,
+        over: str,
+        *,
+        credentials: grpc.ChannelCredentials | None = None,
+        token: str | None = None,
+    ) -> None:
+        assert over == "stream" or (credentials is None and token is None), "TLS and tokens: over the stream"
         self.address, self.data, self.over = address, data, over
+        self.credentials = credentials
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else None
         self.xxh3 = xxhash.xxh3_128_hexdigest(data)
         self.version: int | None = None
         self.error: BaseException | None = None
@@ -146,13 +158,17 @@ class HeldPublish:
             yield from chunks[len(chunks) // 2 :]
             yield pb.PublishRequest(commit=pb.PublishCommit())
 
-        with grpc.insecure_channel(self.address) as channel:
+        if self.credentials is not None:
+            channel = grpc.secure_channel(self.address, self.credentials)
+        else:
+            channel = grpc.insecure_channel(self.address)
+        with channel:
             call = channel.stream_unary(
                 "/weightserver.v1.WeightService/Publish",
                 request_serializer=framing.serialize,
                 response_deserializer=pb.PublishResponse.FromString,
             )
-            self.version = call(messages(), timeout=30).version.version
+            self.version = call(messages(), timeout=30, metadata=self.metadata).version.version
 
 
 # ---------------------------------------------------------------------- the happy paths
