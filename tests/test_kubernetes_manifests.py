@@ -248,6 +248,18 @@ def test_relays_follow_the_primary_service():
     assert options.upstream == f"{service['metadata']['name']}:{port}"
 
 
+def test_a_relays_upstream_token_comes_from_a_secret_under_the_variable_serve_reads():
+    from weightserver.cli import UPSTREAM_TOKEN_ENV
+
+    container, _ = server(one("DaemonSet"))
+    [item] = [item for item in container["env"] if item["name"] == UPSTREAM_TOKEN_ENV]
+    assert "value" not in item  # never written in the manifest
+    reference = item["valueFrom"]["secretKeyRef"]
+    assert reference["optional"] is True  # the primary here requires no token: the relay starts without the Secret
+    primary, _ = server(one("StatefulSet"))
+    assert UPSTREAM_TOKEN_ENV not in environment(primary)  # a primary's would be ignored
+
+
 def test_collectors_reach_the_relay_on_their_own_node():
     relays = one("DaemonSet")
     _, options = server(relays)
