@@ -1,16 +1,22 @@
 """Client failover (issue 16): a client given several addresses ("relay,primary") moves to the
 next when its server is down or stalled, and never applies an older version than it holds.
-Real servers: a primary and a relay of it in this process, stopped servers in subprocesses."""
+Real servers: a primary and a relay of it in this process, stopped servers in subprocesses; a
+relay SIGKILLed while it streams a committed version, and while it passes on a publish's bytes
+before their commit (cut-through)."""
 
 from __future__ import annotations
+
+import time
 
 import torch
 from test_relay import held
 from test_stalled_server import stopped
 from waiting import wait_until
 
+from tests.test_cut_through import SIZE, EarlyReceive, HeldPublish, Watcher, file_of, weights_filled
 from weightclient import WeightClient
 from weightclient.grpc_updaters import GrpcLocalWeightUpdater
+from weightclient.version_info import Arriving
 from weightserver.process import ServerProcess
 
 MODEL = "policy"
@@ -121,3 +127,73 @@ def test_a_relay_killed_mid_transfer_leaves_the_fetch_to_the_primary_whole(make_
         assert fetched.data.nbytes == result.data.nbytes and bytes(fetched.data) == bytes(result.data)
     finally:
         relay.kill()
+
+
+class Flat(torch.nn.Module):
+    """A policy shaped like `weights_filled`'s file: `w` (16 MiB of float32) and `b`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(SIZE))
+        self.register_buffer("b", torch.zeros(5, dtype=torch.int64))
+
+
+def test_a_relay_killed_during_a_followers_early_receive_leaves_the_version_to_the_primary_whole(make_server):
+    """SIGKILL the relay while a watching updater (cut-through) receives a publish's bytes from
+    it before the primary commits them (the trainer holds the publish half-way): the updater
+    keeps the version it holds, never a torn or older one; once the publish commits it applies
+    that version whole and verified, from the primary."""
+    primary = make_server()
+    first, published = weights_filled(0.5), weights_filled(2.5)
+    with WeightClient(primary.address) as trainer:
+        trainer.publish(first, model=MODEL, transport="stream")
+    relay = ServerProcess("--upstream", primary.address, "--upstream-poll", "0.1").start()
+    policy = Flat()
+    applied: list[int] = []
+    updater: GrpcLocalWeightUpdater | None = None
+
+    def update() -> None:
+        """One update; the policy then holds exactly the version applied (never a mix), never an older one."""
+        updater()
+        applied.append(updater.version)
+        assert applied == sorted(applied), applied
+        expected = {1: first, 2: published}[updater.version]
+        assert all(torch.equal(getattr(policy, key), expected[key]) for key in ("w", "b")), updater.version
+
+    try:
+        wait_until(lambda: held(relay.address, MODEL) == 1, timeout=15)
+        with (
+            WeightClient(f"{relay.address},{primary.address}") as client,
+            WeightClient(relay.address) as probe,
+        ):
+            updater = GrpcLocalWeightUpdater(client, model=MODEL, policy=policy, watch=True, update_timeout=2.0)
+            wait_until(lambda: (update(), updater._follower is not None and updater._follower.newest() == 1)[1])
+            assert updater.cut_through and updater._follower._cut_through is not None
+            watcher = Watcher(probe, since=1)  # a second follower of the relay, to see its bytes flow
+            time.sleep(0.2)  # both Watch calls are open
+            publish = HeldPublish(primary.address, file_of(published), "stream")  # half, then it waits
+            announced = watcher.next()
+            assert isinstance(announced, Arriving)
+            receive = EarlyReceive(probe, announced, "bulk")
+            # The relay passes the first half on as it lands; the updater's follower is receiving it.
+            wait_until(lambda: receive.received >= 1 << 20, timeout=10)
+            wait_until(lambda: updater._follower._cut_through.busy(), timeout=10)
+            assert held(primary, MODEL) == 1 and client.address == relay.address
+            relay.kill()
+            assert not isinstance(receive.join(), bytes)  # cut short on the relay's side
+            for _ in range(10):  # the relay is gone and nothing is committed: v1 stays
+                update()
+                time.sleep(0.05)
+            assert updater.version == 1
+            version = publish.finish()
+            assert version == 2
+            wait_until(lambda: (update(), updater.version == 2)[1], timeout=30)
+            assert client.address == primary.address
+        committed = primary.store.get(MODEL, 2)
+        assert updater._applied.xxh3 == committed.xxh3 and updater._applied.byte_size == committed.byte_size
+        assert all(torch.equal(getattr(policy, key), published[key]) for key in ("w", "b"))
+        assert set(applied) == {1, 2}
+    finally:
+        relay.kill()
+        if updater is not None and updater._follower is not None:
+            updater._follower.stop()
