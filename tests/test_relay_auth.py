@@ -72,8 +72,9 @@ class Dial:
     def credentials(self) -> grpc.ChannelCredentials | None:
         if self.tls_ca is None:
             return None
-        read = lambda path: path.read_bytes() if path else None  # noqa: E731
-        return grpc.ssl_channel_credentials(read(self.tls_ca), read(self.tls_key), read(self.tls_cert))
+        key = self.tls_key.read_bytes() if self.tls_key else None
+        cert = self.tls_cert.read_bytes() if self.tls_cert else None
+        return grpc.ssl_channel_credentials(self.tls_ca.read_bytes(), key, cert)
 
     def channel(self) -> grpc.Channel:
         credentials = self.credentials()
