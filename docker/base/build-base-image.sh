@@ -25,6 +25,7 @@ command -v debootstrap >/dev/null || { echo "debootstrap not found: apt-get inst
 
 root=$(mktemp -d /var/tmp/weightserver-base.XXXXXX)
 trap 'rm -rf --one-file-system "$root"' EXIT
+chmod 755 "$root"  # it becomes the image's /: mktemp's 0700 would lock every non-root user out
 debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates bookworm "$root" "$MIRROR"
 chroot "$root" python3 -m venv /opt/venv
 chroot "$root" apt-get clean
