@@ -1,7 +1,10 @@
 """How a demo process ends: on its own, on SIGTERM/SIGINT, or when its parent dies.
 
 The first SIGTERM or SIGINT asks for a clean stop (finish the batch, report, exit 0); a second
-one exits at once. A process started by the orchestrator also asks the kernel for a SIGTERM
+one exits at once. Once the process's work is done, both are ignored: compose stops every service
+when the trainer exits, and a SIGTERM that lands while the interpreter shuts down (when Python's
+handlers are already gone) would otherwise kill a collector that finished cleanly (exit 143).
+A process started by the orchestrator also asks the kernel for a SIGTERM
 when the orchestrator dies (Linux `PR_SET_PDEATHSIG`), so even a SIGKILLed orchestrator leaves
 no orphans behind.
 """
@@ -49,6 +52,13 @@ class StopRequest:
     def wait(self, seconds: float) -> bool:
         return self._event.wait(seconds)
 
+    def ignore_from_now(self) -> None:
+        """The work is done: SIGTERM/SIGINT have nothing left to stop. Python restores the
+        default action (terminate) early in interpreter shutdown for signals it handles, but
+        leaves ignored ones ignored."""
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
 
 def parent_death_signal(sig: int = signal.SIGTERM) -> None:
     """Ask the kernel to send `sig` to this process when its parent exits (Linux only)."""
@@ -81,4 +91,6 @@ def run_role(
     die_with_parent()
     args = config.parse(argv, options, prog, description, required=["spool_dir"])
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
-    return run(args, stop)
+    code = run(args, stop)
+    stop.ignore_from_now()
+    return code

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shlex
 import shutil
 import signal
 import socket
@@ -312,6 +311,7 @@ def test_compose_services_settings_and_volumes(compose: dict[str, Any], tmp_path
     check_variables_and_volumes(compose, tmp_path)
     assert volume_mounts(services["weightserver"]) == {"weights": "/data"}
     assert "--data-dir" in services["weightserver"]["command"]
+    assert str(serve_options(services["weightserver"]["command"]).metrics_port) in services["weightserver"]["expose"]
     assert volume_mounts(services["trainer"]) == volume_mounts(services["collector"]) == {"spool": "/spool"}
     for name in ("trainer", "collector"):
         assert services[name]["depends_on"]["weightserver"]["condition"] == "service_healthy"
@@ -344,9 +344,26 @@ def test_docker_compose_validates_the_file(path: Path, services: list[str]):
     assert sorted(result.stdout.split()) == services
 
 
+def dockerfile_args() -> dict[str, str]:
+    """{name: default} of the Dockerfile's ARGs."""
+    return dict(a.partition("=")[::2] for i, a in dockerfile_instructions() if i == "ARG")
+
+
+def shell_words(text: str, env: Mapping[str, str]) -> list[str]:
+    """`text` split into words the way the build's /bin/sh does, with `env` as the build args
+    (parameter expansion only: `set --` runs nothing)."""
+    result = subprocess.run(
+        ["sh", "-c", f'set -- {text}; printf "%s\\0" "$@"'], env=dict(env), capture_output=True, text=True, check=True
+    )
+    return result.stdout.split("\0")[:-1]
+
+
 def test_dockerfile_copies_what_exists_and_installs_cpu_torch():
     instructions = dockerfile_instructions()
-    assert instructions[0] == ("FROM", "python:3.11-slim")
+    args = dockerfile_args()
+    # python:3.11-slim and the PyTorch CPU index unless the build args say otherwise
+    assert instructions[:2] == [("ARG", "BASE_IMAGE=python:3.11-slim"), ("FROM", "${BASE_IMAGE}")]
+    assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
     workdir = [a for i, a in instructions if i == "WORKDIR"][-1]
     copied = []
     for instruction, arguments in instructions:
@@ -360,21 +377,47 @@ def test_dockerfile_copies_what_exists_and_installs_cpu_torch():
     assert all(f"!{source}" in ignore or f"!{source}/" in ignore for source in copied), "excluded from the context"
 
     extras = metadata("weightserver").get_all("Provides-Extra") or []
+    [pin] = re.findall(r"^torch==(\S+)$", (REPO / "constraints.txt").read_text(), re.MULTILINE)
     runs = [a for i, a in instructions if i == "RUN"]
-    for run in runs:
-        for step in (shlex.split(part) for part in run.split("&&")):
-            if step[0] == "pip":
-                assert step[1] == "install" and "-c" in step and (REPO / step[step.index("-c") + 1]).exists()
-                assert step[step.index("--extra-index-url") + 1] == "https://download.pytorch.org/whl/cpu"
-                for target in step:
-                    if target.startswith(".["):
-                        assert set(target[2:-1].split(",")) <= set(extras), target
-            else:  # base-image tools
-                assert step[0] in {"useradd", "mkdir", "chown"}, step
-                assert shutil.which(step[0], path=os.environ.get("PATH", "") + ":/usr/sbin:/sbin"), step[0]
+    torch_installs = []
+    for index_url in (args["TORCH_INDEX_URL"], ""):  # the default, and the air-gapped path's
+        for run in runs:
+            for step in (shell_words(part, {"TORCH_INDEX_URL": index_url}) for part in run.split("&&")):
+                if step[0] == "pip":
+                    assert step[1] == "install" and "-c" in step and (REPO / step[step.index("-c") + 1]).exists()
+                    if any(target.startswith("torch") for target in step):
+                        # the CPU build of the pinned version, or the build fails: never PyPI's CUDA torch
+                        assert f"torch=={pin}+cpu" in step, step
+                        extra = step[step.index("--extra-index-url") + 1] if "--extra-index-url" in step else ""
+                        torch_installs.append(extra)
+                    else:  # torch is installed by then: the rest comes from PyPI alone
+                        assert "--extra-index-url" not in step, step
+                    for target in step:
+                        if target.startswith(".["):
+                            assert set(target[2:-1].split(",")) <= set(extras), target
+                else:  # base-image tools
+                    assert step[0] in {"useradd", "mkdir", "chown"}, step
+                    assert shutil.which(step[0], path=os.environ.get("PATH", "") + ":/usr/sbin:/sbin"), step[0]
+    assert torch_installs == [args["TORCH_INDEX_URL"], ""]
     user = [a for i, a in instructions if i == "USER"][-1]
     assert user not in ("root", "0") and any(f"useradd --create-home --uid 10001 {user}" in r for r in runs)
-    assert "torch==2.13.0" in (REPO / "constraints.txt").read_text()
+
+
+def test_compose_builds_the_image_once_with_the_dockerfiles_args(compose: dict[str, Any], tree: dict[str, Any]):
+    """Only the weightserver service builds (`up --build` would build once per service with a
+    build section); the others run the image it tags. Its build args are the Dockerfile's ARGs,
+    with the same defaults; an empty TORCH_INDEX_URL stays empty (the air-gapped path)."""
+    for services in (compose["services"], tree["services"]):
+        assert [name for name, service in services.items() if "build" in service] == ["weightserver"]
+        assert {service["image"] for service in services.values()} == {"weightserver-demo:latest"}
+        build_args = services["weightserver"]["build"]["args"]
+        assert set(build_args) == set(dockerfile_args())
+        defaults = {name: interpolate(value, {}) for name, value in build_args.items()}
+        assert defaults == dockerfile_args()
+        assert interpolate(build_args["TORCH_INDEX_URL"], {"TORCH_INDEX_URL": ""}) == ""
+    # the project name: docker/.env (1.29 rejects a top-level name:), not the folder's name
+    assert "name" not in compose and "name" not in tree
+    assert "COMPOSE_PROJECT_NAME=weightserver-demo" in (REPO / "docker" / ".env").read_text().splitlines()
 
 
 def test_dockerfile_cmd_serves_and_healthcheck_reports_it(compose: dict[str, Any], tmp_path: Path):
@@ -441,7 +484,8 @@ def test_compose_services_run_on_loopback(compose: dict[str, Any], tmp_path: Pat
     """Start exactly what compose would start; the collectors end on the trainer's last version."""
     for name, value in SHORT_RUN.items():
         monkeypatch.setenv(name, value)
-    run_to_completion(compose, Loopback(compose, tmp_path), tmp_path)
+    summary, metrics = run_to_completion(compose, Loopback(compose, tmp_path), tmp_path)
+    assert metrics["weightserver"]['weightserver_latest_version{model="policy"}'] == summary["final_version"]
     # the server kept the versions in its data-dir volume
     assert (tmp_path / "volumes" / "weights" / "policy").is_dir()
 
@@ -452,7 +496,7 @@ def test_compose_tree_primary_relays_and_collectors(compose: dict[str, Any], tre
     the primary and shares its --shm-dir volume with its 2 collectors, which fetch from it."""
     services = tree["services"]
     assert set(services) == {"weightserver", "relay-a", "relay-b", "trainer", "collector-a", "collector-b"}
-    assert tree["x-image"] == compose["x-image"]  # the same image, built the same way
+    assert tree["x-image"] == compose["x-image"] and tree["x-build"] == compose["x-build"]  # the same image
     primary = services["weightserver"]
     assert primary["command"] == compose["services"]["weightserver"]["command"]
     primary_port = serve_options(primary["command"]).port
@@ -500,8 +544,11 @@ def test_compose_tree_runs_on_loopback(tree: dict[str, Any], tmp_path: Path, mon
         monkeypatch.setenv(name, value)
     summary, metrics = run_to_completion(tree, Loopback(tree, tmp_path), tmp_path)
     final = summary["final_version"]
-    assert set(metrics) == {"relay-a", "relay-b"}
+    assert set(metrics) == {"weightserver", "relay-a", "relay-b"}
+    assert metrics["weightserver"]['weightserver_latest_version{model="policy"}'] == final
     for relay, series in metrics.items():
+        if relay == "weightserver":
+            continue
         assert series['weightserver_latest_version{model="policy"}'] == final, (relay, logs(tmp_path))
         assert series["weightserver_relay_upstream_up"] == 1, relay
         # its collectors read its files in the tmpfs volume they share
