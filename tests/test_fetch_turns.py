@@ -140,10 +140,10 @@ def test_max_stream_fetches_is_a_serve_flag_with_a_default_from_the_cpu_count():
 def test_stream_fetches_hold_their_chunks_while_a_publish_commits_but_never_stop(make_server, monkeypatch):
     """Commits first: while a publish verifies and commits, each stream fetch chunk waits for it,
     at most COMMIT_FIRST_SECONDS, so a commit that hangs slows fetches down without stopping them."""
-    import weightserver.service as service_module
+    import weightserver.commits_first as commits_first
     from weightserver.store import VersionStore
 
-    monkeypatch.setattr(service_module, "COMMIT_FIRST_SECONDS", 0.2)
+    monkeypatch.setattr(commits_first, "COMMIT_FIRST_SECONDS", 0.2)
     server = make_server()
     data = safetensors_file(6 * 64 * 1024)  # 7 chunks of 64 KiB
     held, entered = threading.Event(), threading.Event()

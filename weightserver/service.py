@@ -17,7 +17,7 @@ import hashlib
 import logging
 import mmap
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -26,6 +26,7 @@ import grpc
 from weightserver import framing, wire
 from weightserver.auth import TokenTable
 from weightserver.bulk import BulkEndpoint
+from weightserver.commits_first import CommitsFirst, PublishTurn
 from weightserver.config import ServerConfig, clamp_chunk_bytes
 from weightserver.digests import IncomingDigests
 from weightserver.errors import (
@@ -70,10 +71,6 @@ SHA256_BATCH_BYTES = 4 << 20
 SLOW_READER_SECONDS = 1.0
 # A fetch of a publish's bytes as they arrive gives up when none arrive for this long.
 ARRIVING_STALL_SECONDS = 60.0
-# While a publish verifies and commits, stream fetches hold their next chunk, each at most this
-# long: the CPU goes to the version every collector waits for, and a commit that hangs (a disk
-# that does not answer) slows fetches down but does not stop them.
-COMMIT_FIRST_SECONDS = 0.25
 
 
 async def _abort(context: grpc.aio.ServicerContext, error: BaseException) -> None:
@@ -172,9 +169,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         self.relay: Relay | None = None  # set on a relay: it refuses changes and names its primary to watchers
         self._watch_queues: set[asyncio.Queue[Version | IncomingPublish | None]] = set()
         self._stream_turns = asyncio.Semaphore(config.max_stream_fetches)
-        self._committing = 0  # publishes verifying and committing now (their bytes are all in)
-        self._no_commit = asyncio.Event()  # set while none is
-        self._no_commit.set()
+        self._commits_first = CommitsFirst()
         self._publish_threads = ThreadPoolExecutor(PUBLISH_THREADS, thread_name_prefix="weightserver-publish")
         # Publishes whose bytes are arriving, for watchers that fetch them early (cut-through).
         self.incoming = IncomingPublishes()
@@ -256,7 +251,9 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         incoming: list[_IncomingModel] = []
         failure = "the publish stream ended without committing"
         try:
-            records = await self._receive_and_commit(self._checked_headers(request_iterator, context), incoming)
+            with self._commits_first.publish() as turn:
+                messages = self._checked_headers(request_iterator, context)
+                records = await self._receive_and_commit(messages, incoming, turn)
             failure = "a repeat of a publish id committed before: its version was announced then"
         except BaseException as exc:
             failure = clipped_message(str(exc) or type(exc).__name__, 200)
@@ -299,8 +296,13 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
             raise PermissionDenied(f"a publish with pin=True pins the version: {exc}") from None
 
     async def _receive_and_commit(
-        self, request_iterator: AsyncIterator[pb.PublishRequest], incoming: list[_IncomingModel]
+        self,
+        request_iterator: AsyncIterator[pb.PublishRequest],
+        incoming: list[_IncomingModel],
+        turn: PublishTurn,
     ) -> list[Version]:
+        """Receive the stream's models, then verify and commit them, telling `turn` what
+        arrives: stream fetches let the publish go first while the server sets its pace."""
         commit: pb.PublishCommit | None = None
         async for message in _within(request_iterator, self.config.publish_timeout):
             kind = message.WhichOneof("kind")
@@ -315,16 +317,20 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
                 header = message.header
                 _check_publish(self.store, header, incoming[0].header if incoming else header)
                 incoming.append(_IncomingModel(header, self.shared_memory, self.store.header_limits, self.incoming))
+                turn.header()
             elif not incoming:
                 raise InvalidRequest("a Publish stream must start with a header message (model, total_bytes, sha256)")
             elif kind == "chunk":
+                turn.chunk()
                 incoming[-1].add(message.chunk)
             elif kind == "uploaded":
                 header = incoming[-1].header
                 incoming[-1].use(self.staged.take(message.uploaded.upload, header.model, header.total_bytes))
+                turn.bytes_in()
             elif kind == "commit":
                 incoming[-1].check_complete()
                 commit = message.commit
+                turn.bytes_in()
             else:
                 raise InvalidRequest(f"model {incoming[-1].header.model!r}: unexpected {kind!r} message")
         if not incoming:
@@ -337,33 +343,19 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
                 "was published (the publisher was cancelled or failed before finishing)"
             )
         digests = _declared_sha256s(incoming, commit)
-        with self._commit_first():
-            uploads = [await model.as_upload(digest) for model, digest in zip(incoming, digests, strict=True)]
-            first = incoming[0].header
-            publish = functools.partial(
-                self.store.publish_group, uploads, version=first.version, publish_id=first.publish_id
-            )
-            committing = asyncio.get_running_loop().run_in_executor(self._publish_threads, publish)
-            try:
-                return await asyncio.shield(committing)
-            finally:
-                # A call cancelled meanwhile (its deadline passed) leaves the commit running in its
-                # thread: it finishes with the uploads before Publish cleans them up, and a retry
-                # with the same publish id finds its version.
-                await asyncio.wait([committing])
-
-    @contextlib.contextmanager
-    def _commit_first(self) -> Iterator[None]:
-        """Stream fetches hold their chunks while this publish verifies and commits (see
-        COMMIT_FIRST_SECONDS)."""
-        self._committing += 1
-        self._no_commit.clear()
+        uploads = [await model.as_upload(digest) for model, digest in zip(incoming, digests, strict=True)]
+        first = incoming[0].header
+        publish = functools.partial(
+            self.store.publish_group, uploads, version=first.version, publish_id=first.publish_id
+        )
+        committing = asyncio.get_running_loop().run_in_executor(self._publish_threads, publish)
         try:
-            yield
+            return await asyncio.shield(committing)
         finally:
-            self._committing -= 1
-            if not self._committing:
-                self._no_commit.set()
+            # A call cancelled meanwhile (its deadline passed) leaves the commit running in its
+            # thread: it finishes with the uploads before Publish cleans them up, and a retry
+            # with the same publish id finds its version.
+            await asyncio.wait([committing])
 
     # ------------------------------------------------------------------ describe
     @_unary
@@ -466,8 +458,8 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
 
     async def _in_turn(self, messages: Iterable[bytes]) -> AsyncIterator[bytes]:
         """`messages`, sent while this fetch holds one of the --max-stream-fetches turns (first
-        waiting for one, first come first served), each after any commit under way (at most
-        COMMIT_FIRST_SECONDS). A write still pending after SLOW_READER_SECONDS gives the turn
+        waiting for one, first come first served), each after any publish that goes first
+        (`CommitsFirst`). A write still pending after SLOW_READER_SECONDS gives the turn
         back for the rest of the fetch."""
         turns, loop = self._stream_turns, asyncio.get_running_loop()
         await turns.acquire()
@@ -481,9 +473,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
 
         try:
             for message in messages:
-                if not self._no_commit.is_set():
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._no_commit.wait(), COMMIT_FIRST_SECONDS)
+                await self._commits_first.wait()
                 slow = loop.call_later(SLOW_READER_SECONDS, give_back)
                 try:
                     yield message
