@@ -22,6 +22,9 @@ class ServerProcess:
 
     `port` 0 picks a free port the first time; later `start()` calls reuse it, so a restart
     comes back on the same address. `start()` returns once the health service says SERVING.
+    A server started with ``--tls-cert`` serves TLS only: give `credentials` to check its
+    health with (`weightserver.dialing.channel_credentials`: its CA, and a client certificate
+    when it also has ``--tls-client-ca``).
     """
 
     def __init__(
@@ -30,8 +33,16 @@ class ServerProcess:
         port: int = 0,
         log_path: str | os.PathLike[str] | None = None,
         prefix: Sequence[str] = (),
+        credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
         """`prefix`: a command the server runs under, e.g. ``unshare --pid --fork``."""
+        if credentials is None and any(a == "--tls-cert" or a.startswith("--tls-cert=") for a in args):
+            raise ValueError(
+                "a server started with --tls-cert serves TLS only, so start() cannot check it over "
+                "plaintext: give ServerProcess(..., credentials=weightserver.dialing.channel_credentials"
+                "(tls_ca=...)) trusting the CA that signed its certificate"
+            )
+        self.credentials = credentials
         self.args = list(args)
         self.prefix = list(prefix)
         self.port = port
@@ -59,7 +70,11 @@ class ServerProcess:
                 raise TimeoutError(f"server did not start within {timeout}s:\n{self.log()}")
             time.sleep(0.02)
         self.port = int(port_file.read_text())
-        wait_serving(self.address, deadline)
+        try:
+            wait_serving(self.address, deadline, self.credentials)
+        except grpc.RpcError:
+            self.kill()
+            raise
         return self
 
     def stop(self, timeout: float = 30.0) -> int:
@@ -90,10 +105,11 @@ class ServerProcess:
             self.kill()
 
 
-def wait_serving(address: str, deadline: float) -> None:
-    """Poll the gRPC health service at `address` (plaintext) until it says SERVING; raise the
-    last error once `deadline` (time.monotonic()) has passed."""
-    with grpc.insecure_channel(address) as channel:
+def wait_serving(address: str, deadline: float, credentials: grpc.ChannelCredentials | None = None) -> None:
+    """Poll the gRPC health service at `address` (plaintext, or TLS with `credentials`) until
+    it says SERVING; raise the last error once `deadline` (time.monotonic()) has passed."""
+    channel = grpc.insecure_channel(address) if credentials is None else grpc.secure_channel(address, credentials)
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:

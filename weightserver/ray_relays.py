@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
+from weightserver.dialing import channel_credentials
 from weightserver.process import ServerProcess
 
 __all__ = ["RELAY_NAMESPACE", "RelayPlacement", "RelayServer", "node_relay_address", "place_relays", "relay_actor_name"]
@@ -47,8 +48,11 @@ class RelayServer:
     Plain Python (`place_relays` wraps it with ``ray.remote``), so it can be used without Ray.
     """
 
-    def __init__(self, upstream: str, args: Sequence[str] = (), timeout: float = 60.0) -> None:
-        self.server = ServerProcess("--upstream", upstream, *args).start(timeout)
+    def __init__(
+        self, upstream: str, args: Sequence[str] = (), timeout: float = 60.0, tls: RelayTLS | None = None
+    ) -> None:
+        credentials = None if tls is None else channel_credentials(tls.ca, tls.cert, tls.key)
+        self.server = ServerProcess("--upstream", upstream, *args, credentials=credentials).start(timeout)
 
     def address(self) -> str:
         return self.server.address
@@ -63,6 +67,17 @@ class RelayServer:
         except subprocess.TimeoutExpired:  # a relay left behind would hold its port and memory
             self.server.kill()
             raise
+
+
+@dataclass(frozen=True)
+class RelayTLS:
+    """PEM files, at the same paths on every node, with which a relay that serves TLS (its
+    ``--tls-cert`` among the args) is checked to serve: `ca` signed its certificate; `cert` and
+    `key` are a client certificate, for a relay that also has ``--tls-client-ca``."""
+
+    ca: str
+    cert: str | None = None
+    key: str | None = None
 
 
 @dataclass
@@ -114,10 +129,12 @@ def place_relays(
     args: Sequence[str] = (),
     node_ids: Sequence[str] | None = None,
     timeout: float = 60.0,
+    tls: RelayTLS | None = None,
 ) -> RelayPlacement:
     """Start one relay of `upstream` on each alive Ray node (or each of `node_ids`) and return
     once every relay serves. `args`: more ``weightserver serve`` arguments (``--models``,
-    ``--keep``, ...). Call from a process connected to Ray (``ray.init``).
+    ``--keep``, ...); with ``--tls-cert`` among them the relays serve TLS only, and `tls` says
+    how to check that each serves. Call from a process connected to Ray (``ray.init``).
 
     Each relay's actor asks for no CPU, so it never takes a slot from a collector; it is pinned
     to its node (soft=False: if the node goes, so does its relay; it is not moved).
@@ -128,7 +145,7 @@ def place_relays(
     actors = {
         node_id: remote.options(
             name=relay_actor_name(node_id), namespace=RELAY_NAMESPACE, scheduling_strategy=pinned_to(node_id)
-        ).remote(upstream, list(args), timeout)
+        ).remote(upstream, list(args), timeout, tls)
         for node_id in (alive_node_ids() if node_ids is None else node_ids)
     }
     placement = RelayPlacement(upstream, {}, actors)
