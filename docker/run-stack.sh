@@ -4,14 +4,19 @@
 # with `up --exit-code-from trainer` for DEMO_SECONDS (default 25), and checks that every
 # container exited 0, that both collectors ended on the trainer's final version, that the server
 # logged and served metrics, and that the versions survive a server restart in the weights
-# volume. `down -v` at the end, also on failure; a dockerd it started is stopped, the images stay
-# (later runs reuse their layers). Logs go to $STACK_LOGS (default /tmp/weightserver-stack).
+# volume. Then the two-level tree, docker/compose.tree.yaml (a primary, 2 relays, 2 collectors
+# on each), for TREE_DEMO_SECONDS (default 60: its 8 containers take longer to start on a small
+# machine): every container exits 0, and all 4 collectors end on the final version, having
+# fetched over their relay's shared memory. `down -v` at the end, also on failure; a dockerd it
+# started is stopped, the images stay (later runs reuse their layers). Logs go to $STACK_LOGS
+# (default /tmp/weightserver-stack).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export DEMO_SECONDS=${DEMO_SECONDS:-25}
 LOGS=${STACK_LOGS:-/tmp/weightserver-stack}
 AIR_GAPPED_BASE=weightserver-base:bookworm-py311
 COMPOSE=(docker-compose -f docker/compose.yaml)
+TREE=(docker-compose -p weightserver-tree -f docker/compose.tree.yaml)
 mkdir -p "$LOGS"
 
 phase_start=$SECONDS
@@ -26,8 +31,10 @@ cleanup() {
     if ((status)); then
         echo "run-stack: FAILED; the last log lines of each service:" >&2
         "${COMPOSE[@]}" logs --no-color --tail=30 >&2 || true
+        "${TREE[@]}" logs --no-color --tail=30 >&2 || true
     fi
     "${COMPOSE[@]}" down -v --remove-orphans >/dev/null 2>&1 || echo "run-stack: down -v failed" >&2
+    "${TREE[@]}" down -v --remove-orphans >/dev/null 2>&1 || echo "run-stack: down -v (tree) failed" >&2
     if [[ -n $dockerd_pid ]]; then
         kill "$dockerd_pid"
         while kill -0 "$dockerd_pid" 2>/dev/null; do sleep 0.5; done
@@ -55,25 +62,35 @@ phase "image built (log: $LOGS/build.log)"
 "${COMPOSE[@]}" up --no-color --exit-code-from trainer 2>&1 | tee "$LOGS/up.log"
 phase "stack ran: trainer exited 0 after DEMO_SECONDS=$DEMO_SECONDS"
 
-failed=0
-for container in $("${COMPOSE[@]}" ps -q); do
-    read -r name code < <(docker inspect -f '{{.Name}} {{.State.ExitCode}}' "$container")
-    echo "run-stack: $name exited $code"
-    [[ $code == 0 ]] || failed=1
-done
-((failed == 0)) || { echo "run-stack: a container exited non-zero (see above and $LOGS/up.log)" >&2; exit 1; }
-
-docker cp "$("${COMPOSE[@]}" ps -q trainer):/spool/summary.json" "$LOGS/summary.json"
-final=$(python3 - "$LOGS/summary.json" <<'EOF'
+# ended SUMMARY COLLECTORS TRANSPORT COMPOSE...: every container of the stack exited 0, and the
+# trainer's summary (copied to SUMMARY) has COLLECTORS collectors on its final version, an empty
+# spool, and every fetch over TRANSPORT when one is named. Prints the final version.
+ended() {
+    local summary=$1 collectors=$2 transport=$3 failed=0 container name code
+    shift 3
+    for container in $("$@" ps -q); do
+        read -r name code < <(docker inspect -f '{{.Name}} {{.State.ExitCode}}' "$container")
+        echo "run-stack: $name exited $code" >&2
+        [[ $code == 0 ]] || failed=1
+    done
+    ((failed == 0)) || { echo "run-stack: a container exited non-zero (see above and $LOGS)" >&2; return 1; }
+    docker cp "$("$@" ps -q trainer):/spool/summary.json" "$summary"
+    python3 - "$summary" "$collectors" "$transport" <<'EOF'
 import json, sys
-summary = json.load(open(sys.argv[1]))
+summary, collectors, transport = json.load(open(sys.argv[1])), int(sys.argv[2]), sys.argv[3]
 final = summary["final_version"]
-finals = {name: report["final_version"] for name, report in summary["collectors"].items()}
-if len(finals) != 2 or set(finals.values()) != {final} or not summary["spool_empty"]:
-    sys.exit(f"run-stack: expected 2 collectors on the final version v{final}, spool empty: {finals}, spool_empty {summary['spool_empty']}")
+reports = list(summary["collectors"].values())
+finals = sorted(report["final_version"] for report in reports)
+if finals != [final] * collectors or not summary["spool_empty"]:
+    sys.exit(f"run-stack: expected {collectors} collectors on the final version v{final}, spool empty: {finals}, spool_empty {summary['spool_empty']}")
+used = {name for report in reports for name in report["transports"]}
+if transport and used != {transport}:
+    sys.exit(f"run-stack: expected every fetch over {transport}, the collectors used {sorted(used)}")
 print(final)
 EOF
-)
+}
+
+final=$(ended "$LOGS/summary.json" 2 "" "${COMPOSE[@]}")
 echo "run-stack: both collectors ended on the trainer's final version v$final"
 "${COMPOSE[@]}" logs --no-color weightserver >"$LOGS/weightserver.log"
 grep -q "publish model=policy" "$LOGS/weightserver.log" ||
@@ -96,4 +113,14 @@ metric=$("${COMPOSE[@]}" exec -T weightserver python -c \
     sed -n 's/^weightserver_latest_version{model="policy"} //p')
 [[ $metric == "$final.0" ]] || { echo "run-stack: metrics say latest version '$metric', not $final" >&2; exit 1; }
 phase "restarted server holds v$final (weightserver ls, and metrics on port 9100)"
+"${COMPOSE[@]}" down -v --remove-orphans >/dev/null 2>&1
+
+"${TREE[@]}" down -v --remove-orphans >/dev/null 2>&1  # volumes of an earlier run
+DEMO_SECONDS=${TREE_DEMO_SECONDS:-60} "${TREE[@]}" up --no-color --exit-code-from trainer 2>&1 | tee "$LOGS/tree-up.log"
+final=$(ended "$LOGS/tree-summary.json" 4 shm "${TREE[@]}")
+for relay in relay-a relay-b; do
+    "${TREE[@]}" logs --no-color "$relay" | grep -q "relay model=policy version=$final " ||
+        { echo "run-stack: $relay did not relay v$final ($LOGS/tree-up.log)" >&2; exit 1; }
+done
+phase "tree ran: 4 collectors ended on v$final, fetched over their relay's shared memory, both relays relayed it"
 echo "run-stack: OK"
