@@ -30,7 +30,15 @@ from typing import Any
 from weightserver.dialing import channel_credentials
 from weightserver.process import ServerProcess
 
-__all__ = ["RELAY_NAMESPACE", "RelayPlacement", "RelayServer", "node_relay_address", "place_relays", "relay_actor_name"]
+__all__ = [
+    "RELAY_NAMESPACE",
+    "RelayPlacement",
+    "RelayServer",
+    "RelayTLS",
+    "node_relay_address",
+    "place_relays",
+    "relay_actor_name",
+]
 
 RELAY_NAMESPACE = "weightserver"
 
