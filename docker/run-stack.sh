@@ -57,6 +57,9 @@ phase "base image $BASE_IMAGE"
 
 "${COMPOSE[@]}" build >"$LOGS/build.log" 2>&1 || { tail -30 "$LOGS/build.log" >&2; exit 1; }
 phase "image built (log: $LOGS/build.log)"
+# The earlier builds this one untagged: on vfs each is a full copy of every layer (about 1.4 GB
+# per layer), and the tree's 8 containers need about 11 GB more (each a copy of the image).
+docker image prune -f --filter label=io.weightserver.image=demo >/dev/null
 
 "${COMPOSE[@]}" down -v --remove-orphans >/dev/null 2>&1  # volumes of an earlier run
 "${COMPOSE[@]}" up --no-color --exit-code-from trainer 2>&1 | tee "$LOGS/up.log"
