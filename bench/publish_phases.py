@@ -6,7 +6,9 @@ A profile, not a bench row: the server runs in this process (`WeightServer`) so 
 phases can be timed, and this tool wraps functions of both sides (private ones included) with
 a timer. Each publish follows `--gap` seconds of idle, as the `publish_*` rows do; the first
 `WARMUP` are not reported. Prints the p50, min and max of each phase in ms. The README's
-breakdowns of `publish_shm` and `publish_bulk` were measured with it.
+breakdowns of `publish_shm` and `publish_bulk` were measured with it. A shared-memory publish
+opens its Publish call before writing (the server hashes what it is told is written), so its
+call spans the copy: its last phase is the commit's.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import weightserver.store as store
 from bench.common import format_size, parse_size
 from bench.models import FlatPolicy
 from weightclient import WeightClient
-from weightclient.transports import bulk, shared_memory
+from weightclient.transports import bulk, shared_memory, stream
 from weightserver.server import WeightServer
 
 WARMUP = 5
@@ -38,6 +40,7 @@ PHASES: list[tuple[object, str, str]] = [
     (shared_memory.SharedMemoryTransport, "upload", "client: copy and hash into the shm upload"),
     (bulk.BulkTransport, "upload", "client: send the bulk upload, hashing"),
     (service_client.StreamTransport, "send", "client: the Publish call"),
+    (stream.OpenPublish, "commit", "client: the commit, until the reply (written in place)"),
     (service.WeightServicer, "_receive_and_commit", "server: Publish, receive to commit"),
     (service._IncomingModel, "as_upload", "server:   the upload's digests, awaited"),
     (staged_uploads.StagedUpload, "finish", "server:     its pass over the bytes"),

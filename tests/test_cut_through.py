@@ -17,7 +17,7 @@ import pytest
 import torch
 import xxhash
 
-from tests.test_publish_transports import BULK, file_of, negotiate_publish, publish_uploaded
+from tests.test_publish_transports import BULK, SHM, file_of, negotiate_publish, publish_uploaded
 from tests.waiting import wait_until
 from weightclient import WeightClient
 from weightclient.grpc_updaters import GrpcLocalWeightUpdater
@@ -87,9 +87,10 @@ class EarlyReceive:
 
 
 class HeldPublish:
-    """A publish of `data` over "bulk" or "stream" that sends half its bytes, then waits for
-    `finish()` (the rest, then the commit) or `cut()` (the connection or call dropped).
-    `credentials` and `token`: for a server with TLS and tokens (over "stream" only)."""
+    """A publish of `data` over "bulk", "stream" or "shm" (written in place, announced with
+    `written`) that sends half its bytes, then waits for `finish()` (the rest, then the
+    commit) or `cut()` (the connection or call dropped). `credentials` and `token`: for a
+    server with TLS and tokens (over "stream" only)."""
 
     def __init__(
         self,
@@ -127,7 +128,7 @@ class HeldPublish:
 
     def _run(self) -> None:
         try:
-            self._bulk() if self.over == "bulk" else self._stream()
+            {"bulk": self._bulk, "stream": self._stream, "shm": self._shm}[self.over]()
         except BaseException as exc:
             self.error = exc
 
@@ -158,6 +159,29 @@ class HeldPublish:
             yield from chunks[len(chunks) // 2 :]
             yield pb.PublishRequest(commit=pb.PublishCommit())
 
+        self._call(messages())
+
+    def _shm(self) -> None:
+        data, half = self.data, len(self.data) // 2
+        header = pb.PublishHeader(model=MODEL, total_bytes=len(data))  # its xxh3 comes with `uploaded`
+        answer = negotiate_publish(self.address, [SHM], header)
+
+        def messages() -> Iterator[object]:
+            with open(answer.payload.shared_memory.path, "r+b") as f:
+                f.write(data[:half])
+                f.flush()
+                yield pb.PublishRequest(header=header)
+                yield pb.PublishRequest(written=pb.PublishWritten(upload=answer.upload, end=half))
+                self._go.wait(30)
+                if not self._finish:
+                    raise RuntimeError("the trainer crashed")  # grpc cancels the call
+                f.write(data[half:])
+            yield pb.PublishRequest(uploaded=pb.PublishUploaded(upload=answer.upload, xxh3=self.xxh3))
+            yield pb.PublishRequest(commit=pb.PublishCommit())
+
+        self._call(messages())
+
+    def _call(self, messages: Iterator[object]) -> None:
         if self.credentials is not None:
             channel = grpc.secure_channel(self.address, self.credentials)
         else:
@@ -168,11 +192,11 @@ class HeldPublish:
                 request_serializer=framing.serialize,
                 response_deserializer=pb.PublishResponse.FromString,
             )
-            self.version = call(messages(), timeout=30, metadata=self.metadata).version.version
+            self.version = call(messages, timeout=30, metadata=self.metadata).version.version
 
 
 # ---------------------------------------------------------------------- the happy paths
-@pytest.mark.parametrize("publish_over", ["bulk", "stream"])
+@pytest.mark.parametrize("publish_over", ["bulk", "stream", "shm"])
 @pytest.mark.parametrize("receive_over", ["bulk", "stream"])
 def test_bytes_received_while_arriving_are_the_committed_version(
     server, other_client, watcher, publish_over, receive_over
@@ -192,6 +216,19 @@ def test_bytes_received_while_arriving_are_the_committed_version(
     assert not isinstance(early, Exception), early
     assert early.stats.early and early.stats.transport == receive_over
     assert bytes(early.data) == data and committed.info.xxh3 == publish.xxh3
+
+
+def test_a_same_host_publish_is_announced_as_it_is_written(server, client, other_client, watcher):
+    """WeightClient writes a shared-memory upload in place and tells the server how far it has
+    got: watchers hear of the publish before its commit, and can receive it early."""
+    weights = weights_filled(2.5)
+    version = client.publish(weights, model=MODEL, transport="shm")
+    announced, committed = watcher.next(), watcher.next()
+    assert isinstance(announced, Arriving) and announced.byte_size == len(file_of(weights))
+    assert isinstance(committed, VersionEvent) and committed.version == version
+    assert committed.arriving == announced.id
+    fetched = other_client.fetch(MODEL, version=version, transport="stream").state_dict()
+    assert torch.equal(fetched["w"], weights["w"]) and torch.equal(fetched["b"], weights["b"])
 
 
 def test_a_watch_that_does_not_ask_sees_only_commits(server, client, other_client):
@@ -221,7 +258,7 @@ def test_arriving_bytes_are_not_found_once_their_publish_ended(server, client, w
 
 
 # ---------------------------------------------------------------------- publishes that fail half-way
-@pytest.mark.parametrize("publish_over", ["bulk", "stream"])
+@pytest.mark.parametrize("publish_over", ["bulk", "stream", "shm"])
 @pytest.mark.parametrize("receive_over", ["bulk", "stream"])
 def test_a_publish_cut_half_way_aborts_the_early_receive(server, other_client, watcher, publish_over, receive_over):
     data = file_of(weights_filled(4.0))
@@ -317,13 +354,14 @@ def test_the_watching_updater_applies_versions_received_early(server, client, ma
     assert torch.equal(policy.w.detach(), weights["w"])
 
 
-def test_the_updater_never_applies_a_publish_cut_half_way(server, client, make_updater, caplog):
+@pytest.mark.parametrize("publish_over", ["bulk", "shm"])
+def test_the_updater_never_applies_a_publish_cut_half_way(server, client, make_updater, caplog, publish_over):
     client.publish(weights_filled(0.0), model=MODEL, transport="stream")
     policy = Linear()
     updater = make_updater(server.address, policy, "bulk")
     catch_up(updater, 1)
     wait_until(lambda: (updater(), updater.following)[1], timeout=10, step=0.01)
-    publish = HeldPublish(server.address, file_of(weights_filled(9.0)), "bulk")
+    publish = HeldPublish(server.address, file_of(weights_filled(9.0)), publish_over)
     for _ in range(50):  # its follower hears of the publish and receives its first half
         updater()
         time.sleep(0.005)

@@ -260,6 +260,8 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
             raise
         finally:
             for model in incoming:
+                if model.staged is not None:
+                    model.staged.settle()  # no thread is left hashing a file about to go
                 if model.upload is not None and model.upload.path.exists():
                     model.upload.abort()  # a publish that did not commit leaves no file
                 if model.arriving is not None and not model.committed:
@@ -323,9 +325,11 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
             elif kind == "chunk":
                 turn.chunk()
                 incoming[-1].add(message.chunk)
+            elif kind == "written":
+                turn.chunk()  # the writer's pace, as for chunks
+                incoming[-1].written(message.written, self.staged)
             elif kind == "uploaded":
-                header = incoming[-1].header
-                incoming[-1].use(self.staged.take(message.uploaded.upload, header.model, header.total_bytes))
+                incoming[-1].uploaded(message.uploaded, self.staged)
                 turn.bytes_in()
             elif kind == "commit":
                 incoming[-1].check_complete()
@@ -757,6 +761,7 @@ class _IncomingModel:
         self.arriving: IncomingPublish | None = None  # announced to watchers as the bytes arrive
         self.transport = "stream"
         self.staged: StagedUpload | None = None
+        self.moved = False  # `uploaded` came: the staged upload holds every byte
         self.upload: SharedMemoryUpload | None = None  # the buffer's file, removed unless committed
         self.buffer: memoryview | None = None  # allocated with the first chunk
         self.received = 0
@@ -791,13 +796,41 @@ class _IncomingModel:
         if self.sha256_feed is not None:
             self.sha256_feed.advance(end)
 
-    def use(self, staged: StagedUpload) -> None:
-        """Take the model's bytes from an upload set up by Negotiate, instead of chunks."""
-        if self.staged is not None or self.received:
+    def written(self, message: pb.PublishWritten, uploads: StagedUploads) -> None:
+        """A shared-memory writer's progress: bytes [0, end) of its upload are in place, to be
+        hashed while it writes the rest. The first such message takes the upload."""
+        if self.staged is None:
+            self._take(message.upload, uploads)
+        elif message.upload != self.staged.id or self.moved:
+            raise InvalidRequest(f"model {self.header.model!r}: `written` after another upload or its `uploaded`")
+        assert self.staged is not None
+        self.staged.written(message.end)
+        self.received = message.end
+        self.arriving = self.staged.arriving
+
+    def uploaded(self, message: pb.PublishUploaded, uploads: StagedUploads) -> None:
+        """The model's bytes are all in the upload set up by Negotiate, instead of chunks (and
+        its xxh3 comes here when the header was sent before they were moved)."""
+        if self.staged is None:
+            self._take(message.upload, uploads)
+        elif message.upload != self.staged.id or self.moved:
             raise InvalidRequest(f"model {self.header.model!r}: a model's bytes come as chunks or one `uploaded`")
-        self.staged, self.transport = staged, staged.transport
-        self.upload, self.buffer, self.received = staged.file, staged.buffer, staged.total_bytes
-        self.arriving = staged.arriving
+        assert self.staged is not None
+        if message.xxh3:
+            if self.header.xxh3 and self.header.xxh3.lower() != message.xxh3.lower():
+                raise IntegrityError(
+                    f"model {self.header.model!r}: header declares xxh3 {clipped_repr(self.header.xxh3)} but "
+                    f"`uploaded` declares {clipped_repr(message.xxh3)}"
+                )
+            self.header.xxh3 = message.xxh3
+        self.received, self.moved = self.header.total_bytes, True
+        self.arriving = self.staged.arriving
+
+    def _take(self, upload: str, uploads: StagedUploads) -> None:
+        if self.received:
+            raise InvalidRequest(f"model {self.header.model!r}: a model's bytes come as chunks or one `uploaded`")
+        self.staged = uploads.take(upload, self.header.model, self.header.total_bytes)
+        self.transport, self.upload, self.buffer = self.staged.transport, self.staged.file, self.staged.buffer
 
     def _allocate(self) -> None:
         """The buffer for the chunks, and the digests that follow them into it."""

@@ -4,9 +4,10 @@ Negotiate (DIRECTION_PUBLISH) sets up one model's upload: a buffer of the announ
 file in the shared-memory folder when there is one, so a committed version is served from
 there without a copy) and an id. The bytes then arrive over bulk TCP (the endpoint hashes
 each stretch as it lands) or are written by a same-host publisher straight into the file
-(hashed once it says it is done). A Publish stream names the id after the model's header; the
-upload is then the stream's, and goes with it. Uploads nobody names expire: a sweeper thread,
-running while any upload is staged, drops them and their files.
+(hashed in a thread as the publisher says how far it has written, the rest once it says it
+is done). A Publish stream names the id after the model's header; the upload is then the
+stream's, and goes with it. Uploads nobody names expire: a sweeper thread, running while any
+upload is staged, drops them and their files.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from weightserver.digests import FileDigests, IncomingDigests
@@ -52,9 +54,12 @@ class StagedUpload:
     expires: float
     received: bool = False  # every byte is in the buffer (bulk); a shm writer says so by naming it
     failure: BaseException | None = None  # why the transfer stopped short
-    # Bulk: announced to watchers with the first bytes (cut-through), by `arrivals`.
+    # Announced to watchers with the first bytes (cut-through), by `arrivals`.
     arrivals: IncomingPublishes | None = field(default=None, repr=False)
     arriving: IncomingPublish | None = field(default=None, repr=False)
+    # Shared memory: how far the writer said it has written, and the thread hashing that far.
+    written_end: int = 0
+    _hashing: ThreadPoolExecutor | None = field(default=None, repr=False)
 
     def arrived(self, end: int) -> None:
         """Bytes [0, end) are in (bulk): hash the new ones while they are in cache. A transfer
@@ -65,6 +70,35 @@ class StagedUpload:
             self.arriving = self.arrivals.start(self.model, self.buffer)
         if self.arriving is not None:
             self.arriving.advance(end)
+
+    def written(self, end: int) -> None:
+        """A shared-memory writer's word that bytes [0, end) are written for good: hash them
+        in a thread of this upload's own while it writes the rest (the event loop only hands
+        them over), and announce them to watchers. InvalidRequest for an upload that is not
+        written in place, or an `end` that goes back or beyond the size."""
+        if self.transport != "shm":
+            raise InvalidRequest(
+                f"model {self.model!r}: `written` is for a shared-memory upload; upload {self.id} is {self.transport}"
+            )
+        if not self.written_end <= end <= self.total_bytes:
+            raise InvalidRequest(
+                f"model {self.model!r}: `written` says {end} bytes, after {self.written_end}, of {self.total_bytes}; "
+                "it must not go back or beyond the size"
+            )
+        self.written_end = end
+        self.expires = time.monotonic() + UPLOAD_TTL_SECONDS
+        if self._hashing is None:
+            self._hashing = ThreadPoolExecutor(1, thread_name_prefix="weightserver-shm-upload-hash")
+        self._hashing.submit(self.digests.advance, end)
+        if self.arriving is None and self.arrivals is not None:
+            self.arriving = self.arrivals.start(self.model, self.buffer)
+        if self.arriving is not None:
+            self.arriving.advance(end)
+
+    def settle(self) -> None:
+        """Wait for the hashing of what the writer announced, and end its thread."""
+        if self._hashing is not None:
+            self._hashing.shutdown(wait=True, cancel_futures=True)
 
     def transferred(self, error: BaseException | None) -> None:
         """The bulk endpoint's word on the transfer: all bytes in, or why not."""
@@ -81,7 +115,11 @@ class StagedUpload:
         put in the file now; a bulk upload was hashed as it arrived). Blocks: call it off the
         event loop. IntegrityError when the transfer fell short."""
         if self.transport == "shm":
-            self.digests.advance(self.total_bytes)
+            if self._hashing is not None:  # the writer announced its progress: most is hashed
+                self._hashing.submit(self.digests.advance, self.total_bytes).result()
+                self.settle()
+            else:
+                self.digests.advance(self.total_bytes)
         elif not self.received:
             if isinstance(self.failure, WeightServerError):
                 raise self.failure  # bytes that are no safetensors file: the check's own error
@@ -94,6 +132,7 @@ class StagedUpload:
 
     def discard(self) -> None:
         """Let the bytes go (a file is removed; a commit has moved it away already)."""
+        self.settle()
         if self.arriving is not None:
             self.arriving.fail("the upload was never committed")
         if self.file is not None and self.file.path.exists():
@@ -143,7 +182,7 @@ class StagedUploads:
             file=file,
             digests=IncomingDigests(buffer, header_limits=self._header_limits),
             expires=time.monotonic() + UPLOAD_TTL_SECONDS,
-            arrivals=self._incoming if transport == "bulk" else None,
+            arrivals=self._incoming,
         )
         with self._lock:
             self._uploads[upload.id] = upload

@@ -44,6 +44,7 @@ from weightclient.transports import (
     TransportFailed,
 )
 from weightclient.transports.base import Progress
+from weightclient.transports.stream import OpenPublish
 from weightclient.version_info import Arriving, ModelSummary, VersionEvent, VersionInfo
 from weightserver.config import DEFAULT_CHUNK_BYTES, DEFAULT_PORT
 from weightserver.errors import (
@@ -282,56 +283,96 @@ class WeightServiceClient:
             raise InvalidRequest("publish needs at least one model")
         publish_id = uuid.uuid4().hex if publish_id is None else publish_id
         options = dict(version=version, metadata=metadata, pin=pin, sha256s=sha256s, progress=progress)
-        try:
-            return self._publish_group(files, publish_id, transport, timeout, spares=True, **options)
-        except UploadNotFound:
-            # An upload set up ahead that the server no longer holds (it restarted): once more,
-            # negotiating afresh. The same publish id: this cannot commit twice.
-            log.info("the server forgot an upload set up ahead; publishing again without it")
-            return self._publish_group(files, publish_id, transport, timeout, spares=False, **options)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        spares, in_place = True, True
+        while True:  # at most three attempts: each clears one of the two flags
+            try:
+                return self._publish_group(
+                    files, publish_id, transport, deadline, spares=spares, in_place=in_place, **options
+                )
+            except UploadNotFound:
+                # An upload set up ahead that the server no longer holds (it restarted): once
+                # more, negotiating afresh. The same publish id: this cannot commit twice.
+                if not spares:
+                    raise
+                log.info("the server forgot an upload set up ahead; publishing again without it")
+                spares = False
+            except _StartOver as exc:
+                # Writing in place failed after the Publish call had begun (its header was
+                # sent): that call was cancelled, committing nothing; the next attempt falls
+                # back as a publish that writes nothing in place does.
+                log.info("writing a publish in place failed (%s); publishing again", exc.__cause__)
+                in_place = False
 
     def _publish_group(
         self,
         files: Mapping[str, Buffer | Sequence[Buffer]],
         publish_id: str,
         transport: str,
-        timeout: float | None,
+        deadline: float | None,
         *,
         spares: bool,
+        in_place: bool = True,
         version: int,
         metadata: Mapping[str, str] | None,
         pin: bool,
         sha256s: Mapping[str, str | None] | None,
         progress: Progress | None,
     ) -> list[VersionInfo]:
+        """One attempt. A model whose transport writes in place (shared memory) opens the
+        Publish call before its bytes are written, when `in_place`: its header goes first, then
+        word of how far the writing has got, so the server verifies them meanwhile."""
         meta = {str(k): str(v) for k, v in (metadata or {}).items()}
         order = self.transports.order(transport)
-        deadline = None if timeout is None else time.monotonic() + timeout
         models = {
             model: [memoryview(p).cast("B") for p in ([parts] if isinstance(parts, _BUFFER_TYPES) else parts)]
             for model, parts in files.items()
         }
         grand_total = sum(v.nbytes for views in models.values() for v in views)
         total = 0
-        outgoing = []
+        outgoing: list[OutgoingFile] = []
+        call: OpenPublish | None = None  # opened early, for a model written in place
+
+        def opened() -> OpenPublish:
+            nonlocal call
+            if call is None:
+                call = self._stream.open_publish(timeout=remaining(deadline))
+                for file in outgoing:
+                    call.send_file(file)
+            return call
+
         with translated_rpc_errors(self.address):
-            for i, (model, views) in enumerate(models.items()):
-                header = pb.PublishHeader(
-                    model=model,
-                    version=version if i == 0 else 0,
-                    metadata=meta,
-                    total_bytes=sum(v.nbytes for v in views),
-                    sha256=(sha256s or {}).get(model) or "",
-                    pin=pin,
-                    publish_id=publish_id if i == 0 else "",
-                )
-                counted = _shifted(progress, total, grand_total)
-                uploaded, carrier = self._upload(header, views, order, deadline, counted, spares)
-                if not uploaded:
-                    header.xxh3 = _xxh3(views)
-                outgoing.append(OutgoingFile(header, views, uploaded, carrier))
-                total += header.total_bytes
-            reply = self._stream.send(outgoing, timeout=remaining(deadline), progress=progress)
+            try:
+                for i, (model, views) in enumerate(models.items()):
+                    header = pb.PublishHeader(
+                        model=model,
+                        version=version if i == 0 else 0,
+                        metadata=meta,
+                        total_bytes=sum(v.nbytes for v in views),
+                        sha256=(sha256s or {}).get(model) or "",
+                        pin=pin,
+                        publish_id=publish_id if i == 0 else "",
+                    )
+                    counted = _shifted(progress, total, grand_total)
+                    uploaded, carrier = self._upload(
+                        header, views, order, deadline, counted, spares, opened if in_place else None
+                    )
+                    if not uploaded:
+                        header.xxh3 = _xxh3(views)
+                    file = OutgoingFile(header, views, uploaded, carrier)
+                    outgoing.append(file)
+                    written_in_place = in_place and carrier is not None and carrier.written_in_place
+                    if call is not None and not written_in_place:  # (that one sent its own messages)
+                        call.send_file(file)
+                    total += header.total_bytes
+                if call is None:
+                    reply = self._stream.send(outgoing, timeout=remaining(deadline), progress=progress)
+                else:
+                    reply = call.commit()
+            except BaseException:
+                if call is not None:
+                    call.cancel()
+                raise
         # Committed: set up each fast upload's successor while the trainer trains (not before:
         # on few cores it would slow this publish's commit down).
         for file in outgoing:
@@ -347,11 +388,14 @@ class WeightServiceClient:
         deadline: float | None,
         progress: Progress | None,
         spares: bool = True,
+        opened: Callable[[], OpenPublish] | None = None,
     ) -> tuple[str, Transport | None]:
         """Move one model's bytes over the fast transport the server picks from `order` (the
         next one when it fails here), and set the header's xxh3 from them: the upload's id and
         the transport, or ("", None) when the stream is to carry them. An upload set up ahead (`SpareUploads`) is used
-        first. An upload that failed is left to expire on the server."""
+        first. An upload that failed is left to expire on the server. A transport that writes
+        in place, given `opened` (the Publish call, opened on first use), sends the model's
+        messages itself (`_write_in_place`)."""
         model, size = header.model, header.total_bytes
         spare = self._spares.take(model, size, order) if size else None
         if spare is not None and not spares:
@@ -367,6 +411,10 @@ class WeightServiceClient:
                 if answer.transport == pb.TRANSPORT_STREAM:
                     return "", None
             transport, spare = self.transports.by_kind[answer.transport], None
+            if transport.written_in_place and opened is not None:
+                self._write_in_place(opened(), header, answer, transport, views, deadline, progress)
+                self.transports.worked(transport)
+                return answer.upload, transport
             try:
                 header.xxh3 = transport.upload(answer.payload, views, deadline=deadline, progress=progress)
             except TransportFailed as exc:
@@ -376,6 +424,39 @@ class WeightServiceClient:
             self.transports.worked(transport)
             return answer.upload, transport
         return "", None
+
+    def _write_in_place(
+        self,
+        call: OpenPublish,
+        header: pb.PublishHeader,
+        answer: pb.NegotiateResponse,
+        transport: Transport,
+        views: Sequence[memoryview],
+        deadline: float | None,
+        progress: Progress | None,
+    ) -> None:
+        """Send the model's header, write its bytes into the upload telling the server every
+        `_announce_step` bytes how far they are (it hashes them meanwhile), then name the
+        upload with the xxh3 the writing computed. _StartOver when the transport fails here:
+        the call is spoilt (the header is sent), so the publish starts again without it."""
+        call.send(pb.PublishRequest(header=header))
+        step, next_at = _announce_step(header.total_bytes), 0
+
+        def announce(done: int, total: int) -> None:
+            nonlocal next_at
+            if done >= next_at + step and done < total:
+                call.send(pb.PublishRequest(written=pb.PublishWritten(upload=answer.upload, end=done)))
+                next_at = done
+            if progress is not None:
+                progress(done, total)
+
+        try:
+            xxh3 = transport.upload(answer.payload, views, deadline=deadline, progress=announce)
+        except TransportFailed as exc:
+            self.transports.failed(transport, exc)
+            raise _StartOver() from exc
+        header.xxh3 = xxh3
+        call.send(pb.PublishRequest(uploaded=pb.PublishUploaded(upload=answer.upload, xxh3=xxh3)))
 
     # ------------------------------------------------------------------ fetch
     def fetch_bytes(
@@ -692,6 +773,21 @@ class WeightServiceClient:
 
     def _retry_window(self, timeout: float | None) -> float:
         return timeout if timeout is not None else self.retry_seconds
+
+
+class _StartOver(Exception):
+    """A publish attempt that must be made again, falling back: raised from its TransportFailed."""
+
+
+ANNOUNCE_MIN_BYTES = 4 << 20
+ANNOUNCE_PARTS = 16
+
+
+def _announce_step(total: int) -> int:
+    """How many bytes a writer in place writes between two words to the server: about a
+    sixteenth of the model (the server's last stretch to hash after the writing is that
+    small), at least 1 MiB (each word costs both sides a message)."""
+    return max(ANNOUNCE_MIN_BYTES, total // ANNOUNCE_PARTS)
 
 
 def _shifted(progress: Progress | None, offset: int, total: int) -> Progress | None:

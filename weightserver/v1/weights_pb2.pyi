@@ -31,22 +31,34 @@ DIRECTION_FETCH: Direction
 DIRECTION_PUBLISH: Direction
 
 class PublishRequest(_message.Message):
-    __slots__ = ("header", "chunk", "commit", "uploaded")
+    __slots__ = ("header", "chunk", "commit", "uploaded", "written")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
     UPLOADED_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_FIELD_NUMBER: _ClassVar[int]
     header: PublishHeader
     chunk: bytes
     commit: PublishCommit
     uploaded: PublishUploaded
-    def __init__(self, header: _Optional[_Union[PublishHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ..., commit: _Optional[_Union[PublishCommit, _Mapping]] = ..., uploaded: _Optional[_Union[PublishUploaded, _Mapping]] = ...) -> None: ...
+    written: PublishWritten
+    def __init__(self, header: _Optional[_Union[PublishHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ..., commit: _Optional[_Union[PublishCommit, _Mapping]] = ..., uploaded: _Optional[_Union[PublishUploaded, _Mapping]] = ..., written: _Optional[_Union[PublishWritten, _Mapping]] = ...) -> None: ...
+
+class PublishWritten(_message.Message):
+    __slots__ = ("upload", "end")
+    UPLOAD_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    upload: str
+    end: int
+    def __init__(self, upload: _Optional[str] = ..., end: _Optional[int] = ...) -> None: ...
 
 class PublishUploaded(_message.Message):
-    __slots__ = ("upload",)
+    __slots__ = ("upload", "xxh3")
     UPLOAD_FIELD_NUMBER: _ClassVar[int]
+    XXH3_FIELD_NUMBER: _ClassVar[int]
     upload: str
-    def __init__(self, upload: _Optional[str] = ...) -> None: ...
+    xxh3: str
+    def __init__(self, upload: _Optional[str] = ..., xxh3: _Optional[str] = ...) -> None: ...
 
 class PublishCommit(_message.Message):
     __slots__ = ("sha256",)

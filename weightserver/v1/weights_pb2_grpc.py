@@ -102,7 +102,8 @@ class WeightServiceServicer:
         stream. All of them get ONE version number (the next above every one of their versions,
         or the first header's `version`) and become visible together: no reader sees the new
         policy beside the old critic. A model's bytes may instead have been moved over bulk TCP or
-        shared memory (see Negotiate): its header is then followed by `uploaded`, not chunks.
+        shared memory (see Negotiate): its header is then followed by `uploaded`, not chunks
+        (for shared memory, optionally by `written` messages first, while it is being written).
         The server checks the byte count, the declared digests (sha256, xxh3) and the safetensors header (known dtypes, offsets in
         bounds, contiguous and non-overlapping, shapes matching byte lengths) before the version
         becomes visible: a publish that is cut off or fails a check is never seen by anyone.

@@ -73,6 +73,10 @@ class Transport(Protocol):
 
     name: ClassVar[str]  # "stream", "bulk" or "shm": what FetchStats.transport reports
     kind: ClassVar[int]  # its pb.Transport value, as negotiated
+    # Whether a publish writes the server's upload itself, front to back, with `progress`
+    # called once bytes [0, n) are in place for good, so the caller may announce them
+    # (PublishWritten) and the server verify them while the rest is written.
+    written_in_place: ClassVar[bool]
 
     def upload(
         self, payload: pb.Payload, parts: Sequence[memoryview], *, deadline: float | None, progress: Progress | None

@@ -42,6 +42,7 @@ class BulkTransport:
     """A client's kept-open connection to a server's bulk port (one transfer at a time)."""
 
     name: ClassVar[str] = "bulk"
+    written_in_place: ClassVar[bool] = False
     kind: ClassVar[int] = pb.TRANSPORT_BULK
 
     def __init__(self, host: str) -> None:

@@ -46,6 +46,7 @@ class SharedMemoryTransport:
     """Reads payload files that a same-host server names, and remembers each model's folder."""
 
     name: ClassVar[str] = "shm"
+    written_in_place: ClassVar[bool] = True
     kind: ClassVar[int] = pb.TRANSPORT_SHARED_MEMORY
 
     def __init__(self) -> None:
@@ -57,9 +58,10 @@ class SharedMemoryTransport:
         self, payload: pb.Payload, parts: Sequence[memoryview], *, deadline: float | None, progress: Progress | None
     ) -> str:
         """Write `parts` into the server's upload file: only a regular file of exactly the
-        announced size, named as the server names uploads, and not through a link. The
-        mapping of a prepared upload is unmapped before this returns: nothing of this process
-        can write the file once the version is committed."""
+        announced size, named as the server names uploads, and not through a link, front to
+        back: `progress(n, total)` is called once bytes [0, n) are in the file. The mapping of
+        a prepared upload is unmapped before this returns: nothing of this process can write
+        the file once the version is committed."""
         path, total = payload.shared_memory.path, payload.byte_size
         if sum(p.nbytes for p in parts) != total:
             raise TransportFailed(f"{path} is not an upload file of {total} bytes")

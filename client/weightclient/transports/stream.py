@@ -3,6 +3,7 @@ transport clients in other languages need. Chunks travel pre-framed (weightserve
 
 from __future__ import annotations
 
+import queue
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -21,6 +22,7 @@ class StreamTransport:
 
     name: ClassVar[str] = "stream"
     kind: ClassVar[int] = pb.TRANSPORT_STREAM
+    written_in_place: ClassVar[bool] = False
 
     def __init__(self, channel: grpc.Channel, metadata: Any, chunk_bytes: int) -> None:
         self.chunk_bytes = chunk_bytes
@@ -43,6 +45,11 @@ class StreamTransport:
         """Publish `files` as one version (a Publish call); the server's reply."""
         return self._publish(self._publish_messages(files, progress), timeout=timeout, metadata=self._metadata)
 
+    def open_publish(self, *, timeout: float | None) -> OpenPublish:
+        """A Publish call started now, its messages handed over as they are ready (a header
+        before its bytes are written in place, then how far they are)."""
+        return OpenPublish(self, timeout)
+
     def upload(
         self, payload: pb.Payload, parts: Sequence[memoryview], *, deadline: float | None, progress: Progress | None
     ) -> str:
@@ -54,7 +61,9 @@ class StreamTransport:
     def release(self, payload: pb.Payload) -> None:
         pass
 
-    def _publish_messages(self, files: Sequence[OutgoingFile], progress: Progress | None) -> Iterator[Any]:
+    def _publish_messages(
+        self, files: Sequence[OutgoingFile], progress: Progress | None, *, commit: bool = True
+    ) -> Iterator[Any]:
         """Each header followed by its parts re-cut into chunks (small parts are merged), or by
         the upload that moved them, then the commit. `progress` hears of each chunk once gRPC
         has taken it."""
@@ -85,7 +94,8 @@ class StreamTransport:
                 sent += pending_bytes
                 if progress is not None:
                     progress(sent, total)
-        yield pb.PublishRequest(commit=pb.PublishCommit())
+        if commit:
+            yield pb.PublishRequest(commit=pb.PublishCommit())
 
     # ------------------------------------------------------------------ fetch
     def open(self, request: pb.FetchRequest, timeout: float | None) -> Offer | None:
@@ -174,6 +184,44 @@ class StreamTransport:
                 yield message
         finally:
             stream.cancel()
+
+
+class OpenPublish:
+    """A Publish call whose messages are handed over one by one, as they are ready: for a
+    publisher that writes a model's bytes in place (shared memory) and tells the server how
+    far it has got, so that the server verifies them meanwhile."""
+
+    _END: ClassVar[object] = object()
+
+    def __init__(self, stream: StreamTransport, timeout: float | None) -> None:
+        self._stream = stream
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._future = stream._publish.future(
+            iter(self._queue.get, self._END), timeout=timeout, metadata=stream._metadata
+        )
+
+    def send(self, message: pb.PublishRequest) -> None:
+        """Hand `message` to the call; the call's error (RpcError) once the server has ended it."""
+        if self._future.done():
+            self._future.result()  # raises what ended it
+            raise IntegrityError("the server ended the Publish call before its commit")
+        self._queue.put(message)
+
+    def send_file(self, file: OutgoingFile) -> None:
+        """A model's header and its bytes (or the upload that moved them)."""
+        for message in self._stream._publish_messages([file], None, commit=False):
+            self.send(message)
+
+    def commit(self) -> pb.PublishResponse:
+        """Send the commit and end the stream; the server's reply."""
+        self.send(pb.PublishRequest(commit=pb.PublishCommit()))
+        self._queue.put(self._END)
+        return self._future.result()
+
+    def cancel(self) -> None:
+        """End the call without a commit: the server commits nothing of it."""
+        self._future.cancel()
+        self._queue.put(self._END)
 
 
 def _expect_end(stream: Iterator[Any], model: str) -> None:
