@@ -9,7 +9,8 @@ hangs (a disk that does not answer) slows fetches down but never stops them.
 
 A publish holds its turn while the server, not the publisher, sets its pace:
 - from its header, for at most COMMIT_FIRST_SECONDS: the bytes of a publish over a fast
-  transport are already in, and its remaining messages follow at once;
+  transport are already in, and its remaining messages follow at once, or a same-host writer
+  is copying them into shared memory and says how far it has got (`written`: the hold goes on);
 - not while its bytes arrive as chunks: their pace is the publisher's link, and a slow
   publisher must not slow every fetch down;
 - from the moment its bytes are all in (an `uploaded` message, or the commit message) until it

@@ -326,7 +326,8 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
                 turn.chunk()
                 incoming[-1].add(message.chunk)
             elif kind == "written":
-                turn.chunk()  # the writer's pace, as for chunks
+                # The header's hold goes on: a same-host writer's pace is a memory copy, the
+                # hashing is the server's, and the hold expires anyway (commits_first).
                 incoming[-1].written(message.written, self.staged)
             elif kind == "uploaded":
                 incoming[-1].uploaded(message.uploaded, self.staged)
