@@ -18,7 +18,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from weightserver.digests import FileDigests, IncomingDigests
@@ -57,14 +57,20 @@ class StagedUpload:
     # Announced to watchers with the first bytes (cut-through), by `arrivals`.
     arrivals: IncomingPublishes | None = field(default=None, repr=False)
     arriving: IncomingPublish | None = field(default=None, repr=False)
-    # Shared memory: how far the writer said it has written, and the thread hashing that far.
+    # Shared memory: how far the writer said it has written.
     written_end: int = 0
+    # The thread that hashes the bytes as they arrive or are written, and its latest stretch.
     _hashing: ThreadPoolExecutor | None = field(default=None, repr=False)
+    _hashed: Future | None = field(default=None, repr=False)
 
     def arrived(self, end: int) -> None:
-        """Bytes [0, end) are in (bulk): hash the new ones while they are in cache. A transfer
-        that moves keeps the upload from expiring."""
-        self.digests.advance(end)
+        """Bytes [0, end) are in (bulk): hash the new ones in this upload's thread while the
+        next ones arrive; once all are in, wait for it (a malformed header, found there,
+        stops the transfer before its acknowledgement). A transfer that moves keeps the
+        upload from expiring."""
+        self._hash_to(end)
+        if end == self.total_bytes:
+            self._hashing_done()
         self.expires = time.monotonic() + UPLOAD_TTL_SECONDS
         if self.arriving is None and self.arrivals is not None:
             self.arriving = self.arrivals.start(self.model, self.buffer)
@@ -87,13 +93,26 @@ class StagedUpload:
             )
         self.written_end = end
         self.expires = time.monotonic() + UPLOAD_TTL_SECONDS
-        if self._hashing is None:
-            self._hashing = ThreadPoolExecutor(1, thread_name_prefix="weightserver-shm-upload-hash")
-        self._hashing.submit(self.digests.advance, end)
+        self._hash_to(end)
         if self.arriving is None and self.arrivals is not None:
             self.arriving = self.arrivals.start(self.model, self.buffer)
         if self.arriving is not None:
             self.arriving.advance(end)
+
+    def _hash_to(self, end: int) -> None:
+        """Hash bytes up to `end` in this upload's own thread, after what it hashes now (xxh3
+        lets go of the GIL: receiving goes on meanwhile); raise what an earlier stretch
+        raised there (a malformed header), so that a transfer can stop early."""
+        if self._hashed is not None and self._hashed.done():
+            self._hashed.result()
+        if self._hashing is None:
+            self._hashing = ThreadPoolExecutor(1, thread_name_prefix=f"weightserver-{self.transport}-upload-hash")
+        self._hashed = self._hashing.submit(self.digests.advance, end)
+
+    def _hashing_done(self) -> None:
+        """Wait until every stretch handed over is hashed; raise what the hashing raised."""
+        if self._hashed is not None:
+            self._hashed.result()
 
     def settle(self) -> None:
         """Wait for the hashing of what the writer announced, and end its thread."""
@@ -115,11 +134,8 @@ class StagedUpload:
         put in the file now; a bulk upload was hashed as it arrived). Blocks: call it off the
         event loop. IntegrityError when the transfer fell short."""
         if self.transport == "shm":
-            if self._hashing is not None:  # the writer announced its progress: most is hashed
-                self._hashing.submit(self.digests.advance, self.total_bytes).result()
-                self.settle()
-            else:
-                self.digests.advance(self.total_bytes)
+            self._hash_to(self.total_bytes)  # the writer may have announced most of it already
+            self._hashing_done()
         elif not self.received:
             if isinstance(self.failure, WeightServerError):
                 raise self.failure  # bytes that are no safetensors file: the check's own error
@@ -128,6 +144,8 @@ class StagedUpload:
                 f"model {self.model!r}: the bulk upload of {self.total_bytes} bytes did not arrive whole ({why}); "
                 "publish again"
             )
+        self._hashing_done()
+        self.settle()
         return self.digests.finish()
 
     def discard(self) -> None:
