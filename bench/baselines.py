@@ -3,6 +3,9 @@
 - memcpy: torch `dst.copy_(src)` into a preallocated tensor, pages warmed first.
 - raw_tcp: a separate sender process `sendall(memoryview)` of N bytes over loopback TCP; this
   process `recv_into` a preallocated buffer. Timed from the 1-byte 'go' to the last byte.
+- raw_tcp_after_idle: the same, each transfer after IDLE_GAP_SECONDS of nothing, as the publish
+  rows publish (a trainer trains between publishes). On the development machine a transfer
+  after an idle second takes about twice as long as one right after another.
 - gloo_broadcast: torch.distributed gloo broadcast of N bytes between 2 spawned processes
   (one pair per size), timed on the receiving rank after a barrier.
 - torchrl_shared_mem: TorchRL's own multiprocess weight sync (MultiSyncCollector, 2 workers,
@@ -71,8 +74,20 @@ def memcpy(nbytes: int, repeats: int) -> Row:
     return throughput_row("memcpy", nbytes, seconds, note=note, pairs_per_sample=len(pairs))
 
 
-def raw_tcp(nbytes: int, repeats: int) -> Row:
-    """Loopback TCP: a spawned sender `sendall`s, this process `recv_into`s a preallocated buffer."""
+IDLE_GAP_SECONDS = 1.0  # before each publish of the publish rows, and each raw_tcp_after_idle transfer
+
+
+def raw_tcp_after_idle(nbytes: int, repeats: int) -> Row:
+    """`raw_tcp`, each transfer after IDLE_GAP_SECONDS of idle."""
+    row = raw_tcp(nbytes, repeats, idle=IDLE_GAP_SECONDS)
+    row.name = "raw_tcp_after_idle"
+    row.note += f", each after {IDLE_GAP_SECONDS:g} s idle"
+    return row
+
+
+def raw_tcp(nbytes: int, repeats: int, *, idle: float = 0.0) -> Row:
+    """Loopback TCP: a spawned sender `sendall`s, this process `recv_into`s a preallocated
+    buffer; `idle` seconds of nothing before each transfer."""
     with socket.create_server(("127.0.0.1", 0)) as listener:
         port = listener.getsockname()[1]
         sender = SPAWN.Process(target=workers.tcp_sender, args=(port, nbytes, repeats + WARMUP_ROUNDS), daemon=True)
@@ -85,6 +100,7 @@ def raw_tcp(nbytes: int, repeats: int) -> Row:
     with conn:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         for i in range(repeats + WARMUP_ROUNDS):
+            time.sleep(idle)
             start = time.perf_counter()
             conn.sendall(b"g")
             received = 0

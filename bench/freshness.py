@@ -25,7 +25,7 @@ import time
 import torch
 
 from bench import workers
-from bench.baselines import median_seconds
+from bench.baselines import IDLE_GAP_SECONDS, median_seconds
 from bench.common import WARMUP_ROUNDS, Row, format_size, log, not_available
 from bench.models import FlatPolicy
 from bench.rows import Context, compare
@@ -44,7 +44,7 @@ FRESHNESS_8_TARGET = 1.5  # x freshness_remote
 # Untimed pause before each timed publish: a trainer trains between publishes, and what the
 # last publish left running in the background (the server's sha256 of it, the next upload
 # set up ahead) would otherwise share the cores with the one being timed.
-PUBLISH_GAP_SECONDS = 1.0
+PUBLISH_GAP_SECONDS = IDLE_GAP_SECONDS  # idle before each publish, as a trainer trains
 
 
 def publish_transports() -> bool:
@@ -107,7 +107,12 @@ def publish_bulk(ctx: Context, size: int) -> list[Row]:
     if not publish_transports():
         return [not_available("publish_bulk", size, "ms", target, "WeightClient.publish has no transport=")]
     row, _ = _publish_row(ctx, size, "bulk", "publish_bulk")
-    return [compare(row, ctx.baseline("raw_tcp", size), "<=", PUBLISH_BULK_TARGET, time_based=True)]
+    judged = compare(row, ctx.baseline("raw_tcp", size), "<=", PUBLISH_BULK_TARGET, time_based=True)
+    idle = ctx.baseline("raw_tcp_after_idle", size)
+    if idle is not None:  # reported beside the judged ratio: the same idle before each transfer
+        judged.extra["ratio_to_raw_tcp_after_idle"] = ratio = row.median / (median_seconds(idle) * 1e3)
+        judged.note += f"; {ratio:.2f}x one raw TCP transfer after the same {IDLE_GAP_SECONDS:g} s idle"
+    return [judged]
 
 
 def publish_shm(ctx: Context, size: int) -> list[Row]:
@@ -321,7 +326,7 @@ ROW_ORDER = list(SIZED_ROWS)
 # The in-run baselines each row is compared with (freshness_8 measures freshness_remote itself
 # when the run did not include it).
 NEEDS = {
-    "publish_bulk": ["raw_tcp"],
+    "publish_bulk": ["raw_tcp", "raw_tcp_after_idle"],
     "publish_shm": ["memcpy"],
     "freshness_remote": ["raw_tcp"],
     "freshness_remote_no_cut_through": ["raw_tcp"],

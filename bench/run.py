@@ -7,7 +7,7 @@
 
 Prints a table (median of the repeats, min-max, unit, the baseline's median, the ratio, the
 target and PASS/FAIL) and writes every raw sample to JSON. Progress goes to stderr. Rows whose
-feature does not exist yet print "n/a (not implemented)". Baselines: memcpy, raw_tcp,
+feature does not exist yet print "n/a (not implemented)". Baselines: memcpy, raw_tcp, raw_tcp_after_idle,
 gloo_broadcast, torchrl_shared_mem (see bench/baselines.py); rows: see bench/rows.py and
 bench/freshness.py (publish over bulk / shared memory, publish-to-collector freshness) and
 bench/fanout_tree.py (a primary, 4 relays, 32 collectors: freshness and the primary's egress).
@@ -34,7 +34,7 @@ if str(REPO) not in sys.path:
 # Module level stays standard library + bench.common: spawned children re-import this file.
 from bench.common import GiB, Row, cpu_busy, format_size, log, parse_size  # noqa: E402
 
-BASELINES = ["memcpy", "raw_tcp", "gloo_broadcast", "torchrl_shared_mem"]
+BASELINES = ["memcpy", "raw_tcp", "raw_tcp_after_idle", "gloo_broadcast", "torchrl_shared_mem"]
 ALIASES = {
     "publish_blocked_async": "publish_blocked",
     "single_collector": "fanout_8",
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     results: list[Row] = []
     measured: dict[tuple[str, int], Row] = {}
 
-    for name in ("memcpy", "raw_tcp", "gloo_broadcast"):
+    for name in ("memcpy", "raw_tcp", "raw_tcp_after_idle", "gloo_broadcast"):
         if name in needed:
             for size in args.sizes:
                 for row in guarded(name, size, getattr(baselines, name), size, args.repeats):
