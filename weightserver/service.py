@@ -800,23 +800,15 @@ class _IncomingModel:
     def written(self, message: pb.PublishWritten, uploads: StagedUploads) -> None:
         """A shared-memory writer's progress: bytes [0, end) of its upload are in place, to be
         hashed while it writes the rest. The first such message takes the upload."""
-        if self.staged is None:
-            self._take(message.upload, uploads)
-        elif message.upload != self.staged.id or self.moved:
-            raise InvalidRequest(f"model {self.header.model!r}: `written` after another upload or its `uploaded`")
-        assert self.staged is not None
-        self.staged.written(message.end)
+        staged = self._own(message.upload, uploads, "`written` after another upload or its `uploaded`")
+        staged.written(message.end)
         self.received = message.end
-        self.arriving = self.staged.arriving
+        self.arriving = staged.arriving
 
     def uploaded(self, message: pb.PublishUploaded, uploads: StagedUploads) -> None:
         """The model's bytes are all in the upload set up by Negotiate, instead of chunks (and
         its xxh3 comes here when the header was sent before they were moved)."""
-        if self.staged is None:
-            self._take(message.upload, uploads)
-        elif message.upload != self.staged.id or self.moved:
-            raise InvalidRequest(f"model {self.header.model!r}: a model's bytes come as chunks or one `uploaded`")
-        assert self.staged is not None
+        staged = self._own(message.upload, uploads, "a model's bytes come as chunks or one `uploaded`")
         if message.xxh3:
             if self.header.xxh3 and self.header.xxh3.lower() != message.xxh3.lower():
                 raise IntegrityError(
@@ -825,13 +817,19 @@ class _IncomingModel:
                 )
             self.header.xxh3 = message.xxh3
         self.received, self.moved = self.header.total_bytes, True
-        self.arriving = self.staged.arriving
+        self.arriving = staged.arriving
 
-    def _take(self, upload: str, uploads: StagedUploads) -> None:
-        if self.received:
-            raise InvalidRequest(f"model {self.header.model!r}: a model's bytes come as chunks or one `uploaded`")
-        self.staged = uploads.take(upload, self.header.model, self.header.total_bytes)
-        self.transport, self.upload, self.buffer = self.staged.transport, self.staged.file, self.staged.buffer
+    def _own(self, upload: str, uploads: StagedUploads, out_of_order: str) -> StagedUpload:
+        """The upload `upload`, taken from `uploads` by its first message; InvalidRequest
+        (`out_of_order`) when the model's bytes came otherwise, or it is named after `uploaded`."""
+        if self.staged is None:
+            if self.received:
+                raise InvalidRequest(f"model {self.header.model!r}: a model's bytes come as chunks or one `uploaded`")
+            self.staged = uploads.take(upload, self.header.model, self.header.total_bytes)
+            self.transport, self.upload, self.buffer = self.staged.transport, self.staged.file, self.staged.buffer
+        elif upload != self.staged.id or self.moved:
+            raise InvalidRequest(f"model {self.header.model!r}: {out_of_order}")
+        return self.staged
 
     def _allocate(self) -> None:
         """The buffer for the chunks, and the digests that follow them into it."""

@@ -71,11 +71,7 @@ class StagedUpload:
         self._hash_to(end)
         if end == self.total_bytes:
             self._hashing_done()
-        self.expires = time.monotonic() + UPLOAD_TTL_SECONDS
-        if self.arriving is None and self.arrivals is not None:
-            self.arriving = self.arrivals.start(self.model, self.buffer)
-        if self.arriving is not None:
-            self.arriving.advance(end)
+        self._landed(end)
 
     def written(self, end: int) -> None:
         """A shared-memory writer's word that bytes [0, end) are written for good: hash them
@@ -92,8 +88,13 @@ class StagedUpload:
                 "it must not go back or beyond the size"
             )
         self.written_end = end
-        self.expires = time.monotonic() + UPLOAD_TTL_SECONDS
         self._hash_to(end)
+        self._landed(end)
+
+    def _landed(self, end: int) -> None:
+        """Bytes [0, end) are in: the upload does not expire while they move, and watchers
+        hear of them (announced with the first)."""
+        self.expires = time.monotonic() + UPLOAD_TTL_SECONDS
         if self.arriving is None and self.arrivals is not None:
             self.arriving = self.arrivals.start(self.model, self.buffer)
         if self.arriving is not None:
@@ -115,7 +116,7 @@ class StagedUpload:
             self._hashed.result()
 
     def settle(self) -> None:
-        """Wait for the hashing of what the writer announced, and end its thread."""
+        """Wait for the stretch being hashed, drop those not started, and end the thread."""
         if self._hashing is not None:
             self._hashing.shutdown(wait=True, cancel_futures=True)
 
@@ -135,7 +136,6 @@ class StagedUpload:
         event loop. IntegrityError when the transfer fell short."""
         if self.transport == "shm":
             self._hash_to(self.total_bytes)  # the writer may have announced most of it already
-            self._hashing_done()
         elif not self.received:
             if isinstance(self.failure, WeightServerError):
                 raise self.failure  # bytes that are no safetensors file: the check's own error
