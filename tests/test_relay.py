@@ -135,11 +135,13 @@ def test_a_relay_fetches_a_delta_when_it_holds_the_base_and_rebuilds_the_version
     relay = make_relay(primary, metrics_port=0)
     with WeightClient(primary.address) as trainer:
         trainer.publish(weights(0, big=64 * 1024), "policy")
-        wait_until(lambda: held(relay, "policy") == 1, timeout=10)
-        whole = sample(relay, "weightserver_relay_fetch_bytes_total", model="policy", payload="whole")
-        assert whole == primary.store.get("policy", 1).byte_size
+        whole = primary.store.get("policy", 1).byte_size
+        # The relay counts what it fetched before the version becomes visible: once it holds v1,
+        # the counter has it (a scrape never shows a version whose bytes are not counted yet).
+        wait_until(lambda: held(relay, "policy") == 1)
+        assert sample(relay, "weightserver_relay_fetch_bytes_total", model="policy", payload="whole") == whole
         trainer.publish(weights(1, big=64 * 1024), "policy")  # only `head` (32 bytes) changed
-        wait_until(lambda: held(relay, "policy") == 2, timeout=10)
+        wait_until(lambda: held(relay, "policy") == 2)
     delta = sample(relay, "weightserver_relay_fetch_bytes_total", model="policy", payload="delta")
     assert 0 < delta < 1024 < primary.store.get("policy", 2).byte_size
     assert sample(relay, "weightserver_relay_fetch_bytes_total", model="policy", payload="whole") == whole

@@ -20,7 +20,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pki import make_pki
 from test_relay import held, weights
-from waiting import wait_until
+from waiting import wait_for, wait_until
 
 from tests.test_cut_through import EarlyReceive, HeldPublish, Watcher, file_of, weights_filled
 from weightclient import ModelNotFound, NotPrimary, WeightClient, WeightServiceClient
@@ -120,6 +120,11 @@ def latest(client: WeightClient) -> int:
 
 def sample(server, name: str) -> float | None:
     return server.metrics.registry.get_sample_value(name, {})
+
+
+def refusals_logged(caplog) -> list[logging.LogRecord]:
+    """The relay's log records saying that its upstream refuses it."""
+    return [r for r in caplog.records if "refuses this relay" in r.getMessage()]
 
 
 # ---------------------------------------------------------------------- following
@@ -233,7 +238,9 @@ def test_a_refused_relay_says_so_serves_nothing_it_never_received_backs_off_and_
             upstream_token=relay_token,
             metrics_port=0,
         )
-        wait_until(lambda: relay.relay.upstream_refused, timeout=10)
+        # The refusal is logged last in the relay's report (before its health, which says
+        # NOT_SERVING from the start): once it is, the metrics and the error are in place.
+        wait_until(lambda: refusals_logged(caplog), what="the relay's refusal logged")
         at_relay = Dial(relay.address)
         assert at_relay.health(RELAY_HEALTH_SERVICE) == NOT_SERVING
         assert at_relay.health("") == SERVING  # it still serves what it holds
@@ -247,7 +254,7 @@ def test_a_refused_relay_says_so_serves_nothing_it_never_received_backs_off_and_
         time.sleep(3.0)
         assert sample(relay, "weightserver_relay_upstream_refusals_total") - before <= 12
         # One error, naming the cause and what to set; the token itself never logged.
-        refusals = [r for r in caplog.records if "refuses this relay" in r.getMessage()]
+        refusals = refusals_logged(caplog)
         assert [r.levelno for r in refusals] == [logging.ERROR]
         errors = [r.getMessage() for r in refusals]
         assert (
@@ -302,11 +309,16 @@ def test_a_relay_whose_tls_handshake_fails_reports_the_upstream_away_and_what_to
         "plaintext": {},
     }[mismatch]
     relay = make_server(upstream=primary.address, upstream_poll_seconds=0.1, metrics_port=0, **link)
-    wait_until(lambda: relay.relay.upstream_up is False, timeout=15)
+    # The warning is the last thing the relay's report does before its health (NOT_SERVING
+    # from the start): wait for what is asserted, not for the flag set before it.
+    warnings = wait_for(
+        lambda: [r.getMessage() for r in caplog.records if "does not answer" in r.getMessage()],
+        timeout=15,
+        what="the relay's warning that its upstream does not answer",
+    )
+    assert relay.relay.upstream_up is False
     assert Dial(relay.address).health(RELAY_HEALTH_SERVICE) == NOT_SERVING
     assert not relay.relay.upstream_refused and sample(relay, "weightserver_relay_upstream_refused") == 0
-    warnings = [r.getMessage() for r in caplog.records if "does not answer" in r.getMessage()]
-    assert warnings
     check = "--upstream-tls-cert" if mismatch == "no client certificate" else "--upstream-tls-ca"
     assert check in warnings[0]
     time.sleep(1.0)

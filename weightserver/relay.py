@@ -255,9 +255,6 @@ class Relay:
             return
         self.upstream_up, self.upstream_refused = up, refused
         self.metrics.upstream_up(up, refused=refused)
-        if self.health is not None:
-            status = health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
-            await self.health.set(RELAY_HEALTH_SERVICE, status)
         if up:
             self.upstream_error = None
             log.info("upstream %s answers: following it", self.address)
@@ -277,6 +274,10 @@ class Relay:
                 error,
                 self._handshake_advice(),
             )
+        # Health last: a probe that sees it change finds the metrics and the log line in place.
+        if self.health is not None:
+            status = health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
+            await self.health.set(RELAY_HEALTH_SERVICE, status)
 
     def _refusal_advice(self) -> str:
         """What to set when the upstream refuses this relay's token."""
@@ -490,7 +491,20 @@ class Relay:
         on_commit: Callable[[Version], None] | None = None,
     ) -> None:
         """Commit the fetched versions together under `number`, with the upstream's metadata,
-        digests and commit time; log and count them."""
+        digests and commit time; log and count them.
+
+        They are counted in the commit itself, before any reader can see them: a client that
+        sees a version and then reads /metrics finds its bytes counted."""
+
+        def counted(f: FetchedVersion) -> Callable[[Version], None]:
+            def commit(record: Version) -> None:
+                if on_commit is not None:
+                    on_commit(record)
+                self.metrics.relayed(record.model, f.moved, delta=f.delta)
+                self.metrics.published(record.model, record.byte_size, time.perf_counter() - started)
+
+            return commit
+
         uploads = [
             Upload(
                 f.info.model,
@@ -499,7 +513,7 @@ class Relay:
                 xxh3=f.info.xxh3,
                 total_bytes=f.info.byte_size,
                 metadata=dict(f.info.metadata),
-                on_commit=on_commit,
+                on_commit=counted(f),
             )
             for f in fetched
         ]
@@ -513,8 +527,6 @@ class Relay:
             return
         seconds = time.perf_counter() - started
         for f, record in zip(fetched, records, strict=True):
-            self.metrics.relayed(record.model, f.moved, delta=f.delta)
-            self.metrics.published(record.model, record.byte_size, seconds)
             fields = {
                 "event": "relay",
                 "model": record.model,

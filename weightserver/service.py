@@ -253,7 +253,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         try:
             with self._commits_first.publish() as turn:
                 messages = self._checked_headers(request_iterator, context)
-                records = await self._receive_and_commit(messages, incoming, turn)
+                records = await self._receive_and_commit(messages, incoming, turn, started)
             failure = "a repeat of a publish id committed before: its version was announced then"
         except BaseException as exc:
             failure = clipped_message(str(exc) or type(exc).__name__, 200)
@@ -266,7 +266,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
                     model.upload.abort()  # a publish that did not commit leaves no file
                 if model.arriving is not None and not model.committed:
                     model.arriving.fail(failure)  # followers that took bytes early drop them
-        if incoming[0].committed:
+        if incoming[0].committed:  # counted in the commit (`_counted`); logged here
             for model, record in zip(incoming, records, strict=True):
                 self._transferred("publish", record, started, context, transport=model.transport)
         else:  # a repeat of a publish id: the versions an earlier call committed
@@ -302,6 +302,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         request_iterator: AsyncIterator[pb.PublishRequest],
         incoming: list[_IncomingModel],
         turn: PublishTurn,
+        started: float,
     ) -> list[Version]:
         """Receive the stream's models, then verify and commit them, telling `turn` what
         arrives: stream fetches let the publish go first while the server sets its pace."""
@@ -318,7 +319,10 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
                     _check_group_header(incoming[0].header, message.header)
                 header = message.header
                 _check_publish(self.store, header, incoming[0].header if incoming else header)
-                incoming.append(_IncomingModel(header, self.shared_memory, self.store.header_limits, self.incoming))
+                counted = functools.partial(self._counted, started=started)
+                incoming.append(
+                    _IncomingModel(header, self.shared_memory, self.store.header_limits, self.incoming, counted)
+                )
                 turn.header()
             elif not incoming:
                 raise InvalidRequest("a Publish stream must start with a header message (model, total_bytes, sha256)")
@@ -641,13 +645,12 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         transport: str = "stream",
         sent: int | None = None,
     ) -> None:
-        """Log and count one finished publish or fetch. For shm and bulk the duration covers
-        handing out the file or ticket; the bytes then move outside this call."""
+        """Log one finished publish or fetch, and count a fetch (a publish is counted in its
+        commit, `_counted`). For shm and bulk the duration covers handing out the file or
+        ticket; the bytes then move outside this call."""
         seconds = time.perf_counter() - started
         nbytes = record.byte_size if sent is None else sent
-        if kind == "publish":
-            self.metrics.published(record.model, nbytes, seconds)
-        else:
+        if kind != "publish":
             self.metrics.fetched(
                 record.model, record.version, nbytes, seconds, transport=transport, client_id=_client_id(context)
             )
@@ -660,6 +663,11 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
             transport=transport,
             duration_ms=round(seconds * 1e3, 3),
         )
+
+    def _counted(self, record: Version, *, started: float) -> None:
+        """Count a committed publish in the metrics. Called in the commit, before any reader
+        can see the version: whoever sees it and then reads /metrics finds it counted."""
+        self.metrics.published(record.model, record.byte_size, time.perf_counter() - started)
 
     def _base_version(self, record: Version, base_version: int) -> Version | None:
         """The caller's base version if it can serve as a delta base, else None (full payload)."""
@@ -754,8 +762,10 @@ class _IncomingModel:
         shared_memory: SharedMemoryFiles | None = None,
         header_limits: dict[str, int] | None = None,
         arrivals: IncomingPublishes | None = None,
+        counted: Callable[[Version], None] | None = None,
     ) -> None:
         self.header = header
+        self.counted = counted  # called in the commit, before any reader can see the version
         self.shared_memory = shared_memory
         self.header_limits = header_limits
         self.arrivals = arrivals
@@ -886,6 +896,8 @@ class _IncomingModel:
         its file and header in place, and no pin can change `record` in between. Not called
         when the publish repeats a publish id: the bytes then become nothing."""
         self.committed = True
+        if self.counted is not None:
+            self.counted(record)
         if self.arriving is not None and self.arrivals is not None:
             self.arrivals.committed(self.arriving, record.model, record.version)
         if self.upload is None:
