@@ -6,7 +6,6 @@ import platform
 import re
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 
@@ -15,6 +14,7 @@ import grpc
 import pytest
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
+from waiting import wait_equal
 
 import weightserver
 from weightclient.service_client import WeightServiceClient
@@ -49,11 +49,8 @@ def value(samples: Samples, name: str, **labels: str) -> float | None:
     return samples.get((name, frozenset(labels.items())))
 
 
-def wait_for_value(server: WeightServer, name: str, expected: float, timeout: float = 10.0, **labels: str) -> None:
-    deadline = time.monotonic() + timeout
-    while (current := value(scrape(server), name, **labels)) != expected:
-        assert time.monotonic() < deadline, f"{name}{labels} is {current}, expected {expected}"
-        time.sleep(0.05)
+def wait_for_value(server: WeightServer, name: str, expected: float, **labels: str) -> None:
+    wait_equal(lambda: value(scrape(server), name, **labels), expected, what=f"{name}{labels} == {expected}")
 
 
 @pytest.fixture

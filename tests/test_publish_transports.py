@@ -18,6 +18,7 @@ import grpc
 import pytest
 import torch
 import xxhash
+from waiting import wait_equal, wait_until
 
 import weightserver.staged_uploads as staged_uploads
 from tests.test_fast_paths import assert_bit_exact, mixed_model
@@ -69,13 +70,6 @@ def assert_nothing_visible(client: WeightClient, before: int) -> None:
     assert [v.version for v in client.list_versions(MODEL)][-1] == before
 
 
-def wait_for(condition, seconds: float = 10.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)
-
-
 def staged_count(server) -> int:
     from tests.test_fast_paths import servicer_of
 
@@ -98,7 +92,7 @@ def test_publish_over_every_transport_is_bit_exact(server, client, transport):
     info = client.describe(MODEL, version)
     assert info.xxh3 == xxhash.xxh3_128_hexdigest(file_of(weights))
     # Nothing of this publish stays staged; a fast one set its successor up (a spare).
-    wait_for(lambda: staged_count(server) == (0 if used == "stream" else 1))
+    wait_equal(lambda: staged_count(server), (0 if used == "stream" else 1), what="uploads staged")
 
 
 def test_a_group_publish_over_bulk_commits_once(server, client):
@@ -112,7 +106,9 @@ def test_a_group_publish_over_bulk_commits_once(server, client):
 def test_the_shm_upload_becomes_the_versions_file_without_a_copy(server, client):
     weights = mixed_model()
     version = client.publish(weights, model=MODEL, transport="shm")
-    wait_for(lambda: staged_count(server) == 1)  # the next upload, set up ahead: its file is the only upload-*
+    wait_equal(
+        lambda: staged_count(server), 1, what="uploads staged"
+    )  # the next upload, set up ahead: its file is the only upload-*
     files = sorted(p.name for p in (server.shared_memory.directory / MODEL).iterdir())
     own = [f"{version:012d}.header", f"{version:012d}.safetensors"]
     assert [f for f in files if not f.startswith("upload-")] == own
@@ -254,10 +250,8 @@ def test_a_shm_upload_written_half_way_and_never_committed_is_never_visible(serv
     with open(answer.payload.shared_memory.path, "r+b") as f:
         f.write(data[: len(data) // 2])  # the publisher dies here
     assert_nothing_visible(client, 1)
-    deadline = time.monotonic() + 10
-    while os.path.exists(answer.payload.shared_memory.path) and time.monotonic() < deadline:
-        time.sleep(0.05)  # the sweeper drops it within about a second
-    assert not os.path.exists(answer.payload.shared_memory.path)
+    # The sweeper drops it within about a second.
+    wait_until(lambda: not os.path.exists(answer.payload.shared_memory.path), what="the upload file removed")
     assert staged_count(server) == 0
     assert_nothing_visible(client, 1)
 
@@ -313,9 +307,7 @@ def test_a_server_stopped_mid_upload_fails_the_publish_with_a_clear_status(make_
 
         thread = threading.Thread(target=publish)
         thread.start()
-        deadline = time.monotonic() + 10
-        while srv.bulk.connections == 0 and time.monotonic() < deadline:
-            time.sleep(0.001)
+        wait_until(lambda: srv.bulk.connections, step=0.001, what="the bulk upload connected")
         srv.stop(grace=0)
         thread.join(30)
     assert not thread.is_alive()
@@ -405,7 +397,7 @@ def test_errors_from_negotiate_reach_the_caller(server, client):
 # ---------------------------------------------------------------------- spare uploads
 def spare_path(server) -> str:
     """The one upload file staged in the server's shared memory (the client's spare)."""
-    wait_for(lambda: staged_count(server) == 1)
+    wait_equal(lambda: staged_count(server), 1, what="uploads staged")
     (path,) = (server.shared_memory.directory / MODEL).glob("upload-*.tmp")
     return str(path)
 
@@ -436,7 +428,7 @@ def test_a_spare_the_server_forgot_does_not_fail_the_publish(server, client, tra
     from tests.test_fast_paths import servicer_of
 
     client.publish(mixed_model(1), model=MODEL, transport=transport)
-    wait_for(lambda: staged_count(server) == 1)
+    wait_equal(lambda: staged_count(server), 1, what="uploads staged")
     servicer_of(server).staged.close()  # what a restart does to them
     weights = mixed_model(2)
     version = client.publish(weights, model=MODEL, transport=transport)
@@ -457,4 +449,4 @@ def test_a_model_over_the_spare_limit_gets_no_spare(server, client, monkeypatch)
         assert staged_count(server) == 0
     monkeypatch.setattr(spare_uploads, "MAX_SPARE_BYTES", len(file_of(weights)))
     client.publish(weights, model=MODEL, transport="shm")
-    wait_for(lambda: staged_count(server) == 1)  # at the limit: one is
+    wait_equal(lambda: staged_count(server), 1, what="uploads staged")  # at the limit: one is
