@@ -77,6 +77,10 @@ def stop_all(children: list[Child], timeout: float) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = config.parse(argv, config.RUN_OPTIONS, "python -m demo", __doc__.splitlines()[0])
+    # Ctrl-C (SIGINT) stops the demo cleanly even when it was started with SIGINT ignored, as a
+    # shell without job control starts every background command (`python -m demo &` in a
+    # script): Python then installs no handler of its own, and `kill -INT` would do nothing.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     started = time.monotonic()
     workdir = Path(tempfile.mkdtemp(prefix="weightserver-demo-"))
     spool_dir = Path(args.spool_dir) if args.spool_dir else workdir / "spool"

@@ -120,10 +120,14 @@ def test_ctrl_c_stops_every_process_cleanly(tmp_path: Path):
         ]
         started = time.monotonic()
         demo.send_signal(signal.SIGINT)  # what Ctrl-C sends to the foreground process
-        rest, _ = demo.communicate(timeout=60)
+        try:
+            rest, _ = demo.communicate(timeout=60)
+        except subprocess.TimeoutExpired as stuck:
+            pytest.fail(f"the demo still runs 60 s after SIGINT; its output:\n{''.join(lines)}{stuck.output or ''}")
     finally:
         if demo.poll() is None:
             demo.kill()
+        demo.communicate()  # reaped and its pipe closed, whatever happened
     output = "".join(lines) + rest
     assert demo.returncode == 130, output[-4000:]
     assert time.monotonic() - started < 30
