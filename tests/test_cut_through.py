@@ -53,12 +53,21 @@ class Watcher:
     def next(self, timeout: float = 20.0) -> VersionEvent | Arriving:
         return self.events.get(timeout=timeout)
 
+    @classmethod
+    def subscribed(cls, client: WeightClient, held: int) -> Watcher:
+        """A watcher whose Watch call is subscribed when this returns, so that it cannot miss
+        a publish that starts next: it opens from `held - 1` and takes the event of `held`,
+        which the server sends from its backlog once it has subscribed the call."""
+        watcher = cls(client, since=held - 1)
+        event = watcher.next()
+        assert isinstance(event, VersionEvent) and event.version == held, event
+        return watcher
+
 
 @pytest.fixture
 def watcher(server, other_client) -> Iterator[Watcher]:
     other_client.publish(weights_filled(0.0), model=MODEL, transport="stream")  # the model exists
-    watching = Watcher(other_client, since=1)
-    time.sleep(0.2)  # the Watch call is open (it sends no event until something happens)
+    watching = Watcher.subscribed(other_client, held=1)
     yield watching  # its stream ends when other_client is closed
 
 
@@ -234,10 +243,10 @@ def test_a_same_host_publish_is_announced_as_it_is_written(server, client, other
 def test_a_watch_that_does_not_ask_sees_only_commits(server, client, other_client):
     client.publish(weights_filled(0.0), model=MODEL, transport="stream")
     events = []
-    stream = other_client.watch(MODEL, since=1, timeout=60)
+    stream = other_client.watch(MODEL, since=0, timeout=60)
+    assert next(stream).version == 1  # from the backlog: the call is subscribed
     reader = threading.Thread(target=lambda: events.extend([next(stream)]), daemon=True)
     reader.start()
-    time.sleep(0.2)
     version = client.publish(weights_filled(2.0), model=MODEL, transport="bulk")
     reader.join(20)
     stream.close()

@@ -169,8 +169,7 @@ def test_a_relay_killed_during_a_followers_early_receive_leaves_the_version_to_t
             updater = GrpcLocalWeightUpdater(client, model=MODEL, policy=policy, watch=True, update_timeout=2.0)
             wait_until(lambda: (update(), updater._follower is not None and updater._follower.newest() == 1)[1])
             assert updater.cut_through and updater._follower._cut_through is not None
-            watcher = Watcher(probe, since=1)  # a second follower of the relay, to see its bytes flow
-            time.sleep(0.2)  # both Watch calls are open
+            watcher = Watcher.subscribed(probe, held=1)  # a second follower of the relay, to see its bytes flow
             publish = HeldPublish(primary.address, file_of(published), "stream")  # half, then it waits
             announced = watcher.next()
             assert isinstance(announced, Arriving)

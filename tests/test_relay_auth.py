@@ -151,8 +151,7 @@ def test_a_relay_follows_a_primary_with_a_token_and_mutual_tls_byte_for_byte_and
         trainer.publish(weights(1), MODEL, version=7, metadata={"step": "1", "run": "a"})
         wait_until(lambda: held(relay.address, MODEL) == 7, timeout=15)
         with WeightClient(relay.address) as collector:
-            watcher = Watcher(collector, since=7)
-            time.sleep(0.2)  # the Watch call is open (it sends no event until something happens)
+            watcher = Watcher.subscribed(collector, held=7)
             data = file_of(weights_filled(2.5))
             publish = HeldPublish(
                 primary.address, data, "stream", credentials=at_primary.credentials(), token=TOKENS["trainer"]

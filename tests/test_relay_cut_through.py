@@ -6,8 +6,6 @@ depth."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 from test_relay import assert_same_versions, held
 from waiting import wait_until
@@ -35,8 +33,7 @@ def tree(make_server):
 def test_a_follower_two_relays_down_receives_a_publish_before_the_primary_commits_it(tree, publish_over):
     primary, _, leaf = tree
     with WeightClient(leaf.address) as collector:
-        watcher = Watcher(collector, since=1)
-        time.sleep(0.2)  # the Watch call is open (it sends no event until something happens)
+        watcher = Watcher.subscribed(collector, held=1)
         data = file_of(weights_filled(2.5))
         publish = HeldPublish(primary.address, data, publish_over)  # half its bytes, then it waits
         announced = watcher.next()
@@ -60,8 +57,7 @@ def test_a_follower_two_relays_down_receives_a_publish_before_the_primary_commit
 def test_a_publish_cut_half_way_is_never_visible_at_any_depth(tree, publish_over):
     primary, middle, leaf = tree
     with WeightClient(leaf.address) as collector:
-        watcher = Watcher(collector, since=1)
-        time.sleep(0.2)  # the Watch call is open (it sends no event until something happens)
+        watcher = Watcher.subscribed(collector, held=1)
         publish = HeldPublish(primary.address, file_of(weights_filled(3.5)), publish_over)
         announced = watcher.next()
         assert isinstance(announced, Arriving)
