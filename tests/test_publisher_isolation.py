@@ -12,6 +12,7 @@ loopback, with raw stubs where the client would not send such input.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from weightclient.service_client import WeightServiceClient
 from weightserver.errors import ERROR_METADATA_KEY, InvalidRequest, ModelNotFound
 from weightserver.store import Upload, VersionStore
 from weightserver.v1 import weights_pb2 as pb
+from weightserver.v1 import weights_pb2_grpc as pb_grpc
 
 WAIT = 30.0
 PUBLISH_METHOD = "/weightserver.v1.WeightService/Publish"
@@ -124,3 +126,85 @@ def test_a_publish_id_that_is_not_utf8_is_invalid_argument(make_server) -> None:
             assert "must be valid UTF-8" in refused.value.details()
     with WeightServiceClient(server.address) as client, pytest.raises(ModelNotFound):
         client.latest("a")
+
+
+# ---------------------------------------------------------------------- item 8: upload ids
+TOKENS = {
+    "owner": ("publisher:policy", "o" * 24),
+    "other": ("publisher:value", "v" * 24),
+    "any": ("publisher", "y" * 24),
+}
+
+
+def _metadata(name: str | None) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {TOKENS[name][1]}"),) if name else ()
+
+
+def _staged_upload(stub: pb_grpc.WeightServiceStub, model: str, data: bytes, token: str | None) -> str:
+    """Set up a shared-memory upload of `data` for `model` as `token`'s caller and write it: its id."""
+    header = pb.PublishHeader(model=model, total_bytes=len(data))
+    request = pb.NegotiateRequest(direction=pb.DIRECTION_PUBLISH, accept=[pb.TRANSPORT_SHARED_MEMORY], publish=header)
+    answer = stub.Negotiate(request, timeout=WAIT, metadata=_metadata(token))
+    assert answer.transport == pb.TRANSPORT_SHARED_MEMORY and answer.upload
+    with open(answer.payload.shared_memory.path, "r+b") as file:
+        file.write(data)
+    return answer.upload
+
+
+def _publish_upload(
+    stub: pb_grpc.WeightServiceStub, model: str, total_bytes: int, upload: str, sha256: str, token: str | None
+) -> pb.PublishResponse:
+    requests = [
+        pb.PublishRequest(header=pb.PublishHeader(model=model, total_bytes=total_bytes, sha256=sha256)),
+        pb.PublishRequest(uploaded=pb.PublishUploaded(upload=upload)),
+        pb.PublishRequest(commit=pb.PublishCommit()),
+    ]
+    return stub.Publish(iter(requests), timeout=WAIT, metadata=_metadata(token))
+
+
+@pytest.fixture
+def token_server(make_server, tmp_path: Path):
+    path = tmp_path / "tokens"
+    path.write_text("".join(f"{role} {name} {token}\n" for name, (role, token) in TOKENS.items()))
+    return make_server(auth_tokens=path, shm_dir="auto")
+
+
+def test_an_upload_id_is_usable_only_by_the_token_that_set_it_up(token_server) -> None:
+    data = safetensors_file(64 * 1024)
+    digest = hashlib.sha256(data).hexdigest()
+    with grpc.insecure_channel(token_server.address) as channel:
+        stub = pb_grpc.WeightServiceStub(channel)
+        upload = _staged_upload(stub, "policy", data, "owner")
+        # Another scoped publisher names it under its own model and another size...
+        with pytest.raises(grpc.RpcError) as refused:
+            _publish_upload(stub, "value", 1, upload, digest, "other")
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED, refused.value.details()
+        assert "set up by another token's Negotiate" in refused.value.details()
+        # ... and a publisher of every model with exactly the owner's header: both refused.
+        with pytest.raises(grpc.RpcError) as refused:
+            _publish_upload(stub, "policy", len(data), upload, digest, "any")
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED, refused.value.details()
+        # The owner's upload was left alone: it commits.
+        reply = _publish_upload(stub, "policy", len(data), upload, digest, "owner")
+        assert reply.version.version == 1 and reply.version.sha256 == digest
+        with WeightServiceClient(token_server.address, token=TOKENS["owner"][1]) as client:
+            assert bytes(client.fetch_bytes("policy", transport="stream").data) == data
+
+
+def test_a_mismatched_claim_without_tokens_leaves_the_upload_to_its_owner(make_server) -> None:
+    server = make_server(shm_dir="auto")
+    data = safetensors_file(64 * 1024)
+    digest = hashlib.sha256(data).hexdigest()
+    with grpc.insecure_channel(server.address) as channel:
+        stub = pb_grpc.WeightServiceStub(channel)
+        upload = _staged_upload(stub, "policy", data, None)
+        refusals = []
+        for model, size in (("value", len(data)), ("policy", len(data) - 1)):
+            with pytest.raises(grpc.RpcError) as refused:
+                _publish_upload(stub, model, size, upload, digest, None)
+            refusals.append(refused.value)
+        # The owner's upload was left alone: it commits.
+        assert _publish_upload(stub, "policy", len(data), upload, digest, None).version.version == 1
+    for refused in refusals:
+        assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.details()
+        assert "the upload is left as it was" in refused.details()
