@@ -13,12 +13,19 @@ loopback, with raw stubs where the client would not send such input.
 from __future__ import annotations
 
 import hashlib
+import queue
+import random
+import statistics
 import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
 import pytest
+from test_errors import watch_publish_start
 from test_fetch_turns import safetensors_file
+from waiting import wait_for
 
 from weightclient.service_client import WeightServiceClient
 from weightserver.errors import ERROR_METADATA_KEY, InvalidRequest, ModelNotFound
@@ -208,3 +215,124 @@ def test_a_mismatched_claim_without_tokens_leaves_the_upload_to_its_owner(make_s
     for refused in refusals:
         assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.details()
         assert "the upload is left as it was" in refused.details()
+
+
+# ---------------------------------------------------------------------- item 7: commits first
+FETCHES = 30
+PAUSE = (0.02, 0.12)  # seconds between one fetch's end and the next's start, drawn at random
+LATENCY_BOUND = 0.3  # seconds: the p50 of a 1 MiB stream fetch during the publisher's misdeed
+
+
+@pytest.fixture
+def fetch_server(make_server) -> Iterator[tuple[object, bytes]]:
+    """A server holding version 1 of "fetched", 1 MiB, fetched over the stream below."""
+    server = make_server(shm_dir="auto")
+    data = safetensors_file(1 << 20)
+    with WeightServiceClient(server.address) as client:
+        client.publish_bytes("fetched", data, transport="stream")
+    yield server, data
+
+
+def _p50_fetch(address: str, data: bytes) -> float:
+    """The median time of FETCHES stream fetches, each after a random pause: back to back (or
+    on a fixed beat), fast fetches would fall into the gaps between a dripping publisher's
+    holds, as they end there; paused at random, they sample its holds as they come."""
+    times, pauses = [], random.Random(29)
+    with WeightServiceClient(address) as client:
+        for _ in range(FETCHES):
+            time.sleep(pauses.uniform(*PAUSE))
+            started = time.monotonic()
+            fetched = client.fetch_bytes("fetched", version=1, transport="stream", timeout=WAIT)
+            times.append(time.monotonic() - started)
+            assert bytes(fetched.data) == data
+    return statistics.median(times)
+
+
+class _Publisher:
+    """A raw Publish call fed from a queue (None ends it), in its own channel."""
+
+    def __init__(self, address: str) -> None:
+        self.channel = grpc.insecure_channel(address)
+        self.stub = pb_grpc.WeightServiceStub(self.channel)
+        self.messages: queue.Queue = queue.Queue()
+        self.call = self.stub.Publish.future(iter(self.messages.get, None), timeout=WAIT * 4)
+
+    def close(self) -> None:
+        self.call.cancel()
+        self.messages.put(None)
+        self.channel.close()
+
+
+def _stall(address: str, stop: threading.Event) -> Callable[[], None]:
+    """Header and `uploaded` of a staged upload, then nothing until the test ends."""
+    publisher = _Publisher(address)
+    data = safetensors_file(1 << 20)
+    upload = _staged_upload(publisher.stub, "staller", data, None)
+    publisher.messages.put(pb.PublishRequest(header=pb.PublishHeader(model="staller", total_bytes=len(data))))
+    publisher.messages.put(pb.PublishRequest(uploaded=pb.PublishUploaded(upload=upload)))
+    return publisher.close
+
+
+def _drip(address: str, stop: threading.Event) -> Callable[[], None]:
+    """A new header without bytes every 0.3 s, in one publish."""
+    publisher = _Publisher(address)
+
+    def run() -> None:
+        for i in range(1000):
+            publisher.messages.put(pb.PublishRequest(header=pb.PublishHeader(model=f"drip-{i}", total_bytes=0)))
+            if stop.wait(0.3):
+                return
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+
+    def close() -> None:
+        thread.join(WAIT)
+        publisher.close()
+
+    return close
+
+
+def _reopen(address: str, stop: threading.Event) -> Callable[[], None]:
+    """A new publish every 0.3 s that sends a header and stalls, all of them left open."""
+    publishers: list[_Publisher] = []
+
+    def run() -> None:
+        while not stop.is_set() and len(publishers) < 200:
+            publisher = _Publisher(address)
+            publishers.append(publisher)
+            publisher.messages.put(pb.PublishRequest(header=pb.PublishHeader(model="reopened", total_bytes=64)))
+            stop.wait(0.3)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+
+    def close() -> None:
+        thread.join(WAIT)
+        for publisher in publishers:
+            publisher.close()
+
+    return close
+
+
+@pytest.mark.parametrize("misdeed", [_stall, _drip, _reopen], ids=["stall", "drip", "reopen"])
+def test_a_stalling_or_dripping_publisher_does_not_slow_stream_fetches(fetch_server, misdeed) -> None:
+    server, data = fetch_server
+    idle = _p50_fetch(server.address, data)
+    started = watch_publish_start(server)
+    stop = threading.Event()
+    close = misdeed(server.address, stop)
+    try:
+        wait_for(started.is_set, what="the publisher's first header at the server")
+        during = _p50_fetch(server.address, data)
+    finally:
+        stop.set()
+        close()
+    print(
+        f"1 MiB stream fetch p50: idle {idle * 1e3:.1f} ms, during the publisher's {misdeed.__name__} "
+        f"{during * 1e3:.1f} ms"
+    )
+    assert during < LATENCY_BOUND and during < 2 * idle + 0.03, (
+        f"p50 of a 1 MiB stream fetch: {during * 1e3:.0f} ms while a publisher {misdeed.__name__}s, "
+        f"{idle * 1e3:.0f} ms idle"
+    )

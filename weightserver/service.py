@@ -258,7 +258,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         failure = "the publish stream ended without committing"
         try:
             caller = self._authorize(context, "Publish")
-            with self._commits_first.publish() as turn:
+            with self._commits_first.publish(_hold_bucket(caller, context)) as turn:
                 messages = self._checked_headers(request_iterator, context)
                 records = await self._receive_and_commit(messages, incoming, turn, started, caller)
             failure = "a repeat of a publish id committed before: its version was announced then"
@@ -345,11 +345,12 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
                 incoming[-1].add(message.chunk)
             elif kind == "written":
                 # The header's hold goes on: a same-host writer's pace is a memory copy, the
-                # hashing is the server's, and the hold expires anyway (commits_first).
+                # hashing is the server's, and the hold's budget runs out anyway (commits_first).
                 incoming[-1].written(message.written, self.staged, _owner(caller))
+                turn.written()
             elif kind == "uploaded":
                 incoming[-1].uploaded(message.uploaded, self.staged, _owner(caller))
-                turn.bytes_in()
+                turn.uploaded()
             elif kind == "commit":
                 incoming[-1].check_complete()
                 commit = message.commit
@@ -1016,6 +1017,14 @@ def _log_event(event: str, context: grpc.aio.ServicerContext, **fields: object) 
 def _owner(caller: Principal | None) -> bytes | None:
     """Who may name an upload `caller` sets up: its token (None without tokens: anyone)."""
     return caller.token_sha256 if caller is not None else None
+
+
+def _hold_bucket(caller: Principal | None, context: grpc.aio.ServicerContext) -> str:
+    """Whose bucket of waiting hold a publish draws on (commits_first): its token's, or with
+    no tokens its host's (the peer address without its port)."""
+    if caller is not None:
+        return "token " + caller.token_sha256.hex()
+    return "peer " + context.peer().rpartition(":")[0]
 
 
 def _client_id(context: grpc.aio.ServicerContext) -> str | None:
