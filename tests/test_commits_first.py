@@ -1,9 +1,10 @@
 """Publishes go before stream fetches while the server sets a publish's pace, and only then
-(weightserver/commits_first.py): from a header for at most COMMIT_FIRST_SECONDS, not while
-chunks arrive at the publisher's pace, and from the moment the bytes are in until the publish
-ends. The turn is driven on a real event loop here; tests/test_fetch_turns.py shows a commit
-holding real stream fetches, and the tests below the unit tests a stalled and a slow publisher
-that must not."""
+(weightserver/commits_first.py): from a header or `uploaded` while a budget lasts
+(COMMIT_FIRST_SECONDS per publish, and a bucket per caller), not while chunks arrive at the
+publisher's pace, and from the commit message until the publish ends. The turn is driven on a
+real event loop here; tests/test_fetch_turns.py shows a commit holding real stream fetches, the
+tests below the unit tests a stalled and a slow publisher that must not, and
+tests/test_publisher_isolation.py publishers that stall, drip or reopen."""
 
 from __future__ import annotations
 
