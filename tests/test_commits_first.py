@@ -1,9 +1,10 @@
 """Publishes go before stream fetches while the server sets a publish's pace, and only then
-(weightserver/commits_first.py): from a header for at most COMMIT_FIRST_SECONDS, not while
-chunks arrive at the publisher's pace, and from the moment the bytes are in until the publish
-ends. The turn is driven on a real event loop here; tests/test_fetch_turns.py shows a commit
-holding real stream fetches, and the tests below the unit tests a stalled and a slow publisher
-that must not."""
+(weightserver/commits_first.py): from a header or `uploaded` while a budget lasts
+(COMMIT_FIRST_SECONDS per publish, and a bucket per caller), not while chunks arrive at the
+publisher's pace, and from the commit message until the publish ends. The turn is driven on a
+real event loop here; tests/test_fetch_turns.py shows a commit holding real stream fetches, the
+tests below the unit tests a stalled and a slow publisher that must not, and
+tests/test_publisher_isolation.py publishers that stall, drip or reopen."""
 
 from __future__ import annotations
 
@@ -77,12 +78,85 @@ def test_fetches_wait_while_any_publish_holds_its_turn() -> None:
         with first.publish() as a, first.publish() as b:
             a.bytes_in()
             b.header()
-            b.bytes_in()  # an `uploaded` message
+            b.uploaded()
             b.header()  # a second model's header in a group: already held
             b.release()
             assert a.held and not b.held
             assert await _waited(first) >= EXPIRY * 0.9
         assert await _waited(first) < EXPIRY / 4
+
+    asyncio.run(scenario())
+
+
+def test_a_publish_waits_on_its_publisher_for_one_budget_in_all() -> None:
+    """Neither a second header nor `uploaded` renews the hold once the publish spent its budget."""
+
+    async def scenario() -> None:
+        first = CommitsFirst()
+        with first.publish("trainer") as turn:
+            turn.header()
+            await asyncio.sleep(EXPIRY / 2)
+            turn.written()  # no renewal
+            turn.uploaded()  # held already: the same budget goes on
+            await asyncio.sleep(EXPIRY / 2 + 0.05)
+            assert not turn.held  # spent
+            turn.header()
+            turn.uploaded()
+            assert not turn.held and await _waited(first) < EXPIRY / 4
+            turn.bytes_in()  # the commit message: the server's work, whatever the budget
+            assert turn.held
+
+    asyncio.run(scenario())
+
+
+def test_a_chunk_ends_the_wait_and_keeps_what_is_left_of_the_budget() -> None:
+    async def scenario() -> None:
+        first = CommitsFirst()
+        with first.publish("trainer") as turn:
+            turn.header()
+            await asyncio.sleep(EXPIRY / 4)
+            turn.chunk()
+            assert not turn.held
+            turn.uploaded()  # about 3/4 of the budget left
+            assert turn.held
+            await asyncio.sleep(EXPIRY * 0.75 + 0.05)
+            assert not turn.held
+
+    asyncio.run(scenario())
+
+
+def test_a_callers_new_publishes_share_its_bucket_and_others_have_their_own() -> None:
+    async def scenario() -> None:
+        first = CommitsFirst()
+        with first.publish("dripper") as turn:
+            turn.header()
+            await asyncio.sleep(EXPIRY + 0.05)
+            assert not turn.held
+        with first.publish("dripper") as again, first.publish("dripper") as more:
+            again.header()
+            more.header()
+            # The bucket refilled by CALLER_REFILL x the time since: a sliver, not a new budget.
+            assert await _waited(first) < EXPIRY / 4
+        with first.publish("trainer") as other:
+            other.header()
+            assert other.held and await _waited(first) >= EXPIRY * 0.9
+
+    asyncio.run(scenario())
+
+
+def test_concurrent_publishes_of_one_caller_cannot_overdraw_its_bucket() -> None:
+    async def scenario() -> None:
+        first = CommitsFirst()
+        with first.publish("caller") as a, first.publish("caller") as b:
+            a.header()
+            b.header()  # the bucket went to a
+            assert a.held and not b.held
+            await asyncio.sleep(EXPIRY / 4)
+            a.chunk()  # a gives back what it did not use
+            b.header()
+            assert b.held
+            await asyncio.sleep(EXPIRY * 0.75 + 0.05)
+            assert not b.held
 
     asyncio.run(scenario())
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from weightserver.errors import AuthenticationRequired, InvalidRequest, PermissionDenied, clipped_repr
@@ -53,11 +53,13 @@ REQUIRED_ROLE: dict[str, str] = {
 @dataclass(frozen=True)
 class Principal:
     """Who a token belongs to: the name from the token file, its role, and the models it may
-    publish, pin and delete (None: every model)."""
+    publish, pin and delete (None: every model). `token_sha256` tells tokens apart where
+    several share a name: what a caller sets up (an upload) is its token's."""
 
     name: str
     role: str
     models: frozenset[str] | None = None
+    token_sha256: bytes = field(default=b"", repr=False, compare=False)
 
     def may(self, role: str) -> bool:
         return ROLES.index(self.role) >= ROLES.index(role)
@@ -85,7 +87,7 @@ class TokenTable:
             if digest in seen:
                 raise InvalidRequest(f"token {name!r} repeats another entry's token")
             seen.add(digest)
-            self._entries.append((digest, Principal(name, role, models)))
+            self._entries.append((digest, Principal(name, role, models, token_sha256=digest)))
         if not self._entries:
             raise InvalidRequest("the token file lists no tokens")
 

@@ -8,13 +8,19 @@ COMMIT_FIRST_SECONDS: the CPU goes to the version every collector waits for, and
 hangs (a disk that does not answer) slows fetches down but never stops them.
 
 A publish holds its turn while the server, not the publisher, sets its pace:
-- from its header, for at most COMMIT_FIRST_SECONDS: the bytes of a publish over a fast
-  transport are already in, and its remaining messages follow at once, or a same-host writer
-  is copying them into shared memory and says how far it has got (`written`: the hold goes on);
+- from the commit message (all its bytes are in) until it has committed or failed: the
+  server's work, never bounded here;
+- while it waits on its publisher for what follows at once from an honest one: from a
+  header (the bytes of a publish over a fast transport are already in, or a same-host writer
+  is copying them into shared memory and says how far it has got with `written`), and from
+  an `uploaded` message until the next message. This waiting hold is budgeted, so that a
+  publisher that stalls or drips messages without bytes gets nothing from it: each publish
+  has COMMIT_FIRST_SECONDS of it in all, not renewed by any later message; and each caller
+  (its token, or with no tokens its host) has a bucket of COMMIT_FIRST_SECONDS that its
+  publishes draw on and that refills at CALLER_REFILL seconds per second (not by messages, nor
+  by new publishes), so that reopening publishes, or many at once, gains nothing either;
 - not while its bytes arrive as chunks: their pace is the publisher's link, and a slow
-  publisher must not slow every fetch down;
-- from the moment its bytes are all in (an `uploaded` message, or the commit message) until it
-  has committed or failed.
+  publisher must not slow every fetch down.
 """
 
 from __future__ import annotations
@@ -22,10 +28,32 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 
-# The longest a stream fetch holds one chunk for a publish; also how long a publish's header
-# holds fetches before its bytes are all in.
+# The longest a stream fetch holds one chunk for a publish; also the waiting hold (see the
+# module docstring) each publish may take in all, and each caller's bucket of it.
 COMMIT_FIRST_SECONDS = 0.25
+# Each caller's bucket refills at this many seconds of waiting hold per second: a caller's
+# publishes can hold fetches while they wait on it at most this share of the time, on average.
+CALLER_REFILL = 0.1
+# A waiting hold shorter than this is not started (what the bucket refilled in microseconds).
+MIN_HOLD_SECONDS = 0.005
+# Buckets kept; beyond this, full ones (of callers with no hold now) are forgotten.
+MAX_CALLERS = 1024
+
+
+@dataclass
+class _Bucket:
+    """One caller's waiting hold left, as of `at` (the loop's clock)."""
+
+    level: float
+    at: float
+    holding: int = 0  # waiting holds drawing on it now
+
+    def refilled(self, now: float) -> float:
+        self.level = min(COMMIT_FIRST_SECONDS, self.level + (now - self.at) * CALLER_REFILL)
+        self.at = now
+        return self.level
 
 
 class CommitsFirst:
@@ -36,11 +64,13 @@ class CommitsFirst:
         self._holding = 0  # publishes holding their turn now
         self._none = asyncio.Event()  # set while none is
         self._none.set()
+        self._buckets: dict[str, _Bucket] = {}
 
     @contextlib.contextmanager
-    def publish(self) -> Iterator[PublishTurn]:
-        """One Publish call's turn; released when the block ends, whatever happened."""
-        turn = PublishTurn(self)
+    def publish(self, caller: str = "") -> Iterator[PublishTurn]:
+        """One Publish call's turn, for `caller` (whose waiting holds share one bucket);
+        released when the block ends, whatever happened."""
+        turn = PublishTurn(self, caller)
         try:
             yield turn
         finally:
@@ -59,13 +89,31 @@ class CommitsFirst:
         else:
             self._none.set()
 
+    def _bucket(self, caller: str, now: float) -> _Bucket:
+        bucket = self._buckets.get(caller)
+        if bucket is None:
+            if len(self._buckets) >= MAX_CALLERS:
+                self._buckets = {
+                    name: b for name, b in self._buckets.items() if b.holding or b.refilled(now) < COMMIT_FIRST_SECONDS
+                }
+            bucket = self._buckets[caller] = _Bucket(COMMIT_FIRST_SECONDS, now)
+        bucket.refilled(now)
+        return bucket
+
 
 class PublishTurn:
-    """One publish's turn: `header()`, `chunk()` and `bytes_in()` as its messages arrive."""
+    """One publish's turn: `header()`, `written()`, `uploaded()`, `chunk()` and `bytes_in()` as
+    its messages arrive."""
 
-    def __init__(self, owner: CommitsFirst) -> None:
+    def __init__(self, owner: CommitsFirst, caller: str = "") -> None:
         self._owner = owner
+        self._caller = caller
         self._held = False
+        self._committing = False  # the commit message came: held until release()
+        self._spent = 0.0  # waiting hold taken so far
+        # The waiting hold now: when it began, what it took from the caller's bucket, its end.
+        self._waiting_since: float | None = None
+        self._granted = 0.0
         self._expiry: asyncio.TimerHandle | None = None
 
     @property
@@ -73,36 +121,73 @@ class PublishTurn:
         return self._held
 
     def header(self) -> None:
-        """A model's header arrived: hold, for at most COMMIT_FIRST_SECONDS unless its bytes
-        are all in by then."""
-        if self._held:
-            return
-        self._hold()
-        self._expiry = asyncio.get_running_loop().call_later(COMMIT_FIRST_SECONDS, self.release)
+        """A model's header arrived: hold while the budgets last (see the module docstring),
+        unless its bytes arrive as chunks meanwhile or it is held already."""
+        self._wait_on_publisher()
+
+    def written(self) -> None:
+        """A shared-memory writer's progress: a hold from the header goes on, but is not renewed."""
+
+    def uploaded(self) -> None:
+        """A model's bytes are in a staged upload: hold, while the budgets last, for the next
+        message (an honest publisher sends it at once)."""
+        self._wait_on_publisher()
 
     def chunk(self) -> None:
         """Bytes arrive as chunks: the publisher sets the pace, fetches go on."""
-        self.release()
+        if not self._committing:
+            self._stop_waiting()
+            self._set_held(False)
 
     def bytes_in(self) -> None:
-        """A model's bytes are in (`uploaded`), or all of them (the commit message): hold until
-        `release()` or the next chunk."""
-        self._cancel_expiry()
-        if not self._held:
-            self._hold()
+        """All the publish's bytes are in (the commit message): hold until `release()`."""
+        self._stop_waiting()
+        self._committing = True
+        self._set_held(True)
 
     def release(self) -> None:
-        """Fetches go on (the publish ended, or its header's hold expired)."""
-        self._cancel_expiry()
+        """Fetches go on (the publish ended)."""
+        self._stop_waiting()
+        self._committing = False
+        self._set_held(False)
+
+    def _wait_on_publisher(self) -> None:
+        """Hold for as long as this publish's budget and its caller's bucket allow, from now."""
         if self._held:
-            self._held = False
-            self._owner._count(-1)
+            return
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        bucket = self._owner._bucket(self._caller, now)
+        grant = min(COMMIT_FIRST_SECONDS - self._spent, bucket.level)
+        if grant < MIN_HOLD_SECONDS:
+            return
+        bucket.level -= grant  # taken now, so that the caller's other publishes cannot too
+        bucket.holding += 1
+        self._waiting_since, self._granted = now, grant
+        self._expiry = loop.call_later(grant, self._expired)
+        self._set_held(True)
 
-    def _hold(self) -> None:
-        self._held = True
-        self._owner._count(+1)
+    def _expired(self) -> None:
+        self._expiry = None
+        self._stop_waiting()
+        self._set_held(False)
 
-    def _cancel_expiry(self) -> None:
+    def _stop_waiting(self) -> None:
+        """End the waiting hold, if one runs: what it took is spent, the rest goes back."""
         if self._expiry is not None:
             self._expiry.cancel()
             self._expiry = None
+        if self._waiting_since is None:
+            return
+        now = asyncio.get_running_loop().time()
+        used = min(now - self._waiting_since, self._granted)
+        self._spent += used
+        bucket = self._owner._bucket(self._caller, now)
+        bucket.level = min(COMMIT_FIRST_SECONDS, bucket.level + self._granted - used)
+        bucket.holding -= 1
+        self._waiting_since, self._granted = None, 0.0
+
+    def _set_held(self, held: bool) -> None:
+        if held != self._held:
+            self._held = held
+            self._owner._count(+1 if held else -1)

@@ -55,7 +55,9 @@ _HANDLER_FACTORIES = {
 
 def add_weight_service(servicer: WeightServicer, server: grpc.aio.Server) -> None:
     """Register WeightService like the generated `add_WeightServiceServicer_to_server`, except
-    that Fetch's responses may be pre-serialized chunk messages (see weightserver.framing)."""
+    that Fetch's responses may be pre-serialized chunk messages (see weightserver.framing), and
+    a request that does not parse reaches the handler as a `wire.Undecodable` (INVALID_ARGUMENT
+    there, not INTERNAL)."""
     service = pb.DESCRIPTOR.services_by_name["WeightService"]
     handlers = {}
     for method in service.methods:
@@ -64,7 +66,7 @@ def add_weight_service(servicer: WeightServicer, server: grpc.aio.Server) -> Non
         factory = _HANDLER_FACTORIES[(method.client_streaming, method.server_streaming)]
         handlers[method.name] = factory(
             getattr(servicer, method.name),
-            request_deserializer=request_class.FromString,
+            request_deserializer=wire.lenient(request_class),
             response_serializer=framing.serialize if method.name == "Fetch" else response_class.SerializeToString,
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))

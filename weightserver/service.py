@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import grpc
 
 from weightserver import framing, wire
-from weightserver.auth import TokenTable
+from weightserver.auth import Principal, TokenTable
 from weightserver.bulk import BulkEndpoint
 from weightserver.commits_first import CommitsFirst, PublishTurn
 from weightserver.config import ServerConfig, clamp_chunk_bytes
@@ -119,6 +119,8 @@ def _unary(method: F) -> F:
             # The model a call changes (DeleteVersion, PinVersion) counts for model-scoped tokens;
             # a Publish stream's headers are checked as they arrive.
             self._authorize(context, method.__name__, getattr(request, "model", None))
+            if isinstance(request, wire.Undecodable):
+                raise request.error()
             if self.relay is not None and method.__name__ in ("Publish", "DeleteVersion", "PinVersion"):
                 self.relay.refuse(method.__name__)  # NotPrimary, naming the primary
             return await method(self, request, context)
@@ -135,6 +137,8 @@ def _streaming(method: F) -> F:
     async def wrapper(self: WeightServicer, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
             self._authorize(context, method.__name__)
+            if isinstance(request, wire.Undecodable):
+                raise request.error()
             # Closed as soon as the call ends, so a fetch hands back its turn at once.
             async with contextlib.aclosing(method(self, request, context)) as messages:
                 async for message in messages:
@@ -191,10 +195,12 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         self._publish_threads.shutdown(wait=False, cancel_futures=True)
         self.staged.close()
 
-    def _authorize(self, context: grpc.aio.ServicerContext, method: str, model: str | None = None) -> None:
-        """With --auth-tokens, the caller's bearer token must allow `method` (on `model`)."""
-        if self.tokens is not None:
-            self.tokens.authorize(context.invocation_metadata(), method, model)
+    def _authorize(self, context: grpc.aio.ServicerContext, method: str, model: str | None = None) -> Principal | None:
+        """With --auth-tokens, the caller's bearer token must allow `method` (on `model`): its
+        principal; None without tokens."""
+        if self.tokens is None:
+            return None
+        return self.tokens.authorize(context.invocation_metadata(), method, model)
 
     def _on_commit(self, record: Version) -> None:
         """Store listener: a commit may have evicted older versions of the model. A version
@@ -251,9 +257,10 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         incoming: list[_IncomingModel] = []
         failure = "the publish stream ended without committing"
         try:
-            with self._commits_first.publish() as turn:
+            caller = self._authorize(context, "Publish")
+            with self._commits_first.publish(_hold_bucket(caller, context)) as turn:
                 messages = self._checked_headers(request_iterator, context)
-                records = await self._receive_and_commit(messages, incoming, turn, started)
+                records = await self._receive_and_commit(messages, incoming, turn, started, caller)
             failure = "a repeat of a publish id committed before: its version was announced then"
         except BaseException as exc:
             failure = clipped_message(str(exc) or type(exc).__name__, 200)
@@ -280,22 +287,27 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
     ) -> AsyncIterator[pb.PublishRequest]:
         """The publish stream's messages, each header checked against the caller's token as it
         arrives, before its bytes: its model must be one the token may publish, and pin=True
-        pins the version, which needs what PinVersion needs."""
+        pins the version, which needs what PinVersion needs. A message that does not parse
+        ends the stream with InvalidRequest."""
         async for message in messages:
+            if isinstance(message, wire.Undecodable):
+                raise message.error()
             if message.WhichOneof("kind") == "header":
                 self._authorize_header(context, message.header)
             yield message
 
-    def _authorize_header(self, context: grpc.aio.ServicerContext, header: pb.PublishHeader) -> None:
-        """The caller's token must allow publishing `header.model`, and pinning it with pin=True."""
+    def _authorize_header(self, context: grpc.aio.ServicerContext, header: pb.PublishHeader) -> Principal | None:
+        """The caller's token must allow publishing `header.model`, and pinning it with pin=True:
+        its principal; None without tokens."""
         if self.tokens is None:
-            return
-        self._authorize(context, "Publish", header.model)
+            return None
+        principal = self._authorize(context, "Publish", header.model)
         try:
             if header.pin:
                 self._authorize(context, "PinVersion", header.model)
         except PermissionDenied as exc:
             raise PermissionDenied(f"a publish with pin=True pins the version: {exc}") from None
+        return principal
 
     async def _receive_and_commit(
         self,
@@ -303,9 +315,11 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         incoming: list[_IncomingModel],
         turn: PublishTurn,
         started: float,
+        caller: Principal | None = None,
     ) -> list[Version]:
         """Receive the stream's models, then verify and commit them, telling `turn` what
-        arrives: stream fetches let the publish go first while the server sets its pace."""
+        arrives: stream fetches let the publish go first while the server sets its pace.
+        `caller` may name only the uploads its own Negotiate set up."""
         commit: pb.PublishCommit | None = None
         async for message in _within(request_iterator, self.config.publish_timeout):
             kind = message.WhichOneof("kind")
@@ -331,11 +345,12 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
                 incoming[-1].add(message.chunk)
             elif kind == "written":
                 # The header's hold goes on: a same-host writer's pace is a memory copy, the
-                # hashing is the server's, and the hold expires anyway (commits_first).
-                incoming[-1].written(message.written, self.staged)
+                # hashing is the server's, and the hold's budget runs out anyway (commits_first).
+                incoming[-1].written(message.written, self.staged, _owner(caller))
+                turn.written()
             elif kind == "uploaded":
-                incoming[-1].uploaded(message.uploaded, self.staged)
-                turn.bytes_in()
+                incoming[-1].uploaded(message.uploaded, self.staged, _owner(caller))
+                turn.uploaded()
             elif kind == "commit":
                 incoming[-1].check_complete()
                 commit = message.commit
@@ -539,20 +554,20 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         """Set up one model's upload over the first fast transport the caller accepts that this
         server offers and has room for; TRANSPORT_STREAM when none (or no bytes)."""
         header = request.publish
-        self._authorize_header(context, header)
+        caller = self._authorize_header(context, header)
         if self.relay is not None:
             self.relay.refuse("Negotiate")
         _check_publish(self.store, header, header)
         answer = pb.NegotiateResponse(transport=pb.TRANSPORT_STREAM)
         for transport in request.accept if header.total_bytes else ():
             if transport == pb.TRANSPORT_SHARED_MEMORY and self.shared_memory is not None:
-                upload = await asyncio.to_thread(self._stage, header, "shm")
+                upload = await asyncio.to_thread(self._stage, header, "shm", _owner(caller))
                 if upload is None:
                     continue
                 assert upload.file is not None
                 answer.payload.shared_memory.path = str(upload.file.path)
             elif transport == pb.TRANSPORT_BULK and self.bulk is not None:
-                upload = await asyncio.to_thread(self._stage, header, "bulk")
+                upload = await asyncio.to_thread(self._stage, header, "bulk", _owner(caller))
                 if upload is None:
                     continue
                 answer.payload.bulk.port = self.bulk.port
@@ -567,9 +582,10 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
             break
         return answer
 
-    def _stage(self, header: pb.PublishHeader, transport: str) -> StagedUpload | None:
+    def _stage(self, header: pb.PublishHeader, transport: str, owner: bytes | None) -> StagedUpload | None:
         """A staged upload for `header`'s bytes, in a shared-memory file where there is room
-        (needed for "shm"); None when "shm" finds none. For bulk, this process writes the bytes
+        (needed for "shm"), that only `owner` may name (see `StagedUploads.take`); None when
+        "shm" finds none. For bulk, this process writes the bytes
         (`recv_into`), so its page table for the file is filled ahead; a shared-memory writer
         fills its own, and this process only reads the file once, to hash it."""
         shared_memory, populate = self.shared_memory, transport == "bulk"
@@ -580,7 +596,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
             return shared_memory.new_upload(header.model, header.total_bytes, populate=populate)
 
         try:
-            return self.staged.create(header.model, header.total_bytes, transport, new_file)
+            return self.staged.create(header.model, header.total_bytes, transport, new_file, owner=owner)
         except OSError:
             return None
 
@@ -807,18 +823,18 @@ class _IncomingModel:
         if self.sha256_feed is not None:
             self.sha256_feed.advance(end)
 
-    def written(self, message: pb.PublishWritten, uploads: StagedUploads) -> None:
+    def written(self, message: pb.PublishWritten, uploads: StagedUploads, owner: bytes | None) -> None:
         """A shared-memory writer's progress: bytes [0, end) of its upload are in place, to be
         hashed while it writes the rest. The first such message takes the upload."""
-        staged = self._own(message.upload, uploads, "`written` after another upload or its `uploaded`")
+        staged = self._own(message.upload, uploads, owner, "`written` after another upload or its `uploaded`")
         staged.written(message.end)
         self.received = message.end
         self.arriving = staged.arriving
 
-    def uploaded(self, message: pb.PublishUploaded, uploads: StagedUploads) -> None:
+    def uploaded(self, message: pb.PublishUploaded, uploads: StagedUploads, owner: bytes | None) -> None:
         """The model's bytes are all in the upload set up by Negotiate, instead of chunks (and
         its xxh3 comes here when the header was sent before they were moved)."""
-        staged = self._own(message.upload, uploads, "a model's bytes come as chunks or one `uploaded`")
+        staged = self._own(message.upload, uploads, owner, "a model's bytes come as chunks or one `uploaded`")
         if message.xxh3:
             if self.header.xxh3 and self.header.xxh3.lower() != message.xxh3.lower():
                 raise IntegrityError(
@@ -829,13 +845,14 @@ class _IncomingModel:
         self.received, self.moved = self.header.total_bytes, True
         self.arriving = staged.arriving
 
-    def _own(self, upload: str, uploads: StagedUploads, out_of_order: str) -> StagedUpload:
-        """The upload `upload`, taken from `uploads` by its first message; InvalidRequest
-        (`out_of_order`) when the model's bytes came otherwise, or it is named after `uploaded`."""
+    def _own(self, upload: str, uploads: StagedUploads, owner: bytes | None, out_of_order: str) -> StagedUpload:
+        """The upload `upload`, taken from `uploads` by its first message (by `owner`, see
+        `StagedUploads.take`); InvalidRequest (`out_of_order`) when the model's bytes came
+        otherwise, or it is named after `uploaded`."""
         if self.staged is None:
             if self.received:
                 raise InvalidRequest(f"model {self.header.model!r}: a model's bytes come as chunks or one `uploaded`")
-            self.staged = uploads.take(upload, self.header.model, self.header.total_bytes)
+            self.staged = uploads.take(upload, self.header.model, self.header.total_bytes, owner=owner)
             self.transport, self.upload, self.buffer = self.staged.transport, self.staged.file, self.staged.buffer
         elif upload != self.staged.id or self.moved:
             raise InvalidRequest(f"model {self.header.model!r}: {out_of_order}")
@@ -995,6 +1012,19 @@ def _log_event(event: str, context: grpc.aio.ServicerContext, **fields: object) 
     )
     extra = {"event": event, **fields, "peer": peer, "client_id": client_id}
     log.info("%s %s peer=%s client=%s", event, pairs, peer, client_id or "-", extra=extra)
+
+
+def _owner(caller: Principal | None) -> bytes | None:
+    """Who may name an upload `caller` sets up: its token (None without tokens: anyone)."""
+    return caller.token_sha256 if caller is not None else None
+
+
+def _hold_bucket(caller: Principal | None, context: grpc.aio.ServicerContext) -> str:
+    """Whose bucket of waiting hold a publish draws on (commits_first): its token's, or with
+    no tokens its host's (the peer address without its port)."""
+    if caller is not None:
+        return "token " + caller.token_sha256.hex()
+    return "peer " + context.peer().rpartition(":")[0]
 
 
 def _client_id(context: grpc.aio.ServicerContext) -> str | None:

@@ -6,8 +6,10 @@ there without a copy) and an id. The bytes then arrive over bulk TCP (the endpoi
 each stretch as it lands) or are written by a same-host publisher straight into the file
 (hashed in a thread as the publisher says how far it has written, the rest once it says it
 is done). A Publish stream names the id after the model's header; the upload is then the
-stream's, and goes with it. Uploads nobody names expire: a sweeper thread, running while any
-upload is staged, drops them and their files.
+stream's, and goes with it. Only the caller that set an upload up may name it (with tokens:
+the same token; without, anyone who knows the id), and a claim that does not match (another
+token, another model or size) is refused and leaves the upload to its owner. Uploads nobody
+names expire: a sweeper thread, running while any upload is staged, drops them and their files.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from weightserver.digests import FileDigests, IncomingDigests
 from weightserver.errors import (
     IntegrityError,
     InvalidRequest,
+    PermissionDenied,
     TooManyUploads,
     UploadNotFound,
     WeightServerError,
@@ -59,6 +62,7 @@ class StagedUpload:
     arriving: IncomingPublish | None = field(default=None, repr=False)
     # Shared memory: how far the writer said it has written.
     written_end: int = 0
+    owner: bytes | None = field(default=None, repr=False)  # the token that may name it (None: anyone)
     # The thread that hashes the bytes as they arrive or are written, and its latest stretch.
     _hashing: ThreadPoolExecutor | None = field(default=None, repr=False)
     _hashed: Future | None = field(default=None, repr=False)
@@ -172,10 +176,17 @@ class StagedUploads:
         self._closed = threading.Event()
 
     def create(
-        self, model: str, total_bytes: int, transport: str, new_file: Callable[[], SharedMemoryUpload | None]
+        self,
+        model: str,
+        total_bytes: int,
+        transport: str,
+        new_file: Callable[[], SharedMemoryUpload | None],
+        *,
+        owner: bytes | None = None,
     ) -> StagedUpload:
         """A new upload of `total_bytes` for `model`, in the file `new_file()` makes (None:
-        in anonymous memory, which is committed page by page as bytes arrive)."""
+        in anonymous memory, which is committed page by page as bytes arrive), that only
+        `owner` (the sha256 of the caller's token; None: anyone) may name."""
         self._expire()
         with self._lock:
             if len(self._uploads) >= self._max:
@@ -201,6 +212,7 @@ class StagedUploads:
             digests=IncomingDigests(buffer, header_limits=self._header_limits),
             expires=time.monotonic() + UPLOAD_TTL_SECONDS,
             arrivals=self._incoming,
+            owner=owner,
         )
         with self._lock:
             self._uploads[upload.id] = upload
@@ -209,23 +221,33 @@ class StagedUploads:
                 self._sweeper.start()
         return upload
 
-    def take(self, upload_id: str, model: str, total_bytes: int) -> StagedUpload:
-        """The upload `upload_id`, now the caller's: it must be for `model` and `total_bytes`."""
+    def take(self, upload_id: str, model: str, total_bytes: int, *, owner: bytes | None = None) -> StagedUpload:
+        """The upload `upload_id`, now the caller's: `owner` (the sha256 of its token, None
+        without tokens) must be the one that set it up (PermissionDenied), and it must be for
+        `model` and `total_bytes` (InvalidRequest). A refused claim leaves the upload staged
+        for its owner."""
         self._expire()
         with self._lock:
-            upload = self._uploads.pop(upload_id, None)
+            upload = self._uploads.get(upload_id)
+            claimed = upload is not None and upload.owner == owner
+            if claimed and (upload.model, upload.total_bytes) == (model, total_bytes):
+                del self._uploads[upload_id]
+                return upload
         if upload is None:
             raise UploadNotFound(
                 f"model {model!r}: upload {clipped_repr(upload_id)} is unknown, used already or expired (uploads "
                 f"expire {UPLOAD_TTL_SECONDS:.0f} s after Negotiate, and a server restart forgets them); publish again"
             )
-        if upload.model != model or upload.total_bytes != total_bytes:
-            upload.discard()
-            raise InvalidRequest(
-                f"model {model!r}: upload {upload_id} was set up for {upload.model!r} with {upload.total_bytes} "
-                f"bytes, but the header says {total_bytes} bytes of {model!r}"
+        if upload.owner != owner:
+            raise PermissionDenied(
+                f"model {model!r}: upload {clipped_repr(upload_id)} was set up by another token's Negotiate; name "
+                "only an upload your own Negotiate set up (it is left to its owner)"
             )
-        return upload
+        raise InvalidRequest(
+            f"model {model!r}: upload {upload_id} was set up for {upload.model!r} with {upload.total_bytes} "
+            f"bytes, but the header says {total_bytes} bytes of {model!r}; send the header the upload was set up "
+            "with (the upload is left as it was)"
+        )
 
     def __len__(self) -> int:
         with self._lock:

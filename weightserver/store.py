@@ -203,6 +203,13 @@ class VersionStore:
             self._header_limits["max_tensors"] = max_tensors
         self._lock = threading.Lock()
         self._models: dict[str, _Model] = {}
+        # Publish ids -> the (model, version)s committed with them. Entries may be gone since
+        # (evicted, deleted): `_carriers` checks each, and the index is rebuilt from the
+        # retained versions once it has doubled, so it holds no more than that.
+        self._publish_ids: dict[str, list[tuple[str, int]]] = {}
+        self._publish_ids_rebuilt = 0  # its size when last rebuilt
+        # Publish ids of publishes committing now -> their models.
+        self._committing_ids: dict[str, tuple[str, ...]] = {}
         self._listeners: list[Callable[[Version], None]] = []
         # Versions committed with sha256 "", until the worker (started on first need) hashed them.
         self._pending_sha256: dict[tuple[str, int], Future[str]] = {}
@@ -253,6 +260,7 @@ class VersionStore:
             state = self._models.get(model)
             if state is not None and _committed_by(state, _checked_publish_id(publish_id)):
                 return
+            self._check_id_unused_elsewhere([model], publish_id, partial=True)
             _check_version([model], version, state.high_water if state else 0)
 
     def publish(
@@ -292,7 +300,9 @@ class VersionStore:
         `publish_id`, an idempotency key: if retained versions were committed by a publish with
         this id, they are returned and nothing is committed (no `on_commit`, no listener). The
         check runs under the commit locks, so a repeat that arrives while the first publish is
-        still committing waits for it and returns its versions.
+        still committing waits for it and returns its versions. An id names one publish in the
+        whole store: while a retained version of another model carries it, or a publish of
+        other models with it is committing, InvalidRequest.
 
         `created`: the commit time to record (Unix seconds), for a relay that keeps its
         upstream's; default now.
@@ -325,40 +335,113 @@ class VersionStore:
                 if repeated is not None:
                     log.info("publish id %r repeats %s v%d: nothing committed", publish_id, names, repeated[0].version)
                     return repeated
+                self._check_id_unused_elsewhere(names, publish_id)
                 high_water = max(state.high_water for state in states.values())
                 _check_version(names, version, high_water)
                 number = version or high_water + 1
                 for record in verified:
                     self._check_listing(states[record.model], record)
-            created = time.time() if created is None else created
-            records = [
-                dataclasses.replace(record, version=number, created=created, publish_id=publish_id)
-                for record in verified
-            ]
-            if self.data_dir is not None:
-                records = self._write_group(records)
-            for upload, record in zip(uploads, records, strict=True):
-                if upload.on_commit is not None:
-                    _call_logged(upload.on_commit, record)
-            evicted: list[Version] = []
-            with self._lock:
-                for record in records:
-                    state = states[record.model]
-                    state.versions[number] = record
-                    state.high_water = number
-                    evicted += self._evict(state)
-                    if not record.sha256:  # registered before any reader can see the record
-                        self._pending_sha256[(record.model, number)] = _running_future()
-                listeners = list(self._listeners)
-            # Still under the commit locks, so listeners see each model's versions in order.
-            for record in records:
-                for listener in listeners:
-                    _call_logged(listener, record)
+                if publish_id:
+                    self._committing_ids[publish_id] = tuple(names)
+            try:
+                records, evicted = self._commit(uploads, verified, states, number, publish_id, created)
+            finally:
+                if publish_id:
+                    with self._lock:
+                        self._committing_ids.pop(publish_id, None)
         for record in records:
             if not record.sha256:
                 self._hash_later(record)
         self._remove_files(evicted)
         return records
+
+    def _commit(
+        self,
+        uploads: Sequence[Upload],
+        verified: Sequence[Version],
+        states: Mapping[str, _Model],
+        number: int,
+        publish_id: str,
+        created: float | None,
+    ) -> tuple[list[Version], list[Version]]:
+        """Number, write and make visible a checked group (the caller holds its commit locks):
+        its versions, and those the commit evicted."""
+        created = time.time() if created is None else created
+        records = [
+            dataclasses.replace(record, version=number, created=created, publish_id=publish_id) for record in verified
+        ]
+        if self.data_dir is not None:
+            records = self._write_group(records)
+        for upload, record in zip(uploads, records, strict=True):
+            if upload.on_commit is not None:
+                _call_logged(upload.on_commit, record)
+        evicted: list[Version] = []
+        with self._lock:
+            for record in records:
+                state = states[record.model]
+                state.versions[number] = record
+                state.high_water = number
+                evicted += self._evict(state)
+                if not record.sha256:  # registered before any reader can see the record
+                    self._pending_sha256[(record.model, number)] = _running_future()
+                if publish_id:
+                    self._index_publish_id(record)
+            listeners = list(self._listeners)
+        # Still under the commit locks, so listeners see each model's versions in order.
+        for record in records:
+            for listener in listeners:
+                _call_logged(listener, record)
+        return records, evicted
+
+    def _check_id_unused_elsewhere(self, names: Sequence[str], publish_id: str, *, partial: bool = False) -> None:
+        """InvalidRequest when a retained version of a model outside `names` carries
+        `publish_id`, or a publish of other models with it is committing now: an id names one
+        publish. `partial`: `names` may be part of a group publish (one header's check), so a
+        version of a group that includes them is no reason to refuse (the commit checks the
+        whole group). Caller holds the lock."""
+        if not publish_id:
+            return
+        committing = self._committing_ids.get(publish_id)
+        if committing is not None and not set(committing) & set(names):
+            raise InvalidRequest(
+                f"publish id {publish_id!r} belongs to a publish of {_names(committing)} committing now; a publish id "
+                "names one publish: a retry sends the same models and bytes, a new publish needs a new id"
+            )
+        for record in self._carriers(publish_id):
+            models = record.group or (record.model,)
+            if record.model in names or (partial and set(names) <= set(models)):
+                continue
+            raise InvalidRequest(
+                f"publish id {publish_id!r} was already used by version {record.version} of {_names(models)}; a "
+                "publish id names one publish: a retry sends the same models and bytes, a new publish needs a new id"
+            )
+
+    def _carriers(self, publish_id: str) -> list[Version]:
+        """The retained versions committed with `publish_id`. Caller holds the lock."""
+        found = []
+        for model, number in self._publish_ids.get(publish_id, ()):
+            state = self._models.get(model)
+            record = state.versions.get(number) if state is not None else None
+            if record is not None and record.publish_id == publish_id:
+                found.append(record)
+        return found
+
+    def _index_publish_id(self, record: Version) -> None:
+        """Remember that `record` carries its publish id; rebuild the index from the retained
+        versions once it has doubled since the last rebuild. Caller holds the lock."""
+        self._publish_ids.setdefault(record.publish_id, []).append((record.model, record.version))
+        if len(self._publish_ids) > 2 * self._publish_ids_rebuilt + 1024:
+            self._rebuild_publish_ids()
+
+    def _rebuild_publish_ids(self) -> None:
+        """The index of publish ids from the retained versions alone. Caller holds the lock (or
+        is loading)."""
+        self._publish_ids = {}
+        for state in self._models.values():
+            for record in state.versions.values():
+                if record.publish_id:
+                    self._publish_ids.setdefault(record.publish_id, []).append((record.model, record.version))
+        self._publish_ids_rebuilt = len(self._publish_ids)
 
     def _verify(self, upload: Upload, group: tuple[str, ...]) -> Version:
         """Size, digest and header checks of one upload; returns its Version, not yet numbered."""
@@ -785,6 +868,7 @@ class VersionStore:
                     _ranges(list(state.versions)),
                     sum(v.byte_size for v in state.versions.values()),
                 )
+        self._rebuild_publish_ids()
 
     def _drop_torn_groups(self) -> None:
         """Drop versions of a multi-model publish that a crash left incomplete.
