@@ -6,8 +6,11 @@ and metrics, and catches up without missing a version."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import threading
 
 import grpc
 import pytest
@@ -330,3 +333,81 @@ def test_serve_help_describes_relay_mode_and_models_need_an_upstream():
     assert "--upstream ADDRESS" in shown and "--models A,B" in shown and "--upstream-poll SECONDS" in shown
     refused = serve("--port", "0", "--models", "policy")
     assert refused.returncode == 1 and "--upstream" in refused.stderr
+
+
+def retained(server, model: str) -> list[int]:
+    """The versions of `model` a server (in-process, a process or an address) lists; [] for none."""
+    with WeightServiceClient(address_of(server), retry_seconds=0) as client:
+        try:
+            return [v.version for v in client.list_versions(model)]
+        except ModelNotFound:
+            return []
+
+
+def test_a_relay_that_misses_versions_flags_the_gap_to_its_watchers(make_server, make_relay):
+    """Issue 29, item 5. A relay that misses versions of its upstream (evicted there before it
+    fetched them) flags the gap on its watchers' next event, live or replayed from `since`, and
+    so does a relay of that relay: the primary's rule, at every level."""
+    primary = make_server(keep=2)
+    files = [save(weights(step)) for step in range(61)]
+    with (
+        ServerProcess("--upstream", primary.address, "--upstream-poll", "0.1") as relay,
+        WeightServiceClient(primary.address) as trainer,
+        grpc.insecure_channel(relay.address) as channel,
+    ):
+        trainer.publish_bytes("policy", files[1])
+        wait_until(lambda: held(relay.address, "policy") == 1, what="the relay holds v1")
+        leaf = make_relay(relay.address)
+        wait_until(lambda: held(leaf, "policy") == 1, what="the relay of the relay holds v1")
+        live = pb_grpc.WeightServiceStub(channel).Watch(pb.WatchRequest(model="policy", since=1), timeout=60)
+        live.initial_metadata()  # sent once the relay has taken the subscription
+        # The relay is stopped while 59 versions are published from 3 threads: the primary
+        # keeps 2 of them, so the relay never gets v2..v58.
+        os.kill(relay.process.pid, signal.SIGSTOP)
+        try:
+            numbers = iter(range(2, 61))
+            lock = threading.Lock()
+
+            def publish() -> None:
+                with WeightServiceClient(primary.address) as client:
+                    while True:
+                        with lock:
+                            step = next(numbers, None)
+                        if step is None:
+                            return
+                        client.publish_bytes("policy", files[step])
+
+            threads = [threading.Thread(target=publish) for _ in range(3)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+        finally:
+            os.kill(relay.process.pid, signal.SIGCONT)
+        assert retained(primary, "policy") == [59, 60]
+        seen = []
+        for event in live:
+            seen.append((event.version.version, event.gap))
+            if event.version.version == 60:
+                break
+        live.cancel()
+        # Live: the first event after v1 says that versions were missed.
+        assert seen == [(59, True), (60, False)]
+        # Replayed from since=1, on the relay and on the relay of the relay.
+        wait_until(lambda: held(leaf, "policy") == 60, what="the relay of the relay holds v60")
+        for server in (relay, leaf):
+            with grpc.insecure_channel(address_of(server)) as replay_channel:
+                replay = pb_grpc.WeightServiceStub(replay_channel).Watch(
+                    pb.WatchRequest(model="policy", since=1), timeout=30
+                )
+                first = next(replay)
+                replay.cancel()
+            assert (first.version.version, first.gap) == (59, True), address_of(server)
+            # A watcher that saw v59 missed nothing before v60.
+            with grpc.insecure_channel(address_of(server)) as replay_channel:
+                replay = pb_grpc.WeightServiceStub(replay_channel).Watch(
+                    pb.WatchRequest(model="policy", since=59), timeout=30
+                )
+                first = next(replay)
+                replay.cancel()
+            assert (first.version.version, first.gap) == (60, False), address_of(server)

@@ -11,6 +11,11 @@ digests are the upstream's. Its own watchers hear of a version only once the sto
 whole and verified, and every transport serves it like any version. A relay's upstream may be a
 relay: the tree is as deep as you make it.
 
+Missed versions: a version announced but gone upstream before it was fetched (or one the relay
+cannot hold) is recorded in the store as missed (`VersionStore.missed`), and so is a jump in
+the numbers after the upstream flagged a gap, so that this relay's watchers are told of the gap
+as a primary's are.
+
 Models: those named (`--models`), else every model the upstream lists, polled every
 `poll_seconds` (ListModels), and any model a group publish names. A group publish (several
 models under one number) is committed together, as on the primary, once the follower of each of
@@ -97,6 +102,14 @@ class _GroupCommit:
 
     waiting: set[str]  # the members whose followers have not reached it yet
     done: asyncio.Future[bool] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+@dataclass
+class _Subscription:
+    """One Watch on the upstream, as far as its events went: what a missed version is told by."""
+
+    last: int  # the newest version announced (at first: the `since` subscribed with)
+    gap: bool = False  # the upstream said versions after `since` are gone
 
 
 @dataclass
@@ -325,9 +338,11 @@ class Relay:
 
         while True:
             try:
-                watch = self._client.watch(model, self._held_version(model), subscribed, incoming=bool(self.incoming))
+                since = self._held_version(model)
+                subscription = _Subscription(since)
+                watch = self._client.watch(model, since, subscribed, incoming=bool(self.incoming))
                 async for event in watch:
-                    await self._on_event(model, event)
+                    await self._on_event(model, event, subscription)
                 continue  # the Watch's deadline passed: resubscribe at once
             except (ServerUnavailable, DeadlineExceeded, *_REFUSALS) as exc:
                 await self._report(False, exc)
@@ -349,7 +364,7 @@ class Relay:
         with contextlib.suppress(asyncio.TimeoutError):  # else woken: the upstream answers again
             await asyncio.wait_for(self._upstream_back.wait(), _backoff_seconds(attempt))
 
-    async def _on_event(self, model: str, event: pb.VersionEvent) -> None:
+    async def _on_event(self, model: str, event: pb.VersionEvent, subscription: _Subscription) -> None:
         if not event.HasField("version"):
             self._on_arriving(model, event.incoming)
             return
@@ -357,11 +372,18 @@ class Relay:
         early = self._early.pop(event.incoming.id, None) if event.incoming.id else None
         self._heard(model, number)
         if event.gap:
+            subscription.gap = True
             log.warning(
                 "relay of %r: versions before v%d were evicted or deleted upstream before this relay fetched them",
                 model,
                 number,
             )
+        after, subscription.last = subscription.last, number
+        if subscription.gap and number > after + 1 and number > self._held_version(model):
+            # Versions between are gone upstream, their numbers unsaid (numbers need not be
+            # consecutive, so only after the upstream flagged a gap is a jump taken for one):
+            # this relay's watchers after `after` are told of the gap with this version.
+            self.store.missed(model, number - 1)
         if number <= self._held_version(model):
             if early is not None:
                 early.arriving.fail("this relay holds that version already")
@@ -480,6 +502,7 @@ class Relay:
                 fetched.append(await self._client.fetch_version(model, number, self._held(model)))
             except NotFoundError as exc:  # evicted or deleted upstream since it was announced
                 log.warning("relay of %r v%d: gone upstream before it was fetched (%s)", model, number, exc)
+                self.store.missed(model, number)  # this relay's watchers are told of the gap
         if fetched:
             await self._commit_fetched(fetched, number, started)
 
@@ -524,6 +547,8 @@ class Relay:
             return  # committed meanwhile (a group's other follower)
         except _NEVER_FITS as exc:
             log.error("relay of %s v%d: cannot hold it, skipped: %s", [f.info.model for f in fetched], number, exc)
+            for f in fetched:
+                self.store.missed(f.info.model, number)
             return
         seconds = time.perf_counter() - started
         for f, record in zip(fetched, records, strict=True):

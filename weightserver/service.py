@@ -722,7 +722,9 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
                     continue
                 if event.version <= last:
                     continue
-                # With an empty backlog the gap is reported on the first live event.
+                # With an empty backlog the gap is reported on the first live event; on a relay,
+                # also on an event after versions it missed (`VersionStore.missed`).
+                gap = gap or self.store.gap_between(model, last, event.version)
                 yield self._version_event(event, gap, request.incoming)
                 gap = False
                 last = event.version
