@@ -17,9 +17,16 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from safetensors.torch import save
-from waiting import wait_until
+from waiting import wait_equal, wait_until
 
-from weightclient import ModelNotFound, NotPrimary, WeightClient, WeightServiceClient
+from weightclient import (
+    ModelNotFound,
+    NotPrimary,
+    VersionEvicted,
+    VersionNotFound,
+    WeightClient,
+    WeightServiceClient,
+)
 from weightserver.errors import ERROR_METADATA_KEY
 from weightserver.metrics import ServerMetrics
 from weightserver.payloads import apply_delta, derive
@@ -411,3 +418,58 @@ def test_a_relay_that_misses_versions_flags_the_gap_to_its_watchers(make_server,
                 first = next(replay)
                 replay.cancel()
             assert (first.version.version, first.gap) == (60, False), address_of(server)
+
+
+def test_deletes_on_the_primary_reach_every_relay_within_a_poll(make_server, make_relay, tmp_path):
+    """Issue 29, item 6. A version deleted on the primary, one or all of a model's, leaves
+    every relay within its poll interval: a relay, a relay of that relay, and a relay process
+    that was down during the delete and comes back on its data dir (it checks what it holds at
+    start). A relay started afterwards holds none, and all of them follow the next version."""
+    primary = make_server()
+    first = make_relay(primary)
+    second = make_relay(first)
+    restarted = ServerProcess(
+        "--upstream", primary.address, "--upstream-poll", "0.1", "--data-dir", str(tmp_path / "relay")
+    )
+    with restarted, WeightServiceClient(primary.address) as admin:
+        for step in (1, 2, 3):
+            admin.publish_bytes("policy", save(weights(step)))
+        relays = (first, second, restarted)
+        for relay in relays:
+            wait_equal(lambda relay=relay: retained(relay, "policy"), [1, 2, 3], what=f"{address_of(relay)} holds 1-3")
+
+        admin.delete("policy", 2)
+        for relay in relays:
+            wait_equal(lambda relay=relay: retained(relay, "policy"), [1, 3], what=f"{address_of(relay)} drops v2")
+        with pytest.raises(VersionNotFound, match="deleted"):
+            fetched(second, "policy", 2)
+
+        restarted.stop()
+        admin.delete("policy", 1)
+        admin.delete("policy", 3)
+        for relay in (first, second):
+            wait_equal(lambda relay=relay: retained(relay, "policy"), [], what=f"{address_of(relay)} drops v1, v3")
+        restarted.start()  # on its data dir, which holds v1 and v3
+        wait_equal(lambda: retained(restarted, "policy"), [], what="the restarted relay drops v1, v3")
+        late = make_relay(primary)
+        assert retained(late, "policy") == []
+
+        admin.publish_bytes("policy", save(weights(4)))
+        for relay in (*relays, late):
+            wait_equal(lambda relay=relay: retained(relay, "policy"), [4], what=f"{address_of(relay)} holds v4")
+        assert_same_versions(second, primary, "policy", [4])
+
+
+def test_a_relay_holds_no_version_its_upstream_evicted(make_server, make_relay):
+    """A relay serves what its upstream retains, within its own --keep: a version evicted
+    upstream goes from the relay too (a relay with a larger --keep does not keep more), and
+    asking for it there says it was evicted, not deleted."""
+    primary = make_server(keep=2)
+    relay = make_relay(primary, keep=5)
+    with WeightServiceClient(primary.address) as trainer:
+        for step in (1, 2, 3, 4):
+            trainer.publish_bytes("policy", save(weights(step)))
+            wait_until(lambda step=step: held(relay, "policy") == step, what=f"the relay holds v{step}")
+    wait_equal(lambda: retained(relay, "policy"), [3, 4], what="the relay keeps what the primary keeps")
+    with pytest.raises(VersionEvicted):
+        fetched(relay, "policy", 1)

@@ -573,8 +573,12 @@ class VersionStore:
         return unsubscribe
 
     # ------------------------------------------------------------------ admin
-    def delete(self, model: str, version: int) -> Version:
-        """Delete one retained version, from disk first (see the module docstring for the order)."""
+    def delete(self, model: str, version: int, *, evicted: bool = False) -> Version:
+        """Delete one retained version, from disk first (see the module docstring for the order).
+
+        `evicted`: the version goes because it was evicted elsewhere (a relay's upstream no
+        longer retains it), not on request: asking for it later says it is no longer
+        retained (VersionEvicted) rather than deleted."""
         self.get(model, version)  # raises the right NotFound before taking the commit lock
         state = self._model_state(model)
         with state.commit_lock:  # no commit, eviction or pin of this model meanwhile
@@ -584,7 +588,8 @@ class VersionStore:
             with self._lock:
                 del state.versions[version]
                 bisect.insort(state.removed, version)
-                state.deleted.add(version)
+                if not evicted:
+                    state.deleted.add(version)
         return record
 
     def set_pinned(self, model: str, version: int, pinned: bool) -> Version:
