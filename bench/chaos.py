@@ -1,7 +1,7 @@
 """Chaos: faults at random against a publisher, fetchers and watchers on a real server.
 
     .venv/bin/python bench/chaos.py [--seconds 600] [--seed N] [--deadline 10] [--slack 5]
-                                    [--faults stop,fill-shm,fill-data,flood-bulk,drop-reply,kill]
+                                    [--faults stop,fill-shm,fill-data,flood-bulk,drop-reply,kill,delete]
                                     [--json FILE]
 
 The load is bench/soak.py's (its Publisher, Fetcher and Watcher, subclassed here): a publisher
@@ -23,7 +23,14 @@ round; `--seed` replays an order), each followed by recovery and a quiet spell:
 * drop-reply: the publisher talks through a loopback proxy which, on the next publish, lets
               the request through but drops the connection instead of forwarding the reply
               (the commit has landed); the publisher retries with the same publish id;
-* kill:       SIGKILL the server, restart it on the same port, bulk port and data dir.
+* kill:       SIGKILL the server, restart it on the same port, bulk port and data dir;
+* delete:     a delete on the primary while a relay follows it: publish two versions of a side
+              model (`chaos-deletes`), wait for the relay to hold them, then delete one of them
+              (every other run: every version of that model) and a retained version of the
+              load's model other than the newest.
+
+With `delete` among the faults, the load also has a relay: a `weightserver serve --upstream`
+child of the server, polling it every `--relay-poll` s, with its own data dir.
 
 Invariants, each a failure category in the summary (exit 1 if any failure):
 
@@ -48,7 +55,11 @@ Invariants, each a failure category in the summary (exit 1 if any failure):
   (clients reconnect meanwhile); the others are tolerated and counted per fault and type;
 * no recovery: within `--recovery` s after a fault, the publisher has not had a publish
   acknowledged, a fetcher has not completed a fetch started after the fault, or a watcher
-  has not caught up.
+  (or the relay) has not caught up;
+* relay: the relay still serves a version deleted on the primary `--recovery` s after the
+  delete (or at the end), or does not get the side model's versions, or its log has an ERROR
+  or a traceback, or it exits non-zero on SIGTERM. A deleted version of the load's model is
+  no lost version.
 
 Without root the fill faults are skipped (said in the summary). Progress goes to stderr every
 10 s, the summary to stdout, everything (faults, failures, per-watcher versions) to `--json`.
@@ -88,7 +99,7 @@ from bench.common import format_size, log, parse_size  # noqa: E402
 from weightserver.errors import IntegrityError  # noqa: E402
 
 MODEL = soak.MODEL
-FAULTS = ("stop", "fill-shm", "fill-data", "flood-bulk", "drop-reply", "kill")
+FAULTS = ("stop", "fill-shm", "fill-data", "flood-bulk", "drop-reply", "kill", "delete")
 ROOT_FAULTS = ("fill-shm", "fill-data")
 CATEGORIES = (
     "hang",
@@ -101,7 +112,10 @@ CATEGORIES = (
     "watch",
     "unexpected error",
     "no recovery",
+    "relay",
 )
+# The model the delete fault publishes and deletes (the load's model is MODEL).
+SIDE_MODEL = "chaos-deletes"
 MAX_FAILURES_KEPT = 300
 _LOG_ENTRY = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d")
 TICK = 0.1
@@ -128,6 +142,7 @@ class ChaosConfig:
     tmpfs_bytes: int = 32 << 20  # each of the shm and data mounts
     flood_connections: int = 1000
     progress_interval: float = 10.0
+    relay_poll: float = 0.5  # the relay's --upstream-poll (with the delete fault)
     server_args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -142,6 +157,8 @@ class ChaosConfig:
                 raise ValueError(f"{name} must be MIN,MAX with 0 <= MIN <= MAX, got {low},{high}")
         if self.keep < 1 or self.watchers < 0 or self.fetchers < 0 or self.publish_interval <= 0:
             raise ValueError("keep must be >= 1, watchers and fetchers >= 0, publish interval > 0")
+        if self.relay_poll <= 0:
+            raise ValueError("relay poll must be > 0")
 
     @property
     def recovery_seconds(self) -> float:
@@ -196,6 +213,7 @@ class ChaosState(soak.SoakState):
         self.seq_versions: dict[int, set[int]] = {}
         self.version_seqs: dict[int, set[int]] = {}
         self.gaps: list[dict[str, Any]] = []  # flagged gaps seen by watchers
+        self.deleted: set[tuple[str, int]] = set()  # (model, version) deleted on the primary
 
     def fault_label(self) -> str:
         current = self.current
@@ -702,6 +720,8 @@ class ChaosResult:
     server_restarts: int = 0
     server_exit_code: int | None = None
     server_log_warnings: int = 0
+    relay_exit_code: int | None = None
+    relay_log_warnings: int = 0
     failure_counts: dict[str, int] = field(default_factory=dict)
     failures: list[dict[str, Any]] = field(default_factory=list)
     ok: bool = False
@@ -749,6 +769,9 @@ class Chaos:
         self.watch_clients: list[Any] = []
         self.clients_closed = False
         self.admin: Any = None
+        self.relay: ServerProcess | None = None
+        self.relay_client: Any = None
+        self.deletes = 0
         try:
             self.server.start()
             self.pid = self.server.process.pid if self.server.process else 0
@@ -757,6 +780,14 @@ class Chaos:
                 f"data {self.mounts.data}, log {self.server.log_path}"
             )
             self.admin = WeightClient(self.server.address, client_id="chaos-admin", timeout=config.deadline)
+            if "delete" in enabled:  # a relay follows the server, with a data dir of its own
+                relay_args = ["--upstream", self.server.address, "--upstream-poll", str(config.relay_poll)]
+                relay_args += ["--keep", str(config.keep), "--data-dir", str(self.mounts.root / "relay-data")]
+                self.relay = ServerProcess(*relay_args)
+                self.relay_log = LogTail(self.relay.log_path)
+                self.relay.start()
+                self.relay_client = WeightClient(self.relay.address, client_id="chaos-relay", timeout=config.deadline)
+                self.on_progress(f"chaos: relay on {self.relay.address}, log {self.relay.log_path}")
             self.proxy = ReplyDropProxy(self.server.port)
             self.publisher = ChaosPublisher(self.proxy.address, state, config, self.watchdog)
             result.publish_id = self.publisher.has_publish_id
@@ -800,10 +831,13 @@ class Chaos:
                 self._close_clients()
                 if self.admin is not None:
                     self.admin.close()
+                if self.relay_client is not None:
+                    self.relay_client.close()
                 if self.proxy is not None:
                     self.proxy.close()
             finally:
                 self._stop_server()
+                self._stop_relay()
                 self.mounts.close()
         self._summarise()
         return result
@@ -921,6 +955,94 @@ class Chaos:
             self.state.disrupted_until = time.monotonic()
             self.state.disrupted = False
 
+    def _delete(self, record: FaultRecord) -> None:
+        """Deletes on the primary while the relay follows: the relay must stop serving every
+        deleted version within the recovery window."""
+        import torch
+
+        from weightclient import NotFoundError
+
+        assert self.relay_client is not None
+        config, state = self.config, self.state
+        self.deletes += 1
+        every = self.deletes % 2 == 0
+        limit = time.monotonic() + config.recovery_seconds
+        try:
+            side = []
+            for _ in range(2):
+                weights = {"w": torch.full((256,), float(self.deletes))}
+                with self.watchdog.call("chaos", "side publish", config.deadline):
+                    side.append(self.admin.publish(weights, SIDE_MODEL, timeout=config.deadline, transport="stream"))
+            if not self._relay_until(lambda: set(side) <= set(self._relay_holds(SIDE_MODEL)), limit):
+                state.fail("relay", "relay", f"did not get {SIDE_MODEL} {_vs(side)} within the recovery window")
+                return
+            with self.watchdog.call("chaos", "list_versions", config.deadline):
+                side_listed = [v.version for v in self.admin.list_versions(SIDE_MODEL)]
+                listed = [v.version for v in self.admin.list_versions(MODEL)]
+            doomed = [(SIDE_MODEL, v) for v in (side_listed if every else side[:1])]
+            if len(listed) >= 2:  # not the newest: fetchers of the latest are not set back
+                doomed.append((MODEL, listed[-2]))
+            deleted = []
+            for model, version in doomed:
+                try:
+                    with self.watchdog.call("chaos", "delete", config.deadline):
+                        self.admin.delete(model, version)
+                except NotFoundError:  # evicted meanwhile (the load's model): nothing to delete
+                    continue
+                state.deleted.add((model, version))
+                deleted.append((model, version))
+        except Exception as exc:
+            state.fail("unexpected error", "chaos", f"delete fault: {type(exc).__name__}: {exc}")
+            return
+        started = time.monotonic()
+        record.details.update(deleted=[f"{model} v{version}" for model, version in deleted], every_side_version=every)
+
+        def served() -> list[str]:
+            return [f"{m} v{v}" for m, v in deleted if v in self._relay_holds(m)]
+
+        if self._relay_until(lambda: not served(), started + config.recovery_seconds):
+            record.details["relay_dropped_after"] = round(time.monotonic() - started, 3)
+        else:
+            state.fail(
+                "relay", "relay", f"still serves {', '.join(served())} {config.recovery_seconds:g}s after the delete"
+            )
+
+    def _relay_holds(self, model: str) -> list[int]:
+        """The versions of `model` the relay lists ([] for none)."""
+        from weightclient import ModelNotFound
+
+        with self.watchdog.call("chaos", "relay list_versions", self.config.deadline):
+            try:
+                return [v.version for v in self.relay_client.list_versions(model)]
+            except ModelNotFound:
+                return []
+
+    def _relay_until(self, condition: Callable[[], bool], limit: float) -> bool:
+        """Whether `condition` (about the relay) holds before `limit` (monotonic); asked every 0.1 s."""
+        while not self.interrupt.is_set():
+            try:
+                if condition():
+                    return True
+            except Exception as exc:  # the relay does not answer: a failure of its own
+                self.state.fail("relay", "relay", f"{type(exc).__name__}: {exc}")
+                return False
+            if time.monotonic() > limit:
+                return False
+            self._pause(0.1)
+        return False
+
+    def _stop_relay(self) -> None:
+        if self.relay is None or self.relay.process is None:
+            return
+        try:
+            self.result.relay_exit_code = code = self.relay.stop(timeout=30)
+        except Exception:
+            self.relay.kill()
+            code = None
+        if code != 0:
+            self.state.fail("relay", "relay", f"exit code {code} after SIGTERM (expected 0)")
+        self._read_log(final=True)
+
     # ------------------------------------------------------------------ server life
     def _restart(self, record: FaultRecord | None, why: str) -> None:
         started = time.monotonic()
@@ -958,11 +1080,12 @@ class Chaos:
             elif info.sha256 != state.sha256[seq]:
                 state.fail("bad read", "audit", f"{when}: v{info.version} (seq {seq}) sha256 differs from published")
         oldest = retained[0] if retained else None
-        lost = [v for v in acked if v not in retained and (oldest is None or v > oldest)]
+        deleted = {v for m, v in state.deleted if m == MODEL}  # by the delete fault: not lost
+        lost = [v for v in acked if v not in retained and v not in deleted and (oldest is None or v > oldest)]
         if lost:
             state.fail("lost version", "audit", f"{when}: acknowledged {_vs(lost)} gone; retained {_vs(retained)}")
-        evicted = [v for v in acked if oldest is not None and v < oldest]
-        if evicted and len(retained) < keep:
+        evicted = [v for v in acked if oldest is not None and v < oldest and v not in deleted]
+        if evicted and len(retained) < keep - sum(1 for v in deleted if oldest is not None and v > oldest):
             state.fail(
                 "lost version",
                 "audit",
@@ -971,14 +1094,22 @@ class Chaos:
         return retained
 
     def _read_log(self, final: bool = False) -> None:
-        """Count warnings; an ERROR or a traceback is a failure (its first and last line)."""
-        for entry in self.log_tail.entries(final):
-            problems = {m.group(1) or "Traceback" for m in map(soak._LOG_PROBLEM.search, entry) if m}
-            if "WARNING" in problems:
-                self.result.server_log_warnings += 1
-            elif problems:  # ERROR, CRITICAL, or a traceback that was not logged as a warning
-                last = f" ... {entry[-1].strip()[:200]}" if len(entry) > 1 else ""
-                self.state.fail("server error", "server-log", entry[0].strip()[:300] + last)
+        """Count warnings; an ERROR or a traceback is a failure (its first and last line), in
+        the server's log and the relay's."""
+        tails = [(self.log_tail, "server error", "server-log")]
+        if self.relay is not None:
+            tails.append((self.relay_log, "relay", "relay-log"))
+        for tail, category, source in tails:
+            for entry in tail.entries(final):
+                problems = {m.group(1) or "Traceback" for m in map(soak._LOG_PROBLEM.search, entry) if m}
+                if "WARNING" in problems:
+                    if tail is self.log_tail:
+                        self.result.server_log_warnings += 1
+                    else:
+                        self.result.relay_log_warnings += 1
+                elif problems:  # ERROR, CRITICAL, or a traceback that was not logged as a warning
+                    last = f" ... {entry[-1].strip()[:200]}" if len(entry) > 1 else ""
+                    self.state.fail(category, source, entry[0].strip()[:300] + last)
 
     def _stop_server(self) -> None:
         process = self.server.process
@@ -1043,6 +1174,9 @@ class Chaos:
             if not missing:
                 target = self.state.acked_max
                 missing = [f"{w.name} at v{w.last()} < v{target}" for w in self.watchers if w.last() < target]
+            if not missing and self.relay_client is not None:
+                relayed = self._relay_latest()
+                missing = [] if relayed >= target else [f"the relay at v{relayed} < v{target}"]
             if not missing:
                 record.recovered_after = round(time.monotonic() - ended, 3)
                 return
@@ -1054,6 +1188,14 @@ class Chaos:
                 )
                 return
             self._pause(0.05)
+
+    def _relay_latest(self) -> int:
+        """The newest version of the load's model the relay holds (0: none, or no answer)."""
+        try:
+            with self.watchdog.call("chaos", "relay latest", self.config.deadline):
+                return self.relay_client.latest(MODEL).version
+        except Exception:
+            return 0
 
     def _wind_down(self) -> None:
         """Stop the publisher and fetchers, let the watchers catch up, close the streams."""
@@ -1123,6 +1265,24 @@ class Chaos:
                     )
             if watcher.last() < state.acked_max:
                 state.fail("watch", watcher.name, f"ended at v{watcher.last()}, v{state.acked_max} was acknowledged")
+        if self.relay_client is not None:
+            self._audit_relay()
+
+    def _audit_relay(self) -> None:
+        """The relay follows the restarted server to the last acknowledged version and serves
+        no version deleted on it."""
+        state, config = self.state, self.config
+        final = state.acked_max
+        if not self._relay_until(lambda: self._relay_latest() >= final, time.monotonic() + config.recovery_seconds):
+            state.fail("relay", "relay", f"at v{self._relay_latest()} at the end, v{final} was acknowledged")
+        for model in sorted({m for m, _ in state.deleted}):
+            try:
+                served = sorted(set(self._relay_holds(model)) & {v for m, v in state.deleted if m == model})
+            except Exception as exc:
+                state.fail("relay", "relay", f"at the end: list_versions failed: {type(exc).__name__}: {exc}")
+                continue
+            if served:
+                state.fail("relay", "relay", f"at the end, still serves {model} {_vs(served)}, deleted on the primary")
 
     def _summarise(self) -> None:
         state, result = self.state, self.result
@@ -1235,6 +1395,8 @@ def format_summary(result: ChaosResult) -> str:
     restarts = sum(1 for g in result.gaps if g["across_restart"])
     row("flagged watch gaps", f"{len(result.gaps)} ({restarts} across restarts, {len(result.gaps) - restarts} other)")
     row("server log", f"{result.server_log_warnings} warnings")
+    if "delete" in c["faults"]:
+        row("relay", f"{result.relay_log_warnings} warnings in its log; exit code at the end {result.relay_exit_code}")
     row("failures", ", ".join(f"{k} {v}" for k, v in result.failure_counts.items()))
     verdict = "PASS" if result.ok else "INTERRUPTED" if result.interrupted else "FAIL"
     row("result", verdict + (f" (aborted: {result.aborted})" if result.aborted else ""))
@@ -1265,6 +1427,12 @@ def _fault_note(name: str, runs: list[dict[str, Any]]) -> str:
     if name == "kill":
         seconds = [d["restart_seconds"] for d in details if "restart_seconds" in d]
         return f"; restart took <= {max(seconds):.1f}s" if seconds else ""
+    if name == "delete":
+        deleted = sum(len(d.get("deleted", [])) for d in details)
+        dropped = [d["relay_dropped_after"] for d in details if "relay_dropped_after" in d]
+        every = sum(1 for d in details if d.get("every_side_version"))
+        text = f"; {deleted} version(s) deleted ({every} run(s) deleting every version of {SIDE_MODEL})"
+        return text + (f", the relay dropped them in <= {max(dropped):.1f}s" if dropped else "")
     return ""
 
 
@@ -1296,6 +1464,7 @@ _OPTIONS: tuple[tuple[str, Callable[[str], Any], str], ...] = (
     ("keep", int, "server --keep"),
     ("tmpfs_bytes", parse_size, "size of each tmpfs mount (shm, data)"),
     ("flood_connections", int, "idle connections a bulk flood opens"),
+    ("relay_poll", float, "the relay's --upstream-poll, seconds (with the delete fault)"),
 )
 
 

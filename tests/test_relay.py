@@ -6,17 +6,27 @@ and metrics, and catches up without missing a version."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import threading
 
 import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from safetensors.torch import save
-from waiting import wait_until
+from waiting import wait_equal, wait_until
 
-from weightclient import ModelNotFound, NotPrimary, WeightClient, WeightServiceClient
+from weightclient import (
+    ModelNotFound,
+    NotPrimary,
+    VersionEvicted,
+    VersionNotFound,
+    WeightClient,
+    WeightServiceClient,
+)
 from weightserver.errors import ERROR_METADATA_KEY
 from weightserver.metrics import ServerMetrics
 from weightserver.payloads import apply_delta, derive
@@ -330,3 +340,136 @@ def test_serve_help_describes_relay_mode_and_models_need_an_upstream():
     assert "--upstream ADDRESS" in shown and "--models A,B" in shown and "--upstream-poll SECONDS" in shown
     refused = serve("--port", "0", "--models", "policy")
     assert refused.returncode == 1 and "--upstream" in refused.stderr
+
+
+def retained(server, model: str) -> list[int]:
+    """The versions of `model` a server (in-process, a process or an address) lists; [] for none."""
+    with WeightServiceClient(address_of(server), retry_seconds=0) as client:
+        try:
+            return [v.version for v in client.list_versions(model)]
+        except ModelNotFound:
+            return []
+
+
+def test_a_relay_that_misses_versions_flags_the_gap_to_its_watchers(make_server, make_relay):
+    """Issue 29, item 5. A relay that misses versions of its upstream (evicted there before it
+    fetched them) flags the gap on its watchers' next event, live or replayed from `since`, and
+    so does a relay of that relay: the primary's rule, at every level."""
+    primary = make_server(keep=2)
+    files = [save(weights(step)) for step in range(61)]
+    with (
+        ServerProcess("--upstream", primary.address, "--upstream-poll", "0.1") as relay,
+        WeightServiceClient(primary.address) as trainer,
+        grpc.insecure_channel(relay.address) as channel,
+    ):
+        trainer.publish_bytes("policy", files[1])
+        wait_until(lambda: held(relay.address, "policy") == 1, what="the relay holds v1")
+        leaf = make_relay(relay.address)
+        wait_until(lambda: held(leaf, "policy") == 1, what="the relay of the relay holds v1")
+        live = pb_grpc.WeightServiceStub(channel).Watch(pb.WatchRequest(model="policy", since=1), timeout=60)
+        live.initial_metadata()  # sent once the relay has taken the subscription
+        # The relay is stopped while 59 versions are published from 3 threads: the primary
+        # keeps 2 of them, so the relay never gets v2..v58.
+        os.kill(relay.process.pid, signal.SIGSTOP)
+        try:
+            numbers = iter(range(2, 61))
+            lock = threading.Lock()
+
+            def publish() -> None:
+                with WeightServiceClient(primary.address) as client:
+                    while True:
+                        with lock:
+                            step = next(numbers, None)
+                        if step is None:
+                            return
+                        client.publish_bytes("policy", files[step])
+
+            threads = [threading.Thread(target=publish) for _ in range(3)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+        finally:
+            os.kill(relay.process.pid, signal.SIGCONT)
+        assert retained(primary, "policy") == [59, 60]
+        seen = []
+        for event in live:
+            seen.append((event.version.version, event.gap))
+            if event.version.version == 60:
+                break
+        live.cancel()
+        # Live: the first event after v1 says that versions were missed.
+        assert seen == [(59, True), (60, False)]
+        # Replayed from since=1, on the relay and on the relay of the relay.
+        wait_until(lambda: held(leaf, "policy") == 60, what="the relay of the relay holds v60")
+        for server in (relay, leaf):
+            with grpc.insecure_channel(address_of(server)) as replay_channel:
+                replay = pb_grpc.WeightServiceStub(replay_channel).Watch(
+                    pb.WatchRequest(model="policy", since=1), timeout=30
+                )
+                first = next(replay)
+                replay.cancel()
+            assert (first.version.version, first.gap) == (59, True), address_of(server)
+            # A watcher that saw v59 missed nothing before v60.
+            with grpc.insecure_channel(address_of(server)) as replay_channel:
+                replay = pb_grpc.WeightServiceStub(replay_channel).Watch(
+                    pb.WatchRequest(model="policy", since=59), timeout=30
+                )
+                first = next(replay)
+                replay.cancel()
+            assert (first.version.version, first.gap) == (60, False), address_of(server)
+
+
+def test_deletes_on_the_primary_reach_every_relay_within_a_poll(make_server, make_relay, tmp_path):
+    """Issue 29, item 6. A version deleted on the primary, one or all of a model's, leaves
+    every relay within its poll interval: a relay, a relay of that relay, and a relay process
+    that was down during the delete and comes back on its data dir (it checks what it holds at
+    start). A relay started afterwards holds none, and all of them follow the next version."""
+    primary = make_server()
+    first = make_relay(primary)
+    second = make_relay(first)
+    restarted = ServerProcess(
+        "--upstream", primary.address, "--upstream-poll", "0.1", "--data-dir", str(tmp_path / "relay")
+    )
+    with restarted, WeightServiceClient(primary.address) as admin:
+        for step in (1, 2, 3):
+            admin.publish_bytes("policy", save(weights(step)))
+        relays = (first, second, restarted)
+        for relay in relays:
+            wait_equal(lambda relay=relay: retained(relay, "policy"), [1, 2, 3], what=f"{address_of(relay)} holds 1-3")
+
+        admin.delete("policy", 2)
+        for relay in relays:
+            wait_equal(lambda relay=relay: retained(relay, "policy"), [1, 3], what=f"{address_of(relay)} drops v2")
+        with pytest.raises(VersionNotFound, match="deleted"):
+            fetched(second, "policy", 2)
+
+        restarted.stop()
+        admin.delete("policy", 1)
+        admin.delete("policy", 3)
+        for relay in (first, second):
+            wait_equal(lambda relay=relay: retained(relay, "policy"), [], what=f"{address_of(relay)} drops v1, v3")
+        restarted.start()  # on its data dir, which holds v1 and v3
+        wait_equal(lambda: retained(restarted, "policy"), [], what="the restarted relay drops v1, v3")
+        late = make_relay(primary)
+        assert retained(late, "policy") == []
+
+        admin.publish_bytes("policy", save(weights(4)))
+        for relay in (*relays, late):
+            wait_equal(lambda relay=relay: retained(relay, "policy"), [4], what=f"{address_of(relay)} holds v4")
+        assert_same_versions(second, primary, "policy", [4])
+
+
+def test_a_relay_holds_no_version_its_upstream_evicted(make_server, make_relay):
+    """A relay serves what its upstream retains, within its own --keep: a version evicted
+    upstream goes from the relay too (a relay with a larger --keep does not keep more), and
+    asking for it there says it was evicted, not deleted."""
+    primary = make_server(keep=2)
+    relay = make_relay(primary, keep=5)
+    with WeightServiceClient(primary.address) as trainer:
+        for step in (1, 2, 3, 4):
+            trainer.publish_bytes("policy", save(weights(step)))
+            wait_until(lambda step=step: held(relay, "policy") == step, what=f"the relay holds v{step}")
+    wait_equal(lambda: retained(relay, "policy"), [3, 4], what="the relay keeps what the primary keeps")
+    with pytest.raises(VersionEvicted):
+        fetched(relay, "policy", 1)

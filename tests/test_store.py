@@ -522,6 +522,37 @@ def test_versions_after_reports_gap_when_deleted(store: VersionStore) -> None:
     assert store.versions_after("policy", 3) == ([], True)
 
 
+def test_missed_versions_are_a_gap_for_watchers_before_them(store: VersionStore) -> None:
+    """A relay's store: versions of its upstream it will never hold (`missed`) are a gap, as
+    evicted and deleted ones are, for a backlog (`versions_after`) and between two events
+    (`gap_between`)."""
+    store.publish("policy", payload(1))
+    store.missed("policy", 30)  # v2..v30 gone upstream before the relay fetched them
+    store.publish("policy", payload(31), version=31)
+    assert (numbers(store.versions_after("policy", 1)[0]), store.versions_after("policy", 1)[1]) == ([31], True)
+    assert store.versions_after("policy", 30) == (store.versions_after("policy", 30)[0], False)
+    assert store.gap_between("policy", 1, 31) is True
+    assert store.gap_between("policy", 30, 31) is False
+    assert store.gap_between("policy", 31, 32) is False
+    assert store.gap_between("unknown", 0, 5) is False
+    store.publish("policy", payload(32))
+    store.delete("policy", 32)
+    store.publish("policy", payload(33))
+    assert store.gap_between("policy", 31, 33) is True  # deleted counts too
+
+
+def test_a_version_removed_as_evicted_elsewhere_is_reported_evicted(store: VersionStore) -> None:
+    for i in range(1, 4):
+        store.publish("policy", payload(i))
+    store.delete("policy", 2, evicted=True)  # a relay whose upstream evicted it
+    with pytest.raises(VersionEvicted):  # between retained versions: as evicted, not deleted
+        store.get("policy", 2)
+    store.delete("policy", 1)
+    with pytest.raises(VersionNotFound, match="deleted"):
+        store.get("policy", 1)
+    assert store.versions_after("policy", 1) == (store.versions_after("policy", 1)[0], True)
+
+
 def test_versions_after_reports_gap_behind_a_pinned_version() -> None:
     # Version 1 is pinned and returned, but version 2 after it was evicted: the backlog has a hole.
     store = VersionStore(keep=1)

@@ -11,6 +11,17 @@ digests are the upstream's. Its own watchers hear of a version only once the sto
 whole and verified, and every transport serves it like any version. A relay's upstream may be a
 relay: the tree is as deep as you make it.
 
+Missed versions: a version announced but gone upstream before it was fetched (or one the relay
+cannot hold) is recorded in the store as missed (`VersionStore.missed`), and so is a jump in
+the numbers after the upstream flagged a gap, so that this relay's watchers are told of the gap
+as a primary's are.
+
+Deletes: after each poll, the versions held are checked against the upstream's
+(`_reconcile`), and those it no longer retains, deleted or evicted there, are dropped: a delete
+on the primary leaves a relay within a poll interval, and a relay restarted on its data dir
+drops at its first poll what was deleted while it was down. An eviction upstream is treated as
+a delete on purpose: after the upstream restarts, an old deleted version looks evicted.
+
 Models: those named (`--models`), else every model the upstream lists, polled every
 `poll_seconds` (ListModels), and any model a group publish names. A group publish (several
 models under one number) is committed together, as on the primary, once the follower of each of
@@ -63,6 +74,7 @@ from weightserver.errors import (
     PermissionDenied,
     ServerUnavailable,
     VersionConflict,
+    VersionEvicted,
     WeightServerError,
 )
 from weightserver.incoming import IncomingPublish, IncomingPublishes
@@ -100,6 +112,14 @@ class _GroupCommit:
 
 
 @dataclass
+class _Subscription:
+    """One Watch on the upstream, as far as its events went: what a missed version is told by."""
+
+    last: int  # the newest version announced (at first: the `since` subscribed with)
+    gap: bool = False  # the upstream said versions after `since` are gone
+
+
+@dataclass
 class _Early:
     """A publish's bytes received from the upstream while they arrive there (cut-through),
     passed on to this relay's own followers as they land (`arriving`)."""
@@ -132,8 +152,10 @@ class Relay:
         health: health_aio.HealthServicer | None = None,
         incoming: IncomingPublishes | None = None,
         link: UpstreamLink | None = None,
+        on_removed: Callable[[str], None] | None = None,
     ) -> None:
         self.store = store
+        self.on_removed = on_removed  # called with the model after a version went (on the event loop)
         self.link = link or UpstreamLink()
         self.incoming = incoming
         self._early: dict[str, _Early] = {}  # by the upstream's announcement id
@@ -150,6 +172,9 @@ class Relay:
         self._tasks: dict[str, asyncio.Task[None]] = {}  # "" polls, each model's follows it
         self._groups: dict[int, _GroupCommit] = {}
         self._upstream_back = asyncio.Event()  # set (and replaced) when the upstream answers again
+        # model -> the upstream's summary (latest, count, bytes) when its versions were last
+        # listed, and the versions this relay held then that the upstream retained.
+        self._checked: dict[str, tuple[tuple[int, int, int], frozenset[int]]] = {}
 
     @property
     def followed(self) -> list[str]:
@@ -233,6 +258,10 @@ class Relay:
                     if self._follows(summary.model):
                         self._heard(summary.model, summary.latest_version, exact=True)
                         self._follow(summary.model)
+                try:
+                    await self._reconcile(summaries)
+                except WeightServerError as exc:  # the upstream went away meanwhile: the next poll
+                    log.info("relay: checking the versions held against %s failed: %s", self.address, exc)
             refusals = refusals + 1 if self.upstream_refused else 0
             await asyncio.sleep(max(self.poll_seconds, _backoff_seconds(refusals - 1) if refusals else 0.0))
 
@@ -301,6 +330,68 @@ class Relay:
             )
         return " (if it is up and serves TLS, dial it with --upstream-tls-ca PEM or --upstream-tls)"
 
+    # ------------------------------------------------------------------ deletes upstream
+    async def _reconcile(self, summaries: Sequence[pb.ModelSummary]) -> None:
+        """Drop every version this relay holds that its upstream no longer retains: deleted
+        there, or evicted. Called after each poll's ListModels (`summaries`), so a delete
+        reaches the relay within a poll interval; at start, the first poll drops what the
+        upstream deleted while the relay was down.
+
+        Each version held is checked against the upstream's ListVersions, only for a model
+        whose summary changed since it was last listed (the same latest version, count and
+        bytes mean the same versions: new ones are numbered above the latest), and only
+        versions this relay got since then otherwise; one missing there is dropped once
+        Describe confirms it is gone (not merely committed after the listing)."""
+        assert self._client is not None
+        listed = {s.model: (s.latest_version, s.version_count, s.retained_bytes) for s in summaries}
+        for model in [info.model for info in self.store.models()]:
+            held = {v.version for v in self._held_versions(model)}
+            summary = listed.get(model)
+            checked = self._checked.get(model)
+            if summary is not None and checked is not None and checked[0] == summary:
+                retained = checked[1]
+            elif summary is None:  # the upstream holds no version of it
+                retained = frozenset()
+            else:
+                retained = frozenset(v.version for v in await self._upstream_versions(model))
+            confirmed = held & retained
+            for version in sorted(held - retained):
+                try:
+                    await self._client.describe(model, version)
+                except VersionEvicted:
+                    await self._drop(model, version, evicted=True)
+                except NotFoundError:  # deleted (or the model is gone)
+                    await self._drop(model, version, evicted=False)
+                else:
+                    confirmed.add(version)  # committed upstream after its listing
+            if summary is None:
+                self._checked.pop(model, None)
+            else:
+                self._checked[model] = (summary, frozenset(confirmed))
+
+    def _held_versions(self, model: str) -> list[Version]:
+        try:
+            return self.store.versions(model)
+        except ModelNotFound:
+            return []
+
+    async def _upstream_versions(self, model: str) -> list[pb.VersionInfo]:
+        try:
+            return await self._client.list_versions(model) if self._client is not None else []
+        except ModelNotFound:
+            return []
+
+    async def _drop(self, model: str, version: int, *, evicted: bool) -> None:
+        """Stop serving a version the upstream no longer retains."""
+        try:
+            await asyncio.to_thread(self.store.delete, model, version, evicted=evicted)
+        except NotFoundError:
+            return  # gone meanwhile (this relay's own retention)
+        if self.on_removed is not None:
+            self.on_removed(model)
+        why = "evicted" if evicted else "deleted"
+        log.info("relay of %r: v%d was %s upstream; no longer served here", model, version, why)
+
     # ------------------------------------------------------------------ following one model
     def _held(self, model: str) -> Version | None:
         try:
@@ -325,9 +416,11 @@ class Relay:
 
         while True:
             try:
-                watch = self._client.watch(model, self._held_version(model), subscribed, incoming=bool(self.incoming))
+                since = self._held_version(model)
+                subscription = _Subscription(since)
+                watch = self._client.watch(model, since, subscribed, incoming=bool(self.incoming))
                 async for event in watch:
-                    await self._on_event(model, event)
+                    await self._on_event(model, event, subscription)
                 continue  # the Watch's deadline passed: resubscribe at once
             except (ServerUnavailable, DeadlineExceeded, *_REFUSALS) as exc:
                 await self._report(False, exc)
@@ -349,7 +442,7 @@ class Relay:
         with contextlib.suppress(asyncio.TimeoutError):  # else woken: the upstream answers again
             await asyncio.wait_for(self._upstream_back.wait(), _backoff_seconds(attempt))
 
-    async def _on_event(self, model: str, event: pb.VersionEvent) -> None:
+    async def _on_event(self, model: str, event: pb.VersionEvent, subscription: _Subscription) -> None:
         if not event.HasField("version"):
             self._on_arriving(model, event.incoming)
             return
@@ -357,11 +450,18 @@ class Relay:
         early = self._early.pop(event.incoming.id, None) if event.incoming.id else None
         self._heard(model, number)
         if event.gap:
+            subscription.gap = True
             log.warning(
                 "relay of %r: versions before v%d were evicted or deleted upstream before this relay fetched them",
                 model,
                 number,
             )
+        after, subscription.last = subscription.last, number
+        if subscription.gap and number > after + 1 and number > self._held_version(model):
+            # Versions between are gone upstream, their numbers unsaid (numbers need not be
+            # consecutive, so only after the upstream flagged a gap is a jump taken for one):
+            # this relay's watchers after `after` are told of the gap with this version.
+            self.store.missed(model, number - 1)
         if number <= self._held_version(model):
             if early is not None:
                 early.arriving.fail("this relay holds that version already")
@@ -480,6 +580,7 @@ class Relay:
                 fetched.append(await self._client.fetch_version(model, number, self._held(model)))
             except NotFoundError as exc:  # evicted or deleted upstream since it was announced
                 log.warning("relay of %r v%d: gone upstream before it was fetched (%s)", model, number, exc)
+                self.store.missed(model, number)  # this relay's watchers are told of the gap
         if fetched:
             await self._commit_fetched(fetched, number, started)
 
@@ -524,6 +625,8 @@ class Relay:
             return  # committed meanwhile (a group's other follower)
         except _NEVER_FITS as exc:
             log.error("relay of %s v%d: cannot hold it, skipped: %s", [f.info.model for f in fetched], number, exc)
+            for f in fetched:
+                self.store.missed(f.info.model, number)
             return
         seconds = time.perf_counter() - started
         for f, record in zip(fetched, records, strict=True):

@@ -248,6 +248,7 @@ class WeightServer:
                 health=health,
                 incoming=servicer.incoming,
                 link=self.upstream_link,
+                on_removed=servicer.forget_removed,
             )
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),

@@ -206,7 +206,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         """Store listener: a commit may have evicted older versions of the model. A version
         committed without its sha256 gets its shared-memory header rewritten once the store
         has computed it, for readers of that file."""
-        self._forget_removed(record.model)
+        self.forget_removed(record.model)
         if not record.sha256 and self.shared_memory is not None:
             model, version = record.model, record.version  # not the record: its bytes may go meanwhile
 
@@ -230,7 +230,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
 
         self.shared_memory.write_header(model, version, current)
 
-    def _forget_removed(self, model: str) -> None:
+    def forget_removed(self, model: str) -> None:
         """Drop derived payloads and shared-memory files of versions no longer retained
         (after a commit evicted some, a delete, or an unpin), and update the retention metrics."""
         try:
@@ -408,14 +408,14 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         self, request: pb.DeleteVersionRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeleteVersionResponse:
         record = await asyncio.to_thread(self.store.delete, request.model, request.version)
-        self._forget_removed(record.model)
+        self.forget_removed(record.model)
         _log_event("delete", context, model=record.model, version=record.version)
         return pb.DeleteVersionResponse(deleted=wire.version_info(record))
 
     @_unary
     async def PinVersion(self, request: pb.PinVersionRequest, context: grpc.aio.ServicerContext) -> pb.VersionInfo:
         record = await asyncio.to_thread(self.store.set_pinned, request.model, request.version, request.pinned)
-        self._forget_removed(record.model)
+        self.forget_removed(record.model)
         await asyncio.to_thread(self._write_shm_header, record.model, record.version)
         _log_event("pin" if record.pinned else "unpin", context, model=record.model, version=record.version)
         return wire.version_info(record)
@@ -738,7 +738,9 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
                     continue
                 if event.version <= last:
                     continue
-                # With an empty backlog the gap is reported on the first live event.
+                # With an empty backlog the gap is reported on the first live event; on a relay,
+                # also on an event after versions it missed (`VersionStore.missed`).
+                gap = gap or self.store.gap_between(model, last, event.version)
                 yield self._version_event(event, gap, request.incoming)
                 gap = False
                 last = event.version

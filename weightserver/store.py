@@ -162,6 +162,9 @@ class _Model:
     high_water: int = 0  # highest version ever committed, retained or not
     removed: list[int] = field(default_factory=list)  # sorted; evicted or deleted (this process)
     deleted: set[int] = field(default_factory=set)  # deleted on request (this process)
+    # A relay's: versions of its upstream it will never hold, each the number missed or, for
+    # versions whose numbers the upstream did not say, the highest such number (this process).
+    missed: list[int] = field(default_factory=list)  # sorted
     commit_lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -577,7 +580,7 @@ class VersionStore:
 
     def versions_after(self, model: str, since: int) -> tuple[list[Version], bool]:
         """Retained versions newer than `since`, oldest first, and whether any version after
-        `since` was evicted or deleted before it could be returned (a gap).
+        `since` was evicted, deleted or missed (`missed`) before it could be returned (a gap).
 
         A model with no versions yet returns ``([], False)`` for ``since=0``: watchers wait for
         the first one. A `since` above every version ever committed raises CursorOutOfRange.
@@ -594,10 +597,35 @@ class VersionStore:
             if state is None:
                 return [], False
             newer = [v for v in state.versions.values() if v.version > since]
-            # Every removed version after `since` is missing from `newer`, also one behind a
-            # pinned version that is returned.
-            gap = bisect.bisect_right(state.removed, since) < len(state.removed)
+            # Every removed or missed version after `since` is missing from `newer`, also one
+            # behind a pinned version that is returned.
+            gap = any(bisect.bisect_right(numbers, since) < len(numbers) for numbers in (state.removed, state.missed))
             return newer, gap
+
+    def gap_between(self, model: str, after: int, before: int) -> bool:
+        """Whether a version numbered between `after` and `before` (both excluded) was evicted,
+        deleted or missed: a watcher that saw `after` and then sees `before` missed it. On a
+        primary every commit is an event, so only a relay's missed versions make this true
+        for two consecutive events."""
+        with self._lock:
+            state = self._models.get(model)
+            if state is None:
+                return False
+            return any(
+                bisect.bisect_right(numbers, after) < bisect.bisect_left(numbers, before)
+                for numbers in (state.removed, state.missed)
+            )
+
+    def missed(self, model: str, version: int) -> None:
+        """Record that a relay will never hold `version` of `model`, a version its upstream
+        committed (evicted or deleted there before this relay fetched it, or one it cannot
+        hold): watchers after an earlier version are told of the gap (`versions_after`,
+        `gap_between`). For versions whose numbers are unknown, name the highest they may
+        have (one below the version that follows them)."""
+        state = self._model_state(validate_model_name(model))
+        with self._lock:
+            if not _contains(state.missed, version):
+                bisect.insort(state.missed, version)
 
     def models(self) -> list[ModelInfo]:
         """Every model that has retained versions, sorted by name."""
@@ -628,8 +656,12 @@ class VersionStore:
         return unsubscribe
 
     # ------------------------------------------------------------------ admin
-    def delete(self, model: str, version: int) -> Version:
-        """Delete one retained version, from disk first (see the module docstring for the order)."""
+    def delete(self, model: str, version: int, *, evicted: bool = False) -> Version:
+        """Delete one retained version, from disk first (see the module docstring for the order).
+
+        `evicted`: the version goes because it was evicted elsewhere (a relay's upstream no
+        longer retains it), not on request: asking for it later says it is no longer
+        retained (VersionEvicted) rather than deleted."""
         self.get(model, version)  # raises the right NotFound before taking the commit lock
         state = self._model_state(model)
         with state.commit_lock:  # no commit, eviction or pin of this model meanwhile
@@ -639,7 +671,8 @@ class VersionStore:
             with self._lock:
                 del state.versions[version]
                 bisect.insort(state.removed, version)
-                state.deleted.add(version)
+                if not evicted:
+                    state.deleted.add(version)
         return record
 
     def set_pinned(self, model: str, version: int, pinned: bool) -> Version:

@@ -130,6 +130,19 @@ class UpstreamClient:
             reply = await self._stub.ListModels(pb.ListModelsRequest(), timeout=CALL_SECONDS, metadata=self._metadata)
         return list(reply.models)
 
+    async def list_versions(self, model: str) -> list[pb.VersionInfo]:
+        """The versions of `model` the upstream retains, oldest first (ModelNotFound: none)."""
+        with _mapped_errors():
+            request = pb.ListVersionsRequest(model=model)
+            reply = await self._stub.ListVersions(request, timeout=CALL_SECONDS, metadata=self._metadata)
+        return list(reply.versions)
+
+    async def describe(self, model: str, version: int) -> pb.VersionInfo:
+        """One version the upstream retains (VersionEvicted, VersionNotFound, ModelNotFound: it does not)."""
+        with _mapped_errors():
+            request = pb.DescribeRequest(model=model, version=version)
+            return await self._stub.Describe(request, timeout=CALL_SECONDS, metadata=self._metadata)
+
     async def watch(
         self, model: str, since: int, on_subscribed: Callable[[], Awaitable[None]], *, incoming: bool = False
     ) -> AsyncIterator[pb.VersionEvent]:
