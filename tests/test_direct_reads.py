@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_errors import chunks, file_bytes, header_request, watch_publish_start
 from test_metrics import scrape, value, wait_for_value
-from waiting import wait_until
+from waiting import sigstop, wait_until
 
 from weightclient import IntegrityError, WeightClient
 from weightclient.grpc_updaters import GrpcLocalWeightUpdater
@@ -87,7 +87,7 @@ def test_a_direct_read_needs_no_answer_from_the_server():
         client.publish(weights(1), model=MODEL)
         learn(client)
         client.publish(weights(2), model=MODEL)
-        os.kill(server.process.pid, signal.SIGSTOP)
+        sigstop(server.process.pid)
         try:
             # Asking the stopped server would end in DeadlineExceeded after 1 s, as below.
             result = client.fetch(MODEL, version=2, transport="shm", timeout=1.0, retry=False)

@@ -17,7 +17,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from safetensors.torch import save
-from waiting import wait_equal, wait_until
+from waiting import sigstop, wait_equal, wait_until
 
 from weightclient import (
     ModelNotFound,
@@ -370,7 +370,7 @@ def test_a_relay_that_misses_versions_flags_the_gap_to_its_watchers(make_server,
         live.initial_metadata()  # sent once the relay has taken the subscription
         # The relay is stopped while 59 versions are published from 3 threads: the primary
         # keeps 2 of them, so the relay never gets v2..v58.
-        os.kill(relay.process.pid, signal.SIGSTOP)
+        sigstop(relay.process.pid)
         try:
             numbers = iter(range(2, 61))
             lock = threading.Lock()

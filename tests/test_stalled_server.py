@@ -15,7 +15,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from waiting import wait_until
+from waiting import sigstop, wait_until
 
 from weightclient import WeightClient
 from weightclient.grpc_updaters import GrpcLocalWeightUpdater
@@ -49,7 +49,7 @@ def stop(server: ServerProcess) -> threading.Timer:
     """SIGSTOP the server process (its port accepts connections, nothing answers) and resume
     it after STOP_SECONDS, so that a call that waits for the server fails the test on its
     timing instead of hanging it. Cancel the timer to resume it sooner."""
-    os.kill(server.process.pid, signal.SIGSTOP)
+    sigstop(server.process.pid)
     timer = threading.Timer(STOP_SECONDS, with_resumed, (server,))
     timer.start()
     return timer

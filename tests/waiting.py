@@ -9,8 +9,12 @@ got.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -53,3 +57,19 @@ def wait_until(
 ) -> None:
     """Wait until `condition()` is true (see `wait_for`; the value reported is the condition's)."""
     wait_for(condition, timeout=timeout, step=step, what=what)
+
+
+def sigstop(pid: int, timeout: float = WAIT_SECONDS) -> None:
+    """SIGSTOP process `pid` and wait until every one of its threads is stopped. kill()
+    returns once the signal is sent; each thread stops when it next runs, which on a busy
+    machine may be after a call the test meant the stopped process not to answer."""
+
+    def states() -> set[str]:
+        found = set()
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError):  # a thread that just ended
+                found.add((task / "stat").read_text().rpartition(")")[2].split()[0])
+        return found
+
+    os.kill(pid, signal.SIGSTOP)
+    wait_for(states, lambda found: found <= {"T", "t"}, timeout=timeout, what=f"every thread of {pid} stopped")
