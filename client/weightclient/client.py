@@ -224,6 +224,7 @@ class WeightClient(WeightServiceClient):
                 "a delta against a FetchResult needs a complete result fetched without dtype, and no dtype now; "
                 "pass base=<version number> for a partial result instead"
             )
+        deadline = None if timeout is None else time.monotonic() + timeout  # a refetch gets what is left
         base_info = base.info if isinstance(base, FetchResult) else base if isinstance(base, VersionInfo) else None
         base_version = base_info.version if base_info is not None else int(base or 0)
         targets: dict[str, torch.Tensor] = {}
@@ -265,7 +266,8 @@ class WeightClient(WeightServiceClient):
                     log.info(
                         "the base of %s v%d changed since it was fetched; fetching whole", model, fetched.info.version
                     )
-                    return self.fetch(model, version=fetched.info.version, transport=transport, timeout=timeout)
+                    number, left = fetched.info.version, remaining(deadline)
+                    return self.fetch(model, version=number, transport=transport, timeout=left)
                 tensors = {**unchanged, **tensors}
                 partial = False
         return FetchResult(

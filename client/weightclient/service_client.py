@@ -490,6 +490,7 @@ class WeightServiceClient:
         with ServerUnavailable. `progress(received, total)` follows the transfer.
         """
         request = _fetch_request(model, version, newer_than, self.chunk_bytes, base_version, dtype)
+        deadline = None if timeout is None else time.monotonic() + timeout  # a refetch gets what is left
 
         def once(left: float | None) -> FetchedBytes | None:
             return self._fetch_once(request, self.transports.order(transport), left, into, place, progress)
@@ -498,7 +499,8 @@ class WeightServiceClient:
         if fetched is not None and fetched.base_version and base_xxh3 and fetched.base_xxh3 != base_xxh3:
             log.info("%s v%d on the server differs from the caller's; fetching it whole", model, base_version)
             exact = _fetch_request(model, fetched.info.version, None, self.chunk_bytes, dtype=dtype)
-            return self._fetch_once(exact, self.transports.order(transport), timeout, into, None, progress)
+            order = self.transports.order(transport)
+            return self._fetch_once(exact, order, remaining(deadline), into, None, progress)
         return fetched
 
     def _fetch_once(
@@ -754,6 +756,7 @@ class WeightServiceClient:
         another address: with `retry`, retried while no server answers (`retry_unavailable`,
         moving on from each that fails); without, once more on the next address."""
         used = [self.address]  # the address the latest attempt went to: the one to move on from
+        deadline = None if timeout is None else time.monotonic() + timeout
 
         def attempt(left: float | None) -> T:
             used[0] = self.address
@@ -769,7 +772,7 @@ class WeightServiceClient:
         except (ServerUnavailable, DeadlineExceeded) as exc:
             if not move_on(exc):
                 raise
-        return attempt(timeout)
+        return attempt(remaining(deadline))  # the next address gets what is left, not a new timeout
 
     def _retry_window(self, timeout: float | None) -> float:
         return timeout if timeout is not None else self.retry_seconds
