@@ -1,7 +1,8 @@
 """Chaos: faults at random against a publisher, fetchers and watchers on a real server.
 
     .venv/bin/python bench/chaos.py [--seconds 600] [--seed N] [--deadline 10] [--slack 5]
-                                    [--faults stop,fill-shm,fill-data,flood-bulk,drop-reply,kill,delete]
+                                    [--faults stop,fill-shm,fill-data,flood-bulk,drop-reply,kill,delete,
+                                              stall-publish,rewrite-upload]
                                     [--json FILE]
 
 The load is bench/soak.py's (its Publisher, Fetcher and Watcher, subclassed here): a publisher
@@ -27,7 +28,16 @@ round; `--seed` replays an order), each followed by recovery and a quiet spell:
 * delete:     a delete on the primary while a relay follows it: publish two versions of a side
               model (`chaos-deletes`), wait for the relay to hold them, then delete one of them
               (every other run: every version of that model) and a retained version of the
-              load's model other than the newest.
+              load's model other than the newest;
+* stall-publish: a publisher that sends its header and then nothing for a few seconds (every
+              other run: one that opens a publish, sends a header and gives up, every 0.3 s),
+              while the load goes on: it must gain no hold over fetches beyond its budget
+              (weightserver.commits_first) and never become a version (`chaos-stalled`);
+* rewrite-upload: a same-host writer (raw protocol, Negotiate for shared memory) that truncates
+              or rewrites its upload file at a random moment: before `uploaded` (the publish
+              must be refused, DATA_LOSS or INVALID_ARGUMENT, and commit nothing) or after the
+              commit, through the descriptor it kept (the version must still be served as
+              committed, on every transport, and the server must not die of it).
 
 With `delete` among the faults, the load also has a relay: a `weightserver serve --upstream`
 child of the server, polling it every `--relay-poll` s, with its own data dir.
@@ -56,6 +66,9 @@ Invariants, each a failure category in the summary (exit 1 if any failure):
 * no recovery: within `--recovery` s after a fault, the publisher has not had a publish
   acknowledged, a fetcher has not completed a fetch started after the fault, or a watcher
   (or the relay) has not caught up;
+* rewrite: a publish whose upload was changed before `uploaded` committed, or a committed
+  version whose bytes (stream or shared memory) differ from what was committed after its
+  writer changed the file (`chaos-rewrites`); the stalled publisher's model became visible;
 * relay: the relay still serves a version deleted on the primary `--recovery` s after the
   delete (or at the end), or does not get the side model's versions, or its log has an ERROR
   or a traceback, or it exits non-zero on SIGTERM. A deleted version of the load's model is
@@ -99,7 +112,17 @@ from bench.common import format_size, log, parse_size  # noqa: E402
 from weightserver.errors import IntegrityError  # noqa: E402
 
 MODEL = soak.MODEL
-FAULTS = ("stop", "fill-shm", "fill-data", "flood-bulk", "drop-reply", "kill", "delete")
+FAULTS = (
+    "stop",
+    "fill-shm",
+    "fill-data",
+    "flood-bulk",
+    "drop-reply",
+    "kill",
+    "delete",
+    "stall-publish",
+    "rewrite-upload",
+)
 ROOT_FAULTS = ("fill-shm", "fill-data")
 CATEGORIES = (
     "hang",
@@ -113,9 +136,13 @@ CATEGORIES = (
     "unexpected error",
     "no recovery",
     "relay",
+    "rewrite",
 )
 # The model the delete fault publishes and deletes (the load's model is MODEL).
 SIDE_MODEL = "chaos-deletes"
+# The models the stall-publish fault never commits and the rewrite-upload fault publishes.
+STALLED_MODEL = "chaos-stalled"
+REWRITTEN_MODEL = "chaos-rewrites"
 MAX_FAILURES_KEPT = 300
 _LOG_ENTRY = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d")
 TICK = 0.1
@@ -1007,6 +1034,127 @@ class Chaos:
                 "relay", "relay", f"still serves {', '.join(served())} {config.recovery_seconds:g}s after the delete"
             )
 
+    def _stall_publish(self, record: FaultRecord) -> None:
+        """A publisher that holds a publish open without its bytes (or reopens such publishes):
+        the load must go on, and nothing of it may become a version."""
+        import grpc
+
+        from weightserver.v1 import weights_pb2 as pb
+        from weightserver.v1 import weights_pb2_grpc as pb_grpc
+
+        config, state = self.config, self.state
+        reopen = sum(1 for f in state.faults if f.name == "stall-publish") % 2 == 0
+        hold = self.rng.uniform(*config.hold)
+        header = pb.PublishHeader(model=STALLED_MODEL, total_bytes=1 << 20)
+        fetches_before = self._fetches()
+        record.details.update(mode="reopen" if reopen else "stall", seconds=round(hold, 2))
+        given_up = threading.Event()
+
+        def messages(seconds: float) -> Iterator[Any]:
+            yield pb.PublishRequest(header=header)
+            given_up.wait(seconds)  # nothing more: no bytes, no commit
+
+        opened = 0
+        with grpc.insecure_channel(self.server.address) as channel:
+            stub = pb_grpc.WeightServiceStub(channel)
+            end = time.monotonic() + hold
+            while time.monotonic() < end and not self.interrupt.is_set():
+                seconds = 0.3 if reopen else hold
+                call = stub.Publish.future(messages(seconds), timeout=seconds + config.deadline)
+                opened += 1
+                self._pause(min(seconds, max(0.0, end - time.monotonic())))
+                call.cancel()
+                given_up.set()
+                given_up = threading.Event()
+        record.details.update(publishes=opened, fetches_during=self._fetches() - fetches_before)
+        with contextlib.suppress(Exception), self.watchdog.call("chaos", "list_models", config.deadline):
+            visible = [m.model for m in self.admin.list_models()]
+            if STALLED_MODEL in visible:
+                state.fail("rewrite", "chaos", f"the stalled publisher's model {STALLED_MODEL} became visible")
+
+    def _fetches(self) -> int:
+        return sum(f.counts.total for f in self.fetchers)
+
+    def _rewrite_upload(self, record: FaultRecord) -> None:
+        """A same-host writer that changes its upload file before `uploaded` (refused, nothing
+        committed) or after the commit through the descriptor it kept (served as committed)."""
+        import grpc
+        import torch
+        import xxhash
+
+        from weightclient import WeightClient, tensor_codec
+        from weightserver.v1 import weights_pb2 as pb
+        from weightserver.v1 import weights_pb2_grpc as pb_grpc
+
+        config, state = self.config, self.state
+        when = self.rng.choice(["before", "after"])
+        how = self.rng.choice(["truncate", "rewrite"])
+        record.details.update(when=when, how=how)
+        weights = {"w": torch.full((1 << 18,), float(len(state.faults)))}
+        data = b"".join(bytes(part) for part in tensor_codec.encode(weights))
+        header = pb.PublishHeader(model=REWRITTEN_MODEL, total_bytes=len(data))
+        digest = xxhash.xxh3_128_hexdigest(data)
+
+        def change(fd: int) -> None:
+            if how == "truncate":
+                os.ftruncate(fd, self.rng.choice([0, len(data) // 2]))
+            else:
+                os.pwrite(fd, os.urandom(4096), self.rng.randrange(0, len(data) - 4096))
+
+        try:
+            with grpc.insecure_channel(self.server.address) as channel:
+                stub = pb_grpc.WeightServiceStub(channel)
+                request = pb.NegotiateRequest(
+                    direction=pb.DIRECTION_PUBLISH, accept=[pb.TRANSPORT_SHARED_MEMORY], publish=header
+                )
+                with self.watchdog.call("chaos", "rewrite negotiate", config.deadline):
+                    answer = stub.Negotiate(request, timeout=config.deadline)
+                if answer.transport != pb.TRANSPORT_SHARED_MEMORY:
+                    record.details["offered"] = pb.Transport.Name(answer.transport)
+                    return  # shared memory full (a fill fault ran before): nothing to test
+                fd = os.open(answer.payload.shared_memory.path, os.O_RDWR)
+                try:
+                    os.pwrite(fd, data, 0)
+                    if when == "before":
+                        change(fd)
+                    messages = [
+                        pb.PublishRequest(header=header),
+                        pb.PublishRequest(uploaded=pb.PublishUploaded(upload=answer.upload, xxh3=digest)),
+                        pb.PublishRequest(commit=pb.PublishCommit()),
+                    ]
+                    try:
+                        with self.watchdog.call("chaos", "rewrite publish", config.deadline):
+                            reply = stub.Publish(iter(messages), timeout=config.deadline)
+                    except grpc.RpcError as exc:
+                        record.details["refused"] = exc.code().name
+                        if when == "after" or exc.code() not in (
+                            grpc.StatusCode.DATA_LOSS,
+                            grpc.StatusCode.INVALID_ARGUMENT,
+                        ):
+                            why = f"{exc.code().name}: {exc.details()}"
+                            state.fail("rewrite", "chaos", f"a publish changed {when} `uploaded` got {why}")
+                        return
+                    if when == "before":
+                        state.fail("rewrite", "chaos", f"a publish whose upload was {how}d before `uploaded` committed")
+                        return
+                    change(fd)  # after the commit, through the descriptor kept
+                finally:
+                    os.close(fd)
+            version = reply.version.version
+            record.details["version"] = version
+            with WeightClient(self.server.address, client_id="chaos-rewrite", timeout=config.deadline) as client:
+                for transport in ("stream", "shm"):
+                    with self.watchdog.call("chaos", f"rewrite fetch ({transport})", config.deadline):
+                        fetched = client.fetch_bytes(
+                            REWRITTEN_MODEL, version=version, transport=transport, timeout=config.deadline
+                        )
+                    if bytes(fetched.data) != data:
+                        state.fail("rewrite", "chaos", f"v{version} over {transport} is not what was committed")
+        except Exception as exc:
+            if self.server.process is not None and self.server.process.poll() is not None:
+                return  # the server died: _check_server reports the crash
+            state.fail("unexpected error", "chaos", f"rewrite-upload fault: {type(exc).__name__}: {exc}")
+
     def _relay_holds(self, model: str) -> list[int]:
         """The versions of `model` the relay lists ([] for none)."""
         from weightclient import ModelNotFound
@@ -1427,6 +1575,15 @@ def _fault_note(name: str, runs: list[dict[str, Any]]) -> str:
     if name == "kill":
         seconds = [d["restart_seconds"] for d in details if "restart_seconds" in d]
         return f"; restart took <= {max(seconds):.1f}s" if seconds else ""
+    if name == "stall-publish":
+        reopens = sum(1 for d in details if d.get("mode") == "reopen")
+        fetches = sum(d.get("fetches_during", 0) for d in details)
+        return f"; {reopens} run(s) reopening every 0.3 s, {fetches} fetch(es) completed meanwhile"
+    if name == "rewrite-upload":
+        before = [d for d in details if d.get("when") == "before"]
+        refused = sum(1 for d in before if d.get("refused"))
+        after = sum(1 for d in details if d.get("when") == "after" and d.get("version"))
+        return f"; {refused}/{len(before)} changed before `uploaded` refused, {after} changed after the commit"
     if name == "delete":
         deleted = sum(len(d.get("deleted", [])) for d in details)
         dropped = [d["relay_dropped_after"] for d in details if "relay_dropped_after" in d]
