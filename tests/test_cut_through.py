@@ -371,17 +371,19 @@ def test_the_updater_never_applies_a_publish_cut_half_way(server, client, make_u
     catch_up(updater, 1)
     wait_until(lambda: (updater(), updater.following)[1], timeout=10, step=0.01)
     publish = HeldPublish(server.address, file_of(weights_filled(9.0)), publish_over)
-    for _ in range(50):  # its follower hears of the publish and receives its first half
-        updater()
-        time.sleep(0.005)
+    # Its follower hears of the publish and receives its first half.
+    wait_until(lambda: (updater(), updater._follower._cut_through.busy())[1], step=0.005, what="receiving early")
     publish.cut()
-    for _ in range(50):
+    # It was receiving the cut publish early: the server cut that transfer short.
+    wait_until(
+        lambda: (updater(), "(arriving)" in caplog.text and "nothing was committed" in caplog.text)[1],
+        step=0.01,
+        what="the early transfer cut short",
+    )
+    for _ in range(20):
         updater()
-        time.sleep(0.01)
     w = policy.w.detach()
     assert updater.version == 1 and float(w[0]) == 0.0 and float(w[-1]) == 0.0
-    # It was receiving the cut publish early (the server cut that transfer short).
-    assert "(arriving)" in caplog.text and "nothing was committed" in caplog.text
     # The next good publish lands whole.
     weights = weights_filled(7.0)
     version = client.publish(weights, model=MODEL, transport="bulk", publish_id=uuid.uuid4().hex)
