@@ -3,11 +3,15 @@
 Negotiate (DIRECTION_PUBLISH) sets up one model's upload: a buffer of the announced size (a
 file in the shared-memory folder when there is one, so a committed version is served from
 there without a copy) and an id. The bytes then arrive over bulk TCP (the endpoint hashes
-each stretch as it lands) or are written by a same-host publisher straight into the file
-(hashed in a thread as the publisher says how far it has written, the rest once it says it
-is done). A Publish stream names the id after the model's header; the upload is then the
-stream's, and goes with it. Uploads nobody names expire: a sweeper thread, running while any
-upload is staged, drops them and their files.
+each stretch as it lands) or are written by a same-host publisher into a file of its own
+beside, which the server copies into its buffer with pread in a thread as the publisher says
+how far it has written, hashing each block of its copy as it lands (the rest once the
+publisher says it is done). So what the server verifies is the copy it serves: the
+publisher's file may change, shrink or vanish before or after, and that can only fail the
+publish (a short read is DATA_LOSS), never change a version or crash the server. A Publish
+stream names the id after the model's header; the upload is then the stream's, and goes
+with it. Uploads nobody names expire: a sweeper thread, running while any upload is staged,
+drops them and their files.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from weightserver.digests import FileDigests, IncomingDigests
+from weightserver.digests import BLOCK_BYTES, FileDigests, IncomingDigests
 from weightserver.errors import (
     IntegrityError,
     InvalidRequest,
@@ -31,7 +35,7 @@ from weightserver.errors import (
     clipped_repr,
 )
 from weightserver.incoming import IncomingPublish, IncomingPublishes
-from weightserver.shared_memory import SharedMemoryUpload
+from weightserver.shared_memory import PublisherFile, SharedMemoryUpload
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +61,9 @@ class StagedUpload:
     # Announced to watchers with the first bytes (cut-through), by `arrivals`.
     arrivals: IncomingPublishes | None = field(default=None, repr=False)
     arriving: IncomingPublish | None = field(default=None, repr=False)
-    # Shared memory: how far the writer said it has written.
+    # Shared memory: how far the writer said it has written, and how far this server has copied.
     written_end: int = 0
+    copied: int = 0
     # The thread that hashes the bytes as they arrive or are written, and its latest stretch.
     _hashing: ThreadPoolExecutor | None = field(default=None, repr=False)
     _hashed: Future | None = field(default=None, repr=False)
@@ -74,10 +79,11 @@ class StagedUpload:
         self._landed(end)
 
     def written(self, end: int) -> None:
-        """A shared-memory writer's word that bytes [0, end) are written for good: hash them
-        in a thread of this upload's own while it writes the rest (the event loop only hands
-        them over), and announce them to watchers. InvalidRequest for an upload that is not
-        written in place, or an `end` that goes back or beyond the size."""
+        """A shared-memory writer's word that bytes [0, end) are written for good: copy them
+        into this upload's buffer and hash them there, in a thread of this upload's own while
+        it writes the rest (the event loop only hands them over), announcing them to watchers
+        as they land. InvalidRequest for an upload that is not written in place, or an `end`
+        that goes back or beyond the size."""
         if self.transport != "shm":
             raise InvalidRequest(
                 f"model {self.model!r}: `written` is for a shared-memory upload; upload {self.id} is {self.transport}"
@@ -88,27 +94,52 @@ class StagedUpload:
                 "it must not go back or beyond the size"
             )
         self.written_end = end
+        self._landed(end)  # announced now; the copying thread tells how far the bytes landed
         self._hash_to(end)
-        self._landed(end)
 
     def _landed(self, end: int) -> None:
-        """Bytes [0, end) are in: the upload does not expire while they move, and watchers
-        hear of them (announced with the first)."""
+        """Bytes [0, end) are in (or, for a writer's, on their way): the upload does not expire
+        while they move, and watchers hear of them (announced with the first)."""
         self.expires = time.monotonic() + UPLOAD_TTL_SECONDS
         if self.arriving is None and self.arrivals is not None:
             self.arriving = self.arrivals.start(self.model, self.buffer)
-        if self.arriving is not None:
+        if self.arriving is not None and self._source is None:
             self.arriving.advance(end)
 
+    @property
+    def _source(self) -> PublisherFile | None:
+        """The file a same-host publisher writes, to copy the bytes from (None: they land here)."""
+        return self.file.source if self.file is not None else None
+
     def _hash_to(self, end: int) -> None:
-        """Hash bytes up to `end` in this upload's own thread, after what it hashes now (xxh3
-        lets go of the GIL: receiving goes on meanwhile); raise what an earlier stretch
-        raised there (a malformed header), so that a transfer can stop early."""
+        """Hash bytes up to `end` (a writer's: copy them in first) in this upload's own thread,
+        after what it does now (pread and xxh3 let go of the GIL: receiving goes on meanwhile);
+        raise what an earlier stretch raised there (a malformed header, a file cut short), so
+        that a transfer can stop early."""
         if self._hashed is not None and self._hashed.done():
             self._hashed.result()
         if self._hashing is None:
             self._hashing = ThreadPoolExecutor(1, thread_name_prefix=f"weightserver-{self.transport}-upload-hash")
-        self._hashed = self._hashing.submit(self.digests.advance, end)
+        self._hashed = self._hashing.submit(self._take if self._source is not None else self.digests.advance, end)
+
+    def _take(self, end: int) -> None:
+        """Copy the writer's bytes up to `end` into the buffer a block at a time, each hashed
+        while it is in cache and then announced as landed. IntegrityError when the file ends
+        first: it was cut short (read with pread, a short file is an error, not a SIGBUS)."""
+        source = self._source
+        assert source is not None
+        while self.copied < end:
+            stop = min(end, self.copied + BLOCK_BYTES)
+            got = source.read_into(self.buffer, self.copied, stop)
+            if got < stop - self.copied:
+                raise IntegrityError(
+                    f"model {self.model!r}: the shared-memory upload file holds {self.copied + got} bytes, not the "
+                    f"{self.total_bytes} declared (it was cut short after Negotiate); publish again"
+                )
+            self.copied = stop
+            self.digests.advance(stop)
+            if self.arriving is not None:
+                self.arriving.advance(stop)
 
     def _hashing_done(self) -> None:
         """Wait until every stretch handed over is hashed; raise what the hashing raised."""
@@ -135,7 +166,12 @@ class StagedUpload:
         put in the file now; a bulk upload was hashed as it arrived). Blocks: call it off the
         event loop. IntegrityError when the transfer fell short."""
         if self.transport == "shm":
-            self._hash_to(self.total_bytes)  # the writer may have announced most of it already
+            try:
+                self._hash_to(self.total_bytes)  # the writer may have announced most of it already
+                self._hashing_done()
+            finally:
+                if self.file is not None:
+                    self.file.remove_source()  # every byte is copied, or none will be
         elif not self.received:
             if isinstance(self.failure, WeightServerError):
                 raise self.failure  # bytes that are no safetensors file: the check's own error
