@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import logging
 import mmap
+import os
 import secrets
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from weightserver.digests import BLOCK_BYTES, FileDigests, IncomingDigests
@@ -42,6 +43,25 @@ log = logging.getLogger(__name__)
 UPLOAD_TTL_SECONDS = 60.0
 SWEEP_SECONDS = 1.0
 MAX_STAGED_UPLOADS = 64  # set up and not yet named: each may hold a model's size of memory
+# Threads that copy shared-memory writers' blocks in, for all uploads: at most this many, and
+# one CPU fewer than the machine has (one is the writer's). None: the upload's thread copies.
+COPY_THREADS = 4
+_copy_threads: ThreadPoolExecutor | None = None
+_copy_threads_lock = threading.Lock()
+
+
+def _copying() -> ThreadPoolExecutor | None:
+    """The threads that copy a shared-memory writer's blocks into uploads (pread lets go of
+    the GIL), started at the first such upload; None on a machine of two CPUs or fewer,
+    where they only add to what those do."""
+    global _copy_threads
+    workers = min(COPY_THREADS, (os.cpu_count() or 1) - 1)
+    if workers < 2:
+        return None
+    with _copy_threads_lock:
+        if _copy_threads is None:
+            _copy_threads = ThreadPoolExecutor(workers, thread_name_prefix="weightserver-shm-upload-copy")
+        return _copy_threads
 
 
 @dataclass(eq=False)
@@ -123,23 +143,39 @@ class StagedUpload:
         self._hashed = self._hashing.submit(self._take if self._source is not None else self.digests.advance, end)
 
     def _take(self, end: int) -> None:
-        """Copy the writer's bytes up to `end` into the buffer a block at a time, each hashed
-        while it is in cache and then announced as landed. IntegrityError when the file ends
+        """Copy the writer's bytes up to `end` into the buffer, a block per copying thread
+        (one copy runs at about half the speed a writer writes), and hash each block in
+        order once it is in, announcing it as landed. IntegrityError when the file ends
         first: it was cut short (read with pread, a short file is an error, not a SIGBUS)."""
         source = self._source
         assert source is not None
-        while self.copied < end:
-            stop = min(end, self.copied + BLOCK_BYTES)
-            got = source.read_into(self.buffer, self.copied, stop)
-            if got < stop - self.copied:
-                raise IntegrityError(
-                    f"model {self.model!r}: the shared-memory upload file holds {self.copied + got} bytes, not the "
-                    f"{self.total_bytes} declared (it was cut short after Negotiate); publish again"
-                )
-            self.copied = stop
-            self.digests.advance(stop)
-            if self.arriving is not None:
-                self.arriving.advance(stop)
+        blocks = [(start, min(end, start + BLOCK_BYTES)) for start in range(self.copied, end, BLOCK_BYTES)]
+        threads = _copying()
+        if threads is None:
+            for start, stop in blocks:
+                self._copied(start, stop, source.read_into(self.buffer, start, stop))
+            return
+        copies = [threads.submit(source.read_into, self.buffer, start, stop) for start, stop in blocks]
+        try:
+            for (start, stop), copy in zip(blocks, copies, strict=True):
+                self._copied(start, stop, copy.result())
+        finally:
+            for copy in copies:  # none is left reading the file or writing the buffer
+                copy.cancel()
+            wait(copies)
+
+    def _copied(self, start: int, stop: int, got: int) -> None:
+        """`got` bytes of the writer's block [start, stop) are copied in: hash them and
+        announce them, or IntegrityError when that is fewer (the file was cut short)."""
+        if got < stop - start:
+            raise IntegrityError(
+                f"model {self.model!r}: the shared-memory upload file holds {start + got} bytes, not the "
+                f"{self.total_bytes} declared (it was cut short after Negotiate); publish again"
+            )
+        self.copied = stop
+        self.digests.advance(stop)
+        if self.arriving is not None:
+            self.arriving.advance(stop)
 
     def _hashing_done(self) -> None:
         """Wait until every stretch handed over is hashed; raise what the hashing raised."""
