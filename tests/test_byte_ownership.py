@@ -17,6 +17,7 @@ import os
 import queue
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -24,9 +25,13 @@ import pytest
 import torch
 import xxhash
 
+import weightserver.staged_uploads as staged_uploads
 from tests.test_publish_transports import SHM, file_of
 from tests.waiting import wait_for
+from weightserver.errors import IntegrityError
 from weightserver.process import ServerProcess
+from weightserver.shared_memory import SharedMemoryFiles
+from weightserver.staged_uploads import StagedUploads
 from weightserver.v1 import weights_pb2 as pb
 from weightserver.v1 import weights_pb2_grpc as pb_grpc
 
@@ -209,3 +214,43 @@ def test_what_the_server_verifies_is_what_it_serves(tmp_path):
         assert isinstance(reply, pb.PublishResponse), reply
         assert reply.version.version == 1 and reply.version.xxh3 == xxhash.xxh3_128_hexdigest(a)
         assert_served(stub, 1, a)
+
+
+# ---------------------------------------------------------------------- the copy itself
+@pytest.mark.parametrize("threads", [0, 3], ids=["inline", "threads"])
+def test_the_server_copies_the_writers_file_and_verifies_its_copy(tmp_path, monkeypatch, threads):
+    """Inline (two CPUs or fewer) or spread over copying threads: the upload's buffer ends up
+    holding the writer's bytes and the digests are of them; a file cut short is an
+    IntegrityError; the writer's file is removed either way."""
+    pool = ThreadPoolExecutor(threads) if threads else None
+    monkeypatch.setattr(staged_uploads, "_copying", lambda: pool)
+    files, uploads = SharedMemoryFiles(tmp_path / "shm"), StagedUploads({})
+    data = model_file(1.0)  # several copy blocks
+    try:
+        whole = uploads.create(
+            MODEL, len(data), "shm", lambda: files.new_upload(MODEL, len(data), publisher_writes=True)
+        )
+        assert whole.file is not None and whole.file.source is not None
+        whole.file.source.path.write_bytes(data)
+        whole.written(len(data) // 3)
+        digests = whole.finish()
+        assert digests.xxh3 == xxhash.xxh3_128_hexdigest(data) and bytes(whole.buffer) == data
+        assert not whole.file.source.path.exists()
+        whole.discard()
+
+        short = uploads.create(
+            MODEL, len(data), "shm", lambda: files.new_upload(MODEL, len(data), publisher_writes=True)
+        )
+        assert short.file is not None and short.file.source is not None
+        short.file.source.path.write_bytes(data[: len(data) // 2])
+        short.written(len(data))
+        with pytest.raises(IntegrityError, match="cut short"):
+            short.finish()
+        assert not short.file.source.path.exists()
+        short.discard()
+        assert not list((tmp_path / "shm").rglob("*.tmp"))
+    finally:
+        uploads.close()
+        files.close()
+        if pool is not None:
+            pool.shutdown()

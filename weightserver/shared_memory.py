@@ -14,6 +14,12 @@ Every file's space is reserved before a byte is written (posix_fallocate): a sto
 that a full tmpfs cannot back kills the process with SIGBUS. When the folder is full, a publish
 is received into memory instead and a fetch is offered the next transport; the publish and the
 fetch still succeed, and one warning says how to give the folder more room.
+
+Every file the server maps is one it made and only it writes (SharedMemoryUpload: created
+read-only, written through the descriptor that created it and its mapping), so no other
+process can change a version it serves or shorten the file under its mapping (a mapped page
+past a file's end is a SIGBUS). A same-host publisher writes into a file of its own beside
+(PublisherFile), which the server reads only with pread, copying it into its own.
 """
 
 from __future__ import annotations
@@ -241,7 +247,8 @@ class SharedMemoryFiles:
         log.warning(
             "shared-memory folder %s is full (%s): no room for %s (%d bytes), so %s. Same-host "
             "fetches fall back to bulk TCP or the stream until there is room. It needs about "
-            "(--keep + 2) x the model's size (a publish in flight and the next one set up ahead), plus "
+            "(--keep + 3) x the model's size (a publish in flight and the next one set up ahead, each "
+            "held twice while a same-host publisher writes it: its file and this server's copy), plus "
             "derived payloads (deltas, casts): give it more "
             "(`shm_size` in compose, `docker run --shm-size`), point --shm-dir at a larger tmpfs, or "
             "turn it off with --no-shm. This warning is logged once.",

@@ -2,11 +2,11 @@
 
 Negotiate (DIRECTION_PUBLISH) sets up one model's upload: a buffer of the announced size (a
 file in the shared-memory folder when there is one, so a committed version is served from
-there without a copy) and an id. The bytes then arrive over bulk TCP (the endpoint hashes
+there without another copy) and an id. The bytes then arrive over bulk TCP (the endpoint hashes
 each stretch as it lands) or are written by a same-host publisher into a file of its own
-beside, which the server copies into its buffer with pread in a thread as the publisher says
-how far it has written, hashing each block of its copy as it lands (the rest once the
-publisher says it is done). So what the server verifies is the copy it serves: the
+beside, which the server copies into its buffer with pread (in up to 4 threads) as the
+publisher says how far it has written, hashing each block of its copy as it lands (the rest
+once the publisher says it is done). So what the server verifies is the copy it serves: the
 publisher's file may change, shrink or vanish before or after, and that can only fail the
 publish (a short read is DATA_LOSS), never change a version or crash the server. A Publish
 stream names the id after the model's header; the upload is then the stream's, and goes
