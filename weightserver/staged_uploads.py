@@ -145,8 +145,9 @@ class StagedUpload:
     def _take(self, end: int) -> None:
         """Copy the writer's bytes up to `end` into the buffer, a block per copying thread
         (one copy runs at about half the speed a writer writes), and hash each block in
-        order once it is in, announcing it as landed. IntegrityError when the file ends
-        first: it was cut short (read with pread, a short file is an error, not a SIGBUS)."""
+        order once it is in; then announce them as landed (a stretch at a time, as the
+        writer announced them). IntegrityError when the file ends first: it was cut short
+        (read with pread, a short file is an error, not a SIGBUS)."""
         source = self._source
         assert source is not None
         blocks = [(start, min(end, start + BLOCK_BYTES)) for start in range(self.copied, end, BLOCK_BYTES)]
@@ -154,19 +155,21 @@ class StagedUpload:
         if threads is None:
             for start, stop in blocks:
                 self._copied(start, stop, source.read_into(self.buffer, start, stop))
-            return
-        copies = [threads.submit(source.read_into, self.buffer, start, stop) for start, stop in blocks]
-        try:
-            for (start, stop), copy in zip(blocks, copies, strict=True):
-                self._copied(start, stop, copy.result())
-        finally:
-            for copy in copies:  # none is left reading the file or writing the buffer
-                copy.cancel()
-            wait(copies)
+        else:
+            copies = [threads.submit(source.read_into, self.buffer, start, stop) for start, stop in blocks]
+            try:
+                for (start, stop), copy in zip(blocks, copies, strict=True):
+                    self._copied(start, stop, copy.result())
+            finally:
+                for copy in copies:  # none is left reading the file or writing the buffer
+                    copy.cancel()
+                wait(copies)
+        if self.arriving is not None:
+            self.arriving.advance(end)
 
     def _copied(self, start: int, stop: int, got: int) -> None:
-        """`got` bytes of the writer's block [start, stop) are copied in: hash them and
-        announce them, or IntegrityError when that is fewer (the file was cut short)."""
+        """`got` bytes of the writer's block [start, stop) are copied in: hash them, or
+        IntegrityError when that is fewer (the file was cut short)."""
         if got < stop - start:
             raise IntegrityError(
                 f"model {self.model!r}: the shared-memory upload file holds {start + got} bytes, not the "
@@ -174,8 +177,6 @@ class StagedUpload:
             )
         self.copied = stop
         self.digests.advance(stop)
-        if self.arriving is not None:
-            self.arriving.advance(stop)
 
     def _hashing_done(self) -> None:
         """Wait until every stretch handed over is hashed; raise what the hashing raised."""
