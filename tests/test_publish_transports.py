@@ -24,6 +24,7 @@ import weightserver.staged_uploads as staged_uploads
 from tests.test_fast_paths import assert_bit_exact, mixed_model
 from weightclient import WeightClient, tensor_codec
 from weightclient.transports import BulkTransport, SharedMemoryTransport, TransportFailed
+from weightserver.shared_memory import RECEIVING_FOLDER
 from weightserver.v1 import weights_pb2 as pb
 from weightserver.v1 import weights_pb2_grpc as pb_grpc
 
@@ -103,7 +104,7 @@ def test_a_group_publish_over_bulk_commits_once(server, client):
         assert list(client.describe(model).group) == ["policy", "critic"]
 
 
-def test_the_shm_upload_becomes_the_versions_file_without_a_copy(server, client):
+def test_the_servers_copy_of_an_shm_upload_becomes_the_versions_file(server, client):
     weights = mixed_model()
     version = client.publish(weights, model=MODEL, transport="shm")
     wait_equal(
@@ -112,7 +113,9 @@ def test_the_shm_upload_becomes_the_versions_file_without_a_copy(server, client)
     files = sorted(p.name for p in (server.shared_memory.directory / MODEL).iterdir())
     own = [f"{version:012d}.header", f"{version:012d}.safetensors"]
     assert [f for f in files if not f.startswith("upload-")] == own
-    assert len(files) == 3  # adopted: this publish's upload file is the version's
+    assert len(files) == 3  # this publish's upload file is gone; the server's copy is the version's
+    # Beside the next upload's file, the server's own copy it will receive into: nothing else.
+    assert len(list((server.shared_memory.directory / RECEIVING_FOLDER).iterdir())) == 1
     assert (server.shared_memory.directory / MODEL / f"{version:012d}.safetensors").read_bytes() == file_of(weights)
 
 

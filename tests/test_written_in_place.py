@@ -71,12 +71,14 @@ def test_the_server_hashes_what_is_announced_before_the_writer_is_done(tmp_path)
     files = SharedMemoryFiles(tmp_path / "shm")
     uploads = StagedUploads({})
     data = file_of(mixed_model())
-    upload = uploads.create(MODEL, len(data), "shm", lambda: files.new_upload(MODEL, len(data)))
+    upload = uploads.create(MODEL, len(data), "shm", lambda: files.new_upload(MODEL, len(data), publisher_writes=True))
     try:
-        upload.buffer[: len(data) // 2] = data[: len(data) // 2]
-        upload.written(len(data) // 2)
-        wait_until(lambda: upload.digests.hashed == len(data) // 2, timeout=10, step=0.005)
-        upload.buffer[len(data) // 2 :] = data[len(data) // 2 :]
+        with open(upload.file.source.path, "r+b") as f:  # the publisher's file, not the server's
+            f.write(data[: len(data) // 2])
+            f.flush()
+            upload.written(len(data) // 2)
+            wait_until(lambda: upload.digests.hashed == len(data) // 2, timeout=10, step=0.005)
+            f.write(data[len(data) // 2 :])
         digests = upload.finish()
         assert digests.xxh3 == xxhash.xxh3_128_hexdigest(data)
         assert set(digests.tensor_xxh3) == set(mixed_model())

@@ -564,8 +564,8 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
                 upload = await asyncio.to_thread(self._stage, header, "shm", _owner(caller))
                 if upload is None:
                     continue
-                assert upload.file is not None
-                answer.payload.shared_memory.path = str(upload.file.path)
+                assert upload.file is not None and upload.file.source is not None
+                answer.payload.shared_memory.path = str(upload.file.source.path)
             elif transport == pb.TRANSPORT_BULK and self.bulk is not None:
                 upload = await asyncio.to_thread(self._stage, header, "bulk", _owner(caller))
                 if upload is None:
@@ -584,16 +584,18 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
 
     def _stage(self, header: pb.PublishHeader, transport: str, owner: bytes | None) -> StagedUpload | None:
         """A staged upload for `header`'s bytes, in a shared-memory file where there is room
-        (needed for "shm"), that only `owner` may name (see `StagedUploads.take`); None when
-        "shm" finds none. For bulk, this process writes the bytes
-        (`recv_into`), so its page table for the file is filled ahead; a shared-memory writer
-        fills its own, and this process only reads the file once, to hash it."""
-        shared_memory, populate = self.shared_memory, transport == "bulk"
+        (needed for "shm", with the file beside that the publisher writes), that only `owner`
+        may name (see `StagedUploads.take`); None when "shm" finds none. This process writes the
+        file, from a bulk socket (`recv_into`) or copying from the publisher's file (`pread`),
+        so its page table for the file is filled ahead."""
+        shared_memory, publisher_writes = self.shared_memory, transport == "shm"
 
         def new_file() -> Any:
             if shared_memory is None:
                 return None
-            return shared_memory.new_upload(header.model, header.total_bytes, populate=populate)
+            return shared_memory.new_upload(
+                header.model, header.total_bytes, populate=True, publisher_writes=publisher_writes
+            )
 
         try:
             return self.staged.create(header.model, header.total_bytes, transport, new_file, owner=owner)

@@ -14,6 +14,12 @@ Every file's space is reserved before a byte is written (posix_fallocate): a sto
 that a full tmpfs cannot back kills the process with SIGBUS. When the folder is full, a publish
 is received into memory instead and a fetch is offered the next transport; the publish and the
 fetch still succeed, and one warning says how to give the folder more room.
+
+Every file the server maps is one it made and only it writes (SharedMemoryUpload: created
+read-only, written through the descriptor that created it and its mapping), so no other
+process can change a version it serves or shorten the file under its mapping (a mapped page
+past a file's end is a SIGBUS). A same-host publisher writes into a file of its own beside
+(PublisherFile), which the server reads only with pread, copying it into its own.
 """
 
 from __future__ import annotations
@@ -37,6 +43,9 @@ log = logging.getLogger(__name__)
 # In a server's folder, beside the model folders (a model name cannot start with "."): the file
 # its server holds an exclusive flock on while it runs.
 LOCK_FILE = ".lock"
+# Beside them too: where the server receives a same-host publisher's bytes, into files of its
+# own that no other process opens (mode 0700) until one becomes a version's file at its commit.
+RECEIVING_FOLDER = ".receiving"
 
 
 def server_shm_dir(port: int, root: Path | None = None) -> Path | None:
@@ -156,25 +165,38 @@ class SharedMemoryFiles:
             self._files[key] = path
             return path
 
-    def new_upload(self, model: str, size: int, *, populate: bool = False) -> SharedMemoryUpload | None:
+    def new_upload(
+        self, model: str, size: int, *, populate: bool = False, publisher_writes: bool = False
+    ) -> SharedMemoryUpload | None:
         """A fresh file of `size` bytes, mapped writable, for a publish to receive into: the
-        version's bytes then live in shared memory from the start (no extra copy). None when
-        the folder has no room: the publish is received into memory instead. `populate`: map
-        every page now (see SharedMemoryUpload)."""
+        version's bytes then live in shared memory from the start. None when the folder has no
+        room: the publish is received into memory instead. `populate`: map every page now (see
+        SharedMemoryUpload). `publisher_writes`: a same-host publisher writes the bytes, into a
+        file of its own beside (`upload.source`, the one Negotiate names), and this server
+        copies them from there into the upload as it is told they are written."""
         path = self.directory / model / f"upload-{secrets.token_hex(8)}.tmp"
+        source: PublisherFile | None = None
         try:
             path.parent.mkdir(mode=FOLDER_MODE, parents=True, exist_ok=True)
-            return SharedMemoryUpload(path, size, populate=populate)
+            if not publisher_writes:
+                return SharedMemoryUpload(path, size, populate=populate)
+            source = PublisherFile(path, size)
+            receiving = self.directory / RECEIVING_FOLDER
+            receiving.mkdir(mode=0o700, exist_ok=True)
+            upload = SharedMemoryUpload(receiving / f"{secrets.token_hex(8)}.tmp", size, populate=populate)
         except OSError as exc:
+            if source is not None:
+                source.remove()
             self._cannot_write(f"a publish of {model!r}", size, exc, "it is received into memory instead")
             return None
+        upload.source = source
+        return upload
 
     def adopt(self, key: tuple[str, int, int, str], upload: SharedMemoryUpload) -> None:
         """Make a committed upload's file the payload file of `key`."""
         model, version, _, _ = key
         path = self.directory / model / version_file_name(version)
-        os.chmod(upload.path, 0o444)  # the server serves from this memory: nobody should write it
-        upload.path.replace(path)
+        upload.keep_as(path)
         with self._lock:
             self._files[key] = path
 
@@ -225,7 +247,8 @@ class SharedMemoryFiles:
         log.warning(
             "shared-memory folder %s is full (%s): no room for %s (%d bytes), so %s. Same-host "
             "fetches fall back to bulk TCP or the stream until there is room. It needs about "
-            "(--keep + 2) x the model's size (a publish in flight and the next one set up ahead), plus "
+            "(--keep + 3) x the model's size (a publish in flight and the next one set up ahead, each "
+            "held twice while a same-host publisher writes it: its file and this server's copy), plus "
             "derived payloads (deltas, casts): give it more "
             "(`shm_size` in compose, `docker run --shm-size`), point --shm-dir at a larger tmpfs, or "
             "turn it off with --no-shm. This warning is logged once.",
@@ -238,28 +261,97 @@ class SharedMemoryFiles:
 
 
 class SharedMemoryUpload:
-    """A publish's receive buffer backed by a file in the shared-memory directory."""
+    """A publish's receive buffer backed by a file in the shared-memory directory that only this
+    process writes: it is created read-only for everyone (this process writes it through the
+    descriptor that created it, then its mapping), so no other process holds a descriptor that
+    can write, grow or shrink it, and a version served from its mapping cannot change or end
+    under the server (a mapped page past a file's end is a SIGBUS). `source`: the file a
+    same-host publisher writes the bytes into, read from by this server, never mapped."""
 
     def __init__(self, path: Path, size: int, *, populate: bool = False) -> None:
         """OSError (ENOSPC) when the folder has no room for `size` bytes; no file is left.
         `populate`: fill this process's page table for the mapping in the background
         (`page_tables`), rather than a page fault at a time while the bytes
-        arrive or are hashed: for an upload set up before its bytes come."""
+        arrive or are copied in: for an upload set up before its bytes come."""
         self.path = path
+        self.source: PublisherFile | None = None
+        self._kept = False  # it became a version's file
         try:
-            with open(path, "w+b") as f:
-                os.chmod(path, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o444)
+            try:
                 # Allocated now: pages of a sparse file would be allocated as the chunks arrive,
                 # and one that a full tmpfs cannot back is a SIGBUS, not an error.
-                _reserve(f.fileno(), size)
+                _reserve(fd, size)
                 # A zero-length file cannot be mapped; an empty upload gets a plain buffer.
-                mapping = mmap.mmap(f.fileno(), size) if size else None
-                if mapping is not None and populate:
-                    threading.Thread(target=page_tables.populate, args=(mapping,), name="weightserver-populate").start()
-                self.buffer: memoryview = memoryview(mapping) if mapping is not None else memoryview(bytearray())
+                mapping = mmap.mmap(fd, size) if size else None
+            finally:
+                os.close(fd)
+            if mapping is not None and populate:
+                threading.Thread(target=page_tables.populate, args=(mapping,), name="weightserver-populate").start()
+            self.buffer: memoryview = memoryview(mapping) if mapping is not None else memoryview(bytearray())
         except OSError:
             path.unlink(missing_ok=True)
             raise
 
+    def keep_as(self, path: Path) -> None:
+        """Make the file `path` (a version's file): the publisher's file goes."""
+        self.remove_source()
+        self.path.replace(path)
+        self._kept = True
+
+    def remove_source(self) -> None:
+        """Let the publisher's file go, once its bytes are copied or no longer wanted."""
+        if self.source is not None:
+            self.source.remove()
+
     def abort(self) -> None:
+        """Remove the files of an upload that did not commit (nothing once it did)."""
+        self.remove_source()
+        if not self._kept:
+            self.path.unlink(missing_ok=True)
+
+
+class PublisherFile:
+    """The file a same-host publisher writes a model into, named in Negotiate's answer.
+
+    This server never maps it: the publisher (or any process of its user) may write, shorten
+    or grow it at any time, and a mapped page past a file's end kills the process with
+    SIGBUS. The server reads it with pread (`read_into`) into a buffer of its own: a file cut
+    short reads short, an error, never a signal, and what is verified is the copy it serves.
+    """
+
+    def __init__(self, path: Path, size: int) -> None:
+        """OSError (ENOSPC) when the folder has no room for `size` bytes; no file is left."""
+        self.path = path
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        self._lock = threading.Lock()
+        try:
+            os.fchmod(self._fd, 0o644)  # whatever the umask: the publisher writes it
+            # Allocated now, as a receive buffer is: the publisher's own stores into a page that
+            # a full tmpfs cannot back would be its SIGBUS.
+            _reserve(self._fd, size)
+        except OSError:
+            self.remove()
+            raise
+
+    def read_into(self, buffer: memoryview, start: int, stop: int) -> int:
+        """Copy the file's bytes [start, stop) into `buffer[start:stop]`; how many it held
+        (fewer once the file ends before `stop`)."""
+        view, done = buffer[start:stop], 0
+        try:
+            while done < view.nbytes:
+                n = os.preadv(self._fd, [view[done:]], start + done)
+                if n == 0:
+                    break
+                done += n
+        finally:
+            view.release()
+        return done
+
+    def remove(self) -> None:
+        """Close the file and remove it (a publisher still holding it keeps its own copy)."""
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
         self.path.unlink(missing_ok=True)

@@ -2,28 +2,33 @@
 
 Negotiate (DIRECTION_PUBLISH) sets up one model's upload: a buffer of the announced size (a
 file in the shared-memory folder when there is one, so a committed version is served from
-there without a copy) and an id. The bytes then arrive over bulk TCP (the endpoint hashes
-each stretch as it lands) or are written by a same-host publisher straight into the file
-(hashed in a thread as the publisher says how far it has written, the rest once it says it
-is done). A Publish stream names the id after the model's header; the upload is then the
-stream's, and goes with it. Only the caller that set an upload up may name it (with tokens:
-the same token; without, anyone who knows the id), and a claim that does not match (another
-token, another model or size) is refused and leaves the upload to its owner. Uploads nobody
-names expire: a sweeper thread, running while any upload is staged, drops them and their files.
+there without another copy) and an id. The bytes then arrive over bulk TCP (the endpoint hashes
+each stretch as it lands) or are written by a same-host publisher into a file of its own
+beside, which the server copies into its buffer with pread (in up to 4 threads) as the
+publisher says how far it has written, hashing each block of its copy as it lands (the rest
+once the publisher says it is done). So what the server verifies is the copy it serves: the
+publisher's file may change, shrink or vanish before or after, and that can only fail the
+publish (a short read is DATA_LOSS), never change a version or crash the server. A Publish
+stream names the id after the model's header; the upload is then the stream's, and goes
+with it. Only the caller that set an upload up may name it (with tokens: the same token;
+without, anyone who knows the id), and a claim that does not match (another token, another
+model or size) is refused and leaves the upload to its owner. Uploads nobody names expire: a
+sweeper thread, running while any upload is staged, drops them and their files.
 """
 
 from __future__ import annotations
 
 import logging
 import mmap
+import os
 import secrets
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
-from weightserver.digests import FileDigests, IncomingDigests
+from weightserver.digests import BLOCK_BYTES, FileDigests, IncomingDigests
 from weightserver.errors import (
     IntegrityError,
     InvalidRequest,
@@ -34,13 +39,32 @@ from weightserver.errors import (
     clipped_repr,
 )
 from weightserver.incoming import IncomingPublish, IncomingPublishes
-from weightserver.shared_memory import SharedMemoryUpload
+from weightserver.shared_memory import PublisherFile, SharedMemoryUpload
 
 log = logging.getLogger(__name__)
 
 UPLOAD_TTL_SECONDS = 60.0
 SWEEP_SECONDS = 1.0
 MAX_STAGED_UPLOADS = 64  # set up and not yet named: each may hold a model's size of memory
+# Threads that copy shared-memory writers' blocks in, for all uploads: at most this many, and
+# one CPU fewer than the machine has (one is the writer's). None: the upload's thread copies.
+COPY_THREADS = 4
+_copy_threads: ThreadPoolExecutor | None = None
+_copy_threads_lock = threading.Lock()
+
+
+def _copying() -> ThreadPoolExecutor | None:
+    """The threads that copy a shared-memory writer's blocks into uploads (pread lets go of
+    the GIL), started at the first such upload; None on a machine of two CPUs or fewer,
+    where they only add to what those do."""
+    global _copy_threads
+    workers = min(COPY_THREADS, (os.cpu_count() or 1) - 1)
+    if workers < 2:
+        return None
+    with _copy_threads_lock:
+        if _copy_threads is None:
+            _copy_threads = ThreadPoolExecutor(workers, thread_name_prefix="weightserver-shm-upload-copy")
+        return _copy_threads
 
 
 @dataclass(eq=False)
@@ -60,8 +84,9 @@ class StagedUpload:
     # Announced to watchers with the first bytes (cut-through), by `arrivals`.
     arrivals: IncomingPublishes | None = field(default=None, repr=False)
     arriving: IncomingPublish | None = field(default=None, repr=False)
-    # Shared memory: how far the writer said it has written.
+    # Shared memory: how far the writer said it has written, and how far this server has copied.
     written_end: int = 0
+    copied: int = 0
     owner: bytes | None = field(default=None, repr=False)  # the token that may name it (None: anyone)
     # The thread that hashes the bytes as they arrive or are written, and its latest stretch.
     _hashing: ThreadPoolExecutor | None = field(default=None, repr=False)
@@ -78,10 +103,11 @@ class StagedUpload:
         self._landed(end)
 
     def written(self, end: int) -> None:
-        """A shared-memory writer's word that bytes [0, end) are written for good: hash them
-        in a thread of this upload's own while it writes the rest (the event loop only hands
-        them over), and announce them to watchers. InvalidRequest for an upload that is not
-        written in place, or an `end` that goes back or beyond the size."""
+        """A shared-memory writer's word that bytes [0, end) are written for good: copy them
+        into this upload's buffer and hash them there, in a thread of this upload's own while
+        it writes the rest (the event loop only hands them over), announcing them to watchers
+        as they land. InvalidRequest for an upload that is not written in place, or an `end`
+        that goes back or beyond the size."""
         if self.transport != "shm":
             raise InvalidRequest(
                 f"model {self.model!r}: `written` is for a shared-memory upload; upload {self.id} is {self.transport}"
@@ -92,27 +118,69 @@ class StagedUpload:
                 "it must not go back or beyond the size"
             )
         self.written_end = end
+        self._landed(end)  # announced now; the copying thread tells how far the bytes landed
         self._hash_to(end)
-        self._landed(end)
 
     def _landed(self, end: int) -> None:
-        """Bytes [0, end) are in: the upload does not expire while they move, and watchers
-        hear of them (announced with the first)."""
+        """Bytes [0, end) are in (or, for a writer's, on their way): the upload does not expire
+        while they move, and watchers hear of them (announced with the first)."""
         self.expires = time.monotonic() + UPLOAD_TTL_SECONDS
         if self.arriving is None and self.arrivals is not None:
             self.arriving = self.arrivals.start(self.model, self.buffer)
-        if self.arriving is not None:
+        if self.arriving is not None and self._source is None:
             self.arriving.advance(end)
 
+    @property
+    def _source(self) -> PublisherFile | None:
+        """The file a same-host publisher writes, to copy the bytes from (None: they land here)."""
+        return self.file.source if self.file is not None else None
+
     def _hash_to(self, end: int) -> None:
-        """Hash bytes up to `end` in this upload's own thread, after what it hashes now (xxh3
-        lets go of the GIL: receiving goes on meanwhile); raise what an earlier stretch
-        raised there (a malformed header), so that a transfer can stop early."""
+        """Hash bytes up to `end` (a writer's: copy them in first) in this upload's own thread,
+        after what it does now (pread and xxh3 let go of the GIL: receiving goes on meanwhile);
+        raise what an earlier stretch raised there (a malformed header, a file cut short), so
+        that a transfer can stop early."""
         if self._hashed is not None and self._hashed.done():
             self._hashed.result()
         if self._hashing is None:
             self._hashing = ThreadPoolExecutor(1, thread_name_prefix=f"weightserver-{self.transport}-upload-hash")
-        self._hashed = self._hashing.submit(self.digests.advance, end)
+        self._hashed = self._hashing.submit(self._take if self._source is not None else self.digests.advance, end)
+
+    def _take(self, end: int) -> None:
+        """Copy the writer's bytes up to `end` into the buffer, a block per copying thread
+        (one copy runs at about half the speed a writer writes), and hash each block in
+        order once it is in; then announce them as landed (a stretch at a time, as the
+        writer announced them). IntegrityError when the file ends first: it was cut short
+        (read with pread, a short file is an error, not a SIGBUS)."""
+        source = self._source
+        assert source is not None
+        blocks = [(start, min(end, start + BLOCK_BYTES)) for start in range(self.copied, end, BLOCK_BYTES)]
+        threads = _copying()
+        if threads is None:
+            for start, stop in blocks:
+                self._copied(start, stop, source.read_into(self.buffer, start, stop))
+        else:
+            copies = [threads.submit(source.read_into, self.buffer, start, stop) for start, stop in blocks]
+            try:
+                for (start, stop), copy in zip(blocks, copies, strict=True):
+                    self._copied(start, stop, copy.result())
+            finally:
+                for copy in copies:  # none is left reading the file or writing the buffer
+                    copy.cancel()
+                wait(copies)
+        if self.arriving is not None:
+            self.arriving.advance(end)
+
+    def _copied(self, start: int, stop: int, got: int) -> None:
+        """`got` bytes of the writer's block [start, stop) are copied in: hash them, or
+        IntegrityError when that is fewer (the file was cut short)."""
+        if got < stop - start:
+            raise IntegrityError(
+                f"model {self.model!r}: the shared-memory upload file holds {start + got} bytes, not the "
+                f"{self.total_bytes} declared (it was cut short after Negotiate); publish again"
+            )
+        self.copied = stop
+        self.digests.advance(stop)
 
     def _hashing_done(self) -> None:
         """Wait until every stretch handed over is hashed; raise what the hashing raised."""
@@ -139,7 +207,12 @@ class StagedUpload:
         put in the file now; a bulk upload was hashed as it arrived). Blocks: call it off the
         event loop. IntegrityError when the transfer fell short."""
         if self.transport == "shm":
-            self._hash_to(self.total_bytes)  # the writer may have announced most of it already
+            try:
+                self._hash_to(self.total_bytes)  # the writer may have announced most of it already
+                self._hashing_done()
+            finally:
+                if self.file is not None:
+                    self.file.remove_source()  # every byte is copied, or none will be
         elif not self.received:
             if isinstance(self.failure, WeightServerError):
                 raise self.failure  # bytes that are no safetensors file: the check's own error
