@@ -403,21 +403,18 @@ def test_a_relay_that_misses_versions_flags_the_gap_to_its_watchers(make_server,
         # Replayed from since=1, on the relay and on the relay of the relay.
         wait_until(lambda: held(leaf, "policy") == 60, what="the relay of the relay holds v60")
         for server in (relay, leaf):
-            with grpc.insecure_channel(address_of(server)) as replay_channel:
-                replay = pb_grpc.WeightServiceStub(replay_channel).Watch(
-                    pb.WatchRequest(model="policy", since=1), timeout=30
-                )
-                first = next(replay)
-                replay.cancel()
-            assert (first.version.version, first.gap) == (59, True), address_of(server)
+            assert first_event(server, since=1) == (59, True), address_of(server)
             # A watcher that saw v59 missed nothing before v60.
-            with grpc.insecure_channel(address_of(server)) as replay_channel:
-                replay = pb_grpc.WeightServiceStub(replay_channel).Watch(
-                    pb.WatchRequest(model="policy", since=59), timeout=30
-                )
-                first = next(replay)
-                replay.cancel()
-            assert (first.version.version, first.gap) == (60, False), address_of(server)
+            assert first_event(server, since=59) == (60, False), address_of(server)
+
+
+def first_event(server, since: int) -> tuple[int, bool]:
+    """(version, gap) of the first event a Watch of "policy" from `since` gets on `server`."""
+    with grpc.insecure_channel(address_of(server)) as channel:
+        replay = pb_grpc.WeightServiceStub(channel).Watch(pb.WatchRequest(model="policy", since=since), timeout=30)
+        first = next(replay)
+        replay.cancel()
+    return first.version.version, first.gap
 
 
 def test_deletes_on_the_primary_reach_every_relay_within_a_poll(make_server, make_relay, tmp_path):
