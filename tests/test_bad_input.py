@@ -35,7 +35,7 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_errors import chunks, commit, header_request, raises_rpc, raw_raises, watch_publish_start
-from waiting import wait_until
+from waiting import wait_equal, wait_until
 
 from weightclient import (
     CursorOutOfRange,
@@ -471,10 +471,8 @@ def test_cancel_mid_publish_while_another_client_fetches(server, client, stub, g
     assert fetcher.held
     if shm is not None:
         assert len(open_uploads[0]) == 1  # the half-received upload was in shared memory ...
-        deadline = time.monotonic() + WAIT
-        while uploads() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert uploads() == [], "a cancelled publish left its upload file in shared memory"  # ... and is gone
+        # ... and is gone.
+        wait_equal(uploads, [], timeout=WAIT, what="no upload file of the cancelled publish in shared memory")
     assert_unchanged(client, good)
 
 

@@ -20,7 +20,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -30,6 +29,7 @@ from typing import Any
 
 import pytest
 import yaml
+from waiting import wait_equal
 
 from weightserver.cli import build_parser, server_config
 
@@ -209,10 +209,12 @@ def start(command: list[str], env: Mapping[str, str] | None = None, log: Path | 
 
 
 def wait_healthy(command: list[str], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while subprocess.run(command, cwd=REPO, capture_output=True).returncode != 0:
-        assert time.monotonic() < deadline, f"not healthy within {timeout}s"
-        time.sleep(0.2)
+    wait_equal(
+        lambda: subprocess.run(command, cwd=REPO, capture_output=True).returncode,
+        0,
+        timeout=timeout,
+        what=f"{' '.join(command)} to exit 0 (healthy)",
+    )
 
 
 def stop(process: subprocess.Popen, timeout: float = 15.0) -> int:

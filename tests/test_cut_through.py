@@ -18,7 +18,7 @@ import torch
 import xxhash
 
 from tests.test_publish_transports import BULK, SHM, file_of, negotiate_publish, publish_uploaded
-from tests.waiting import wait_until
+from tests.waiting import wait_equal, wait_until
 from weightclient import WeightClient
 from weightclient.grpc_updaters import GrpcLocalWeightUpdater
 from weightclient.version_info import Arriving, VersionEvent
@@ -335,11 +335,7 @@ class Linear(torch.nn.Module):
 
 
 def catch_up(updater: GrpcLocalWeightUpdater, version: int, seconds: float = 20.0) -> None:
-    deadline = time.monotonic() + seconds
-    while updater.version != version:
-        assert time.monotonic() < deadline, f"the updater holds v{updater.version}, not v{version}"
-        updater()
-        time.sleep(0.001)
+    wait_equal(lambda: (updater(), updater.version)[1], version, timeout=seconds, what="the updater's version")
 
 
 @pytest.mark.parametrize("transport", ["bulk", "stream"])

@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -36,6 +35,7 @@ import torch
 import torchrl_models
 from ray.cluster_utils import Cluster
 from torchrl_models import make_env, make_policy
+from waiting import wait_for
 
 from weightclient import WeightClient
 from weightclient.ray_collectors import start_node_collectors
@@ -121,14 +121,16 @@ def test_collectors_on_every_node_fetch_from_their_relay_over_shm(relays: RelayP
                 policy = make_policy(seed)
                 version = trainer.publish(policy, model="policy")
                 published[version] = {k: v.detach().clone() for k, v in policy.state_dict().items()}
-                deadline = time.monotonic() + 30
-                while True:
+
+                def collected() -> tuple[list, list]:
                     batches = ray.get([c.collect.remote() for c in collectors], timeout=60)
-                    statuses = ray.get([c.status.remote() for c in collectors])
-                    if all(s.version == version for s in statuses) or time.monotonic() > deadline:
-                        break
-                    time.sleep(0.05)
-                assert [s.version for s in statuses] == [version] * NODES
+                    return batches, ray.get([c.status.remote() for c in collectors])
+
+                batches, statuses = wait_for(
+                    collected,
+                    lambda result, version=version: all(s.version == version for s in result[1]),
+                    what=f"every collector on v{version}",
+                )
                 assert [s.transport for s in statuses] == ["shm"] * NODES
                 for batch in batches:  # the batch collected right after the update acted with it
                     assert batch["next", "policy_version"].unique().tolist() == [version]

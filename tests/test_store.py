@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from waiting import wait_until
 
 from weightserver.errors import (
     CursorOutOfRange,
@@ -1035,9 +1036,7 @@ def test_concurrent_readers_only_see_verified_versions(tmp_path: Path) -> None:
         t.start()
     for t in publishers:
         t.join(timeout=30)
-    deadline = time.monotonic() + 10
-    while not all(checks) and not errors and time.monotonic() < deadline:
-        time.sleep(0.001)
+    wait_until(lambda: all(checks) or errors, timeout=10, step=0.001, what="every reader's checks, or an error")
     stop.set()
     for t in readers:
         t.join(timeout=30)

@@ -7,7 +7,6 @@ skip below (see conftest.py).
 
 from __future__ import annotations
 
-import time
 import warnings
 from collections.abc import Mapping
 
@@ -30,7 +29,7 @@ from torchrl.trainers import (
     UpdateWeights,
 )
 from torchrl_models import PendulumQValue, actions_of, make_env, make_policy, make_two_head_policy
-from waiting import wait_until
+from waiting import wait_equal, wait_until
 
 from weightclient import WeightClient
 from weightclient.grpc_updaters import GrpcLocalWeightUpdater, GrpcRemoteWeightUpdater
@@ -59,12 +58,14 @@ def single_collector(policy, scheme, frames_per_batch=8, **kwargs) -> Collector:
 def catch_up(collector, scheme, batches, version: int, policy, seconds: float = 20.0) -> None:
     """Update before every batch until `scheme` applied `version`; the next batch is then
     stamped with it and acts as `policy` does."""
-    deadline = time.monotonic() + seconds
-    while scheme.version != version and time.monotonic() < deadline:
+
+    def updated() -> int | None:
         collector.update_policy_weights_()
         next(batches)
-        time.sleep(0.02)
-    assert scheme.version == version and scheme.lag == 0
+        return scheme.version
+
+    wait_equal(updated, version, timeout=seconds, what="the scheme's version")
+    assert scheme.lag == 0
     batch = next(batches)
     assert batch["next", "policy_version"].unique().tolist() == [version]
     assert torch.allclose(batch["action"], actions_of(policy, batch), atol=ATOL)
