@@ -756,7 +756,6 @@ class WeightServiceClient:
         another address: with `retry`, retried while no server answers (`retry_unavailable`,
         moving on from each that fails); without, once more on the next address."""
         used = [self.address]  # the address the latest attempt went to: the one to move on from
-        deadline = None if timeout is None else time.monotonic() + timeout
 
         def attempt(left: float | None) -> T:
             used[0] = self.address
@@ -772,7 +771,9 @@ class WeightServiceClient:
         except (ServerUnavailable, DeadlineExceeded) as exc:
             if not move_on(exc):
                 raise
-        return attempt(remaining(deadline))  # the next address gets what is left, not a new timeout
+        # The next address gets a timeout of its own: one that stalled must not take the whole
+        # budget from the failover (a collector's update then takes up to twice update_timeout).
+        return attempt(timeout)
 
     def _retry_window(self, timeout: float | None) -> float:
         return timeout if timeout is not None else self.retry_seconds
