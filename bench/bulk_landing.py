@@ -35,7 +35,7 @@ SPAWN = multiprocessing.get_context("spawn")
 def _file_of(size: int) -> bytes:
     import torch
 
-    from weightclient import tensor_codec
+    from weightclient import tensors as tensor_codec
 
     return b"".join(bytes(p) for p in tensor_codec.encode({"w": torch.randn(size // 4)}))
 
@@ -56,8 +56,8 @@ def _sender(port: int, size: int, tickets: Queue, seconds: Queue) -> None:
 def profile(size: int, count: int, pause: float) -> dict[str, list[float]]:
     """{landing: [ms per transfer]} for `count` transfers of a `size`-byte model into each,
     each after `pause` seconds of idle."""
-    from weightserver.bulk import BulkEndpoint
-    from weightserver.shared_memory import SharedMemoryFiles
+    from weightserver.transports.bulk import BulkEndpoint
+    from weightserver.transports.shared_memory import SharedMemoryFiles
 
     nbytes = len(_file_of(size))
     endpoint = BulkEndpoint("127.0.0.1")

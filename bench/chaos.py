@@ -32,7 +32,7 @@ round; `--seed` replays an order), each followed by recovery and a quiet spell:
 * stall-publish: a publisher that sends its header and then nothing for a few seconds (every
               other run: one that opens a publish, sends a header and gives up, every 0.3 s),
               while the load goes on: it must gain no hold over fetches beyond its budget
-              (weightserver.commits_first) and never become a version (`chaos-stalled`);
+              (weightserver.publish.priority) and never become a version (`chaos-stalled`);
 * rewrite-upload: a same-host writer (raw protocol, Negotiate for shared memory) that truncates
               or rewrites its upload file at a random moment: before `uploaded` (the publish
               must be refused, DATA_LOSS or INVALID_ARGUMENT, and commit nothing) or after the
@@ -109,7 +109,7 @@ if str(REPO) not in sys.path:
 
 from bench import soak  # noqa: E402
 from bench.common import format_size, log, parse_size  # noqa: E402
-from weightserver.errors import IntegrityError  # noqa: E402
+from weightserver.protocol.errors import IntegrityError  # noqa: E402
 
 MODEL = soak.MODEL
 FAULTS = (
@@ -434,7 +434,7 @@ class ChaosPublisher(soak.Publisher):
         self.last_acked_attempt = 0.0  # monotonic start of the attempt acknowledged last
 
     def _send(self, seq: int) -> int | None:
-        from weightclient import tensor_codec
+        from weightclient import tensors as tensor_codec
 
         data = tensor_codec.snapshot(self.weights)  # the file, kept as is for every retry
         digest = hashlib.sha256(data).hexdigest()
@@ -1082,7 +1082,8 @@ class Chaos:
         import torch
         import xxhash
 
-        from weightclient import WeightClient, tensor_codec
+        from weightclient import WeightClient
+        from weightclient import tensors as tensor_codec
         from weightserver.v1 import weights_pb2 as pb
         from weightserver.v1 import weights_pb2_grpc as pb_grpc
 

@@ -16,7 +16,7 @@ the collectors' `time.monotonic()` stamps, each taken when its fetch of that ver
 one clock for every process on a Linux host. The primary's egress per version is read between
 publishes from its own counters: `weightserver_fetch_bytes_total` of the model (every
 transport; its /metrics) plus the bytes of the cut-through transfers (`fetch_arriving ...
-bytes=N` in its log; `_fetch_arriving` in weightserver/service.py does not count them in the
+bytes=N` in its log; `_fetch_arriving` in weightserver/service/servicer.py does not count them in the
 metrics).
 
 Collectors are byte-level (`workers.tree_collectors`: `WeightServiceClient` threads, no torch),
@@ -41,9 +41,9 @@ from bench.common import WARMUP_ROUNDS, MiB, Row, format_size, log, percentile
 from bench.freshness import PUBLISH_GAP_SECONDS, publish_kwargs
 from bench.models import FlatPolicy
 from weightclient import WeightClient
-from weightclient.service_client import WeightServiceClient
-from weightserver.errors import ModelNotFound
+from weightclient.core.service_client import WeightServiceClient
 from weightserver.process import ServerProcess
+from weightserver.protocol.errors import ModelNotFound
 
 ROW = "fanout_tree"
 NAMES = (ROW, "fanout_tree_single", "fanout_tree_direct", "fanout_tree_egress")

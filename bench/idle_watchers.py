@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import grpc
 
 from bench.common import rss_bytes
-from weightclient.service_client import WeightServiceClient
+from weightclient.core.service_client import WeightServiceClient
 from weightserver.process import ServerProcess
 from weightserver.v1 import weights_pb2 as pb
 from weightserver.v1 import weights_pb2_grpc as pb_grpc

@@ -23,10 +23,10 @@ from collections.abc import Callable
 
 import torch
 
-import weightclient.service_client as service_client
-import weightserver.service as service
-import weightserver.staged_uploads as staged_uploads
-import weightserver.store as store
+import weightclient.core.service_client as service_client
+import weightserver.publish.staged_uploads as staged_uploads
+import weightserver.service.servicer as service
+import weightserver.storage.store as store
 from bench.common import format_size, parse_size
 from bench.models import FlatPolicy
 from weightclient import WeightClient

@@ -107,7 +107,7 @@ PAIRED_SMALL_BYTES = 64 * MiB
 
 # ---------------------------------------------------------------------- helpers
 def _fetch_bytes_parameters() -> dict[str, inspect.Parameter]:
-    from weightclient.service_client import WeightServiceClient
+    from weightclient.core.service_client import WeightServiceClient
 
     return dict(inspect.signature(WeightServiceClient.fetch_bytes).parameters)
 
@@ -637,7 +637,7 @@ def updater_poll(ctx: Context) -> list[Row]:
     """What `GrpcLocalWeightUpdater()` costs a collector when the server has nothing newer:
     asking the server (the default) vs following its Watch stream (watch=True), each after
     5 ms of idle, alternating. Reported; the issue sets no target for it."""
-    from weightclient.grpc_updaters import GrpcLocalWeightUpdater
+    from weightclient.torchrl.grpc_updaters import GrpcLocalWeightUpdater
 
     model = "poll-1MiB"
     ctx.client.publish(FlatPolicy(MiB, 4, fill=1.0), model=model)
@@ -800,7 +800,7 @@ def publish_under_fetch_load(ctx: Context) -> list[Row]:
     machine it then takes CPU from the server and the publisher, which collectors on other
     hosts would not: a second phase runs it at nice 19 (it gets the cores the others leave)
     and is reported unjudged, to show how much of the row is that competition."""
-    from weightclient.service_client import WeightServiceClient
+    from weightclient.core.service_client import WeightServiceClient
 
     model = "load-16MiB"
     numel = LOAD_SIZE // 4

@@ -38,10 +38,10 @@ from pathlib import Path
 import xxhash
 
 from bench.common import format_size, parse_size
-from weightserver import page_tables
-from weightserver.digests import IncomingDigests
-from weightserver.shared_memory import SharedMemoryFiles
-from weightserver.staged_uploads import StagedUploads
+from weightserver.protocol import page_tables
+from weightserver.protocol.digests import IncomingDigests
+from weightserver.publish.staged_uploads import StagedUploads
+from weightserver.transports.shared_memory import SharedMemoryFiles
 
 WRITE_BLOCK = 256 << 10
 BLOCK = 1 << 20

@@ -55,7 +55,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # `bench` is a package
 
 from bench.common import MB, format_size, log, parse_size, percentile, rss_bytes  # noqa: E402
-from weightserver.errors import VersionEvicted  # noqa: E402
+from weightserver.protocol.errors import VersionEvicted  # noqa: E402
 
 MODEL = "policy"
 RSS_TOLERANCE_FRACTION = 0.10
@@ -178,7 +178,7 @@ class Publisher:
 def _digest(tensor: Any) -> str:
     import xxhash
 
-    from weightclient.tensor_codec import tensor_bytes
+    from weightclient.tensors import tensor_bytes
 
     return xxhash.xxh3_64_hexdigest(tensor_bytes(tensor.contiguous()))
 

@@ -83,7 +83,7 @@ def fetch_worker(
         client: Any = WeightClient(address)
         fetch = client.fetch
     else:
-        from weightclient.service_client import WeightServiceClient
+        from weightclient.core.service_client import WeightServiceClient
 
         client = WeightServiceClient(address)
         fetch = client.fetch_bytes
@@ -111,7 +111,7 @@ def watcher(address: str, model: str, since: int, count: int, results: Any, time
     watcher started, replayed from `since`), then a list of (version, arrival time_ns) once
     `count` further events arrived.
     """
-    from weightclient.service_client import WeightServiceClient
+    from weightclient.core.service_client import WeightServiceClient
 
     arrivals: list[tuple[int, int]] = []
     with WeightServiceClient(address) as client:
@@ -198,7 +198,7 @@ async def _stream_fetch_load(address: str, model: str, fetchers: int, connection
     import grpc
     import xxhash
 
-    from weightserver import framing
+    from weightserver.protocol import framing
     from weightserver.v1 import weights_pb2 as pb
 
     options = [("grpc.use_local_subchannel_pool", 1), ("grpc.max_receive_message_length", 8 << 20)]
@@ -286,9 +286,9 @@ def freshness_collector(
 
     from bench.models import policy_from_shapes
     from weightclient import WeightClient
-    from weightclient.grpc_updaters import GrpcLocalWeightUpdater
-    from weightclient.service_client import WeightServiceClient
-    from weightserver.errors import DeadlineExceeded
+    from weightclient.core.service_client import WeightServiceClient
+    from weightclient.torchrl.grpc_updaters import GrpcLocalWeightUpdater
+    from weightserver.protocol.errors import DeadlineExceeded
 
     torch.set_num_threads(1)
     policy = policy_from_shapes(shapes, fill=-1.0)
@@ -353,9 +353,9 @@ def tree_collectors(first: int, addresses: list[str], model: str, transport: str
     """
     import threading
 
-    from weightclient.service_client import WeightServiceClient
-    from weightclient.version_info import VersionEvent
-    from weightserver.errors import DeadlineExceeded
+    from weightclient.core.service_client import WeightServiceClient
+    from weightserver.protocol.errors import DeadlineExceeded
+    from weightserver.protocol.version_info import VersionEvent
 
     def follow(index: int, address: str) -> None:
         try:

@@ -29,7 +29,7 @@ from demo.lifecycle import StopRequest, run_role
 from demo.models import COLLECTOR_KEY_MAP, SPOOL_KEYS, make_env, make_exploring_policy
 from demo.output import Every, quiet_torchrl, say
 from demo.spool import Spool, SpoolSession
-from weightserver.errors import Cancelled, DeadlineExceeded
+from weightserver.protocol.errors import Cancelled, DeadlineExceeded
 
 WAIT = 0.02  # seconds between spool checks while waiting
 # How long a collector keeps pulling for the trainer's final version after STOP: through a
@@ -114,7 +114,7 @@ def make_collector(args: Any, seed: int) -> tuple[Any, Any]:
     quiet_torchrl()
     from torchrl.collectors import Collector
 
-    from weightclient.torchrl_adapters import GrpcWeightSyncScheme, ServerPolicyVersion
+    from weightclient.torchrl.scheme import GrpcWeightSyncScheme, ServerPolicyVersion
 
     scheme = GrpcWeightSyncScheme(args.server, model=args.model, key_map=COLLECTOR_KEY_MAP)
     collector = Collector(

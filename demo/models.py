@@ -12,7 +12,7 @@ from tensordict.nn import TensorDictModule, TensorDictSequential
 from torchrl.envs import Compose, EnvBase, PendulumEnv, RewardSum, StepCounter, TransformedEnv
 from torchrl.modules import ValueOperator
 
-from weightclient.key_mapping import KeyMap
+from weightclient.torchrl.key_mapping import KeyMap
 
 MAX_TORQUE = 2.0
 EPISODE_STEPS = 200

@@ -101,8 +101,8 @@ class Trainer:
     """The trainer process: learner, publisher, spool session, statistics."""
 
     def __init__(self, args: Any, stop: StopRequest) -> None:
-        from weightclient.grpc_updaters import GrpcRemoteWeightUpdater
-        from weightclient.publish_hook import PublishWeights
+        from weightclient.torchrl.grpc_updaters import GrpcRemoteWeightUpdater
+        from weightclient.torchrl.publish_hook import PublishWeights
 
         self.args, self.stop = args, stop
         self.learner = Learner(args)

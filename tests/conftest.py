@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+
+# The layers (unit/, integration/, system/) share the helpers beside this file (pki, launch,
+# waiting, torchrl_models), imported by name.
+sys.path.insert(0, str(Path(__file__).parent))
 
 from weightserver import ServerConfig, WeightServer
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from weightserver.config import ServerConfig
     from weightserver.server import WeightServer
-    from weightserver.store import Version, VersionStore
+    from weightserver.storage.store import Version, VersionStore
 
 __all__ = ["ServerConfig", "Version", "VersionStore", "WeightServer"]
 __version__ = "0.1.0"
@@ -18,13 +18,13 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "ServerConfig": "weightserver.config",
     "WeightServer": "weightserver.server",
-    "Version": "weightserver.store",
-    "VersionStore": "weightserver.store",
+    "Version": "weightserver.storage.store",
+    "VersionStore": "weightserver.storage.store",
 }
 
 
 def __getattr__(name: str) -> Any:
-    # Loaded on first use: importing weightserver.store must not pull in grpc.
+    # Loaded on first use: importing weightserver.storage.store must not pull in grpc.
     if name in _EXPORTS:
         import importlib
 

@@ -1,7 +1,7 @@
-"""`python -m weightserver` runs the server's command line, `serve` (see weightserver.cli)."""
+"""`python -m weightserver` runs the `weightserver` console script (see weightserver.command_line)."""
 
 import sys
 
-from weightserver.cli import main
+from weightserver.command_line import main
 
 sys.exit(main())

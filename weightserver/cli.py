@@ -23,9 +23,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from weightserver import __version__
-from weightserver.config import DEFAULT_CHUNK_BYTES, DEFAULT_PORT, ServerConfig
-from weightserver.errors import WeightServerError
+from weightserver.config import ServerConfig
 from weightserver.logs import LOG_FORMATS, configure_logging
+from weightserver.protocol.errors import WeightServerError
+from weightserver.protocol.limits import DEFAULT_CHUNK_BYTES, DEFAULT_PORT
 
 log = logging.getLogger("weightserver")
 

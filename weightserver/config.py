@@ -6,42 +6,16 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-KiB = 1024
-MiB = 1024 * KiB
-GiB = 1024 * MiB
+from weightserver.protocol.limits import (
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_PORT,
+    MAX_CHUNK_BYTES,
+    MIN_CHUNK_BYTES,
+    PUBLISH_MAX_HEADER_BYTES,
+    PUBLISH_MAX_TENSORS,
+    GiB,
+)
 
-DEFAULT_PORT = 50051
-DEFAULT_CHUNK_BYTES = 1 * MiB
-MIN_CHUNK_BYTES = 64 * KiB
-MAX_CHUNK_BYTES = 3 * MiB  # stays well below gRPC's 4 MiB default message limit
-# Received messages may be up to 4 MiB of chunk plus framing, so the server accepts a bit more.
-MAX_MESSAGE_BYTES = 8 * MiB
-# Options of a channel to a server (a client's, a relay's to its upstream): messages as large as
-# the server's, and a reconnect within a second of a restarted server coming back (gRPC's
-# default backoff grows to two minutes, which would keep a collector on old weights that long).
-CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-]
-# The largest message a gRPC client receives with default settings.
-CLIENT_MESSAGE_BYTES = 4 * MiB
-# A version's description (VersionInfo: tensor list with digests, metadata) as GetLatest,
-# Describe, Fetch and Watch send it. A quarter of a client message, so that the replies that
-# carry several (a publish's, which has the first twice, and ListVersions with the default
-# --keep 3) fit too.
-MAX_DESCRIPTION_BYTES = 1 * MiB
-# What the descriptions in one reply may add up to, below CLIENT_MESSAGE_BYTES by the reply's
-# own framing. A publish that would make a Publish or ListVersions reply larger is refused.
-MAX_DESCRIPTIONS_PER_REPLY = CLIENT_MESSAGE_BYTES - 64 * KiB
-# The server's limits on a published safetensors header, agreeing with MAX_DESCRIPTION_BYTES:
-# a description takes at least 43 bytes per tensor (a one-character name, dtype and xxh3), so
-# more tensors can never be described; the header's JSON takes at most about twice the bytes of
-# the description per tensor, and the rest leaves room for the file's own __metadata__.
-PUBLISH_MAX_TENSORS = MAX_DESCRIPTION_BYTES // 43
-PUBLISH_MAX_HEADER_BYTES = 4 * MAX_DESCRIPTION_BYTES
 # Stream fetches sending chunks at once. One event loop serves every call, so a publish's
 # chunks take turns with this many fetches rather than with every open one (200 fetchers
 # starved publishes for seconds). One loopback stream already keeps the loop busy: on 2 cores,
@@ -65,7 +39,7 @@ class ServerConfig:
     max_header_bytes: int = PUBLISH_MAX_HEADER_BYTES
     max_tensors: int = PUBLISH_MAX_TENSORS
     grace_seconds: float = 5.0
-    # Bulk TCP port for large fetches (weightserver.bulk): 0 picks a free one, None turns it off.
+    # Bulk TCP port for large fetches (weightserver.transports.bulk): 0 picks a free one, None turns it off.
     bulk_port: int | None = 0
     # Connections the bulk port keeps open at once; one more is closed at once (it streams).
     bulk_max_connections: int = 256
@@ -73,7 +47,7 @@ class ServerConfig:
     shm_dir: Path | str | None = "auto"
     # Budget for derived payloads (deltas, casts) kept in memory.
     payload_cache_bytes: int = 1 * GiB
-    # Bearer tokens with roles (see weightserver.auth); None: no authorization.
+    # Bearer tokens with roles (see weightserver.service.auth); None: no authorization.
     auth_tokens: Path | None = None
     # TLS: certificate chain and private key (PEM); a client CA turns on mutual TLS.
     tls_cert: Path | None = None

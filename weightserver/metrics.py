@@ -33,7 +33,7 @@ from prometheus_client import (
 import weightserver
 
 if TYPE_CHECKING:
-    from weightserver.store import Version
+    from weightserver.storage.store import Version
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ class ServerProcess:
     `port` 0 picks a free port the first time; later `start()` calls reuse it, so a restart
     comes back on the same address. `start()` returns once the health service says SERVING.
     A server started with ``--tls-cert`` serves TLS only: give `credentials` to check its
-    health with (`weightserver.dialing.channel_credentials`: its CA, and a client certificate
+    health with (`weightserver.protocol.channel.channel_credentials`: its CA, and a client certificate
     when it also has ``--tls-client-ca``).
     """
 
@@ -39,7 +39,7 @@ class ServerProcess:
         if credentials is None and any(a == "--tls-cert" or a.startswith("--tls-cert=") for a in args):
             raise ValueError(
                 "a server started with --tls-cert serves TLS only, so start() cannot check it over "
-                "plaintext: give ServerProcess(..., credentials=weightserver.dialing.channel_credentials"
+                "plaintext: give ServerProcess(..., credentials=weightserver.protocol.channel.channel_credentials"
                 "(tls_ca=...)) trusting the CA that signed its certificate"
             )
         self.credentials = credentials

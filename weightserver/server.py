@@ -18,16 +18,18 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from weightserver import framing, wire
-from weightserver.auth import TokenTable
-from weightserver.bulk import BulkEndpoint
-from weightserver.config import MAX_MESSAGE_BYTES, ServerConfig, url_host
+from weightserver.config import ServerConfig, url_host
 from weightserver.metrics import NoMetrics, ServerMetrics
-from weightserver.relay import Relay
-from weightserver.service import WeightServicer
-from weightserver.shared_memory import SharedMemoryFiles, server_shm_dir
-from weightserver.store import VersionStore
-from weightserver.upstream import UpstreamLink
+from weightserver.protocol import framing
+from weightserver.protocol.limits import MAX_MESSAGE_BYTES
+from weightserver.relay.relay import Relay
+from weightserver.relay.upstream import UpstreamLink
+from weightserver.service import wire
+from weightserver.service.auth import TokenTable
+from weightserver.service.servicer import WeightServicer
+from weightserver.storage.store import VersionStore
+from weightserver.transports.bulk import BulkEndpoint
+from weightserver.transports.shared_memory import SharedMemoryFiles, server_shm_dir
 from weightserver.v1 import weights_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -55,7 +57,7 @@ _HANDLER_FACTORIES = {
 
 def add_weight_service(servicer: WeightServicer, server: grpc.aio.Server) -> None:
     """Register WeightService like the generated `add_WeightServiceServicer_to_server`, except
-    that Fetch's responses may be pre-serialized chunk messages (see weightserver.framing), and
+    that Fetch's responses may be pre-serialized chunk messages (see weightserver.protocol.framing), and
     a request that does not parse reaches the handler as a `wire.Undecodable` (INVALID_ARGUMENT
     there, not INTERNAL)."""
     service = pb.DESCRIPTOR.services_by_name["WeightService"]

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from weightclient.service_client import FetchedBytes, WeightServiceClient, default_address
-from weightclient.version_info import ModelSummary, VersionEvent, VersionInfo
-from weightserver.errors import (
+from weightclient.core.service_client import FetchedBytes, WeightServiceClient, default_address
+from weightserver.protocol.errors import (
     Cancelled,
     CursorOutOfRange,
     DeadlineExceeded,
@@ -32,6 +31,7 @@ from weightserver.errors import (
     VersionTooLarge,
     WeightServerError,
 )
+from weightserver.protocol.version_info import ModelSummary, VersionEvent, VersionInfo
 
 if TYPE_CHECKING:
     from weightclient.client import FetchResult, WeightClient

@@ -11,13 +11,13 @@ import torch
 import xxhash
 from tensordict import TensorDict
 
-from weightclient import tensor_codec
-from weightclient.background_publisher import BackgroundPublisher, PublishFuture
-from weightclient.connection import remaining
-from weightclient.service_client import FetchStats, WeightServiceClient
-from weightclient.version_info import TensorInfo, VersionInfo
-from weightserver.errors import IntegrityError, InvalidRequest, NotFoundError
-from weightserver.safetensors_format import parse_header
+from weightclient import tensors as tensor_codec
+from weightclient.core.background_publisher import BackgroundPublisher, PublishFuture
+from weightclient.core.connection import remaining
+from weightclient.core.service_client import FetchStats, WeightServiceClient
+from weightserver.protocol.errors import IntegrityError, InvalidRequest, NotFoundError
+from weightserver.protocol.safetensors_format import parse_header
+from weightserver.protocol.version_info import TensorInfo, VersionInfo
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ class WeightClient(WeightServiceClient):
     ) -> int | PublishFuture:
         """Publish `weights` (an nn.Module, a TensorDict or a state dict) as a new version of
         `model`; return its number once the server committed it. wait=False: snapshot the
-        weights and return a `PublishFuture` at once (see weightclient.background_publisher).
+        weights and return a `PublishFuture` at once (see weightclient.core.background_publisher).
         `publish_id`: the idempotency key (default: a new one); pass it again to retry a publish
         whose reply was lost without committing it twice. `transport`: "auto" (shared memory on
         the server's host, else bulk TCP, else the stream), "shm", "bulk" or "stream".

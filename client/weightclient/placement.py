@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 
 import xxhash
 
-from weightclient.version_info import VersionInfo
+from weightserver.protocol.version_info import VersionInfo
 
 Placement = Callable[[VersionInfo], Mapping[str, memoryview] | None]
 """Called with a version's description before its bytes move: {tensor name: a writable view

@@ -3,7 +3,7 @@
 // SECTION: basic, environment, token, tls or mtls (one ctest case each); CLI: the path of the
 // weightserver-fetch executable. Env: WEIGHTSERVER_ADDRESS (host:port of the plain server) and
 // WEIGHTSERVER_EXPECTED_JSON (what was published where; its format is in client/cpp/README.md,
-// and tests/test_cpp_client.py writes it). A section whose entry the file lacks fails.
+// and tests/system/test_cpp_client.py writes it). A section whose entry the file lacks fails.
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>

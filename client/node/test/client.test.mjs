@@ -1,7 +1,7 @@
-// Runs against a live server that tests/test_node_client.py starts and fills:
+// Runs against a live server that tests/system/test_node_client.py starts and fills:
 //   WEIGHTSERVER_ADDRESS  host:port of that server
 //   EXPECTED_JSON         path of a JSON file describing what Python published
-// Run: pytest tests/test_node_client.py  (or set both variables and run `npm test` here).
+// Run: pytest tests/system/test_node_client.py  (or set both variables and run `npm test` here).
 import assert from "node:assert/strict";
 import { createHash } from "node:crypto";
 import { readFileSync } from "node:fs";
@@ -11,7 +11,7 @@ import { WeightServerClient, WeightServerError, parseSafetensors } from "../src/
 
 const ADDRESS = process.env.WEIGHTSERVER_ADDRESS;
 const EXPECTED_PATH = process.env.EXPECTED_JSON;
-const skip = !ADDRESS || !EXPECTED_PATH ? "needs WEIGHTSERVER_ADDRESS and EXPECTED_JSON (see tests/test_node_client.py)" : false;
+const skip = !ADDRESS || !EXPECTED_PATH ? "needs WEIGHTSERVER_ADDRESS and EXPECTED_JSON (see tests/system/test_node_client.py)" : false;
 const GRPC_DEADLINE_EXCEEDED = 4;
 const GRPC_NOT_FOUND = 5;
 const GRPC_UNAUTHENTICATED = 16;

@@ -26,7 +26,7 @@ import xxhash
 
 from weightclient.placement import PlacedReceiver
 from weightclient.transports.base import Offer, Progress, TransportFailed, receive_buffer
-from weightserver.errors import DeadlineExceeded
+from weightserver.protocol.errors import DeadlineExceeded
 from weightserver.v1 import weights_pb2 as pb
 
 CONNECT_TIMEOUT = 2.0

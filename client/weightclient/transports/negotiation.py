@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 
 from weightclient.transports.base import Transport
-from weightserver.errors import InvalidRequest
+from weightserver.protocol.errors import InvalidRequest
 
 log = logging.getLogger(__name__)
 

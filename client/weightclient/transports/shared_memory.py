@@ -3,7 +3,7 @@
 The server names the file (Negotiate); the client maps it copy-on-write or, placed, reads
 each tensor's blocks into the caller's views (`block_reader`). Once handed a version's own
 file, it reads later exact versions by their header files without asking (`read_directly`,
-layout in `weightserver.shm_layout`); anything unexpected sends the fetch to the server.
+layout in `weightserver.protocol.files`); anything unexpected sends the fetch to the server.
 A publish writes the model's file straight from the tensors into the upload file the server
 created for it, hashing each block while it is in cache: `pwrite` (one copy, no page faults in
 this process), or, into an upload set up ahead (`prepare`), a copy into a mapping whose page
@@ -27,13 +27,13 @@ from typing import ClassVar
 import xxhash
 from google.protobuf.message import DecodeError
 
-from weightclient.block_reader import read_blocks
 from weightclient.placement import BLOCK_BYTES, PREFIX_BYTES, layout, mismatched
 from weightclient.transports.base import Offer, PayloadGone, Progress, TransportFailed
-from weightclient.version_info import VersionInfo
-from weightserver import page_tables
-from weightserver.errors import DeadlineExceeded
-from weightserver.shm_layout import header_file_name, version_file_name
+from weightclient.transports.block_reader import read_blocks
+from weightserver.protocol import page_tables
+from weightserver.protocol.errors import DeadlineExceeded
+from weightserver.protocol.files import header_file_name, version_file_name
+from weightserver.protocol.version_info import VersionInfo
 from weightserver.v1 import weights_pb2 as pb
 
 MAX_HEADER_BYTES = 64 << 20  # far above any real manifest; a larger file is not one of ours

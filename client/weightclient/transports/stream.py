@@ -1,5 +1,5 @@
 """The gRPC streams: Publish and Fetch. Always available, works under TLS, and the only
-transport clients in other languages need. Chunks travel pre-framed (weightserver.framing)."""
+transport clients in other languages need. Chunks travel pre-framed (weightserver.protocol.framing)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import grpc
 
 from weightclient.placement import PlacedReceiver
 from weightclient.transports.base import NotOffered, Offer, OutgoingFile, Progress, receive_buffer
-from weightclient.version_info import VersionInfo
-from weightserver import framing
-from weightserver.errors import IntegrityError
+from weightserver.protocol import framing
+from weightserver.protocol.errors import IntegrityError
+from weightserver.protocol.version_info import VersionInfo
 from weightserver.v1 import weights_pb2 as pb
 
 

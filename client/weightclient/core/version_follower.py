@@ -1,0 +1,148 @@
+"""VersionFollower: the newest version of a model that the server has announced, kept current
+by a Watch stream in a daemon thread.
+
+An updater that follows the Watch stream asks the server only once a newer version was
+announced (and every `watch_confirm_seconds` regardless), instead of one call per batch. With
+`cut_through`, the follower also receives each publish's bytes while they arrive at the server,
+and holds the version ready (`take_ready`) once its commit is announced and the bytes match it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+from weightclient.core.cut_through import CutThrough
+from weightclient.core.service_client import FetchedBytes, WeightServiceClient
+from weightserver.protocol.errors import Cancelled, DeadlineExceeded
+from weightserver.protocol.version_info import Arriving
+
+log = logging.getLogger(__name__)
+
+RENEW_SECONDS = 30.0  # each Watch call ends after this and is renewed: a stopped follower exits then
+RETRY_SECONDS = 1.0  # after a stream failed for good (the client's retry window ran out)
+
+
+class VersionFollower:
+    """Follows `model` from `since` on: `newest()` is the newest version announced, or None
+    while no stream is open (not yet, or after a failure: ask the server then). A stream that
+    stalls (a stopped server, a silent network) stays open until its renewal: a caller trusts
+    it only as long as the server has answered recently (the updater's watch_confirm_seconds)."""
+
+    def __init__(
+        self, client: WeightServiceClient, model: str, since: int, cut_through: CutThrough | None = None
+    ) -> None:
+        self._client = client
+        self._model = model
+        self._cursor = since
+        self._cut_through = cut_through
+        self._ready: FetchedBytes | None = None  # the newest version received early, not yet taken
+        self._settling: threading.Event | None = None  # set once an announced version's early bytes are checked
+        self._open = False  # the current stream has delivered an event
+        self._heard = 0.0  # time.monotonic() of the stream's last event
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._pid = os.getpid()
+        self._thread = threading.Thread(target=self._run, name=f"weightclient-follow-{model}", daemon=True)
+        self._thread.start()
+
+    def newest(self) -> int | None:
+        if os.getpid() != self._pid:
+            return None  # a forked child: the thread that kept this current is not here
+        with self._lock:
+            return self._cursor if self._open else None
+
+    def take_ready(self, newer_than: int, timeout: float) -> FetchedBytes | None:
+        """The newest version received early (cut-through), verified, if newer than `newer_than`;
+        each is handed out once. Give its buffer back with `give_back` once applied. A version
+        announced whose early bytes are still being checked is waited for (up to `timeout`),
+        rather than fetched a second time."""
+        if os.getpid() != self._pid:
+            return None
+        with self._lock:
+            settling = self._settling
+        if settling is not None:
+            settling.wait(timeout)
+        with self._lock:
+            ready, self._ready = self._ready, None
+        if ready is not None and ready.info.version <= newer_than:
+            self.give_back(ready.data)
+            return None
+        return ready
+
+    def give_back(self, buffer: memoryview | None) -> None:
+        if self._cut_through is not None:
+            self._cut_through.give_back(buffer)
+
+    def heard(self) -> float:
+        """When the Watch stream last showed life (time.monotonic()): its last event, or now
+        while bytes it announced are being received early (their commit event is still to come)."""
+        if self._cut_through is not None and self._cut_through.busy():
+            return time.monotonic()
+        return self._heard
+
+    def running(self) -> bool:
+        """Whether the thread is alive in this process (not in a forked child, not stopped)."""
+        return os.getpid() == self._pid and self._thread.is_alive() and not self._stopped.is_set()
+
+    def stop(self) -> None:
+        """Stop following; the thread exits when its current Watch call ends."""
+        self._stopped.set()
+        if self._cut_through is not None:
+            self._cut_through.close()
+
+    def _settle(self, ready: FetchedBytes | None, settling: threading.Event) -> None:
+        """The early bytes of the version just announced are checked: `ready`, or None."""
+        replaced = None
+        with self._lock:
+            if ready is not None:
+                replaced, self._ready = self._ready, ready
+            if self._settling is settling:
+                self._settling = None
+        settling.set()
+        if replaced is not None:
+            self.give_back(replaced.data)
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            # From just before the cursor: the server replays the cursor's version at once (or
+            # newer ones, if it was evicted), and the first event marks the stream open.
+            since = max(0, self._cursor - 1)
+            cut_through = self._cut_through
+            try:
+                for event in self._client.watch(
+                    self._model, since=since, timeout=RENEW_SECONDS, incoming=cut_through is not None
+                ):
+                    self._heard = time.monotonic()
+                    if isinstance(event, Arriving):
+                        cut_through.arriving(event)  # type: ignore[union-attr]
+                        continue
+                    settling = threading.Event() if cut_through is not None and cut_through.expects(event) else None
+                    with self._lock:
+                        # An update that sees the new version waits for `settling` and takes it
+                        # from here, rather than fetching it a second time.
+                        self._settling = settling
+                        self._cursor = max(self._cursor, event.version)
+                        self._open = True
+                    if settling is not None:
+                        ready = None
+                        try:
+                            ready = cut_through.committed(event)  # type: ignore[union-attr]
+                        finally:
+                            self._settle(ready, settling)
+                    if self._stopped.is_set():
+                        return
+            except DeadlineExceeded:
+                pass  # the call's renewal: follow on from the cursor
+            except (Cancelled, ValueError):
+                return  # the client was closed
+            except Exception as exc:
+                log.info("following %r stopped (%s); asking the server before each update meanwhile", self._model, exc)
+                self._stopped.wait(RETRY_SECONDS)
+            else:
+                self._stopped.wait(RETRY_SECONDS)  # the server ended the stream (it is stopping)
+            finally:
+                with self._lock:
+                    self._open = False

@@ -1,0 +1,156 @@
+"""Tensors <-> safetensors bytes, framed by hand so no whole-model copy is made.
+
+Encoding hands out memoryviews of the tensors' own storage after the header; decoding views
+one buffer with `torch.frombuffer`. The bytes are exactly the `safetensors` package's format.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from tensordict import TensorDictBase
+
+from weightclient.transports.base import receive_buffer
+from weightserver.protocol.errors import InvalidRequest
+from weightserver.protocol.safetensors_format import DTYPE_SIZES, SafetensorsHeader, build_header
+
+TORCH_TO_SAFETENSORS: dict[torch.dtype, str] = {
+    torch.bool: "BOOL",
+    torch.uint8: "U8",
+    torch.int8: "I8",
+    torch.int16: "I16",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int32: "I32",
+    torch.float32: "F32",
+    torch.int64: "I64",
+    torch.float64: "F64",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+SAFETENSORS_TO_TORCH: dict[str, torch.dtype] = {v: k for k, v in TORCH_TO_SAFETENSORS.items()}
+
+Weights = torch.nn.Module | TensorDictBase | Mapping[str, torch.Tensor]
+
+
+def state_dict_of(weights: Weights) -> dict[str, torch.Tensor]:
+    """A flat {name: tensor} view of an nn.Module, a TensorDict or a state dict (no copies).
+
+    TensorDict keys are flattened with '.', as in a state dict.
+    """
+    if isinstance(weights, torch.nn.Module):
+        items = weights.state_dict(keep_vars=True).items()  # _framed detaches each one
+    elif isinstance(weights, TensorDictBase):
+        items = weights.flatten_keys(".").items()
+    elif isinstance(weights, Mapping):
+        items = weights.items()
+    else:
+        raise TypeError(
+            f"cannot publish a {type(weights).__name__}: pass an nn.Module, a TensorDict or a "
+            "state dict (a mapping of names to tensors)"
+        )
+    result: dict[str, torch.Tensor] = {}
+    for name, tensor in items:
+        if not isinstance(name, str):
+            raise InvalidRequest(f"key {name!r} is invalid: tensor names must be strings")
+        if not isinstance(tensor, torch.Tensor):
+            raise InvalidRequest(f"key {name!r} is invalid: expected torch.Tensor but received {type(tensor).__name__}")
+        result[name] = tensor
+    return result
+
+
+def encode(weights: Weights, metadata: Mapping[str, str] | None = None) -> list[memoryview]:
+    """Frame `weights` as a safetensors file in consecutive parts: the header, then each
+    tensor's bytes. Contiguous CPU tensors are not copied; the parts stay valid only while the
+    tensors are not modified."""
+    prefix, prepared = _framed(weights, metadata)
+    return [memoryview(prefix), *(tensor_bytes(tensor) for _, tensor in prepared if tensor.numel())]
+
+
+def snapshot(weights: Weights, metadata: Mapping[str, str] | None = None, into: memoryview | None = None) -> memoryview:
+    """The safetensors file of `weights` copied into one buffer (`into` when large enough): a
+    copy the caller may keep while the tensors change. The trainer waits for it
+    (publish(wait=False)), so tensors go in with torch's `copy_` (every core, one
+    device-to-host copy), not through `encode`'s memoryviews."""
+    prefix, prepared = _framed(weights, metadata, to_cpu=False)
+    buffer = receive_buffer(len(prefix) + sum(t.numel() * t.element_size() for _, t in prepared), into)
+    buffer[: len(prefix)] = prefix
+    target = torch.frombuffer(buffer, dtype=torch.uint8)
+    position = len(prefix)
+    for _, tensor in prepared:
+        size = tensor.numel() * tensor.element_size()
+        if size:
+            # As the tensor's own dtype: about 10% faster than copying bytes. The layout puts
+            # every tensor at a multiple of its element size, as such a view needs.
+            target[position : position + size].view(tensor.dtype).copy_(tensor.reshape(-1))
+            position += size
+    return buffer
+
+
+def _framed(
+    weights: Weights, metadata: Mapping[str, str] | None, *, to_cpu: bool = True
+) -> tuple[bytes, list[tuple[str, torch.Tensor]]]:
+    """The safetensors header (with its length prefix) and the contiguous tensors whose bytes
+    follow it, in file order (moved to the CPU unless `to_cpu` is False)."""
+    tensors = state_dict_of(weights)
+    prepared: list[tuple[str, torch.Tensor]] = []
+    for name, tensor in tensors.items():
+        if tensor.dtype not in TORCH_TO_SAFETENSORS:
+            raise InvalidRequest(
+                f"key {name!r}: dtype {tensor.dtype} has no safetensors equivalent; "
+                f"supported: {', '.join(str(d) for d in TORCH_TO_SAFETENSORS)}"
+            )
+        tensor = tensor.detach()
+        if to_cpu and tensor.device.type != "cpu":
+            tensor = tensor.cpu()
+        prepared.append((name, tensor.contiguous()))
+    # Largest element size first, as the safetensors package does: with the header padded to
+    # 8 bytes every tensor then starts at a multiple of its element size.
+    prepared.sort(key=lambda item: (-item[1].element_size(), item[0]))
+    layout = tuple(
+        (name, TORCH_TO_SAFETENSORS[t.dtype], tuple(t.shape), t.numel() * t.element_size()) for name, t in prepared
+    )
+    try:
+        prefix = _header(layout, tuple(metadata.items()) if metadata else ())
+    except TypeError:  # unhashable metadata values: frame without the cache
+        prefix = build_header(layout, metadata)[0]
+    return prefix, prepared
+
+
+@functools.lru_cache(maxsize=16)
+def _header(layout: tuple[tuple[str, str, tuple[int, ...], int], ...], metadata: tuple[tuple[str, str], ...]) -> bytes:
+    """The header for a layout: a trainer publishes the same layout again and again, and its
+    JSON costs about a tenth of the memcpy of a 16 MiB policy."""
+    return build_header(layout, dict(metadata))[0]
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, as stored: a view that writes go through (empty
+    tensors too), so a fetch can also receive into it."""
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else memoryview(bytearray())
+
+
+def decode(header: SafetensorsHeader, buffer: bytearray | memoryview) -> dict[str, torch.Tensor]:
+    """Tensors viewing `buffer` (no copy where alignment allows), keyed and ordered by name
+    as in the header. `header` must have been parsed from `buffer`."""
+    result: dict[str, Any] = {}
+    for entry in header.tensors:
+        dtype = SAFETENSORS_TO_TORCH.get(entry.dtype)
+        if dtype is None:
+            raise InvalidRequest(f"tensor {entry.name!r}: dtype {entry.dtype} is not supported by this torch build")
+        if entry.nbytes == 0:
+            result[entry.name] = torch.empty(entry.shape, dtype=dtype)
+            continue
+        offset = header.data_start + entry.begin
+        count = entry.nbytes // DTYPE_SIZES[entry.dtype]
+        tensor = torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset).view(entry.shape)
+        if offset % DTYPE_SIZES[entry.dtype]:
+            tensor = tensor.clone()  # misaligned in a file framed by another writer
+        result[entry.name] = tensor
+    return result

@@ -1,0 +1,129 @@
+"""torchrl collectors as Ray actors, each pulling its policy from its own node's relay.
+
+`NodeCollector` is a torchrl ``Collector`` whose `GrpcWeightSyncScheme` dials the relay that
+`weightserver.relay.ray_relays.place_relays` started on the same Ray node, over shared memory
+(transport "shm" by default), so a version crosses the network once per node, not once per
+collector. `start_node_collectors` pins one or more of them to each node.
+
+Why not torchrl's ``RayCollector``: its weight sync pushes weights from the driver through Ray
+(its schemes are built on the driver and registered on each remote collector as receivers),
+while ours pulls from a server, and a `GrpcWeightSyncScheme` does not travel in a pickle (its
+gRPC channel stays behind). Here each actor builds its own scheme, after finding its relay.
+
+>>> relays = place_relays(primary.address)                                   # doctest: +SKIP
+>>> collectors = start_node_collectors(make_env, make_policy)                # doctest: +SKIP
+>>> batches = ray.get([c.collect.remote() for c in collectors])              # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tensordict import TensorDictBase
+
+from weightclient.client import WeightClient
+from weightclient.torchrl.scheme import GrpcWeightSyncScheme, ServerPolicyVersion
+from weightserver.relay.ray_relays import alive_node_ids, node_relay_address, pinned_to
+
+with warnings.catch_warnings():
+    # Importing torchrl.collectors defines its own WeightUpdaterBase subclasses, which warn.
+    warnings.filterwarnings(
+        "ignore", message=r"Creating \w+ which inherits from WeightUpdaterBase", category=DeprecationWarning
+    )
+    from torchrl.collectors import Collector
+
+__all__ = ["CollectorStatus", "NodeCollector", "start_node_collectors"]
+
+
+@dataclass(frozen=True)
+class CollectorStatus:
+    """Where a NodeCollector runs and what it applied: `transport` carried its last fetch
+    (None before any)."""
+
+    node_id: str
+    relay_address: str
+    version: int | None
+    transport: str | None
+
+
+class NodeCollector:
+    """A torchrl ``Collector`` (in a Ray actor) that pulls weights from its node's relay.
+
+    `make_env` and `make_policy` build the environment and the policy inside the actor;
+    `model` is the server's model name; `transport` how weights travel from the relay ("shm":
+    shared memory, the relay being on the same host; a fetch that cannot use it falls back to
+    the stream, which `status().transport` shows). Other keyword arguments go to ``Collector``.
+    """
+
+    def __init__(
+        self,
+        make_env: Callable[[], Any],
+        make_policy: Callable[[], torch.nn.Module],
+        *,
+        model: str = "policy",
+        transport: str = "shm",
+        frames_per_batch: int = 64,
+        relay_timeout: float = 30.0,
+        **collector_kwargs: Any,
+    ) -> None:
+        import ray
+
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.relay_address = node_relay_address(relay_timeout)
+        self.client = WeightClient(self.relay_address)
+        self.scheme = GrpcWeightSyncScheme(self.client, model=model, transport=transport)
+        self.policy = make_policy()
+        self.collector = Collector(
+            make_env(),
+            self.policy,
+            frames_per_batch=frames_per_batch,
+            total_frames=-1,
+            weight_sync_schemes={"policy": self.scheme},
+            track_policy_version=ServerPolicyVersion(),
+            **collector_kwargs,
+        )
+        self._batches = iter(self.collector)
+
+    def collect(self) -> TensorDictBase:
+        """Apply the relay's newest version if it is newer than the policy's, then collect one
+        batch (its ``("next", "policy_version")`` is the server version that acted)."""
+        self.collector.update_policy_weights_()
+        return next(self._batches)
+
+    def status(self) -> CollectorStatus:
+        last = self.scheme.puller.last_fetch if self.scheme.puller is not None else None
+        return CollectorStatus(self.node_id, self.relay_address, self.scheme.version, last and last.transport)
+
+    def policy_state(self) -> dict[str, torch.Tensor]:
+        """A copy of the policy's state dict, as the collector acts with it."""
+        return {name: tensor.detach().clone() for name, tensor in self.policy.state_dict().items()}
+
+    def close(self) -> None:
+        self.collector.shutdown()
+        self.client.close()
+
+
+def start_node_collectors(
+    make_env: Callable[[], Any],
+    make_policy: Callable[[], torch.nn.Module],
+    *,
+    node_ids: Sequence[str] | None = None,
+    per_node: int = 1,
+    num_cpus: float = 1,
+    **kwargs: Any,
+) -> list[Any]:
+    """Start `per_node` NodeCollector actors on each alive Ray node (or each of `node_ids`),
+    pinned there (NodeAffinitySchedulingStrategy, soft=False); `kwargs` go to NodeCollector.
+    Returns the actor handles, node by node. Start the relays first (`place_relays`)."""
+    import ray
+
+    remote = ray.remote(num_cpus=num_cpus)(NodeCollector)
+    return [
+        remote.options(scheduling_strategy=pinned_to(node_id)).remote(make_env, make_policy, **kwargs)
+        for node_id in (alive_node_ids() if node_ids is None else node_ids)
+        for _ in range(per_node)
+    ]

@@ -1,0 +1,173 @@
+"""Adapters that plug the weight server into released torchrl (0.14.x; extra `torchrl`).
+
+* `GrpcWeightSyncScheme`: the weight-sync scheme for every torchrl collector (torchrl 0.14
+  deprecates the older ``weight_updater=`` path, so there is no adapter for it).
+* `ServerPolicyVersion`: stamps each batch with the server version whose weights produced it.
+* The trainer side needs no adapter: ``torchrl.trainers.UpdateWeights`` calls a
+  `GrpcRemoteWeightUpdater`'s ``update_weights()``, and `weightclient.torchrl.publish_hook.PublishWeights`
+  adds ``weight_update_map`` / ``policy_weights_getter`` on top of the same hooks.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from typing import Any
+
+import torch
+from tensordict import TensorDictBase
+from torchrl.envs.llm.transforms.policy_version import PolicyVersion
+from torchrl.weight_update import SharedMemWeightSyncScheme
+
+from weightclient.client import WeightClient
+from weightclient.torchrl.grpc_updaters import DEFAULT_UPDATE_TIMEOUT, GrpcLocalWeightUpdater, Update
+from weightclient.torchrl.key_mapping import IDENTITY, KeyMap
+
+with warnings.catch_warnings():
+    # Importing torchrl.collectors defines its own WeightUpdaterBase subclasses, which warn.
+    warnings.filterwarnings(
+        "ignore", message=r"Creating \w+ which inherits from WeightUpdaterBase", category=DeprecationWarning
+    )
+    from torchrl.collectors import Collector
+
+__all__ = ["GrpcWeightSyncScheme", "ServerPolicyVersion"]
+
+
+class ServerPolicyVersion(PolicyVersion):
+    """A PolicyVersion whose `increment_version` (called by the collector after each weight
+    update) adopts the server version just applied, and stays put when nothing was."""
+
+    def __init__(self) -> None:
+        super().__init__(version_type=int)
+        self.pending: int | None = None
+
+    def increment_version(self) -> None:
+        if self.pending is not None:
+            self.version, self.pending = int(self.pending), None
+
+
+def _set_pending_version(collector: Any, version: int | None) -> None:
+    tracker = getattr(collector, "policy_version_tracker", None)
+    if version is None or tracker is None:
+        return
+    if isinstance(tracker, ServerPolicyVersion):
+        tracker.pending = version
+    else:  # a plain PolicyVersion: the collector adds one after the update
+        tracker.version = version - 1
+
+
+def _apply(puller: GrpcLocalWeightUpdater, weights: Any) -> None:
+    """An Update from `puller.pull()` through its hooks; weights passed by torchrl (keyed like
+    the policy) strictly, with no key map; None: nothing to do."""
+    if weights is None:
+        return
+    if isinstance(weights, Update):
+        puller.apply(weights)
+    else:
+        puller.load(weights if isinstance(weights, (torch.nn.Module, TensorDictBase)) else dict(weights))
+
+
+class GrpcWeightSyncScheme(SharedMemWeightSyncScheme):
+    """The weight-sync scheme for every torchrl collector, pulling from the weight server.
+
+    ``collector.update_policy_weights_()`` applies the server's newer version, if any, through
+    the puller's hooks: in a single ``Collector`` into its policy, in ``MultiSyncCollector`` /
+    ``MultiAsyncCollector`` into torchrl's shared buffers, which the workers then apply.
+
+    >>> scheme = GrpcWeightSyncScheme("localhost:50051", key_map=KeyMap(add_prefix="module."))   # doctest: +SKIP
+    >>> collector = Collector(env, policy, frames_per_batch=64,                                    # doctest: +SKIP
+    ...                       weight_sync_schemes={"policy": scheme}, track_policy_version=ServerPolicyVersion())
+    >>> collector = MultiSyncCollector([make_env] * 2, policy, frames_per_batch=64,               # doctest: +SKIP
+    ...                                weight_sync_schemes={"policy": GrpcWeightSyncScheme("localhost:50051")},
+    ...                                track_policy_version=True)
+
+    The server arguments are GrpcLocalWeightUpdater's, or ``puller=`` an updater of your own (a
+    subclass overriding its hooks); the rest go to torchrl's SharedMemWeightSyncScheme.
+    """
+
+    def __init__(
+        self,
+        client: WeightClient | str | None = None,
+        *,
+        model: str = "policy",
+        key_map: KeyMap | Any = IDENTITY,
+        version: int | None = None,
+        delta: bool = True,
+        dtype: str | None = None,
+        transport: str = "auto",
+        watch: bool = False,
+        update_timeout: float = DEFAULT_UPDATE_TIMEOUT,
+        puller: GrpcLocalWeightUpdater | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        options = {"model": model, "key_map": key_map, "version": version, "delta": delta, "dtype": dtype}
+        options.update(transport=transport, watch=watch, update_timeout=update_timeout)
+        if puller is None:
+            puller = GrpcLocalWeightUpdater(client, **options)
+        else:  # the given updater is the whole updater: no server argument may go unused
+            defaults = inspect.signature(GrpcWeightSyncScheme.__init__).parameters
+            given = [name for name, value in {"client": client, **options}.items() if value != defaults[name].default]
+            if given:
+                raise ValueError(
+                    f"puller= is the whole updater: pass {', '.join(given)} to GrpcLocalWeightUpdater "
+                    "(or your subclass) instead"
+                )
+        self.puller: GrpcLocalWeightUpdater | None = puller
+        self._in_process = False  # a single Collector: its policy is updated directly, no workers
+        # The applied server version, shared with the workers (it travels in the pickle).
+        self._server_version = torch.full((), -1, dtype=torch.int64).share_memory_()
+
+    @property
+    def version(self) -> int | None:
+        """The server version applied (None in a worker process, which never dials)."""
+        return self.puller.version if self.puller is not None else None
+
+    @property
+    def lag(self) -> int | None:
+        return self.puller.lag if self.puller is not None else None
+
+    def _init_on_sender_impl(self, *args: Any, model_id: str | None = None, context: Any = None, **kwargs: Any) -> None:
+        if isinstance(context, Collector):
+            # A single, in-process collector: no workers and no shared buffers to set up.
+            self._in_process = True
+            self.model_id = model_id
+            self.context = context
+            return
+        super()._init_on_sender_impl(*args, model_id=model_id, context=context, **kwargs)
+
+    def _setup_connection_and_weights_on_sender_impl(self, **kwargs: Any) -> None:
+        if not self._in_process:  # workers to hand the shared buffers to
+            super()._setup_connection_and_weights_on_sender_impl(**kwargs)
+
+    def send(self, weights: Any = None, worker_ids: int | list[int] | None = None) -> None:
+        if self.puller is None:
+            raise RuntimeError("this GrpcWeightSyncScheme was sent to a worker process; send from the collector")
+        if self._in_process:
+            self.puller.policy = self.context.policy
+            _apply(self.puller, self.puller.pull() if weights is None else weights)
+            _set_pending_version(self.context, self.puller.version)
+            return
+        update = self.puller.pull() if weights is None else weights
+        if update is None:
+            return  # up to date: the workers keep what they have
+        self.puller.policy = self.weights  # the buffer torchrl shares with the workers (the first device's)
+        _apply(self.puller, update)
+        self._server_version.fill_(-1 if self.puller.version is None else self.puller.version)
+        # Copies into the other devices' buffers (none on one device) and tells the workers.
+        super().send(weights=self.weights, worker_ids=worker_ids)
+
+    def _send_ack(self, message: str = "updated") -> None:
+        # Runs in a worker right after it applied new weights and bumped its PolicyVersion:
+        # stamp the server version instead (torchrl has no public hook for this moment).
+        version = int(self._server_version)
+        tracker = getattr(self.context, "policy_version_tracker", None)
+        if version >= 0 and tracker is not None:
+            tracker.version = version
+        super()._send_ack(message)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        # Workers never dial the server: no puller (its channel, key map or subclass may not pickle).
+        state["puller"] = None
+        return state

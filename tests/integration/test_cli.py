@@ -1,0 +1,168 @@
+"""The `weightserver` console script (weightserver.command_line) against a real server, and
+`python -m weightserver`, the server's own command line (serve only)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from weightserver.cli import CLIENT_COMMANDS, parse_size
+from weightserver.command_line import build_parser, main
+
+COMMANDS = ["serve", "publish", "fetch", "ls", "watch", "delete", "pin"]
+
+
+def _cli(*args: str, module: str = "weightserver", env: dict[str, str] | None = None, **kwargs):
+    """`weightserver ARGS` as the console script runs it (`python -m weightserver`)."""
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=60,
+        **kwargs,
+    )
+
+
+@pytest.fixture
+def weights_file(tmp_path):
+    path = tmp_path / "policy.safetensors"
+    save_file(
+        {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.ones(4, dtype=torch.bfloat16)}, path
+    )
+    return path
+
+
+@pytest.mark.parametrize("command", [None, *COMMANDS])
+def test_help_on_every_command(command):
+    result = _cli(*([command] if command else []), "--help")
+    assert result.returncode == 0, result.stderr
+    assert "usage: weightserver" in result.stdout
+
+
+def test_the_console_script_is_the_client_command_line():
+    tomllib = pytest.importorskip("tomllib")
+    with open(Path(__file__).parents[2] / "pyproject.toml", "rb") as f:
+        scripts = tomllib.load(f)["project"]["scripts"]
+    assert scripts == {"weightserver": "weightserver.command_line:main"}
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert list(commands.choices) == COMMANDS == ["serve", *CLIENT_COMMANDS]
+
+
+def test_python_m_weightserver_serves_and_points_client_commands_to_the_console_script(weights_file):
+    listed = _cli("--help", module="weightserver")
+    assert listed.returncode == 0 and "usage: weightserver" in listed.stdout
+    listed_commands = re.findall(r"^    (\w+) ", listed.stdout, re.MULTILINE)
+    assert listed_commands == ["serve"]
+    assert _cli("serve", "--help", module="weightserver").stdout == _cli("serve", "--help").stdout
+    for args in (["publish", str(weights_file), "--model", "policy"], ["fetch", "--help"], ["ls"]):
+        result = _cli(*args, module="weightserver")
+        assert result.returncode == 2
+        assert f"weightserver {args[0]}: a client command" in result.stderr
+        assert f"installed `weightserver` command: weightserver {args[0]} ..." in result.stderr
+
+
+def test_publish_fetch_ls_round_trip(server, weights_file, tmp_path, capsys):
+    address = ["--server", server.address]
+    assert main(["publish", str(weights_file), "--model", "policy", "--meta", "step=10", *address]) == 0
+    assert capsys.readouterr().out.strip() == "1"
+    assert main(["publish", str(weights_file), "--model", "policy", "--pin", "--json", *address]) == 0
+    described = json.loads(capsys.readouterr().out)
+    assert described["version"] == 2 and described["pinned"] is True
+    assert {t["name"]: t["dtype"] for t in described["tensors"]} == {"w": "F32", "b": "BF16"}
+
+    out = tmp_path / "fetched.safetensors"
+    assert main(["fetch", "--model", "policy", "--version", "1", "-o", str(out), *address]) == 0
+    assert "policy v1" in capsys.readouterr().out
+    assert out.read_bytes() == weights_file.read_bytes()
+    assert torch.equal(load_file(out)["w"], load_file(weights_file)["w"])
+
+    assert main(["ls", *address]) == 0
+    listing = capsys.readouterr().out.splitlines()
+    assert listing[0].split() == ["MODEL", "LATEST", "VERSIONS", "BYTES"]
+    assert listing[1].split()[:3] == ["policy", "2", "2"]
+
+    assert main(["ls", "--model", "policy", *address]) == 0
+    rows = capsys.readouterr().out.splitlines()
+    assert "step=10" in rows[1] and "yes" in rows[2]
+
+    assert main(["pin", "--model", "policy", "--version", "2", "--unpin", *address]) == 0
+    assert main(["delete", "--model", "policy", "--version", "1", *address]) == 0
+    assert "deleted policy v1" in capsys.readouterr().out
+    assert main(["ls", "--model", "policy", "--json", *address]) == 0
+    assert [v["version"] for v in json.loads(capsys.readouterr().out)] == [2]
+
+
+def test_errors_exit_1_with_a_message(server, tmp_path, capsys):
+    bogus = tmp_path / "not.safetensors"
+    bogus.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}      ")
+    assert main(["publish", str(bogus), "--model", "policy", "--server", server.address]) == 1
+    err = capsys.readouterr().err
+    assert "InvalidSafetensors" in err and "not valid JSON" in err
+    assert main(["fetch", "--model", "nope", "-o", str(tmp_path / "x"), "--server", server.address]) == 1
+    assert "ModelNotFound: no model 'nope'" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def test_server_address_from_environment(server, weights_file):
+    result = _cli("publish", str(weights_file), "--model", "critic", env={"WEIGHTSERVER_ADDRESS": server.address})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "1"
+
+
+def test_unreachable_server_is_reported(weights_file):
+    result = _cli("publish", str(weights_file), "--model", "policy", "--server", "127.0.0.1:1")
+    assert result.returncode == 1
+    assert "ServerUnavailable" in result.stderr and "127.0.0.1:1" in result.stderr
+
+
+def test_watch_prints_each_new_version(server, weights_file):
+    watch = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "weightserver",
+            "watch",
+            "--model",
+            "policy",
+            "--since",
+            "0",
+            "--json",
+            "--server",
+            server.address,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        for expected in (1, 2, 3):
+            assert _cli("publish", str(weights_file), "--model", "policy", "--server", server.address).returncode == 0
+            event = json.loads(watch.stdout.readline())
+            assert event["version"] == expected and event["gap"] is False
+    finally:
+        watch.terminate()
+        watch.communicate(timeout=10)  # also closes the pipes
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("4096", 4096), ("1KiB", 1024), ("512MiB", 512 * 2**20), ("2GiB", 2 * 2**30), ("1GB", 10**9), ("1.5MiB", 1572864)],
+)
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+def test_bad_size_is_refused():
+    result = _cli("serve", "--max-model-bytes", "lots")
+    assert result.returncode == 2
+    assert "invalid size 'lots'" in result.stderr

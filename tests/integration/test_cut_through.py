@@ -1,0 +1,388 @@
+"""Cut-through (issue 15): a watcher that asks hears of a publish as its first bytes land,
+receives them while they arrive, and applies them only once the commit names them and they
+match. Every way a publish can stop half-way is caused here, over bulk and the stream: none
+ever reaches a policy."""
+
+from __future__ import annotations
+
+import queue
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+
+import grpc
+import pytest
+import torch
+import xxhash
+
+from tests.integration.test_publish_transports import BULK, SHM, file_of, negotiate_publish, publish_uploaded
+from tests.waiting import wait_equal, wait_until
+from weightclient import WeightClient
+from weightclient.torchrl.grpc_updaters import GrpcLocalWeightUpdater
+from weightserver.protocol import framing
+from weightserver.protocol.errors import PublishAborted, UploadNotFound
+from weightserver.protocol.version_info import Arriving, VersionEvent
+from weightserver.v1 import weights_pb2 as pb
+
+MODEL = "policy"
+SIZE = 4 << 20  # float32 elements: a 16 MiB file, many chunks
+
+
+def weights_filled(value: float) -> dict[str, torch.Tensor]:
+    return {"w": torch.full((SIZE,), value), "b": torch.arange(5, dtype=torch.int64)}
+
+
+class Watcher:
+    """A Watch with incoming=True in a thread: every event, in order, on a queue."""
+
+    def __init__(self, client: WeightClient, since: int = 0) -> None:
+        self.events: queue.Queue[VersionEvent | Arriving] = queue.Queue()
+        self._stream = client.watch(MODEL, since=since, incoming=True, timeout=60)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for event in self._stream:
+                self.events.put(event)
+        except Exception:  # closed at the end of the test
+            pass
+
+    def next(self, timeout: float = 20.0) -> VersionEvent | Arriving:
+        return self.events.get(timeout=timeout)
+
+    @classmethod
+    def subscribed(cls, client: WeightClient, held: int) -> Watcher:
+        """A watcher whose Watch call is subscribed when this returns, so that it cannot miss
+        a publish that starts next: it opens from `held - 1` and takes the event of `held`,
+        which the server sends from its backlog once it has subscribed the call."""
+        watcher = cls(client, since=held - 1)
+        event = watcher.next()
+        assert isinstance(event, VersionEvent) and event.version == held, event
+        return watcher
+
+
+@pytest.fixture
+def watcher(server, other_client) -> Iterator[Watcher]:
+    other_client.publish(weights_filled(0.0), model=MODEL, transport="stream")  # the model exists
+    watching = Watcher.subscribed(other_client, held=1)
+    yield watching  # its stream ends when other_client is closed
+
+
+class EarlyReceive:
+    """`fetch_arriving` in a thread, counting the bytes as they come."""
+
+    def __init__(self, client: WeightClient, announced: Arriving, transport: str) -> None:
+        self.received = 0
+        self.result: object = None
+        self._thread = threading.Thread(target=self._run, args=(client, announced, transport), daemon=True)
+        self._thread.start()
+
+    def _run(self, client: WeightClient, announced: Arriving, transport: str) -> None:
+        def progress(done: int, total: int) -> None:
+            self.received = done
+
+        try:
+            self.result = client.fetch_arriving(announced, transport=transport, timeout=30, progress=progress)
+        except Exception as exc:
+            self.result = exc
+
+    def join(self) -> object:
+        self._thread.join(30)
+        assert not self._thread.is_alive()
+        return self.result
+
+
+class HeldPublish:
+    """A publish of `data` over "bulk", "stream" or "shm" (written in place, announced with
+    `written`) that sends half its bytes, then waits for `finish()` (the rest, then the
+    commit) or `cut()` (the connection or call dropped). `credentials` and `token`: for a
+    server with TLS and tokens (over "stream" only)."""
+
+    def __init__(
+        self,
+        address: str,
+        data: bytes,
+        over: str,
+        *,
+        credentials: grpc.ChannelCredentials | None = None,
+        token: str | None = None,
+    ) -> None:
+        assert over == "stream" or (credentials is None and token is None), "TLS and tokens: over the stream"
+        self.address, self.data, self.over = address, data, over
+        self.credentials = credentials
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self.xxh3 = xxhash.xxh3_128_hexdigest(data)
+        self.version: int | None = None
+        self.error: BaseException | None = None
+        self._go = threading.Event()
+        self._finish = False
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def finish(self) -> int | None:
+        self._finish = True
+        return self._end()
+
+    def cut(self) -> None:
+        self._end()
+
+    def _end(self) -> int | None:
+        self._go.set()
+        self._thread.join(30)
+        assert not self._thread.is_alive()
+        return self.version
+
+    def _run(self) -> None:
+        try:
+            {"bulk": self._bulk, "stream": self._stream, "shm": self._shm}[self.over]()
+        except BaseException as exc:
+            self.error = exc
+
+    def _bulk(self) -> None:
+        data, half = self.data, len(self.data) // 2
+        header = pb.PublishHeader(model=MODEL, total_bytes=len(data), xxh3=self.xxh3)
+        answer = negotiate_publish(self.address, [BULK], header)
+        with socket.create_connection(("127.0.0.1", answer.payload.bulk.port), timeout=10) as conn:
+            conn.sendall(answer.payload.bulk.ticket + data[:half])
+            self._go.wait(30)
+            if not self._finish:
+                return  # closed half-way
+            conn.sendall(data[half:])
+            conn.settimeout(10)
+            assert conn.recv(1) == b"\x01"
+        self.version = publish_uploaded(self.address, header, answer.upload).version.version
+
+    def _stream(self) -> None:
+        header = pb.PublishHeader(model=MODEL, total_bytes=len(self.data), xxh3=self.xxh3)
+        chunks = list(framing.chunk_messages(self.data, 1 << 20, framing.PUBLISH_CHUNK_TAG))
+
+        def messages() -> Iterator[object]:
+            yield pb.PublishRequest(header=header)
+            yield from chunks[: len(chunks) // 2]
+            self._go.wait(30)
+            if not self._finish:
+                raise RuntimeError("the trainer crashed")  # grpc cancels the call
+            yield from chunks[len(chunks) // 2 :]
+            yield pb.PublishRequest(commit=pb.PublishCommit())
+
+        self._call(messages())
+
+    def _shm(self) -> None:
+        data, half = self.data, len(self.data) // 2
+        header = pb.PublishHeader(model=MODEL, total_bytes=len(data))  # its xxh3 comes with `uploaded`
+        answer = negotiate_publish(self.address, [SHM], header)
+
+        def messages() -> Iterator[object]:
+            with open(answer.payload.shared_memory.path, "r+b") as f:
+                f.write(data[:half])
+                f.flush()
+                yield pb.PublishRequest(header=header)
+                yield pb.PublishRequest(written=pb.PublishWritten(upload=answer.upload, end=half))
+                self._go.wait(30)
+                if not self._finish:
+                    raise RuntimeError("the trainer crashed")  # grpc cancels the call
+                f.write(data[half:])
+            yield pb.PublishRequest(uploaded=pb.PublishUploaded(upload=answer.upload, xxh3=self.xxh3))
+            yield pb.PublishRequest(commit=pb.PublishCommit())
+
+        self._call(messages())
+
+    def _call(self, messages: Iterator[object]) -> None:
+        if self.credentials is not None:
+            channel = grpc.secure_channel(self.address, self.credentials)
+        else:
+            channel = grpc.insecure_channel(self.address)
+        with channel:
+            call = channel.stream_unary(
+                "/weightserver.v1.WeightService/Publish",
+                request_serializer=framing.serialize,
+                response_deserializer=pb.PublishResponse.FromString,
+            )
+            self.version = call(messages, timeout=30, metadata=self.metadata).version.version
+
+
+# ---------------------------------------------------------------------- the happy paths
+@pytest.mark.parametrize("publish_over", ["bulk", "stream", "shm"])
+@pytest.mark.parametrize("receive_over", ["bulk", "stream"])
+def test_bytes_received_while_arriving_are_the_committed_version(
+    server, other_client, watcher, publish_over, receive_over
+):
+    data = file_of(weights_filled(1.5))
+    publish = HeldPublish(server.address, data, publish_over)
+    announced = watcher.next()
+    assert isinstance(announced, Arriving) and not announced.failed and announced.byte_size == len(data)
+    receive = EarlyReceive(other_client, announced, receive_over)
+    wait_until(lambda: receive.received >= 1 << 20, timeout=10, step=0.01)  # under way before the commit
+    assert receive.received < len(data)
+    version = publish.finish()
+    committed = watcher.next()
+    assert isinstance(committed, VersionEvent) and committed.version == version
+    assert committed.arriving == announced.id  # the commit names the bytes announced
+    early = receive.join()
+    assert not isinstance(early, Exception), early
+    assert early.stats.early and early.stats.transport == receive_over
+    assert bytes(early.data) == data and committed.info.xxh3 == publish.xxh3
+
+
+def test_a_same_host_publish_is_announced_as_it_is_written(server, client, other_client, watcher):
+    """WeightClient writes a shared-memory upload in place and tells the server how far it has
+    got: watchers hear of the publish before its commit, and can receive it early."""
+    weights = weights_filled(2.5)
+    version = client.publish(weights, model=MODEL, transport="shm")
+    announced, committed = watcher.next(), watcher.next()
+    assert isinstance(announced, Arriving) and announced.byte_size == len(file_of(weights))
+    assert isinstance(committed, VersionEvent) and committed.version == version
+    assert committed.arriving == announced.id
+    fetched = other_client.fetch(MODEL, version=version, transport="stream").state_dict()
+    assert torch.equal(fetched["w"], weights["w"]) and torch.equal(fetched["b"], weights["b"])
+
+
+def test_a_watch_that_does_not_ask_sees_only_commits(server, client, other_client):
+    client.publish(weights_filled(0.0), model=MODEL, transport="stream")
+    events = []
+    stream = other_client.watch(MODEL, since=0, timeout=60)
+    assert next(stream).version == 1  # from the backlog: the call is subscribed
+    reader = threading.Thread(target=lambda: events.extend([next(stream)]), daemon=True)
+    reader.start()
+    version = client.publish(weights_filled(2.0), model=MODEL, transport="bulk")
+    reader.join(20)
+    stream.close()
+    assert len(events) == 1 and isinstance(events[0], VersionEvent)
+    assert events[0].version == version and events[0].arriving == ""
+
+
+def test_arriving_bytes_are_not_found_once_their_publish_ended(server, client, watcher):
+    version = client.publish(weights_filled(3.0), model=MODEL, transport="bulk")
+    announced = watcher.next()
+    assert isinstance(announced, Arriving)
+    committed = watcher.next()
+    assert committed.version == version and committed.arriving == announced.id
+    with pytest.raises(UploadNotFound, match="fetch the committed version"):
+        client.fetch_arriving(announced, transport="stream", timeout=10)
+    with pytest.raises(UploadNotFound):
+        client.fetch_arriving(announced, transport="bulk", timeout=10)
+
+
+# ---------------------------------------------------------------------- publishes that fail half-way
+@pytest.mark.parametrize("publish_over", ["bulk", "stream", "shm"])
+@pytest.mark.parametrize("receive_over", ["bulk", "stream"])
+def test_a_publish_cut_half_way_aborts_the_early_receive(server, other_client, watcher, publish_over, receive_over):
+    data = file_of(weights_filled(4.0))
+    publish = HeldPublish(server.address, data, publish_over)
+    announced = watcher.next()
+    assert isinstance(announced, Arriving) and not announced.failed
+    receive = EarlyReceive(other_client, announced, receive_over)
+    wait_until(lambda: receive.received >= 1 << 20, timeout=10, step=0.01)  # bytes flowing before the cut
+    publish.cut()  # the upload's connection, or the Publish call, dropped half-way
+    failed = watcher.next()
+    assert isinstance(failed, Arriving) and failed.id == announced.id and failed.failed
+    assert isinstance(receive.join(), PublishAborted)
+    assert receive.received < len(data)
+    assert other_client.latest(MODEL).version == 1
+
+
+def test_a_publish_whose_digest_fails_is_announced_failed(server, client, watcher):
+    with pytest.raises(RuntimeError, match="xxh3"):
+        _publish_wrong_xxh3(server.address, file_of(weights_filled(6.0)))
+    announced, failed = watcher.next(), watcher.next()
+    assert isinstance(announced, Arriving) and isinstance(failed, Arriving)
+    assert failed.id == announced.id and failed.failed
+    assert client.latest(MODEL).version == 1
+
+
+def _publish_wrong_xxh3(address: str, data: bytes) -> None:
+    """A stream publish whose declared xxh3 is not its bytes' (DATA_LOSS)."""
+    header = pb.PublishHeader(model=MODEL, total_bytes=len(data), xxh3="0" * 32)
+    messages = [pb.PublishRequest(header=header), *framing.chunk_messages(data, 1 << 20, framing.PUBLISH_CHUNK_TAG)]
+    messages.append(pb.PublishRequest(commit=pb.PublishCommit()))
+    with grpc.insecure_channel(address) as channel:
+        call = channel.stream_unary(
+            "/weightserver.v1.WeightService/Publish",
+            request_serializer=framing.serialize,
+            response_deserializer=pb.PublishResponse.FromString,
+        )
+        try:
+            call(iter(messages), timeout=30)
+        except grpc.RpcError as exc:
+            raise RuntimeError(exc.details()) from None
+
+
+# ---------------------------------------------------------------------- the updater
+@pytest.fixture
+def make_updater() -> Iterator:
+    """Watching updaters with clients of their own, stopped and closed after the test."""
+    made: list[GrpcLocalWeightUpdater] = []
+
+    def make(address: str, policy: torch.nn.Module, transport: str) -> GrpcLocalWeightUpdater:
+        made.append(GrpcLocalWeightUpdater(address, model=MODEL, policy=policy, watch=True, transport=transport))
+        return made[-1]
+
+    yield make
+    for updater in made:
+        if updater._follower is not None:
+            updater._follower.stop()
+        updater.client.close()
+
+
+class Linear(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(SIZE))
+        self.register_buffer("b", torch.zeros(5, dtype=torch.int64))
+
+
+def catch_up(updater: GrpcLocalWeightUpdater, version: int, seconds: float = 20.0) -> None:
+    wait_equal(lambda: (updater(), updater.version)[1], version, timeout=seconds, what="the updater's version")
+
+
+@pytest.mark.parametrize("transport", ["bulk", "stream"])
+def test_the_watching_updater_applies_versions_received_early(server, client, make_updater, transport):
+    client.publish(weights_filled(0.0), model=MODEL, transport="stream")
+    policy = Linear()
+    updater = make_updater(server.address, policy, transport)
+    catch_up(updater, 1)
+    wait_until(lambda: (updater(), updater.following)[1], timeout=10, step=0.01)  # its Watch stream is open
+    for value in (1.0, 2.0):  # held half-way until the follower is receiving: surely early
+        weights = weights_filled(value)
+        publish = HeldPublish(server.address, file_of(weights), transport)
+        for _ in range(30):
+            updater()
+            time.sleep(0.01)
+        catch_up(updater, publish.finish())
+        assert torch.equal(policy.w.detach(), weights["w"]) and torch.equal(policy.b, weights["b"])
+        assert updater.last_fetch.early and updater.last_fetch.transport == transport
+    weights = weights_filled(3.0)  # and a publish as a trainer makes it
+    catch_up(updater, client.publish(weights, model=MODEL, transport=transport))
+    assert torch.equal(policy.w.detach(), weights["w"])
+
+
+@pytest.mark.parametrize("publish_over", ["bulk", "shm"])
+def test_the_updater_never_applies_a_publish_cut_half_way(server, client, make_updater, caplog, publish_over):
+    client.publish(weights_filled(0.0), model=MODEL, transport="stream")
+    policy = Linear()
+    updater = make_updater(server.address, policy, "bulk")
+    catch_up(updater, 1)
+    wait_until(lambda: (updater(), updater.following)[1], timeout=10, step=0.01)
+    publish = HeldPublish(server.address, file_of(weights_filled(9.0)), publish_over)
+    for _ in range(50):  # its follower hears of the publish and receives its first half
+        updater()
+        time.sleep(0.005)
+    publish.cut()
+    # It was receiving the cut publish early: the server cut that transfer short.
+    wait_until(
+        lambda: (updater(), "(arriving)" in caplog.text and "nothing was committed" in caplog.text)[1],
+        step=0.01,
+        what="the early transfer cut short",
+    )
+    for _ in range(20):
+        updater()
+    w = policy.w.detach()
+    assert updater.version == 1 and float(w[0]) == 0.0 and float(w[-1]) == 0.0
+    # The next good publish lands whole.
+    weights = weights_filled(7.0)
+    version = client.publish(weights, model=MODEL, transport="bulk", publish_id=uuid.uuid4().hex)
+    catch_up(updater, version)
+    assert torch.equal(policy.w.detach(), weights["w"])

@@ -1,0 +1,456 @@
+"""Publishing over bulk TCP and shared memory (issue 15): Negotiate with DIRECTION_PUBLISH sets
+an upload up, the bytes move outside the Publish stream, and a Publish stream names the upload.
+Bit-exact over every transport, the fallbacks, and every way a publish can stop half-way: none
+of them ever makes a version visible."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+import xxhash
+from waiting import wait_equal, wait_until
+
+import weightserver.publish.staged_uploads as staged_uploads
+from tests.integration.test_fast_paths import assert_bit_exact, mixed_model
+from weightclient import WeightClient
+from weightclient import tensors as tensor_codec
+from weightclient.transports import BulkTransport, SharedMemoryTransport, TransportFailed
+from weightserver.transports.shared_memory import RECEIVING_FOLDER
+from weightserver.v1 import weights_pb2 as pb
+from weightserver.v1 import weights_pb2_grpc as pb_grpc
+
+MODEL = "policy"
+SHM, BULK = pb.TRANSPORT_SHARED_MEMORY, pb.TRANSPORT_BULK
+
+
+def file_of(weights: dict[str, torch.Tensor]) -> bytes:
+    return b"".join(bytes(part) for part in tensor_codec.encode(weights))
+
+
+def negotiate_publish(address: str, accept: list[int], header: pb.PublishHeader) -> pb.NegotiateResponse:
+    request = pb.NegotiateRequest(direction=pb.DIRECTION_PUBLISH, accept=accept, publish=header)
+    with grpc.insecure_channel(address) as channel:
+        return pb_grpc.WeightServiceStub(channel).Negotiate(request, timeout=30)
+
+
+def publish_uploaded(address: str, header: pb.PublishHeader, upload: str, *, commit: bool = True) -> pb.PublishResponse:
+    """A Publish stream, with the generated stub, that names `upload` instead of sending chunks."""
+    messages = [pb.PublishRequest(header=header), pb.PublishRequest(uploaded=pb.PublishUploaded(upload=upload))]
+    if commit:
+        messages.append(pb.PublishRequest(commit=pb.PublishCommit()))
+    with grpc.insecure_channel(address) as channel:
+        return pb_grpc.WeightServiceStub(channel).Publish(iter(messages), timeout=30)
+
+
+def send_upload(port: int, ticket: bytes, data: bytes, *, cut_after: int | None = None) -> bytes:
+    """Send a ticket and `data` (or only its first `cut_after` bytes, then close) to the bulk
+    port; what the server answered (its ACK, or b"" when it closed)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+        try:
+            conn.sendall(ticket + (data if cut_after is None else data[:cut_after]))
+            if cut_after is not None:
+                return b""
+            conn.settimeout(10)
+            return conn.recv(16)
+        except ConnectionResetError:  # the server stopped reading and closed
+            return b""
+
+
+def assert_nothing_visible(client: WeightClient, before: int) -> None:
+    """The model's latest version is still `before`, and no upload file became a version."""
+    assert client.latest(MODEL).version == before
+    assert [v.version for v in client.list_versions(MODEL)][-1] == before
+
+
+def staged_count(server) -> int:
+    from tests.integration.test_fast_paths import servicer_of
+
+    return len(servicer_of(server).staged)
+
+
+# ---------------------------------------------------------------------- every transport
+@pytest.mark.parametrize("transport", ["stream", "bulk", "shm", "auto"])
+def test_publish_over_every_transport_is_bit_exact(server, client, transport):
+    weights = mixed_model()
+    sent: list[int] = []
+    version = client.publish_bytes(
+        MODEL, tensor_codec.encode(weights), transport=transport, progress=lambda done, total: sent.append(done)
+    ).version
+    assert_bit_exact(client.fetch(MODEL, version=version, transport="stream").state_dict(), weights)
+    used = {"auto": "shm"}.get(transport, transport)
+    if used != "stream":
+        assert client.transports.usable(used) is True  # it carried the bytes
+    assert sent and sent[-1] == len(file_of(weights))
+    info = client.describe(MODEL, version)
+    assert info.xxh3 == xxhash.xxh3_128_hexdigest(file_of(weights))
+    # Nothing of this publish stays staged; a fast one set its successor up (a spare).
+    wait_equal(lambda: staged_count(server), (0 if used == "stream" else 1), what="uploads staged")
+
+
+def test_a_group_publish_over_bulk_commits_once(server, client):
+    policy, critic = mixed_model(1), mixed_model(2)
+    version = client.publish_group({"policy": policy, "critic": critic}, transport="bulk")
+    for model, weights in (("policy", policy), ("critic", critic)):
+        assert_bit_exact(client.fetch(model, version=version, transport="shm").state_dict(), weights)
+        assert list(client.describe(model).group) == ["policy", "critic"]
+
+
+def test_the_servers_copy_of_an_shm_upload_becomes_the_versions_file(server, client):
+    weights = mixed_model()
+    version = client.publish(weights, model=MODEL, transport="shm")
+    wait_equal(
+        lambda: staged_count(server), 1, what="uploads staged"
+    )  # the next upload, set up ahead: its file is the only upload-*
+    files = sorted(p.name for p in (server.shared_memory.directory / MODEL).iterdir())
+    own = [f"{version:012d}.header", f"{version:012d}.safetensors"]
+    assert [f for f in files if not f.startswith("upload-")] == own
+    assert len(files) == 3  # this publish's upload file is gone; the server's copy is the version's
+    # Beside the next upload's file, the server's own copy it will receive into: nothing else.
+    assert len(list((server.shared_memory.directory / RECEIVING_FOLDER).iterdir())) == 1
+    assert (server.shared_memory.directory / MODEL / f"{version:012d}.safetensors").read_bytes() == file_of(weights)
+
+
+def test_bulk_and_shm_publishes_of_a_large_model_are_bit_exact(server, client):
+    weights = {"big": torch.randn(3 << 20), "small": torch.arange(7, dtype=torch.int64)}  # 12 MiB: several blocks
+    for transport in ("bulk", "shm"):
+        weights["big"].add_(1)
+        version = client.publish(weights, model=MODEL, transport=transport)
+        assert_bit_exact(client.fetch(MODEL, version=version, transport="stream").state_dict(), weights)
+
+
+# ---------------------------------------------------------------------- the contract, by hand
+def test_a_raw_bulk_upload_is_acknowledged_and_committed_by_a_publish_stream(server, client):
+    """What a client in another language does: Negotiate, send ticket + bytes, read the ACK,
+    then Publish naming the upload."""
+    data = file_of(mixed_model())
+    header = pb.PublishHeader(model=MODEL, total_bytes=len(data))
+    answer = negotiate_publish(server.address, [BULK], header)
+    assert answer.transport == BULK and answer.upload and answer.payload.byte_size == len(data)
+    assert not client.list_models()  # nothing visible while the bytes are staged
+    assert send_upload(answer.payload.bulk.port, answer.payload.bulk.ticket, data) == b"\x01"
+    header.sha256 = hashlib.sha256(data).hexdigest()
+    reply = publish_uploaded(server.address, header, answer.upload)
+    assert reply.version.version == 1 and reply.version.byte_size == len(data)
+    assert client.fetch_bytes(MODEL, transport="stream").data == data
+    with pytest.raises(grpc.RpcError) as caught:  # an upload is used once
+        publish_uploaded(server.address, header, answer.upload)
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND and "unknown, used already or expired" in str(caught.value)
+
+
+def test_a_raw_shm_upload_is_written_in_place_and_committed(server, client):
+    data = file_of(mixed_model())
+    header = pb.PublishHeader(model=MODEL, total_bytes=len(data))
+    answer = negotiate_publish(server.address, [SHM, BULK], header)
+    assert answer.transport == SHM
+    path = answer.payload.shared_memory.path
+    assert os.path.getsize(path) == len(data)
+    with open(path, "r+b") as f:
+        f.write(data)
+    header.sha256 = hashlib.sha256(data).hexdigest()
+    assert publish_uploaded(server.address, header, answer.upload).version.version == 1
+    assert not os.path.exists(path)  # renamed to the version's file
+    assert client.fetch_bytes(MODEL, transport="shm").data.tobytes() == data
+
+
+@pytest.mark.parametrize(
+    ("change", "code", "text"),
+    [
+        ({"model": "critic"}, grpc.StatusCode.INVALID_ARGUMENT, "was set up for 'policy'"),
+        ({"total_bytes": 1}, grpc.StatusCode.INVALID_ARGUMENT, "bytes"),
+        ({"upload": "nope"}, grpc.StatusCode.NOT_FOUND, "'nope' is unknown"),
+    ],
+)
+def test_a_publish_must_name_its_own_upload(server, client, change, code, text):
+    data = file_of(mixed_model())
+    header = pb.PublishHeader(model=MODEL, total_bytes=len(data))
+    answer = negotiate_publish(server.address, [BULK], header)
+    assert send_upload(answer.payload.bulk.port, answer.payload.bulk.ticket, data) == b"\x01"
+    upload = change.pop("upload", answer.upload)
+    fields = {"model": MODEL, "total_bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), **change}
+    header = pb.PublishHeader(**fields)
+    with pytest.raises(grpc.RpcError) as caught:
+        publish_uploaded(server.address, header, upload)
+    assert caught.value.code() == code and text in caught.value.details()
+    assert not client.list_models()
+
+
+def test_chunks_and_an_upload_for_one_model_are_refused(server):
+    data = file_of(mixed_model())
+    header = pb.PublishHeader(model=MODEL, total_bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    answer = negotiate_publish(server.address, [SHM], header)
+    messages = [
+        pb.PublishRequest(header=header),
+        pb.PublishRequest(uploaded=pb.PublishUploaded(upload=answer.upload)),
+        pb.PublishRequest(chunk=data[:10]),
+        pb.PublishRequest(commit=pb.PublishCommit()),
+    ]
+    with grpc.insecure_channel(server.address) as channel, pytest.raises(grpc.RpcError) as caught:
+        pb_grpc.WeightServiceStub(channel).Publish(iter(messages), timeout=30)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "one or the other" in caught.value.details()
+    assert not os.path.exists(answer.payload.shared_memory.path)  # the stream's upload went with it
+
+
+def test_negotiate_checks_the_header_first(server, client):
+    client.publish(mixed_model(), model=MODEL, version=5, transport="stream")  # sets no spare up
+    cases = [
+        (pb.PublishHeader(model="../x", total_bytes=10), grpc.StatusCode.INVALID_ARGUMENT),
+        (pb.PublishHeader(model=MODEL, total_bytes=10, version=3), grpc.StatusCode.FAILED_PRECONDITION),
+        (pb.PublishHeader(model=MODEL, total_bytes=64 << 40), grpc.StatusCode.RESOURCE_EXHAUSTED),
+    ]
+    for header, code in cases:
+        with pytest.raises(grpc.RpcError) as caught:
+            negotiate_publish(server.address, [SHM, BULK], header)
+        assert caught.value.code() == code, header
+    assert staged_count(server) == 0
+    # An empty file, or a caller that accepts no fast transport, is answered with the stream.
+    for accept, size in (([], 10), ([SHM, BULK], 0)):
+        answer = negotiate_publish(server.address, accept, pb.PublishHeader(model=MODEL, total_bytes=size))
+        assert answer.transport == pb.TRANSPORT_STREAM and not answer.upload and not answer.HasField("payload")
+
+
+def test_staged_uploads_are_bounded(server, monkeypatch):
+    from tests.integration.test_fast_paths import servicer_of
+
+    monkeypatch.setattr(servicer_of(server).staged, "_max", 3)
+    header = pb.PublishHeader(model=MODEL, total_bytes=64)
+    for _ in range(3):
+        assert negotiate_publish(server.address, [BULK], header).transport == BULK
+    with pytest.raises(grpc.RpcError) as caught:
+        negotiate_publish(server.address, [BULK], header)
+    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "set up and not yet committed" in str(
+        caught.value
+    )
+
+
+# ---------------------------------------------------------------------- half-way
+def test_a_bulk_upload_cut_short_is_never_visible(server, client):
+    client.publish(mixed_model(1), model=MODEL)
+    data = file_of(mixed_model(2))
+    header = pb.PublishHeader(model=MODEL, total_bytes=len(data))
+    answer = negotiate_publish(server.address, [BULK], header)
+    send_upload(answer.payload.bulk.port, answer.payload.bulk.ticket, data, cut_after=len(data) // 2)
+    header.sha256 = hashlib.sha256(data).hexdigest()
+    with pytest.raises(grpc.RpcError) as caught:
+        publish_uploaded(server.address, header, answer.upload)
+    assert caught.value.code() == grpc.StatusCode.DATA_LOSS and "did not arrive whole" in caught.value.details()
+    assert_nothing_visible(client, 1)
+
+
+def test_a_shm_upload_written_half_way_and_never_committed_is_never_visible(server, client, monkeypatch):
+    client.publish(mixed_model(1), model=MODEL, transport="stream")
+    data = file_of(mixed_model(2))
+    monkeypatch.setattr(staged_uploads, "UPLOAD_TTL_SECONDS", 1.0)
+    answer = negotiate_publish(server.address, [SHM], pb.PublishHeader(model=MODEL, total_bytes=len(data)))
+    with open(answer.payload.shared_memory.path, "r+b") as f:
+        f.write(data[: len(data) // 2])  # the publisher dies here
+    assert_nothing_visible(client, 1)
+    # The sweeper drops it within about a second.
+    wait_until(lambda: not os.path.exists(answer.payload.shared_memory.path), what="the upload file removed")
+    assert staged_count(server) == 0
+    assert_nothing_visible(client, 1)
+
+
+def test_a_publish_stream_that_ends_without_commit_drops_its_upload(server, client):
+    data = file_of(mixed_model())
+    header = pb.PublishHeader(model=MODEL, total_bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    answer = negotiate_publish(server.address, [SHM], header)
+    with open(answer.payload.shared_memory.path, "r+b") as f:
+        f.write(data)
+    with pytest.raises(grpc.RpcError) as caught:
+        publish_uploaded(server.address, header, answer.upload, commit=False)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "without a commit" in caught.value.details()
+    assert not os.path.exists(answer.payload.shared_memory.path)
+    assert not client.list_models()
+
+
+def test_a_corrupted_upload_is_refused(server, client):
+    data = bytearray(file_of(mixed_model()))
+    header = pb.PublishHeader(model=MODEL, total_bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    answer = negotiate_publish(server.address, [SHM], header)
+    data[-1] ^= 0xFF  # a byte flipped after the digest was taken
+    with open(answer.payload.shared_memory.path, "r+b") as f:
+        f.write(data)
+    with pytest.raises(grpc.RpcError) as caught:
+        publish_uploaded(server.address, header, answer.upload)
+    assert caught.value.code() == grpc.StatusCode.DATA_LOSS
+    assert not client.list_models()
+
+
+def test_a_malformed_file_stops_a_bulk_upload_early(server, client):
+    data = b"\xff" * 8 + b"x" * (4 << 20)  # a header length far past the end
+    answer = negotiate_publish(server.address, [BULK], pb.PublishHeader(model=MODEL, total_bytes=len(data)))
+    assert send_upload(answer.payload.bulk.port, answer.payload.bulk.ticket, data) == b""  # closed, no ACK
+    header = pb.PublishHeader(model=MODEL, total_bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    with pytest.raises(grpc.RpcError) as caught:
+        publish_uploaded(server.address, header, answer.upload)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "header" in caught.value.details()
+    assert not client.list_models()
+
+
+def test_a_server_stopped_mid_upload_fails_the_publish_with_a_clear_status(make_server):
+    srv = make_server(shm_dir=None)
+    weights = {"w": torch.randn(64 << 20)}  # 256 MiB: the stop lands mid-transfer
+    errors: list[BaseException] = []
+    with WeightClient(srv.address) as c:
+
+        def publish() -> None:
+            try:
+                c.publish(weights, model=MODEL, transport="bulk", timeout=20)
+            except BaseException as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=publish)
+        thread.start()
+        wait_until(lambda: srv.bulk.connections, step=0.001, what="the bulk upload connected")
+        srv.stop(grace=0)
+        thread.join(30)
+    assert not thread.is_alive()
+    assert errors and type(errors[0]).__name__ in ("ServerUnavailable", "Cancelled", "DeadlineExceeded"), errors
+
+
+# ---------------------------------------------------------------------- fallbacks
+def test_publish_falls_back_when_the_server_offers_no_fast_transport(make_server):
+    for settings, expected in (({"shm_dir": None}, "bulk"), ({"shm_dir": None, "bulk_port": None}, None)):
+        srv = make_server(**settings)
+        with WeightClient(srv.address) as c:
+            weights = mixed_model()
+            version = c.publish(weights, model=MODEL, transport="auto")
+            assert_bit_exact(c.fetch(MODEL, version=version).state_dict(), weights)
+            assert c.transports.usable("shm") is None
+            assert c.transports.usable("bulk") is (True if expected == "bulk" else None)
+
+
+def test_a_refused_bulk_port_falls_back_to_the_stream(make_server):
+    srv = make_server(shm_dir=None)
+    srv.bulk.close()  # the port stops answering
+    with WeightClient(srv.address) as c:
+        weights = mixed_model()
+        version = c.publish(weights, model=MODEL, transport="bulk", timeout=30)
+        assert_bit_exact(c.fetch(MODEL, version=version, transport="stream").state_dict(), weights)
+        assert c.transports.usable("bulk") is False
+
+
+def test_a_client_that_cannot_see_the_servers_shared_memory_publishes_over_bulk(server, tmp_path):
+    """A publisher in a mount namespace of its own (as in another container): the server's
+    upload file is not there, so it falls back to bulk TCP, and the version is bit-exact."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root for unshare --mount")
+    script = textwrap.dedent(
+        f"""
+        import torch
+        from weightclient import WeightClient
+        weights = {{"w": torch.arange(1 << 16, dtype=torch.float32)}}
+        with WeightClient({server.address!r}) as c:
+            version = c.publish(weights, model={MODEL!r}, transport="auto")
+            print(version, c.transports.usable("shm"), c.transports.usable("bulk"))
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    command = ["unshare", "--mount", "sh", "-c", 'mount -t tmpfs tmpfs /dev/shm && exec "$0" -c "$1"']
+    done = subprocess.run([*command, sys.executable, script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["1", "False", "True"]
+    with WeightClient(server.address) as c:
+        fetched = c.fetch(MODEL, version=1, transport="stream").state_dict()["w"]
+    assert torch.equal(fetched, torch.arange(1 << 16, dtype=torch.float32))
+    # The shm upload it could not write waits to expire (beside it, perhaps, the bulk upload the
+    # publisher set up ahead before it exited).
+    from tests.integration.test_fast_paths import servicer_of
+
+    staged = servicer_of(server).staged._uploads.values()
+    assert [u.transport for u in staged if u.transport == "shm"] == ["shm"]
+
+
+def test_the_transports_refuse_what_is_not_an_upload_file(tmp_path):
+    victim = tmp_path / "notes.txt"
+    victim.write_bytes(b"keep me")
+    link = tmp_path / "upload-00.tmp"
+    link.symlink_to(victim)
+    for path in (victim, link):
+        payload = pb.Payload(byte_size=7, shared_memory=pb.SharedMemoryFile(path=str(path)))
+        with pytest.raises(TransportFailed):
+            SharedMemoryTransport().upload(payload, [memoryview(b"weights")], deadline=None, progress=None)
+    assert victim.read_bytes() == b"keep me"
+    with pytest.raises(TransportFailed):  # the byte count must match what the server expects
+        BulkTransport("127.0.0.1").upload(
+            pb.Payload(byte_size=3, bulk=pb.BulkTicket(port=1, ticket=b"x" * 16)),
+            [memoryview(b"weights")],
+            deadline=None,
+            progress=None,
+        )
+
+
+def test_errors_from_negotiate_reach_the_caller(server, client):
+    client.publish(mixed_model(), model=MODEL, version=5, transport="stream")  # sets no spare up
+    with pytest.raises(Exception) as caught:
+        client.publish(mixed_model(), model=MODEL, version=2, transport="bulk")
+    assert type(caught.value).__name__ == "VersionConflict"
+    assert staged_count(server) == 0
+
+
+# ---------------------------------------------------------------------- spare uploads
+def spare_path(server) -> str:
+    """The one upload file staged in the server's shared memory (the client's spare)."""
+    wait_equal(lambda: staged_count(server), 1, what="uploads staged")
+    (path,) = (server.shared_memory.directory / MODEL).glob("upload-*.tmp")
+    return str(path)
+
+
+def test_the_next_publish_of_a_model_uses_the_upload_set_up_ahead(server, client):
+    weights = mixed_model(1)
+    client.publish(weights, model=MODEL, transport="shm")
+    ahead = spare_path(server)
+    weights = mixed_model(2)
+    version = client.publish(weights, model=MODEL, transport="shm")
+    assert not os.path.exists(ahead)  # it became the version's file
+    assert_bit_exact(client.fetch(MODEL, version=version, transport="stream").state_dict(), weights)
+    assert spare_path(server) != ahead  # and the next one is set up
+
+
+def test_a_spare_of_another_size_is_let_go_and_the_publish_negotiates(server, client):
+    client.publish(mixed_model(1), model=MODEL, transport="shm")
+    ahead = spare_path(server)
+    bigger = {**mixed_model(2), "extra": torch.ones(1000)}
+    version = client.publish(bigger, model=MODEL, transport="shm")
+    assert_bit_exact(client.fetch(MODEL, version=version, transport="stream").state_dict(), bigger)
+    assert os.path.exists(ahead)  # unused: the server drops it when it expires
+
+
+@pytest.mark.parametrize("transport", ["shm", "bulk"])
+def test_a_spare_the_server_forgot_does_not_fail_the_publish(server, client, transport):
+    """A server restart forgets every staged upload: the publish that used one negotiates again."""
+    from tests.integration.test_fast_paths import servicer_of
+
+    client.publish(mixed_model(1), model=MODEL, transport=transport)
+    wait_equal(lambda: staged_count(server), 1, what="uploads staged")
+    servicer_of(server).staged.close()  # what a restart does to them
+    weights = mixed_model(2)
+    version = client.publish(weights, model=MODEL, transport=transport)
+    assert version == 2
+    assert_bit_exact(client.fetch(MODEL, version=version, transport="stream").state_dict(), weights)
+    assert [v.version for v in client.list_versions(MODEL)] == [1, 2]
+
+
+def test_a_model_over_the_spare_limit_gets_no_spare(server, client, monkeypatch):
+    """A spare holds a model's size of the server's memory: above MAX_SPARE_BYTES none is set up."""
+    import weightclient.core.spare_uploads as spare_uploads
+
+    weights = mixed_model(1)
+    monkeypatch.setattr(spare_uploads, "MAX_SPARE_BYTES", len(file_of(weights)) - 1)
+    for transport in ("shm", "bulk"):
+        client.publish(weights, model=MODEL, transport=transport)
+        time.sleep(0.3)  # a spare would be set up in the background by now
+        assert staged_count(server) == 0
+    monkeypatch.setattr(spare_uploads, "MAX_SPARE_BYTES", len(file_of(weights)))
+    client.publish(weights, model=MODEL, transport="shm")
+    wait_equal(lambda: staged_count(server), 1, what="uploads staged")  # at the limit: one is

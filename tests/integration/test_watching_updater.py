@@ -1,0 +1,153 @@
+"""GrpcLocalWeightUpdater(watch=True): no call to the server per update while its Watch
+stream announces nothing newer. Real servers and gRPC; the servers count the Negotiate calls
+they answer (the call a collector's update makes)."""
+
+from __future__ import annotations
+
+import pickle
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+from waiting import wait_until
+
+from weightclient import WeightClient
+from weightclient.core.version_follower import VersionFollower
+from weightclient.torchrl.grpc_updaters import GrpcLocalWeightUpdater
+from weightserver.service.servicer import WeightServicer
+from weightserver.v1 import weights_pb2 as pb
+
+MODEL = "policy"
+
+
+def make_policy(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+
+
+def same(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    theirs = b.state_dict()
+    return all(torch.equal(t, theirs[name]) for name, t in a.state_dict().items())
+
+
+def announced(updater: GrpcLocalWeightUpdater, version: int) -> Callable[[], bool]:
+    return lambda: updater._follower is not None and updater._follower.newest() == version
+
+
+@pytest.fixture
+def locates(monkeypatch) -> list[tuple[str, int]]:
+    """Every fetch's Negotiate the servers started after this fixture answer, as (model,
+    newer_than); a publisher's (DIRECTION_PUBLISH, also in the background) is not counted."""
+    calls: list[tuple[str, int]] = []
+    original = WeightServicer.Negotiate
+
+    async def counted(self, request, context):
+        if request.direction == pb.DIRECTION_FETCH:
+            calls.append((request.fetch.model, request.fetch.newer_than))
+        return await original(self, request, context)
+
+    monkeypatch.setattr(WeightServicer, "Negotiate", counted)
+    return calls
+
+
+@pytest.fixture
+def latest_calls(monkeypatch) -> list[str]:
+    """Every GetLatest the servers started after this fixture answer (what `lag` asks)."""
+    calls: list[str] = []
+    original = WeightServicer.GetLatest
+
+    async def counted(self, request, context):
+        calls.append(request.model)
+        return await original(self, request, context)
+
+    monkeypatch.setattr(WeightServicer, "GetLatest", counted)
+    return calls
+
+
+@pytest.mark.parametrize("watch", [True, False])
+def test_updates_ask_the_server_only_once_a_newer_version_was_announced(make_server, locates, latest_calls, watch):
+    server = make_server()
+    with WeightClient(server.address) as trainer_client, WeightClient(server.address) as own:
+        trainer_client.publish(make_policy(1), model=MODEL)
+        policy = make_policy(0)
+        updater = GrpcLocalWeightUpdater(own, policy=policy, watch=watch, watch_confirm_seconds=60)
+        updater()
+        assert updater.version == 1 and same(policy, make_policy(1))
+        updater()
+        if watch:
+            wait_until(announced(updater, 1))
+        asked = len(locates)
+        for _ in range(50):
+            updater()
+            assert updater.lag == 0
+        assert updater.version == 1
+        assert len(locates) - asked == (0 if watch else 50)
+        assert len(latest_calls) == (0 if watch else 50)  # lag: the announced version, or a call
+
+        trainer_client.publish(make_policy(2), model=MODEL)
+        if watch:
+            wait_until(announced(updater, 2))
+        assert updater.lag == 1
+        updater()
+        assert updater.version == 2 and same(policy, make_policy(2))
+        assert locates[-1] == (MODEL, 1)  # the update that applied v2 asked for newer than v1
+
+
+def test_a_server_that_went_away_is_noticed_within_the_confirm_interval(make_server):
+    server = make_server()
+    with WeightClient(server.address) as trainer_client:
+        trainer_client.publish(make_policy(1), model=MODEL)
+    with WeightClient(server.address) as own:
+        updater = GrpcLocalWeightUpdater(own, policy=make_policy(0), watch=True, watch_confirm_seconds=0.2)
+        updater()
+        updater()
+        wait_until(announced(updater, 1))
+        server.stop(grace=0)
+        time.sleep(0.3)
+        updater()  # the confirm interval has passed: it asks, and finds the server gone
+        assert not updater.server_available and updater.version == 1
+
+
+def test_versions_published_in_a_burst_apply_the_latest(server, client):
+    trainer = make_policy(1)
+    client.publish(trainer, model=MODEL)
+    policy = make_policy(0)
+    with WeightClient(server.address) as own:
+        updater = GrpcLocalWeightUpdater(own, policy=policy, watch=True, watch_confirm_seconds=60)
+        updater()
+        updater()
+        wait_until(announced(updater, 1))
+        for seed in (2, 3, 4):
+            client.publish(make_policy(seed), model=MODEL)
+        wait_until(announced(updater, 4))
+        updater()
+        assert updater.version == 4 and same(policy, make_policy(4))
+
+
+def test_a_pickled_updater_follows_again_where_it_is_used(server, client):
+    client.publish(make_policy(1), model=MODEL)
+    updater = GrpcLocalWeightUpdater(server.address, policy=make_policy(0), watch=True, watch_confirm_seconds=60)
+    updater()
+    updater()
+    wait_until(announced(updater, 1))
+    copy = pickle.loads(pickle.dumps(updater))
+    assert copy._follower is None and copy.version == 1
+    copy()
+    wait_until(announced(copy, 1))
+    client.publish(make_policy(2), model=MODEL)
+    wait_until(announced(copy, 2))
+    copy()
+    assert copy.version == 2 and same(copy.policy, make_policy(2))
+    updater.client.close()
+    copy.client.close()
+
+
+def test_a_follower_stops_with_its_client(server, client):
+    client.publish(make_policy(1), model=MODEL)
+    own = WeightClient(server.address)
+    follower = VersionFollower(own, MODEL, since=1)
+    wait_until(lambda: follower.newest() == 1)
+    own.close()
+    wait_until(lambda: not follower.running())
+    assert follower.newest() is None

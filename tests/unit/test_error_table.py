@@ -1,0 +1,66 @@
+"""The one error table: every domain exception has a status code and survives the trip
+server -> status + trailer -> client."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import grpc
+import pytest
+
+from weightserver.protocol import errors
+
+
+def _all_error_classes() -> list[type[errors.WeightServerError]]:
+    return [
+        cls
+        for _, cls in inspect.getmembers(errors, inspect.isclass)
+        if issubclass(cls, errors.WeightServerError) and cls is not errors.WeightServerError
+    ]
+
+
+def test_every_exception_is_in_the_table():
+    assert set(_all_error_classes()) == set(errors.STATUS_CODES)
+
+
+@pytest.mark.parametrize("cls", _all_error_classes(), ids=lambda c: c.__name__)
+def test_round_trip_through_status_and_name(cls):
+    code = errors.status_code_for(cls("boom"))
+    assert isinstance(code, grpc.StatusCode)
+    rebuilt = errors.error_from_status(code, "boom", cls.__name__)
+    assert type(rebuilt) is cls and str(rebuilt) == "boom"
+
+
+def test_code_alone_picks_the_general_class():
+    assert type(errors.error_from_status(grpc.StatusCode.NOT_FOUND, "x")) is errors.NotFoundError
+    assert type(errors.error_from_status(grpc.StatusCode.UNAVAILABLE, "x")) is errors.ServerUnavailable
+    assert type(errors.error_from_status(grpc.StatusCode.UNIMPLEMENTED, "x")) is errors.InternalServerError
+
+
+def test_a_name_that_disagrees_with_the_code_is_ignored():
+    rebuilt = errors.error_from_status(grpc.StatusCode.DATA_LOSS, "x", "ModelNotFound")
+    assert type(rebuilt) is errors.IntegrityError
+
+
+def _readme_error_rows() -> list[tuple[str, str, str]]:
+    """(situation, status, client raises) of each row of README.md's "Errors" table, with the
+    backticks around the status and the exception name taken off."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("\n## Errors\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| situation")]
+    cells = [[cell.strip() for cell in row.strip("|").split(" | ")] for row in rows]
+    assert cells and all(len(row) == 3 for row in cells), rows
+    return [(situation, status.strip("`"), name.strip("`")) for situation, status, name in cells]
+
+
+def test_the_readme_error_table_lists_every_exception_with_its_status_code():
+    rows = _readme_error_rows()
+    listed = {(name, status) for _, status, name in rows}
+    missing = [
+        f"{cls.__name__} ({code})" for cls, code in errors.STATUS_CODES.items() if (cls.__name__, code) not in listed
+    ]
+    assert not missing, f"README.md's Errors table has no row for {', '.join(missing)}"
+    by_name = {cls.__name__: code for cls, code in errors.STATUS_CODES.items()}
+    wrong = [f"{name}: {status}" for _, status, name in rows if by_name.get(name) != status]
+    assert not wrong, f"README.md's Errors table names an unknown exception or the wrong code: {wrong}"

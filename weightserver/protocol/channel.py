@@ -1,0 +1,60 @@
+"""Dialling a weight server: TLS channel credentials from PEM files, and the bearer token a
+call carries. One way for every caller: the client package (its connection module) and a
+relay's link to its upstream (`weightserver.relay.upstream`), so both read certificates, refuse half a
+client certificate and send tokens alike. Reads no environment: each caller does that.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import grpc
+
+PathLike = str | os.PathLike[str]
+AUTHORIZATION_METADATA_KEY = "authorization"
+
+
+def channel_credentials(
+    tls_ca: PathLike | None = None,
+    tls_cert: PathLike | None = None,
+    tls_key: PathLike | None = None,
+    *,
+    names: tuple[str, str, str] = ("tls_ca", "tls_cert", "tls_key"),
+) -> grpc.ChannelCredentials:
+    """TLS credentials for a channel: trusting `tls_ca` (a PEM file; None: the system's roots),
+    presenting `tls_cert` with `tls_key` to a server that demands client certificates (mutual
+    TLS). ValueError naming the option (`names`, as the caller calls them) for a certificate
+    without its key or the other way round, or a file that is not PEM; OSError for one that
+    cannot be read."""
+    ca_name, cert_name, key_name = names
+    if (tls_cert is None) != (tls_key is None):
+        given, missing = (cert_name, key_name) if tls_key is None else (key_name, cert_name)
+        raise ValueError(
+            f"{given} without {missing}: a client certificate (mutual TLS) needs its private key; "
+            f"give both {cert_name} and {key_name} (PEM files), or neither"
+        )
+    return grpc.ssl_channel_credentials(
+        root_certificates=read_pem(tls_ca, ca_name),
+        private_key=read_pem(tls_key, key_name),
+        certificate_chain=read_pem(tls_cert, cert_name),
+    )
+
+
+def read_pem(path: PathLike | None, name: str) -> bytes | None:
+    """The bytes of a PEM file (None for no path); ValueError naming `name` if it is not PEM."""
+    if not path:
+        return None
+    data = Path(path).read_bytes()
+    if b"-----BEGIN " not in data:
+        raise ValueError(f"{name} {os.fspath(path)!r} is not a PEM file (no '-----BEGIN' line)")
+    return data
+
+
+def bearer_metadata(token: str) -> tuple[str, str]:
+    """The call metadata that carries `token`: ``authorization: Bearer <token>``.
+
+    >>> bearer_metadata("8cM1y0kqV0m3tq2nQ4e5hZbq")
+    ('authorization', 'Bearer 8cM1y0kqV0m3tq2nQ4e5hZbq')
+    """
+    return (AUTHORIZATION_METADATA_KEY, f"Bearer {token}")

@@ -1,0 +1,220 @@
+"""The safetensors file format, read and written without torch.
+
+A safetensors file is an 8-byte little-endian header length N, then N bytes of JSON mapping
+each tensor name to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (plus an optional
+``"__metadata__"`` map of strings), then the data section. Offsets are relative to the start of
+the data section. The server validates every published file with `parse_header` before the
+version becomes visible; clients use it to slice fetched bytes into tensors and
+`build_header` to frame tensors without an intermediate copy.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from weightserver.protocol.errors import InvalidSafetensors, clipped_repr
+
+# dtype name -> bytes per element. The names and sizes of the safetensors specification.
+DTYPE_SIZES: dict[str, int] = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E5M2": 1,
+    "F8_E4M3": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+}
+
+METADATA_KEY = "__metadata__"
+# The format's own limits (the safetensors package's header limit), for reading any file; a
+# server accepts publishes within the tighter limits of weightserver.config (PUBLISH_MAX_*).
+DEFAULT_MAX_HEADER_BYTES = 100 * 1024 * 1024
+DEFAULT_MAX_TENSORS = 1_000_000
+_LEN = struct.Struct("<Q")
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a safetensors file: where its bytes lie in the data section."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    """A parsed and validated header. `data_start` is the file offset of the data section."""
+
+    tensors: tuple[TensorEntry, ...]
+    metadata: dict[str, str] | None
+    data_start: int
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+
+def _reject_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    result: dict[str, object] = {}
+    for key, value in pairs:
+        if key in result:
+            raise InvalidSafetensors(f"header names tensor {clipped_repr(key)} twice; tensor names must be unique")
+        result[key] = value
+    return result
+
+
+def parse_header(
+    data: bytes | bytearray | memoryview,
+    total_size: int | None = None,
+    *,
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+    max_tensors: int = DEFAULT_MAX_TENSORS,
+) -> SafetensorsHeader:
+    """Parse and validate the header at the start of `data`, which must hold at least the length
+    prefix and the header; `total_size` is the whole file's size (default: ``len(data)``).
+    Raises `InvalidSafetensors` naming the first problem found."""
+    view = memoryview(data)
+    size = len(view) if total_size is None else total_size
+    if size < 8 or len(view) < 8:
+        raise InvalidSafetensors(f"file is {size} bytes; a safetensors file starts with an 8-byte header length")
+    (header_len,) = _LEN.unpack_from(view, 0)
+    if header_len > max_header_bytes:
+        raise InvalidSafetensors(
+            f"header is {header_len} bytes, over the limit of {max_header_bytes}; is this a safetensors file?"
+        )
+    if 8 + header_len > size:
+        raise InvalidSafetensors(f"header length {header_len} runs past the end of the {size}-byte file")
+    if len(view) < 8 + header_len:
+        raise ValueError("parse_header needs the whole header in `data`")
+    raw = bytes(view[8 : 8 + header_len])
+    try:
+        text = raw.decode("utf-8")
+        obj = json.loads(text, object_pairs_hook=_reject_duplicates)
+    except UnicodeDecodeError as exc:
+        raise InvalidSafetensors(f"header is not UTF-8: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, over-long ints, deep nesting
+        raise InvalidSafetensors(f"header is not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise InvalidSafetensors(f"header must be a JSON object, got {type(obj).__name__}")
+    tensor_count = len(obj) - (METADATA_KEY in obj)
+    if tensor_count > max_tensors:
+        raise InvalidSafetensors(f"header lists {tensor_count} tensors, over the limit of {max_tensors} tensors")
+
+    metadata = obj.pop(METADATA_KEY, None)
+    if metadata is not None and (
+        not isinstance(metadata, dict)
+        or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
+    ):
+        raise InvalidSafetensors(f"{METADATA_KEY!r} must map strings to strings")
+
+    entries = [_parse_entry(name, spec) for name, spec in obj.items()]
+    data_len = size - 8 - header_len
+    _check_layout(entries, data_len)
+    entries.sort(key=lambda e: (e.begin, e.end))
+    return SafetensorsHeader(tuple(entries), metadata, 8 + header_len)
+
+
+def _parse_entry(name: str, spec: object) -> TensorEntry:
+    if not name:
+        raise InvalidSafetensors("header has a tensor with an empty name")
+    tensor = f"tensor {clipped_repr(name)}"
+    if not isinstance(spec, dict):
+        raise InvalidSafetensors(f"{tensor}: expected an object with dtype, shape, data_offsets")
+    missing = {"dtype", "shape", "data_offsets"} - spec.keys()
+    if missing:
+        raise InvalidSafetensors(f"{tensor}: missing {', '.join(sorted(missing))}")
+    dtype = spec["dtype"]
+    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
+        raise InvalidSafetensors(f"{tensor}: unknown dtype {clipped_repr(dtype)}; known: {', '.join(DTYPE_SIZES)}")
+    shape = spec["shape"]
+    if not isinstance(shape, list) or not all(_is_uint(d) for d in shape):
+        raise InvalidSafetensors(f"{tensor}: shape must be a list of non-negative integers, got {clipped_repr(shape)}")
+    offsets = spec["data_offsets"]
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_uint(o) for o in offsets)):
+        raise InvalidSafetensors(f"{tensor}: data_offsets must be [begin, end], got {clipped_repr(offsets)}")
+    begin, end = offsets
+    if end < begin:
+        raise InvalidSafetensors(f"{tensor}: data_offsets end {end} is before begin {begin}")
+    expected = math.prod(shape) * DTYPE_SIZES[dtype]
+    if end - begin != expected:
+        raise InvalidSafetensors(
+            f"{tensor}: shape {clipped_repr(shape)} of {dtype} needs {expected} bytes "
+            f"but data_offsets [{begin}, {end}] span {end - begin}"
+        )
+    return TensorEntry(name, dtype, tuple(shape), begin, end)
+
+
+def _is_uint(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_layout(entries: list[TensorEntry], data_len: int) -> None:
+    """Tensors must tile the data section exactly: in bounds, no overlap, no gap, no tail."""
+    position = 0
+    for entry in sorted(entries, key=lambda e: (e.begin, e.end)):
+        if entry.end > data_len:
+            raise InvalidSafetensors(
+                f"tensor {clipped_repr(entry.name)}: data_offsets [{entry.begin}, {entry.end}] run past the "
+                f"{data_len}-byte data section"
+            )
+        if entry.begin < position:
+            raise InvalidSafetensors(
+                f"tensor {clipped_repr(entry.name)}: data_offsets [{entry.begin}, {entry.end}] overlap the "
+                f"previous tensor, which ends at {position}"
+            )
+        if entry.begin > position:
+            raise InvalidSafetensors(
+                f"tensor {clipped_repr(entry.name)}: gap of {entry.begin - position} bytes before its data "
+                f"(offset {position}); tensors must be packed"
+            )
+        position = entry.end
+    if position != data_len:
+        raise InvalidSafetensors(
+            f"data section is {data_len} bytes but the tensors cover {position}; trailing bytes or a truncated header"
+        )
+
+
+def build_header(
+    entries: Iterable[tuple[str, str, tuple[int, ...], int]],
+    metadata: Mapping[str, str] | None = None,
+) -> tuple[bytes, list[TensorEntry]]:
+    """Frame tensors as a safetensors header.
+
+    `entries` are ``(name, dtype, shape, nbytes)`` in the order their bytes will follow. Returns
+    the length prefix plus the JSON header (space-padded to a multiple of 8 bytes, as the
+    safetensors package does, so 8-byte dtypes stay aligned) and the placed entries.
+    """
+    header: dict[str, object] = {}
+    if metadata:
+        header[METADATA_KEY] = dict(metadata)
+    placed = []
+    position = 0
+    for name, dtype, shape, nbytes in entries:
+        if dtype not in DTYPE_SIZES:
+            raise InvalidSafetensors(f"tensor {clipped_repr(name)}: unknown dtype {clipped_repr(dtype)}")
+        if name in header or name == METADATA_KEY:
+            raise InvalidSafetensors(f"tensor name {clipped_repr(name)} appears twice or is reserved")
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [position, position + nbytes]}
+        placed.append(TensorEntry(name, dtype, tuple(shape), position, position + nbytes))
+        position += nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    encoded += b" " * (-(8 + len(encoded)) % 8)
+    return _LEN.pack(len(encoded)) + encoded, placed

@@ -1,0 +1,91 @@
+"""VersionInfo: a version's description as plain Python (from weights.proto's VersionInfo)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+from weightserver.protocol.safetensors_format import TensorEntry
+from weightserver.v1 import weights_pb2 as pb
+
+
+@dataclass(frozen=True)
+class TensorInfo(TensorEntry):
+    """A tensor of a version's manifest, with the xxh3-128 of its bytes."""
+
+    xxh3: str = ""
+
+
+@dataclass(frozen=True)
+class VersionInfo:
+    """Everything about one version except its bytes."""
+
+    model: str
+    version: int
+    byte_size: int
+    sha256: str
+    created: datetime
+    metadata: dict[str, str] = field(default_factory=dict)
+    tensors: tuple[TensorInfo, ...] = ()
+    pinned: bool = False
+    group: tuple[str, ...] = ()  # models published together under this version number
+    xxh3: str = ""  # xxh3-128 of the whole file ("" from servers that predate it)
+
+    @classmethod
+    def from_proto(cls, message: pb.VersionInfo) -> VersionInfo:
+        return cls(
+            model=message.model,
+            version=message.version,
+            byte_size=message.byte_size,
+            sha256=message.sha256,
+            created=datetime.fromtimestamp(message.created.ToNanoseconds() / 1e9, tz=timezone.utc),
+            metadata=dict(message.metadata),
+            tensors=tuple(
+                TensorInfo(t.name, t.dtype, tuple(t.shape), t.data_begin, t.data_end, t.xxh3) for t in message.tensors
+            ),
+            pinned=message.pinned,
+            group=tuple(message.group),
+            xxh3=message.xxh3,
+        )
+
+
+@dataclass(frozen=True)
+class ModelSummary:
+    """A model and its retained versions at a glance."""
+
+    model: str
+    latest_version: int
+    version_count: int
+    retained_bytes: int
+
+    @classmethod
+    def from_proto(cls, message: pb.ModelSummary) -> ModelSummary:
+        return cls(message.model, message.latest_version, message.version_count, message.retained_bytes)
+
+
+@dataclass(frozen=True)
+class VersionEvent:
+    """A Watch event: a version landed. `gap` is True when versions were missed for good.
+    `arriving`: on a watch of incoming publishes, the id of the announced bytes (`Arriving`)
+    that became this version, if they were announced."""
+
+    info: VersionInfo
+    gap: bool = False
+    arriving: str = ""
+
+    @property
+    def version(self) -> int:
+        return self.info.version
+
+
+@dataclass(frozen=True)
+class Arriving:
+    """A Watch announcement (`watch(..., incoming=True)`): a publish's bytes began to arrive
+    at the server, so they can be fetched before the commit (`fetch_arriving`), and applied
+    once a `VersionEvent` names `id` and they match its xxh3. `failed`: that publish failed;
+    its bytes never become a version."""
+
+    model: str
+    id: str
+    byte_size: int
+    failed: bool = False

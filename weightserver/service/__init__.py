@@ -1,0 +1,1 @@
+"""weightserver/service"""

@@ -1,0 +1,157 @@
+"""Bearer-token authorization: who may call which WeightService method.
+
+`--auth-tokens FILE` names a token file, one token per line::
+
+    # role       name          token (>= 16 characters)
+    reader       collector     8cM1y0kqV0m3tq2nQ4e5hZbq
+    publisher    trainer       Zt3kq9Jx0VYbW1rFwA7sPq2L
+    admin        ops           0v8mK3nB5cX7zL9qW2eR4tY6
+
+Make a token with ``python -c "import secrets; print(secrets.token_urlsafe(32))"``. Roles are
+ordered: `reader` may fetch, watch, describe and list; `publisher` may also publish;
+`admin` may also delete and pin (a publish with pin=True pins too: it needs `admin`). A
+`publisher` or `admin` role may be limited to some models, ``publisher:policy,critic``: it may
+publish, pin and delete only those (and read every model). Clients send
+``authorization: Bearer <token>``. A missing or unknown token is UNAUTHENTICATED, a known token
+with too small a role, or a scoped one on another model, PERMISSION_DENIED. Health
+checks and reflection need no token (they reveal nothing beyond the public .proto). Tokens are
+compared in constant time (a sha256 of each, compared with every entry) and never logged: the
+name stands for the token in logs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from weightserver.protocol.channel import AUTHORIZATION_METADATA_KEY
+from weightserver.protocol.errors import AuthenticationRequired, InvalidRequest, PermissionDenied, clipped_repr
+from weightserver.storage.store import validate_model_name
+
+ROLES = ("reader", "publisher", "admin")  # each includes the rights of the ones before it
+MIN_TOKEN_CHARS = 16
+
+# Every WeightService method and the least role that may call it. A method missing here is
+# refused to everyone but admins (a test checks that the table covers the .proto).
+REQUIRED_ROLE: dict[str, str] = {
+    "GetLatest": "reader",
+    "Describe": "reader",
+    "Fetch": "reader",
+    "Negotiate": "reader",  # a publish's negotiation also needs what Publish needs
+    "Watch": "reader",
+    "ListModels": "reader",
+    "ListVersions": "reader",
+    "Publish": "publisher",
+    "DeleteVersion": "admin",
+    "PinVersion": "admin",
+}
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who a token belongs to: the name from the token file, its role, and the models it may
+    publish, pin and delete (None: every model). `token_sha256` tells tokens apart where
+    several share a name: what a caller sets up (an upload) is its token's."""
+
+    name: str
+    role: str
+    models: frozenset[str] | None = None
+    token_sha256: bytes = field(default=b"", repr=False, compare=False)
+
+    def may(self, role: str) -> bool:
+        return ROLES.index(self.role) >= ROLES.index(role)
+
+
+class TokenTable:
+    """The tokens a server accepts, held as sha256 digests."""
+
+    def __init__(self, entries: Iterable[tuple[str, str, str]]) -> None:
+        """`entries`: (role, name, token) triples; a role may name its models, `publisher:a,b`."""
+        self._entries: list[tuple[bytes, Principal]] = []
+        seen: set[bytes] = set()
+        for scoped_role, name, token in entries:
+            role, scoped, scope = scoped_role.partition(":")
+            if role not in ROLES:
+                raise InvalidRequest(f"token {name!r}: unknown role {role!r}; use one of {', '.join(ROLES)}")
+            if scoped and role == "reader":
+                raise InvalidRequest(
+                    f"token {name!r}: a reader may read every model; only publisher and admin take models"
+                )
+            models = frozenset(validate_model_name(model) for model in scope.split(",")) if scoped else None
+            if len(token) < MIN_TOKEN_CHARS:
+                raise InvalidRequest(f"token {name!r} is shorter than {MIN_TOKEN_CHARS} characters")
+            digest = _digest(token)
+            if digest in seen:
+                raise InvalidRequest(f"token {name!r} repeats another entry's token")
+            seen.add(digest)
+            self._entries.append((digest, Principal(name, role, models, token_sha256=digest)))
+        if not self._entries:
+            raise InvalidRequest("the token file lists no tokens")
+
+    @classmethod
+    def load(cls, path: str | Path) -> TokenTable:
+        """Parse a token file (format in the module docstring); errors name the line, never the token."""
+        entries = []
+        for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+            line = line.split("#", 1)[0].strip()
+            if not line:
+                continue
+            fields = line.split()
+            if len(fields) != 3:
+                raise InvalidRequest(f"{path}:{number}: expected 'ROLE NAME TOKEN', got {len(fields)} fields")
+            entries.append((fields[0], fields[1], fields[2]))
+        try:
+            return cls(entries)
+        except InvalidRequest as exc:
+            raise InvalidRequest(f"{path}: {exc}") from None
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def identify(self, token: str) -> Principal | None:
+        """The token's principal, or None. Every entry is compared, so timing reveals nothing."""
+        digest = _digest(token)
+        found = None
+        for known, principal in self._entries:
+            if hmac.compare_digest(known, digest):
+                found = principal
+        return found
+
+    def authorize(
+        self, metadata: Iterable[tuple[str, str | bytes]] | None, method: str, model: str | None = None
+    ) -> Principal:
+        """The caller of `method` (on `model`, when it acts on one) if its bearer token allows
+        it; else AuthenticationRequired (no or unknown token) or PermissionDenied (role too
+        small, or a call beyond reading on a model outside the token's models)."""
+        header = next((v for k, v in metadata or () if k == AUTHORIZATION_METADATA_KEY), None)
+        if header is None:
+            raise AuthenticationRequired(
+                "this server requires a token: send 'authorization: Bearer <token>' "
+                "(Python client: token= or $WEIGHTSERVER_TOKEN)"
+            )
+        if isinstance(header, bytes):
+            header = header.decode("utf-8", "replace")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise AuthenticationRequired("the authorization metadata must be 'Bearer <token>'")
+        principal = self.identify(token.strip())
+        if principal is None:
+            raise AuthenticationRequired("unknown token: check it against the server's --auth-tokens file")
+        needed = REQUIRED_ROLE.get(method, "admin")
+        if not principal.may(needed):
+            raise PermissionDenied(
+                f"{method} needs the {needed!r} role; the token of {principal.name!r} has {principal.role!r}"
+            )
+        if needed != "reader" and model is not None and principal.models is not None and model not in principal.models:
+            raise PermissionDenied(
+                f"{method} of model {clipped_repr(model)}: the token of {principal.name!r} may change only "
+                f"{', '.join(sorted(principal.models))}"
+            )
+        return principal
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()

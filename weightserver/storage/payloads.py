@@ -1,0 +1,223 @@
+"""Payloads: the bytes a fetch sends, derived from a version once and shared by every fetcher.
+
+A payload is a safetensors file: the version itself, a delta (only the tensors whose xxh3
+differs from a base version's), a cast (float32 tensors as bfloat16 or float16), or both.
+`apply_delta` turns a delta back into the version's file (for a relay that fetched one).
+Derived payloads are built once per (version, base, dtype), even when many collectors ask at
+the same moment, and cached within a byte budget. Casting uses numpy; no torch.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import xxhash
+
+from weightserver.protocol.errors import InvalidRequest, InvalidSafetensors
+from weightserver.protocol.safetensors_format import (
+    DTYPE_SIZES,
+    SafetensorsHeader,
+    TensorEntry,
+    build_header,
+    parse_header,
+)
+
+CAST_TARGETS = ("BF16", "F16")
+
+
+def xxh3_hex(data: bytes | bytearray | memoryview) -> str:
+    return xxhash.xxh3_128_hexdigest(data)
+
+
+def tensor_digests(data: bytes | bytearray | memoryview, header: SafetensorsHeader) -> dict[str, str]:
+    """xxh3-128 of each tensor's bytes, by name."""
+    view = memoryview(data)
+    start = header.data_start
+    return {t.name: xxh3_hex(view[start + t.begin : start + t.end]) for t in header.tensors}
+
+
+@dataclass(frozen=True)
+class Payload:
+    """A safetensors file to send, and what it is relative to the version it came from."""
+
+    data: bytes | bytearray | memoryview = field(repr=False)
+    xxh3: str
+    base_version: int = 0
+    dtype: str = ""
+
+    @property
+    def byte_size(self) -> int:
+        return len(self.data)
+
+
+CAST_BLOCK_VALUES = 1 << 22  # 16 MiB of float32 at a time: a cast's temporaries stay this small
+
+
+def cast_f32(data: memoryview, dtype: str) -> memoryview:
+    """Little-endian float32 bytes -> `dtype` bytes, rounding to nearest even like torch. Cast
+    block by block into one output buffer: whole-tensor temporaries would add several times a
+    large tensor's size to the server's memory."""
+    import numpy as np  # only servers that cast pay for the import
+
+    values = np.frombuffer(data, dtype="<f4")
+    out = np.empty(values.size, dtype="<f2" if dtype == "F16" else "<u2")
+    for start in range(0, values.size, CAST_BLOCK_VALUES):
+        block = values[start : start + CAST_BLOCK_VALUES]
+        if dtype == "F16":
+            with np.errstate(over="ignore"):  # |x| > 65504 becomes inf, as in torch; no RuntimeWarning
+                out[start : start + block.size] = block
+            continue
+        bits = block.view("<u4")
+        rounded = (bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16
+        nan = np.isnan(block)
+        if nan.any():  # rounding could carry a NaN's payload into infinity: keep it a quiet NaN
+            rounded[nan] = ((bits[nan] >> 16) & 0x8000) | 0x7FC0
+        out[start : start + block.size] = rounded
+    return memoryview(out).cast("B")
+
+
+def derive(
+    data: bytes | bytearray | memoryview,
+    header: SafetensorsHeader,
+    *,
+    keep: Callable[[TensorEntry], bool] | None = None,
+    dtype: str = "",
+) -> bytes:
+    """A new safetensors file with the tensors `keep` selects, float32 ones cast to `dtype`."""
+    view = memoryview(data)
+    start = header.data_start
+    selected: list[tuple[TensorEntry, str, memoryview | bytes]] = []
+    for entry in header.tensors:
+        if keep is not None and not keep(entry):
+            continue
+        raw = view[start + entry.begin : start + entry.end]
+        if dtype and entry.dtype == "F32":
+            selected.append((entry, dtype, cast_f32(raw, dtype)))
+        else:
+            selected.append((entry, entry.dtype, raw))
+    # Largest elements first keeps every tensor aligned, as in our own encoder.
+    selected.sort(key=lambda item: (-DTYPE_SIZES[item[1]], item[0].name))
+    prefix, _ = build_header((e.name, d, e.shape, len(raw)) for e, d, raw in selected)
+    return b"".join([prefix, *(raw for _, _, raw in selected)])
+
+
+def apply_delta(
+    base: bytes | bytearray | memoryview,
+    base_header: SafetensorsHeader,
+    layout: Sequence[TensorEntry],
+    byte_size: int,
+    delta: bytes | bytearray | memoryview,
+) -> bytearray | None:
+    """The inverse of `derive(..., keep=changed)`: a version's file rebuilt from the file of a
+    base version and a delta (a safetensors file of the tensors that changed). `layout` and
+    `byte_size` are the target version's tensors and size, as its description gives them.
+
+    The base's bytes, with each tensor the delta carries written over its own place: so it
+    needs the target laid out as the base is (same names, dtypes, shapes and offsets, same
+    size), else None. The result keeps the base's header, so a target whose header differs
+    otherwise (its `__metadata__`) rebuilds wrong: the caller checks the result's digest."""
+    if len(base) != byte_size or [_placement(t) for t in base_header.tensors] != [_placement(t) for t in layout]:
+        return None
+    try:
+        changed = parse_header(delta)
+    except InvalidSafetensors:
+        return None
+    places = {t.name: t for t in base_header.tensors}
+    rebuilt = bytearray(base)
+    source = memoryview(delta)
+    for entry in changed.tensors:
+        place = places.get(entry.name)
+        if place is None or (entry.dtype, entry.shape, entry.nbytes) != (place.dtype, place.shape, place.nbytes):
+            return None
+        start, begin = base_header.data_start + place.begin, changed.data_start + entry.begin
+        rebuilt[start : start + place.nbytes] = source[begin : begin + entry.nbytes]
+    return rebuilt
+
+
+def _placement(entry: TensorEntry) -> tuple[str, str, tuple[int, ...], int, int]:
+    return entry.name, entry.dtype, tuple(entry.shape), entry.begin, entry.end
+
+
+class PayloadCache:
+    """Builds derived payloads once and keeps them within `max_bytes` (least recently used
+    dropped first). Concurrent requests for the same payload wait for the one build."""
+
+    def __init__(self, max_bytes: int = 1 << 30) -> None:
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[tuple[str, int, int, str], Payload] = OrderedDict()
+        self._building: dict[tuple[str, int, int, str], threading.Event] = {}
+        self.builds = 0  # how many payloads were derived (a cast happens once per version)
+
+    def get(self, target, base=None, dtype: str = "") -> Payload:
+        """The payload for `target` (a store Version): a delta against `base` (a Version of
+        the same model, or None) and/or a cast to `dtype`."""
+        if dtype and dtype not in CAST_TARGETS:
+            raise InvalidRequest(f"cannot cast to {dtype!r}: choose one of {', '.join(CAST_TARGETS)} or ''")
+        if base is not None and not _compatible(base, target):
+            base = None  # tensors do not line up: send everything
+        if base is not None and not dtype and not _unchanged(base, target):
+            base = None  # every tensor changed: the version's own file is the delta, as is
+        if base is None and not dtype:
+            return Payload(target.data, target.xxh3)
+        key = (target.model, target.version, base.version if base is not None else 0, dtype)
+        while True:
+            with self._lock:
+                payload = self._entries.get(key)
+                if payload is not None:
+                    self._entries.move_to_end(key)
+                    return payload
+                waiter = self._building.get(key)
+                if waiter is None:
+                    self._building[key] = threading.Event()
+                    break
+            waiter.wait()
+        try:
+            payload = self._build(target, base, dtype)
+            with self._lock:
+                self.builds += 1
+                self._entries[key] = payload
+                self._trim()
+            return payload
+        finally:
+            with self._lock:
+                self._building.pop(key).set()
+
+    def keys(self) -> list[tuple[str, int, int, str]]:
+        with self._lock:
+            return list(self._entries)
+
+    def forget(self, model: str, version: int) -> None:
+        """Drop every payload derived from (or against) an evicted version."""
+        with self._lock:
+            for key in [k for k in self._entries if k[0] == model and version in (k[1], k[2])]:
+                del self._entries[key]
+
+    def _trim(self) -> None:
+        total = sum(p.byte_size for p in self._entries.values())
+        while total > self.max_bytes and len(self._entries) > 1:
+            _, dropped = self._entries.popitem(last=False)
+            total -= dropped.byte_size
+
+    @staticmethod
+    def _build(target, base, dtype: str) -> Payload:
+        if base is not None:
+            unchanged = _unchanged(base, target)
+            data = derive(target.data, target.header, keep=lambda e: e.name not in unchanged, dtype=dtype)
+        else:
+            data = derive(target.data, target.header, dtype=dtype)
+        return Payload(data, xxh3_hex(data), base.version if base is not None else 0, dtype)
+
+
+def _unchanged(base, target) -> set[str]:
+    """Names of the tensors whose bytes are the same in both versions (by digest)."""
+    return {name for name, digest in target.tensor_xxh3.items() if base.tensor_xxh3.get(name) == digest}
+
+
+def _compatible(base, target) -> bool:
+    """A delta needs the same tensor names, dtypes and shapes in both versions."""
+    layout = {(t.name, t.dtype, t.shape) for t in target.header.tensors}
+    return layout == {(t.name, t.dtype, t.shape) for t in base.header.tensors}
