@@ -32,8 +32,8 @@ from weightclient import (
     VersionNotFound,
     WeightClient,
     WeightServerError,
-    tensor_codec,
 )
+from weightclient import tensors as tensor_codec
 from weightclient.core.rpc_errors import error_from_rpc
 from weightserver.protocol.errors import ERROR_METADATA_KEY, clipped_repr
 from weightserver.v1 import weights_pb2 as pb

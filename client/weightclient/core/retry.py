@@ -1,0 +1,157 @@
+"""One deadline type and one retry policy for every caller: the client's calls, the updaters, the
+relay's follow loop, transport negotiation and the background publisher.
+
+A `Deadline` is a point in `time.monotonic()` time (or never). It is made once, from the
+caller's timeout, and handed down: a retry, a refetch or a next address gets what is left of
+it, never a fresh timeout. A `RetryPolicy` says how long to wait before each retry (doubling,
+with jitter so that many clients do not come back in step) and runs a call until it succeeds,
+raises something not retryable, or the deadline would pass during the next wait.
+
+>>> d = Deadline.after(None)
+>>> d.remaining() is None and not d.expired()
+True
+>>> RetryPolicy(first=0.1, longest=0.4, jitter=0.0).delay(5)
+0.4
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from weightserver.protocol.errors import ServerUnavailable
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """When a caller's time runs out: a `time.monotonic()` reading, or None for never."""
+
+    at: float | None = None
+
+    @classmethod
+    def after(cls, seconds: float | None) -> Deadline:
+        """The deadline `seconds` from now (None: never)."""
+        return cls(None if seconds is None else time.monotonic() + seconds)
+
+    def remaining(self) -> float | None:
+        """Seconds left, at least 0; None for no deadline. What a call or a retry is given."""
+        return None if self.at is None else max(0.0, self.at - time.monotonic())
+
+    def expired(self) -> bool:
+        return self.at is not None and time.monotonic() >= self.at
+
+    def within(self, seconds: float | None) -> float | None:
+        """`seconds`, cut to what is left (either may be None for unbounded)."""
+        left = self.remaining()
+        if seconds is None:
+            return left
+        return seconds if left is None else min(seconds, left)
+
+    def sooner(self, seconds: float | None) -> Deadline:
+        """This deadline or one `seconds` from now, whichever comes first."""
+        other = Deadline.after(seconds)
+        if other.at is None or (self.at is not None and self.at <= other.at):
+            return self
+        return other
+
+
+NEVER = Deadline()
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Waits between attempts: `first` seconds, doubling up to `longest`, each scaled by a
+    random factor in [1 - jitter, 1 + jitter]."""
+
+    first: float = 0.05
+    longest: float = 2.0
+    jitter: float = 0.5
+    retry_on: tuple[type[BaseException], ...] = (ServerUnavailable,)
+
+    def delay(self, attempt: int) -> float:
+        """Seconds to wait before retry `attempt` (0-based)."""
+        base = min(self.longest, self.first * 2 ** min(attempt, 62))
+        return base * (1.0 + self.jitter * (2.0 * random.random() - 1.0))
+
+    def wait(self, attempt: int, deadline: Deadline = NEVER, wake: threading.Event | None = None) -> bool:
+        """Sleep before retry `attempt`; False (at once) if the deadline would pass first. A set
+        `wake` event ends the wait early (say, the server is back)."""
+        delay = self.delay(attempt)
+        left = deadline.remaining()
+        if left is not None and delay >= left:
+            return False
+        if wake is not None:
+            wake.wait(delay)
+        else:
+            time.sleep(delay)
+        return True
+
+    async def wait_async(self, attempt: int, deadline: Deadline = NEVER, wake: asyncio.Event | None = None) -> bool:
+        """`wait` on an event loop."""
+        delay = self.delay(attempt)
+        left = deadline.remaining()
+        if left is not None and delay >= left:
+            return False
+        if wake is None:
+            await asyncio.sleep(delay)
+        else:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(wake.wait(), delay)
+        return True
+
+    def call(
+        self,
+        call: Callable[[Deadline], T],
+        deadline: Deadline,
+        what: str,
+        *,
+        move_on: Callable[[BaseException], bool] | None = None,
+    ) -> T:
+        """`call(deadline)` until it returns, retrying on `retry_on` while the deadline allows.
+        Only for idempotent calls. `move_on(error)`, for a client of several addresses, moves it
+        to the next address: tried at once after the first failure, then one per retry."""
+        attempt = 0
+        while True:
+            try:
+                return call(deadline)
+            except self.retry_on as exc:
+                if move_on is not None and move_on(exc) and attempt == 0:
+                    attempt += 1
+                    continue
+                if attempt == 0:
+                    log.warning("%s: %s; retrying for up to %s", what, type(exc).__name__, _seconds(deadline))
+                if not self.wait(attempt, deadline):
+                    raise
+                attempt += 1
+
+    async def call_async(self, call: Callable[[Deadline], Awaitable[T]], deadline: Deadline, what: str) -> T:
+        """`call` for coroutines."""
+        attempt = 0
+        while True:
+            try:
+                return await call(deadline)
+            except self.retry_on as exc:
+                if attempt == 0:
+                    log.warning("%s: %s; retrying for up to %s", what, type(exc).__name__, _seconds(deadline))
+                if not await self.wait_async(attempt, deadline):
+                    raise
+                attempt += 1
+
+
+def _seconds(deadline: Deadline) -> str:
+    left = deadline.remaining()
+    return "ever" if left is None else f"{left:.1f}s"
+
+
+DEFAULT_RETRY = RetryPolicy()
