@@ -238,6 +238,7 @@ class WeightServer:
             metrics=self.metrics,
         )
         add_weight_service(servicer, server)
+        self.servicer = servicer
         health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
         if self.config.upstream is not None:  # set before serving: no publish may slip in

@@ -60,7 +60,7 @@ from weightserver.v1 import weights_pb2_grpc as pb_grpc
 MODEL = "policy"
 WAIT = 10.0
 BIG = 1 << 20  # a 1 MiB leading tensor: uploads of 16+ chunks, so a stream can pause halfway
-STORE_LOGGER = "weightserver.storage.store"
+STORE_LOGGER = "weightserver.storage"
 
 
 # ---------------------------------------------------------------------- files

@@ -199,7 +199,7 @@ def test_a_retry_that_arrives_while_the_first_attempt_is_still_committing_waits_
     retry, on a new call, finds it once committed and answers with it."""
     server = make_server(data_dir=tmp_path / "data")
     store = server.store
-    write_group, verify = store._write_group, store._verify
+    write_group, verify = store._disk.write_group, store._checks.verify
     writing, release, verified = threading.Event(), threading.Event(), []
 
     def slow_write(records):
@@ -214,7 +214,7 @@ def test_a_retry_that_arrives_while_the_first_attempt_is_still_committing_waits_
 
     with WeightServiceClient(server.address) as client:
         assert client.publish_bytes(MODEL, payload(1)).version == 1
-        store._write_group, store._verify = slow_write, counted_verify
+        store._disk.write_group, store._checks.verify = slow_write, counted_verify
         try:
             with pytest.raises(DeadlineExceeded):
                 client.publish_bytes(MODEL, payload(2), publish_id=PUBLISH_ID, timeout=0.5)
@@ -225,7 +225,7 @@ def test_a_retry_that_arrives_while_the_first_attempt_is_still_committing_waits_
             thread.join(30)
         finally:
             release.set()
-            store._write_group, store._verify = write_group, verify
+            store._disk.write_group, store._checks.verify = write_group, verify
         assert outcome["result"].version == 2
         assert outcome["result"] == client.describe(MODEL, 2)
         assert [v.version for v in client.list_versions(MODEL)] == [1, 2]

@@ -15,7 +15,8 @@ import pytest
 import xxhash
 from waiting import wait_until
 
-import weightserver.storage.store as store_module
+import weightserver.protocol.digests as digests_module
+import weightserver.storage.hashing as hashing_module
 from tests.integration.test_errors import chunks, raw_raises
 from weightclient import IntegrityError, WeightServiceClient
 from weightserver.protocol.errors import InvalidRequest, ServerUnavailable, VersionNotFound
@@ -51,14 +52,14 @@ def publish_stream(data: bytes, *, sha256: str = "", xxh3: str = "", in_commit: 
 
 
 class HashGate:
-    """Holds the store's sha256 (weightserver.storage.store.sha256_hex) until opened: `entered` is set
+    """Holds the store's sha256 (weightserver.protocol.digests.sha256_hex) until opened: `entered` is set
     once a hash is waiting at the gate."""
 
     def __init__(self) -> None:
         self.opened = threading.Event()
         self.entered = threading.Event()
         self.calls = 0
-        self._real = store_module.sha256_hex
+        self._real = digests_module.sha256_hex
 
     def __call__(self, data) -> str:
         self.calls += 1
@@ -71,7 +72,7 @@ class HashGate:
 def gate(make_server, monkeypatch) -> Iterator[HashGate]:
     """Set up after make_server, so opened before any server stops (which waits for its hash)."""
     held = HashGate()
-    monkeypatch.setattr(store_module, "sha256_hex", held)
+    monkeypatch.setattr(digests_module, "sha256_hex", held)
     try:
         yield held
     finally:
@@ -261,7 +262,7 @@ def test_the_direct_api_still_computes_the_sha256_at_once_unless_only_an_xxh3_is
 def test_the_sha256_waits_out_its_delay_unless_a_reader_asks(monkeypatch) -> None:
     """The moments after a commit are the followers': the background sha256 waits
     SHA256_DELAY_SECONDS, unless a reader (a Fetch stream's header) asks for it."""
-    monkeypatch.setattr(store_module, "SHA256_DELAY_SECONDS", 3600.0)
+    monkeypatch.setattr(hashing_module, "SHA256_DELAY_SECONDS", 3600.0)
     store = VersionStore()
     data = make_file(1)
     record = store.publish(MODEL, data, xxh3=xxh3(data))

@@ -72,12 +72,12 @@ def test_a_publish_id_of_a_publish_committing_now_is_refused_to_other_models() -
     store = VersionStore()
     committing, finish = threading.Event(), threading.Event()
 
-    def on_commit(record) -> None:
-        committing.set()
-        finish.wait(WAIT)
+    def commit() -> None:
+        with store.commit([Upload("a", safetensors_file(64))], publish_id="x"):
+            committing.set()
+            finish.wait(WAIT)
 
-    upload = Upload("a", safetensors_file(64), on_commit=on_commit)
-    first = threading.Thread(target=store.publish_group, args=([upload],), kwargs={"publish_id": "x"})
+    first = threading.Thread(target=commit)
     first.start()
     try:
         assert committing.wait(WAIT)

@@ -233,8 +233,8 @@ def test_a_group_publish_becomes_visible_on_a_relay_all_at_once(make_server, mak
     relay = make_relay(primary)
     seen = []  # (model committed, its version, the other model's newest version at that moment)
     relay.store.subscribe(
-        lambda record: seen.append(
-            (record.model, record.version, held(relay, "critic" if record.model == "policy" else "policy"))
+        lambda commit: seen.extend(
+            (r.model, r.version, held(relay, "critic" if r.model == "policy" else "policy")) for r in commit.versions
         )
     )
     with WeightClient(primary.address) as trainer:

@@ -1,4 +1,4 @@
-"""IncomingDigests against the one-shot digests (payloads.xxh3_hex / tensor_digests, sha256,
+"""IncomingDigests against the one-shot digests (digests.xxh3_hex / tensor_digests, sha256,
 parse_header), whatever the cuts the bytes arrive in."""
 
 from __future__ import annotations
@@ -10,10 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weightserver.protocol.digests import PREFIX_BYTES, FileDigests, IncomingDigests
+from weightserver.protocol.digests import PREFIX_BYTES, FileDigests, IncomingDigests, tensor_digests, xxh3_hex
 from weightserver.protocol.errors import InvalidSafetensors
 from weightserver.protocol.safetensors_format import build_header, parse_header
-from weightserver.storage.payloads import tensor_digests, xxh3_hex
 
 
 def make_file(tensors: list[tuple[str, str, tuple[int, ...], bytes]], metadata: dict[str, str] | None = None) -> bytes:

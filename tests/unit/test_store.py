@@ -27,10 +27,11 @@ from weightserver.protocol.errors import (
     VersionNotFound,
     clipped_repr,
 )
+from weightserver.protocol.names import validate_model_name
 from weightserver.protocol.safetensors_format import build_header, parse_header
-from weightserver.storage.store import Upload, Version, VersionStore, validate_model_name
+from weightserver.storage.store import Commit, Upload, Version, VersionStore
 
-STORE_LOGGER = "weightserver.storage.store"
+STORE_LOGGER = "weightserver.storage"  # the store and its parts log under it
 
 # ---------------------------------------------------------------------------- helpers
 
@@ -604,17 +605,19 @@ def test_newer_than(store: VersionStore) -> None:
 
 
 def test_subscribe_is_called_after_commit(store: VersionStore) -> None:
-    seen: list[tuple[Version, Version]] = []
+    seen: list[tuple[Commit, Version]] = []
 
-    def listener(record: Version) -> None:
+    def listener(commit: Commit) -> None:
         # The version is already visible when the listener runs.
-        seen.append((record, store.get(record.model, record.version)))
+        [record] = commit.versions
+        seen.append((commit, store.get(record.model, record.version)))
 
     unsubscribe = store.subscribe(listener)
     first = store.publish("policy", payload(1))
     second = store.publish("critic", payload(2))
-    assert [(a.version, a.model) for a, _ in seen] == [(1, "policy"), (1, "critic")]
-    assert seen[0] == (first, first) and seen[1] == (second, second)
+    assert [(c.versions[0].version, c.versions[0].model) for c, _ in seen] == [(1, "policy"), (1, "critic")]
+    assert seen[0][1] == first and seen[1][1] == second
+    assert all(c.visible and not c.replayed and c.evicted == () for c, _ in seen)
     with pytest.raises(IntegrityError):
         store.publish("policy", payload(3), total_bytes=1)
     assert len(seen) == 2  # failed publishes notify nobody
@@ -628,40 +631,62 @@ def test_subscribe_is_called_after_commit(store: VersionStore) -> None:
 def test_multiple_listeners(store: VersionStore) -> None:
     a: list[int] = []
     b: list[int] = []
-    unsubscribe_a = store.subscribe(lambda r: a.append(r.version))
-    store.subscribe(lambda r: b.append(r.version))
+    unsubscribe_a = store.subscribe(lambda c: a.append(c.versions[0].version))
+    store.subscribe(lambda c: b.append(c.versions[0].version))
     store.publish("policy", payload(1))
     unsubscribe_a()
     store.publish("policy", payload(2))
     assert a == [1] and b == [1, 2]
 
 
-def test_on_commit_runs_before_any_reader_sees_the_version(tmp_path: Path) -> None:
+def test_a_commit_event_names_a_group_and_what_it_evicted() -> None:
+    store = VersionStore(keep=1)
+    heard: list[Commit] = []
+    store.subscribe(heard.append)
+    store.publish_group([Upload("policy", payload(1)), Upload("critic", payload(2))], publish_id="g1")
+    second = store.publish_group([Upload("policy", payload(3)), Upload("critic", payload(4))], publish_id="g2")
+    assert len(heard) == 2  # one event per commit, the group's versions in the uploads' order
+    assert heard[1].versions == tuple(second) and heard[1].publish_id == "g2"
+    assert [(v.model, v.version) for v in heard[1].evicted] == [("policy", 1), ("critic", 1)]
+
+
+def test_the_commit_body_runs_before_any_reader_sees_the_version(tmp_path: Path) -> None:
     store = VersionStore(tmp_path)
-    hooked: list[tuple[Version, list, bool]] = []
+    hooked: list[tuple[Version, list, bool, bool]] = []
     heard: list[int] = []
-
-    def on_commit(record: Version) -> None:
+    store.subscribe(lambda commit: heard.append(len(hooked)))
+    with store.commit([Upload("policy", payload(1))]) as commit:
+        [record] = commit.versions
         durable = (tmp_path / "policy" / f"{record.version:012d}.json").exists()
-        hooked.append((record, store.models(), durable))
-
-    store.subscribe(lambda record: heard.append(len(hooked)))
-    [record] = store.publish_group([Upload("policy", payload(1), on_commit=on_commit)])
-    assert hooked == [(record, [], True)]  # durable, not yet readable
-    assert heard == [1]  # listeners hear of it after the hook ran
-    with pytest.raises(IntegrityError):
-        store.publish_group([Upload("policy", payload(2), total_bytes=1, on_commit=on_commit)])
-    assert len(hooked) == 1  # a publish that fails calls no hook
-
-
-def test_a_failing_on_commit_is_logged_and_the_commit_stands(store: VersionStore, caplog) -> None:
-    def on_commit(record: Version) -> None:
-        raise OSError("no room")
-
-    with caplog.at_level(logging.ERROR, logger=STORE_LOGGER):
-        [record] = store.publish_group([Upload("policy", payload(1), on_commit=on_commit)])
+        hooked.append((record, store.models(), durable, commit.visible))
+    assert hooked == [(record, [], True, False)]  # durable, not yet readable
+    assert heard == [1]  # listeners hear of it after the body ran
     assert store.latest("policy") == record
+    with pytest.raises(IntegrityError), store.commit([Upload("policy", payload(2), total_bytes=1)]):
+        hooked.append(None)  # type: ignore[arg-type]
+    assert len(hooked) == 1  # a publish that fails runs no body
+
+
+def test_a_repeated_publish_id_is_a_replayed_commit_that_nobody_hears_of(store: VersionStore) -> None:
+    heard: list[Commit] = []
+    store.subscribe(heard.append)
+    first = store.publish("policy", payload(1), publish_id="once")
+    with store.commit([Upload("policy", payload(1))], publish_id="once") as commit:
+        assert commit.replayed and commit.versions == (first,)
+    assert len(heard) == 1 and not heard[0].replayed
+    assert numbers(store.versions("policy")) == [1]
+
+
+def test_a_failing_commit_body_or_listener_is_logged_and_the_commit_stands(store: VersionStore, caplog) -> None:
+    def listener(commit: Commit) -> None:
+        raise RuntimeError("listener down")
+
+    store.subscribe(listener)
+    with caplog.at_level(logging.ERROR, logger=STORE_LOGGER), store.commit([Upload("policy", payload(1))]) as commit:
+        raise OSError("no room")
+    assert store.latest("policy") == commit.versions[0]
     assert _logged(caplog, logging.ERROR, "failed on policy v1")
+    assert sum("failed on policy v1" in r.getMessage() for r in caplog.records) == 2  # the body, the listener
 
 
 # ---------------------------------------------------------------------------- persistence
@@ -765,7 +790,7 @@ def _assert_others_fine(store: VersionStore, expected: list[int]) -> None:
 
 def _logged(caplog, level: int, *fragments: str) -> bool:
     return any(
-        r.name == STORE_LOGGER and r.levelno >= level and all(f in r.getMessage() for f in fragments)
+        r.name.startswith(STORE_LOGGER) and r.levelno >= level and all(f in r.getMessage() for f in fragments)
         for r in caplog.records
     )
 
@@ -890,22 +915,22 @@ def test_reload_with_garbage_high_water(tmp_path: Path, caplog) -> None:
 
 
 def test_crash_between_data_and_manifest(tmp_path: Path, caplog, monkeypatch) -> None:
-    import weightserver.storage.store as store_module
+    import weightserver.storage.persistence as store_module
 
     store = _populate(tmp_path, 1)
-    real_write = store_module._atomic_write
+    real_write = store_module.atomic_write
 
     def failing_write(path: Path, data) -> None:
         if path.suffix == ".json":
             raise OSError("disk full")
         real_write(path, data)
 
-    monkeypatch.setattr(store_module, "_atomic_write", failing_write)
+    monkeypatch.setattr(store_module, "atomic_write", failing_write)
     with pytest.raises(OSError, match="disk full"):
         store.publish("policy", payload(2))
     assert numbers(store.versions("policy")) == [1]
     assert store.newer_than("policy", 1) is None
-    monkeypatch.setattr(store_module, "_atomic_write", real_write)
+    monkeypatch.setattr(store_module, "atomic_write", real_write)
     # The failed write removed the data file it had written; a crash there would have left it.
     data_path = tmp_path / "policy" / "000000000002.safetensors"
     assert not data_path.exists()
@@ -1049,7 +1074,7 @@ def test_concurrent_readers_only_see_verified_versions(tmp_path: Path) -> None:
 def test_a_publish_id_commits_once_and_is_kept_in_the_manifest(tmp_path: Path) -> None:
     store = VersionStore(tmp_path)
     heard: list[int] = []
-    store.subscribe(lambda record: heard.append(record.version))
+    store.subscribe(lambda commit: heard.extend(r.version for r in commit.versions))
     first = store.publish("policy", payload(1), publish_id="run-1/step-100")
     assert store.publish("policy", payload(1), publish_id="run-1/step-100") is first
     assert heard == [1]  # a repeat commits nothing, so nobody hears of it

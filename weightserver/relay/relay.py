@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import mmap
 import random
@@ -78,9 +77,10 @@ from weightserver.protocol.errors import (
     VersionEvicted,
     WeightServerError,
 )
+from weightserver.protocol.names import validate_model_name
 from weightserver.publish.incoming import IncomingPublish, IncomingPublishes
 from weightserver.relay.upstream import PRIMARY_METADATA_KEY, FetchedVersion, UpstreamClient, UpstreamLink
-from weightserver.storage.store import Upload, Version, VersionStore, validate_model_name
+from weightserver.storage.store import Commit, Upload, Version, VersionStore
 from weightserver.v1 import weights_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -597,14 +597,12 @@ class Relay:
         They are counted in the commit itself, before any reader can see them: a client that
         sees a version and then reads /metrics finds its bytes counted."""
 
-        def counted(f: FetchedVersion) -> Callable[[Version], None]:
-            def commit(record: Version) -> None:
+        def counted(commit: Commit) -> None:
+            for f, record in zip(fetched, commit.versions, strict=True):
                 if on_commit is not None:
                     on_commit(record)
                 self.metrics.relayed(record.model, f.moved, delta=f.delta)
                 self.metrics.published(record.model, record.byte_size, time.perf_counter() - started)
-
-            return commit
 
         uploads = [
             Upload(
@@ -614,13 +612,12 @@ class Relay:
                 xxh3=f.info.xxh3,
                 total_bytes=f.info.byte_size,
                 metadata=dict(f.info.metadata),
-                on_commit=counted(f),
             )
             for f in fetched
         ]
         created = fetched[0].info.created.ToNanoseconds() / 1e9
         try:
-            records = await self._commit(uploads, number, created)
+            records = await self._commit(uploads, number, created, counted)
         except VersionConflict:
             return  # committed meanwhile (a group's other follower)
         except _NEVER_FITS as exc:
@@ -641,10 +638,17 @@ class Relay:
             pairs = " ".join(f"{key}={value}" for key, value in fields.items() if key != "event")
             log.info("relay %s upstream=%s", pairs, self.address, extra=fields)
 
-    async def _commit(self, uploads: list[Upload], number: int, created: float) -> list[Version]:
-        """Commit in a worker thread (it hashes and may fsync); a cancelled caller (the relay
-        stopping) waits for a commit under way to finish."""
-        publish = functools.partial(self.store.publish_group, uploads, version=number, created=created)
+    async def _commit(
+        self, uploads: list[Upload], number: int, created: float, durable: Callable[[Commit], None]
+    ) -> list[Version]:
+        """Commit in a worker thread (it hashes and may fsync), calling `durable` before the
+        versions are visible; a cancelled caller (the relay stopping) waits for it to finish."""
+
+        def publish() -> list[Version]:
+            with self.store.commit(uploads, version=number, created=created) as commit:
+                durable(commit)
+            return list(commit.versions)
+
         committing = asyncio.get_running_loop().run_in_executor(None, publish)
         try:
             return await asyncio.shield(committing)

@@ -26,6 +26,7 @@ import grpc
 from weightserver.config import ServerConfig
 from weightserver.protocol import framing
 from weightserver.protocol.channel import bearer_metadata, channel_credentials
+from weightserver.protocol.digests import xxh3_hex
 from weightserver.protocol.errors import (
     CLIENT_ID_METADATA_KEY,
     ERROR_METADATA_KEY,
@@ -35,7 +36,7 @@ from weightserver.protocol.errors import (
 )
 from weightserver.protocol.limits import CHANNEL_OPTIONS, MAX_CHUNK_BYTES
 from weightserver.protocol.safetensors_format import TensorEntry
-from weightserver.storage.payloads import apply_delta, xxh3_hex
+from weightserver.storage.payloads import apply_delta
 from weightserver.storage.store import Version
 from weightserver.v1 import weights_pb2 as pb
 from weightserver.v1 import weights_pb2_grpc as pb_grpc

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from weightserver.protocol.channel import AUTHORIZATION_METADATA_KEY
 from weightserver.protocol.errors import AuthenticationRequired, InvalidRequest, PermissionDenied, clipped_repr
-from weightserver.storage.store import validate_model_name
+from weightserver.protocol.names import validate_model_name
 
 ROLES = ("reader", "publisher", "admin")  # each includes the rights of the ones before it
 MIN_TOKEN_CHARS = 16

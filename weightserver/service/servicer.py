@@ -26,7 +26,7 @@ import grpc
 from weightserver.config import ServerConfig, clamp_chunk_bytes
 from weightserver.metrics import NoMetrics
 from weightserver.protocol import framing
-from weightserver.protocol.digests import IncomingDigests
+from weightserver.protocol.digests import IncomingDigests, sha256_hex
 from weightserver.protocol.errors import (
     CLIENT_ID_METADATA_KEY,
     ERROR_METADATA_KEY,
@@ -42,13 +42,14 @@ from weightserver.protocol.errors import (
     clipped_repr,
     status_code_for,
 )
+from weightserver.protocol.names import validate_model_name
 from weightserver.publish.incoming import IncomingPublish, IncomingPublishes
 from weightserver.publish.priority import CommitsFirst, PublishTurn
 from weightserver.publish.staged_uploads import StagedUpload, StagedUploads
 from weightserver.service import wire
 from weightserver.service.auth import Principal, TokenTable
 from weightserver.storage.payloads import CAST_TARGETS, Payload, PayloadCache
-from weightserver.storage.store import Upload, Version, VersionStore, sha256_hex, validate_model_name
+from weightserver.storage.store import Commit, Upload, Version, VersionStore
 from weightserver.transports.bulk import BulkEndpoint
 from weightserver.transports.shared_memory import SharedMemoryFiles, SharedMemoryUpload
 from weightserver.v1 import weights_pb2 as pb
@@ -203,19 +204,19 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
             return None
         return self.tokens.authorize(context.invocation_metadata(), method, model)
 
-    def _on_commit(self, record: Version) -> None:
-        """Store listener: a commit may have evicted older versions of the model. A version
-        committed without its sha256 gets its shared-memory header rewritten once the store
-        has computed it, for readers of that file."""
-        self.forget_removed(record.model)
-        if not record.sha256 and self.shared_memory is not None:
-            model, version = record.model, record.version  # not the record: its bytes may go meanwhile
+    def _on_commit(self, commit: Commit) -> None:
+        """Store listener: a commit may have evicted older versions. A version committed without
+        its sha256 gets its shared-memory header rewritten once the store has computed it."""
+        for record in commit.versions:
+            self.forget_removed(record.model)
+            if not record.sha256 and self.shared_memory is not None:
+                self.store.sha256_of(record, hurry=False).add_done_callback(
+                    functools.partial(self._rewrite_shm_header, record.model, record.version)
+                )
 
-            def rewrite(future: Future[str]) -> None:
-                if future.exception() is None:
-                    self._write_shm_header(model, version)
-
-            self.store.sha256_of(record, hurry=False).add_done_callback(rewrite)
+    def _rewrite_shm_header(self, model: str, version: int, sha256: Future[str]) -> None:
+        if sha256.exception() is None:
+            self._write_shm_header(model, version)
 
     def _write_shm_header(self, model: str, version: int) -> None:
         """Write the header file beside a version's shared-memory file from the store's
@@ -369,10 +370,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
             )
         digests = _declared_sha256s(incoming, commit)
         uploads = [await model.as_upload(digest) for model, digest in zip(incoming, digests, strict=True)]
-        first = incoming[0].header
-        publish = functools.partial(
-            self.store.publish_group, uploads, version=first.version, publish_id=first.publish_id
-        )
+        publish = functools.partial(self._commit, incoming, uploads)
         committing = asyncio.get_running_loop().run_in_executor(self._publish_threads, publish)
         try:
             return await asyncio.shield(committing)
@@ -381,6 +379,16 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
             # thread: it finishes with the uploads before Publish cleans them up, and a retry
             # with the same publish id finds its version.
             await asyncio.wait([committing])
+
+    def _commit(self, incoming: list[_IncomingModel], uploads: list[Upload]) -> list[Version]:
+        """In a publish thread: each model's bytes adopt their version once it is durable and
+        before anyone can see it; on a replay of a publish id the bytes become nothing."""
+        first = incoming[0].header
+        with self.store.commit(uploads, version=first.version, publish_id=first.publish_id) as commit:
+            if not commit.replayed:
+                for model, record in zip(incoming, commit.versions, strict=True):
+                    model._adopt(record)
+        return list(commit.versions)
 
     # ------------------------------------------------------------------ describe
     @_unary
@@ -712,8 +720,12 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
                 with contextlib.suppress(RuntimeError):  # loop closed: the server is shutting down
                     loop.call_soon_threadsafe(queue.put_nowait, event)
 
+        def on_commit(commit: Commit) -> None:
+            for record in commit.versions:
+                on_event(record)
+
         # Subscribe before reading the backlog so no version can land between the two.
-        unsubscribes = [self.store.subscribe(on_event)]
+        unsubscribes = [self.store.subscribe(on_commit)]
         if request.incoming:
             unsubscribes.append(self.incoming.subscribe(on_event))
         self.metrics.watch_started(model)
@@ -907,16 +919,14 @@ class _IncomingModel:
             total_bytes=self.header.total_bytes,
             metadata=dict(self.header.metadata),
             pin=self.header.pin,
-            on_commit=self._adopt,
             digests=digests,
             xxh3=self.header.xxh3 or None,
         )
 
     def _adopt(self, record: Version) -> None:
-        """The store calls this once `record` is durable and before any reader can see it, under
-        the model's commit lock: a same-host fetch or a watcher that hears of the version finds
-        its file and header in place, and no pin can change `record` in between. Not called
-        when the publish repeats a publish id: the bytes then become nothing."""
+        """Phase 1 of the store's commit (durable, not yet visible, under the commit lock): a
+        same-host fetch or a watcher that hears of the version finds its file and header in
+        place, and no pin can change `record` in between."""
         self.committed = True
         if self.counted is not None:
             self.counted(record)

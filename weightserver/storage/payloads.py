@@ -1,11 +1,7 @@
-"""Payloads: the bytes a fetch sends, derived from a version once and shared by every fetcher.
-
-A payload is a safetensors file: the version itself, a delta (only the tensors whose xxh3
-differs from a base version's), a cast (float32 tensors as bfloat16 or float16), or both.
-`apply_delta` turns a delta back into the version's file (for a relay that fetched one).
-Derived payloads are built once per (version, base, dtype), even when many collectors ask at
-the same moment, and cached within a byte budget. Casting uses numpy; no torch.
-"""
+"""Payloads: the bytes a fetch sends, a safetensors file: the version itself, a delta (the
+tensors whose xxh3 differs from a base version's), a cast (float32 as bfloat16 or float16), or
+both. Derived ones are built once per (version, base, dtype) however many ask at once, and
+cached within a byte budget. `apply_delta` rebuilds a version from a delta. numpy, no torch."""
 
 from __future__ import annotations
 
@@ -14,8 +10,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import xxhash
-
+from weightserver.protocol.digests import xxh3_hex
 from weightserver.protocol.errors import InvalidRequest, InvalidSafetensors
 from weightserver.protocol.safetensors_format import (
     DTYPE_SIZES,
@@ -26,17 +21,6 @@ from weightserver.protocol.safetensors_format import (
 )
 
 CAST_TARGETS = ("BF16", "F16")
-
-
-def xxh3_hex(data: bytes | bytearray | memoryview) -> str:
-    return xxhash.xxh3_128_hexdigest(data)
-
-
-def tensor_digests(data: bytes | bytearray | memoryview, header: SafetensorsHeader) -> dict[str, str]:
-    """xxh3-128 of each tensor's bytes, by name."""
-    view = memoryview(data)
-    start = header.data_start
-    return {t.name: xxh3_hex(view[start + t.begin : start + t.end]) for t in header.tensors}
 
 
 @dataclass(frozen=True)
@@ -57,9 +41,8 @@ CAST_BLOCK_VALUES = 1 << 22  # 16 MiB of float32 at a time: a cast's temporaries
 
 
 def cast_f32(data: memoryview, dtype: str) -> memoryview:
-    """Little-endian float32 bytes -> `dtype` bytes, rounding to nearest even like torch. Cast
-    block by block into one output buffer: whole-tensor temporaries would add several times a
-    large tensor's size to the server's memory."""
+    """Little-endian float32 bytes -> `dtype` bytes, rounding to nearest even like torch; block by
+    block, as whole-tensor temporaries would cost several times a large tensor's size."""
     import numpy as np  # only servers that cast pay for the import
 
     values = np.frombuffer(data, dtype="<f4")
@@ -111,14 +94,9 @@ def apply_delta(
     byte_size: int,
     delta: bytes | bytearray | memoryview,
 ) -> bytearray | None:
-    """The inverse of `derive(..., keep=changed)`: a version's file rebuilt from the file of a
-    base version and a delta (a safetensors file of the tensors that changed). `layout` and
-    `byte_size` are the target version's tensors and size, as its description gives them.
-
-    The base's bytes, with each tensor the delta carries written over its own place: so it
-    needs the target laid out as the base is (same names, dtypes, shapes and offsets, same
-    size), else None. The result keeps the base's header, so a target whose header differs
-    otherwise (its `__metadata__`) rebuilds wrong: the caller checks the result's digest."""
+    """The inverse of `derive(..., keep=changed)`: the base's file with each tensor of `delta`
+    written over its place. `layout`, `byte_size`: the target's tensors and size; laid out
+    otherwise than the base: None. The base's header is kept, so the caller checks the digest."""
     if len(base) != byte_size or [_placement(t) for t in base_header.tensors] != [_placement(t) for t in layout]:
         return None
     try:

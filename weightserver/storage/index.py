@@ -1,0 +1,192 @@
+"""The index: each model's committed versions, its high-water mark and gaps, and the reads."""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from weightserver.protocol.errors import CursorOutOfRange, ModelNotFound, VersionEvicted, VersionNotFound
+from weightserver.protocol.names import validate_model_name
+from weightserver.protocol.safetensors_format import SafetensorsHeader
+
+# The largest version number: it fits a signed 64-bit integer, and the next one the proto's uint64.
+MAX_VERSION = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class Version:
+    """One committed, verified version. Immutable: a pin or a late sha256 replaces the record."""
+
+    model: str
+    version: int
+    data: bytes | bytearray | memoryview = field(repr=False)
+    sha256: str  # "" until the background worker has hashed it
+    created: float
+    metadata: Mapping[str, str]
+    header: SafetensorsHeader = field(repr=False)
+    pinned: bool = False
+    group: tuple[str, ...] = ()  # models committed together under this version number
+    xxh3: str = ""  # xxh3-128 of the whole file
+    tensor_xxh3: Mapping[str, str] = field(default_factory=dict, repr=False)  # per tensor, by name
+    description_bytes: int = 0  # its description as clients receive it, at most (0: not measured)
+    publish_id: str = ""  # the idempotency key of the publish that committed it ("": none)
+
+    @property
+    def byte_size(self) -> int:
+        return len(self.data)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """A model at a glance."""
+
+    model: str
+    latest_version: int
+    version_count: int
+    retained_bytes: int
+
+
+@dataclass
+class ModelState:
+    versions: dict[int, Version] = field(default_factory=dict)  # insertion order == version order
+    high_water: int = 0  # highest version ever committed, retained or not
+    removed: list[int] = field(default_factory=list)  # sorted; evicted or deleted (this process)
+    deleted: set[int] = field(default_factory=set)  # deleted on request (this process)
+    # A relay's versions of its upstream it will never hold (for unnamed ones, the highest number).
+    missed: list[int] = field(default_factory=list)  # sorted
+    commit_lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class VersionIndex:
+    """Models by name and the reads on them; `_lock` guards every ModelState."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._models: dict[str, ModelState] = {}
+
+    def latest(self, model: str) -> Version:
+        """The newest version of `model`; ModelNotFound if it has none."""
+        with self._lock:
+            return next(reversed(self._retained(model).versions.values()))
+
+    def get(self, model: str, version: int) -> Version:
+        """Exactly `version` of `model`; VersionEvicted / VersionNotFound / ModelNotFound."""
+        with self._lock:
+            state = self._retained(model)
+            record = state.versions.get(version)
+            if record is not None:
+                return record
+            retained = list(state.versions)
+            if version in state.deleted:
+                raise VersionNotFound(
+                    f"model {model!r}: version {version} was deleted; retained versions: {ranges(retained)}"
+                )
+            if 0 < version < retained[-1] and (version < retained[0] or contains(state.removed, version)):
+                raise VersionEvicted(
+                    f"model {model!r}: version {version} is no longer retained; the oldest retained "
+                    f"is {retained[0]} (retained: {ranges(retained)}); pin versions you need to keep"
+                )
+            raise VersionNotFound(f"model {model!r} has no version {version}; retained versions: {ranges(retained)}")
+
+    def newer_than(self, model: str, version: int) -> Version | None:
+        """The latest version if it is newer than `version`, else None (caller is up to date)."""
+        latest = self.latest(model)
+        if version > latest.version:
+            raise CursorOutOfRange(
+                f"model {model!r}: version {version} is ahead of the latest version {latest.version}; "
+                "the server may have restarted without --data-dir, or the version came from another server"
+            )
+        return latest if latest.version > version else None
+
+    def versions(self, model: str) -> list[Version]:
+        """Retained versions of `model`, oldest first."""
+        with self._lock:
+            return list(self._retained(model).versions.values())
+
+    def versions_after(self, model: str, since: int) -> tuple[list[Version], bool]:
+        """Retained versions newer than `since`, oldest first, and whether one after `since` was
+        evicted, deleted or missed (a gap). No versions yet and `since` 0: ``([], False)``; a
+        `since` above every version ever committed: CursorOutOfRange."""
+        validate_model_name(model)
+        with self._lock:
+            state = self._models.get(model)
+            high_water = state.high_water if state else 0
+            if since > high_water:
+                raise CursorOutOfRange(
+                    f"model {model!r}: since={since} is ahead of the latest version {high_water}; "
+                    "the server may have restarted without --data-dir; resubscribe with since=0"
+                )
+            if state is None:
+                return [], False
+            newer = [v for v in state.versions.values() if v.version > since]
+            # Also a removed version behind a pinned one that `newer` holds is a gap.
+            gap = any(bisect.bisect_right(numbers, since) < len(numbers) for numbers in (state.removed, state.missed))
+            return newer, gap
+
+    def gap_between(self, model: str, after: int, before: int) -> bool:
+        """Whether a version between `after` and `before` (excluded) was evicted, deleted or
+        missed: a watcher that saw `after` and then sees `before` missed it."""
+        with self._lock:
+            state = self._models.get(model)
+            if state is None:
+                return False
+            return any(
+                bisect.bisect_right(numbers, after) < bisect.bisect_left(numbers, before)
+                for numbers in (state.removed, state.missed)
+            )
+
+    def missed(self, model: str, version: int) -> None:
+        """Record that a relay will never hold `version`, one its upstream committed, so that
+        watchers hear of the gap; for versions of unknown numbers, the highest they may have."""
+        state = self._model_state(validate_model_name(model))
+        with self._lock:
+            if not contains(state.missed, version):
+                bisect.insort(state.missed, version)
+
+    def models(self) -> list[ModelInfo]:
+        """Every model that has retained versions, sorted by name."""
+        with self._lock:
+            return [
+                ModelInfo(
+                    model=name,
+                    latest_version=next(reversed(state.versions)),
+                    version_count=len(state.versions),
+                    retained_bytes=sum(v.byte_size for v in state.versions.values()),
+                )
+                for name, state in sorted(self._models.items())
+                if state.versions
+            ]
+
+    def _model_state(self, model: str) -> ModelState:
+        with self._lock:
+            return self._models.setdefault(model, ModelState())
+
+    def _retained(self, model: str) -> ModelState:
+        """The state of `model` if it retains versions, else ModelNotFound. Caller holds the lock."""
+        state = self._models.get(validate_model_name(model))
+        if state is None or not state.versions:
+            names = [name for name, other in sorted(self._models.items()) if other.versions]
+            raise ModelNotFound(f"no model {model!r} on this server; models: {quoted(names) or 'none yet'}")
+        return state
+
+
+def quoted(names: Sequence[str]) -> str:
+    return ", ".join(repr(n) for n in names)
+
+
+def contains(sorted_numbers: list[int], number: int) -> bool:
+    i = bisect.bisect_left(sorted_numbers, number)
+    return i < len(sorted_numbers) and sorted_numbers[i] == number
+
+
+def ranges(numbers: list[int]) -> str:
+    """[1, 2, 3, 7] -> '1-3, 7'."""
+    runs: list[list[int]] = []  # [first, last] of each run of consecutive numbers
+    for n in numbers:
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return ", ".join(str(first) if first == last else f"{first}-{last}" for first, last in runs) or "none"
