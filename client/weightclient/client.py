@@ -8,13 +8,13 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
-import xxhash
 from tensordict import TensorDict
 
 from weightclient import tensors as tensor_codec
 from weightclient.core.background_publisher import BackgroundPublisher, PublishFuture
 from weightclient.core.connection import remaining
 from weightclient.core.service_client import FetchStats, WeightServiceClient
+from weightserver.protocol.digests import xxh3_hex
 from weightserver.protocol.errors import IntegrityError, InvalidRequest, NotFoundError
 from weightserver.protocol.safetensors_format import parse_header
 from weightserver.protocol.version_info import TensorInfo, VersionInfo
@@ -77,7 +77,7 @@ def _check_delta(info: VersionInfo, tensors: dict[str, torch.Tensor], dtype: str
     if dtype:
         return
     for name, tensor in tensors.items():
-        digest = xxhash.xxh3_128_hexdigest(tensor_codec.tensor_bytes(tensor))
+        digest = xxh3_hex(tensor_codec.tensor_bytes(tensor))
         if expected[name].xxh3 and digest != expected[name].xxh3:
             raise IntegrityError(f"{info.model!r} v{info.version}: tensor {name!r} does not match its digest")
 
@@ -93,7 +93,7 @@ def _unchanged_from_base(
         if entry.name in changed:
             continue
         tensor = base.tensors.get(entry.name)
-        if tensor is None or xxhash.xxh3_128_hexdigest(tensor_codec.tensor_bytes(tensor)) != entry.xxh3:
+        if tensor is None or xxh3_hex(tensor_codec.tensor_bytes(tensor)) != entry.xxh3:
             return None
         unchanged[entry.name] = tensor
     return unchanged

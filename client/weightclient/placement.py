@@ -14,15 +14,13 @@ from collections.abc import Callable, Mapping
 
 import xxhash
 
+from weightserver.protocol.digests import BLOCK_BYTES, PREFIX_BYTES
 from weightserver.protocol.version_info import VersionInfo
 
 Placement = Callable[[VersionInfo], Mapping[str, memoryview] | None]
 """Called with a version's description before its bytes move: {tensor name: a writable view
 of exactly that tensor's byte size} for the tensors to place (the others are received into
 scratch and dropped), or None to receive the version normally."""
-
-PREFIX_BYTES = 8  # a safetensors file starts with the header's length, u64 little-endian
-BLOCK_BYTES = 1 << 20  # read and hash in blocks that stay in cache between the two
 
 
 def checked_views(place: Placement, info: VersionInfo) -> dict[str, memoryview] | None:

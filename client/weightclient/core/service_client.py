@@ -17,8 +17,6 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from typing import Any, TypeVar
 
-import xxhash
-
 from weightclient.core.connection import (
     PathLike,
     backoff_delay,
@@ -45,6 +43,7 @@ from weightclient.transports import (
 )
 from weightclient.transports.base import Progress
 from weightclient.transports.stream import OpenPublish
+from weightserver.protocol.digests import xxh3_hex
 from weightserver.protocol.errors import (
     DeadlineExceeded,
     IntegrityError,
@@ -358,7 +357,7 @@ class WeightServiceClient:
                         header, views, order, deadline, counted, spares, opened if in_place else None
                     )
                     if not uploaded:
-                        header.xxh3 = _xxh3(views)
+                        header.xxh3 = xxh3_hex(*views)
                     file = OutgoingFile(header, views, uploaded, carrier)
                     outgoing.append(file)
                     written_in_place = in_place and carrier is not None and carrier.written_in_place
@@ -576,7 +575,7 @@ class WeightServiceClient:
             else:
                 # A fast transport's progress is reported once, at the end (below).
                 data = transport.receive(offer, into=into, progress=None if fast else progress)
-                digest, announced = xxhash.xxh3_128_hexdigest(data), offer.payload.xxh3
+                digest, announced = xxh3_hex(data), offer.payload.xxh3
                 problem = f"xxh3 of the payload is {digest}, announced {announced}" if digest != announced else ""
             if problem and fast:
                 raise TransportFailed(f"{offer.label}: {problem}")
@@ -801,13 +800,6 @@ def _shifted(progress: Progress | None, offset: int, total: int) -> Progress | N
     if progress is None:
         return None
     return lambda done, _: progress(offset + done, total)
-
-
-def _xxh3(views: Sequence[memoryview]) -> str:
-    hasher = xxhash.xxh3_128()
-    for view in views:
-        hasher.update(view)
-    return hasher.hexdigest()
 
 
 def _fetch_request(
