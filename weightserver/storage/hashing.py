@@ -105,20 +105,6 @@ class Sha256Worker:
         )
 
 
-def hashed_aside(data: bytes | bytearray | memoryview) -> Future[str]:
-    """The sha256 of `data`, computed in a thread of its own (hashlib lets go of the GIL)."""
-    future = running_future()
-
-    def run() -> None:
-        try:
-            future.set_result(digests.sha256_hex(data))
-        except BaseException as exc:
-            future.set_exception(exc)
-
-    threading.Thread(target=run, name="weightserver-sha256", daemon=True).start()
-    return future
-
-
 def running_future() -> Future[str]:
     """A future nobody can cancel (it is running): several callers may wait on one sha256."""
     future: Future[str] = Future()

@@ -19,6 +19,7 @@ import json
 import logging
 import os
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from weightserver.protocol import digests
@@ -26,7 +27,6 @@ from weightserver.protocol.errors import IntegrityError, InvalidModelName, Stora
 from weightserver.protocol.files import FILE_SUFFIX, version_file_name
 from weightserver.protocol.names import MODEL_NAME, PUBLISH_ID, validate_model_name
 from weightserver.protocol.safetensors_format import parse_header
-from weightserver.storage.hashing import hashed_aside
 from weightserver.storage.index import MAX_VERSION, ModelState, Version, ranges
 
 log = logging.getLogger(__name__)
@@ -50,11 +50,12 @@ class Disk:
     def write_group(self, records: list[Version]) -> list[Version]:
         """Every data file, then every manifest (a crash leaves a torn group that `load` drops);
         a failed write removes what the group wrote. A record without a sha256 is hashed while
-        the files are written, so its manifest carries it: returns the records with their sha256s."""
-        hashing = {i: hashed_aside(record.data) for i, record in enumerate(records) if not record.sha256}
+        the files are written (hashlib lets go of the GIL), so its manifest carries it: returns
+        the records with their sha256s."""
         written: list[Path] = []
         try:
-            with self.writes():
+            with self.writes(), ThreadPoolExecutor(thread_name_prefix="weightserver-sha256") as pool:
+                hashing = {i: pool.submit(digests.sha256_hex, r.data) for i, r in enumerate(records) if not r.sha256}
                 for record in records:
                     (self.data_dir / record.model).mkdir(parents=True, exist_ok=True)
                     written.append(self.paths(record.model, record.version)[0])
@@ -99,17 +100,9 @@ class Disk:
         remove_logged(manifest_path)
 
     def write_manifest(self, record: Version) -> None:
-        manifest = {
-            "format": 1,
-            "model": record.model,
-            "version": record.version,
-            "byte_size": record.byte_size,
-            "sha256": record.sha256,
-            "created": record.created,
-            "metadata": dict(record.metadata),
-            "pinned": record.pinned,
-            "group": list(record.group),
-        }
+        fields = ("model", "version", "byte_size", "sha256", "created", "metadata", "pinned", "group")
+        manifest = {"format": 1, **{name: getattr(record, name) for name in fields}}
+        manifest.update(metadata=dict(record.metadata), group=list(record.group))
         if record.publish_id:  # so that a retry finds it after a restart too
             manifest["publish_id"] = record.publish_id
         atomic_write(self.paths(record.model, record.version)[1], json.dumps(manifest, indent=1).encode())

@@ -131,23 +131,17 @@ class VersionStore(VersionIndex):
     def commit(
         self, uploads: Sequence[Upload], *, version: int = 0, publish_id: str = "", created: float | None = None
     ) -> Iterator[Commit]:
-        """Verify several models' bytes and commit them under ONE version number, in two phases.
+        """Verify several models' bytes and commit them under ONE version number, in two phases:
 
-        1. The `with` body gets the Commit once its versions are durable and before anyone can
-           see them, under the models' commit locks: the publisher puts things in place beside
-           them and counts them there, so that whoever sees a version finds it counted. An
-           exception in it is logged; the commit stands.
-        2. On leaving the body the versions become visible, all of the group or none, and every
-           listener gets the Commit (`visible`, with `evicted`), still under the commit locks, so
-           it hears each model's versions in order.
+        1. the `with` body gets the Commit once it is durable, before anyone can see it, under
+           the commit locks: the publisher counts it there, so whoever sees it finds it counted.
+           An exception in the body is logged; the commit stands.
+        2. leaving it, the versions become visible (the whole group) and every listener gets the
+           Commit, still under the commit locks: each model's versions in order.
 
-        The number is `version` (at most MAX_VERSION), or one above every version the models
-        ever had. `publish_id`, an idempotency key: a publish that repeats one whose versions
-        are retained commits nothing: its Commit is `replayed` (the earlier versions) and no
-        listener hears of it; a repeat arriving mid-commit waits for it. An id names one publish
-        in the whole store (InvalidRequest otherwise). `created`: the commit time to record, for
-        a relay that keeps its upstream's; default now. After a crash mid-commit, the partial
-        group is dropped on restart.
+        `version`: the number (0: one above every version the models had). `publish_id`: a repeat
+        of a retained publish commits nothing: its Commit is `replayed`, no listener hears of it.
+        `created`: the commit time to record (a relay keeps its upstream's); default now.
         """
         if not uploads:
             raise InvalidRequest("a publish needs at least one model")
@@ -276,8 +270,7 @@ class VersionStore(VersionIndex):
         ServerUnavailable once the store is closed. Nobody can cancel it."""
         return self._sha256.sha256_of(record, hurry=hurry)
 
-    def _remove_files(self, records: list[Version]) -> None:
-        """The files of versions gone (after the commit locks are released)."""
+    def _remove_files(self, records: list[Version]) -> None:  # after the commit locks are released
         if self._disk is not None:
             self._disk.remove_files(records)
 
