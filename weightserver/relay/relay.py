@@ -1,24 +1,10 @@
-"""Relay: a server that follows another (`weightserver serve --upstream ADDRESS`) instead of
-taking publishes, so that collectors fetch from a server near them and the primary sends each
-version once per relay. A relay's upstream may be a relay: the tree is as deep as you make it.
-
-A relay is a client of its upstream (weightclient's WeightServiceClient, run in threads): it
-negotiates shared memory, bulk or the stream as any client does, receives publishes while they
-arrive (cut-through), fetches deltas against the version it holds, and retries with the client's
-RetryPolicy. Per model it keeps a Watch open since the newest version held and commits each
-version announced in its own VersionStore under the upstream's number, metadata, digests and
-commit time; its own watchers hear of a version only once the store holds it whole and verified.
-
-Missed versions (gone upstream before they were fetched, too large to hold, or a jump in the
-numbers after the upstream flagged a gap) are recorded (`VersionStore.missed`), so that this
-relay's watchers are told of the gap as a primary's are. After each poll, versions the upstream
-no longer retains are dropped (`_reconcile`); an eviction there counts as a delete on purpose:
-after the upstream restarts, an old deleted version looks evicted.
-
-Upstream away, or refusing this relay's credentials: the relay serves what it holds, sets the
-health service `weightserver.relay` to NOT_SERVING (last, after its metrics and one log line),
-and backs off. Changes (Publish, Negotiate to publish, DeleteVersion, PinVersion) raise
-NotPrimary naming the primary: the upstream, or the one a relay upstream names in its Watch.
+"""Relay (`weightserver serve --upstream ADDRESS`): a server that follows another instead of
+taking publishes, so that collectors fetch near them and the primary sends each version once per
+relay; relays of relays make a tree. A relay is a client of its upstream (WeightServiceClient,
+in threads): shared memory, bulk or the stream as negotiated, publishes received while they
+arrive, deltas, the client's retry rules. It commits each version the upstream's Watch announces
+under the upstream's number, metadata, digests and commit time; it records missed versions
+(gaps), drops those the upstream no longer retains, and refuses changes naming the primary.
 """
 
 from __future__ import annotations
@@ -68,27 +54,21 @@ from weightserver.storage.store import Upload, Version, VersionStore, validate_m
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-# The health service name whose status says whether the upstream answers.
 RELAY_HEALTH_SERVICE = "weightserver.relay"
 # Initial metadata of a relay's Watch: the primary, so a relay of a relay names the tree's root.
 PRIMARY_METADATA_KEY = "weightserver-primary"
-# Deadlines: a unary call; a Watch (then resubscribed, so even an upstream that vanished without
-# closing its connection is asked again); a fetch, whatever its size (16 GiB at 10 MiB/s: 28 min).
+# Deadlines: a unary call; a Watch (then resubscribed: an upstream gone silent is asked again); a fetch.
 CALL_SECONDS = 5.0
 WATCH_SECONDS = 60.0
 FETCH_SECONDS = 3600.0
 # A follower's waits after a failure, and the poll's while the upstream refuses this relay.
 BACKOFF = RetryPolicy(first=0.1, longest=5.0)
-# How long a follower that reached a group version waits for the followers of the group's
-# other models to reach it; then it commits its own model alone.
+# How long a follower waits for the other members of a group version; then it commits alone.
 GROUP_WAIT_SECONDS = 60.0
 # Publishes received while they arrive, awaiting their commit; beyond, the oldest are let go.
 MAX_INCOMING = 8
-# Versions a relay cannot hold whatever it tries: logged and skipped.
 _NEVER_FITS = (ModelTooLarge, DescriptionTooLarge, InvalidSafetensors)
-# The upstream's answers that refuse this relay itself (its credentials), not a call.
 _REFUSALS = (AuthenticationRequired, PermissionDenied)
-# The calls that would change versions, refused on a relay.
 _CHANGES = {"Publish": "publishes", "Negotiate": "publishes", "DeleteVersion": "deletes", "PinVersion": "pins"}
 
 
@@ -133,8 +113,7 @@ class _Subscription:
 
 @dataclass
 class _Incoming:
-    """A publish's bytes received from the upstream while they arrive there, passed on to this
-    relay's own followers as they land."""
+    """A publish's bytes received from the upstream while they arrive there, passed on as they land."""
 
     publish: IncomingPublish
     task: asyncio.Task[None]
@@ -153,11 +132,9 @@ class _Fetched:
 class Relay:
     """Follows `upstream` into `store`, on the running event loop, from `start()` to `stop()`.
 
-    `models`: the models to follow (None: every model the upstream has, later ones included).
-    `health`: the server's health servicer, for the `weightserver.relay` status. `incoming`: the
-    server's publishes in progress; with it, the relay receives each publish's bytes while they
-    arrive upstream and passes them on as they land, so depth adds about a chunk's latency, not
-    a transfer. `link`: how to dial the upstream (default plaintext, no token).
+    `models`: those to follow (None: all, later ones too). `health`: for `weightserver.relay`.
+    `incoming`: the server's publishes in progress, which the relay's cut-through feeds, so that
+    depth adds about a chunk's latency, not a transfer. `link`: default plaintext, no token.
     """
 
     def __init__(
