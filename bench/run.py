@@ -52,10 +52,10 @@ def row_registry() -> tuple[list[str], dict[str, Callable[..., list[Row]]], dict
     """(every row in table order, the sized rows' functions, the baselines each row needs)
     of bench/rows.py and bench/freshness.py together, and bench/fanout_tree.py's row (servers of
     its own, at 16 MiB whatever --sizes says)."""
-    from bench import fanout_tree, freshness, rows
+    from bench import fanout_tree, freshness, relay_follow, rows
 
     return (
-        [*rows.ROW_ORDER, *freshness.ROW_ORDER, fanout_tree.ROW],
+        [*rows.ROW_ORDER, *freshness.ROW_ORDER, fanout_tree.ROW, relay_follow.ROW],
         {**rows.SIZED_ROWS, **freshness.SIZED_ROWS},
         {**rows.NEEDS, **freshness.NEEDS},
     )
@@ -138,7 +138,7 @@ def environment() -> dict[str, object]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from bench import baselines, fanout_tree, large, rows
+    from bench import baselines, fanout_tree, large, relay_follow, rows
     from weightclient import WeightClient
     from weightserver.process import ServerProcess
 
@@ -189,11 +189,16 @@ def main(argv: list[str] | None = None) -> int:
         )
     if fanout_tree.ROW in wanted:  # a primary, 4 relays and 32 collectors of its own
         results += guarded(fanout_tree.ROW, fanout_tree.SIZE, fanout_tree.fanout_tree, args.repeats, args.transport)
+    if relay_follow.ROW in wanted:  # a primary and relays of its own, per transport
+        results += guarded(relay_follow.ROW, relay_follow.SIZE, relay_follow.relay_follow, args.repeats)
     if large.ROW in wanted:  # last, on a server of its own: it needs the memory the others held
         results += guarded(large.ROW, large.TENSOR_BYTES, large.roundtrip_4gib, args.repeats)
 
     elapsed = time.perf_counter() - started
-    order = {name: i for i, name in enumerate([*BASELINES, "single_collector", *row_order, *fanout_tree.NAMES])}
+    order = {
+        name: i
+        for i, name in enumerate([*BASELINES, "single_collector", *row_order, *fanout_tree.NAMES, *relay_follow.NAMES])
+    }
     results.sort(
         key=lambda r: (r.kind != "baseline", order.get(r.name, order.get(ALIASES.get(r.name, ""), 99)), r.size or 0)
     )

@@ -12,6 +12,7 @@ import socket
 import threading
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -22,8 +23,6 @@ from weightserver.config import ServerConfig, url_host
 from weightserver.metrics import NoMetrics, ServerMetrics
 from weightserver.protocol import framing
 from weightserver.protocol.limits import MAX_MESSAGE_BYTES
-from weightserver.relay.relay import Relay
-from weightserver.relay.upstream import UpstreamLink
 from weightserver.service import wire
 from weightserver.service.auth import TokenTable
 from weightserver.service.servicer import WeightServicer
@@ -31,6 +30,9 @@ from weightserver.storage.store import VersionStore
 from weightserver.transports.bulk import BulkEndpoint
 from weightserver.transports.shared_memory import SharedMemoryFiles, server_shm_dir
 from weightserver.v1 import weights_pb2 as pb
+
+if TYPE_CHECKING:  # the relay is a client of its upstream: imported by relays only
+    from weightserver.relay.relay import Relay, UpstreamLink
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +110,11 @@ class WeightServer:
         # A bad token file stops the server here, before it binds a port; so does a bad PEM file
         # of the relay's link to its upstream.
         self.tokens = TokenTable.load(self.config.auth_tokens) if self.config.auth_tokens else None
-        self.upstream_link = UpstreamLink.from_config(self.config) if self.config.upstream is not None else None
+        self.upstream_link: UpstreamLink | None = None
+        if self.config.upstream is not None:
+            from weightserver.relay.relay import UpstreamLink
+
+            self.upstream_link = UpstreamLink.from_config(self.config)
         self.port: int = 0
         # The bound port of /metrics (with config.metrics_port), once started.
         self.metrics_port: int | None = None
@@ -242,6 +248,8 @@ class WeightServer:
         health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
         if self.config.upstream is not None:  # set before serving: no publish may slip in
+            from weightserver.relay.relay import Relay
+
             self.relay = servicer.relay = Relay(
                 self.store,
                 self.config.upstream,

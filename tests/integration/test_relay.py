@@ -470,3 +470,24 @@ def test_a_relay_holds_no_version_its_upstream_evicted(make_server, make_relay):
     wait_equal(lambda: retained(relay, "policy"), [3, 4], what="the relay keeps what the primary keeps")
     with pytest.raises(VersionEvicted):
         fetched(relay, "policy", 1)
+
+
+@pytest.mark.parametrize(("primary_settings", "transport"), [({}, "shm"), ({"shm_dir": None}, "bulk")])
+def test_a_relay_follows_over_shared_memory_on_the_same_host_else_bulk(
+    make_server, make_relay, primary_settings, transport
+):
+    """Issue 28: a relay is a client of its upstream, so it negotiates the fastest transport a
+    collector would: the primary's shared memory on the same host, else bulk TCP, not the stream."""
+    primary = make_server(metrics_port=0, **primary_settings)
+    relay = make_relay(primary, metrics_port=0)
+    with WeightClient(primary.address) as trainer:
+        trainer.publish(weights(1, big=64 * 1024), "policy")
+        wait_until(lambda: held(relay, "policy") == 1, timeout=10)
+    whole = primary.store.get("policy", 1).byte_size
+    moved = {
+        name: sample(primary, "weightserver_fetch_bytes_total", model="policy", transport=name) or 0
+        for name in ("shm", "bulk", "stream")
+    }
+    assert moved == {name: whole if name == transport else 0 for name in moved}
+    assert sample(relay, "weightserver_relay_fetch_bytes_total", model="policy", payload="whole") == whole
+    assert_same_versions(relay, primary, "policy", [1])

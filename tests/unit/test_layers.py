@@ -100,3 +100,11 @@ def test_pyproject_lists_every_package():
             relative = init.parent.relative_to(root / directory).parts
             found.add(".".join((name, *relative)))
     assert sorted(setuptools["packages"]) == sorted(found)
+
+
+def test_the_relay_is_a_client_of_its_upstream():
+    """Issue 28: the relay follows its upstream through the client core, with no generated
+    stubs (a second gRPC client) of its own."""
+    sources = {p.name: p.read_text() for p in (Path(__file__).parents[2] / "weightserver" / "relay").glob("*.py")}
+    assert any("from weightclient.core" in text for text in sources.values())
+    assert [name for name, text in sources.items() if "weightserver.v1" in text or "import grpc\n" in text] == []

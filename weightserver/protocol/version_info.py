@@ -30,6 +30,7 @@ class VersionInfo:
     pinned: bool = False
     group: tuple[str, ...] = ()  # models published together under this version number
     xxh3: str = ""  # xxh3-128 of the whole file ("" from servers that predate it)
+    created_ns: int = field(default=0, compare=False, repr=False)  # `created` exactly (a relay keeps it)
 
     @classmethod
     def from_proto(cls, message: pb.VersionInfo) -> VersionInfo:
@@ -46,6 +47,7 @@ class VersionInfo:
             pinned=message.pinned,
             group=tuple(message.group),
             xxh3=message.xxh3,
+            created_ns=message.created.ToNanoseconds(),
         )
 
 

@@ -1,18 +1,10 @@
 """One relay per Ray node: `place_relays(primary)` starts ``weightserver serve --upstream
-PRIMARY`` on every node of a Ray cluster, and `node_relay_address()` gives a collector (a Ray
-actor or task) the address of its own node's relay, so it fetches over shared memory.
-
-Each relay runs in a Ray actor pinned to its node (NodeAffinitySchedulingStrategy, soft=False),
-which starts the server as a child process on 127.0.0.1 and a free port: it serves the
-collectors of its node only, as shared memory does. The actor is named after the node
-(`relay_actor_name`), in the namespace `RELAY_NAMESPACE`, which is how collectors find it.
-`ray` is an optional dependency (the `ray` extra): it is imported only when these functions
-run, so the server package imports without it.
+PRIMARY`` on every node, in an actor pinned to it and named after it (`relay_actor_name`, in
+`RELAY_NAMESPACE`); `node_relay_address()` gives a collector its own node's relay, so it fetches
+over shared memory. `ray` (the `ray` extra) is imported only when these functions run.
 
 >>> relays = place_relays("10.0.0.5:50051")                       # doctest: +SKIP
->>> relays.addresses                                               # doctest: +SKIP
-{'8f1c...': '127.0.0.1:40321', 'a2d7...': '127.0.0.1:38817'}
->>> node_relay_address()      # inside an actor on node 8f1c...    # doctest: +SKIP
+>>> node_relay_address()      # inside an actor on a node          # doctest: +SKIP
 '127.0.0.1:40321'
 >>> relays.stop()                                                  # doctest: +SKIP
 """
@@ -49,12 +41,8 @@ def relay_actor_name(node_id: str) -> str:
 
 
 class RelayServer:
-    """The body of a relay actor: a ``weightserver serve --upstream`` child process, started by
-    the constructor, which returns once it serves (so an actor's methods, which wait for its
-    constructor, never see a relay that is not up yet).
-
-    Plain Python (`place_relays` wraps it with ``ray.remote``), so it can be used without Ray.
-    """
+    """A relay actor's body (plain Python): a ``weightserver serve --upstream`` child process,
+    serving once the constructor returns, so the actor's methods never see it not up yet."""
 
     def __init__(
         self, upstream: str, args: Sequence[str] = (), timeout: float = 60.0, tls: RelayTLS | None = None
@@ -139,14 +127,9 @@ def place_relays(
     timeout: float = 60.0,
     tls: RelayTLS | None = None,
 ) -> RelayPlacement:
-    """Start one relay of `upstream` on each alive Ray node (or each of `node_ids`) and return
-    once every relay serves. `args`: more ``weightserver serve`` arguments (``--models``,
-    ``--keep``, ...); with ``--tls-cert`` among them the relays serve TLS only, and `tls` says
-    how to check that each serves. Call from a process connected to Ray (``ray.init``).
-
-    Each relay's actor asks for no CPU, so it never takes a slot from a collector; it is pinned
-    to its node (soft=False: if the node goes, so does its relay; it is not moved).
-    """
+    """Start one relay of `upstream` on each alive Ray node (or `node_ids`); return once all
+    serve. `args`: more ``weightserver serve`` arguments (with ``--tls-cert``, `tls` says how to
+    check them). Each actor asks for no CPU and is pinned to its node (soft=False)."""
     import ray
 
     remote = ray.remote(num_cpus=0)(RelayServer)
@@ -168,11 +151,7 @@ def place_relays(
 
 
 def node_relay_address(timeout: float = 30.0) -> str:
-    """The address of the relay on the Ray node this code runs on (in an actor or a task).
-
-    Waits up to `timeout` seconds for `place_relays` to have started it; raises LookupError
-    naming the node if there is none.
-    """
+    """The address of this Ray node's relay, waiting up to `timeout` for it (LookupError)."""
     import ray
 
     node_id = ray.get_runtime_context().get_node_id()

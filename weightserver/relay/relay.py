@@ -1,66 +1,35 @@
-"""Relay: a server that follows another (`weightserver serve --upstream ADDRESS`) instead of
-taking publishes, so that collectors can fetch from a server near them and the primary sends
-each version once per relay, not once per collector.
-
-For each model it follows, a relay keeps a Watch open on its upstream, since the newest version
-it holds, and fetches each version the Watch announces once: as a delta against the version it
-holds when it holds one (weightserver.relay.upstream), rebuilt whole and checked. It commits the
-version in its own VersionStore under the upstream's number, metadata and commit time; the
-store checks its size, sha256 and xxh3 against the upstream's, so the relay's description and
-digests are the upstream's. Its own watchers hear of a version only once the store holds it
-whole and verified, and every transport serves it like any version. A relay's upstream may be a
-relay: the tree is as deep as you make it.
-
-Missed versions: a version announced but gone upstream before it was fetched (or one the relay
-cannot hold) is recorded in the store as missed (`VersionStore.missed`), and so is a jump in
-the numbers after the upstream flagged a gap, so that this relay's watchers are told of the gap
-as a primary's are.
-
-Deletes: after each poll, the versions held are checked against the upstream's
-(`_reconcile`), and those it no longer retains, deleted or evicted there, are dropped: a delete
-on the primary leaves a relay within a poll interval, and a relay restarted on its data dir
-drops at its first poll what was deleted while it was down. An eviction upstream is treated as
-a delete on purpose: after the upstream restarts, an old deleted version looks evicted.
-
-Models: those named (`--models`), else every model the upstream lists, polled every
-`poll_seconds` (ListModels), and any model a group publish names. A group publish (several
-models under one number) is committed together, as on the primary, once the follower of each of
-its models has reached it; a member this relay does not follow is left out of it.
-
-Upstream away: the poll and the Watch calls notice it; the relay keeps serving what it holds,
-sets the health service `weightserver.relay` to NOT_SERVING (the server itself stays SERVING)
-and `weightserver_relay_upstream_up` to 0, and retries with backoff (woken at once when the
-poll reaches the upstream again). Each Watch resubscribes since the newest version held, so the
-upstream replays every retained version the relay missed.
-
-Upstream refusing the relay (its token missing, unknown or too small: UNAUTHENTICATED,
-PERMISSION_DENIED): reported as "away" is, and besides `weightserver_relay_upstream_refused`
-is 1; one error is logged naming the cause and what to set (--upstream-token-file or
-$WEIGHTSERVER_UPSTREAM_TOKEN), and the poll backs off as the followers do, so a relay with the
-wrong token asks a few times a minute, not continuously. A TLS handshake that fails shows as the
-upstream being away (gRPC reports it as UNAVAILABLE); the warning says which TLS options to check.
-
-Changes are refused: Publish, Negotiate to publish, DeleteVersion and PinVersion raise
-NotPrimary naming the primary, which is the upstream, or the primary the upstream names in its
-Watch's initial metadata when it is a relay itself.
+"""Relay (`weightserver serve --upstream ADDRESS`): a server that follows another instead of
+taking publishes, so that collectors fetch near them and the primary sends each version once per
+relay; relays of relays make a tree. A relay is a client of its upstream (WeightServiceClient,
+in threads): shared memory, bulk or the stream as negotiated, publishes received while they
+arrive, deltas, the client's retry rules. It commits each version the upstream's Watch announces
+under the upstream's number, metadata, digests and commit time; it records missed versions
+(gaps), drops those the upstream no longer retains, and refuses changes naming the primary.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import mmap
-import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import NoReturn
+from pathlib import Path
+from typing import NoReturn, TypeVar
 
 from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import aio as health_aio
 
+from weightclient.core.retry import RetryPolicy
+from weightclient.core.service_client import WeightServiceClient
+from weightserver.config import ServerConfig
 from weightserver.metrics import NoMetrics
+from weightserver.protocol.channel import channel_credentials
+from weightserver.protocol.digests import xxh3_hex
 from weightserver.protocol.errors import (
     AuthenticationRequired,
     DeadlineExceeded,
@@ -77,30 +46,55 @@ from weightserver.protocol.errors import (
     VersionEvicted,
     WeightServerError,
 )
+from weightserver.protocol.limits import MAX_CHUNK_BYTES
 from weightserver.protocol.names import validate_model_name
+from weightserver.protocol.version_info import Arriving, ModelSummary, VersionEvent, VersionInfo
 from weightserver.publish.incoming import IncomingPublish, IncomingPublishes
-from weightserver.relay.upstream import PRIMARY_METADATA_KEY, FetchedVersion, UpstreamClient, UpstreamLink
+from weightserver.storage.payloads import apply_delta
 from weightserver.storage.store import Commit, Upload, Version, VersionStore
-from weightserver.v1 import weights_pb2 as pb
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
-# The health service name whose status says whether the upstream answers.
 RELAY_HEALTH_SERVICE = "weightserver.relay"
-# A follower's waits after a failure: doubling from the first to the last, with jitter.
-BACKOFF_FIRST_SECONDS = 0.1
-BACKOFF_MAX_SECONDS = 5.0
-# How long a follower that reached a group version waits for the followers of the group's
-# other models to reach it; then it commits its own model alone.
+# Initial metadata of a relay's Watch: the primary, so a relay of a relay names the tree's root.
+PRIMARY_METADATA_KEY = "weightserver-primary"
+# Deadlines: a unary call; a Watch (then resubscribed: an upstream gone silent is asked again); a fetch.
+CALL_SECONDS = 5.0
+WATCH_SECONDS = 60.0
+FETCH_SECONDS = 3600.0
+# A follower's waits after a failure, and the poll's while the upstream refuses this relay.
+BACKOFF = RetryPolicy(first=0.1, longest=5.0)
+# How long a follower waits for the other members of a group version; then it commits alone.
 GROUP_WAIT_SECONDS = 60.0
-# Publishes received early at once, awaiting their commit; beyond, the oldest are let go.
-MAX_EARLY = 8
-# Versions a relay cannot hold whatever it tries: logged and skipped.
+# Publishes received while they arrive, awaiting their commit; beyond, the oldest are let go.
+MAX_INCOMING = 8
 _NEVER_FITS = (ModelTooLarge, DescriptionTooLarge, InvalidSafetensors)
-# The upstream's answers that refuse this relay itself (its credentials), not a call.
 _REFUSALS = (AuthenticationRequired, PermissionDenied)
-# The calls that would change versions, refused on a relay.
 _CHANGES = {"Publish": "publishes", "Negotiate": "publishes", "DeleteVersion": "deletes", "PinVersion": "pins"}
+
+
+@dataclass(frozen=True)
+class UpstreamLink:
+    """How a relay dials its upstream: TLS (`tls`, with optional PEM files) and a bearer token."""
+
+    tls: bool = False
+    ca: Path | None = None
+    cert: Path | None = None
+    key: Path | None = None
+    token: str | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_config(cls, config: ServerConfig) -> UpstreamLink:
+        """The link `config`'s upstream_* settings describe; its PEM files are read now, so a bad
+        one stops the server before it binds its port (ValueError naming the option)."""
+        files = (config.upstream_tls_ca, config.upstream_tls_cert, config.upstream_tls_key)
+        if config.upstream_uses_tls:
+            try:
+                channel_credentials(*files, names=("--upstream-tls-ca", "--upstream-tls-cert", "--upstream-tls-key"))
+            except OSError as exc:
+                raise ValueError(f"cannot read the upstream's TLS file {exc.filename}: {exc.strerror}") from None
+        return cls(config.upstream_uses_tls, *files, token=config.upstream_token)
 
 
 @dataclass
@@ -120,25 +114,29 @@ class _Subscription:
 
 
 @dataclass
-class _Early:
-    """A publish's bytes received from the upstream while they arrive there (cut-through),
-    passed on to this relay's own followers as they land (`arriving`)."""
+class _Incoming:
+    """A publish's bytes received from the upstream while they arrive there, passed on as they land."""
 
-    arriving: IncomingPublish
-    buffer: memoryview
+    publish: IncomingPublish
     task: asyncio.Task[None]
+
+
+@dataclass(frozen=True)
+class _Fetched:
+    """A version fetched from the upstream, whole."""
+
+    info: VersionInfo
+    data: bytes | bytearray | memoryview = field(repr=False)
+    moved: int  # payload bytes received: a delta's, or the whole file's (and a discarded delta's)
+    delta: bool  # rebuilt from a delta against the version held
 
 
 class Relay:
     """Follows `upstream` into `store`, on the running event loop, from `start()` to `stop()`.
 
-    `models`: the models to follow (None: every model the upstream has, including later ones).
-    `health`: the server's health servicer, for the `weightserver.relay` status.
-    `incoming`: the server's publishes-as-they-arrive (cut-through): with it, the relay receives
-    each publish's bytes while they arrive upstream and passes them on to its own followers as
-    they land, so that depth adds about a chunk's latency, not a transfer; it commits them once
-    the upstream's commit names them and they match.
-    `link`: how to dial the upstream (TLS, bearer token); default plaintext without a token.
+    `models`: those to follow (None: all, later ones too). `health`: for `weightserver.relay`.
+    `incoming`: the server's publishes in progress, which the relay's cut-through feeds, so that
+    depth adds about a chunk's latency, not a transfer. `link`: default plaintext, no token.
     """
 
     def __init__(
@@ -158,7 +156,7 @@ class Relay:
         self.on_removed = on_removed  # called with the model after a version went (on the event loop)
         self.link = link or UpstreamLink()
         self.incoming = incoming
-        self._early: dict[str, _Early] = {}  # by the upstream's announcement id
+        self._incoming: dict[str, _Incoming] = {}  # by the upstream's announcement id
         self.address = upstream
         self.models = None if models is None else frozenset(validate_model_name(m) for m in models)
         self.poll_seconds = poll_seconds
@@ -168,7 +166,9 @@ class Relay:
         self.upstream_refused = False  # the upstream refuses this relay's credentials (as last heard)
         self.upstream_error: str | None = None  # why the upstream is away or refuses, while it is
         self.upstream_latest: dict[str, int] = {}  # model -> the upstream's newest version, as last heard
-        self._client: UpstreamClient | None = None
+        self._client: WeightServiceClient | None = None
+        self._threads = ThreadPoolExecutor(64, thread_name_prefix="weightserver-relay")  # the client blocks
+        self._upstream_primary: str | None = None  # named by the upstream's Watch when it is a relay
         self._tasks: dict[str, asyncio.Task[None]] = {}  # "" polls, each model's follows it
         self._groups: dict[int, _GroupCommit] = {}
         self._upstream_back = asyncio.Event()  # set (and replaced) when the upstream answers again
@@ -184,8 +184,7 @@ class Relay:
     @property
     def primary(self) -> str:
         """The address of the primary: the upstream's own primary when it is a relay."""
-        named = self._client.primary if self._client is not None else None
-        return named or self.address
+        return self._upstream_primary or self.address
 
     def watch_metadata(self) -> tuple[tuple[str, str], ...]:
         """Initial metadata of the Watch calls this relay serves: the primary, for relays below."""
@@ -200,7 +199,18 @@ class Relay:
 
     async def start(self, client_id: str | None = None) -> None:
         """Start following; `client_id` names this relay to its upstream (logs, per-client metrics)."""
-        self._client = UpstreamClient(self.address, client_id, self.link)
+        link = self.link
+        self._client = WeightServiceClient(
+            self.address,
+            timeout=CALL_SECONDS,
+            chunk_bytes=MAX_CHUNK_BYTES,
+            client_id=client_id,
+            token=link.token or "",  # "": not the client's $WEIGHTSERVER_TOKEN
+            tls=link.tls,
+            tls_ca=link.ca,
+            tls_cert=link.cert,
+            tls_key=link.key,
+        )
         self.metrics.upstream_up(False)
         if self.health is not None:  # until the upstream first answers
             await self.health.set(RELAY_HEALTH_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -212,10 +222,10 @@ class Relay:
             self.address,
             ", ".join(sorted(self.models)) if self.models is not None else "all",
             self.poll_seconds,
-            "TLS" if self.link.tls else "plaintext",
-            "with a token" if self.link.token else "no token",
+            "TLS" if link.tls else "plaintext",
+            "with a token" if link.token else "no token",
         )
-        if self.link.token and not self.link.tls:
+        if link.token and not link.tls:
             log.warning(
                 "relay: the upstream token travels in plaintext to %s; dial it over TLS (--upstream-tls-ca) "
                 "unless the network between them is private",
@@ -223,13 +233,20 @@ class Relay:
             )
 
     async def stop(self) -> None:
-        """Stop following; a commit under way finishes first."""
-        tasks = list(self._tasks.values()) + [early.task for early in self._early.values()]
+        """Stop following; a commit under way finishes first. Closing the client ends its calls
+        still running in threads."""
+        tasks = list(self._tasks.values()) + [incoming.task for incoming in self._incoming.values()]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         if self._client is not None:
-            await self._client.close()
+            await asyncio.to_thread(self._client.close)
+        self._threads.shutdown(wait=False, cancel_futures=True)
+
+    async def _blocking(self, call: Callable[..., T], *args: object, **kwargs: object) -> T:
+        """`call` (the client's, which blocks) in this relay's threads."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._threads, functools.partial(call, *args, **kwargs))
 
     # ------------------------------------------------------------------ the upstream's models
     def _follows(self, model: str) -> bool:
@@ -240,17 +257,16 @@ class Relay:
             self._tasks[model] = asyncio.create_task(self._follower(model), name=f"weightserver-relay-{model}")
 
     async def _poll(self) -> None:
-        """Ask the upstream for its models every `poll_seconds`: a new one is followed (when all
-        are), and the answer (or its absence) says whether the upstream is up."""
+        """Ask the upstream for its models every `poll_seconds` (longer while it refuses this
+        relay): a new one is followed, and the answer or its absence says whether it is up."""
         assert self._client is not None
-        refusals = 0  # in a row: the poll backs off while the upstream refuses this relay
+        refusals = 0  # in a row
         while True:
             try:
-                summaries = await self._client.list_models()
-            except WeightServerError as exc:
-                await self._report(False, exc)
+                summaries = await self._blocking(self._client.list_models)
             except Exception as exc:
-                log.exception("polling the upstream %s failed", self.address)
+                if not isinstance(exc, WeightServerError):
+                    log.exception("polling the upstream %s failed", self.address)
                 await self._report(False, exc)
             else:
                 await self._report(True)
@@ -263,7 +279,7 @@ class Relay:
                 except WeightServerError as exc:  # the upstream went away meanwhile: the next poll
                     log.info("relay: checking the versions held against %s failed: %s", self.address, exc)
             refusals = refusals + 1 if self.upstream_refused else 0
-            await asyncio.sleep(max(self.poll_seconds, _backoff_seconds(refusals - 1) if refusals else 0.0))
+            await asyncio.sleep(max(self.poll_seconds, BACKOFF.delay(refusals - 1) if refusals else 0.0))
 
     def _heard(self, model: str, version: int, *, exact: bool = False) -> None:
         """The upstream's latest version of `model` is `version` (`exact`), or at least that."""
@@ -272,9 +288,8 @@ class Relay:
         self.metrics.upstream_latest(model, latest)
 
     async def _report(self, up: bool, error: BaseException | None = None) -> None:
-        """Record whether the upstream answers, and if not whether it refuses this relay: health,
-        metrics, one log line per change; when it answers again, followers waiting to retry go
-        at once."""
+        """Record whether the upstream answers, and whether it refuses this relay: metrics, one
+        log line per change, then health; when it answers again, waiting followers go at once."""
         refused = not up and isinstance(error, _REFUSALS)
         if refused:
             self.metrics.upstream_refusal()
@@ -309,7 +324,6 @@ class Relay:
             await self.health.set(RELAY_HEALTH_SERVICE, status)
 
     def _refusal_advice(self) -> str:
-        """What to set when the upstream refuses this relay's token."""
         if not self.link.token:
             return (
                 "it requires a token: give the relay one with --upstream-token-file FILE or "
@@ -321,7 +335,7 @@ class Relay:
         )
 
     def _handshake_advice(self) -> str:
-        """What to check when the upstream is unreachable: maybe TLS is the cause."""
+        """A failed TLS handshake looks like an upstream that is away (UNAVAILABLE)."""
         if self.link.tls:
             return (
                 " (if it is up, the TLS handshake may be what fails: --upstream-tls-ca must be the CA that "
@@ -331,17 +345,10 @@ class Relay:
         return " (if it is up and serves TLS, dial it with --upstream-tls-ca PEM or --upstream-tls)"
 
     # ------------------------------------------------------------------ deletes upstream
-    async def _reconcile(self, summaries: Sequence[pb.ModelSummary]) -> None:
-        """Drop every version this relay holds that its upstream no longer retains: deleted
-        there, or evicted. Called after each poll's ListModels (`summaries`), so a delete
-        reaches the relay within a poll interval; at start, the first poll drops what the
-        upstream deleted while the relay was down.
-
-        Each version held is checked against the upstream's ListVersions, only for a model
-        whose summary changed since it was last listed (the same latest version, count and
-        bytes mean the same versions: new ones are numbered above the latest), and only
-        versions this relay got since then otherwise; one missing there is dropped once
-        Describe confirms it is gone (not merely committed after the listing)."""
+    async def _reconcile(self, summaries: Sequence[ModelSummary]) -> None:
+        """Drop every version held that the upstream no longer retains. A model is listed again
+        only when its summary (latest, count, bytes) changed since it was last listed; a version
+        missing there is dropped once Describe confirms it is gone (not committed since)."""
         assert self._client is not None
         listed = {s.model: (s.latest_version, s.version_count, s.retained_bytes) for s in summaries}
         for model in [info.model for info in self.store.models()]:
@@ -357,7 +364,7 @@ class Relay:
             confirmed = held & retained
             for version in sorted(held - retained):
                 try:
-                    await self._client.describe(model, version)
+                    await self._blocking(self._client.describe, model, version)
                 except VersionEvicted:
                     await self._drop(model, version, evicted=True)
                 except NotFoundError:  # deleted (or the model is gone)
@@ -375,9 +382,10 @@ class Relay:
         except ModelNotFound:
             return []
 
-    async def _upstream_versions(self, model: str) -> list[pb.VersionInfo]:
+    async def _upstream_versions(self, model: str) -> list[VersionInfo]:
+        assert self._client is not None
         try:
-            return await self._client.list_versions(model) if self._client is not None else []
+            return await self._blocking(self._client.list_versions, model)
         except ModelNotFound:
             return []
 
@@ -404,50 +412,50 @@ class Relay:
         return held.version if held is not None else 0
 
     async def _follower(self, model: str) -> None:
-        """Watch `model` on the upstream since the newest version held, and relay each version
-        announced; after a failure, back off and resubscribe."""
+        """Watch `model` on the upstream since the newest version held and relay each version
+        announced; after a failure, back off (`BACKOFF`, woken when the poll reaches the
+        upstream again) and resubscribe, so the upstream replays what was missed."""
         assert self._client is not None
         attempt, failure = 0, ""
 
-        async def subscribed() -> None:
-            nonlocal attempt, failure
-            attempt, failure = 0, ""
-            await self._report(True)
+        def subscribed(metadata: dict[str, str]) -> None:
+            nonlocal attempt
+            attempt, self._upstream_primary = 0, metadata.get(PRIMARY_METADATA_KEY) or None
 
         while True:
+            subscription = _Subscription(self._held_version(model))
+            events = self._client.watch(
+                model,
+                since=subscription.last,
+                timeout=WATCH_SECONDS,
+                incoming=self.incoming is not None,
+                on_subscribed=subscribed,
+            )
             try:
-                since = self._held_version(model)
-                subscription = _Subscription(since)
-                watch = self._client.watch(model, since, subscribed, incoming=bool(self.incoming))
-                async for event in watch:
+                while (event := await self._blocking(_next_event, events)) is not None:
+                    failure = ""
                     await self._on_event(model, event, subscription)
                 continue  # the Watch's deadline passed: resubscribe at once
             except (ServerUnavailable, DeadlineExceeded, *_REFUSALS) as exc:
                 await self._report(False, exc)
             except WeightServerError as exc:  # logged once while it repeats (e.g. CursorOutOfRange)
                 repeated, failure = failure == str(exc), str(exc)
-                log.log(
-                    logging.DEBUG if repeated else logging.WARNING,
-                    "relay of %r: %s: %s; retrying",
-                    model,
-                    type(exc).__name__,
-                    exc,
-                )
+                level = logging.DEBUG if repeated else logging.WARNING
+                log.log(level, "relay of %r: %s: %s; retrying", model, type(exc).__name__, exc)
             except Exception:
                 log.exception("relay of %r failed; retrying", model)
-            await self._backoff(attempt)
+            finally:
+                with contextlib.suppress(ValueError):  # still stepping in a thread: stop()'s close ends it
+                    events.close()
+            await BACKOFF.wait_async(attempt, wake=self._upstream_back)
             attempt += 1
 
-    async def _backoff(self, attempt: int) -> None:
-        with contextlib.suppress(asyncio.TimeoutError):  # else woken: the upstream answers again
-            await asyncio.wait_for(self._upstream_back.wait(), _backoff_seconds(attempt))
-
-    async def _on_event(self, model: str, event: pb.VersionEvent, subscription: _Subscription) -> None:
-        if not event.HasField("version"):
-            self._on_arriving(model, event.incoming)
+    async def _on_event(self, model: str, event: VersionEvent | Arriving, subscription: _Subscription) -> None:
+        if isinstance(event, Arriving):
+            self._on_arriving(event)
             return
-        number = event.version.version
-        early = self._early.pop(event.incoming.id, None) if event.incoming.id else None
+        number = event.version
+        incoming = self._incoming.pop(event.arriving, None) if event.arriving else None
         self._heard(model, number)
         if event.gap:
             subscription.gap = True
@@ -458,19 +466,18 @@ class Relay:
             )
         after, subscription.last = subscription.last, number
         if subscription.gap and number > after + 1 and number > self._held_version(model):
-            # Versions between are gone upstream, their numbers unsaid (numbers need not be
-            # consecutive, so only after the upstream flagged a gap is a jump taken for one):
-            # this relay's watchers after `after` are told of the gap with this version.
+            # Numbers need not be consecutive, so only after the upstream flagged a gap is a jump
+            # taken for one: this relay's watchers after `after` are told of it with this version.
             self.store.missed(model, number - 1)
         if number <= self._held_version(model):
-            if early is not None:
-                early.arriving.fail("this relay holds that version already")
+            if incoming is not None:
+                incoming.publish.fail("this relay holds that version already")
             return  # committed already, with its group
-        members = [m for m in event.version.group if self._follows(m)]
-        if early is not None:
-            if len(members) <= 1 and await self._relay_early(model, event.version, early):
+        members = [m for m in event.info.group if self._follows(m)]
+        if incoming is not None:
+            if len(members) <= 1 and await self._relay_incoming(event.info, incoming):
                 return
-            early.arriving.fail("the relay fetches this version again after its commit")
+            incoming.publish.fail("the relay fetches this version again after its commit")
         if len(members) > 1:
             await self._reach_group(model, members, number)
         else:
@@ -511,91 +518,109 @@ class Relay:
         if not committed:
             raise ServerUnavailable(f"the group commit of v{number} failed; {model!r} resubscribes")
 
-    # ------------------------------------------------------------------ cut-through
-    def _on_arriving(self, model: str, announced: pb.IncomingPublish) -> None:
+    # ------------------------------------------------------------------ incoming publishes
+    def _on_arriving(self, announced: Arriving) -> None:
         """The upstream announced a publish's bytes arriving (or, `failed`, never to commit):
         receive them, announcing them to this relay's own followers as they land."""
-        if self.incoming is None or self._client is None:
+        if self.incoming is None:
             return
         if announced.failed:
-            early = self._early.pop(announced.id, None)
-            if early is not None:
-                early.task.cancel()
-                early.arriving.fail("the publish failed upstream")
+            incoming = self._incoming.pop(announced.id, None)
+            if incoming is not None:
+                incoming.task.cancel()
+                incoming.publish.fail("the publish failed upstream")
             return
-        if announced.id in self._early or not announced.byte_size:
+        if announced.id in self._incoming or not announced.byte_size:
             return
-        while len(self._early) >= MAX_EARLY:  # commits that never came (the upstream restarted)
-            stale = self._early.pop(next(iter(self._early)))
+        while len(self._incoming) >= MAX_INCOMING:  # commits that never came (the upstream restarted)
+            stale = self._incoming.pop(next(iter(self._incoming)))
             stale.task.cancel()
-            stale.arriving.fail("its commit never came from the upstream")
+            stale.publish.fail("its commit never came from the upstream")
         # Anonymous memory: committed page by page as the bytes land.
-        buffer = memoryview(mmap.mmap(-1, announced.byte_size))
-        arriving = self.incoming.start(model, buffer)
-        task = asyncio.create_task(
-            self._receive_early(model, announced.id, arriving), name=f"weightserver-early-{model}"
-        )
-        self._early[announced.id] = _Early(arriving, buffer, task)
+        publish = self.incoming.start(announced.model, memoryview(mmap.mmap(-1, announced.byte_size)))
+        task = asyncio.create_task(self._receive_incoming(announced, publish), name="weightserver-relay-incoming")
+        self._incoming[announced.id] = _Incoming(publish, task)
 
-    async def _receive_early(self, model: str, upstream_id: str, arriving: IncomingPublish) -> None:
+    async def _receive_incoming(self, announced: Arriving, publish: IncomingPublish) -> None:
+        """The bytes into `publish.buffer`, unchecked: kept only if the commit names and matches them."""
         assert self._client is not None
         try:
-            await self._client.receive_arriving(model, upstream_id, arriving.buffer, arriving.advance)
+            await self._blocking(
+                self._client.fetch_arriving,
+                announced,
+                timeout=FETCH_SECONDS,
+                into=publish.buffer,
+                progress=lambda received, _: publish.advance(received),  # thread-safe
+            )
         except BaseException as exc:
-            arriving.fail(f"the relay's transfer from its upstream stopped: {str(exc) or type(exc).__name__}")
+            publish.fail(f"the relay's transfer from its upstream stopped: {str(exc) or type(exc).__name__}")
             raise
 
-    async def _relay_early(self, model: str, info: pb.VersionInfo, early: _Early) -> bool:
-        """Commit the version the upstream just committed from the bytes received early, if
-        they all came and the store finds them to be that version (size, xxh3); False if not
-        (the caller fetches it)."""
+    async def _relay_incoming(self, info: VersionInfo, incoming: _Incoming) -> bool:
+        """Commit the version the upstream just committed from the bytes received while they
+        arrived, if they all came and the store finds them to be it; False if not (fetch it)."""
         try:
-            await early.task
+            await incoming.task
         except (asyncio.CancelledError, Exception) as exc:
-            log.info("relay of %r v%d: receiving it early failed (%s); fetching it", model, info.version, exc)
+            log.info("relay of %r v%d: receiving it early failed (%s); fetching it", info.model, info.version, exc)
             return False
-        fetched = FetchedVersion(info, early.buffer, moved=early.buffer.nbytes, delta=False)
+        buffer = incoming.publish.buffer
+        fetched = _Fetched(info, buffer, moved=buffer.nbytes, delta=False)
 
         def committed(record: Version) -> None:  # under the commit lock: this relay's events name the bytes
             assert self.incoming is not None
-            self.incoming.committed(early.arriving, record.model, record.version)
+            self.incoming.committed(incoming.publish, record.model, record.version)
 
         try:
             await self._commit_fetched([fetched], info.version, time.perf_counter(), on_commit=committed)
         except IntegrityError as exc:
             log.warning(
-                "relay of %r v%d: the bytes received early are not it (%s); fetching it", model, info.version, exc
+                "relay of %r v%d: the bytes received early are not it (%s); fetching it", info.model, info.version, exc
             )
             return False
-        return early.arriving.ended and early.arriving.failure is None
+        return incoming.publish.ended and incoming.publish.failure is None
 
     # ------------------------------------------------------------------ fetch and commit
     async def _relay(self, models: list[str], number: int) -> None:
         """Fetch version `number` of `models` and commit them (together)."""
-        assert self._client is not None
         started = time.perf_counter()
-        fetched: list[FetchedVersion] = []
+        fetched: list[_Fetched] = []
         for model in models:
             try:
-                fetched.append(await self._client.fetch_version(model, number, self._held(model)))
+                fetched.append(await self._blocking(self._fetch, model, number, self._held(model)))
             except NotFoundError as exc:  # evicted or deleted upstream since it was announced
                 log.warning("relay of %r v%d: gone upstream before it was fetched (%s)", model, number, exc)
                 self.store.missed(model, number)  # this relay's watchers are told of the gap
         if fetched:
             await self._commit_fetched(fetched, number, started)
 
+    def _fetch(self, model: str, number: int, base: Version | None) -> _Fetched:
+        """Version `number` of `model`, whole (in a thread): rebuilt from a delta against `base`
+        when the upstream sends one that rebuilds to the version's xxh3, else its file."""
+        assert self._client is not None
+        fetch = functools.partial(self._client.fetch_bytes, model, version=number, timeout=FETCH_SECONDS, retry=False)
+        discarded = 0
+        if base is not None:
+            got = fetch(base_version=base.version, base_xxh3=base.xxh3)
+            assert got is not None  # an exact version is never "up to date"
+            if not got.base_version:
+                return _Fetched(got.info, got.data, got.data.nbytes, delta=False)
+            info = got.info
+            rebuilt = apply_delta(base.data, base.header, list(info.tensors), info.byte_size, got.data)
+            if rebuilt is not None and xxh3_hex(rebuilt) == info.xxh3:
+                return _Fetched(info, rebuilt, got.data.nbytes, delta=True)
+            log.info("%s v%d: the delta against v%d did not rebuild it; fetching it whole", model, number, base.version)
+            discarded = got.data.nbytes
+        got = fetch()
+        assert got is not None
+        return _Fetched(got.info, got.data, discarded + got.data.nbytes, delta=False)
+
     async def _commit_fetched(
-        self,
-        fetched: list[FetchedVersion],
-        number: int,
-        started: float,
-        on_commit: Callable[[Version], None] | None = None,
+        self, fetched: list[_Fetched], number: int, started: float, on_commit: Callable[[Version], None] | None = None
     ) -> None:
         """Commit the fetched versions together under `number`, with the upstream's metadata,
-        digests and commit time; log and count them.
-
-        They are counted in the commit itself, before any reader can see them: a client that
-        sees a version and then reads /metrics finds its bytes counted."""
+        digests and commit time; log and count them. Counted in the commit itself, before any
+        reader can see them: a client that sees a version then reads /metrics finds it counted."""
 
         def counted(commit: Commit) -> None:
             for f, record in zip(fetched, commit.versions, strict=True):
@@ -615,9 +640,8 @@ class Relay:
             )
             for f in fetched
         ]
-        created = fetched[0].info.created.ToNanoseconds() / 1e9
         try:
-            records = await self._commit(uploads, number, created, counted)
+            records = await self._commit(uploads, number, fetched[0].info.created_ns / 1e9, counted)
         except VersionConflict:
             return  # committed meanwhile (a group's other follower)
         except _NEVER_FITS as exc:
@@ -656,6 +680,9 @@ class Relay:
             await asyncio.wait([committing])
 
 
-def _backoff_seconds(attempt: int) -> float:
-    """The wait before retry `attempt` (0-based): doubling from the first to the last, with jitter."""
-    return min(BACKOFF_MAX_SECONDS, BACKOFF_FIRST_SECONDS * 2**attempt) * (0.5 + random.random())
+def _next_event(events: Iterator[VersionEvent | Arriving]) -> VersionEvent | Arriving | None:
+    """The Watch's next event; None once it ended (its deadline passed: resubscribe)."""
+    try:
+        return next(events, None)
+    except DeadlineExceeded:
+        return None

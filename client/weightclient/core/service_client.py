@@ -655,14 +655,22 @@ class WeightServiceClient:
 
     # ------------------------------------------------------------------ watch
     def watch(
-        self, model: str, *, since: int = 0, timeout: float | None = None, incoming: bool = False
+        self,
+        model: str,
+        *,
+        since: int = 0,
+        timeout: float | None = None,
+        incoming: bool = False,
+        on_subscribed: Callable[[dict[str, str]], None] | None = None,
     ) -> Iterator[VersionEvent | Arriving]:
         """Yield an event for every version of `model` committed after `since`, in order.
 
         Versions that landed before the call but after `since` (and are still retained) come
         first. The iterator runs until closed, the deadline passes, or the server stops.
         `incoming=True` also yields an `Arriving` as each publish's bytes begin to arrive
-        (or fail), for cut-through (`fetch_arriving`).
+        (or fail), for cut-through (`fetch_arriving`). `on_subscribed(metadata)` is called with
+        the server's initial metadata each time it takes the subscription (a relay names its
+        primary there).
         """
         if since < 0:
             raise InvalidRequest(f"since must be >= 0 (a version number, 0 for all retained), got {since}")
@@ -675,6 +683,10 @@ class WeightServiceClient:
             stream = self._stub.Watch(request, timeout=left, metadata=self._metadata)
             try:
                 with translated_rpc_errors(self.address):
+                    if on_subscribed is not None:
+                        metadata = dict(stream.initial_metadata() or ())
+                        if not stream.done():  # else refused at once: the loop raises its error
+                            on_subscribed(metadata)
                     for event in stream:
                         failures = 0
                         if not event.HasField("version"):
