@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import time
@@ -118,9 +117,13 @@ class Fetching(Connection):
         exact = request.WhichOneof("selector") == "version" and not request.base_version and not request.dtype
         if exact and self._shm in order:
             offer, fetched = self._shm.read_directly(request.model, request.version), None
-            if offer is not None:
-                with contextlib.suppress(PayloadGone):  # evicted meanwhile: the server says what now
+            try:
+                if offer is not None:
                     fetched = self._receive(self._shm, offer, started, into, place, progress, last=False)
+            except PayloadGone:
+                pass  # evicted meanwhile: the server says what now
+            except TransportFailed as exc:
+                self.transports.failed(self._shm, exc)
             if fetched is not None:
                 self._reports.put(request)
                 return replace(fetched, stats=replace(fetched.stats, direct=True))
@@ -141,7 +144,7 @@ class Fetching(Connection):
                     request = asked
                 except TransportFailed as exc:
                     self.transports.failed(transport, exc)
-                order = order[order.index(transport) + 1 :]
+                order = order[-1:]  # the stream, which every server offers
 
     def _offer(
         self, request: pb.FetchRequest, order: list[Transport], deadline: Deadline, info: VersionInfo | None = None
