@@ -23,7 +23,6 @@ from collections.abc import Callable
 
 import torch
 
-import weightclient.core.service_client as service_client
 import weightserver.publish.staged_uploads as staged_uploads
 import weightserver.service.servicer as service
 import weightserver.storage.store as store
@@ -39,7 +38,7 @@ WARMUP = 5
 PHASES: list[tuple[object, str, str]] = [
     (shared_memory.SharedMemoryTransport, "upload", "client: copy and hash into the shm upload"),
     (bulk.BulkTransport, "upload", "client: send the bulk upload, hashing"),
-    (service_client.StreamTransport, "send", "client: the Publish call"),
+    (stream.StreamTransport, "send", "client: the Publish call"),
     (stream.OpenPublish, "commit", "client: the commit, until the reply (written in place)"),
     (service.WeightServicer, "_receive_and_commit", "server: Publish, receive to commit"),
     (service._IncomingModel, "as_upload", "server:   the upload's digests, awaited"),

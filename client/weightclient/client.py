@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -12,7 +11,7 @@ from tensordict import TensorDict
 
 from weightclient import tensors as tensor_codec
 from weightclient.core.background_publisher import BackgroundPublisher, PublishFuture
-from weightclient.core.connection import remaining
+from weightclient.core.retry import Deadline
 from weightclient.core.service_client import FetchStats, WeightServiceClient
 from weightserver.protocol.digests import xxh3_hex
 from weightserver.protocol.errors import IntegrityError, InvalidRequest, NotFoundError
@@ -170,10 +169,10 @@ class WeightClient(WeightServiceClient):
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for background publishes (wait=False) to finish and direct fetches to be
         reported; False on timeout."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = Deadline.after(timeout)
         if self._publisher is not None and not self._publisher.flush(timeout):
             return False
-        return super().flush(remaining(deadline))
+        return super().flush(deadline.remaining())
 
     def close(self) -> None:
         """Finish background publishes, then close the channel."""
@@ -203,6 +202,7 @@ class WeightClient(WeightServiceClient):
         into: memoryview | None = None,
         place: Callable[[VersionInfo], Mapping[str, torch.Tensor] | None] | None = None,
         retry: bool = True,
+        deadline: Deadline | None = None,
     ) -> FetchResult | None:
         """Fetch a version as tensors: `fetch_bytes` (which describes `version`, `newer_than`,
         `dtype`, `transport`, `timeout`, `into` and `retry`), decoded. None when the latest is
@@ -224,7 +224,7 @@ class WeightClient(WeightServiceClient):
                 "a delta against a FetchResult needs a complete result fetched without dtype, and no dtype now; "
                 "pass base=<version number> for a partial result instead"
             )
-        deadline = None if timeout is None else time.monotonic() + timeout  # a refetch gets what is left
+        deadline = deadline or Deadline.after(timeout)  # a refetch gets what is left of it
         base_info = base.info if isinstance(base, FetchResult) else base if isinstance(base, VersionInfo) else None
         base_version = base_info.version if base_info is not None else int(base or 0)
         targets: dict[str, torch.Tensor] = {}
@@ -246,7 +246,7 @@ class WeightClient(WeightServiceClient):
             base_version=base_version,
             dtype=dtype or "",
             transport=transport,
-            timeout=timeout,
+            deadline=deadline,
             into=into,
             base_xxh3=base_info.xxh3 if base_info is not None else "",
             place=views_for if place is not None else None,
@@ -266,8 +266,7 @@ class WeightClient(WeightServiceClient):
                     log.info(
                         "the base of %s v%d changed since it was fetched; fetching whole", model, fetched.info.version
                     )
-                    number, left = fetched.info.version, remaining(deadline)
-                    return self.fetch(model, version=number, transport=transport, timeout=left)
+                    return self.fetch(model, version=fetched.info.version, transport=transport, deadline=deadline)
                 tensors = {**unchanged, **tensors}
                 partial = False
         return FetchResult(

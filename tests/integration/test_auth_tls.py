@@ -59,7 +59,7 @@ def test_the_proto_names_the_call_metadata_and_environment_that_clients_use():
     """A client written from the proto alone learns there how to authenticate and name itself,
     and which environment variables the project's clients read: the names the server and the
     Python client actually use."""
-    from weightclient.core import connection, service_client
+    from weightclient.core import failover
     from weightserver.protocol.channel import AUTHORIZATION_METADATA_KEY
     from weightserver.protocol.errors import CLIENT_ID_METADATA_KEY, ERROR_METADATA_KEY
 
@@ -68,10 +68,10 @@ def test_the_proto_names_the_call_metadata_and_environment_that_clients_use():
     assert f"`{AUTHORIZATION_METADATA_KEY}: Bearer <token>`" in top
     assert f"`{CLIENT_ID_METADATA_KEY}: <name>`" in top
     assert f'"{ERROR_METADATA_KEY}"' in top
-    assert service_client.ADDRESS_ENV in top and connection.TOKEN_ENV in top
-    tls = f"{connection.TLS_CA_ENV}, _CERT, _KEY"  # as the proto shortens the three names
-    assert tls in top and {connection.TLS_CERT_ENV, connection.TLS_KEY_ENV} == {
-        connection.TLS_CA_ENV.replace("_CA", suffix) for suffix in ("_CERT", "_KEY")
+    assert failover.ADDRESS_ENV in top and failover.TOKEN_ENV in top
+    tls = f"{failover.TLS_CA_ENV}, _CERT, _KEY"  # as the proto shortens the three names
+    assert tls in top and {failover.TLS_CERT_ENV, failover.TLS_KEY_ENV} == {
+        failover.TLS_CA_ENV.replace("_CA", suffix) for suffix in ("_CERT", "_KEY")
     }
 
 

@@ -49,7 +49,7 @@ def bulk_port_of(address: str) -> int:
     with WeightClient(address) as client:
         result = client.fetch_bytes(MODEL, transport="bulk", timeout=30)
         assert result.stats.transport == "bulk"
-        return client._bulk._port
+        return client.transports.by_name["bulk"].port
 
 
 @contextlib.contextmanager
@@ -239,7 +239,7 @@ def test_a_bulk_port_that_never_answers_sends_the_fetch_to_the_stream_promptly(m
         seconds = time.monotonic() - started
         assert result.stats.transport == "stream" and torch.equal(result.tensors["w"], weights(1, MiB)["w"])
         assert seconds < bulk_transport.FIRST_BYTE_TIMEOUT + 3, seconds
-        assert client._bulk._socket is None  # dropped
+        assert not client.transports.by_name["bulk"].connected  # dropped
 
 
 def test_silent_idle_and_stalled_bulk_connections_are_dropped(make_server, monkeypatch, caplog):
@@ -257,7 +257,7 @@ def test_silent_idle_and_stalled_bulk_connections_are_dropped(make_server, monke
 
         monkeypatch.setattr(bulk, "IDLE_CONNECTION_SECONDS", 0.5)
         assert client.fetch(MODEL, transport="bulk", timeout=30).stats.transport == "bulk"
-        wait_until(lambda: closed_by_peer(client._bulk._socket), timeout=5)
+        wait_until(lambda: srv.bulk.connections == 0, timeout=5)
         assert client.fetch(MODEL, transport="bulk", timeout=30).stats.transport == "bulk"  # reconnects
         wait_until(lambda: srv.bulk.connections == 0, timeout=5)
 
@@ -328,7 +328,7 @@ def test_a_bulk_fetch_ends_at_its_deadline_when_the_server_stops_mid_transfer(mo
             error, seconds = outcome
             assert isinstance(error, DeadlineExceeded), error
             assert 2.5 < seconds < 4.5, seconds
-            assert "bulk" in str(error) and client._bulk._socket is None
+            assert "bulk" in str(error) and not client.transports.by_name["bulk"].connected
             assert SlowSocket.server_pid == 0  # the server was stopped mid-transfer
 
             os.kill(server.process.pid, signal.SIGCONT)

@@ -80,7 +80,7 @@ def timed_out(call) -> float:
 
 
 def test_a_refetch_for_a_base_that_differs_gets_what_is_left_of_the_deadline(silence):
-    client, handler = silence("weightclient.core.service_client", "differs from the caller's; fetching it whole")
+    client, handler = silence("weightclient.core.fetch", "differs from the caller's; fetching it whole")
     spent = timed_out(
         lambda: client.fetch_bytes(
             MODEL, version=2, base_version=1, base_xxh3="0" * 32, transport="stream", timeout=TIMEOUT, retry=False

@@ -34,7 +34,7 @@ from weightclient import (
     WeightServerError,
 )
 from weightclient import tensors as tensor_codec
-from weightclient.core.rpc_errors import error_from_rpc
+from weightclient.core.failover import error_from_rpc
 from weightserver.protocol.errors import ERROR_METADATA_KEY, clipped_repr
 from weightserver.v1 import weights_pb2 as pb
 from weightserver.v1 import weights_pb2_grpc as pb_grpc

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 import xxhash
+from waiting import wait_until
 
 import weightclient.transports.bulk as bulk_transport
 import weightserver.transports.bulk as bulk
@@ -254,7 +255,7 @@ def test_refused_bulk_port_falls_back_to_the_stream_and_is_not_asked_again(make_
 
         # The port may come back (a container restarted): after a while bulk is tried again.
         monkeypatch.undo()
-        c.transports.retry_seconds = 0.0
+        c.transports.rest_seconds = 0.0
         retried = c.fetch(MODEL, transport="auto")
         assert retried.stats.transport == "bulk" and c.transports.usable("bulk") is True
         assert_bit_exact(retried.tensors, weights)
@@ -822,22 +823,20 @@ def test_hand_framed_delta_chunks_parse_with_the_generated_stub(server, client):
     assert messages[2].chunk == bytes(client.fetch_bytes(MODEL, base_version=1, transport="stream").data)
 
 
-def test_bulk_connection_is_kept_and_replaced_when_the_server_closed_it(client):
+def test_bulk_connection_is_kept_and_replaced_when_the_server_closed_it(make_server, monkeypatch):
+    srv = make_server(shm_dir=None)
     weights = mixed_model()
-    client.publish(weights, model=MODEL)
-    client.fetch(MODEL, transport="bulk")
-    kept = client._bulk._socket
-    assert kept is not None
-    client.fetch(MODEL, transport="bulk")
-    assert client._bulk._socket is kept  # one connection for many transfers
-
-    # The server dropped the kept connection (restart, idle timeout): the next transfer
-    # notices, connects afresh and still delivers.
-    dead, other_end = socket.socketpair()
-    other_end.close()
-    kept.close()
-    client._bulk._socket = dead
-    result = client.fetch(MODEL, transport="bulk")
-    assert result.stats.transport == "bulk"
-    assert client._bulk._socket is not dead
-    assert_bit_exact(result.tensors, weights)
+    with WeightClient(srv.address) as client:
+        client.publish(weights, model=MODEL, transport="stream")
+        kept = client.transports.by_name["bulk"]
+        for _ in range(3):
+            assert client.fetch(MODEL, transport="bulk").stats.transport == "bulk"
+            assert kept.connected and srv.bulk.connections == 1  # one connection for many transfers
+        # The server drops the kept connection (its idle limit): the next transfer notices,
+        # connects afresh and still delivers.
+        monkeypatch.setattr(bulk, "IDLE_CONNECTION_SECONDS", 0.3)
+        client.fetch(MODEL, transport="bulk")
+        wait_until(lambda: srv.bulk.connections == 0, timeout=5)
+        result = client.fetch(MODEL, transport="bulk")
+        assert result.stats.transport == "bulk" and kept.connected and srv.bulk.connections == 1
+        assert_bit_exact(result.tensors, weights)

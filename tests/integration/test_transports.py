@@ -17,6 +17,7 @@ from weightclient.transports import (
     TransportChain,
     TransportFailed,
 )
+from weightclient.transports.base import negotiated_offer
 from weightserver.protocol.version_info import TensorInfo, VersionInfo
 from weightserver.v1 import weights_pb2 as pb
 
@@ -29,6 +30,8 @@ class FakeTransport:
     def __init__(self, name: str, kind: int, data: bytes = b"", fail: bool = False) -> None:
         self.name, self.kind, self.data, self.fail = name, kind, data, fail
         self.received = 0
+
+    offer = staticmethod(negotiated_offer)
 
     def upload(self, payload, parts, *, deadline, progress):
         raise NotOffered(self.name)
@@ -43,32 +46,32 @@ class FakeTransport:
         raise TransportFailed("no placing here")
 
 
-def chain(retry_seconds: float = 60.0) -> TransportChain:
+def chain(rest_seconds: float = 60.0) -> TransportChain:
     shm = FakeTransport("shm", pb.TRANSPORT_SHARED_MEMORY)
     bulk = FakeTransport("bulk", pb.TRANSPORT_BULK)
-    return TransportChain([shm, bulk], FakeTransport("stream", pb.TRANSPORT_STREAM), retry_seconds=retry_seconds)
+    return TransportChain([shm, bulk], FakeTransport("stream", pb.TRANSPORT_STREAM), rest_seconds=rest_seconds)
 
 
 def test_auto_tries_the_fast_transports_in_order_and_a_named_one_alone():
     transports = chain()
-    assert [t.name for t in transports.order("auto")] == ["shm", "bulk"]
-    assert [t.name for t in transports.order("bulk")] == ["bulk"]
-    assert transports.order("stream") == []
+    assert [t.name for t in transports.order("auto")] == ["shm", "bulk", "stream"]
+    assert [t.name for t in transports.order("bulk")] == ["bulk", "stream"]
+    assert [t.name for t in transports.order("stream")] == ["stream"]
     assert transports.choices == ("auto", "shm", "bulk", "stream")
     with pytest.raises(InvalidRequest, match="auto, shm, bulk, stream"):
         transports.order("carrier-pigeon")
 
 
 def test_a_failed_transport_rests_then_is_tried_again():
-    transports = chain(retry_seconds=0.2)
+    transports = chain(rest_seconds=0.2)
     shm = transports.by_name["shm"]
     assert transports.usable("shm") is None
     transports.failed(shm, "another host")
     assert transports.usable("shm") is False
-    assert [t.name for t in transports.order("auto")] == ["bulk"]
-    assert [t.name for t in transports.order("shm")] == ["shm"]  # named explicitly: always tried
+    assert [t.name for t in transports.order("auto")] == ["bulk", "stream"]
+    assert [t.name for t in transports.order("shm")] == ["shm", "stream"]  # named explicitly: always tried
     time.sleep(0.25)
-    assert [t.name for t in transports.order("auto")] == ["shm", "bulk"]
+    assert [t.name for t in transports.order("auto")] == ["shm", "bulk", "stream"]
     transports.worked(shm)
     assert transports.usable("shm") is True
 

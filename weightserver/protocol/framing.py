@@ -10,7 +10,8 @@ through the generated classes.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Protocol
 
 from google.protobuf.message import Message
 
@@ -80,3 +81,54 @@ def deserialize_fetch_response(raw: bytes) -> pb.FetchResponse | memoryview:
     """Fetch's response deserializer: chunks become views of their bytes, others parse."""
     chunk = chunk_of(raw)
     return chunk if chunk is not None else pb.FetchResponse.FromString(raw)
+
+
+class Sink(Protocol):
+    """Where received bytes go: `target(n)` is a writable view of at most n bytes for the next
+    ones, `advance(n)` says n of them were written, `done` once all are in. ValueError when
+    bytes do not fit."""
+
+    @property
+    def done(self) -> bool: ...
+
+    def target(self, most: int) -> memoryview: ...
+
+    def advance(self, n: int) -> None: ...
+
+
+class BufferSink:
+    """A sink that fills one buffer front to back."""
+
+    def __init__(self, buffer: memoryview) -> None:
+        self.buffer, self.received = buffer, 0
+
+    @property
+    def done(self) -> bool:
+        return self.received == self.buffer.nbytes
+
+    def target(self, most: int) -> memoryview:
+        return self.buffer[self.received : self.received + most]
+
+    def advance(self, n: int) -> None:
+        if n > self.buffer.nbytes - self.received:
+            raise ValueError(f"more than the announced {self.buffer.nbytes} bytes")
+        self.received += n
+
+
+def receive_chunks(chunks: Iterable[memoryview], sink: Sink, progress: Callable[[int], None] | None = None) -> None:
+    """The one chunk-receive loop: every chunk into `sink`, in order; `progress(received)` after
+    each. ValueError when the chunks hold more or fewer bytes than the sink takes."""
+    received = 0
+    for chunk in chunks:
+        received += chunk.nbytes
+        while chunk.nbytes:
+            if sink.done:
+                raise ValueError("more bytes than announced")
+            target = sink.target(chunk.nbytes)
+            target[:] = chunk[: target.nbytes]
+            sink.advance(target.nbytes)
+            chunk = chunk[target.nbytes :]
+        if progress is not None:
+            progress(received)
+    if not sink.done:
+        raise ValueError("the stream was cut short")

@@ -546,7 +546,7 @@ class Relay:
         assert self._client is not None
         try:
             await self._blocking(
-                self._client.fetch_arriving,
+                self._client.fetch_incoming,
                 announced,
                 timeout=FETCH_SECONDS,
                 into=publish.buffer,

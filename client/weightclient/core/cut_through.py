@@ -110,7 +110,7 @@ class CutThrough:
                 hashed = received
 
         try:
-            early = self._client.fetch_arriving(
+            early = self._client.fetch_incoming(
                 announced, transport=self._transport, timeout=self._timeout, into=into, progress=follow
             )
         except WeightServerError:

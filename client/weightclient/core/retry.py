@@ -72,7 +72,13 @@ NEVER = Deadline()
 @dataclass(frozen=True)
 class RetryPolicy:
     """Waits between attempts: `first` seconds, doubling up to `longest`, each scaled by a
-    random factor in [1 - jitter, 1 + jitter]."""
+    random factor in [1 - jitter, 1 + jitter].
+
+    Failover (a call that moves on to the next address instead of retrying): each address gets
+    at most its share of what is left (`share`), and the whole call never outlasts the caller's
+    deadline. So a stalled first server leaves the next one half of an updater's update_timeout,
+    rather than all of it (a fresh timeout, up to twice the caller's) or nothing (carrying it).
+    """
 
     first: float = 0.05
     longest: float = 2.0
@@ -83,6 +89,13 @@ class RetryPolicy:
         """Seconds to wait before retry `attempt` (0-based)."""
         base = min(self.longest, self.first * 2 ** min(attempt, 62))
         return base * (1.0 + self.jitter * (2.0 * random.random() - 1.0))
+
+    @staticmethod
+    def share(deadline: Deadline, addresses: int) -> Deadline:
+        """One address's share of `deadline` among `addresses` still to try: what is left,
+        divided evenly (all of it for the last)."""
+        left = deadline.remaining()
+        return deadline if left is None or addresses <= 1 else Deadline.after(left / addresses)
 
     def wait(self, attempt: int, deadline: Deadline = NEVER, wake: threading.Event | None = None) -> bool:
         """Sleep before retry `attempt`; False (at once) if the deadline would pass first. A set

@@ -1,11 +1,10 @@
 """The contract every transport keeps: move one payload, in either direction.
 
-A fetch gets an `Offer` (from Negotiate, or the head of the Fetch stream) and hands it to the
-transport it names, which receives the bytes into a buffer or scatters the tensors into the
-caller's views ("placed"). A publish negotiates each model's transport the same way: a fast
-transport moves the bytes where the server said (`upload`), and the Publish stream then names
-the upload instead of carrying chunks. Transports move bytes and say when they cannot
-(`TransportFailed`); the caller verifies and falls back.
+A fetch gets an `Offer` (from Negotiate, or the head of the Fetch stream) from the transport
+the server picked, which then receives the bytes into a buffer or scatters the tensors into
+the caller's views ("placed"). A publish's fast transport moves the bytes where Negotiate said
+(`upload`); the Publish stream then names the upload instead of carrying chunks. Transports
+move bytes and say when they cannot (`TransportFailed`); the caller verifies and falls back.
 """
 
 from __future__ import annotations
@@ -14,11 +13,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
+from weightclient.core.retry import NEVER, Deadline
 from weightserver.protocol.version_info import VersionInfo
 from weightserver.v1 import weights_pb2 as pb
 
 Progress = Callable[[int, int], None]
-"""Called as bytes move: (bytes so far, total bytes); may go back to 0 when a fetch starts over."""
+"""Called as bytes move: (bytes so far, total bytes)."""
 
 
 class TransportFailed(Exception):
@@ -27,24 +27,23 @@ class TransportFailed(Exception):
 
 
 class PayloadGone(TransportFailed):
-    """The file the server named was removed before it could be read (the version was
-    evicted meanwhile): the caller asks again for what it asked for, not for that version."""
+    """The file the server named was removed before it was read (its version was evicted):
+    the caller asks again for what it asked for."""
 
 
 class NotOffered(TransportFailed):
-    """This transport does not carry payloads in this direction yet."""
+    """This transport does not carry payloads in this direction."""
 
 
 @dataclass(frozen=True)
 class Offer:
-    """One payload, as negotiated: the version it belongs to, what its bytes are (the version
-    itself, a delta or a cast: `payload`), and, for the stream, the open stream of chunks."""
+    """One payload, as negotiated: the version it belongs to, what its bytes are (`payload`:
+    the version itself, a delta or a cast), and, for the stream, its open stream of chunks."""
 
     info: VersionInfo
     payload: pb.Payload
     chunks: Iterator[Any] | None = field(default=None, repr=False)
-    # time.monotonic() by which the transfer must have ended (the fetch's timeout), or None.
-    deadline: float | None = None
+    deadline: Deadline = NEVER  # by when the transfer must have ended
 
     @property
     def whole_version(self) -> bool:
@@ -58,41 +57,43 @@ class Offer:
 
 @dataclass(frozen=True)
 class OutgoingFile:
-    """One model's safetensors file to publish: its header and its bytes as consecutive parts,
-    or, once a fast transport moved them, the id of that upload (`uploaded`)."""
+    """One model's file to publish: its header and its bytes as consecutive parts, or, once a
+    fast transport moved them, the id of that upload (`uploaded`) and that transport."""
 
     header: pb.PublishHeader
     parts: Sequence[memoryview]
     uploaded: str = ""
-    transport: Transport | None = None  # the one that moved them, when uploaded
+    transport: Transport | None = None
 
 
 class Transport(Protocol):
-    """Moves one payload between a client and a server. One class per transport in this
-    folder; `negotiation.TransportChain` orders them and applies the retry rule."""
+    """Moves one payload between a client and a server (one class per file here)."""
 
-    name: ClassVar[str]  # "stream", "bulk" or "shm": what FetchStats.transport reports
+    name: ClassVar[str]  # "stream", "bulk", "shm": what FetchStats.transport reports
     kind: ClassVar[int]  # its pb.Transport value, as negotiated
-    # Whether a publish writes the server's upload itself, front to back, with `progress`
-    # called once bytes [0, n) are in place for good, so the caller may announce them
-    # (PublishWritten) and the server verify them while the rest is written.
+    # Whether a publish writes the server's upload itself, front to back, calling `progress`
+    # once bytes [0, n) are in for good (so the server can verify them meanwhile).
     written_in_place: ClassVar[bool]
 
+    def offer(
+        self, request: pb.FetchRequest, answer: pb.NegotiateResponse | None, deadline: Deadline, info: VersionInfo
+    ) -> Offer | None:
+        """The payload `answer` (Negotiate's, naming this transport) or `request` describes;
+        None when the server is up to date. `info` stands in for a version not committed yet."""
+        ...
+
     def upload(
-        self, payload: pb.Payload, parts: Sequence[memoryview], *, deadline: float | None, progress: Progress | None
+        self, payload: pb.Payload, parts: Sequence[memoryview], *, deadline: Deadline, progress: Progress | None
     ) -> str:
-        """Move one model's file (`parts`, consecutive) where a publish's Negotiate answer
-        says; the xxh3-128 (hex) of the bytes moved, hashed on the way. NotOffered for the
-        stream, which carries a publish's bytes in the Publish call itself."""
+        """Move one model's file (`parts`) where Negotiate said; the xxh3-128 of the bytes moved."""
         ...
 
     def prepare(self, payload: pb.Payload) -> None:
-        """Get ready to `upload` into a publish's upload set up ahead (spare_uploads), so the
-        upload itself costs only the copy. `release` undoes it when it goes unused."""
+        """Get ready to `upload` into an upload set up ahead, so the upload costs only the copy."""
         ...
 
     def release(self, payload: pb.Payload) -> None:
-        """Let go of what `prepare` held for `payload`, if anything."""
+        """Let go of what `prepare` held, if anything."""
         ...
 
     def receive(self, offer: Offer, *, into: memoryview | None, progress: Progress | None) -> memoryview:
@@ -100,16 +101,23 @@ class Transport(Protocol):
         ...
 
     def receive_placed(self, offer: Offer, views: Mapping[str, memoryview]) -> list[str]:
-        """The offered version's file scattered into `views` (tensor name -> writable view of
-        its exact size; other bytes are dropped), each hashed as it lands: the names of the
-        tensors whose digests do not match (normally none)."""
+        """The version's file scattered into `views` (name -> writable view of that tensor's
+        size), each hashed as it lands: the names of the tensors that fail their digests."""
         ...
 
 
+def negotiated_offer(
+    request: pb.FetchRequest, answer: pb.NegotiateResponse | None, deadline: Deadline, info: VersionInfo
+) -> Offer:
+    """A fast transport's offer: the payload Negotiate described."""
+    assert answer is not None, "a fast transport is only ever picked by Negotiate"
+    version = VersionInfo.from_proto(answer.header) if answer.HasField("header") else info
+    return Offer(version, answer.payload, deadline=deadline)
+
+
 def receive_buffer(size: int, into: memoryview | None = None) -> memoryview:
-    """`into[:size]` if it is large enough, else a writable, uninitialised byte buffer. Unlike
-    bytearray(size) it is not zero-filled first, which for a large model costs as much as
-    receiving it."""
+    """`into[:size]` if it is large enough, else a writable buffer that, unlike bytearray(size),
+    is not zero-filled first (for a large model that costs as much as receiving it)."""
     if into is not None and into.nbytes >= size and not into.readonly:
         return into.cast("B")[:size]
     import numpy as np

@@ -18,15 +18,16 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import ClassVar, TypeVar
 
 import xxhash
 
+from weightclient.core.retry import Deadline
 from weightclient.placement import PlacedReceiver
-from weightclient.transports.base import Offer, Progress, TransportFailed, receive_buffer
+from weightclient.transports.base import Offer, Progress, TransportFailed, negotiated_offer, receive_buffer
 from weightserver.protocol.errors import DeadlineExceeded
+from weightserver.protocol.framing import BufferSink, Sink
 from weightserver.v1 import weights_pb2 as pb
 
 CONNECT_TIMEOUT = 2.0
@@ -52,7 +53,7 @@ class BulkTransport:
         self._port: int | None = None
 
     def upload(
-        self, payload: pb.Payload, parts: Sequence[memoryview], *, deadline: float | None, progress: Progress | None
+        self, payload: pb.Payload, parts: Sequence[memoryview], *, deadline: Deadline, progress: Progress | None
     ) -> str:
         total = payload.byte_size
         if sum(part.nbytes for part in parts) != total:
@@ -83,39 +84,52 @@ class BulkTransport:
     def release(self, payload: pb.Payload) -> None:
         pass
 
+    offer = staticmethod(negotiated_offer)
+
     def receive(self, offer: Offer, *, into: memoryview | None, progress: Progress | None) -> memoryview:
         buffer = receive_buffer(offer.payload.byte_size, into)
-
-        def fill(conn: socket.socket) -> memoryview:
-            received = 0
-            while received < buffer.nbytes:
-                received += _recv_some(conn, buffer[received:], started=received > 0, deadline=offer.deadline)
-                if progress is not None:
-                    progress(received, buffer.nbytes)
-            return buffer
-
-        return self._transfer(offer.payload.bulk.port, offer.payload.bulk.ticket, offer.label, offer.deadline, fill)
+        self._fill(offer, BufferSink(buffer), progress)
+        return buffer
 
     def receive_placed(self, offer: Offer, views: Mapping[str, memoryview]) -> list[str]:
-        def fill(conn: socket.socket) -> list[str]:
-            receiver = PlacedReceiver(offer.info, views)
-            started = False
+        receiver = PlacedReceiver(offer.info, views)
+        self._fill(offer, receiver, None)
+        return receiver.bad()
+
+    @property
+    def connected(self) -> bool:
+        """Whether a connection is kept open for the next transfer."""
+        return self._socket is not None
+
+    @property
+    def port(self) -> int | None:
+        """The server's bulk port this client last connected to."""
+        return self._port
+
+    def _fill(self, offer: Offer, sink: Sink, progress: Progress | None) -> None:
+        """Receive the offered payload into `sink`, after sending the ticket."""
+        size = offer.payload.byte_size
+
+        def fill(conn: socket.socket) -> None:
+            received = 0
             try:
-                while not receiver.done:
-                    receiver.advance(_recv_some(conn, receiver.target(), started=started, deadline=offer.deadline))
-                    started = True
+                while not sink.done:
+                    n = _recv_some(conn, sink.target(SOCKET_BUFFER), started=received > 0, deadline=offer.deadline)
+                    sink.advance(n)
+                    received += n
+                    if progress is not None:
+                        progress(received, size)
             except ValueError as exc:
                 raise TransportFailed(f"bulk payload of {offer.label} does not match its description: {exc}") from exc
-            return receiver.bad()
 
-        return self._transfer(offer.payload.bulk.port, offer.payload.bulk.ticket, offer.label, offer.deadline, fill)
+        self._transfer(offer.payload.bulk.port, offer.payload.bulk.ticket, offer.label, offer.deadline, fill)
 
     def close(self) -> None:
         with self._lock:
             self._close()
 
     def _transfer(
-        self, port: int, ticket: bytes, label: str, deadline: float | None, exchange: Callable[[socket.socket], T]
+        self, port: int, ticket: bytes, label: str, deadline: Deadline, exchange: Callable[[socket.socket], T]
     ) -> T:
         """Send `ticket` on the kept connection to `port` (a fresh one if needed), then let
         `exchange` move the bytes."""
@@ -143,7 +157,7 @@ class BulkTransport:
                 self._close()  # a timeout or an interrupt part-way: the connection's position is unknown
                 raise
 
-    def _send_ticket(self, port: int, ticket: bytes, read: Callable[[socket.socket], T], deadline: float | None) -> T:
+    def _send_ticket(self, port: int, ticket: bytes, read: Callable[[socket.socket], T], deadline: Deadline) -> T:
         if self._socket is None or self._port != port:
             self._close()
             self._socket = _connect(self.host, port, deadline)
@@ -158,17 +172,14 @@ class BulkTransport:
             self._socket = None
 
 
-def _wait(limit: float, deadline: float | None) -> float:
-    """`limit`, or what is left until `deadline` if that is less; DeadlineExceeded once it passed."""
-    if deadline is None:
-        return limit
-    remaining = deadline - time.monotonic()
-    if remaining <= 0:
+def _wait(limit: float, deadline: Deadline) -> float:
+    """`limit`, or what is left of `deadline` if that is less; DeadlineExceeded once it passed."""
+    if deadline.expired():
         raise DeadlineExceeded("the deadline passed")
-    return min(limit, remaining)
+    return deadline.within(limit)
 
 
-def _recv_some(conn: socket.socket, view: memoryview, *, started: bool, deadline: float | None) -> int:
+def _recv_some(conn: socket.socket, view: memoryview, *, started: bool, deadline: Deadline) -> int:
     """recv_into `view`; EOFError if the peer closed before the first byte of a transfer (a
     kept connection the server dropped), OSError if it closed part-way, TransportFailed if it
     sent nothing for FIRST_BYTE_TIMEOUT (before the first byte) or STALL_TIMEOUT (after),
@@ -190,7 +201,7 @@ def _recv_some(conn: socket.socket, view: memoryview, *, started: bool, deadline
     return n
 
 
-def _connect(host: str, port: int, deadline: float | None) -> socket.socket:
+def _connect(host: str, port: int, deadline: Deadline) -> socket.socket:
     family, _, _, _, address = socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM)[0]
     conn = socket.socket(family, socket.SOCK_STREAM)
     try:

@@ -1,9 +1,9 @@
-"""TransportChain: which transports a transfer tries, in what order, and one retry rule.
+"""TransportChain: which transports a transfer tries, in what order, and when a failed one is
+tried again.
 
 "auto" tries shared memory, bulk TCP, then the stream; a named one is tried alone before the
-stream. The rule: a fast transport that failed is left out of "auto" for `retry_seconds`; one
-that carried a payload is trusted again at once. The stream, which every server offers, is
-always last.
+stream, which every server offers and is always last. A fast transport that failed is left out
+of "auto" for `rest_seconds`; one that carried a payload is trusted again at once.
 """
 
 from __future__ import annotations
@@ -17,16 +17,16 @@ from weightserver.protocol.errors import InvalidRequest
 
 log = logging.getLogger(__name__)
 
-RETRY_SECONDS = 60.0
+REST_SECONDS = 60.0
 
 
 class TransportChain:
     """The client's transports: fast ones in order of preference, then the stream."""
 
-    def __init__(self, fast: Sequence[Transport], stream: Transport, *, retry_seconds: float = RETRY_SECONDS) -> None:
+    def __init__(self, fast: Sequence[Transport], stream: Transport, *, rest_seconds: float = REST_SECONDS) -> None:
         self.fast = list(fast)
         self.stream = stream
-        self.retry_seconds = retry_seconds
+        self.rest_seconds = rest_seconds
         self.by_name: dict[str, Transport] = {t.name: t for t in (*self.fast, stream)}
         self.by_kind: dict[int, Transport] = {t.kind: t for t in (*self.fast, stream)}
         self._failed_at: dict[str, float] = {}
@@ -37,21 +37,21 @@ class TransportChain:
         return ("auto", *self.by_name)
 
     def order(self, choice: str) -> list[Transport]:
-        """The fast transports to try for `choice`, best first (the stream comes after them)."""
+        """The transports to try for `choice`, best first; the stream is always the last."""
         if choice == "auto":
-            return [t for t in self.fast if not self.resting(t)]
+            return [*(t for t in self.fast if not self.resting(t)), self.stream]
         if choice not in self.by_name:
             raise InvalidRequest(f"transport must be one of {', '.join(self.choices)}, got {choice!r}")
-        return [] if choice == self.stream.name else [self.by_name[choice]]
+        return [self.stream] if choice == self.stream.name else [self.by_name[choice], self.stream]
 
     def resting(self, transport: Transport) -> bool:
         failed = self._failed_at.get(transport.name)
-        return failed is not None and time.monotonic() - failed < self.retry_seconds
+        return failed is not None and time.monotonic() - failed < self.rest_seconds
 
     def failed(self, transport: Transport, reason: object) -> None:
         if not self.resting(transport):
             log.warning(
-                "%s transport failed (%s); using the next one for %.0fs", transport.name, reason, self.retry_seconds
+                "%s transport failed (%s); using the next one for %.0fs", transport.name, reason, self.rest_seconds
             )
         self._failed_at[transport.name] = time.monotonic()
         self._worked.discard(transport.name)
@@ -61,9 +61,7 @@ class TransportChain:
         self._worked.add(transport.name)
 
     def usable(self, name: str) -> bool | None:
-        """What this client learned of a transport: True once it carried a payload, False while
-        it rests after a failure, None before either."""
-        transport = self.by_name[name]
-        if self.resting(transport):
+        """True once a transport carried a payload, False while it rests after a failure, None before."""
+        if self.resting(self.by_name[name]):
             return False
         return True if name in self._worked else None

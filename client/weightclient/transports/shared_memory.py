@@ -18,7 +18,6 @@ import os
 import re
 import stat
 import threading
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -27,8 +26,9 @@ from typing import ClassVar
 import xxhash
 from google.protobuf.message import DecodeError
 
+from weightclient.core.retry import Deadline
 from weightclient.placement import BLOCK_BYTES, PREFIX_BYTES, layout, mismatched
-from weightclient.transports.base import Offer, PayloadGone, Progress, TransportFailed
+from weightclient.transports.base import Offer, PayloadGone, Progress, TransportFailed, negotiated_offer
 from weightclient.transports.block_reader import read_blocks
 from weightserver.protocol import page_tables
 from weightserver.protocol.errors import DeadlineExceeded
@@ -55,7 +55,7 @@ class SharedMemoryTransport:
         self._lock = threading.Lock()
 
     def upload(
-        self, payload: pb.Payload, parts: Sequence[memoryview], *, deadline: float | None, progress: Progress | None
+        self, payload: pb.Payload, parts: Sequence[memoryview], *, deadline: Deadline, progress: Progress | None
     ) -> str:
         """Write `parts` into the server's upload file: only a regular file of exactly the
         announced size, named as the server names uploads, and not through a link, front to
@@ -118,6 +118,8 @@ class SharedMemoryTransport:
             raise TransportFailed(f"cannot write {path}: {exc}") from exc
         finally:
             os.close(fd)
+
+    offer = staticmethod(negotiated_offer)
 
     def receive(self, offer: Offer, *, into: memoryview | None, progress: Progress | None) -> memoryview:
         """The file mapped copy-on-write: reading costs no copy, a write to a tensor viewing it
@@ -187,7 +189,7 @@ def _moved_hashed(
     write: Callable[[memoryview, int], None],
     parts: Sequence[memoryview],
     total: int,
-    deadline: float | None,
+    deadline: Deadline,
     progress: Progress | None,
 ) -> str:
     """`write(block, offset)` every block of `parts`, one after another from offset 0, each
@@ -196,7 +198,7 @@ def _moved_hashed(
     offset = 0
     for part in parts:
         for start in range(0, part.nbytes, WRITE_BLOCK):
-            if deadline is not None and time.monotonic() > deadline:
+            if deadline.expired():
                 raise DeadlineExceeded(f"writing the upload took longer than the call's timeout ({offset} bytes in)")
             block = part[start : start + WRITE_BLOCK]
             write(block, offset)

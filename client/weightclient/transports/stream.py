@@ -4,15 +4,17 @@ transport clients in other languages need. Chunks travel pre-framed (weightserve
 from __future__ import annotations
 
 import queue
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 import grpc
 
+from weightclient.core.retry import Deadline
 from weightclient.placement import PlacedReceiver
 from weightclient.transports.base import NotOffered, Offer, OutgoingFile, Progress, receive_buffer
 from weightserver.protocol import framing
 from weightserver.protocol.errors import IntegrityError
+from weightserver.protocol.framing import BufferSink, Sink
 from weightserver.protocol.version_info import VersionInfo
 from weightserver.v1 import weights_pb2 as pb
 
@@ -40,18 +42,19 @@ class StreamTransport:
 
     # ------------------------------------------------------------------ publish
     def send(
-        self, files: Sequence[OutgoingFile], *, timeout: float | None, progress: Progress | None
+        self, files: Sequence[OutgoingFile], *, deadline: Deadline, progress: Progress | None
     ) -> pb.PublishResponse:
         """Publish `files` as one version (a Publish call); the server's reply."""
-        return self._publish(self._publish_messages(files, progress), timeout=timeout, metadata=self._metadata)
+        messages = self._publish_messages(files, progress)
+        return self._publish(messages, timeout=deadline.remaining(), metadata=self._metadata)
 
-    def open_publish(self, *, timeout: float | None) -> OpenPublish:
+    def open_publish(self, *, deadline: Deadline) -> OpenPublish:
         """A Publish call started now, its messages handed over as they are ready (a header
         before its bytes are written in place, then how far they are)."""
-        return OpenPublish(self, timeout)
+        return OpenPublish(self, deadline.remaining())
 
     def upload(
-        self, payload: pb.Payload, parts: Sequence[memoryview], *, deadline: float | None, progress: Progress | None
+        self, payload: pb.Payload, parts: Sequence[memoryview], *, deadline: Deadline, progress: Progress | None
     ) -> str:
         raise NotOffered("the stream carries a publish's bytes in the Publish call itself (send)")
 
@@ -98,85 +101,59 @@ class StreamTransport:
             yield pb.PublishRequest(commit=pb.PublishCommit())
 
     # ------------------------------------------------------------------ fetch
-    def open(self, request: pb.FetchRequest, timeout: float | None) -> Offer | None:
-        """Start a Fetch stream and read its head: None when the server is up to date, else an
-        offer whose chunks follow. The stream's own negotiation: it answers with the version
-        and, when the request asked for a delta or a cast, what the chunks are."""
-        stream = self._fetch(request, timeout=timeout, metadata=self._metadata)
+    def offer(
+        self, request: pb.FetchRequest, answer: pb.NegotiateResponse | None, deadline: Deadline, info: VersionInfo
+    ) -> Offer | None:
+        """Start a Fetch stream and read its head (the stream's own negotiation): None when the
+        server is up to date, else an offer whose chunks follow. Its head is the version's
+        header, then a payload description when a delta or cast was asked for; for incoming
+        bytes (`request.incoming`) only the payload, under `info`."""
+        stream = self._fetch(request, timeout=deadline.remaining(), metadata=self._metadata)
         try:
             first = next(stream, None)
-            if not isinstance(first, pb.FetchResponse) or first.WhichOneof("kind") not in ("header", "up_to_date"):
-                raise IntegrityError(f"model {request.model!r}: the fetch stream did not start with a header")
-            if first.HasField("up_to_date"):
+            kind = first.WhichOneof("kind") if isinstance(first, pb.FetchResponse) else None
+            if kind == "up_to_date" and not request.incoming:
                 _expect_end(stream, request.model)
                 return None
+            if kind == "payload" and request.incoming:
+                return Offer(info, first.payload, chunks=stream, deadline=deadline)
+            if kind != "header" or request.incoming:
+                raise IntegrityError(f"model {request.model!r}: the fetch stream did not start with its head")
             info = VersionInfo.from_proto(first.header)
+            payload = pb.Payload(byte_size=info.byte_size, xxh3=info.xxh3)
             if request.base_version or request.dtype:
                 second = next(stream, None)
                 if not isinstance(second, pb.FetchResponse) or not second.HasField("payload"):
                     raise IntegrityError(f"model {request.model!r}: expected a payload description after the header")
                 payload = second.payload
-            else:
-                payload = pb.Payload(byte_size=info.byte_size, xxh3=info.xxh3)
         except BaseException:
             stream.cancel()
             raise
-        return Offer(info, payload, chunks=stream)
-
-    def open_arriving(self, request: pb.FetchRequest, info: VersionInfo, timeout: float | None) -> Offer:
-        """Start a Fetch stream for a publish's bytes as they arrive (`request.incoming`) and
-        read its head, the payload's size: an offer under `info` whose chunks follow."""
-        stream = self._fetch(request, timeout=timeout, metadata=self._metadata)
-        try:
-            first = next(stream, None)
-            if not isinstance(first, pb.FetchResponse) or not first.HasField("payload"):
-                raise IntegrityError(
-                    f"model {request.model!r}: the fetch of arriving bytes did not start with a payload"
-                )
-        except BaseException:
-            stream.cancel()
-            raise
-        return Offer(info, first.payload, chunks=stream)
+        return Offer(info, payload, chunks=stream, deadline=deadline)
 
     def receive(self, offer: Offer, *, into: memoryview | None, progress: Progress | None) -> memoryview:
         size = offer.payload.byte_size
         buffer = receive_buffer(size, into)
-        received = 0
-        for chunk in self._chunks(offer):
-            end = received + chunk.nbytes
-            if end > size:
-                raise IntegrityError(f"model {offer.label}: the server sent more than the announced {size} bytes")
-            buffer[received:end] = chunk
-            received = end
-            if progress is not None:
-                progress(received, size)
-        if received != size:
-            raise IntegrityError(f"model {offer.label}: received {received} of {size} bytes; the stream was cut short")
+        self._fill(offer, BufferSink(buffer), None if progress is None else lambda n: progress(n, size))
         return buffer
 
     def receive_placed(self, offer: Offer, views: Mapping[str, memoryview]) -> list[str]:
         receiver = PlacedReceiver(offer.info, views)
+        self._fill(offer, receiver, None)
+        return receiver.bad()
+
+    def _fill(self, offer: Offer, sink: Sink, progress: Callable[[int], None] | None) -> None:
         try:
-            for chunk in self._chunks(offer):
-                while chunk.nbytes:
-                    if receiver.done:
-                        raise ValueError("more bytes than announced")
-                    target = receiver.target(chunk.nbytes)
-                    target[:] = chunk[: target.nbytes]
-                    receiver.advance(target.nbytes)
-                    chunk = chunk[target.nbytes :]
+            framing.receive_chunks(self._chunks(offer), sink, progress)
         except ValueError as exc:
             raise IntegrityError(
-                f"model {offer.label}: the streamed file does not match its description: {exc}"
+                f"model {offer.label}: the streamed payload does not match its description: {exc}"
             ) from exc
-        if not receiver.done:
-            raise IntegrityError(f"model {offer.label}: the stream was cut short")
-        return receiver.bad()
 
     @staticmethod
     def _chunks(offer: Offer) -> Iterator[memoryview]:
         stream = offer.chunks
-        assert stream is not None, "a stream offer comes from StreamTransport.open"
+        assert stream is not None, "a stream offer comes from StreamTransport.offer"
         try:
             for message in stream:
                 if not isinstance(message, memoryview):

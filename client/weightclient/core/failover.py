@@ -1,0 +1,269 @@
+"""Reaching a server: the channel and call metadata, the addresses a client may use and the
+one it uses now, gRPC errors mapped to the library's own, and calls retried or moved on.
+
+A client given several addresses (`"relay-a:50052,primary:50051"`) uses the first and moves to
+the next when a call finds its server down or stalled, round and round. Versions keep their
+numbers and bytes across a primary and its relays, so the move is safe; a server behind the
+version a caller holds answers CursorOutOfRange, read as "nothing newer here".
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+
+from weightclient.core.retry import DEFAULT_RETRY, Deadline, RetryPolicy
+from weightclient.transports import BulkTransport, SharedMemoryTransport, StreamTransport, TransportChain
+from weightserver.protocol.channel import bearer_metadata, channel_credentials
+from weightserver.protocol.errors import (
+    CLIENT_ID_METADATA_KEY,
+    ERROR_METADATA_KEY,
+    DeadlineExceeded,
+    ServerUnavailable,
+    WeightServerError,
+    error_from_status,
+)
+from weightserver.protocol.limits import CHANNEL_OPTIONS, DEFAULT_CHUNK_BYTES, DEFAULT_PORT
+from weightserver.v1 import weights_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+PathLike = str | os.PathLike[str]
+ADDRESS_ENV = "WEIGHTSERVER_ADDRESS"
+TOKEN_ENV = "WEIGHTSERVER_TOKEN"
+TLS_CA_ENV = "WEIGHTSERVER_TLS_CA"
+TLS_CERT_ENV = "WEIGHTSERVER_TLS_CERT"
+TLS_KEY_ENV = "WEIGHTSERVER_TLS_KEY"
+RETIRED_LINKS = 2  # links moved away from, kept open for calls still running on them
+
+
+def default_address() -> str:
+    """`$WEIGHTSERVER_ADDRESS`, else localhost:50051."""
+    return os.environ.get(ADDRESS_ENV) or f"localhost:{DEFAULT_PORT}"
+
+
+def open_channel(
+    address: str,
+    *,
+    tls: bool | None = None,
+    tls_ca: PathLike | None = None,
+    tls_cert: PathLike | None = None,
+    tls_key: PathLike | None = None,
+) -> grpc.Channel:
+    """TLS when `tls` is True or any TLS file is given (else $WEIGHTSERVER_TLS_CA / _CERT /
+    _KEY), plaintext otherwise; without a CA the system's roots are trusted."""
+    tls_ca = tls_ca or os.environ.get(TLS_CA_ENV) or None
+    tls_cert = tls_cert or os.environ.get(TLS_CERT_ENV) or None
+    tls_key = tls_key or os.environ.get(TLS_KEY_ENV) or None
+    if tls is False or (tls is None and not (tls_ca or tls_cert or tls_key)):
+        return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    credentials = channel_credentials(tls_ca, tls_cert, tls_key)  # ValueError for half a client certificate
+    return grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
+
+
+def call_metadata(token: str | None, client_id: str | None) -> tuple[tuple[str, str], ...] | None:
+    """Sent with every call: the bearer token ($WEIGHTSERVER_TOKEN when not given), the client id."""
+    token = token if token is not None else os.environ.get(TOKEN_ENV) or None
+    metadata = [bearer_metadata(token)] if token else []
+    if client_id:
+        metadata.append((CLIENT_ID_METADATA_KEY, client_id))
+    return tuple(metadata) or None
+
+
+def error_from_rpc(err: grpc.RpcError) -> WeightServerError:
+    """The library's exception for a failed call, by status code and the server's error name."""
+    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    details = (err.details() if hasattr(err, "details") else None) or str(err)
+    trailing = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
+    return error_from_status(code, details, dict(trailing or ()).get(ERROR_METADATA_KEY))
+
+
+@contextmanager
+def map_rpc_errors(address: str | None = None) -> Iterator[None]:
+    """Re-raise grpc.RpcError inside the block as the matching WeightServerError."""
+    try:
+        yield
+    except grpc.RpcError as err:
+        error = error_from_rpc(err)
+        if address and err.code() == grpc.StatusCode.UNAVAILABLE:
+            error = type(error)(f"weight server at {address} is unavailable: {error}")
+        raise error from None
+
+
+@dataclass
+class ServerLink:
+    """One address: its channel, stub and the transports bound to it (shared memory is the
+    client's, whatever the address)."""
+
+    address: str
+    stub: Any  # pb_grpc.WeightServiceStub, or a stand-in (transports.mock)
+    transports: TransportChain
+    incoming_bulk: Any  # a second bulk connection: an incoming transfer lasts a whole publish
+    channel: grpc.Channel | None = None
+
+    def close(self) -> None:
+        for transport in (self.transports.by_name.get("bulk"), self.incoming_bulk):
+            if hasattr(transport, "close"):
+                transport.close()
+        if self.channel is not None:
+            self.channel.close()
+
+
+def parse_addresses(address: str | Sequence[str]) -> list[str]:
+    """`"a:1,b:2"` (or a sequence) -> ["a:1", "b:2"]; ValueError when none is given."""
+    parts = address.split(",") if isinstance(address, str) else list(address)
+    addresses = [part.strip() for part in parts if part.strip()]
+    if not addresses:
+        raise ValueError(f"no server address in {address!r}")
+    return addresses
+
+
+def host_of(address: str) -> str:
+    """The host part of a gRPC target: 'localhost:50051' -> 'localhost', '[::1]:5' -> '::1'."""
+    target = address.split("///", 1)[-1]
+    return (target.rsplit(":", 1)[0] if ":" in target else target).strip("[]")
+
+
+class Connection:
+    """The link in use among several addresses, and how calls on it are made.
+
+    Args:
+        address: host:port (default `$WEIGHTSERVER_ADDRESS`, then localhost:50051), or several,
+            comma-separated or a list: a call that finds its server down or stalled moves on.
+        timeout: deadline in seconds for unary calls (describe, list, delete, pin).
+        chunk_bytes: size of the chunks a publish sends and a fetch asks for.
+        client_id: a name for this client in the server's logs.
+        token: bearer token (default `$WEIGHTSERVER_TOKEN`).
+        tls, tls_ca, tls_cert, tls_key: TLS (`open_channel`).
+        retry_seconds: how long idempotent calls retry while no server answers, when the call
+            has no timeout. Publish, delete and pin never retry (a publish id makes a retried
+            publish commit once).
+        retry: the backoff between retries, and each address's share of a deadline.
+        connect: `connect(address) -> ServerLink`, to replace the network (transports.mock).
+    """
+
+    def __init__(
+        self,
+        address: str | Sequence[str] | None = None,
+        *,
+        timeout: float | None = 30.0,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        client_id: str | None = None,
+        token: str | None = None,
+        tls: bool | None = None,
+        tls_ca: PathLike | None = None,
+        tls_cert: PathLike | None = None,
+        tls_key: PathLike | None = None,
+        retry_seconds: float = 30.0,
+        retry: RetryPolicy = DEFAULT_RETRY,
+        connect: Callable[[str], ServerLink] | None = None,
+    ) -> None:
+        self.addresses = parse_addresses(address or default_address())
+        self.timeout, self.chunk_bytes, self.retry_seconds, self.retry = timeout, chunk_bytes, retry_seconds, retry
+        self._metadata = call_metadata(token, client_id)
+        self._shm = SharedMemoryTransport()
+        tls_options = dict(tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
+
+        def dial(address: str) -> ServerLink:
+            channel = open_channel(address, **tls_options)
+            stream = StreamTransport(channel, self._metadata, chunk_bytes)
+            chain = TransportChain([self._shm, BulkTransport(host_of(address))], stream)
+            stub = pb_grpc.WeightServiceStub(channel)
+            return ServerLink(address, stub, chain, BulkTransport(host_of(address)), channel)
+
+        self._connect = connect or dial
+        self._lock = threading.Lock()
+        self._index = 0
+        self._link = self._connect(self.addresses[0])
+        self._retired: list[ServerLink] = []
+
+    @property
+    def address(self) -> str:
+        """The address in use."""
+        return self._link.address
+
+    @property
+    def transports(self) -> TransportChain:
+        """The transports to the server in use, and what this client learned of them."""
+        return self._link.transports
+
+    @transports.setter
+    def transports(self, chain: TransportChain) -> None:
+        self._link.transports = chain
+
+    @property
+    def _stub(self) -> pb_grpc.WeightServiceStub:
+        return self._link.stub
+
+    def _move_on(self, failed: str, why: object) -> bool:
+        """The server at `failed` is down or stalled: use the next address (unless another
+        thread already did). False when there is no other address."""
+        if len(self.addresses) == 1:
+            return False
+        with self._lock:
+            if self._link.address != failed:
+                return True
+            self._index = (self._index + 1) % len(self.addresses)
+            self._retired.append(self._link)  # calls still running on it end on their own
+            self._link = self._connect(self.addresses[self._index])
+            while len(self._retired) > RETIRED_LINKS:
+                self._retired.pop(0).close()
+        log.warning("server %s is down or stalled (%s); moving to %s", failed, why, self._link.address)
+        return True
+
+    def _call(
+        self, method: str, request: object, *, retry: bool = True, timeout: float | None = None, change: bool = False
+    ) -> Any:
+        """A unary call by name. A `change` (delete, pin) is made once, on the server in use."""
+
+        def once(deadline: Deadline) -> Any:
+            with map_rpc_errors(self.address):
+                return getattr(self._stub, method)(request, timeout=deadline.remaining(), metadata=self._metadata)
+
+        deadline = Deadline.after(self.timeout if timeout is None else timeout)
+        return once(deadline) if change else self._on_any_server(once, deadline, retry=retry)
+
+    def _on_any_server(self, call: Callable[[Deadline], T], deadline: Deadline, *, retry: bool) -> T:
+        """`call(deadline)` on the server in use. With `retry`, retried under the policy while
+        no server answers (for `retry_seconds` when `deadline` is never), moving on from each
+        that fails; without, at most once more on the next address, each address getting its
+        share of the deadline (`RetryPolicy.share`)."""
+        used = [self.address]  # the address of the latest attempt: the one to move on from
+
+        def attempt(deadline: Deadline) -> T:
+            used[0] = self.address
+            return call(deadline)
+
+        if retry:
+            window = deadline if deadline.at is not None else Deadline.after(self.retry_seconds)
+            return self.retry.call(attempt, window, used[0], move_on=lambda exc: self._move_on(used[0], exc))
+        try:
+            return attempt(self.retry.share(deadline, min(2, len(self.addresses))))
+        except (ServerUnavailable, DeadlineExceeded) as exc:
+            if deadline.expired() or not self._move_on(used[0], exc):
+                raise
+        return attempt(deadline)
+
+    def close(self) -> None:
+        """Close every channel (cancels running calls) and bulk connection."""
+        with self._lock:
+            links, self._retired = [self._link, *self._retired], []
+        for link in links:
+            link.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.address!r})"

@@ -1,0 +1,75 @@
+"""Watching a model: an event per committed version (and, asked for, per incoming publish),
+resubscribing from the last version seen when the server goes away."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+
+from weightclient.core.failover import Connection, map_rpc_errors
+from weightclient.core.retry import Deadline
+from weightserver.protocol.errors import InvalidRequest, ServerUnavailable
+from weightserver.protocol.version_info import Arriving, VersionEvent, VersionInfo
+from weightserver.v1 import weights_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+
+class Watching(Connection):
+    """The watch part of `WeightServiceClient`."""
+
+    def watch(
+        self,
+        model: str,
+        *,
+        since: int = 0,
+        timeout: float | None = None,
+        incoming: bool = False,
+        on_subscribed: Callable[[dict[str, str]], None] | None = None,
+    ) -> Iterator[VersionEvent | Arriving]:
+        """Yield an event for every version of `model` committed after `since`, in order,
+        retained ones that landed before the call first. Runs until closed, the deadline
+        passes, or the server stops. `incoming=True` also yields an `Arriving` as each publish's
+        bytes begin to arrive (or fail), for cut-through (`fetch_incoming`). `on_subscribed(metadata)`
+        gets the server's initial metadata each time it takes the subscription (a relay names its
+        primary there)."""
+        if since < 0:
+            raise InvalidRequest(f"since must be >= 0 (a version number, 0 for all retained), got {since}")
+        deadline = Deadline.after(timeout)
+        cursor, failures, outage = since, 0, Deadline()
+        while True:
+            request = pb.WatchRequest(model=model, since=cursor, incoming=incoming)
+            address = self.address  # the server this stream goes to: the one to move on from
+            stream = self._stub.Watch(request, timeout=deadline.remaining(), metadata=self._metadata)
+            try:
+                with map_rpc_errors(address):
+                    if on_subscribed is not None:
+                        metadata = dict(stream.initial_metadata() or ())
+                        if not stream.done():  # else refused at once: the loop raises its error
+                            on_subscribed(metadata)
+                    for event in stream:
+                        failures = 0
+                        if not event.HasField("version"):
+                            announced = event.incoming
+                            yield Arriving(model, announced.id, announced.byte_size, failed=announced.failed)
+                            continue
+                        cursor = max(cursor, event.version.version)
+                        yield VersionEvent(
+                            VersionInfo.from_proto(event.version), gap=event.gap, arriving=event.incoming.id
+                        )
+                return
+            except ServerUnavailable as exc:
+                # Subscribe again from the last version seen (on the next address, if any):
+                # nothing is missed or repeated. The outage may last the deadline, or else
+                # `retry_seconds`.
+                if failures == 0:
+                    outage = deadline if deadline.at is not None else Deadline.after(self.retry_seconds)
+                    log.warning("watch of %r at %s interrupted after v%d; resubscribing", model, address, cursor)
+                if outage.expired():
+                    raise
+                moved = self._move_on(address, exc)
+                if not (moved and failures == 0) and not self.retry.wait(failures, outage):
+                    raise  # the next address is asked at once, the first time
+                failures += 1
+            finally:
+                stream.cancel()

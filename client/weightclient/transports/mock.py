@@ -1,0 +1,166 @@
+"""An in-memory server and transports, for unit tests with no sockets (as httpx's MockTransport):
+
+>>> server = MockServer()
+>>> client = WeightServiceClient("mock", connect=server.connect)  # doctest: +SKIP
+
+`MockServer` holds versions as bytes and answers the unary calls; its `MockTransport`s move
+payloads through memory as the stream, bulk or shared memory would. `fail[method]` lists errors
+that method's next calls raise (a transport's `receive` and `upload` too); `corrupt` names the
+transports that flip a byte of what they receive; `calls` records what was asked.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import xxhash
+
+from weightclient.core.retry import Deadline
+from weightclient.transports.base import NotOffered, Offer, OutgoingFile, Progress, TransportFailed, negotiated_offer
+from weightclient.transports.negotiation import TransportChain
+from weightserver.protocol.errors import InvalidRequest, ModelNotFound, VersionNotFound
+from weightserver.protocol.framing import BufferSink, receive_chunks
+from weightserver.protocol.version_info import VersionInfo
+from weightserver.v1 import weights_pb2 as pb
+
+KINDS = {"stream": pb.TRANSPORT_STREAM, "bulk": pb.TRANSPORT_BULK, "shm": pb.TRANSPORT_SHARED_MEMORY}
+
+
+class MockServer:
+    """Versions in memory, and the stub of a server that holds them."""
+
+    def __init__(self, fast: Sequence[str] = ("bulk",)) -> None:
+        self.versions: dict[str, list[tuple[pb.VersionInfo, bytes]]] = {}
+        self.uploads: dict[str, bytes] = {}
+        self.fail: dict[str, list[BaseException]] = {}
+        self.corrupt: set[str] = set()
+        self.calls: list[str] = []
+        self.fast = list(fast)
+        self._ids = itertools.count(1)
+
+    def connect(self, address: str) -> Any:
+        from weightclient.core.failover import ServerLink
+
+        fast = [MockTransport(self, name) for name in self.fast]
+        chain = TransportChain(fast, MockTransport(self, "stream"))
+        return ServerLink(address, self, chain, MockTransport(self, "bulk"))
+
+    def commit(self, model: str, data: bytes, version: int = 0) -> pb.VersionInfo:
+        held = self.versions.setdefault(model, [])
+        number = version or (held[-1][0].version + 1 if held else 1)
+        info = pb.VersionInfo(model=model, version=number, byte_size=len(data), xxh3=xxhash.xxh3_128_hexdigest(data))
+        held.append((info, bytes(data)))
+        return info
+
+    def called(self, method: str) -> None:
+        self.calls.append(method)
+        if self.fail.get(method):
+            raise self.fail[method].pop(0)
+
+    def find(self, request: pb.FetchRequest) -> tuple[pb.VersionInfo, bytes] | None:
+        held = self.versions.get(request.model)
+        if not held:
+            raise ModelNotFound(f"no model {request.model!r}")
+        if request.WhichOneof("selector") == "version":
+            for info, data in held:
+                if info.version == request.version:
+                    return info, data
+            raise VersionNotFound(f"{request.model!r} has no v{request.version}")
+        newest = held[-1]
+        return None if newest[0].version <= request.newer_than else newest
+
+    def GetLatest(self, request: pb.GetLatestRequest, **_: object) -> pb.VersionInfo:
+        self.called("GetLatest")
+        return self.find(pb.FetchRequest(model=request.model))[0]  # type: ignore[index]
+
+    def Negotiate(self, request: pb.NegotiateRequest, **_: object) -> pb.NegotiateResponse:
+        self.called("Negotiate")
+        answer = pb.NegotiateResponse(transport=pb.TRANSPORT_STREAM)
+        offered = [KINDS[name] for name in self.fast]
+        kind = next((k for k in request.accept if k in offered), pb.TRANSPORT_STREAM)
+        if request.direction == pb.DIRECTION_PUBLISH:
+            if kind != pb.TRANSPORT_STREAM:
+                answer.transport, answer.upload = kind, f"upload-{next(self._ids)}"
+                answer.payload.byte_size = request.publish.total_bytes
+                answer.payload.bulk.ticket = answer.upload.encode()
+            return answer
+        found = self.find(request.fetch)
+        if found is None:
+            answer.up_to_date.latest_version = request.fetch.newer_than
+            return answer
+        answer.header.CopyFrom(found[0])
+        answer.transport = kind
+        if kind != pb.TRANSPORT_STREAM:
+            answer.payload.byte_size, answer.payload.xxh3 = found[0].byte_size, found[0].xxh3
+        return answer
+
+
+class MockTransport:
+    """A transport of `server` named `name`, moving bytes through memory."""
+
+    written_in_place: ClassVar[bool] = False
+
+    def __init__(self, server: MockServer, name: str) -> None:
+        self.server, self.name, self.kind = server, name, KINDS[name]
+
+    def offer(
+        self, request: pb.FetchRequest, answer: pb.NegotiateResponse | None, deadline: Deadline, info: VersionInfo
+    ) -> Offer | None:
+        if self.name != "stream":
+            return negotiated_offer(request, answer, deadline, info)
+        self.server.called("Fetch")
+        found = self.server.find(request)
+        if found is None:
+            return None
+        payload = pb.Payload(byte_size=found[0].byte_size, xxh3=found[0].xxh3)
+        return Offer(VersionInfo.from_proto(found[0]), payload, chunks=iter([memoryview(found[1])]), deadline=deadline)
+
+    def receive(self, offer: Offer, *, into: memoryview | None, progress: Progress | None) -> memoryview:
+        self.server.called(f"{self.name}.receive")
+        found = self.server.find(pb.FetchRequest(model=offer.info.model, version=offer.info.version))
+        data = bytearray(found[1])  # type: ignore[index]
+        if self.name in self.server.corrupt and data:
+            data[0] ^= 0xFF
+        buffer = memoryview(bytearray(len(data)))
+        receive_chunks([memoryview(data)], BufferSink(buffer))
+        if progress is not None:
+            progress(len(data), len(data))
+        return buffer
+
+    def receive_placed(self, offer: Offer, views: Mapping[str, memoryview]) -> list[str]:
+        raise TransportFailed("the mock transports do not place tensors")
+
+    def upload(
+        self, payload: pb.Payload, parts: Sequence[memoryview], *, deadline: Deadline, progress: Progress | None
+    ) -> str:
+        if self.name == "stream":
+            raise NotOffered("the stream carries a publish's bytes in the Publish call itself")
+        self.server.called(f"{self.name}.upload")
+        data = b"".join(parts)
+        self.server.uploads[payload.bulk.ticket.decode()] = data
+        return xxhash.xxh3_128_hexdigest(data)
+
+    def prepare(self, payload: pb.Payload) -> None:
+        raise NotOffered("no uploads set up ahead here")
+
+    def release(self, payload: pb.Payload) -> None:
+        pass
+
+    def send(
+        self, files: Sequence[OutgoingFile], *, deadline: Deadline, progress: Progress | None
+    ) -> pb.PublishResponse:
+        """The Publish call: commit every file under one version number."""
+        self.server.called("Publish")
+        version = files[0].header.version
+        reply = pb.PublishResponse()
+        for file in files:
+            data = self.server.uploads.pop(file.uploaded) if file.uploaded else b"".join(file.parts)
+            if xxhash.xxh3_128_hexdigest(data) != file.header.xxh3:
+                raise InvalidRequest(f"{file.header.model!r}: the bytes do not match the declared xxh3")
+            info = self.server.commit(file.header.model, data, version)
+            version = info.version
+            reply.versions.append(info)
+        reply.version.CopyFrom(reply.versions[0])
+        return reply

@@ -1,0 +1,163 @@
+"""The client's fetch, publish, retry, deadline and fallback logic against the in-memory server
+(weightclient.transports.mock): no sockets."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import xxhash
+
+from weightclient import DeadlineExceeded, IntegrityError, ServerUnavailable, WeightServiceClient
+from weightclient.core.retry import RetryPolicy
+from weightclient.transports.mock import MockServer
+
+DATA = bytes(range(256)) * 64
+FAST_RETRY = RetryPolicy(first=0.001, longest=0.002)
+
+
+def client_of(server: MockServer, address: str = "mock", **options) -> WeightServiceClient:
+    return WeightServiceClient(address, connect=server.connect, retry=FAST_RETRY, **options)
+
+
+def test_a_fetch_goes_over_the_fast_transport_the_server_picks():
+    server = MockServer()
+    server.commit("policy", DATA)
+    with client_of(server) as client:
+        fetched = client.fetch_bytes("policy")
+    assert bytes(fetched.data) == DATA and fetched.stats.transport == "bulk" and fetched.info.version == 1
+    assert server.calls == ["Negotiate", "bulk.receive"]
+
+
+def test_bytes_that_fail_their_digest_fall_back_to_the_stream_and_the_transport_rests():
+    server = MockServer()
+    server.commit("policy", DATA)
+    server.corrupt.add("bulk")
+    with client_of(server) as client:
+        fetched = client.fetch_bytes("policy")
+        assert bytes(fetched.data) == DATA and fetched.stats.transport == "stream"
+        assert client.transports.usable("bulk") is False
+        assert client.fetch_bytes("policy", version=1).stats.transport == "stream"  # bulk rests
+    assert server.calls == ["Negotiate", "bulk.receive", "Fetch", "stream.receive", "Fetch", "stream.receive"]
+
+
+def test_the_stream_is_the_last_transport_so_its_bad_bytes_raise():
+    server = MockServer()
+    server.commit("policy", DATA)
+    server.corrupt.add("stream")
+    with client_of(server) as client:
+        with pytest.raises(IntegrityError, match="xxh3"):
+            client.fetch_bytes("policy", transport="stream")
+        server.corrupt.add("bulk")
+        with pytest.raises(IntegrityError, match="xxh3"):
+            client.fetch_bytes("policy", transport="bulk")
+    assert server.calls[-3:] == ["bulk.receive", "Fetch", "stream.receive"]
+
+
+def test_the_fallback_asks_the_stream_for_exactly_the_version_negotiated():
+    server = MockServer()
+    server.commit("policy", DATA)
+    server.corrupt.add("bulk")
+    with client_of(server) as client:
+        original = server.Negotiate
+
+        def negotiate_then_publish(request, **kwargs):
+            answer = original(request, **kwargs)
+            server.commit("policy", DATA[::-1])  # v2 lands between the answer and the fallback
+            return answer
+
+        server.Negotiate = negotiate_then_publish
+        fetched = client.fetch_bytes("policy")
+    assert fetched.info.version == 1 and bytes(fetched.data) == DATA
+
+
+def test_an_up_to_date_fetch_moves_nothing():
+    server = MockServer()
+    server.commit("policy", DATA)
+    with client_of(server) as client:
+        assert client.fetch_bytes("policy", newer_than=1) is None
+        assert client.fetch_bytes("policy", newer_than=1, transport="stream") is None
+    assert server.calls == ["Negotiate", "Fetch"]
+
+
+def test_idempotent_calls_retry_while_the_server_is_unavailable():
+    server = MockServer()
+    server.commit("policy", DATA)
+    server.fail["GetLatest"] = [ServerUnavailable("down"), ServerUnavailable("still down")]
+    with client_of(server) as client:
+        assert client.latest("policy").version == 1
+        assert server.calls.count("GetLatest") == 3
+        server.fail["GetLatest"] = [ServerUnavailable("down")]
+        with pytest.raises(ServerUnavailable):
+            client.latest("policy", retry=False)
+
+
+def test_retries_end_at_the_callers_deadline():
+    server = MockServer()
+    server.commit("policy", DATA)
+    server.fail["Negotiate"] = [ServerUnavailable("down")] * 10_000
+    slow = RetryPolicy(first=0.05, longest=0.05, jitter=0.0)
+    with WeightServiceClient("mock", connect=server.connect, retry=slow) as client:
+        began = time.monotonic()
+        with pytest.raises(ServerUnavailable):
+            client.fetch_bytes("policy", timeout=0.3)
+        assert 0.2 <= time.monotonic() - began < 0.6
+        assert 3 <= server.calls.count("Negotiate") <= 7
+
+
+def test_a_failed_server_is_left_for_the_next_address_at_once():
+    server = MockServer()
+    server.commit("policy", DATA)
+    server.fail["GetLatest"] = [ServerUnavailable("down")]
+    with client_of(server, "a:1,b:2") as client:
+        assert client.latest("policy", retry=False).version == 1
+        assert client.address == "b:2"
+
+
+def test_without_retry_each_address_gets_its_share_and_the_call_never_outlasts_its_deadline():
+    server = MockServer()
+    server.commit("policy", DATA)
+    given: list[float | None] = []
+    original = server.GetLatest
+
+    def stalled_first(request, timeout=None, **kwargs):
+        given.append(timeout)
+        if len(given) == 1:
+            time.sleep(timeout)
+            raise DeadlineExceeded("stalled")
+        return original(request, **kwargs)
+
+    server.GetLatest = stalled_first
+    with client_of(server, "a:1,b:2") as client:
+        began = time.monotonic()
+        assert client.latest("policy", retry=False, timeout=1.0).version == 1
+    assert given[0] == pytest.approx(0.5, abs=0.05)  # half of it for the first of two
+    assert given[1] == pytest.approx(0.5, abs=0.1)  # what is left for the last
+    assert time.monotonic() - began < 1.0 + 0.2
+
+
+def test_a_publish_moves_its_bytes_over_the_fast_transport_and_commits_them_on_the_stream():
+    server = MockServer()
+    with client_of(server) as client:
+        info = client.publish_bytes("policy", [memoryview(DATA[:100]), memoryview(DATA[100:])])
+        assert info.version == 1 and info.xxh3 == xxhash.xxh3_128_hexdigest(DATA)
+        assert client.publish_bytes("policy", DATA, transport="stream").version == 2
+    assert server.calls[:3] == ["Negotiate", "bulk.upload", "Publish"]
+    assert server.versions["policy"][1][1] == DATA
+
+
+def test_a_publish_whose_fast_transport_fails_goes_over_the_stream():
+    server = MockServer()
+    with client_of(server) as client:
+        original = client.transports.by_name["bulk"].upload
+
+        def refused(*args, **kwargs):
+            from weightclient.transports import TransportFailed
+
+            raise TransportFailed("refused")
+
+        client.transports.by_name["bulk"].upload = refused
+        assert client.publish_bytes("policy", DATA).version == 1
+        assert client.transports.usable("bulk") is False
+        client.transports.by_name["bulk"].upload = original
+    assert server.versions["policy"][0][1] == DATA
