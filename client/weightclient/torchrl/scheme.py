@@ -13,7 +13,6 @@ applied new weights and bumped its PolicyVersion, where torchrl offers no public
 
 from __future__ import annotations
 
-import inspect
 import warnings
 from typing import Any
 
@@ -22,8 +21,7 @@ from torchrl.envs.llm.transforms.policy_version import PolicyVersion
 from torchrl.weight_update import SharedMemWeightSyncScheme
 
 from weightclient.client import WeightClient
-from weightclient.torchrl.grpc_updaters import DEFAULT_UPDATE_TIMEOUT, GrpcLocalWeightUpdater, Update, weights_of
-from weightclient.torchrl.key_mapping import IDENTITY, KeyMap
+from weightclient.torchrl.grpc_updaters import GrpcLocalWeightUpdater, Update, weights_of
 
 with warnings.catch_warnings():
     # Importing torchrl.collectors defines its own WeightUpdaterBase subclasses, which warn.
@@ -32,7 +30,7 @@ with warnings.catch_warnings():
     )
     from torchrl.collectors import Collector
 
-__all__ = ["GrpcWeightSyncScheme", "ServerPolicyVersion"]
+__all__ = ["Collector", "GrpcWeightSyncScheme", "ServerPolicyVersion"]
 
 
 class ServerPolicyVersion(PolicyVersion):
@@ -59,38 +57,27 @@ class GrpcWeightSyncScheme(SharedMemWeightSyncScheme):
     >>> collector = Collector(env, policy, frames_per_batch=64,                                    # doctest: +SKIP
     ...                       weight_sync_schemes={"policy": scheme}, track_policy_version=ServerPolicyVersion())
 
-    The server arguments are GrpcLocalWeightUpdater's, or ``puller=`` an updater of your own (a
-    subclass overriding its hooks); the rest go to torchrl's SharedMemWeightSyncScheme.
+    `options` go to GrpcLocalWeightUpdater (model, key_map, version, delta, dtype, transport,
+    watch, update_timeout, ...), or ``puller=`` is the whole updater (a subclass overriding its
+    hooks); `strategy`, `sync` and `per_worker_weights` go to torchrl's SharedMemWeightSyncScheme.
     """
 
     def __init__(
         self,
         client: WeightClient | str | None = None,
         *,
-        model: str = "policy",
-        key_map: KeyMap | Any = IDENTITY,
-        version: int | None = None,
-        delta: bool = True,
-        dtype: str | None = None,
-        transport: str = "auto",
-        watch: bool = False,
-        update_timeout: float = DEFAULT_UPDATE_TIMEOUT,
         puller: GrpcLocalWeightUpdater | None = None,
-        **kwargs: Any,
+        strategy: str = "tensordict",
+        sync: bool = True,
+        per_worker_weights: bool = False,
+        **options: Any,
     ) -> None:
-        super().__init__(**kwargs)
-        options = {"model": model, "key_map": key_map, "version": version, "delta": delta, "dtype": dtype}
-        options.update(transport=transport, watch=watch, update_timeout=update_timeout)
+        super().__init__(strategy=strategy, sync=sync, per_worker_weights=per_worker_weights)
         if puller is None:
             puller = GrpcLocalWeightUpdater(client, **options)
-        else:  # the given updater is the whole updater: no server argument may go unused
-            defaults = inspect.signature(GrpcWeightSyncScheme.__init__).parameters
-            given = [name for name, value in {"client": client, **options}.items() if value != defaults[name].default]
-            if given:
-                raise ValueError(
-                    f"puller= is the whole updater: pass {', '.join(given)} to GrpcLocalWeightUpdater "
-                    "(or your subclass) instead"
-                )
+        elif client is not None or options:
+            given = ", ".join(["client"] * (client is not None) + list(options))
+            raise ValueError(f"puller= is the whole updater: pass {given} to GrpcLocalWeightUpdater (or your subclass)")
         self.puller: GrpcLocalWeightUpdater | None = puller
         self._in_process = False  # a single Collector: its policy is updated directly, no workers
         # The applied server version, shared with the workers (it travels in the pickle).
