@@ -322,8 +322,7 @@ def make_updater() -> Iterator:
 
     yield make
     for updater in made:
-        if updater._follower is not None:
-            updater._follower.stop()
+        updater.close()
         updater.client.close()
 
 

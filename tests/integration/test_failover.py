@@ -70,8 +70,7 @@ def test_a_watching_updater_follows_on_through_the_next_address(make_server):
         trainer.publish(weights, model=MODEL)
         wait_until(lambda: (updater(), updater.version == 2)[1], timeout=30)
         assert holds(policy, weights) and client.address == primary.address
-        if updater._follower is not None:
-            updater._follower.stop()
+        updater.close()
 
 
 def test_a_stalled_server_is_left_for_the_next_and_an_older_version_is_never_applied(make_server, tmp_path):
@@ -167,8 +166,8 @@ def test_a_relay_killed_during_a_followers_early_receive_leaves_the_version_to_t
             WeightClient(relay.address) as probe,
         ):
             updater = GrpcLocalWeightUpdater(client, model=MODEL, policy=policy, watch=True, update_timeout=2.0)
-            wait_until(lambda: (update(), updater._follower is not None and updater._follower.newest() == 1)[1])
-            assert updater.cut_through and updater._follower._cut_through is not None
+            wait_until(lambda: (update(), updater.announced == 1)[1])
+            assert updater.cut_through
             watcher = Watcher.subscribed(probe, held=1)  # a second follower of the relay, to see its bytes flow
             publish = HeldPublish(primary.address, file_of(published), "stream")  # half, then it waits
             announced = watcher.next()
@@ -176,7 +175,7 @@ def test_a_relay_killed_during_a_followers_early_receive_leaves_the_version_to_t
             receive = EarlyReceive(probe, announced, "bulk")
             # The relay passes the first half on as it lands; the updater's follower is receiving it.
             wait_until(lambda: receive.received >= 1 << 20, timeout=10)
-            wait_until(lambda: updater._follower._cut_through.busy(), timeout=10)
+            wait_until(lambda: updater.receiving, timeout=10)
             assert held(primary, MODEL) == 1 and client.address == relay.address
             relay.kill()
             assert not isinstance(receive.join(), bytes)  # cut short on the relay's side
@@ -189,10 +188,10 @@ def test_a_relay_killed_during_a_followers_early_receive_leaves_the_version_to_t
             wait_until(lambda: (update(), updater.version == 2)[1], timeout=30)
             assert client.address == primary.address
         committed = primary.store.get(MODEL, 2)
-        assert updater._applied.xxh3 == committed.xxh3 and updater._applied.byte_size == committed.byte_size
+        assert updater.applied.xxh3 == committed.xxh3 and updater.applied.byte_size == committed.byte_size
         assert all(torch.equal(getattr(policy, key), published[key]) for key in ("w", "b"))
         assert set(applied) == {1, 2}
     finally:
         relay.kill()
-        if updater is not None and updater._follower is not None:
-            updater._follower.stop()
+        if updater is not None:
+            updater.close()

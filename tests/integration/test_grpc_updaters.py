@@ -134,9 +134,9 @@ def test_updaters_pickle_without_their_channel(server, client):
     client.publish(trainer, model="policy")
     local = GrpcLocalWeightUpdater(server.address, policy=policy)
     local()
-    assert local._client is not None
+    assert local.connected
     clone = pickle.loads(pickle.dumps(local))
-    assert clone._client is None and clone.version == 1
+    assert not clone.connected and clone.version == 1
     client.publish(mlp(5), model="policy")
     clone()  # reconnects lazily
     assert clone.version == 2

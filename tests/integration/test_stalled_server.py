@@ -218,7 +218,7 @@ def test_a_watching_updater_is_bounded_too_and_follows_again(proc, caplog):
         assert updater.server_available and same(policy, linear(2))
         # Following again: a new version is announced and applied.
         trainer.publish(linear(3), model=MODEL)
-        wait_until(lambda: updater.following and updater._follower.newest() == 3, timeout=CATCH_UP)
+        wait_until(lambda: updater.announced == 3, timeout=CATCH_UP)
         updater()
         assert updater.version == 3 and updater.lag == 0 and same(policy, linear(3))
         updater.client.close()

@@ -1,10 +1,6 @@
-"""KeyMap: how weight names on the server become parameter names of the local policy.
-
-Trainer and collector rarely name parameters alike (DDP's ``module.``, a whole loss module's
-``loss_module.actor_network.*``). A KeyMap selects, strips, adds or renames (`map_keys`);
-`check_weights` then insists the result matches the local weights exactly, before anything
-is written, so a collector is never left half-updated.
-"""
+"""KeyMap: server weight names -> the local policy's (DDP's ``module.``, a loss module's
+``loss_module.actor_network.*``), and `check_weights`, which refuses a mismatch before anything
+is written, so a policy is never left half-updated."""
 
 from __future__ import annotations
 
@@ -17,14 +13,10 @@ from tensordict import TensorDict, TensorDictBase
 
 @dataclass(frozen=True)
 class KeyMap:
-    """Server key -> local key. Steps, in order, for each server key:
-
-    1. `rename` (local key -> server key) takes its keys first, exactly as given.
-    2. `select`: keep only keys under this prefix, and remove it (e.g.
-       ``"loss_module.actor_network."``).
-    3. `strip_prefix`: remove this prefix where present (e.g. DDP's ``"module."``, once).
-    4. `add_prefix`: prepend this (e.g. ``"module."`` for a TensorDictModule-wrapped MLP).
-    5. `fn`: any function of the key; returning None drops the key.
+    """Server key -> local key, in order: `rename` (local key -> server key) takes its keys
+    first; `select` keeps only keys under a prefix and removes it; `strip_prefix` removes a
+    prefix where present (DDP's ``"module."``); `add_prefix` prepends (a TensorDictModule's
+    ``"module."``); `fn` maps what is left (None drops the key).
 
     >>> KeyMap(strip_prefix="module.").map_key("module.0.weight")
     '0.weight'
@@ -88,8 +80,7 @@ def flat_weights(weights: TensorDictBase | Mapping[str, torch.Tensor]) -> dict[s
 def map_keys(
     server: TensorDictBase | Mapping[str, torch.Tensor], key_map: KeyMap | Callable[[str], str | None] = IDENTITY
 ) -> TensorDict:
-    """`server` weights renamed by `key_map` (flat, dotted keys). Keys the map drops are left out;
-    nothing is checked against a policy (see `check_weights`)."""
+    """`server` weights renamed by `key_map` (flat, dotted keys); unchecked (see `check_weights`)."""
     if not isinstance(key_map, KeyMap):
         key_map = KeyMap(fn=key_map)
     return TensorDict(key_map.apply(flat_weights(server)), batch_size=[])
@@ -103,13 +94,9 @@ def check_weights(
     partial: bool = False,
     allow_cast: bool = False,
 ) -> TensorDict:
-    """Check that `weights`, keyed like the local policy, match `local` exactly; return them flat.
-
-    Raises KeyError listing missing keys (local parameters `weights` lack), unexpected keys
-    (entries with no local parameter), and shape and dtype mismatches, all at once, before the
-    caller writes anything. `partial`: a delta, which may leave local keys out. `allow_cast`:
-    floating-point dtypes may differ (the in-place copy casts).
-    """
+    """`weights` flat, once they match `local` exactly; else a KeyError naming every missing,
+    unexpected, mis-shaped and mis-typed key and both key sets. `partial`: a delta, which may
+    leave local keys out; `allow_cast`: floating-point dtypes may differ (the copy casts)."""
     mapped = flat_weights(weights)
     local_flat = flat_weights(local)
     missing = [] if partial else sorted(set(local_flat) - set(mapped))
@@ -124,16 +111,14 @@ def check_weights(
             shapes.append(f"{key}: {source} {tuple(theirs.shape)} vs local {tuple(ours.shape)}")
         if theirs.dtype != ours.dtype and not (allow_cast and theirs.is_floating_point() and ours.is_floating_point()):
             dtypes.append(f"{key}: {source} {theirs.dtype} vs local {ours.dtype}")
-    if missing or unexpected or shapes or dtypes:
-        problems = []
-        if missing:
-            problems.append(f"missing (local keys the {source} lack): {missing}")
-        if unexpected:
-            problems.append(f"unexpected ({source} keys with no local parameter): {unexpected}")
-        if shapes:
-            problems.append(f"shape mismatches: {shapes}")
-        if dtypes:
-            problems.append(f"dtype mismatches: {dtypes}")
+    found = {
+        f"missing (local keys the {source} lack)": missing,
+        f"unexpected ({source} keys with no local parameter)": unexpected,
+        "shape mismatches": shapes,
+        "dtype mismatches": dtypes,
+    }
+    problems = [f"{what}: {keys}" for what, keys in found.items() if keys]
+    if problems:
         raise KeyError(
             f"{source} do not match the local policy; nothing was updated. "
             + "; ".join(problems)

@@ -1,6 +1,4 @@
-"""PublishWeights: a trainer hook, modelled on torchrl.trainers.UpdateWeights, that publishes a
-new version to the weight server every `update_weights_interval` batches or optimizer steps,
-through a `GrpcRemoteWeightUpdater`'s hooks."""
+"""PublishWeights: torchrl's UpdateWeights hook, publishing through a GrpcRemoteWeightUpdater."""
 
 from __future__ import annotations
 
@@ -37,16 +35,12 @@ def resolve_path(root: Any, path: str) -> Any:
 class PublishWeights:
     """Publish the trainer's weights every `update_weights_interval` batches or optimizer steps.
 
-    The arguments are ``torchrl.trainers.UpdateWeights``' with a publisher in place of the
-    collector: a `GrpcRemoteWeightUpdater` (or a `WeightClient`, wrapped in one).
-    `weight_update_map` maps each of the publisher's model names to a source path on the
-    trainer (``{"policy": "loss_module.actor_network"}``); its entries are published under ONE
-    version and take precedence over `policy_weights_getter`. `interval_unit="batches"` counts
-    calls at ``"post_steps"``; ``"optim_steps"`` counts the trainer's optimizer steps and
-    `register` puts the hook at ``"post_optim"``, as ``UpdateWeights`` does.
-
-    Every publish is the publisher's ``update_weights()``, so its hooks run. `published` lists
-    the versions this hook published.
+    ``torchrl.trainers.UpdateWeights``' arguments, with a publisher (a `GrpcRemoteWeightUpdater`,
+    or a `WeightClient` wrapped in one) for the collector. `weight_update_map` maps each published
+    model to a path on the trainer (``{"policy": "loss_module.actor_network"}``), all under ONE
+    version; it wins over `policy_weights_getter`. `interval_unit`: "batches" (calls, at
+    "post_steps") or "optim_steps" (at "post_optim"). Each publish is the publisher's
+    ``update_weights()``, so its hooks run; `published` lists the versions.
 
     >>> hook = PublishWeights(updater, update_weights_interval=2,                    # doctest: +SKIP
     ...                       weight_update_map={"policy": "loss_module.actor_network"})
@@ -88,7 +82,7 @@ class PublishWeights:
         self.interval_unit = interval_unit
         self.counter = 0  # calls ("batches")
         self.last_update_count = 0  # optimizer steps at the last publish ("optim_steps")
-        self.published: list[int] = []  # versions this hook published
+        self.published: list[int] = []
 
     def __call__(self, *args: Any, **kwargs: Any) -> None:
         if self.interval_unit == "optim_steps":
@@ -103,15 +97,13 @@ class PublishWeights:
         self.publish()
 
     def publish(self) -> int | None:
-        """Publish now, outside the interval, through the publisher's hooks; returns the new
-        version, or None when the publisher's `_skip_update` skipped it."""
+        """Publish now, through the publisher's hooks: the new version, or None if skipped."""
         version = self.publisher.update_weights()
         if version is not None:
             self.published.append(version)
         return version
 
     def _mapped_weights(self) -> dict[str, Any]:
-        """{model: the trainer's module at its source path}: the publisher's weight source."""
         if self.trainer is None:
             raise RuntimeError("weight_update_map needs the trainer: pass trainer= or call register(trainer)")
         return {dest: resolve_path(self.trainer, src) for dest, src in self.weight_update_map.items()}
@@ -119,14 +111,13 @@ class PublishWeights:
     def _optimizer_step_count(self) -> int:
         if self.trainer is None:
             raise RuntimeError('interval_unit="optim_steps" needs the trainer: pass trainer= or call register(trainer)')
-        # As torchrl's UpdateWeights: the stepper's count of optimizer steps (it discounts
-        # gradient-accumulation micro-steps and skipped steps), else the trainer's loop counter.
+        # As torchrl's UpdateWeights: the stepper's count (it discounts gradient-accumulation
+        # micro-steps), else Trainer._optim_count (private; pinned in tests/unit/test_torchrl_pins.py).
         count = getattr(getattr(self.trainer, "optimization_stepper", None), "optimizer_step_count", None)
         return int(count if count is not None else self.trainer._optim_count)
 
     def register(self, trainer: Any, name: str = "update_weights") -> None:
-        """Register with a torchrl Trainer (kept for weight_update_map and optimizer steps): at
-        "post_steps", or at "post_optim" with interval_unit="optim_steps"."""
+        """Register with a torchrl Trainer, which this keeps (weight_update_map, optimizer steps)."""
         self.trainer = trainer
         trainer.register_module(name, self)
         trainer.register_op("post_optim" if self.interval_unit == "optim_steps" else "post_steps", self)

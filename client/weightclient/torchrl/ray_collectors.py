@@ -1,14 +1,8 @@
-"""torchrl collectors as Ray actors, each pulling its policy from its own node's relay.
+"""torchrl collectors as Ray actors, each pulling its policy from its own node's relay (over
+shared memory by default), so a version crosses the network once per node, not per collector.
 
-`NodeCollector` is a torchrl ``Collector`` whose `GrpcWeightSyncScheme` dials the relay that
-`weightserver.relay.ray_relays.place_relays` started on the same Ray node, over shared memory
-(transport "shm" by default), so a version crosses the network once per node, not once per
-collector. `start_node_collectors` pins one or more of them to each node.
-
-Why not torchrl's ``RayCollector``: its weight sync pushes weights from the driver through Ray
-(its schemes are built on the driver and registered on each remote collector as receivers),
-while ours pulls from a server, and a `GrpcWeightSyncScheme` does not travel in a pickle (its
-gRPC channel stays behind). Here each actor builds its own scheme, after finding its relay.
+Not torchrl's ``RayCollector``: it pushes weights from the driver through Ray, while ours pull
+from a server, and a scheme's channel does not travel in a pickle: each actor builds its own.
 
 >>> relays = place_relays(primary.address)                                   # doctest: +SKIP
 >>> collectors = start_node_collectors(make_env, make_policy)                # doctest: +SKIP
@@ -17,7 +11,6 @@ gRPC channel stays behind). Here each actor builds its own scheme, after finding
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,23 +19,15 @@ import torch
 from tensordict import TensorDictBase
 
 from weightclient.client import WeightClient
-from weightclient.torchrl.scheme import GrpcWeightSyncScheme, ServerPolicyVersion
+from weightclient.torchrl.scheme import Collector, GrpcWeightSyncScheme, ServerPolicyVersion
 from weightserver.relay.ray_relays import alive_node_ids, node_relay_address, pinned_to
-
-with warnings.catch_warnings():
-    # Importing torchrl.collectors defines its own WeightUpdaterBase subclasses, which warn.
-    warnings.filterwarnings(
-        "ignore", message=r"Creating \w+ which inherits from WeightUpdaterBase", category=DeprecationWarning
-    )
-    from torchrl.collectors import Collector
 
 __all__ = ["CollectorStatus", "NodeCollector", "start_node_collectors"]
 
 
 @dataclass(frozen=True)
 class CollectorStatus:
-    """Where a NodeCollector runs and what it applied: `transport` carried its last fetch
-    (None before any)."""
+    """Where a NodeCollector runs, what it applied, and how its last fetch travelled."""
 
     node_id: str
     relay_address: str
@@ -53,10 +38,9 @@ class CollectorStatus:
 class NodeCollector:
     """A torchrl ``Collector`` (in a Ray actor) that pulls weights from its node's relay.
 
-    `make_env` and `make_policy` build the environment and the policy inside the actor;
-    `model` is the server's model name; `transport` how weights travel from the relay ("shm":
-    shared memory, the relay being on the same host; a fetch that cannot use it falls back to
-    the stream, which `status().transport` shows). Other keyword arguments go to ``Collector``.
+    `make_env` and `make_policy` build the environment and policy inside the actor; `transport`:
+    how weights travel from the relay (a fetch that cannot use "shm" falls back to the stream, as
+    `status().transport` shows). Other keyword arguments go to ``Collector``.
     """
 
     def __init__(
@@ -89,8 +73,8 @@ class NodeCollector:
         self._batches = iter(self.collector)
 
     def collect(self) -> TensorDictBase:
-        """Apply the relay's newest version if it is newer than the policy's, then collect one
-        batch (its ``("next", "policy_version")`` is the server version that acted)."""
+        """Apply the relay's newer version, if any, then collect one batch (its
+        ``("next", "policy_version")`` is the server version that acted)."""
         self.collector.update_policy_weights_()
         return next(self._batches)
 
@@ -116,9 +100,8 @@ def start_node_collectors(
     num_cpus: float = 1,
     **kwargs: Any,
 ) -> list[Any]:
-    """Start `per_node` NodeCollector actors on each alive Ray node (or each of `node_ids`),
-    pinned there (NodeAffinitySchedulingStrategy, soft=False); `kwargs` go to NodeCollector.
-    Returns the actor handles, node by node. Start the relays first (`place_relays`)."""
+    """`per_node` NodeCollector actors pinned to each alive Ray node (or each of `node_ids`),
+    node by node; `kwargs` go to NodeCollector. Start the relays first (`place_relays`)."""
     import ray
 
     remote = ray.remote(num_cpus=num_cpus)(NodeCollector)

@@ -1,27 +1,27 @@
-"""Adapters that plug the weight server into released torchrl (0.14.x; extra `torchrl`).
+"""The weight server in released torchrl (0.14.x; extra `torchrl`).
 
-* `GrpcWeightSyncScheme`: the weight-sync scheme for every torchrl collector (torchrl 0.14
-  deprecates the older ``weight_updater=`` path, so there is no adapter for it).
+* `GrpcWeightSyncScheme`: the weight-sync scheme for every torchrl collector.
 * `ServerPolicyVersion`: stamps each batch with the server version whose weights produced it.
-* The trainer side needs no adapter: ``torchrl.trainers.UpdateWeights`` calls a
-  `GrpcRemoteWeightUpdater`'s ``update_weights()``, and `weightclient.torchrl.publish_hook.PublishWeights`
-  adds ``weight_update_map`` / ``policy_weights_getter`` on top of the same hooks.
+* The trainer side needs no adapter: ``torchrl.trainers.UpdateWeights(sender=...)`` calls a
+  `GrpcRemoteWeightUpdater`'s ``update_weights()``; `publish_hook.PublishWeights` adds
+  ``weight_update_map`` and optimizer-step intervals on the same hooks.
+
+torchrl's private names used here (each pinned by tests/unit/test_torchrl_pins.py):
+``SharedMemWeightSyncScheme._send_ack``, overridden: the one moment in a worker process after it
+applied new weights and bumped its PolicyVersion, where torchrl offers no public hook.
 """
 
 from __future__ import annotations
 
-import inspect
 import warnings
 from typing import Any
 
 import torch
-from tensordict import TensorDictBase
 from torchrl.envs.llm.transforms.policy_version import PolicyVersion
 from torchrl.weight_update import SharedMemWeightSyncScheme
 
 from weightclient.client import WeightClient
-from weightclient.torchrl.grpc_updaters import DEFAULT_UPDATE_TIMEOUT, GrpcLocalWeightUpdater, Update
-from weightclient.torchrl.key_mapping import IDENTITY, KeyMap
+from weightclient.torchrl.grpc_updaters import GrpcLocalWeightUpdater, Update, weights_of
 
 with warnings.catch_warnings():
     # Importing torchrl.collectors defines its own WeightUpdaterBase subclasses, which warn.
@@ -30,7 +30,7 @@ with warnings.catch_warnings():
     )
     from torchrl.collectors import Collector
 
-__all__ = ["GrpcWeightSyncScheme", "ServerPolicyVersion"]
+__all__ = ["Collector", "GrpcWeightSyncScheme", "ServerPolicyVersion"]
 
 
 class ServerPolicyVersion(PolicyVersion):
@@ -46,73 +46,38 @@ class ServerPolicyVersion(PolicyVersion):
             self.version, self.pending = int(self.pending), None
 
 
-def _set_pending_version(collector: Any, version: int | None) -> None:
-    tracker = getattr(collector, "policy_version_tracker", None)
-    if version is None or tracker is None:
-        return
-    if isinstance(tracker, ServerPolicyVersion):
-        tracker.pending = version
-    else:  # a plain PolicyVersion: the collector adds one after the update
-        tracker.version = version - 1
-
-
-def _apply(puller: GrpcLocalWeightUpdater, weights: Any) -> None:
-    """An Update from `puller.pull()` through its hooks; weights passed by torchrl (keyed like
-    the policy) strictly, with no key map; None: nothing to do."""
-    if weights is None:
-        return
-    if isinstance(weights, Update):
-        puller.apply(weights)
-    else:
-        puller.load(weights if isinstance(weights, (torch.nn.Module, TensorDictBase)) else dict(weights))
-
-
 class GrpcWeightSyncScheme(SharedMemWeightSyncScheme):
     """The weight-sync scheme for every torchrl collector, pulling from the weight server.
 
     ``collector.update_policy_weights_()`` applies the server's newer version, if any, through
-    the puller's hooks: in a single ``Collector`` into its policy, in ``MultiSyncCollector`` /
+    the puller's hooks: in a single ``Collector`` into its policy; in ``MultiSyncCollector`` /
     ``MultiAsyncCollector`` into torchrl's shared buffers, which the workers then apply.
 
     >>> scheme = GrpcWeightSyncScheme("localhost:50051", key_map=KeyMap(add_prefix="module."))   # doctest: +SKIP
     >>> collector = Collector(env, policy, frames_per_batch=64,                                    # doctest: +SKIP
     ...                       weight_sync_schemes={"policy": scheme}, track_policy_version=ServerPolicyVersion())
-    >>> collector = MultiSyncCollector([make_env] * 2, policy, frames_per_batch=64,               # doctest: +SKIP
-    ...                                weight_sync_schemes={"policy": GrpcWeightSyncScheme("localhost:50051")},
-    ...                                track_policy_version=True)
 
-    The server arguments are GrpcLocalWeightUpdater's, or ``puller=`` an updater of your own (a
-    subclass overriding its hooks); the rest go to torchrl's SharedMemWeightSyncScheme.
+    `options` go to GrpcLocalWeightUpdater (model, key_map, version, delta, dtype, transport,
+    watch, update_timeout, ...), or ``puller=`` is the whole updater (a subclass overriding its
+    hooks); `strategy`, `sync` and `per_worker_weights` go to torchrl's SharedMemWeightSyncScheme.
     """
 
     def __init__(
         self,
         client: WeightClient | str | None = None,
         *,
-        model: str = "policy",
-        key_map: KeyMap | Any = IDENTITY,
-        version: int | None = None,
-        delta: bool = True,
-        dtype: str | None = None,
-        transport: str = "auto",
-        watch: bool = False,
-        update_timeout: float = DEFAULT_UPDATE_TIMEOUT,
         puller: GrpcLocalWeightUpdater | None = None,
-        **kwargs: Any,
+        strategy: str = "tensordict",
+        sync: bool = True,
+        per_worker_weights: bool = False,
+        **options: Any,
     ) -> None:
-        super().__init__(**kwargs)
-        options = {"model": model, "key_map": key_map, "version": version, "delta": delta, "dtype": dtype}
-        options.update(transport=transport, watch=watch, update_timeout=update_timeout)
+        super().__init__(strategy=strategy, sync=sync, per_worker_weights=per_worker_weights)
         if puller is None:
             puller = GrpcLocalWeightUpdater(client, **options)
-        else:  # the given updater is the whole updater: no server argument may go unused
-            defaults = inspect.signature(GrpcWeightSyncScheme.__init__).parameters
-            given = [name for name, value in {"client": client, **options}.items() if value != defaults[name].default]
-            if given:
-                raise ValueError(
-                    f"puller= is the whole updater: pass {', '.join(given)} to GrpcLocalWeightUpdater "
-                    "(or your subclass) instead"
-                )
+        elif client is not None or options:
+            given = ", ".join(["client"] * (client is not None) + list(options))
+            raise ValueError(f"puller= is the whole updater: pass {given} to GrpcLocalWeightUpdater (or your subclass)")
         self.puller: GrpcLocalWeightUpdater | None = puller
         self._in_process = False  # a single Collector: its policy is updated directly, no workers
         # The applied server version, shared with the workers (it travels in the pickle).
@@ -127,39 +92,50 @@ class GrpcWeightSyncScheme(SharedMemWeightSyncScheme):
     def lag(self) -> int | None:
         return self.puller.lag if self.puller is not None else None
 
-    def _init_on_sender_impl(self, *args: Any, model_id: str | None = None, context: Any = None, **kwargs: Any) -> None:
-        if isinstance(context, Collector):
-            # A single, in-process collector: no workers and no shared buffers to set up.
-            self._in_process = True
-            self.model_id = model_id
-            self.context = context
-            return
-        super()._init_on_sender_impl(*args, model_id=model_id, context=context, **kwargs)
+    @property
+    def initialized_on_sender(self) -> bool:
+        return self._in_process or super().initialized_on_sender
 
-    def _setup_connection_and_weights_on_sender_impl(self, **kwargs: Any) -> None:
+    def init_on_sender(self, *args: Any, model_id: str | None = None, context: Any = None, **kwargs: Any) -> None:
+        """A single, in-process Collector has no workers and no shared buffers to set up."""
+        if not isinstance(context, Collector):
+            return super().init_on_sender(*args, model_id=model_id, context=context, **kwargs)
+        self._in_process, self.model_id, self.context = True, model_id, context
+
+    def connect(self, **kwargs: Any) -> None:
         if not self._in_process:  # workers to hand the shared buffers to
-            super()._setup_connection_and_weights_on_sender_impl(**kwargs)
+            return super().connect(**kwargs)
+        self.synchronized_on_sender = True
 
     def send(self, weights: Any = None, worker_ids: int | list[int] | None = None) -> None:
+        """Pull the server's newer version (or take `weights`, keyed like the policy) and apply it
+        through the puller's hooks: into the policy, or into the buffers the workers share."""
         if self.puller is None:
             raise RuntimeError("this GrpcWeightSyncScheme was sent to a worker process; send from the collector")
-        if self._in_process:
-            self.puller.policy = self.context.policy
-            _apply(self.puller, self.puller.pull() if weights is None else weights)
-            _set_pending_version(self.context, self.puller.version)
-            return
         update = self.puller.pull() if weights is None else weights
-        if update is None:
+        if update is None and not self._in_process:
             return  # up to date: the workers keep what they have
-        self.puller.policy = self.weights  # the buffer torchrl shares with the workers (the first device's)
-        _apply(self.puller, update)
-        self._server_version.fill_(-1 if self.puller.version is None else self.puller.version)
+        # torchrl's buffer shared with the workers (the first device's), or the collector's policy.
+        self.puller.policy = self.context.policy if self._in_process else self.weights
+        if update is not None:
+            if not isinstance(update, Update):
+                update = Update(None, weights_of(update), keyed_like_policy=True)
+            self.puller.apply(update)
+        version = self.puller.version
+        if self._in_process:
+            tracker = getattr(self.context, "policy_version_tracker", None)
+            if isinstance(tracker, ServerPolicyVersion):
+                tracker.pending = version
+            elif tracker is not None and version is not None:  # the collector adds one after this
+                tracker.version = version - 1
+            return
+        self._server_version.fill_(-1 if version is None else version)
         # Copies into the other devices' buffers (none on one device) and tells the workers.
         super().send(weights=self.weights, worker_ids=worker_ids)
 
     def _send_ack(self, message: str = "updated") -> None:
-        # Runs in a worker right after it applied new weights and bumped its PolicyVersion:
-        # stamp the server version instead (torchrl has no public hook for this moment).
+        # Private torchrl hook (pinned in tests/unit/test_torchrl_pins.py): runs in a worker right
+        # after it applied new weights and bumped its PolicyVersion; stamp the server version.
         version = int(self._server_version)
         tracker = getattr(self.context, "policy_version_tracker", None)
         if version >= 0 and tracker is not None:
@@ -168,6 +144,5 @@ class GrpcWeightSyncScheme(SharedMemWeightSyncScheme):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        # Workers never dial the server: no puller (its channel, key map or subclass may not pickle).
-        state["puller"] = None
+        state["puller"] = None  # workers never dial the server (a channel, a key map may not pickle)
         return state

@@ -1,8 +1,6 @@
-"""The TorchRL weight-updater design (LocalWeightUpdaterBase, RemoteWeightUpdaterBase).
-
-Same class names, method names, call order and semantics as TorchRL's design document for
-`torchrl.collectors.weight_update`; released torchrl never shipped these two classes, so they
-live here and need only torch and tensordict. `weightclient.torchrl.grpc_updaters` implements them.
+"""The seed's updater contract: `LocalWeightUpdaterBase` and `RemoteWeightUpdaterBase`, with the
+design's class names, hooks and call order. Released torchrl never shipped them (0.8 merged them
+into a WeightUpdaterBase, since deprecated), so they live here and need only torch and tensordict.
 """
 
 from __future__ import annotations
@@ -18,19 +16,18 @@ WorkerId = int | str | torch.device
 
 
 class _CollectorRegistration:
-    """A collector registered once, held by weak reference (the collector owns the updater)."""
+    """The collector an updater serves, registered once and held weakly (it owns the updater)."""
 
     _collector_wr: Any = None
 
     def register_collector(self, collector: Any) -> None:
-        """Register the collector this updater serves. Once registered, no other is accepted."""
         if self._collector_wr is not None:
             raise RuntimeError("Cannot register collector twice.")
         self._collector_wr = weakref.ref(collector)
 
     @property
     def collector(self) -> Any:
-        """The registered collector, or None if none was registered or it was collected."""
+        """The registered collector; None if none was, or it was collected."""
         return self._collector_wr() if self._collector_wr is not None else None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -40,8 +37,8 @@ class _CollectorRegistration:
 
 
 class LocalWeightUpdaterBase(_CollectorRegistration, metaclass=abc.ABCMeta):
-    """Pulls weights from a server into the local policy: implement the abstract methods;
-    `_update_local_weights` copies in place (``local.update_(mapped)``; None: nothing)."""
+    """Pulls weights from a server into the local policy: `update_weights` runs
+    `_get_server_weights` -> `_get_local_weights` -> `_maybe_map_weights` -> `_update_local_weights`."""
 
     @abc.abstractmethod
     def _get_server_weights(self) -> TensorDictBase | None:
@@ -49,7 +46,7 @@ class LocalWeightUpdaterBase(_CollectorRegistration, metaclass=abc.ABCMeta):
 
     @abc.abstractmethod
     def _get_local_weights(self) -> TensorDictBase:
-        """The local policy's weights, as tensors that the update writes into."""
+        """The local policy's weights, as the tensors the update writes into."""
 
     @abc.abstractmethod
     def _maybe_map_weights(
@@ -58,24 +55,22 @@ class LocalWeightUpdaterBase(_CollectorRegistration, metaclass=abc.ABCMeta):
         """Server weights keyed and shaped like `local_weights` (or None to skip)."""
 
     def _update_local_weights(self, local_weights: TensorDictBase, mapped_weights: TensorDictBase | None) -> None:
-        if local_weights is None or mapped_weights is None:
-            return
-        local_weights.update_(mapped_weights)
+        if local_weights is not None and mapped_weights is not None:
+            local_weights.update_(mapped_weights)
 
     def __call__(self, weights: TensorDictBase | None = None) -> None:
         return self.update_weights(weights=weights)
 
     def update_weights(self, weights: TensorDictBase | None = None) -> None:
-        """Apply `weights`, or whatever `_get_server_weights` returns, to the local policy."""
+        """Apply `weights`, or what `_get_server_weights` returns, to the local policy."""
         server_weights = self._get_server_weights() if weights is None else weights
         local_weights = self._get_local_weights()
-        mapped_weights = self._maybe_map_weights(server_weights, local_weights)
-        self._update_local_weights(local_weights, mapped_weights)
+        self._update_local_weights(local_weights, self._maybe_map_weights(server_weights, local_weights))
 
 
 class RemoteWeightUpdaterBase(_CollectorRegistration, metaclass=abc.ABCMeta):
-    """Pushes weights from the trainer to inference workers: implement the abstract methods;
-    override `_skip_update` to throttle some workers."""
+    """Pushes the trainer's weights to workers: `update_weights` runs `_get_server_weights` ->
+    `_maybe_map_weights` -> per worker `_skip_update`, `_sync_weights_with_worker`."""
 
     @abc.abstractmethod
     def _sync_weights_with_worker(self, worker_id: WorkerId, server_weights: Any) -> None:
@@ -96,21 +91,15 @@ class RemoteWeightUpdaterBase(_CollectorRegistration, metaclass=abc.ABCMeta):
     def _skip_update(self, worker_id: WorkerId) -> bool:
         return False
 
-    def __call__(self, weights: Any = None, worker_ids: WorkerId | list[WorkerId] | None = None) -> None:
+    def __call__(self, weights: Any = None, worker_ids: WorkerId | list[WorkerId] | None = None) -> Any:
         return self.update_weights(weights=weights, worker_ids=worker_ids)
 
-    def update_weights(self, weights: Any = None, worker_ids: WorkerId | list[WorkerId] | None = None) -> None:
+    def update_weights(self, weights: Any = None, worker_ids: WorkerId | list[WorkerId] | None = None) -> Any:
         """Send `weights` (default: `_get_server_weights()`) to `worker_ids` (default: all)."""
-        server_weights = self._get_server_weights() if weights is None else weights
-        # The design document computes the mapping and then sends the unmapped weights; we send
-        # what `_maybe_map_weights` returns, which is what the hook is for.
-        mapped_weights = self._maybe_map_weights(server_weights)
-        for worker in self._resolve_workers(worker_ids):
-            if self._skip_update(worker):
-                continue
-            self._sync_weights_with_worker(worker, mapped_weights)
-
-    def _resolve_workers(self, worker_ids: WorkerId | list[WorkerId] | None) -> list[WorkerId]:
-        if isinstance(worker_ids, (int, str, torch.device)):
-            return [worker_ids]
-        return list(self.all_worker_ids() if worker_ids is None else worker_ids)
+        # The design document maps and then sends the unmapped weights; we send the mapped ones,
+        # which is what the hook is for.
+        mapped_weights = self._maybe_map_weights(self._get_server_weights() if weights is None else weights)
+        workers = [worker_ids] if isinstance(worker_ids, (int, str, torch.device)) else worker_ids
+        for worker in self.all_worker_ids() if workers is None else workers:
+            if not self._skip_update(worker):
+                self._sync_weights_with_worker(worker, mapped_weights)
