@@ -72,7 +72,7 @@ def watcher(server, other_client) -> Iterator[Watcher]:
 
 
 class EarlyReceive:
-    """`fetch_arriving` in a thread, counting the bytes as they come."""
+    """`fetch_incoming` in a thread, counting the bytes as they come."""
 
     def __init__(self, client: WeightClient, announced: Arriving, transport: str) -> None:
         self.received = 0
@@ -85,7 +85,7 @@ class EarlyReceive:
             self.received = done
 
         try:
-            self.result = client.fetch_arriving(announced, transport=transport, timeout=30, progress=progress)
+            self.result = client.fetch_incoming(announced, transport=transport, timeout=30, progress=progress)
         except Exception as exc:
             self.result = exc
 
@@ -261,9 +261,9 @@ def test_arriving_bytes_are_not_found_once_their_publish_ended(server, client, w
     committed = watcher.next()
     assert committed.version == version and committed.arriving == announced.id
     with pytest.raises(UploadNotFound, match="fetch the committed version"):
-        client.fetch_arriving(announced, transport="stream", timeout=10)
+        client.fetch_incoming(announced, transport="stream", timeout=10)
     with pytest.raises(UploadNotFound):
-        client.fetch_arriving(announced, transport="bulk", timeout=10)
+        client.fetch_incoming(announced, transport="bulk", timeout=10)
 
 
 # ---------------------------------------------------------------------- publishes that fail half-way

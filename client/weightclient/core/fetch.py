@@ -230,7 +230,6 @@ class Fetching(Connection):
         stats = FetchStats(carrier.name, data.nbytes, time.perf_counter() - started, early=True)
         return FetchedBytes(placeholder, data, stats=stats)
 
-    fetch_arriving = fetch_incoming  # the name callers used before "incoming"
 
     def _report(self, request: pb.FetchRequest) -> None:
         """Tell the server of a direct shared-memory read (its metrics count it): the skipped
