@@ -1,7 +1,7 @@
-"""`python -m weightserver` runs the `weightserver` console script (see weightserver.command_line)."""
+"""`python -m weightserver`: the `weightserver` console script."""
 
 import sys
 
-from weightserver.command_line import main
+from weightserver.cli import main
 
 sys.exit(main())
