@@ -73,7 +73,6 @@ def _parse_meta(text: str) -> tuple[str, str]:
     return key, value
 
 
-# ---------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
     """The whole `weightserver` command line: global options, `serve` and the client commands."""
     parser = argparse.ArgumentParser(
@@ -108,60 +107,44 @@ def _add_log_options(parser: argparse.ArgumentParser, default: object) -> None:
 def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     serve = commands.add_parser("serve", help="run the server", description="Run a weight server until SIGTERM/SIGINT.")
     serve.set_defaults(handler=cmd_serve)
-    # Also after `serve`; given there, they win over the global ones.
-    _add_log_options(serve, default=argparse.SUPPRESS)
+    _add_log_options(serve, default=argparse.SUPPRESS)  # also after `serve`, where they win
     option = serve.add_argument
     option("--host", default="0.0.0.0", help="address to bind (default: %(default)s)")
     option("--port", type=int, default=DEFAULT_PORT, help="port to bind, 0 for a free one (default: %(default)s)")
+    option("--port-file", type=Path, help="write the bound port to this file once serving (useful with --port 0)")
     option("--data-dir", type=Path, help="directory to persist versions in; without it they live in memory only")
     option("--keep", type=int, default=3, help="versions kept per model besides pinned ones (default: %(default)s)")
     option(
         "--max-model-bytes",
         type=parse_size,
         default=ServerConfig.max_model_bytes,
-        help="largest version accepted, e.g. 2GiB (default: 16GiB)",
+        help="largest version (default: 16GiB)",
     )
     option(
-        "--chunk-bytes",
+        "--chunk-bytes", type=parse_size, default=DEFAULT_CHUNK_BYTES, help="fetch chunk, 64KiB-3MiB (default: 1MiB)"
+    )
+    option(
+        "--payload-cache-bytes",
         type=parse_size,
-        default=DEFAULT_CHUNK_BYTES,
-        help="default fetch chunk size, 64KiB-3MiB (default: 1MiB)",
+        default=ServerConfig.payload_cache_bytes,
+        help="memory for derived payloads (deltas, bf16/fp16 casts) (default: 1GiB)",
     )
-    option(
-        "--grace",
-        dest="grace_seconds",
-        type=float,
-        default=5.0,
-        help="seconds running calls get to finish on shutdown (default: %(default)s)",
-    )
-    option(
-        "--bulk-port",
-        type=int,
-        default=0,
-        help="TCP port for bulk transfers of large fetches (default: a free one; expose it beside --port)",
-    )
+    option("--grace", dest="grace_seconds", type=float, default=5.0, help="seconds calls get to finish on shutdown")
+    option("--bulk-port", type=int, default=0, help="TCP port for bulk transfers, beside --port (default: a free one)")
     option("--no-bulk", action="store_true", help="serve fetches over gRPC streams only")
     option(
         "--bulk-max-connections",
         type=int,
         default=ServerConfig.bulk_max_connections,
         metavar="N",
-        help="connections the bulk port keeps open at once; one more is closed at once and that "
-        "client fetches over the gRPC stream (default: %(default)s)",
+        help="bulk connections open at once; one more is closed and its client uses the stream (default: %(default)s)",
     )
     option(
         "--shm-dir",
         type=Path,
-        help="where to put this server's shared-memory payload files, which same-host collectors "
-        "read directly; a tmpfs, e.g. a /dev/shm volume shared in compose (default: /dev/shm)",
+        help="tmpfs for shared-memory payload files that same-host collectors read (default: /dev/shm)",
     )
     option("--no-shm", action="store_true", help="never hand out shared-memory files")
-    option(
-        "--payload-cache-bytes",
-        type=parse_size,
-        default=ServerConfig.payload_cache_bytes,
-        help="memory for derived payloads (deltas, bf16/fp16 casts), e.g. 2GiB (default: 1GiB)",
-    )
     option(
         "--auth-tokens",
         type=Path,
@@ -172,12 +155,7 @@ def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     option("--tls-cert", type=Path, metavar="PEM", help="serve TLS with this certificate chain")
     option("--tls-key", type=Path, metavar="PEM", help="private key of --tls-cert")
-    option(
-        "--tls-client-ca",
-        type=Path,
-        metavar="PEM",
-        help="mutual TLS: accept only clients whose certificate this CA signed",
-    )
+    option("--tls-client-ca", type=Path, metavar="PEM", help="mutual TLS: accept only client certificates it signed")
     option(
         "--max-concurrent-streams",
         type=int,
@@ -189,97 +167,60 @@ def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         type=int,
         default=ServerConfig.max_stream_fetches,
         metavar="N",
-        help="gRPC stream fetches sending chunks at once; more wait their turn, so that many fetchers "
-        "cannot starve publishes; raise it for collectors on slow links (default: one per CPU, at least 2: "
-        "%(default)s)",
+        help="stream fetches sending at once; the rest wait, so fetchers cannot starve publishes; raise it for "
+        "slow links (default: one per CPU, at least 2: %(default)s)",
     )
     option(
         "--publish-timeout",
         type=float,
         default=ServerConfig.publish_timeout,
         metavar="SECONDS",
-        help="drop a publish stream that takes longer than this; 0 for no limit (default: %(default)s)",
+        help="drop a publish stream that takes longer; 0 for no limit (default: %(default)s)",
     )
-    option(
-        "--metrics-port",
-        type=int,
-        metavar="PORT",
-        help="serve Prometheus metrics over plain HTTP at http://HOST:PORT/metrics, 0 for a free port (default: off)",
-    )
-    option("--port-file", type=Path, help="write the bound port to this file once serving (useful with --port 0)")
-    option(
+    option("--metrics-port", type=int, metavar="PORT", help="serve Prometheus /metrics over HTTP, 0 for a free port")
+    relay = serve.add_argument_group("relay", "Follow another server and serve its versions (default: a primary).")
+    relay.add_argument(
         "--upstream",
         metavar="ADDRESS",
-        help="run as a relay of the server at ADDRESS (host:port, a primary or another relay): fetch each of "
-        "its versions once and serve them under the same numbers, metadata and digests; publishes, deletes "
-        "and pins are refused with FAILED_PRECONDITION naming the primary (default: off, a primary)",
+        help="host:port of a primary or relay to follow: its versions keep their numbers, metadata and digests; "
+        "publishes, deletes and pins are refused (FAILED_PRECONDITION naming the primary)",
     )
-    option(
+    relay.add_argument(
         "--models",
         dest="upstream_models",
         type=_model_list,
         metavar="A,B",
-        help="with --upstream: follow only these models (default: every model the upstream has, "
-        "including ones that appear later)",
+        help="follow only these models (default: every one, including later ones)",
     )
-    option(
+    relay.add_argument(
         "--upstream-poll",
         dest="upstream_poll_seconds",
         type=float,
         default=ServerConfig.upstream_poll_seconds,
         metavar="SECONDS",
-        help="with --upstream: how often to list the upstream's models, to find new ones and to tell "
-        "whether it is up (default: %(default)s)",
+        help="how often to list the upstream's models: new ones, and whether it is up (default: %(default)s)",
     )
-    option(
+    relay.add_argument(
         "--upstream-token-file",
         type=Path,
         metavar="FILE",
-        help=f"with --upstream: send the bearer token in FILE with every call to the upstream, for an "
-        f"upstream started with --auth-tokens (its file must list it with role reader or above) "
-        f"(default: ${UPSTREAM_TOKEN_ENV}, if set)",
+        help=f"bearer token for an upstream with --auth-tokens, role reader or above (default: ${UPSTREAM_TOKEN_ENV})",
     )
-    option(
-        "--upstream-tls",
-        action="store_true",
-        help="with --upstream: dial the upstream over TLS, trusting the system's root certificates "
-        "(implied by --upstream-tls-ca, --upstream-tls-cert and --upstream-tls-key)",
-    )
-    option(
-        "--upstream-tls-ca",
-        type=Path,
-        metavar="PEM",
-        help="with --upstream: dial the upstream over TLS, trusting the CA in PEM (the one that signed "
-        "the upstream's --tls-cert)",
-    )
-    option(
-        "--upstream-tls-cert",
-        type=Path,
-        metavar="PEM",
-        help="with --upstream: present this client certificate to an upstream that demands one "
-        "(--tls-client-ca, mutual TLS); needs --upstream-tls-key",
-    )
-    option("--upstream-tls-key", type=Path, metavar="PEM", help="private key of --upstream-tls-cert")
+    relay.add_argument("--upstream-tls", action="store_true", help="dial over TLS trusting the system's roots")
+    relay.add_argument("--upstream-tls-ca", type=Path, metavar="PEM", help="dial over TLS trusting this CA instead")
+    relay.add_argument("--upstream-tls-cert", type=Path, metavar="PEM", help="client certificate, for mutual TLS")
+    relay.add_argument("--upstream-tls-key", type=Path, metavar="PEM", help="private key of --upstream-tls-cert")
 
 
 def _add_client_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     def command(name: str, help_text: str, handler: Handler, *, model: bool = True) -> argparse.ArgumentParser:
-        """A client command with the connection options, and a required --model unless `model` is False."""
+        """A client command with the connection options, and --model unless `model` is False."""
         sub = commands.add_parser(name, help=help_text, description=help_text[0].upper() + help_text[1:] + ".")
         sub.set_defaults(handler=handler)
+        sub.add_argument("--server", help="host:port (default: $WEIGHTSERVER_ADDRESS, else localhost:50051)")
+        sub.add_argument("--token-file", type=Path, help="file of the bearer token (default: $WEIGHTSERVER_TOKEN)")
         sub.add_argument(
-            "--server", help="host:port of the server (default: $WEIGHTSERVER_ADDRESS, else localhost:50051)"
-        )
-        sub.add_argument(
-            "--token-file",
-            type=Path,
-            help="read the bearer token from this file (default: $WEIGHTSERVER_TOKEN, if set)",
-        )
-        sub.add_argument(
-            "--tls-ca",
-            type=Path,
-            metavar="PEM",
-            help="connect with TLS, trusting this CA (default: $WEIGHTSERVER_TLS_CA; plaintext if neither)",
+            "--tls-ca", type=Path, metavar="PEM", help="use TLS trusting this CA (default: $WEIGHTSERVER_TLS_CA)"
         )
         sub.add_argument("--tls-cert", type=Path, metavar="PEM", help="client certificate (mutual TLS)")
         sub.add_argument("--tls-key", type=Path, metavar="PEM", help="private key of --tls-cert")
@@ -314,7 +255,7 @@ def _add_client_commands(commands: argparse._SubParsersAction[argparse.ArgumentP
 
     watch = command("watch", "print a line for every new version of a model until interrupted", cmd_watch)
     watch.add_argument(
-        "--since", type=int, help="last version you know; older retained versions are printed first (default: latest)"
+        "--since", type=int, help="last version you know; retained later ones come first (default: latest)"
     )
     watch.add_argument("--json", action="store_true", help="print one JSON object per version")
 
@@ -504,15 +445,8 @@ class TransferProgress:
         if self.bar is None:
             from tqdm import tqdm
 
-            self.bar = tqdm(
-                total=total,
-                desc=self.description,
-                unit="B",
-                unit_scale=True,
-                unit_divisor=1024,
-                file=self.stream,
-                dynamic_ncols=True,
-            )
+            bar = {"unit": "B", "unit_scale": True, "unit_divisor": 1024, "dynamic_ncols": True}
+            self.bar = tqdm(total=total, desc=self.description, file=self.stream, **bar)
         if done < self.bar.n or total != self.bar.total:
             self.bar.reset(total=total)  # the transfer started over
         self.bar.update(done - self.bar.n)
