@@ -41,8 +41,7 @@ if TYPE_CHECKING:
     import grpc
 
 ERROR_METADATA_KEY = "weightserver-error"
-# Call metadata a client may send to name itself in the server's logs (and metrics).
-CLIENT_ID_METADATA_KEY = "weightserver-client-id"
+CLIENT_ID_METADATA_KEY = "weightserver-client-id"  # a client's name in the server's logs and metrics
 # A status message travels in the trailers, which clients cap (gRPC: 8 KiB; from 8 to 16 KiB
 # a random share of calls fail with RESOURCE_EXHAUSTED instead). Messages quote input cut to
 # CLIPPED_REPR_CHARS; the server cuts any message to MAX_STATUS_MESSAGE_BYTES (3 KiB encoded).
