@@ -25,7 +25,7 @@ from weightserver import __version__
 from weightserver.config import ServerConfig
 from weightserver.logs import LOG_FORMATS, configure_logging
 from weightserver.protocol.errors import ModelNotFound, WeightServerError
-from weightserver.protocol.limits import DEFAULT_CHUNK_BYTES, DEFAULT_PORT, MiB
+from weightserver.protocol.limits import MiB
 from weightserver.protocol.version_info import VersionInfo
 
 if TYPE_CHECKING:
@@ -106,44 +106,26 @@ def _add_log_options(parser: argparse.ArgumentParser, default: object) -> None:
 
 def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     serve = commands.add_parser("serve", help="run the server", description="Run a weight server until SIGTERM/SIGINT.")
-    serve.set_defaults(handler=cmd_serve)
     _add_log_options(serve, default=argparse.SUPPRESS)  # also after `serve`, where they win
-    option = serve.add_argument
-    option("--host", default="0.0.0.0", help="address to bind (default: %(default)s)")
-    option("--port", type=int, default=DEFAULT_PORT, help="port to bind, 0 for a free one (default: %(default)s)")
+    option = serve.add_argument  # defaults: ServerConfig's (set below)
+    option("--host", help="address to bind (default: %(default)s)")
+    option("--port", type=int, help="port to bind, 0 for a free one (default: %(default)s)")
     option("--port-file", type=Path, help="write the bound port to this file once serving (useful with --port 0)")
     option("--data-dir", type=Path, help="directory to persist versions in; without it they live in memory only")
-    option("--keep", type=int, default=3, help="versions kept per model besides pinned ones (default: %(default)s)")
-    option(
-        "--max-model-bytes",
-        type=parse_size,
-        default=ServerConfig.max_model_bytes,
-        help="largest version (default: 16GiB)",
-    )
-    option(
-        "--chunk-bytes", type=parse_size, default=DEFAULT_CHUNK_BYTES, help="fetch chunk, 64KiB-3MiB (default: 1MiB)"
-    )
-    option(
-        "--payload-cache-bytes",
-        type=parse_size,
-        default=ServerConfig.payload_cache_bytes,
-        help="memory for derived payloads (deltas, bf16/fp16 casts) (default: 1GiB)",
-    )
-    option("--grace", dest="grace_seconds", type=float, default=5.0, help="seconds calls get to finish on shutdown")
-    option("--bulk-port", type=int, default=0, help="TCP port for bulk transfers, beside --port (default: a free one)")
+    option("--keep", type=int, help="versions kept per model besides pinned ones (default: %(default)s)")
+    option("--max-model-bytes", type=parse_size, help="largest version accepted, e.g. 2GiB (default: 16GiB)")
+    option("--chunk-bytes", type=parse_size, help="default fetch chunk size, 64KiB-3MiB (default: 1MiB)")
+    option("--payload-cache-bytes", type=parse_size, help="memory for deltas and bf16/fp16 casts (default: 1GiB)")
+    option("--grace", dest="grace_seconds", type=float, help="seconds calls get to finish on shutdown (default: 5)")
+    option("--bulk-port", type=int, help="TCP port for bulk transfers, beside --port (default: a free one)")
     option("--no-bulk", action="store_true", help="serve fetches over gRPC streams only")
     option(
         "--bulk-max-connections",
         type=int,
-        default=ServerConfig.bulk_max_connections,
         metavar="N",
         help="bulk connections open at once; one more is closed and its client uses the stream (default: %(default)s)",
     )
-    option(
-        "--shm-dir",
-        type=Path,
-        help="tmpfs for shared-memory payload files that same-host collectors read (default: /dev/shm)",
-    )
+    option("--shm-dir", type=Path, help="tmpfs for shared-memory files same-host clients read (default: /dev/shm)")
     option("--no-shm", action="store_true", help="never hand out shared-memory files")
     option(
         "--auth-tokens",
@@ -156,27 +138,16 @@ def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     option("--tls-cert", type=Path, metavar="PEM", help="serve TLS with this certificate chain")
     option("--tls-key", type=Path, metavar="PEM", help="private key of --tls-cert")
     option("--tls-client-ca", type=Path, metavar="PEM", help="mutual TLS: accept only client certificates it signed")
-    option(
-        "--max-concurrent-streams",
-        type=int,
-        default=ServerConfig.max_concurrent_streams,
-        help="calls one client connection may have open at once (default: %(default)s)",
-    )
+    option("--max-concurrent-streams", type=int, help="calls one connection may have open (default: %(default)s)")
     option(
         "--max-stream-fetches",
         type=int,
-        default=ServerConfig.max_stream_fetches,
         metavar="N",
         help="stream fetches sending at once; the rest wait, so fetchers cannot starve publishes; raise it for "
         "slow links (default: one per CPU, at least 2: %(default)s)",
     )
-    option(
-        "--publish-timeout",
-        type=float,
-        default=ServerConfig.publish_timeout,
-        metavar="SECONDS",
-        help="drop a publish stream that takes longer; 0 for no limit (default: %(default)s)",
-    )
+    timeout = "drop a publish stream that takes longer; 0 for no limit (default: %(default)s)"
+    option("--publish-timeout", type=float, metavar="SECONDS", help=timeout)
     option("--metrics-port", type=int, metavar="PORT", help="serve Prometheus /metrics over HTTP, 0 for a free port")
     relay = serve.add_argument_group("relay", "Follow another server and serve its versions (default: a primary).")
     relay.add_argument(
@@ -185,31 +156,19 @@ def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="host:port of a primary or relay to follow: its versions keep their numbers, metadata and digests; "
         "publishes, deletes and pins are refused (FAILED_PRECONDITION naming the primary)",
     )
-    relay.add_argument(
-        "--models",
-        dest="upstream_models",
-        type=_model_list,
-        metavar="A,B",
-        help="follow only these models (default: every one, including later ones)",
-    )
-    relay.add_argument(
-        "--upstream-poll",
-        dest="upstream_poll_seconds",
-        type=float,
-        default=ServerConfig.upstream_poll_seconds,
-        metavar="SECONDS",
-        help="how often to list the upstream's models: new ones, and whether it is up (default: %(default)s)",
-    )
-    relay.add_argument(
-        "--upstream-token-file",
-        type=Path,
-        metavar="FILE",
-        help=f"bearer token for an upstream with --auth-tokens, role reader or above (default: ${UPSTREAM_TOKEN_ENV})",
-    )
+    models = "follow only these models (default: every one, including later ones)"
+    relay.add_argument("--models", dest="upstream_models", type=_model_list, metavar="A,B", help=models)
+    poll = "how often to list the upstream's models: new ones, and whether it is up (default: %(default)s)"
+    relay.add_argument("--upstream-poll", dest="upstream_poll_seconds", type=float, metavar="SECONDS", help=poll)
+    token = f"bearer token for an upstream with --auth-tokens, role reader or above (default: ${UPSTREAM_TOKEN_ENV})"
+    relay.add_argument("--upstream-token-file", type=Path, metavar="FILE", help=token)
     relay.add_argument("--upstream-tls", action="store_true", help="dial over TLS trusting the system's roots")
     relay.add_argument("--upstream-tls-ca", type=Path, metavar="PEM", help="dial over TLS trusting this CA instead")
     relay.add_argument("--upstream-tls-cert", type=Path, metavar="PEM", help="client certificate, for mutual TLS")
     relay.add_argument("--upstream-tls-key", type=Path, metavar="PEM", help="private key of --upstream-tls-cert")
+    # ServerConfig's defaults, but for --shm-dir: argparse would make its "auto" a Path.
+    defaults = {f.name: f.default for f in dataclasses.fields(ServerConfig) if f.name != "shm_dir"}
+    serve.set_defaults(handler=cmd_serve, **defaults)
 
 
 def _add_client_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -234,14 +193,8 @@ def _add_client_commands(commands: argparse._SubParsersAction[argparse.ArgumentP
     publish = command("publish", "publish a .safetensors file as a new version and print its number", cmd_publish)
     publish.add_argument("file", type=Path, help="a .safetensors file")
     version(publish, "version number to request (default: next one)", default=0)
-    publish.add_argument(
-        "--meta",
-        type=_parse_meta,
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="metadata to store with the version (repeatable)",
-    )
+    meta = "metadata to store with the version (repeatable)"
+    publish.add_argument("--meta", type=_parse_meta, action="append", default=[], metavar="KEY=VALUE", help=meta)
     publish.add_argument("--pin", action="store_true", help="keep this version beyond --keep")
     publish.add_argument("--json", action="store_true", help="print the version's description as JSON")
 
@@ -420,14 +373,7 @@ def _info_json(info: VersionInfo) -> dict[str, object]:
 
 class TransferProgress:
     """A tqdm bar on `stream` (stderr) fed by ``progress(done, total)``, shown only on a terminal
-    and for transfers of at least `min_bytes`; `bar` is None while none is shown.
-
-    >>> import io
-    >>> with TransferProgress("fetch", stream=io.StringIO()) as progress:
-    ...     progress(16 * MiB, 16 * MiB)
-    >>> progress.bar is None
-    True
-    """
+    and for transfers of at least `min_bytes`; `bar` is None while none is shown."""
 
     def __init__(self, description: str, *, stream: TextIO | None = None, min_bytes: int = PROGRESS_MIN_BYTES) -> None:
         self.description = description
@@ -459,7 +405,6 @@ class TransferProgress:
             self.bar.close()
 
 
-# ---------------------------------------------------------------------- entry
 def main(argv: Sequence[str] | None = None) -> int:
     """The `weightserver` console script: set up logging (options, else the environment) and run
     the command; its exit status, or 1 with a one-line message for an error a user can act on."""

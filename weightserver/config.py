@@ -6,15 +6,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from weightserver.protocol.limits import (
-    DEFAULT_CHUNK_BYTES,
-    DEFAULT_PORT,
-    MAX_CHUNK_BYTES,
-    MIN_CHUNK_BYTES,
-    PUBLISH_MAX_HEADER_BYTES,
-    PUBLISH_MAX_TENSORS,
-    GiB,
-)
+from weightserver.protocol import limits
 
 # Stream fetches sending chunks at once: one event loop serves every call, so a publish's chunks
 # take turns with this many (200 open fetchers starved publishes for seconds); on 2 cores 1-2
@@ -28,18 +20,18 @@ class ServerConfig:
     (read it back from `WeightServer.port`). The command line's `serve --help` says what each does."""
 
     host: str = "0.0.0.0"
-    port: int = DEFAULT_PORT
+    port: int = limits.DEFAULT_PORT
     data_dir: Path | None = None
     keep: int = 3
-    max_model_bytes: int = 16 * GiB
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    max_header_bytes: int = PUBLISH_MAX_HEADER_BYTES
-    max_tensors: int = PUBLISH_MAX_TENSORS
+    max_model_bytes: int = 16 * limits.GiB
+    chunk_bytes: int = limits.DEFAULT_CHUNK_BYTES
+    max_header_bytes: int = limits.PUBLISH_MAX_HEADER_BYTES
+    max_tensors: int = limits.PUBLISH_MAX_TENSORS
     grace_seconds: float = 5.0
     bulk_port: int | None = 0  # 0: a free port; None: no bulk transport
     bulk_max_connections: int = 256
     shm_dir: Path | str | None = "auto"  # "auto": /dev/shm if it exists; None: no shared memory
-    payload_cache_bytes: int = 1 * GiB
+    payload_cache_bytes: int = 1 * limits.GiB
     auth_tokens: Path | None = None  # None: no authorization (see weightserver.service.auth)
     tls_cert: Path | None = None
     tls_key: Path | None = None
@@ -70,8 +62,9 @@ class ServerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_bytes < 8:
             raise ValueError(f"max_model_bytes must be >= 8, got {self.max_model_bytes}")
-        if not MIN_CHUNK_BYTES <= self.chunk_bytes <= MAX_CHUNK_BYTES:
-            raise ValueError(f"chunk_bytes must be in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}], got {self.chunk_bytes}")
+        low, high = limits.MIN_CHUNK_BYTES, limits.MAX_CHUNK_BYTES
+        if not low <= self.chunk_bytes <= high:
+            raise ValueError(f"chunk_bytes must be in [{low}, {high}], got {self.chunk_bytes}")
         if self.grace_seconds < 0:
             raise ValueError(f"grace_seconds must be >= 0, got {self.grace_seconds}")
         if self.shm_dir not in (None, "auto"):
@@ -141,8 +134,6 @@ def url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def clamp_chunk_bytes(requested: int, default: int = DEFAULT_CHUNK_BYTES) -> int:
+def clamp_chunk_bytes(requested: int, default: int = limits.DEFAULT_CHUNK_BYTES) -> int:
     """The chunk size to use for a request asking for `requested` bytes (0 = default)."""
-    if requested <= 0:
-        return default
-    return max(MIN_CHUNK_BYTES, min(MAX_CHUNK_BYTES, requested))
+    return default if requested <= 0 else max(limits.MIN_CHUNK_BYTES, min(limits.MAX_CHUNK_BYTES, requested))

@@ -49,12 +49,9 @@ def build_labels() -> dict[str, str]:
         version = importlib.metadata.version("weightserver")
     except importlib.metadata.PackageNotFoundError:  # run from a source tree that is not installed
         version = weightserver.__version__
-    return {
-        "version": version,
-        "python": platform.python_version(),
-        "grpc": grpc.__version__,
-        "protobuf": google.protobuf.__version__,
-    }
+    return dict(
+        version=version, python=platform.python_version(), grpc=grpc.__version__, protobuf=google.protobuf.__version__
+    )
 
 
 class NoMetrics:
@@ -263,9 +260,7 @@ class ServerMetrics(NoMetrics):
         if len(self._client_ids) >= self._max_tracked_clients:
             if not self._warned_client_cap:
                 log.warning(
-                    "metrics track at most %d client ids; later ones (e.g. %r) get no per-client gauges",
-                    self._max_tracked_clients,
-                    client_id,
+                    "metrics track %d client ids at most; %r gets no gauges", self._max_tracked_clients, client_id
                 )
                 self._warned_client_cap = True
             return False

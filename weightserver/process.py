@@ -11,7 +11,6 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from types import TracebackType
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -35,9 +34,8 @@ class ServerProcess:
     ) -> None:
         if credentials is None and any(a == "--tls-cert" or a.startswith("--tls-cert=") for a in args):
             raise ValueError(
-                "a server started with --tls-cert serves TLS only, so start() cannot check it over "
-                "plaintext: give ServerProcess(..., credentials=weightserver.protocol.channel.channel_credentials"
-                "(tls_ca=...)) trusting the CA that signed its certificate"
+                "a server started with --tls-cert serves TLS only: give ServerProcess(..., credentials="
+                "weightserver.protocol.channel.channel_credentials(tls_ca=...)) trusting its CA, to check it"
             )
         self.credentials = credentials
         self.args = list(args)
@@ -93,9 +91,7 @@ class ServerProcess:
     def __enter__(self) -> ServerProcess:
         return self.start()
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         try:
             self.stop(timeout=10)
         except subprocess.TimeoutExpired:
