@@ -8,11 +8,10 @@ receives it into
 - `reused anonymous buffer`: one buffer, touched once and received into every time, as the
   `raw_tcp` baseline receives;
 - `fresh shared-memory file`: a new upload file per transfer, its page table filled ahead
-  (`SharedMemoryFiles.new_upload(populate=True)`), as the server receives a publish (the file
-  then becomes the version's, so that same-host readers map it without a copy).
-Each transfer follows `--pause` seconds of idle (1 s, as the publish rows; 0: back to back, as
-`raw_tcp`). Prints the median and min of the sender's wall time per transfer (ticket to
-acknowledgement) in ms. The README's breakdown of `publish_bulk` cites it.
+  (`SharedMemoryFiles.new_upload(populate=True)`), as the server receives a publish.
+Each transfer follows `--pause` seconds of idle (0: back to back, as `raw_tcp`). Prints the
+median and min of the sender's wall time per transfer (ticket to acknowledgement) in ms, and
+the median's throughput. Every landed buffer is checked against the file (untimed).
 """
 
 from __future__ import annotations
@@ -23,28 +22,45 @@ import multiprocessing
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from multiprocessing.queues import Queue
 from pathlib import Path
+
+import xxhash
 
 from bench.baselines import IDLE_GAP_SECONDS
 from bench.common import format_size, parse_size
 
 SPAWN = multiprocessing.get_context("spawn")
+LANDINGS = ("reused anonymous buffer", "fresh shared-memory file")
+WARMUP = 2  # transfers per landing that warm the connection up, not reported
 
 
-def _file_of(size: int) -> bytes:
+@dataclass(frozen=True)
+class Transfer:
+    """One timed upload: the sender's ms, the bytes the endpoint said arrived, and the xxh3-64
+    of the buffer they landed in."""
+
+    ms: float
+    landed_bytes: int
+    landed_xxh3: int
+
+
+def file_of(size: int) -> bytes:
+    """The file sent: one float32 tensor `w` = 0, 1, 2, ... of `size` bytes (never all zeros,
+    so a transfer that lands nothing cannot match it)."""
     import torch
 
     from weightclient import tensors as tensor_codec
 
-    return b"".join(bytes(p) for p in tensor_codec.encode({"w": torch.randn(size // 4)}))
+    return b"".join(bytes(p) for p in tensor_codec.encode({"w": torch.arange(size // 4, dtype=torch.float32)}))
 
 
 def _sender(port: int, size: int, tickets: Queue, seconds: Queue) -> None:
     from weightclient.transports.bulk import BulkTransport
     from weightserver.v1 import weights_pb2 as pb
 
-    data = memoryview(_file_of(size))
+    data = memoryview(file_of(size))
     transport = BulkTransport("127.0.0.1")
     while (ticket := tickets.get()) is not None:
         payload = pb.Payload(byte_size=data.nbytes, bulk=pb.BulkTicket(port=port, ticket=ticket))
@@ -53,39 +69,46 @@ def _sender(port: int, size: int, tickets: Queue, seconds: Queue) -> None:
         seconds.put(time.perf_counter() - start)
 
 
-def profile(size: int, count: int, pause: float) -> dict[str, list[float]]:
-    """{landing: [ms per transfer]} for `count` transfers of a `size`-byte model into each,
+def profile(size: int, count: int, pause: float) -> dict[str, list[Transfer]]:
+    """{landing: transfers} for `count` transfers of a `size`-byte model into each landing,
     each after `pause` seconds of idle."""
     from weightserver.transports.bulk import BulkEndpoint
     from weightserver.transports.shared_memory import SharedMemoryFiles
 
-    nbytes = len(_file_of(size))
+    nbytes = len(file_of(size))
+    zeros = bytes(nbytes)
     endpoint = BulkEndpoint("127.0.0.1")
     tickets, seconds = SPAWN.Queue(), SPAWN.Queue()
     sender = SPAWN.Process(target=_sender, args=(endpoint.port, size, tickets, seconds), daemon=True)
     sender.start()
     reused = memoryview(mmap.mmap(-1, nbytes))
-    reused[:] = bytes(nbytes)
-    results: dict[str, list[float]] = {}
+    results: dict[str, list[Transfer]] = {}
     try:
         with tempfile.TemporaryDirectory(dir="/dev/shm") as folder:
             files = SharedMemoryFiles(Path(folder))
-            for landing in ("reused anonymous buffer", "fresh shared-memory file"):
+            for landing in LANDINGS:
                 results[landing] = []
-                for _ in range(count + 2):  # the first two warm the connection up
+                for _ in range(count + WARMUP):
+                    idle_from = time.perf_counter()
                     upload = None
-                    if landing == "reused anonymous buffer":
+                    if landing == LANDINGS[0]:
                         buffer = reused
+                        buffer[:] = zeros  # so that what is checked below landed in this transfer
                     else:
                         upload = files.new_upload("model", nbytes, populate=True)
                         assert upload is not None, "no room in /dev/shm"
                         buffer = upload.buffer
-                    time.sleep(pause)
-                    tickets.put(endpoint.issue_upload(buffer, "profile", lambda n: None, lambda e: None))
-                    results[landing].append(seconds.get(timeout=60) * 1e3)
+                    arrived: list[int] = [0]
+                    failed: list[BaseException | None] = []
+                    time.sleep(max(0.0, pause - (time.perf_counter() - idle_from)))
+                    tickets.put(endpoint.issue_upload(buffer, "profile", arrived.append, failed.append))
+                    ms = seconds.get(timeout=60) * 1e3
+                    if failed != [None]:
+                        raise RuntimeError(f"the upload into the {landing} failed: {failed}")
+                    results[landing].append(Transfer(ms, max(arrived), xxhash.xxh3_64_intdigest(buffer)))
                     if upload is not None:
                         upload.abort()
-                results[landing] = results[landing][2:]
+                results[landing] = results[landing][WARMUP:]
     finally:
         tickets.put(None)
         sender.join(30)
@@ -93,15 +116,20 @@ def profile(size: int, count: int, pause: float) -> dict[str, list[float]]:
     return results
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> dict[str, list[Transfer]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", type=parse_size, default=parse_size("16MiB"))
     parser.add_argument("--count", type=int, default=20)
     parser.add_argument("--pause", type=float, default=IDLE_GAP_SECONDS, help="idle seconds before each transfer")
     args = parser.parse_args(argv)
     print(f"bulk upload of {format_size(args.size)}, {args.count} times each, after {args.pause:g} s idle")
-    for landing, times in profile(args.size, args.count, args.pause).items():
-        print(f"{landing:<26} p50 {statistics.median(times):8.2f}  min {min(times):8.2f} ms")
+    results = profile(args.size, args.count, args.pause)
+    for landing, transfers in results.items():
+        times = [t.ms for t in transfers]
+        p50 = statistics.median(times)
+        gbps = transfers[0].landed_bytes / p50 / 1e6
+        print(f"{landing:<26} p50 {p50:8.2f}  min {min(times):8.2f} ms  {gbps:6.2f} GB/s")
+    return results
 
 
 if __name__ == "__main__":

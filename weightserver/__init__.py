@@ -1,7 +1,4 @@
-"""weightserver: a gRPC server for versioned model weights (trainer publishes, collectors fetch).
-
-The server side never imports torch: it stores and validates safetensors bytes.
-"""
+"""weightserver: a gRPC server for versioned model weights; it never imports torch."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""`python -m weightserver` runs the `weightserver` console script (see weightserver.command_line)."""
+"""`python -m weightserver`: the `weightserver` console script."""
 
-import sys
+from weightserver.cli import main
 
-from weightserver.command_line import main
-
-sys.exit(main())
+raise SystemExit(main())

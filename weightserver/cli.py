@@ -1,40 +1,44 @@
-"""`weightserver serve`, and the command-line parts every `weightserver` command shares.
+"""The `weightserver` console script (also `python -m weightserver`): `serve`, and the client
+commands publish, fetch, ls, watch, delete and pin.
 
-`python -m weightserver` runs `main` here: the server's one command, `serve`. The client's
-commands (publish, fetch, ls, watch, delete, pin) are in the client package's command line,
-which the installed `weightserver` console script runs: it builds on `command_parser` and
-`run_command`, so `serve` is the same command either way. The server never imports the client;
-asked for a client command, `python -m weightserver` says where to find it.
-
-`WEIGHTSERVER_LOG_LEVEL` and `WEIGHTSERVER_LOG_FORMAT` are read here (`run_command`) and nowhere
-else; so is `WEIGHTSERVER_UPSTREAM_TOKEN`, a relay's token for its upstream (`server_config`).
+A composition root: it imports the client core (`WeightServiceClient`, which reads
+`WEIGHTSERVER_ADDRESS`, `WEIGHTSERVER_TOKEN` and `WEIGHTSERVER_TLS_*`). `WEIGHTSERVER_LOG_LEVEL`,
+`WEIGHTSERVER_LOG_FORMAT` and a relay's `WEIGHTSERVER_UPSTREAM_TOKEN` are read here only.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import re
 import signal
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
 
+from weightclient.core.service_client import WeightServiceClient
 from weightserver import __version__
 from weightserver.config import ServerConfig
 from weightserver.logs import LOG_FORMATS, configure_logging
-from weightserver.protocol.errors import WeightServerError
-from weightserver.protocol.limits import DEFAULT_CHUNK_BYTES, DEFAULT_PORT
+from weightserver.protocol.errors import ModelNotFound, WeightServerError
+from weightserver.protocol.limits import MiB
+from weightserver.protocol.version_info import VersionInfo
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 log = logging.getLogger("weightserver")
 
-# A relay's bearer token for its upstream, when --upstream-token-file is not given: a secret
-# kept out of the process list (a Kubernetes Secret as an environment variable, say).
+# A relay's token for its upstream when --upstream-token-file is not given: a secret kept out
+# of the process list (a Kubernetes Secret as an environment variable, say).
 UPSTREAM_TOKEN_ENV = "WEIGHTSERVER_UPSTREAM_TOKEN"
-# The console script's commands besides `serve`, all from the client package.
 CLIENT_COMMANDS = ("publish", "fetch", "ls", "watch", "delete", "pin")
+PROGRESS_MIN_BYTES = 8 * MiB
+Handler = Callable[[argparse.Namespace], int]
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
 # "", "B", then K/M/G/T alone or with "B" (powers of 1000) and with "iB" (powers of 1024).
@@ -62,9 +66,15 @@ def _model_list(text: str) -> tuple[str, ...]:
     return models
 
 
-def command_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction[argparse.ArgumentParser]]:
-    """The `weightserver` parser with its global options and the `serve` command, and its
-    subcommands, to which the console script adds the client's."""
+def _parse_meta(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"invalid metadata {text!r}: use KEY=VALUE")
+    return key, value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole `weightserver` command line: global options, `serve` and the client commands."""
     parser = argparse.ArgumentParser(
         prog="weightserver",
         description="A gRPC weight server for distributed RL: trainers publish versioned weights, "
@@ -73,181 +83,8 @@ def command_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersActio
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     _add_log_options(parser, default=None)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    serve = commands.add_parser("serve", help="run the server", description="Run a weight server until SIGTERM/SIGINT.")
-    # Also after `serve`, where server options go; given there, they win over the global ones.
-    _add_log_options(serve, default=argparse.SUPPRESS)
-    serve.add_argument("--host", default="0.0.0.0", help="address to bind (default: %(default)s)")
-    serve.add_argument(
-        "--port", type=int, default=DEFAULT_PORT, help="port to bind, 0 for a free one (default: %(default)s)"
-    )
-    serve.add_argument(
-        "--data-dir", type=Path, help="directory to persist versions in; without it they live in memory only"
-    )
-    serve.add_argument(
-        "--keep", type=int, default=3, help="versions kept per model besides pinned ones (default: %(default)s)"
-    )
-    serve.add_argument(
-        "--max-model-bytes",
-        type=parse_size,
-        default=ServerConfig.max_model_bytes,
-        help="largest version accepted, e.g. 2GiB (default: 16GiB)",
-    )
-    serve.add_argument(
-        "--chunk-bytes",
-        type=parse_size,
-        default=DEFAULT_CHUNK_BYTES,
-        help="default fetch chunk size, 64KiB-3MiB (default: 1MiB)",
-    )
-    serve.add_argument(
-        "--grace",
-        dest="grace_seconds",
-        type=float,
-        default=5.0,
-        help="seconds running calls get to finish on shutdown (default: %(default)s)",
-    )
-    serve.add_argument(
-        "--bulk-port",
-        type=int,
-        default=0,
-        help="TCP port for bulk transfers of large fetches (default: a free one; expose it beside --port)",
-    )
-    serve.add_argument("--no-bulk", action="store_true", help="serve fetches over gRPC streams only")
-    serve.add_argument(
-        "--bulk-max-connections",
-        type=int,
-        default=ServerConfig.bulk_max_connections,
-        metavar="N",
-        help="connections the bulk port keeps open at once; one more is closed at once and that "
-        "client fetches over the gRPC stream (default: %(default)s)",
-    )
-    serve.add_argument(
-        "--shm-dir",
-        type=Path,
-        help="where to put this server's shared-memory payload files, which same-host collectors "
-        "read directly; a tmpfs, e.g. a /dev/shm volume shared in compose (default: /dev/shm)",
-    )
-    serve.add_argument("--no-shm", action="store_true", help="never hand out shared-memory files")
-    serve.add_argument(
-        "--payload-cache-bytes",
-        type=parse_size,
-        default=ServerConfig.payload_cache_bytes,
-        help="memory for derived payloads (deltas, bf16/fp16 casts), e.g. 2GiB (default: 1GiB)",
-    )
-    serve.add_argument(
-        "--auth-tokens",
-        type=Path,
-        metavar="FILE",
-        help="require bearer tokens listed in FILE, one 'ROLE NAME TOKEN' per line; roles: reader "
-        "(fetch/watch/list), publisher (+ publish), admin (+ delete/pin); 'publisher:a,b' or 'admin:a,b' "
-        "may change only models a and b. Health checks need none",
-    )
-    serve.add_argument("--tls-cert", type=Path, metavar="PEM", help="serve TLS with this certificate chain")
-    serve.add_argument("--tls-key", type=Path, metavar="PEM", help="private key of --tls-cert")
-    serve.add_argument(
-        "--tls-client-ca",
-        type=Path,
-        metavar="PEM",
-        help="mutual TLS: accept only clients whose certificate this CA signed",
-    )
-    serve.add_argument(
-        "--max-concurrent-streams",
-        type=int,
-        default=ServerConfig.max_concurrent_streams,
-        help="calls one client connection may have open at once (default: %(default)s)",
-    )
-    serve.add_argument(
-        "--max-stream-fetches",
-        type=int,
-        default=ServerConfig.max_stream_fetches,
-        metavar="N",
-        help="gRPC stream fetches sending chunks at once; more wait their turn, so that many fetchers "
-        "cannot starve publishes; raise it for collectors on slow links (default: one per CPU, at least 2: "
-        "%(default)s)",
-    )
-    serve.add_argument(
-        "--publish-timeout",
-        type=float,
-        default=ServerConfig.publish_timeout,
-        metavar="SECONDS",
-        help="drop a publish stream that takes longer than this; 0 for no limit (default: %(default)s)",
-    )
-    serve.add_argument(
-        "--metrics-port",
-        type=int,
-        metavar="PORT",
-        help="serve Prometheus metrics over plain HTTP at http://HOST:PORT/metrics, 0 for a free port (default: off)",
-    )
-    serve.add_argument(
-        "--port-file", type=Path, help="write the bound port to this file once serving (useful with --port 0)"
-    )
-    serve.add_argument(
-        "--upstream",
-        metavar="ADDRESS",
-        help="run as a relay of the server at ADDRESS (host:port, a primary or another relay): fetch each of "
-        "its versions once and serve them under the same numbers, metadata and digests; publishes, deletes "
-        "and pins are refused with FAILED_PRECONDITION naming the primary (default: off, a primary)",
-    )
-    serve.add_argument(
-        "--models",
-        dest="upstream_models",
-        type=_model_list,
-        metavar="A,B",
-        help="with --upstream: follow only these models (default: every model the upstream has, "
-        "including ones that appear later)",
-    )
-    serve.add_argument(
-        "--upstream-poll",
-        dest="upstream_poll_seconds",
-        type=float,
-        default=ServerConfig.upstream_poll_seconds,
-        metavar="SECONDS",
-        help="with --upstream: how often to list the upstream's models, to find new ones and to tell "
-        "whether it is up (default: %(default)s)",
-    )
-    serve.add_argument(
-        "--upstream-token-file",
-        type=Path,
-        metavar="FILE",
-        help=f"with --upstream: send the bearer token in FILE with every call to the upstream, for an "
-        f"upstream started with --auth-tokens (its file must list it with role reader or above) "
-        f"(default: ${UPSTREAM_TOKEN_ENV}, if set)",
-    )
-    serve.add_argument(
-        "--upstream-tls",
-        action="store_true",
-        help="with --upstream: dial the upstream over TLS, trusting the system's root certificates "
-        "(implied by --upstream-tls-ca, --upstream-tls-cert and --upstream-tls-key)",
-    )
-    serve.add_argument(
-        "--upstream-tls-ca",
-        type=Path,
-        metavar="PEM",
-        help="with --upstream: dial the upstream over TLS, trusting the CA in PEM (the one that signed "
-        "the upstream's --tls-cert)",
-    )
-    serve.add_argument(
-        "--upstream-tls-cert",
-        type=Path,
-        metavar="PEM",
-        help="with --upstream: present this client certificate to an upstream that demands one "
-        "(--tls-client-ca, mutual TLS); needs --upstream-tls-key",
-    )
-    serve.add_argument("--upstream-tls-key", type=Path, metavar="PEM", help="private key of --upstream-tls-cert")
-    serve.set_defaults(handler=cmd_serve)
-    return parser, commands
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The parser of `python -m weightserver`: `serve`, and the client's command names, unlisted
-    in --help, each answering where the command is run."""
-    parser, commands = command_parser()
-    for name in CLIENT_COMMANDS:
-        # No word after the name looks like an option to this parser (no prefix character
-        # matches), so whatever the caller typed is taken and ignored.
-        elsewhere = commands.add_parser(name, add_help=False, prefix_chars="\0")
-        elsewhere.add_argument("ignored", nargs="*")
-        elsewhere.set_defaults(handler=_client_command)
+    _add_serve(commands)
+    _add_client_commands(commands)
     return parser
 
 
@@ -267,12 +104,124 @@ def _add_log_options(parser: argparse.ArgumentParser, default: object) -> None:
     )
 
 
-# ---------------------------------------------------------------------- commands
+def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    serve = commands.add_parser("serve", help="run the server", description="Run a weight server until SIGTERM/SIGINT.")
+    _add_log_options(serve, default=argparse.SUPPRESS)  # also after `serve`, where they win
+    option = serve.add_argument  # defaults: ServerConfig's (set below)
+    option("--host", help="address to bind (default: %(default)s)")
+    option("--port", type=int, help="port to bind, 0 for a free one (default: %(default)s)")
+    option("--port-file", type=Path, help="write the bound port to this file once serving (useful with --port 0)")
+    option("--data-dir", type=Path, help="directory to persist versions in; without it they live in memory only")
+    option("--keep", type=int, help="versions kept per model besides pinned ones (default: %(default)s)")
+    option("--max-model-bytes", type=parse_size, help="largest version accepted, e.g. 2GiB (default: 16GiB)")
+    option("--chunk-bytes", type=parse_size, help="default fetch chunk size, 64KiB-3MiB (default: 1MiB)")
+    option("--payload-cache-bytes", type=parse_size, help="memory for deltas and bf16/fp16 casts (default: 1GiB)")
+    option("--grace", dest="grace_seconds", type=float, help="seconds calls get to finish on shutdown (default: 5)")
+    option("--bulk-port", type=int, help="TCP port for bulk transfers, beside --port (default: a free one)")
+    option("--no-bulk", action="store_true", help="serve fetches over gRPC streams only")
+    option(
+        "--bulk-max-connections",
+        type=int,
+        metavar="N",
+        help="bulk connections open at once; one more is closed and its client uses the stream (default: %(default)s)",
+    )
+    option("--shm-dir", type=Path, help="tmpfs for shared-memory files same-host clients read (default: /dev/shm)")
+    option("--no-shm", action="store_true", help="never hand out shared-memory files")
+    option(
+        "--auth-tokens",
+        type=Path,
+        metavar="FILE",
+        help="require bearer tokens listed in FILE, one 'ROLE NAME TOKEN' per line; roles: reader "
+        "(fetch/watch/list), publisher (+ publish), admin (+ delete/pin); 'publisher:a,b' or 'admin:a,b' "
+        "may change only models a and b. Health checks need none",
+    )
+    option("--tls-cert", type=Path, metavar="PEM", help="serve TLS with this certificate chain")
+    option("--tls-key", type=Path, metavar="PEM", help="private key of --tls-cert")
+    option("--tls-client-ca", type=Path, metavar="PEM", help="mutual TLS: accept only client certificates it signed")
+    option("--max-concurrent-streams", type=int, help="calls one connection may have open (default: %(default)s)")
+    option(
+        "--max-stream-fetches",
+        type=int,
+        metavar="N",
+        help="stream fetches sending at once; the rest wait, so fetchers cannot starve publishes; raise it for "
+        "slow links (default: one per CPU, at least 2: %(default)s)",
+    )
+    timeout = "drop a publish stream that takes longer; 0 for no limit (default: %(default)s)"
+    option("--publish-timeout", type=float, metavar="SECONDS", help=timeout)
+    option("--metrics-port", type=int, metavar="PORT", help="serve Prometheus /metrics over HTTP, 0 for a free port")
+    relay = serve.add_argument_group("relay", "Follow another server and serve its versions (default: a primary).")
+    relay.add_argument(
+        "--upstream",
+        metavar="ADDRESS",
+        help="host:port of a primary or relay to follow: its versions keep their numbers, metadata and digests; "
+        "publishes, deletes and pins are refused (FAILED_PRECONDITION naming the primary)",
+    )
+    models = "follow only these models (default: every one, including later ones)"
+    relay.add_argument("--models", dest="upstream_models", type=_model_list, metavar="A,B", help=models)
+    poll = "how often to list the upstream's models: new ones, and whether it is up (default: %(default)s)"
+    relay.add_argument("--upstream-poll", dest="upstream_poll_seconds", type=float, metavar="SECONDS", help=poll)
+    token = f"bearer token for an upstream with --auth-tokens, role reader or above (default: ${UPSTREAM_TOKEN_ENV})"
+    relay.add_argument("--upstream-token-file", type=Path, metavar="FILE", help=token)
+    relay.add_argument("--upstream-tls", action="store_true", help="dial over TLS trusting the system's roots")
+    relay.add_argument("--upstream-tls-ca", type=Path, metavar="PEM", help="dial over TLS trusting this CA instead")
+    relay.add_argument("--upstream-tls-cert", type=Path, metavar="PEM", help="client certificate, for mutual TLS")
+    relay.add_argument("--upstream-tls-key", type=Path, metavar="PEM", help="private key of --upstream-tls-cert")
+    # ServerConfig's defaults, but for --shm-dir: argparse would make its "auto" a Path.
+    defaults = {f.name: f.default for f in dataclasses.fields(ServerConfig) if f.name != "shm_dir"}
+    serve.set_defaults(handler=cmd_serve, **defaults)
+
+
+def _add_client_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    def command(name: str, help_text: str, handler: Handler, *, model: bool = True) -> argparse.ArgumentParser:
+        """A client command with the connection options, and --model unless `model` is False."""
+        sub = commands.add_parser(name, help=help_text, description=help_text[0].upper() + help_text[1:] + ".")
+        sub.set_defaults(handler=handler)
+        sub.add_argument("--server", help="host:port (default: $WEIGHTSERVER_ADDRESS, else localhost:50051)")
+        sub.add_argument("--token-file", type=Path, help="file of the bearer token (default: $WEIGHTSERVER_TOKEN)")
+        sub.add_argument(
+            "--tls-ca", type=Path, metavar="PEM", help="use TLS trusting this CA (default: $WEIGHTSERVER_TLS_CA)"
+        )
+        sub.add_argument("--tls-cert", type=Path, metavar="PEM", help="client certificate (mutual TLS)")
+        sub.add_argument("--tls-key", type=Path, metavar="PEM", help="private key of --tls-cert")
+        if model:
+            sub.add_argument("--model", required=True, help="model name, e.g. policy")
+        return sub
+
+    def version(sub: argparse.ArgumentParser, help_text: str, **kwargs: object) -> None:
+        sub.add_argument("--version", dest="version_number", type=int, help=help_text, **kwargs)  # type: ignore[arg-type]
+
+    publish = command("publish", "publish a .safetensors file as a new version and print its number", cmd_publish)
+    publish.add_argument("file", type=Path, help="a .safetensors file")
+    version(publish, "version number to request (default: next one)", default=0)
+    meta = "metadata to store with the version (repeatable)"
+    publish.add_argument("--meta", type=_parse_meta, action="append", default=[], metavar="KEY=VALUE", help=meta)
+    publish.add_argument("--pin", action="store_true", help="keep this version beyond --keep")
+    publish.add_argument("--json", action="store_true", help="print the version's description as JSON")
+
+    fetch = command("fetch", "fetch a version into a .safetensors file", cmd_fetch)
+    version(fetch, "exact version (default: latest)")
+    fetch.add_argument("-o", "--output", type=Path, required=True, help="file to write")
+
+    ls = command("ls", "list models, or the versions of one model", cmd_ls, model=False)
+    ls.add_argument("--model", help="list this model's versions and tensors")
+    ls.add_argument("--json", action="store_true", help="print JSON")
+
+    watch = command("watch", "print a line for every new version of a model until interrupted", cmd_watch)
+    watch.add_argument(
+        "--since", type=int, help="last version you know; retained later ones come first (default: latest)"
+    )
+    watch.add_argument("--json", action="store_true", help="print one JSON object per version")
+
+    version(command("delete", "delete one version", cmd_delete), "version to delete", required=True)
+    pin = command("pin", "pin a version so --keep never evicts it (or --unpin)", cmd_pin)
+    version(pin, "version to pin", required=True)
+    pin.add_argument("--unpin", action="store_true", help="unpin instead")
+
+
+# ---------------------------------------------------------------------- serve
 def server_config(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> ServerConfig:
-    """The ServerConfig of parsed `serve` options (ValueError for a combination it refuses);
-    a relay's upstream token from --upstream-token-file, else $WEIGHTSERVER_UPSTREAM_TOKEN in
-    `environ` (read only for a relay)."""
-    # Options are stored under their ServerConfig field's names; these three need translating.
+    """The ServerConfig of parsed `serve` options (ValueError for a combination it refuses); a
+    relay's upstream token from --upstream-token-file, else $WEIGHTSERVER_UPSTREAM_TOKEN."""
     options = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig) if hasattr(args, f.name)}
     options["bulk_port"] = None if args.no_bulk else args.bulk_port
     options["shm_dir"] = None if args.no_shm else (args.shm_dir or "auto")
@@ -282,7 +231,7 @@ def server_config(args: argparse.Namespace, environ: Mapping[str, str] = os.envi
 
 
 def _upstream_token(args: argparse.Namespace, environ: Mapping[str, str]) -> str | None:
-    path = getattr(args, "upstream_token_file", None)
+    path = args.upstream_token_file
     if path is not None:
         try:
             return path.read_text()
@@ -294,7 +243,6 @@ def _upstream_token(args: argparse.Namespace, environ: Mapping[str, str]) -> str
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    """Run a server with the parsed options until SIGTERM or SIGINT."""
     from weightserver.server import WeightServer
 
     server = WeightServer(server_config(args)).start()
@@ -314,18 +262,154 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _client_command(args: argparse.Namespace) -> int:
-    print(
-        f"weightserver {args.command}: a client command; `python -m weightserver` only serves. "
-        f"Run it with the installed `weightserver` command: weightserver {args.command} ...",
-        file=sys.stderr,
+# ---------------------------------------------------------------------- client commands
+def _client(args: argparse.Namespace) -> WeightServiceClient:
+    token = args.token_file.read_text().strip() if args.token_file is not None else None
+    return WeightServiceClient(
+        args.server, token=token, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key
     )
-    return 2
 
 
-def run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    """Set up logging (from the options, else the environment) and run the parsed command's
-    handler; its exit status, or 1 with a one-line message for an error a user can act on."""
+def cmd_publish(args: argparse.Namespace) -> int:
+    data = args.file.read_bytes()
+    with _client(args) as client, TransferProgress(f"publish {args.model}") as progress:
+        info = client.publish_bytes(
+            args.model, data, version=args.version_number, metadata=dict(args.meta), pin=args.pin, progress=progress
+        )
+    print(json.dumps(_info_json(info), indent=1) if args.json else info.version)
+    return 0
+
+
+def cmd_fetch(args: argparse.Namespace) -> int:
+    with _client(args) as client, TransferProgress(f"fetch {args.model}") as progress:
+        fetched = client.fetch_bytes(args.model, version=args.version_number, progress=progress)
+    assert fetched is not None
+    tmp = args.output.with_name(args.output.name + ".part")
+    tmp.write_bytes(fetched.data)
+    tmp.replace(args.output)
+    info = fetched.info
+    print(f"{info.model} v{info.version} -> {args.output} ({info.byte_size} bytes, sha256 {info.sha256})")
+    return 0
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        if args.model is None:
+            models = client.list_models()
+            records = [m.__dict__ for m in models]
+            headers = ["MODEL", "LATEST", "VERSIONS", "BYTES"]
+            rows = [[m.model, m.latest_version, m.version_count, m.retained_bytes] for m in models]
+        else:
+            versions = client.list_versions(args.model)
+            records = [_info_json(v) for v in versions]
+            headers = ["VERSION", "CREATED", "BYTES", "TENSORS", "PINNED", "SHA256", "METADATA"]
+            rows = [
+                [
+                    v.version,
+                    v.created.astimezone().strftime("%Y-%m-%d %H:%M:%S"),
+                    v.byte_size,
+                    len(v.tensors),
+                    "yes" if v.pinned else "",
+                    v.sha256[:16],
+                    " ".join(f"{k}={val}" for k, val in sorted(v.metadata.items())),
+                ]
+                for v in versions
+            ]
+    if args.json:
+        print(json.dumps(records, indent=1))
+        return 0
+    cells = [headers] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    for row in cells:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+    return 0
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        since = args.since
+        if since is None:
+            try:
+                since = client.latest(args.model).version
+            except ModelNotFound:
+                since = 0
+        print(f"watching {args.model} after version {since} on {client.address}", file=sys.stderr, flush=True)
+        for event in client.watch(args.model, since=since):
+            info = event.info
+            if args.json:
+                print(json.dumps({**_info_json(info), "gap": event.gap}), flush=True)
+            else:
+                gap = "  (some earlier versions were evicted before they could be sent)" if event.gap else ""
+                print(f"{info.model} v{info.version} {info.byte_size} bytes sha256 {info.sha256}{gap}", flush=True)
+    return 0
+
+
+def cmd_delete(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        info = client.delete(args.model, args.version_number)
+    print(f"deleted {info.model} v{info.version}")
+    return 0
+
+
+def cmd_pin(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        info = client.pin(args.model, args.version_number, pinned=not args.unpin)
+    print(f"{'pinned' if info.pinned else 'unpinned'} {info.model} v{info.version}")
+    return 0
+
+
+def _info_json(info: VersionInfo) -> dict[str, object]:
+    return {
+        "model": info.model,
+        "version": info.version,
+        "byte_size": info.byte_size,
+        "sha256": info.sha256,
+        "created": info.created.isoformat(),
+        "metadata": info.metadata,
+        "pinned": info.pinned,
+        "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in info.tensors],
+    }
+
+
+class TransferProgress:
+    """A tqdm bar on `stream` (stderr) fed by ``progress(done, total)``, shown only on a terminal
+    and for transfers of at least `min_bytes`; `bar` is None while none is shown."""
+
+    def __init__(self, description: str, *, stream: TextIO | None = None, min_bytes: int = PROGRESS_MIN_BYTES) -> None:
+        self.description = description
+        self.stream = stream or sys.stderr
+        self.min_bytes = min_bytes
+        try:
+            self.enabled = self.stream.isatty()
+        except (AttributeError, ValueError):  # no isatty, or a closed stream
+            self.enabled = False
+        self.bar: tqdm | None = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled or total < self.min_bytes:
+            return
+        if self.bar is None:
+            from tqdm import tqdm
+
+            bar = {"unit": "B", "unit_scale": True, "unit_divisor": 1024, "dynamic_ncols": True}
+            self.bar = tqdm(total=total, desc=self.description, file=self.stream, **bar)
+        if done < self.bar.n or total != self.bar.total:
+            self.bar.reset(total=total)  # the transfer started over
+        self.bar.update(done - self.bar.n)
+
+    def __enter__(self) -> TransferProgress:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The `weightserver` console script: set up logging (options, else the environment) and run
+    the command; its exit status, or 1 with a one-line message for an error a user can act on."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
     level = args.log_level or os.environ.get("WEIGHTSERVER_LOG_LEVEL", "info")
     log_format = (args.log_format or os.environ.get("WEIGHTSERVER_LOG_FORMAT") or "text").lower()
     if log_format not in LOG_FORMATS:
@@ -341,9 +425,3 @@ def run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
         return 1
     except KeyboardInterrupt:
         return 130
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m weightserver`: run the server (the one command of this package)."""
-    parser = build_parser()
-    return run_command(parser, parser.parse_args(argv))

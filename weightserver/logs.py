@@ -1,8 +1,5 @@
-"""Log output of the command line: human-readable lines, or one JSON object per line.
-
-The JSON form carries time, level, logger and message, plus every field a log call passes
-in `extra=` (publishes and fetches pass model, version, bytes, duration_ms, peer, client_id),
-so that a log pipeline can filter on them without parsing the message.
+"""Log output of the command line: text lines, or one JSON object per line carrying every
+`extra=` field (model, version, bytes, duration_ms, peer, client_id...) for log pipelines.
 """
 
 from __future__ import annotations
@@ -17,16 +14,12 @@ LOG_FORMATS = ("text", "json")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 # Attributes every LogRecord has; anything else on a record came from `extra=`.
-_STANDARD_ATTRIBUTES = frozenset(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {
-    "message",
-    "asctime",
-    "taskName",  # Python 3.12+
-}
+_STANDARD_ATTRIBUTES = frozenset(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
 
 
 class JsonFormatter(logging.Formatter):
-    """Formats a record as one line of JSON: time (UTC, ISO 8601), level, logger, message, the
-    record's extra fields, and the traceback as `exception` when there is one."""
+    """A record as one JSON line: time (UTC, ISO 8601), level, logger, message, the extra
+    fields, and any traceback as `exception`."""
 
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, object] = {
@@ -48,8 +41,8 @@ class JsonFormatter(logging.Formatter):
 
 
 def configure_logging(level: str = "info", log_format: str = "text", stream: TextIO | None = None) -> None:
-    """Send every log record at `level` or above to `stream` (stderr) in `log_format`. Like
-    `logging.basicConfig`, it leaves a root logger that already has handlers alone."""
+    """Log at `level` or above to `stream` (stderr) in `log_format`; like `logging.basicConfig`,
+    a root logger that has handlers already is left alone."""
     if log_format not in LOG_FORMATS:
         raise ValueError(f"log format must be one of {', '.join(LOG_FORMATS)}, got {log_format!r}")
     handler = logging.StreamHandler(stream or sys.stderr)

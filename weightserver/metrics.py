@@ -1,9 +1,8 @@
 """Prometheus metrics of one server: what was published and fetched, by whom, and how fast.
 
-Each `ServerMetrics` has its own registry (several servers may run in one process, as in the
-tests) and serves it over plain HTTP at ``/metrics`` on `serve()`: the server's own series, the
-standard ``process_*`` and ``python_*`` ones, and ``weightserver_build_info``. `NoMetrics` takes
-the same calls and does nothing, so the servicer never checks whether metrics are on.
+Each `ServerMetrics` has its own registry (several servers may share a process, as in tests),
+served at ``/metrics`` by `serve()`. `NoMetrics` takes the same calls and does nothing, so the
+servicer never checks whether metrics are on.
 """
 
 from __future__ import annotations
@@ -39,28 +38,24 @@ log = logging.getLogger(__name__)
 
 # Seconds, from a small fetch on loopback to a multi-GiB publish over a slow link.
 DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-# Client ids tracked for the per-collector gauges; more are served but not tracked, so a
-# caller inventing a fresh id per call cannot grow the server's memory without bound.
+# Client ids with per-collector gauges; more are served, untracked, so a caller inventing ids
+# cannot grow the server's memory without bound.
 MAX_TRACKED_CLIENTS = 10_000
 
 
 def build_labels() -> dict[str, str]:
-    """The labels of `weightserver_build_info`: this server's version and those of what it runs on."""
+    """The labels of `weightserver_build_info`: the versions this server runs."""
     try:
         version = importlib.metadata.version("weightserver")
     except importlib.metadata.PackageNotFoundError:  # run from a source tree that is not installed
         version = weightserver.__version__
-    return {
-        "version": version,
-        "python": platform.python_version(),
-        "grpc": grpc.__version__,
-        "protobuf": google.protobuf.__version__,
-    }
+    return dict(
+        version=version, python=platform.python_version(), grpc=grpc.__version__, protobuf=google.protobuf.__version__
+    )
 
 
 class NoMetrics:
-    """Metrics turned off: every call is a no-op. Its methods are the calls the servicer makes,
-    which `ServerMetrics` implements."""
+    """Metrics turned off: the calls the servicer and the relay make, each a no-op."""
 
     def published(self, model: str, nbytes: int, seconds: float) -> None:
         """A version of `model` of `nbytes` was committed; its publish call took `seconds`."""
@@ -80,12 +75,10 @@ class NoMetrics:
         """The versions of `model` the store now retains (after a commit, delete or unpin)."""
 
     def upstream_up(self, up: bool, *, refused: bool = False) -> None:
-        """A relay's upstream answers (True) or not (False); `refused`: it answers, refusing
-        this relay's credentials."""
+        """A relay's upstream answers or not; `refused`: it answers, refusing its credentials."""
 
     def upstream_refusal(self) -> None:
-        """A relay's call was refused by its upstream for its credentials (UNAUTHENTICATED,
-        PERMISSION_DENIED)."""
+        """A relay's call was refused for its credentials (UNAUTHENTICATED, PERMISSION_DENIED)."""
 
     def upstream_latest(self, model: str, version: int) -> None:
         """A relay heard that its upstream's newest version of `model` is `version`."""
@@ -98,11 +91,10 @@ class NoMetrics:
 
 
 class ServerMetrics(NoMetrics):
-    """The metrics of one server in their own `CollectorRegistry` (names start `weightserver_`).
+    """One server's metrics (`weightserver_*`) in their own `CollectorRegistry`.
 
-    `transports` are those the server serves fetches over: each model known gets its fetch series
-    at zero for each of them. A `relay` also gets the `weightserver_relay_*` series, and measures
-    its clients' lag against its upstream's latest version when that is newer than its own."""
+    Each model gets its fetch series at zero for each of `transports`. A `relay` also gets the
+    `weightserver_relay_*` series, and its clients' lag counts from its upstream's latest."""
 
     def __init__(
         self,
@@ -128,40 +120,29 @@ class ServerMetrics(NoMetrics):
         counter = functools.partial(Counter, registry=self.registry)
         gauge = functools.partial(Gauge, registry=self.registry)
         histogram = functools.partial(Histogram, buckets=DURATION_BUCKETS, registry=self.registry)
-        self.versions_published = counter("weightserver_versions_published", "Versions committed.", ["model"])
-        self.publish_bytes = counter(
-            "weightserver_publish_bytes", "Bytes of committed versions received from publishers.", ["model"]
-        )
+        model, by_transport, by_client = ["model"], ["model", "transport"], ["client_id", "model"]
+        self.versions_published = counter("weightserver_versions_published", "Versions committed.", model)
+        self.publish_bytes = counter("weightserver_publish_bytes", "Bytes of committed versions received.", model)
         self.fetch_bytes = counter(
-            "weightserver_fetch_bytes",
-            "Payload bytes served to fetches (for shm and bulk: the payload handed out).",
-            ["model", "transport"],
+            "weightserver_fetch_bytes", "Payload bytes served (shm, bulk: the payload handed out).", by_transport
         )
         self.publish_seconds = histogram(
-            "weightserver_publish_duration_seconds",
-            "Publish calls that committed, from the first message to the commit.",
-            ["model"],
+            "weightserver_publish_duration_seconds", "Committed publishes, from first message to commit.", model
         )
         self.fetch_seconds = histogram(
             "weightserver_fetch_duration_seconds",
-            "Fetch calls that served a version (for shm and bulk: until the file or ticket was handed out).",
-            ["model", "transport"],
+            "Fetches (shm, bulk: until the file or ticket went out).",
+            by_transport,
         )
-        self.active_watchers = gauge("weightserver_active_watchers", "Watch calls subscribed now.", ["model"])
-        self.latest_version = gauge("weightserver_latest_version", "The newest retained version.", ["model"])
-        self.retained_versions = gauge("weightserver_retained_versions", "Versions the server retains.", ["model"])
-        self.retained_bytes = gauge(
-            "weightserver_retained_bytes", "Bytes of the versions the server retains.", ["model"]
-        )
+        self.active_watchers = gauge("weightserver_active_watchers", "Watch calls subscribed now.", model)
+        self.latest_version = gauge("weightserver_latest_version", "The newest retained version.", model)
+        self.retained_versions = gauge("weightserver_retained_versions", "Versions the server retains.", model)
+        self.retained_bytes = gauge("weightserver_retained_bytes", "Bytes of the versions retained.", model)
         self.client_version = gauge(
-            "weightserver_client_last_fetched_version",
-            "The last version each client (by its weightserver-client-id) fetched.",
-            ["client_id", "model"],
+            "weightserver_client_last_fetched_version", "The last version each client id fetched.", by_client
         )
         self.client_lag = gauge(
-            "weightserver_client_version_lag",
-            "The model's latest version minus the last version the client fetched.",
-            ["client_id", "model"],
+            "weightserver_client_version_lag", "The latest version minus the client's last fetched one.", by_client
         )
         build = build_labels()
         self.build_info = gauge(
@@ -170,26 +151,18 @@ class ServerMetrics(NoMetrics):
         self.build_info.labels(**build).set(1)
         self.relay = relay
         if relay:
-            self.relay_upstream_up = gauge(
-                "weightserver_relay_upstream_up", "1 while this relay's upstream answers, else 0."
-            )
+            self.relay_upstream_up = gauge("weightserver_relay_upstream_up", "1 while the upstream answers, else 0.")
             self.relay_upstream_refused = gauge(
-                "weightserver_relay_upstream_refused",
-                "1 while this relay's upstream refuses its credentials (UNAUTHENTICATED, PERMISSION_DENIED), else 0.",
+                "weightserver_relay_upstream_refused", "1 while the upstream refuses this relay's credentials."
             )
             self.relay_upstream_refusals = counter(
-                "weightserver_relay_upstream_refusals",
-                "Calls of this relay that its upstream refused for its credentials.",
+                "weightserver_relay_upstream_refusals", "Calls the upstream refused for this relay's credentials."
             )
             self.relay_upstream_latest = gauge(
-                "weightserver_relay_upstream_latest_version",
-                "The upstream's newest version of a model, as this relay last heard it.",
-                ["model"],
+                "weightserver_relay_upstream_latest_version", "The upstream's newest version, as last heard.", model
             )
             self.relay_fetch_bytes = counter(
-                "weightserver_relay_fetch_bytes",
-                "Payload bytes this relay fetched from its upstream (payload: delta or whole).",
-                ["model", "payload"],
+                "weightserver_relay_fetch_bytes", "Payload bytes fetched from the upstream.", ["model", "payload"]
             )
 
     def published(self, model: str, nbytes: int, seconds: float) -> None:
@@ -251,21 +224,18 @@ class ServerMetrics(NoMetrics):
             self.relay_fetch_bytes.labels(model, "delta" if delta else "whole").inc(nbytes)
 
     def _reference(self, model: str) -> int:
-        """What clients' lag counts against: the latest version, or on a relay its upstream's
-        when newer. Called under the lock."""
+        """What clients' lag counts from: the latest version, or a newer upstream's. Under the lock."""
         return max(self._latest.get(model, 0), self._upstream_latest.get(model, 0))
 
     def _update_lags(self, model: str) -> None:
-        """A new version makes every collector that has not fetched it fall one further behind.
-        Called under the lock."""
+        """A new version puts every collector that has not fetched it one further behind. Under the lock."""
         reference = self._reference(model)
         for client_id, version in self._client_versions.get(model, {}).items():
             self.client_lag.labels(client_id, model).set(max(reference - version, 0))
 
     def _known(self, model: str) -> None:
-        """Create every series of `model` not labelled by client, at zero where not yet set, so a
-        scrape shows them from the moment the store holds the model (a rate needs the zero
-        before the first increment)."""
+        """Create `model`'s series (but the per-client ones) at zero: a rate needs the zero before
+        the first increment."""
         for metric in (
             self.versions_published,
             self.publish_bytes,
@@ -290,9 +260,7 @@ class ServerMetrics(NoMetrics):
         if len(self._client_ids) >= self._max_tracked_clients:
             if not self._warned_client_cap:
                 log.warning(
-                    "metrics track at most %d client ids; later ones (e.g. %r) get no per-client gauges",
-                    self._max_tracked_clients,
-                    client_id,
+                    "metrics track %d client ids at most; %r gets no gauges", self._max_tracked_clients, client_id
                 )
                 self._warned_client_cap = True
             return False

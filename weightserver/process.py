@@ -11,7 +11,6 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from types import TracebackType
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -20,11 +19,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 class ServerProcess:
     """Runs ``python -m weightserver serve --host 127.0.0.1 --port PORT ARGS...``.
 
-    `port` 0 picks a free port the first time; later `start()` calls reuse it, so a restart
-    comes back on the same address. `start()` returns once the health service says SERVING.
-    A server started with ``--tls-cert`` serves TLS only: give `credentials` to check its
-    health with (`weightserver.protocol.channel.channel_credentials`: its CA, and a client certificate
-    when it also has ``--tls-client-ca``).
+    `port` 0 picks a free port once; a restart comes back on the same one. `start()` returns
+    once the health service says SERVING, checked with `credentials` for a ``--tls-cert`` server.
+    `prefix`: a command the server runs under, e.g. ``unshare --pid --fork``.
     """
 
     def __init__(
@@ -35,12 +32,10 @@ class ServerProcess:
         prefix: Sequence[str] = (),
         credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
-        """`prefix`: a command the server runs under, e.g. ``unshare --pid --fork``."""
         if credentials is None and any(a == "--tls-cert" or a.startswith("--tls-cert=") for a in args):
             raise ValueError(
-                "a server started with --tls-cert serves TLS only, so start() cannot check it over "
-                "plaintext: give ServerProcess(..., credentials=weightserver.protocol.channel.channel_credentials"
-                "(tls_ca=...)) trusting the CA that signed its certificate"
+                "a server started with --tls-cert serves TLS only: give ServerProcess(..., credentials="
+                "weightserver.protocol.channel.channel_credentials(tls_ca=...)) trusting its CA, to check it"
             )
         self.credentials = credentials
         self.args = list(args)
@@ -96,9 +91,7 @@ class ServerProcess:
     def __enter__(self) -> ServerProcess:
         return self.start()
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         try:
             self.stop(timeout=10)
         except subprocess.TimeoutExpired:
@@ -106,8 +99,8 @@ class ServerProcess:
 
 
 def wait_serving(address: str, deadline: float, credentials: grpc.ChannelCredentials | None = None) -> None:
-    """Poll the gRPC health service at `address` (plaintext, or TLS with `credentials`) until
-    it says SERVING; raise the last error once `deadline` (time.monotonic()) has passed."""
+    """Poll the health service at `address` until it says SERVING; past `deadline`
+    (time.monotonic()), raise the last error."""
     channel = grpc.insecure_channel(address) if credentials is None else grpc.secure_channel(address, credentials)
     with channel:
         stub = health_pb2_grpc.HealthStub(channel)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from weightclient.core.service_client import FetchedBytes, WeightServiceClient, default_address
 from weightserver.protocol.errors import (
+    AuthenticationRequired,
     Cancelled,
     CursorOutOfRange,
     DeadlineExceeded,
@@ -23,8 +24,12 @@ from weightserver.protocol.errors import (
     ModelTooLarge,
     NotFoundError,
     NotPrimary,
+    PermissionDenied,
+    PublishAborted,
     ServerUnavailable,
     StorageFull,
+    TooManyUploads,
+    UploadNotFound,
     VersionConflict,
     VersionEvicted,
     VersionNotFound,
@@ -37,6 +42,7 @@ if TYPE_CHECKING:
     from weightclient.client import FetchResult, WeightClient
 
 __all__ = [
+    "AuthenticationRequired",
     "Cancelled",
     "CursorOutOfRange",
     "DeadlineExceeded",
@@ -53,8 +59,12 @@ __all__ = [
     "ModelTooLarge",
     "NotFoundError",
     "NotPrimary",
+    "PermissionDenied",
+    "PublishAborted",
     "ServerUnavailable",
     "StorageFull",
+    "TooManyUploads",
+    "UploadNotFound",
     "VersionConflict",
     "VersionEvent",
     "VersionEvicted",

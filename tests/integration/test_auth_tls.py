@@ -285,7 +285,7 @@ def test_cli_talks_tls_with_a_token_file(make_server, pki, token_file, tmp_path)
         client.publish(weights(), model=MODEL)
     token = tmp_path / "token"
     token.write_text(TOKENS["reader"] + "\n")
-    base = [sys.executable, "-m", "weightclient", "ls", "--server", server.address, "--tls-ca", str(pki["ca"])]
+    base = [sys.executable, "-m", "weightserver", "ls", "--server", server.address, "--tls-ca", str(pki["ca"])]
     env = {k: v for k, v in os.environ.items() if k != "WEIGHTSERVER_TOKEN"}
     ok = subprocess.run([*base, "--token-file", str(token)], capture_output=True, text=True, timeout=60, env=env)
     assert ok.returncode == 0, ok.stderr

@@ -14,7 +14,7 @@ import termios
 import pytest
 
 from weightclient.core.service_client import WeightServiceClient
-from weightserver.command_line import PROGRESS_MIN_BYTES, TransferProgress
+from weightserver.cli import PROGRESS_MIN_BYTES, TransferProgress
 from weightserver.protocol.limits import KiB, MiB
 from weightserver.protocol.safetensors_format import build_header
 
@@ -90,7 +90,7 @@ def test_up_to_date_fetch_reports_nothing(server):
 # ---------------------------------------------------------------------- the CLI's bars
 def run_cli(*args: str, terminal: bool) -> tuple[int, str, str]:
     """`weightserver ARGS` with stderr on a pseudo-terminal (or a pipe); exit code, stdout, stderr."""
-    command = [sys.executable, "-m", "weightclient", *args]  # the `weightserver` console script
+    command = [sys.executable, "-m", "weightserver", *args]  # the `weightserver` console script
     if not terminal:
         result = subprocess.run(command, capture_output=True, text=True, timeout=60)
         return result.returncode, result.stdout, result.stderr

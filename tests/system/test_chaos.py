@@ -8,6 +8,7 @@ WEIGHTSERVER_REQUIRE_ROOT=1 (CI, which runs as root and also runs `bench/chaos.p
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -24,47 +25,38 @@ from bench import chaos  # noqa: E402
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_short_chaos_run_keeps_every_invariant() -> None:
+def test_short_chaos_run_keeps_every_invariant(tmp_path: Path) -> None:
     if os.geteuid() != 0:
         message = "chaos mounts small tmpfs folders to fill them: run as root"
         if os.environ.get("WEIGHTSERVER_REQUIRE_ROOT") == "1":  # CI: never pass by skipping
             pytest.fail(f"{message} (WEIGHTSERVER_REQUIRE_ROOT=1)")
         pytest.skip(message)
-    lines: list[str] = []
-    config = chaos.ChaosConfig(
-        seconds=20,
-        seed=14,
-        deadline=4,
-        slack=3,
-        hold=(1.0, 2.0),
-        quiet=(0.3, 0.8),
-        watchers=4,
-        fetchers=3,
-        publish_interval=0.25,
-        flood_connections=300,
-    )
-    result = chaos.run_chaos(config, on_progress=lines.append)
-    summary = chaos.format_summary(result)
+    # Through the command line CI runs (`bench/chaos.py --seconds 60`), so that its options
+    # are checked by their effect on the run.
+    report = tmp_path / "chaos.json"
+    argv = ["--seconds", "20", "--seed", "14", "--deadline", "4", "--slack", "3", "--hold", "1,2"]
+    argv += ["--quiet", "0.3,0.8", "--watchers", "4", "--fetchers", "3", "--publish-interval", "0.25"]
+    code = chaos.main([*argv, "--flood-connections", "300", "--keep", "3", "--json", str(report)])
+    result = json.loads(report.read_text())
+    summary = json.dumps({k: v for k, v in result.items() if k != "config"}, indent=1, default=str)[:6000]
 
-    assert result.publish_id, "the client has no publish id: retried publishes can commit twice\n" + summary
-    assert {f["name"] for f in result.faults} == set(chaos.FAULTS), summary
-    assert not result.skipped, summary
-    assert result.failure_counts == dict.fromkeys(chaos.CATEGORIES, 0), summary
-    assert result.ok and result.server_exit_code == 0, summary
+    assert code == 0, summary
+    assert result["seed"] == 14 and len(result["watchers"]) == 4, summary
+    assert result["publish_id"], "the client has no publish id: retried publishes can commit twice\n" + summary
+    assert {f["name"] for f in result["faults"]} == set(chaos.FAULTS), summary
+    assert not result["skipped"], summary
+    assert result["failure_counts"] == dict.fromkeys(chaos.CATEGORIES, 0), summary
+    assert result["ok"] and result["server_exit_code"] == 0, summary
     # The drop-reply fault lost a reply after its commit landed, and the retry got that version.
-    dropped = [f["details"] for f in result.faults if f["name"] == "drop-reply"]
+    dropped = [f["details"] for f in result["faults"] if f["name"] == "drop-reply"]
     assert any(d.get("committed_before_reply_lost") for d in dropped), summary
-    assert result.acked_versions == sorted(set(result.acked_versions)), summary
-    assert len(result.retained_at_end) == config.keep, summary
+    assert result["acked_versions"] == sorted(set(result["acked_versions"])), summary
+    assert len(result["retained_at_end"]) == 3, summary
 
 
-def test_arguments() -> None:
-    args = chaos.parse_args(["--seconds", "60", "--faults", "kill,stop", "--hold", "1,2", "--model-bytes", "2MiB"])
-    config = chaos.config_from_args(args)
-    assert config.seconds == 60 and config.faults == ("kill", "stop") and config.hold == (1.0, 2.0)
-    assert config.model_bytes == 2 << 20 and config.deadline == 10 and config.recovery_seconds == 30
-    with pytest.raises(ValueError, match="unknown fault"):
-        chaos.ChaosConfig(faults=("meteor",))
+def test_an_unknown_fault_is_refused_before_anything_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    assert chaos.main(["--faults", "kill,meteor"]) == 2
+    assert "unknown fault(s) meteor; choose from" in capsys.readouterr().err
 
 
 def test_watchdog_flags_a_call_past_its_deadline_and_slack() -> None:

@@ -4,6 +4,7 @@ server -> status + trailer -> client."""
 from __future__ import annotations
 
 import inspect
+import re
 from pathlib import Path
 
 import grpc
@@ -64,3 +65,31 @@ def test_the_readme_error_table_lists_every_exception_with_its_status_code():
     by_name = {cls.__name__: code for cls, code in errors.STATUS_CODES.items()}
     wrong = [f"{name}: {status}" for _, status, name in rows if by_name.get(name) != status]
     assert not wrong, f"README.md's Errors table names an unknown exception or the wrong code: {wrong}"
+
+
+def test_the_docstring_tree_draws_the_hierarchy_and_the_codes():
+    """errors.py's docstring draws every exception under its real base class, with its code."""
+    drawn: dict[str, tuple[int, str]] = {}  # name -> (depth, first word after it)
+    parents: list[str] = []
+    for line in errors.__doc__.split("Exception tree::", 1)[1].split("\n\n")[1].splitlines():
+        match = re.match(r"^ *([│├└─ ]*)(\w+)\s*(\S*)", line)
+        assert match, line
+        depth = len(match[1]) // 4
+        del parents[depth:]
+        cls = getattr(errors, match[2])
+        assert cls.__mro__[1].__name__ == (parents[-1] if parents else "Exception"), line
+        parents.append(match[2])
+        drawn[match[2]] = (depth, match[3])
+    assert set(drawn) == {c.__name__ for c in errors.STATUS_CODES} | {"WeightServerError"}
+    for cls, code in errors.STATUS_CODES.items():
+        word = drawn[cls.__name__][1]
+        if word.isupper() or cls.__mro__[1] is errors.WeightServerError:
+            assert word == code, cls.__name__
+
+
+def test_weightclient_exports_every_error_as_the_same_class():
+    import weightclient
+
+    for cls in [errors.WeightServerError, *errors.STATUS_CODES]:
+        assert getattr(weightclient, cls.__name__) is cls
+        assert cls.__name__ in weightclient.__all__

@@ -22,7 +22,7 @@ def test_server_cli_and_byte_client_do_not_import_torch():
 CORE = ("weightserver", "weightserver.v1", "weightserver.protocol")
 # The composition roots: the console script and the relay (a client of its upstream) import
 # both sides; nothing else of the server package may import the client.
-COMPOSERS = ("weightserver.command_line", "weightserver.relay", "weightserver.__main__")
+COMPOSERS = ("weightserver.cli", "weightserver.relay", "weightserver.__main__")
 
 
 def _loaded(code: str) -> list[str]:

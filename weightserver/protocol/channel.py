@@ -1,7 +1,5 @@
-"""Dialling a weight server: TLS channel credentials from PEM files, and the bearer token a
-call carries. One way for every caller: the client package (its connection module) and a
-relay's link to its upstream (`weightserver.relay.upstream`), so both read certificates, refuse half a
-client certificate and send tokens alike. Reads no environment: each caller does that.
+"""Dialling a weight server: TLS channel credentials from PEM files and the bearer token, one
+way for the client and a relay's link to its upstream. Reads no environment: callers do.
 """
 
 from __future__ import annotations
@@ -22,11 +20,9 @@ def channel_credentials(
     *,
     names: tuple[str, str, str] = ("tls_ca", "tls_cert", "tls_key"),
 ) -> grpc.ChannelCredentials:
-    """TLS credentials for a channel: trusting `tls_ca` (a PEM file; None: the system's roots),
-    presenting `tls_cert` with `tls_key` to a server that demands client certificates (mutual
-    TLS). ValueError naming the option (`names`, as the caller calls them) for a certificate
-    without its key or the other way round, or a file that is not PEM; OSError for one that
-    cannot be read."""
+    """TLS credentials trusting `tls_ca` (None: the system's roots), presenting `tls_cert` and
+    `tls_key` for mutual TLS. ValueError naming the option (`names`) for half a client
+    certificate or a file that is not PEM; OSError for one that cannot be read."""
     ca_name, cert_name, key_name = names
     if (tls_cert is None) != (tls_key is None):
         given, missing = (cert_name, key_name) if tls_key is None else (key_name, cert_name)
@@ -52,9 +48,5 @@ def read_pem(path: PathLike | None, name: str) -> bytes | None:
 
 
 def bearer_metadata(token: str) -> tuple[str, str]:
-    """The call metadata that carries `token`: ``authorization: Bearer <token>``.
-
-    >>> bearer_metadata("8cM1y0kqV0m3tq2nQ4e5hZbq")
-    ('authorization', 'Bearer 8cM1y0kqV0m3tq2nQ4e5hZbq')
-    """
+    """The call metadata that carries `token`: ``authorization: Bearer <token>``."""
     return (AUTHORIZATION_METADATA_KEY, f"Bearer {token}")

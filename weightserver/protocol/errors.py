@@ -25,14 +25,12 @@ Exception tree::
     ├── ServerUnavailable                  UNAVAILABLE (client side: server unreachable)
     ├── DeadlineExceeded                   DEADLINE_EXCEEDED
     ├── Cancelled                          CANCELLED
-    ├── PublishAborted                     ABORTED (bytes fetched while arriving: their publish failed)
+    ├── PublishAborted                     ABORTED (an incoming publish followed by cut-through failed)
     └── InternalServerError                INTERNAL / UNKNOWN / anything else
 
-The server aborts a call with the code from `STATUS_CODES` and puts the exception's class name
-in the trailing metadata key `weightserver-error`; the client rebuilds the same exception type
-from that name, or from the status code alone for other servers. Matching is never done on
-message text. The table names codes as strings so that the store can raise these exceptions
-without importing grpc; `grpc_status_code` turns a name into the enum.
+The server aborts a call with the code from `STATUS_CODES` and the class name in the trailer
+`weightserver-error`; the client rebuilds the type from that name, or from the code alone (never
+from message text). Codes are names, so the store raises these without importing grpc.
 """
 
 from __future__ import annotations
@@ -43,19 +41,16 @@ if TYPE_CHECKING:
     import grpc
 
 ERROR_METADATA_KEY = "weightserver-error"
-# Call metadata a client may send to name itself in the server's logs (and metrics).
-CLIENT_ID_METADATA_KEY = "weightserver-client-id"
-# A status message travels in the call's trailers, whose size clients cap (gRPC: 8 KiB by
-# default, and between 8 and 16 KiB a random share of calls fail with RESOURCE_EXHAUSTED
-# instead of their own status). Messages quote a caller's input cut to CLIPPED_REPR_CHARS,
-# and the server cuts any message to MAX_STATUS_MESSAGE_BYTES (3 KiB once percent-encoded).
+CLIENT_ID_METADATA_KEY = "weightserver-client-id"  # a client's name in the server's logs and metrics
+# A status message travels in the trailers, which clients cap (gRPC: 8 KiB; from 8 to 16 KiB
+# a random share of calls fail with RESOURCE_EXHAUSTED instead). Messages quote input cut to
+# CLIPPED_REPR_CHARS; the server cuts any message to MAX_STATUS_MESSAGE_BYTES (3 KiB encoded).
 CLIPPED_REPR_CHARS = 100
 MAX_STATUS_MESSAGE_BYTES = 1024
 
 
 def clipped_repr(value: object, limit: int = CLIPPED_REPR_CHARS) -> str:
-    """`value` as an error message quotes it: its repr, cut to `limit` characters and followed
-    by its length when longer, so an oversized input never comes back whole.
+    """`value`'s repr cut to `limit` characters, with its length when longer.
 
     >>> clipped_repr("x" * 1000, limit=8)
     "'xxxxxxx...(1000 chars)"
@@ -97,8 +92,7 @@ class VersionEvicted(NotFoundError):
 
 
 class UploadNotFound(NotFoundError):
-    """A Publish names an upload (NegotiateResponse.upload) that this server does not hold: never
-    set up, used already, or expired."""
+    """A Publish names an upload (NegotiateResponse.upload) never set up, used, or expired."""
 
 
 class InvalidRequest(WeightServerError):
@@ -142,8 +136,7 @@ class VersionConflict(WeightServerError):
 
 
 class NotPrimary(WeightServerError):
-    """A publish, delete or pin sent to a relay (`weightserver serve --upstream`): only the
-    primary changes versions; the message names it."""
+    """A publish, delete or pin sent to a relay; the message names the primary."""
 
 
 class CursorOutOfRange(WeightServerError):
@@ -171,17 +164,15 @@ class Cancelled(WeightServerError):
 
 
 class PublishAborted(WeightServerError):
-    """A publish whose bytes were being fetched as they arrived (cut-through) failed: they
-    never become a version."""
+    """An incoming publish that a cut-through fetch followed failed: no version."""
 
 
 class InternalServerError(WeightServerError):
     """A failure inside the server; its log has the details."""
 
 
-# The one table: exception type -> status code name (grpc.StatusCode member). Order matters
-# for the reverse lookup: the first class listed for a code is what a client raises when it
-# only knows the code.
+# The one table: exception -> grpc.StatusCode name. The first class listed for a code is what
+# a client raises when it knows only the code.
 STATUS_CODES: dict[type[WeightServerError], str] = {
     NotFoundError: "NOT_FOUND",
     ModelNotFound: "NOT_FOUND",
@@ -210,7 +201,6 @@ STATUS_CODES: dict[type[WeightServerError], str] = {
 }
 
 _BY_NAME: dict[str, type[WeightServerError]] = {cls.__name__: cls for cls in STATUS_CODES}
-# Reversed, so that the first class listed for a code is the one kept.
 _BY_CODE: dict[str, type[WeightServerError]] = {code: cls for cls, code in reversed(STATUS_CODES.items())}
 
 

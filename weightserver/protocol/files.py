@@ -1,14 +1,7 @@
-"""The shared-memory folder layout: a contract between a server and same-host clients.
-
-A server with shared memory keeps each retained version of a model as
-`<its folder>/<model>/<version:012d>.safetensors`, byte for byte the version's file, and
-beside it `<version:012d>.header`: the version's `VersionInfo` message as Fetch and Negotiate
-send it, written after the file (and again on a pin) and removed before it. Derived payloads
-(deltas, casts) carry a suffix before `.safetensors` and have no header. Folders are mode
-0755 and files 0444 or 0644, owned by the server's user: a client trusts a header only in a
-folder that nobody else can write. The proto's `SharedMemoryFile` comment says the same for
-clients in other languages.
-"""
+"""File names on disk and in shared memory, a contract with same-host clients (the proto's
+`SharedMemoryFile` states it): `<model>/<version:012d>.safetensors`, and beside it `.header`, its
+`VersionInfo`, written after the file and removed before it. Derived payloads carry a suffix and
+no header. Folders are mode 0755: a client trusts a header only where nobody else can write."""
 
 from __future__ import annotations
 

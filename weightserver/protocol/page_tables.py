@@ -1,13 +1,7 @@
-"""Fill a process's page table for a shared-memory mapping ahead of use (both sides use it).
-
-A fresh mapping of a /dev/shm file takes a page fault per 4 KiB page on first touch, about
-0.25 ms per MiB here: as much as copying the bytes. An upload set up before its bytes come
-(a spare, or the server's side of any staged upload) pays that ahead with
-MADV_POPULATE_WRITE, which maps every page writable and changes no byte, so it is safe while
-another thread or process writes the file. It is called through ctypes, which lets go of the
-GIL (mmap.madvise holds it for the whole call); kernels before 5.14 refuse it, and then the
-faults are taken as the bytes come.
-"""
+"""Fill a shared-memory mapping's page table ahead of use: first touches fault, about 0.25 ms
+per MiB, as much as copying the bytes. MADV_POPULATE_WRITE changes no byte, so it is safe while
+another process writes; through ctypes, which lets go of the GIL (mmap.madvise holds it).
+Kernels before 5.14 refuse it: the faults are then taken as the bytes come."""
 
 from __future__ import annotations
 

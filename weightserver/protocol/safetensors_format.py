@@ -1,11 +1,8 @@
 """The safetensors file format, read and written without torch.
 
-A safetensors file is an 8-byte little-endian header length N, then N bytes of JSON mapping
-each tensor name to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (plus an optional
-``"__metadata__"`` map of strings), then the data section. Offsets are relative to the start of
-the data section. The server validates every published file with `parse_header` before the
-version becomes visible; clients use it to slice fetched bytes into tensors and
-`build_header` to frame tensors without an intermediate copy.
+An 8-byte little-endian header length N, N bytes of JSON mapping each tensor name to
+``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets into the data section; plus an
+optional ``"__metadata__"`` map of strings), then the data section.
 """
 
 from __future__ import annotations
@@ -18,28 +15,20 @@ from dataclasses import dataclass
 
 from weightserver.protocol.errors import InvalidSafetensors, clipped_repr
 
-# dtype name -> bytes per element. The names and sizes of the safetensors specification.
+# dtype name -> bytes per element, as the safetensors specification names them.
 DTYPE_SIZES: dict[str, int] = {
-    "BOOL": 1,
-    "U8": 1,
-    "I8": 1,
-    "F8_E5M2": 1,
-    "F8_E4M3": 1,
-    "I16": 2,
-    "U16": 2,
-    "F16": 2,
-    "BF16": 2,
-    "I32": 4,
-    "U32": 4,
-    "F32": 4,
-    "I64": 8,
-    "U64": 8,
-    "F64": 8,
+    name: size
+    for size, names in (
+        (1, "BOOL U8 I8 F8_E5M2 F8_E4M3"),
+        (2, "I16 U16 F16 BF16"),
+        (4, "I32 U32 F32"),
+        (8, "I64 U64 F64"),
+    )
+    for name in names.split()
 }
 
 METADATA_KEY = "__metadata__"
-# The format's own limits (the safetensors package's header limit), for reading any file; a
-# server accepts publishes within the tighter limits of weightserver.config (PUBLISH_MAX_*).
+# The format's own limits (the safetensors package's); publishes have tighter ones (PUBLISH_MAX_*).
 DEFAULT_MAX_HEADER_BYTES = 100 * 1024 * 1024
 DEFAULT_MAX_TENSORS = 1_000_000
 _LEN = struct.Struct("<Q")
@@ -88,9 +77,8 @@ def parse_header(
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
     max_tensors: int = DEFAULT_MAX_TENSORS,
 ) -> SafetensorsHeader:
-    """Parse and validate the header at the start of `data`, which must hold at least the length
-    prefix and the header; `total_size` is the whole file's size (default: ``len(data)``).
-    Raises `InvalidSafetensors` naming the first problem found."""
+    """Parse and validate the header at the start of `data` (at least the prefix and the header)
+    of a `total_size`-byte file (default: ``len(data)``); InvalidSafetensors names the first problem."""
     view = memoryview(data)
     size = len(view) if total_size is None else total_size
     if size < 8 or len(view) < 8:
@@ -104,10 +92,8 @@ def parse_header(
         raise InvalidSafetensors(f"header length {header_len} runs past the end of the {size}-byte file")
     if len(view) < 8 + header_len:
         raise ValueError("parse_header needs the whole header in `data`")
-    raw = bytes(view[8 : 8 + header_len])
     try:
-        text = raw.decode("utf-8")
-        obj = json.loads(text, object_pairs_hook=_reject_duplicates)
+        obj = json.loads(bytes(view[8 : 8 + header_len]).decode("utf-8"), object_pairs_hook=_reject_duplicates)
     except UnicodeDecodeError as exc:
         raise InvalidSafetensors(f"header is not UTF-8: {exc}") from None
     except (ValueError, RecursionError) as exc:  # JSONDecodeError, over-long ints, deep nesting
@@ -126,8 +112,7 @@ def parse_header(
         raise InvalidSafetensors(f"{METADATA_KEY!r} must map strings to strings")
 
     entries = [_parse_entry(name, spec) for name, spec in obj.items()]
-    data_len = size - 8 - header_len
-    _check_layout(entries, data_len)
+    _check_layout(entries, size - 8 - header_len)
     entries.sort(key=lambda e: (e.begin, e.end))
     return SafetensorsHeader(tuple(entries), metadata, 8 + header_len)
 
@@ -138,8 +123,7 @@ def _parse_entry(name: str, spec: object) -> TensorEntry:
     tensor = f"tensor {clipped_repr(name)}"
     if not isinstance(spec, dict):
         raise InvalidSafetensors(f"{tensor}: expected an object with dtype, shape, data_offsets")
-    missing = {"dtype", "shape", "data_offsets"} - spec.keys()
-    if missing:
+    if missing := {"dtype", "shape", "data_offsets"} - spec.keys():
         raise InvalidSafetensors(f"{tensor}: missing {', '.join(sorted(missing))}")
     dtype = spec["dtype"]
     if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
@@ -170,17 +154,12 @@ def _check_layout(entries: list[TensorEntry], data_len: int) -> None:
     """Tensors must tile the data section exactly: in bounds, no overlap, no gap, no tail."""
     position = 0
     for entry in sorted(entries, key=lambda e: (e.begin, e.end)):
-        if entry.end > data_len:
-            raise InvalidSafetensors(
-                f"tensor {clipped_repr(entry.name)}: data_offsets [{entry.begin}, {entry.end}] run past the "
-                f"{data_len}-byte data section"
-            )
-        if entry.begin < position:
-            raise InvalidSafetensors(
-                f"tensor {clipped_repr(entry.name)}: data_offsets [{entry.begin}, {entry.end}] overlap the "
-                f"previous tensor, which ends at {position}"
-            )
-        if entry.begin > position:
+        if entry.end > data_len or entry.begin != position:
+            offsets = f"tensor {clipped_repr(entry.name)}: data_offsets [{entry.begin}, {entry.end}]"
+            if entry.end > data_len:
+                raise InvalidSafetensors(f"{offsets} run past the {data_len}-byte data section")
+            if entry.begin < position:
+                raise InvalidSafetensors(f"{offsets} overlap the previous tensor, which ends at {position}")
             raise InvalidSafetensors(
                 f"tensor {clipped_repr(entry.name)}: gap of {entry.begin - position} bytes before its data "
                 f"(offset {position}); tensors must be packed"
@@ -196,12 +175,9 @@ def build_header(
     entries: Iterable[tuple[str, str, tuple[int, ...], int]],
     metadata: Mapping[str, str] | None = None,
 ) -> tuple[bytes, list[TensorEntry]]:
-    """Frame tensors as a safetensors header.
-
-    `entries` are ``(name, dtype, shape, nbytes)`` in the order their bytes will follow. Returns
-    the length prefix plus the JSON header (space-padded to a multiple of 8 bytes, as the
-    safetensors package does, so 8-byte dtypes stay aligned) and the placed entries.
-    """
+    """The length prefix and JSON header framing `entries` (``(name, dtype, shape, nbytes)``, in
+    the order their bytes follow), and the placed entries. Padded to 8 bytes, as the safetensors
+    package does, so 8-byte dtypes stay aligned."""
     header: dict[str, object] = {}
     if metadata:
         header[METADATA_KEY] = dict(metadata)
