@@ -1,7 +1,5 @@
-"""The seed's updater contract: `LocalWeightUpdaterBase` and `RemoteWeightUpdaterBase`, with the
-design's class names, hooks and call order. Released torchrl never shipped them (0.8 merged them
-into a WeightUpdaterBase, since deprecated), so they live here and need only torch and tensordict.
-"""
+"""The seed's updater contract, with its class names, hooks and call order. Released torchrl never
+shipped it (0.8 merged both into a since-deprecated WeightUpdaterBase); needs no torchrl."""
 
 from __future__ import annotations
 
@@ -16,7 +14,7 @@ WorkerId = int | str | torch.device
 
 
 class _CollectorRegistration:
-    """The collector an updater serves, registered once and held weakly (it owns the updater)."""
+    """The collector an updater serves, held weakly (it owns the updater)."""
 
     _collector_wr: Any = None
 
@@ -27,7 +25,6 @@ class _CollectorRegistration:
 
     @property
     def collector(self) -> Any:
-        """The registered collector; None if none was, or it was collected."""
         return self._collector_wr() if self._collector_wr is not None else None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -37,8 +34,8 @@ class _CollectorRegistration:
 
 
 class LocalWeightUpdaterBase(_CollectorRegistration, metaclass=abc.ABCMeta):
-    """Pulls weights from a server into the local policy: `update_weights` runs
-    `_get_server_weights` -> `_get_local_weights` -> `_maybe_map_weights` -> `_update_local_weights`."""
+    """Pulls weights into the local policy: `_get_server_weights` -> `_get_local_weights` ->
+    `_maybe_map_weights` -> `_update_local_weights`."""
 
     @abc.abstractmethod
     def _get_server_weights(self) -> TensorDictBase | None:
@@ -46,7 +43,7 @@ class LocalWeightUpdaterBase(_CollectorRegistration, metaclass=abc.ABCMeta):
 
     @abc.abstractmethod
     def _get_local_weights(self) -> TensorDictBase:
-        """The local policy's weights, as the tensors the update writes into."""
+        """The tensors the update writes into."""
 
     @abc.abstractmethod
     def _maybe_map_weights(
@@ -62,31 +59,26 @@ class LocalWeightUpdaterBase(_CollectorRegistration, metaclass=abc.ABCMeta):
         return self.update_weights(weights=weights)
 
     def update_weights(self, weights: TensorDictBase | None = None) -> None:
-        """Apply `weights`, or what `_get_server_weights` returns, to the local policy."""
         server_weights = self._get_server_weights() if weights is None else weights
         local_weights = self._get_local_weights()
         self._update_local_weights(local_weights, self._maybe_map_weights(server_weights, local_weights))
 
 
 class RemoteWeightUpdaterBase(_CollectorRegistration, metaclass=abc.ABCMeta):
-    """Pushes the trainer's weights to workers: `update_weights` runs `_get_server_weights` ->
-    `_maybe_map_weights` -> per worker `_skip_update`, `_sync_weights_with_worker`."""
+    """Pushes the trainer's weights to workers: `_get_server_weights` -> `_maybe_map_weights` ->
+    per worker `_skip_update`, `_sync_weights_with_worker` (with the mapped weights)."""
 
     @abc.abstractmethod
-    def _sync_weights_with_worker(self, worker_id: WorkerId, server_weights: Any) -> None:
-        """Deliver `server_weights` to one worker."""
+    def _sync_weights_with_worker(self, worker_id: WorkerId, server_weights: Any) -> None: ...
 
     @abc.abstractmethod
-    def _get_server_weights(self) -> Any:
-        """The trainer's current weights."""
+    def _get_server_weights(self) -> Any: ...
 
     @abc.abstractmethod
-    def _maybe_map_weights(self, server_weights: Any) -> Any:
-        """The weights as workers expect them."""
+    def _maybe_map_weights(self, server_weights: Any) -> Any: ...
 
     @abc.abstractmethod
-    def all_worker_ids(self) -> list[WorkerId]:
-        """Every worker this updater serves."""
+    def all_worker_ids(self) -> list[WorkerId]: ...
 
     def _skip_update(self, worker_id: WorkerId) -> bool:
         return False
@@ -95,9 +87,6 @@ class RemoteWeightUpdaterBase(_CollectorRegistration, metaclass=abc.ABCMeta):
         return self.update_weights(weights=weights, worker_ids=worker_ids)
 
     def update_weights(self, weights: Any = None, worker_ids: WorkerId | list[WorkerId] | None = None) -> Any:
-        """Send `weights` (default: `_get_server_weights()`) to `worker_ids` (default: all)."""
-        # The design document maps and then sends the unmapped weights; we send the mapped ones,
-        # which is what the hook is for.
         mapped_weights = self._maybe_map_weights(self._get_server_weights() if weights is None else weights)
         workers = [worker_ids] if isinstance(worker_ids, (int, str, torch.device)) else worker_ids
         for worker in self.all_worker_ids() if workers is None else workers:
