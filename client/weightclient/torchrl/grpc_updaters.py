@@ -1,12 +1,15 @@
-"""The seed's updaters over the weight server: `GrpcLocalWeightUpdater` pulls and applies versions
-(collector side), `GrpcRemoteWeightUpdater` publishes them (trainer side). No torchrl needed."""
+"""The seed's updater contract (`LocalWeightUpdaterBase`, `RemoteWeightUpdaterBase`: its names, hooks
+and call order, which released torchrl never shipped) and its implementation over the weight server:
+`GrpcLocalWeightUpdater` pulls and applies versions, `GrpcRemoteWeightUpdater` publishes them."""
 
 from __future__ import annotations
 
+import abc
 import logging
 import math
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,16 +21,16 @@ from weightclient import tensors as tensor_codec
 from weightclient.client import WeightClient
 from weightclient.core.cut_through import CutThrough
 from weightclient.core.retry import Deadline, RetryPolicy
-from weightclient.core.service_client import FetchedBytes, FetchStats
+from weightclient.core.service_client import FetchStats
 from weightclient.core.version_follower import VersionFollower
 from weightclient.torchrl.key_mapping import IDENTITY, KeyMap, check_weights, map_keys
-from weightclient.torchrl.updaters import LocalWeightUpdaterBase, RemoteWeightUpdaterBase, WorkerId
 from weightserver.protocol.errors import CursorOutOfRange, DeadlineExceeded, ModelNotFound, ServerUnavailable
 from weightserver.protocol.safetensors_format import parse_header
 from weightserver.protocol.version_info import VersionInfo
 
 log = logging.getLogger(__name__)
 
+WorkerId = int | str | torch.device
 Weights = torch.nn.Module | TensorDictBase | Mapping[str, torch.Tensor]
 UNREACHABLE = (ServerUnavailable, DeadlineExceeded)
 # The deadline of each call an update makes: 5-10x a 256 MiB fetch over loopback.
@@ -38,9 +41,86 @@ UNAVAILABLE_RETRY = RetryPolicy(first=0.1, longest=5.0, jitter=0.0, retry_on=UNR
 STALL_BACKOFF = 4.0
 
 
+class _CollectorRegistration:
+    """The collector an updater serves, held weakly (it owns the updater)."""
+
+    _collector_wr: Any = None
+
+    def register_collector(self, collector: Any) -> None:
+        if self._collector_wr is not None:
+            raise RuntimeError("Cannot register collector twice.")
+        self._collector_wr = weakref.ref(collector)
+
+    @property
+    def collector(self) -> Any:
+        return self._collector_wr() if self._collector_wr is not None else None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.pop("_collector_wr", None)  # a weakref does not pickle; workers re-register
+        return state
+
+
+class LocalWeightUpdaterBase(_CollectorRegistration, metaclass=abc.ABCMeta):
+    """Pulls weights into the local policy: `_get_server_weights` (None: nothing new) ->
+    `_get_local_weights` -> `_maybe_map_weights` (keyed like the local weights) -> `_update_local_weights`."""
+
+    @abc.abstractmethod
+    def _get_server_weights(self) -> TensorDictBase | None: ...
+
+    @abc.abstractmethod
+    def _get_local_weights(self) -> TensorDictBase: ...
+
+    @abc.abstractmethod
+    def _maybe_map_weights(
+        self, server_weights: TensorDictBase | None, local_weights: TensorDictBase
+    ) -> TensorDictBase | None: ...
+
+    def _update_local_weights(self, local_weights: TensorDictBase, mapped_weights: TensorDictBase | None) -> None:
+        if local_weights is not None and mapped_weights is not None:
+            local_weights.update_(mapped_weights)
+
+    def __call__(self, weights: TensorDictBase | None = None) -> None:
+        return self.update_weights(weights=weights)
+
+    def update_weights(self, weights: TensorDictBase | None = None) -> None:
+        server_weights = self._get_server_weights() if weights is None else weights
+        local_weights = self._get_local_weights()
+        self._update_local_weights(local_weights, self._maybe_map_weights(server_weights, local_weights))
+
+
+class RemoteWeightUpdaterBase(_CollectorRegistration, metaclass=abc.ABCMeta):
+    """Pushes the trainer's weights to workers: `_get_server_weights` -> `_maybe_map_weights` ->
+    per worker `_skip_update`, `_sync_weights_with_worker` (with the mapped weights)."""
+
+    @abc.abstractmethod
+    def _sync_weights_with_worker(self, worker_id: WorkerId, server_weights: Any) -> None: ...
+
+    @abc.abstractmethod
+    def _get_server_weights(self) -> Any: ...
+
+    @abc.abstractmethod
+    def _maybe_map_weights(self, server_weights: Any) -> Any: ...
+
+    @abc.abstractmethod
+    def all_worker_ids(self) -> list[WorkerId]: ...
+
+    def _skip_update(self, worker_id: WorkerId) -> bool:
+        return False
+
+    def __call__(self, weights: Any = None, worker_ids: WorkerId | list[WorkerId] | None = None) -> Any:
+        return self.update_weights(weights=weights, worker_ids=worker_ids)
+
+    def update_weights(self, weights: Any = None, worker_ids: WorkerId | list[WorkerId] | None = None) -> Any:
+        mapped_weights = self._maybe_map_weights(self._get_server_weights() if weights is None else weights)
+        workers = [worker_ids] if isinstance(worker_ids, (int, str, torch.device)) else worker_ids
+        for worker in self.all_worker_ids() if workers is None else workers:
+            if not self._skip_update(worker):
+                self._sync_weights_with_worker(worker, mapped_weights)
+
+
 class _LazyClient:
-    """A WeightClient, or the address to make one from on first use; a channel cannot cross
-    processes, so a pickled copy drops it and dials again where it is used."""
+    """A WeightClient made on first use; a channel cannot cross processes, so a pickle drops it."""
 
     _address: str | None = None
     _client: WeightClient | None = None
@@ -76,9 +156,8 @@ def weights_of(source: Weights) -> TensorDictBase:
 
 @dataclass(frozen=True)
 class Update:
-    """Flat-keyed weights for `GrpcLocalWeightUpdater.apply`: a pulled version (`info`), or the
-    caller's (`keyed_like_policy`: no key map). `partial`: a delta; `buffer`: the receive buffer
-    `weights` may view, lent until `apply` (apply a pulled update before pulling the next)."""
+    """Flat-keyed weights to `apply`: a pulled version (`info`) or the caller's. `partial`: a delta;
+    `buffer`: the receive buffer `weights` may view, lent until applied (apply before the next pull)."""
 
     info: VersionInfo | None
     weights: TensorDictBase = field(repr=False)
@@ -98,19 +177,15 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
     Args:
         client: a WeightClient, or the server address (default `$WEIGHTSERVER_ADDRESS`).
         policy: the module or TensorDict to update; default: the registered collector's.
-        key_map: server keys -> policy keys (a KeyMap or a function of the key).
         version: pin to this version instead of following the latest.
         delta: once a version is applied, fetch only the tensors changed since.
         dtype: "BF16"/"F16": float32 tensors travel cast; the in-place copy casts them back.
-        transport: "auto", "shm", "bulk" or "stream".
-        watch: fetch only once the Watch stream announced a newer version, and at least every
-            `watch_confirm_seconds` (a stream can stall silently).
+        watch: fetch only once the Watch stream announced a newer version, or `watch_confirm_seconds`
+            passed (a stream can stall silently).
         incoming: with watch, receive each version while it is published, applied only once its
             commit is announced and the bytes match. Off with `dtype` or "shm" (announced at commit).
         update_timeout: the deadline of each call an update (or `lag`) makes; past it the server
             counts as down. Raise it for large models or slow links.
-
-    `update_weights()` is `apply(pull())`; what `_maybe_map_weights` returns lands whole or not at all.
 
     >>> updater = GrpcLocalWeightUpdater("localhost:50051", policy=policy)   # doctest: +SKIP
     >>> update = updater.pull()                                             # doctest: +SKIP
@@ -149,7 +224,7 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         self.update_timeout = float(update_timeout)
         self.version: int | None = None  # the version applied to the policy
         self.last_fetch: FetchStats | None = None
-        self._applied: VersionInfo | None = None  # its description: the delta base
+        self.applied: VersionInfo | None = None  # its description (the delta base); None for weights not pulled
         self._staging: memoryview | None = None  # receive buffer, lent to a pulled Update
         self._follower: VersionFollower | None = None
         self._receiver: CutThrough | None = None  # the follower's receiver of incoming versions
@@ -175,11 +250,6 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
             follower.stop()
 
     @property
-    def applied(self) -> VersionInfo | None:
-        """The description of the version the policy holds (None for weights not pulled)."""
-        return self._applied
-
-    @property
     def announced(self) -> int | None:
         """The newest version the Watch stream announced; None while no stream is open."""
         return self._follower.newest() if self._follower is not None else None
@@ -195,8 +265,7 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
 
     @property
     def lag(self) -> int | None:
-        """Server's latest version minus the applied one; None before any is applied and while the
-        server is down. While watching, the announced version stands in for a recent answer."""
+        """Server's latest version minus the applied one; None before one is applied, or while the server is down."""
         if self.version is None or self._backing_off():
             return None
         if self.announced is not None and not self._confirm_due():
@@ -226,24 +295,22 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         return f"{applied}; server {self.client.address} unavailable for {down:.0f}s{why}"
 
     def pull(self) -> Update | None:
-        """The next version, fetched and not applied; None when there is none, or the server is
-        down or silent for `update_timeout` (asked again with backoff). Other errors raise."""
-        if self._backing_off() or (self.pinned_version is not None and self.version == self.pinned_version):
-            return None
-        if self._nothing_announced():
+        """The next version, fetched, not applied; None if none, or if the server is down or silent."""
+        pinned_held = self.pinned_version is not None and self.version == self.pinned_version
+        if pinned_held or self._backing_off() or self._nothing_announced():
             return None
         ready = self._follower.take_ready(self.version or 0, self.update_timeout) if self._follower else None
-        if ready is not None:
-            return self._incoming_update(ready)
-        if self.pinned_version is not None:
-            target = {"version": self.pinned_version}
-        else:
-            target = {"newer_than": self.version or 0}
+        if ready is not None:  # an incoming version, received while published; its commit just announced
+            self._server_available(asked=True)
+            self.last_fetch = ready.stats
+            weights = TensorDict(tensor_codec.decode(parse_header(ready.data), ready.data), batch_size=[])
+            return Update(ready.info, weights, stats=ready.stats, buffer=ready.data)
+        target = {"newer_than": self.version or 0} if self.pinned_version is None else {"version": self.pinned_version}
         began = time.monotonic()
         try:
             result = self.client.fetch(
                 self.model,
-                base=self._applied if self.delta and self.version is not None else None,
+                base=self.applied if self.delta and self.version is not None else None,
                 dtype=self.dtype,
                 transport=self.transport,
                 into=self._staging,
@@ -275,9 +342,8 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         return Update(result.info, result.weights, partial=result.partial, stats=result.stats, buffer=buffer)
 
     def apply(self, update: Update) -> None:
-        """Write `update` into the policy: `_get_local_weights` -> `_maybe_map_weights` -> strict
-        check (KeyError before anything is written) -> `_update_local_weights`; then set `version`.
-        A copy that fails midway leaves `version` None."""
+        """Write `update` through the hooks, checked (KeyError before anything is written); a copy
+        that fails midway leaves `version` None."""
         try:
             local = self._get_local_weights()
             weights = update.weights
@@ -298,9 +364,9 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
                 self._update_local_weights(local, checked)
             except BaseException:
                 log.error("%s: writing weights into the policy failed; it holds no verified version now", self.model)
-                self.version, self._applied = None, None
+                self.version, self.applied = None, None
                 raise
-            self.version, self._applied = update.version, update.info
+            self.version, self.applied = update.version, update.info
         finally:
             if update.stats is not None and update.stats.early and self._follower is not None:
                 self._follower.give_back(update.buffer)
@@ -308,12 +374,11 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
                 self._staging = update.buffer
 
     def load(self, weights: Weights) -> None:
-        """Copy weights keyed like the policy into it (no key map), all or none; the policy then
-        holds no server version, so the next update fetches one whole."""
+        """Copy weights keyed like the policy into it (no key map); it then holds no server version."""
         self.apply(Update(None, weights_of(weights), keyed_like_policy=True))
 
     def update_weights(self, weights: Weights | None = None) -> None:
-        """`apply(pull())`; explicit `weights` are server weights (the hooks apply)."""
+        """`apply(pull())`; explicit `weights` are server weights for the whole policy."""
         update = self._get_server_weights() if weights is None else Update(None, weights_of(weights))
         if update is not None:
             self.apply(update)
@@ -339,12 +404,6 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         if mapped_weights is not None:
             with torch.no_grad():
                 local_weights.flatten_keys(".").update_(mapped_weights)
-
-    def _incoming_update(self, ready: FetchedBytes) -> Update:
-        self._server_available(asked=True)  # its commit was just announced
-        self.last_fetch = ready.stats
-        weights = TensorDict(tensor_codec.decode(parse_header(ready.data), ready.data), batch_size=[])
-        return Update(ready.info, weights, partial=False, stats=ready.stats, buffer=ready.data)
 
     def _nothing_announced(self) -> bool:
         """While watching: nothing newer was announced and the server was asked recently."""
@@ -375,11 +434,8 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
             held = f"v{self.version}" if self.version is not None else "its initial weights"
             why = str(error)
             if self._stalled:
-                why = (
-                    f"weight server at {self.client.address} did not answer within update_timeout="
-                    f"{self.update_timeout:g}s (stopped or overloaded, or a fetch that needs longer: raise it)"
-                )
-            log.warning("%s; the policy keeps %s and catches up when the server is back", why, held)
+                why = f"no answer within update_timeout={self.update_timeout:g}s (stopped, overloaded, or raise it)"
+            log.warning("weight server %s: %s; the policy keeps %s until it is back", self.client.address, why, held)
         self._next_attempt = Deadline.after(max(UNAVAILABLE_RETRY.delay(self._failures), STALL_BACKOFF * (now - began)))
         self._failures += 1
 
@@ -394,20 +450,13 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
 
 
 class GrpcRemoteWeightUpdater(_LazyClient, RemoteWeightUpdaterBase):
-    """Trainer side: publishes the trainer's weights as a new version.
+    """Trainer side: one `update_weights()` publishes every due worker's model as ONE version.
 
     Args:
-        client: a WeightClient, or the server address.
-        policy_weights: a module / TensorDict, or a callable returning the weights (or a
-            ``{model: weights}`` mapping: several models in one version).
+        policy_weights: a module / TensorDict / ``{model: weights}``, or a callable returning one.
         models: worker id -> model name; a sequence of names makes each name its own worker id.
-        max_interval: as torchrl's Ray updater: a worker is updated at most every
-            ``max_interval + 1`` calls.
-        retries, backoff: a publish that finds the server down is retried `retries` times,
-            `backoff` seconds doubling; all attempts carry one publish id, so none commits twice.
-        transport: "auto", "shm", "bulk" or "stream".
-
-    One `update_weights()` publishes every due worker's model as ONE version.
+        max_interval: a worker is updated at most every ``max_interval + 1`` calls (as torchrl's Ray updater).
+        retries, backoff: retries of a publish that finds the server down, `backoff` seconds doubling.
     """
 
     def __init__(
@@ -433,7 +482,7 @@ class GrpcRemoteWeightUpdater(_LazyClient, RemoteWeightUpdaterBase):
         self.retry = RetryPolicy(first=backoff, longest=math.inf, retry_on=UNREACHABLE)
         self.metadata = metadata
         self._calls_since_update = dict.fromkeys(self.models, 0)
-        self._building: dict[WorkerId, tuple[str, Weights]] | None = None  # due workers, in `update_weights`
+        self._building: dict[WorkerId, tuple[str, Weights]] = {}  # due workers, in `update_weights`
         self.version: int | None = None  # last version published
 
     def all_worker_ids(self) -> list[WorkerId]:
@@ -453,25 +502,17 @@ class GrpcRemoteWeightUpdater(_LazyClient, RemoteWeightUpdaterBase):
         return self._calls_since_update[worker_id] <= self.max_interval
 
     def _sync_weights_with_worker(self, worker_id: WorkerId, server_weights: Any) -> None:
-        """Within `update_weights`, add the worker's model to the version being built; alone,
-        publish it as a version of its own."""
+        """Add the worker's model to the version `update_weights` builds."""
         model = self.models[worker_id]
         if isinstance(server_weights, Mapping) and model in server_weights:
             server_weights = server_weights[model]
-        if self._building is not None:
-            self._building[worker_id] = (model, server_weights)
-            return
-        self.publish({model: server_weights})
-        self._calls_since_update[worker_id] = 0
+        self._building[worker_id] = (model, server_weights)
 
     def update_weights(self, weights: Any = None, worker_ids: WorkerId | list[WorkerId] | None = None) -> int | None:
-        """Publish the due workers' models (default: all) as ONE version, each model once; None
-        when `_skip_update` skipped every worker."""
-        self._building = due = {}
-        try:
-            super().update_weights(weights, worker_ids)
-        finally:
-            self._building = None
+        """Publish the due workers' models as ONE version; None when every worker was skipped."""
+        self._building = {}
+        super().update_weights(weights, worker_ids)
+        due, self._building = self._building, {}
         if not due:
             return None
         version = self.publish(dict(due.values()))
@@ -479,9 +520,9 @@ class GrpcRemoteWeightUpdater(_LazyClient, RemoteWeightUpdaterBase):
             self._calls_since_update[worker] = 0
         return version
 
-    def publish(self, weights_by_model: Mapping[str, Weights], metadata: Mapping[str, str] | None = None) -> int:
-        """Publish ``{model: weights}`` as one version, retried while the server is down."""
-        meta = {**(self.metadata() if self.metadata else {}), **(metadata or {})}
+    def publish(self, weights_by_model: Mapping[str, Weights]) -> int:
+        """Publish ``{model: weights}`` as one version, retried (with one publish id) while the server is down."""
+        meta = self.metadata() if self.metadata else {}
         publish_id = uuid.uuid4().hex
         attempt = 0
         while True:

@@ -29,10 +29,9 @@ def resolve_path(root: Any, path: str) -> Any:
 
 
 class PublishWeights:
-    """torchrl's ``UpdateWeights`` hook, publishing every `update_weights_interval` batches
-    ("post_steps") or optimizer steps (`interval_unit="optim_steps"`, at "post_optim") through the
-    publisher's ``update_weights()``. `weight_update_map` maps each model to a path on the trainer,
-    all in ONE version; it wins over `policy_weights_getter`. Works without torchrl.
+    """torchrl's ``UpdateWeights`` hook (without torchrl): the publisher's ``update_weights()`` every
+    N batches or, with `interval_unit="optim_steps"`, optimizer steps. `weight_update_map` maps each
+    model to a path on the trainer, all in ONE version; it wins over `policy_weights_getter`.
 
     >>> hook = PublishWeights(updater, update_weights_interval=2,                    # doctest: +SKIP
     ...                       weight_update_map={"policy": "loss_module.actor_network"})

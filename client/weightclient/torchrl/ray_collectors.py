@@ -1,6 +1,5 @@
 """torchrl collectors as Ray actors, each pulling from its own node's relay (over shared memory by
-default): a version crosses the network once per node. torchrl's ``RayCollector`` pushes weights
-from the driver instead, and a scheme's channel does not pickle, so each actor builds its own.
+default), so that a version crosses the network once per node; each actor dials its own channel.
 
 >>> relays = place_relays(primary.address)                                   # doctest: +SKIP
 >>> collectors = start_node_collectors(make_env, make_policy)                # doctest: +SKIP
