@@ -45,6 +45,7 @@ class _CollectorRegistration:
     """The collector an updater serves, held weakly (it owns the updater)."""
 
     _collector_wr: Any = None
+    _not_pickled: tuple[str, ...] = ("_collector_wr",)  # a weakref does not pickle; workers re-register
 
     def register_collector(self, collector: Any) -> None:
         if self._collector_wr is not None:
@@ -56,9 +57,7 @@ class _CollectorRegistration:
         return self._collector_wr() if self._collector_wr is not None else None
 
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state.pop("_collector_wr", None)  # a weakref does not pickle; workers re-register
-        return state
+        return {**self.__dict__, **dict.fromkeys(self._not_pickled)}
 
 
 class LocalWeightUpdaterBase(_CollectorRegistration, metaclass=abc.ABCMeta):
@@ -120,7 +119,7 @@ class RemoteWeightUpdaterBase(_CollectorRegistration, metaclass=abc.ABCMeta):
 
 
 class _LazyClient:
-    """A WeightClient made on first use; a channel cannot cross processes, so a pickle drops it."""
+    """A WeightClient made on first use (a channel cannot cross processes: a pickle drops it)."""
 
     _address: str | None = None
     _client: WeightClient | None = None
@@ -138,11 +137,6 @@ class _LazyClient:
     @property
     def connected(self) -> bool:
         return self._client is not None
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()  # type: ignore[misc]
-        state["_client"] = None
-        return state
 
 
 def weights_of(source: Weights) -> TensorDictBase:
@@ -176,21 +170,19 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
 
     Args:
         client: a WeightClient, or the server address (default `$WEIGHTSERVER_ADDRESS`).
-        policy: the module or TensorDict to update; default: the registered collector's.
-        version: pin to this version instead of following the latest.
         delta: once a version is applied, fetch only the tensors changed since.
         dtype: "BF16"/"F16": float32 tensors travel cast; the in-place copy casts them back.
-        watch: fetch only once the Watch stream announced a newer version, or `watch_confirm_seconds`
-            passed (a stream can stall silently).
-        incoming: with watch, receive each version while it is published, applied only once its
-            commit is announced and the bytes match. Off with `dtype` or "shm" (announced at commit).
-        update_timeout: the deadline of each call an update (or `lag`) makes; past it the server
-            counts as down. Raise it for large models or slow links.
+        watch: fetch once the Watch stream announced a newer version, or every `watch_confirm_seconds`.
+        incoming: with watch, receive a version while it is published; applied once its commit is
+            announced and the bytes match. Off with `dtype` or "shm" (announced at commit).
+        update_timeout: the deadline of each call; past it the server counts as down.
 
     >>> updater = GrpcLocalWeightUpdater("localhost:50051", policy=policy)   # doctest: +SKIP
     >>> update = updater.pull()                                             # doctest: +SKIP
     >>> if update is not None: updater.apply(update)                        # doctest: +SKIP
     """
+
+    _not_pickled = ("_collector_wr", "_client", "_staging", "_follower", "_receiver")
 
     def __init__(
         self,
@@ -234,11 +226,6 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         self._stalled = False  # the last failed call ran out of time (rather than finding no server)
         self._failures = 0
         self._next_attempt = Deadline()
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        state.update(_staging=None, _follower=None, _receiver=None)
-        return state
 
     def __del__(self) -> None:
         self.close()
@@ -323,9 +310,7 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
             return None
         except ModelNotFound:
             if not self._waiting_logged:
-                log.info(
-                    "no version of model %r on %s yet; keeping the current weights", self.model, self.client.address
-                )
+                log.info("no version of model %r on %s yet", self.model, self.client.address)
                 self._waiting_logged = True
             return None
         except UNREACHABLE as exc:
@@ -354,10 +339,8 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
             if not update.keyed_like_policy:
                 weights = self._maybe_map_weights(weights, local)
                 if not isinstance(weights, (TensorDictBase, Mapping)):
-                    raise TypeError(
-                        f"{type(self).__name__}._maybe_map_weights returned {type(weights).__name__} for the "
-                        f"{source}; it must return the weights keyed like the local policy (a TensorDict or a mapping)"
-                    )
+                    what = f"{type(self).__name__}._maybe_map_weights returned {type(weights).__name__}"
+                    raise TypeError(f"{what} for the {source}; it must return the weights keyed like the local policy")
             cast = bool(self.dtype) and update.info is not None
             checked = check_weights(weights, local, source=source, partial=update.partial, allow_cast=cast)
             try:
@@ -451,13 +434,10 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
 
 class GrpcRemoteWeightUpdater(_LazyClient, RemoteWeightUpdaterBase):
     """Trainer side: one `update_weights()` publishes every due worker's model as ONE version.
+    `policy_weights`: weights or ``{model: weights}``, or a callable returning them; `models`: worker id
+    -> model name; `max_interval`: as torchrl's Ray updater; `retries`: of a publish, `backoff` doubling."""
 
-    Args:
-        policy_weights: a module / TensorDict / ``{model: weights}``, or a callable returning one.
-        models: worker id -> model name; a sequence of names makes each name its own worker id.
-        max_interval: a worker is updated at most every ``max_interval + 1`` calls (as torchrl's Ray updater).
-        retries, backoff: retries of a publish that finds the server down, `backoff` seconds doubling.
-    """
+    _not_pickled = ("_collector_wr", "_client")
 
     def __init__(
         self,

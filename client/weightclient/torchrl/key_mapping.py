@@ -12,9 +12,8 @@ from tensordict import TensorDict, TensorDictBase
 
 @dataclass(frozen=True)
 class KeyMap:
-    """Server key -> local key: `rename` (local -> server key) first; then `select` keeps keys under
-    a prefix, without it; `strip_prefix` removes one (DDP's ``"module."``), `add_prefix` adds one;
-    `fn` maps what is left (None drops the key).
+    """Server key -> local key: `rename` (local -> server key) first; then `select` keeps keys under a
+    prefix, `strip_prefix` removes one (DDP's), `add_prefix` adds one, `fn` maps the rest (None: drop).
 
     >>> KeyMap(strip_prefix="module.").map_key("module.0.weight")
     '0.weight'

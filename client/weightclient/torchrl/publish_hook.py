@@ -56,13 +56,9 @@ class PublishWeights:
         if isinstance(publisher, WeightClient):
             publisher = GrpcRemoteWeightUpdater(publisher, models=list(self.weight_update_map) or ("policy",))
         if self.weight_update_map:
-            published_models = set(publisher.models.values())
-            if set(self.weight_update_map) != published_models:
-                raise ValueError(
-                    f"weight_update_map names the models {sorted(self.weight_update_map)} but the publisher "
-                    f"publishes {sorted(published_models)}: pass GrpcRemoteWeightUpdater(..., "
-                    f"models={sorted(self.weight_update_map)!r})"
-                )
+            if set(self.weight_update_map) != set(publisher.models.values()):
+                wanted = sorted(self.weight_update_map)
+                raise ValueError(f"weight_update_map's models differ: pass GrpcRemoteWeightUpdater(models={wanted!r})")
             publisher.policy_weights = self._mapped_weights
         elif policy_weights_getter is not None:
             publisher.policy_weights = policy_weights_getter

@@ -1,7 +1,6 @@
 """torchrl collectors as Ray actors, each pulling from its own node's relay (over shared memory by
 default), so that a version crosses the network once per node; each actor dials its own channel.
 
->>> relays = place_relays(primary.address)                                   # doctest: +SKIP
 >>> collectors = start_node_collectors(make_env, make_policy)                # doctest: +SKIP
 >>> batches = ray.get([c.collect.remote() for c in collectors])              # doctest: +SKIP
 """
