@@ -1,6 +1,5 @@
-"""The seed's updater contract (`LocalWeightUpdaterBase`, `RemoteWeightUpdaterBase`: its names, hooks
-and call order, which released torchrl never shipped) and its implementation over the weight server:
-`GrpcLocalWeightUpdater` pulls and applies versions, `GrpcRemoteWeightUpdater` publishes them."""
+"""The seed's updater contract (its names, hooks and call order; released torchrl never shipped it),
+and over the weight server: `GrpcLocalWeightUpdater` pulls versions, `GrpcRemoteWeightUpdater` publishes."""
 
 from __future__ import annotations
 
@@ -35,16 +34,14 @@ Weights = torch.nn.Module | TensorDictBase | Mapping[str, torch.Tensor]
 UNREACHABLE = (ServerUnavailable, DeadlineExceeded)
 # The deadline of each call an update makes: 5-10x a 256 MiB fetch over loopback.
 DEFAULT_UPDATE_TIMEOUT = 5.0
-# A server that was down is asked again after 0.1 s doubling to 5 s, and after at least 4x what the
-# failed call waited: a collector spends at most a fifth of its time on a server that does not answer.
+# A server that was down is asked again after 0.1 s doubling to 5 s, and at least 4x what the failed
+# call waited later: a collector spends at most a fifth of its time on a silent server.
 UNAVAILABLE_RETRY = RetryPolicy(first=0.1, longest=5.0, jitter=0.0, retry_on=UNREACHABLE)
 STALL_BACKOFF = 4.0
 
 
 class _CollectorRegistration:
-    """The collector an updater serves, held weakly (it owns the updater)."""
-
-    _collector_wr: Any = None
+    _collector_wr: Any = None  # weak: the collector owns the updater
     _not_pickled: tuple[str, ...] = ("_collector_wr",)  # a weakref does not pickle; workers re-register
 
     def register_collector(self, collector: Any) -> None:
@@ -140,7 +137,6 @@ class _LazyClient:
 
 
 def weights_of(source: Weights) -> TensorDictBase:
-    """A module's live parameters and buffers, or the given weights, as a TensorDict."""
     if isinstance(source, torch.nn.Module):
         return TensorDict.from_module(source)
     if isinstance(source, TensorDictBase):
@@ -150,8 +146,7 @@ def weights_of(source: Weights) -> TensorDictBase:
 
 @dataclass(frozen=True)
 class Update:
-    """Flat-keyed weights to `apply`: a pulled version (`info`) or the caller's. `partial`: a delta;
-    `buffer`: the receive buffer `weights` may view, lent until applied (apply before the next pull)."""
+    """Weights to `apply`; `buffer` (which they may view) is lent until applied, before the next pull."""
 
     info: VersionInfo | None
     weights: TensorDictBase = field(repr=False)
@@ -169,7 +164,6 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
     """Collector side: applies the server's newest version of `model` to a policy.
 
     Args:
-        client: a WeightClient, or the server address (default `$WEIGHTSERVER_ADDRESS`).
         delta: once a version is applied, fetch only the tensors changed since.
         dtype: "BF16"/"F16": float32 tensors travel cast; the in-place copy casts them back.
         watch: fetch once the Watch stream announced a newer version, or every `watch_confirm_seconds`.
@@ -231,14 +225,12 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         self.close()
 
     def close(self) -> None:
-        """Stop following the Watch stream (the next watching update follows again)."""
         follower, self._follower, self._receiver = getattr(self, "_follower", None), None, None
         if follower is not None:
             follower.stop()
 
     @property
-    def announced(self) -> int | None:
-        """The newest version the Watch stream announced; None while no stream is open."""
+    def announced(self) -> int | None:  # None while no Watch stream is open
         return self._follower.newest() if self._follower is not None else None
 
     @property
@@ -247,7 +239,6 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
 
     @property
     def receiving(self) -> bool:
-        """Whether an incoming version is being received now."""
         return self._receiver is not None and self._receiver.busy()
 
     @property
@@ -268,12 +259,10 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
 
     @property
     def server_available(self) -> bool:
-        """False from a failed call until one succeeds (the policy keeps its weights meanwhile)."""
         return self._unavailable_since is None
 
     @property
     def status(self) -> str:
-        """One line for progress displays: the applied version, or why there is none."""
         applied = f"v{self.version}" if self.version is not None else "no version applied"
         if self._unavailable_since is None:
             return applied
@@ -293,18 +282,11 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
             weights = TensorDict(tensor_codec.decode(parse_header(ready.data), ready.data), batch_size=[])
             return Update(ready.info, weights, stats=ready.stats, buffer=ready.data)
         target = {"newer_than": self.version or 0} if self.pinned_version is None else {"version": self.pinned_version}
+        options = {"dtype": self.dtype, "transport": self.transport, "into": self._staging, "retry": False}
+        options["base"] = self.applied if self.delta and self.version is not None else None
         began = time.monotonic()
         try:
-            result = self.client.fetch(
-                self.model,
-                base=self.applied if self.delta and self.version is not None else None,
-                dtype=self.dtype,
-                transport=self.transport,
-                into=self._staging,
-                retry=False,
-                timeout=self.update_timeout,
-                **target,
-            )
+            result = self.client.fetch(self.model, timeout=self.update_timeout, **options, **target)
         except CursorOutOfRange:  # this server (a relay, a failover address) is behind: never go back
             self._server_available(asked=True)
             return None
@@ -327,15 +309,12 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         return Update(result.info, result.weights, partial=result.partial, stats=result.stats, buffer=buffer)
 
     def apply(self, update: Update) -> None:
-        """Write `update` through the hooks, checked (KeyError before anything is written); a copy
-        that fails midway leaves `version` None."""
+        """Write `update` through the hooks, checked first; a copy that fails midway leaves `version` None."""
         try:
             local = self._get_local_weights()
             weights = update.weights
-            if update.info is not None:
-                source = f"server weights of {self.model!r} v{update.version}"
-            else:
-                source = "weights passed to " + ("load" if update.keyed_like_policy else "update_weights")
+            given = "weights passed to " + ("load" if update.keyed_like_policy else "update_weights")
+            source = f"server weights of {self.model!r} v{update.version}" if update.info is not None else given
             if not update.keyed_like_policy:
                 weights = self._maybe_map_weights(weights, local)
                 if not isinstance(weights, (TensorDictBase, Mapping)):
@@ -383,8 +362,7 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         return None if server_weights is None else map_keys(server_weights, self.key_map)
 
     def _update_local_weights(self, local_weights: TensorDictBase, mapped_weights: TensorDictBase | None) -> None:
-        """In place, so that shared-memory and CUDA parameters stay valid (and casts happen)."""
-        if mapped_weights is not None:
+        if mapped_weights is not None:  # in place: shared-memory and CUDA parameters stay valid
             with torch.no_grad():
                 local_weights.flatten_keys(".").update_(mapped_weights)
 
@@ -482,7 +460,6 @@ class GrpcRemoteWeightUpdater(_LazyClient, RemoteWeightUpdaterBase):
         return self._calls_since_update[worker_id] <= self.max_interval
 
     def _sync_weights_with_worker(self, worker_id: WorkerId, server_weights: Any) -> None:
-        """Add the worker's model to the version `update_weights` builds."""
         model = self.models[worker_id]
         if isinstance(server_weights, Mapping) and model in server_weights:
             server_weights = server_weights[model]

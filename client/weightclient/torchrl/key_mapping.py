@@ -28,7 +28,6 @@ class KeyMap:
     fn: Callable[[str], str | None] | None = None
 
     def map_key(self, key: str) -> str | None:
-        """The local key for server key `key` (ignoring `rename`), or None to drop it."""
         if self.select is not None:
             if not key.startswith(self.select):
                 return None

@@ -29,9 +29,8 @@ def resolve_path(root: Any, path: str) -> Any:
 
 
 class PublishWeights:
-    """torchrl's ``UpdateWeights`` hook (without torchrl): the publisher's ``update_weights()`` every
-    N batches or, with `interval_unit="optim_steps"`, optimizer steps. `weight_update_map` maps each
-    model to a path on the trainer, all in ONE version; it wins over `policy_weights_getter`.
+    """torchrl's ``UpdateWeights`` hook, with no torchrl: publishes every N batches or optimizer steps;
+    `weight_update_map`: model -> path on the trainer, all in ONE version (wins over the getter).
 
     >>> hook = PublishWeights(updater, update_weights_interval=2,                    # doctest: +SKIP
     ...                       weight_update_map={"policy": "loss_module.actor_network"})
@@ -97,8 +96,7 @@ class PublishWeights:
     def _optimizer_step_count(self) -> int:
         if self.trainer is None:
             raise RuntimeError('interval_unit="optim_steps" needs the trainer: pass trainer= or call register(trainer)')
-        # As torchrl's UpdateWeights: the stepper's count (without gradient-accumulation micro-steps),
-        # else the private Trainer._optim_count (pinned by a test).
+        # As torchrl's UpdateWeights: the stepper's count, else the private Trainer._optim_count (pinned).
         count = getattr(getattr(self.trainer, "optimization_stepper", None), "optimizer_step_count", None)
         return int(count if count is not None else self.trainer._optim_count)
 

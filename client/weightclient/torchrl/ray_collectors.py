@@ -1,9 +1,5 @@
 """torchrl collectors as Ray actors, each pulling from its own node's relay (over shared memory by
-default), so that a version crosses the network once per node; each actor dials its own channel.
-
->>> collectors = start_node_collectors(make_env, make_policy)                # doctest: +SKIP
->>> batches = ray.get([c.collect.remote() for c in collectors])              # doctest: +SKIP
-"""
+default), so that a version crosses the network once per node; each actor dials its own channel."""
 
 from __future__ import annotations
 
@@ -23,8 +19,6 @@ __all__ = ["CollectorStatus", "NodeCollector", "start_node_collectors"]
 
 @dataclass(frozen=True)
 class CollectorStatus:
-    """Where a NodeCollector runs, what it applied, how its last fetch travelled."""
-
     node_id: str
     relay_address: str
     version: int | None
@@ -32,8 +26,7 @@ class CollectorStatus:
 
 
 class NodeCollector:
-    """A torchrl ``Collector`` (in a Ray actor) that pulls weights from its node's relay; `make_env`
-    and `make_policy` run inside the actor, other keyword arguments go to ``Collector``."""
+    """A torchrl ``Collector`` in a Ray actor, pulling from its node's relay; kwargs go to ``Collector``."""
 
     def __init__(
         self,
@@ -65,7 +58,6 @@ class NodeCollector:
         self._batches = iter(self.collector)
 
     def collect(self) -> TensorDictBase:
-        """Apply the relay's newer version, if any, then collect one batch."""
         self.collector.update_policy_weights_()
         return next(self._batches)
 

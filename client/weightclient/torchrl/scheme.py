@@ -1,6 +1,5 @@
-"""The weight server in released torchrl (0.14.x): `GrpcWeightSyncScheme` for any collector, and
-`ServerPolicyVersion`, which stamps each batch with the server version that produced it. The trainer
-side needs no adapter: ``torchrl.trainers.UpdateWeights(sender=GrpcRemoteWeightUpdater(...))``."""
+"""Released torchrl (0.14.x): `GrpcWeightSyncScheme` for any collector, `ServerPolicyVersion` to stamp
+batches with the server version. A trainer needs only ``UpdateWeights(sender=GrpcRemoteWeightUpdater())``."""
 
 from __future__ import annotations
 
@@ -37,15 +36,13 @@ class ServerPolicyVersion(PolicyVersion):
 
 
 class GrpcWeightSyncScheme(SharedMemWeightSyncScheme):
-    """``collector.update_policy_weights_()`` applies the server's newer version, if any: into a
-    single ``Collector``'s policy, or into the buffers a multi-process collector's workers share.
+    """``collector.update_policy_weights_()`` applies the server's newer version into a ``Collector``'s
+    policy, or into the buffers a multi-process collector's workers share.
 
     >>> scheme = GrpcWeightSyncScheme("localhost:50051", key_map=KeyMap(add_prefix="module."))   # doctest: +SKIP
     >>> collector = Collector(env, policy, frames_per_batch=64,                                    # doctest: +SKIP
     ...                       weight_sync_schemes={"policy": scheme}, track_policy_version=ServerPolicyVersion())
-
-    `options` go to GrpcLocalWeightUpdater, or ``puller=`` is the whole updater (say, a subclass).
-    """
+    `options` go to GrpcLocalWeightUpdater, or ``puller=`` is the whole updater (say, a subclass)."""
 
     def __init__(
         self,
