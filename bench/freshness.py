@@ -133,7 +133,7 @@ class Collectors:
     Watch stream; `applied(version)` waits for every collector to report that version."""
 
     def __init__(
-        self, count: int, address: str, model: str, shapes: list[int], transport: str, cut_through: bool = True
+        self, count: int, address: str, model: str, shapes: list[int], transport: str, incoming: bool = True
     ) -> None:
         self.count = count
         self.stop = SPAWN.Event()
@@ -142,7 +142,7 @@ class Collectors:
         self.processes = [
             SPAWN.Process(
                 target=workers.freshness_collector,
-                args=(i, address, model, shapes, transport, self.stop, self.results, cut_through),
+                args=(i, address, model, shapes, transport, self.stop, self.results, incoming),
                 daemon=True,
                 name=f"bench-collector-{i}",
             )
@@ -200,9 +200,7 @@ class Collectors:
         self.close()
 
 
-def _freshness_row(
-    ctx: Context, size: int, name: str, collectors: int, transport: str, cut_through: bool = True
-) -> Row:
+def _freshness_row(ctx: Context, size: int, name: str, collectors: int, transport: str, incoming: bool = True) -> Row:
     """Freshness in ms: `time.monotonic()` just before the publisher's `publish()` call ->
     the latest of the collectors' `time.monotonic()` stamps, each taken right after its
     updater returned with that version in the live policy. One publish at a time: the next
@@ -214,7 +212,7 @@ def _freshness_row(
     ctx.client.publish(weights, model=model, **kwargs)  # a version to start from
     log(f"{name} {format_size(size)}: starting {collectors} collector processes ({transport})")
     samples, publish_ms, per_collector, used, wrong, early = [], [], [], set(), 0, 0
-    with Collectors(collectors, ctx.address, model, weights.shapes(), transport, cut_through) as group:
+    with Collectors(collectors, ctx.address, model, weights.shapes(), transport, incoming) as group:
         for i in range(WARMUP_ROUNDS + ctx.repeats):
             value = float(i)
             _mark(weights, value)  # untimed
@@ -239,7 +237,7 @@ def _freshness_row(
     published_via = "/".join(sorted(carried or {"unknown"}))
     row.note = (
         f"publish() call -> last of {collectors} collector processes (GrpcLocalWeightUpdater(watch=True, "
-        f"transport={transport}, cut_through={cut_through}), woken by a Watch event) applied, wall clock; "
+        f"transport={transport}, incoming={incoming}), woken by a Watch event) applied, wall clock; "
         f"fetched via {'/'.join(sorted(used))}, {early} of {collectors * ctx.repeats} received before the "
         f"commit (cut-through); published via {published_via}; publish() returned after "
         f"{statistics.median(publish_ms):.1f} ms (median)"
@@ -261,7 +259,7 @@ def _freshness_row(
         "fetch_transports": sorted(used),
         "publish_transports": sorted(carried),
         "wrong_weights": wrong,
-        "cut_through": cut_through,
+        "incoming": incoming,
         "received_before_commit": early,
     }
     return row
@@ -275,9 +273,9 @@ def freshness_remote(ctx: Context, size: int) -> list[Row]:
 
 
 def freshness_remote_no_cut_through(ctx: Context, size: int) -> list[Row]:
-    """freshness_remote with `cut_through=False`: each collector fetches a version once its
+    """freshness_remote with `incoming=False`: each collector fetches a version once its
     commit is announced. Report only: what cut-through changes, measured in the same run."""
-    row = _freshness_row(ctx, size, "freshness_remote_no_cut_through", LOCAL_COLLECTORS, "bulk", cut_through=False)
+    row = _freshness_row(ctx, size, "freshness_remote_no_cut_through", LOCAL_COLLECTORS, "bulk", incoming=False)
     row.target = "none (reported)"
     remote = ctx.baseline("freshness_remote", size)
     if remote is not None:

@@ -264,10 +264,10 @@ def freshness_collector(
     transport: str,
     stop: Any,
     results: Any,
-    cut_through: bool = True,
+    incoming: bool = True,
 ) -> None:
     """A collector for the freshness rows: a live policy kept current by
-    `GrpcLocalWeightUpdater(watch=True, transport=transport, cut_through=cut_through)`.
+    `GrpcLocalWeightUpdater(watch=True, transport=transport, incoming=incoming)`.
 
     It sleeps until a version newer than the applied one is announced (a Watch stream of its
     own, the wake-up), then calls the updater until the policy holds it: the updater fetches
@@ -293,7 +293,7 @@ def freshness_collector(
     torch.set_num_threads(1)
     policy = policy_from_shapes(shapes, fill=-1.0)
     client, wakeups = WeightClient(address), WeightServiceClient(address)
-    options = {"cut_through": cut_through} if cut_through is not True else {}  # a client without it: default
+    options = {"incoming": incoming} if incoming is not True else {}  # a client without it: default
     updater = GrpcLocalWeightUpdater(client, model=model, policy=policy, watch=True, transport=transport, **options)
 
     def update() -> None:

@@ -167,7 +167,7 @@ def test_a_relay_killed_during_a_followers_early_receive_leaves_the_version_to_t
         ):
             updater = GrpcLocalWeightUpdater(client, model=MODEL, policy=policy, watch=True, update_timeout=2.0)
             wait_until(lambda: (update(), updater.announced == 1)[1])
-            assert updater.cut_through
+            assert updater.incoming
             watcher = Watcher.subscribed(probe, held=1)  # a second follower of the relay, to see its bytes flow
             publish = HeldPublish(primary.address, file_of(published), "stream")  # half, then it waits
             announced = watcher.next()

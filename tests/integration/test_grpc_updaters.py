@@ -13,10 +13,15 @@ import torch
 from tensordict.nn import TensorDictModule
 
 from weightclient import ServerUnavailable, WeightClient
-from weightclient.torchrl.grpc_updaters import GrpcLocalWeightUpdater, GrpcRemoteWeightUpdater, Update
+from weightclient.torchrl.grpc_updaters import (
+    GrpcLocalWeightUpdater,
+    GrpcRemoteWeightUpdater,
+    LocalWeightUpdaterBase,
+    RemoteWeightUpdaterBase,
+    Update,
+)
 from weightclient.torchrl.key_mapping import KeyMap
 from weightclient.torchrl.publish_hook import PublishWeights, resolve_path
-from weightclient.torchrl.updaters import LocalWeightUpdaterBase, RemoteWeightUpdaterBase
 
 
 def mlp(seed: int) -> torch.nn.Sequential:
@@ -251,7 +256,7 @@ def test_seed_classes_work_without_torchrl(server, client):
         import sys
         sys.modules["torchrl"] = None  # any import of torchrl now fails
         import torch
-        from weightclient.torchrl.updaters import LocalWeightUpdaterBase, RemoteWeightUpdaterBase
+        from weightclient.torchrl.grpc_updaters import LocalWeightUpdaterBase, RemoteWeightUpdaterBase
         from weightclient.torchrl.grpc_updaters import GrpcLocalWeightUpdater
         from weightclient.torchrl.publish_hook import PublishWeights
         torch.manual_seed(0)

@@ -1,13 +1,14 @@
-"""The seed's updaters over the weight server: `GrpcLocalWeightUpdater` (collector side) pulls
-and applies versions, `GrpcRemoteWeightUpdater` (trainer side) publishes them. Both need torch
-and tensordict, never torchrl."""
+"""The seed's updater contract (its names, hooks and call order; released torchrl never shipped it),
+and over the weight server: `GrpcLocalWeightUpdater` pulls versions, `GrpcRemoteWeightUpdater` publishes."""
 
 from __future__ import annotations
 
+import abc
 import logging
 import math
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,30 +20,103 @@ from weightclient import tensors as tensor_codec
 from weightclient.client import WeightClient
 from weightclient.core.cut_through import CutThrough
 from weightclient.core.retry import Deadline, RetryPolicy
-from weightclient.core.service_client import FetchedBytes, FetchStats
+from weightclient.core.service_client import FetchStats
 from weightclient.core.version_follower import VersionFollower
 from weightclient.torchrl.key_mapping import IDENTITY, KeyMap, check_weights, map_keys
-from weightclient.torchrl.updaters import LocalWeightUpdaterBase, RemoteWeightUpdaterBase, WorkerId
 from weightserver.protocol.errors import CursorOutOfRange, DeadlineExceeded, ModelNotFound, ServerUnavailable
 from weightserver.protocol.safetensors_format import parse_header
 from weightserver.protocol.version_info import VersionInfo
 
 log = logging.getLogger(__name__)
 
+WorkerId = int | str | torch.device
 Weights = torch.nn.Module | TensorDictBase | Mapping[str, torch.Tensor]
 UNREACHABLE = (ServerUnavailable, DeadlineExceeded)
 # The deadline of each call an update makes: 5-10x a 256 MiB fetch over loopback.
 DEFAULT_UPDATE_TIMEOUT = 5.0
-# How soon a collector asks a server that was down again: 0.1 s doubling to 5 s.
+# A server that was down is asked again after 0.1 s doubling to 5 s, and at least 4x what the failed
+# call waited later: a collector spends at most a fifth of its time on a silent server.
 UNAVAILABLE_RETRY = RetryPolicy(first=0.1, longest=5.0, jitter=0.0, retry_on=UNREACHABLE)
-# ... and at least 4x as long as its last call waited: a collector spends at most a fifth of its
-# time waiting for a server that does not answer.
 STALL_BACKOFF = 4.0
 
 
+class _CollectorRegistration:
+    _collector_wr: Any = None  # weak: the collector owns the updater
+    _not_pickled: tuple[str, ...] = ("_collector_wr",)  # a weakref does not pickle; workers re-register
+
+    def register_collector(self, collector: Any) -> None:
+        if self._collector_wr is not None:
+            raise RuntimeError("Cannot register collector twice.")
+        self._collector_wr = weakref.ref(collector)
+
+    @property
+    def collector(self) -> Any:
+        return self._collector_wr() if self._collector_wr is not None else None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, **dict.fromkeys(self._not_pickled)}
+
+
+class LocalWeightUpdaterBase(_CollectorRegistration, metaclass=abc.ABCMeta):
+    """Pulls weights into the local policy: `_get_server_weights` (None: nothing new) ->
+    `_get_local_weights` -> `_maybe_map_weights` (keyed like the local weights) -> `_update_local_weights`."""
+
+    @abc.abstractmethod
+    def _get_server_weights(self) -> TensorDictBase | None: ...
+
+    @abc.abstractmethod
+    def _get_local_weights(self) -> TensorDictBase: ...
+
+    @abc.abstractmethod
+    def _maybe_map_weights(
+        self, server_weights: TensorDictBase | None, local_weights: TensorDictBase
+    ) -> TensorDictBase | None: ...
+
+    def _update_local_weights(self, local_weights: TensorDictBase, mapped_weights: TensorDictBase | None) -> None:
+        if local_weights is not None and mapped_weights is not None:
+            local_weights.update_(mapped_weights)
+
+    def __call__(self, weights: TensorDictBase | None = None) -> None:
+        return self.update_weights(weights=weights)
+
+    def update_weights(self, weights: TensorDictBase | None = None) -> None:
+        server_weights = self._get_server_weights() if weights is None else weights
+        local_weights = self._get_local_weights()
+        self._update_local_weights(local_weights, self._maybe_map_weights(server_weights, local_weights))
+
+
+class RemoteWeightUpdaterBase(_CollectorRegistration, metaclass=abc.ABCMeta):
+    """Pushes the trainer's weights to workers: `_get_server_weights` -> `_maybe_map_weights` ->
+    per worker `_skip_update`, `_sync_weights_with_worker` (with the mapped weights)."""
+
+    @abc.abstractmethod
+    def _sync_weights_with_worker(self, worker_id: WorkerId, server_weights: Any) -> None: ...
+
+    @abc.abstractmethod
+    def _get_server_weights(self) -> Any: ...
+
+    @abc.abstractmethod
+    def _maybe_map_weights(self, server_weights: Any) -> Any: ...
+
+    @abc.abstractmethod
+    def all_worker_ids(self) -> list[WorkerId]: ...
+
+    def _skip_update(self, worker_id: WorkerId) -> bool:
+        return False
+
+    def __call__(self, weights: Any = None, worker_ids: WorkerId | list[WorkerId] | None = None) -> Any:
+        return self.update_weights(weights=weights, worker_ids=worker_ids)
+
+    def update_weights(self, weights: Any = None, worker_ids: WorkerId | list[WorkerId] | None = None) -> Any:
+        mapped_weights = self._maybe_map_weights(self._get_server_weights() if weights is None else weights)
+        workers = [worker_ids] if isinstance(worker_ids, (int, str, torch.device)) else worker_ids
+        for worker in self.all_worker_ids() if workers is None else workers:
+            if not self._skip_update(worker):
+                self._sync_weights_with_worker(worker, mapped_weights)
+
+
 class _LazyClient:
-    """A WeightClient, or the address to make one from on first use; dropped when pickled
-    (a channel cannot cross processes) and made again where it is needed."""
+    """A WeightClient made on first use (a channel cannot cross processes: a pickle drops it)."""
 
     _address: str | None = None
     _client: WeightClient | None = None
@@ -59,17 +133,10 @@ class _LazyClient:
 
     @property
     def connected(self) -> bool:
-        """Whether this process holds a client (a pickled copy holds none until its first call)."""
         return self._client is not None
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()  # type: ignore[misc]
-        state["_client"] = None
-        return state
 
 
 def weights_of(source: Weights) -> TensorDictBase:
-    """A module's parameters and buffers (the live tensors), or the given weights."""
     if isinstance(source, torch.nn.Module):
         return TensorDict.from_module(source)
     if isinstance(source, TensorDictBase):
@@ -79,11 +146,7 @@ def weights_of(source: Weights) -> TensorDictBase:
 
 @dataclass(frozen=True)
 class Update:
-    """Weights to apply with `GrpcLocalWeightUpdater.apply`: a version pulled (`info`), or
-    weights given by the caller (no `info`; `keyed_like_policy`: no key map, no hooks).
-    `weights`: flat keys; `partial`: a delta (only the tensors changed since the applied
-    version); `buffer`: the receive buffer `weights` may view, lent until `apply` hands it back
-    (apply a pulled update once, before pulling the next)."""
+    """Weights to `apply`; `buffer` (which they may view) is lent until applied, before the next pull."""
 
     info: VersionInfo | None
     weights: TensorDictBase = field(repr=False)
@@ -98,33 +161,22 @@ class Update:
 
 
 class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
-    """Collector-side updater: applies the server's newest version of `model` to a policy.
+    """Collector side: applies the server's newest version of `model` to a policy.
 
     Args:
-        client: a WeightClient, or the server address (default `$WEIGHTSERVER_ADDRESS`).
-        model: model name on the server.
-        policy: the module (or TensorDict) to update; default: the registered collector's.
-        key_map: how server keys become policy keys (a KeyMap or a function of the key).
-        version: pin to this exact version instead of following the latest.
-        delta: once a version is applied, ask only for the tensors that changed since.
-        dtype: "BF16"/"F16": float32 tensors travel cast, cast back by the in-place copy.
-        transport: "auto", "shm", "bulk" or "stream" (see WeightClient.fetch).
-        watch: follow the model's Watch stream; ask the server only once it announced a newer
-            version (and every `watch_confirm_seconds` regardless: a stream can stall silently).
-        cut_through: with watch=True, receive each incoming version while the trainer still
-            publishes it; it is applied only once its commit is announced and the bytes match.
-            Off with `dtype` or transport="shm" (a same-host publish is announced at its commit).
-        update_timeout: the deadline of every call an update (or `lag`) makes; a server that
-            does not answer in time is treated as down. Raise it for large models, slow links.
-
-    `update_weights()` is `apply(pull())`: `pull` fetches the next version, if any, into a reused
-    buffer and changes nothing; `apply` runs the design's hooks on it, on every transport alike.
-    What `_maybe_map_weights` returns lands whole, or nothing does.
+        delta: once a version is applied, fetch only the tensors changed since.
+        dtype: "BF16"/"F16": float32 tensors travel cast; the in-place copy casts them back.
+        watch: fetch once the Watch stream announced a newer version, or every `watch_confirm_seconds`.
+        incoming: with watch, receive a version while it is published; applied once its commit is
+            announced and the bytes match. Off with `dtype` or "shm" (announced at commit).
+        update_timeout: the deadline of each call; past it the server counts as down.
 
     >>> updater = GrpcLocalWeightUpdater("localhost:50051", policy=policy)   # doctest: +SKIP
     >>> update = updater.pull()                                             # doctest: +SKIP
     >>> if update is not None: updater.apply(update)                        # doctest: +SKIP
     """
+
+    _not_pickled = ("_collector_wr", "_client", "_staging", "_follower", "_receiver")
 
     def __init__(
         self,
@@ -140,13 +192,10 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         watch: bool = False,
         watch_confirm_seconds: float = 1.0,
         update_timeout: float = DEFAULT_UPDATE_TIMEOUT,
-        cut_through: bool = True,
+        incoming: bool = True,
     ) -> None:
         if not (isinstance(update_timeout, (int, float)) and update_timeout > 0):
-            raise ValueError(
-                f"update_timeout must be a number of seconds > 0 (the deadline of each call an update makes), "
-                f"got {update_timeout!r}"
-            )
+            raise ValueError(f"update_timeout must be a number of seconds > 0, got {update_timeout!r}")
         self._set_client(client)
         self.model = model
         self.policy = policy
@@ -156,67 +205,51 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         self.dtype = dtype
         self.transport = transport
         self.watch = watch
-        self.cut_through = cut_through
+        self.incoming = incoming
         self.watch_confirm_seconds = watch_confirm_seconds
         self.update_timeout = float(update_timeout)
         self.version: int | None = None  # the version applied to the policy
         self.last_fetch: FetchStats | None = None
-        self._applied: VersionInfo | None = None  # the applied version's description (delta base)
+        self.applied: VersionInfo | None = None  # its description (the delta base); None for weights not pulled
         self._staging: memoryview | None = None  # receive buffer, lent to a pulled Update
         self._follower: VersionFollower | None = None
-        self._incoming: CutThrough | None = None  # the follower's receiver of incoming versions
-        self._last_asked = 0.0  # monotonic time the server last answered a fetch
+        self._receiver: CutThrough | None = None  # the follower's receiver of incoming versions
+        self._last_asked = 0.0  # when a fetch last got an answer (monotonic)
         self._waiting_logged = False
         self._unavailable_since: float | None = None
         self._stalled = False  # the last failed call ran out of time (rather than finding no server)
         self._failures = 0
         self._next_attempt = Deadline()
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        state.update(_staging=None, _follower=None, _incoming=None)  # the copy follows where it is used
-        return state
-
     def __del__(self) -> None:
         self.close()
 
     def close(self) -> None:
-        """Stop following the Watch stream (the next update with watch=True follows again)."""
-        follower, self._follower, self._incoming = getattr(self, "_follower", None), None, None
+        follower, self._follower, self._receiver = getattr(self, "_follower", None), None, None
         if follower is not None:
             follower.stop()
 
     @property
-    def applied(self) -> VersionInfo | None:
-        """The description of the version the policy holds (None: none, or weights not pulled)."""
-        return self._applied
-
-    @property
-    def announced(self) -> int | None:
-        """With watch=True: the newest version the Watch stream announced; None while no stream is open."""
+    def announced(self) -> int | None:  # None while no Watch stream is open
         return self._follower.newest() if self._follower is not None else None
 
     @property
     def following(self) -> bool:
-        """With watch=True: whether the Watch stream is open, so that updates skip the server."""
         return self.announced is not None
 
     @property
     def receiving(self) -> bool:
-        """Whether an incoming version (one still being published) is being received now."""
-        return self._incoming is not None and self._incoming.busy()
+        return self._receiver is not None and self._receiver.busy()
 
     @property
     def lag(self) -> int | None:
-        """Server's latest version minus the applied one; None before any is applied and while
-        the server is unavailable. With watch=True the announced version stands in for it while
-        the server answered within `watch_confirm_seconds`."""
+        """Server's latest version minus the applied one; None before one is applied, or while the server is down."""
         if self.version is None or self._backing_off():
             return None
         if self.announced is not None and not self._confirm_due():
             return max(0, self.announced - self.version)
         began = time.monotonic()
-        try:  # read between batches: one try, within update_timeout
+        try:
             latest = self.client.latest(self.model, retry=False, timeout=self.update_timeout)
         except UNREACHABLE as exc:
             self._server_unavailable(exc, began)
@@ -226,54 +259,40 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
 
     @property
     def server_available(self) -> bool:
-        """False from a failed fetch until one succeeds again (the policy keeps its weights)."""
         return self._unavailable_since is None
 
     @property
     def status(self) -> str:
-        """One line for progress displays: the applied version, or why there is none."""
         applied = f"v{self.version}" if self.version is not None else "no version applied"
-        if self._unavailable_since is not None:
-            down = time.monotonic() - self._unavailable_since
-            why = f" (no answer within update_timeout={self.update_timeout:g}s)" if self._stalled else ""
-            return f"{applied}; server {self.client.address} unavailable for {down:.0f}s{why}"
-        return applied
+        if self._unavailable_since is None:
+            return applied
+        down = time.monotonic() - self._unavailable_since
+        why = f" (no answer within update_timeout={self.update_timeout:g}s)" if self._stalled else ""
+        return f"{applied}; server {self.client.address} unavailable for {down:.0f}s{why}"
 
     def pull(self) -> Update | None:
-        """The version to apply next, fetched and not applied; None when there is none: nothing
-        newer (or announced), or the server unavailable or silent for `update_timeout` (logged once
-        per outage, asked again with backoff). Other errors (integrity, a pinned version gone) raise."""
-        if self._backing_off() or (self.pinned_version is not None and self.version == self.pinned_version):
-            return None
-        if self._nothing_announced():
+        """The next version, fetched, not applied; None if none, or if the server is down or silent."""
+        pinned_held = self.pinned_version is not None and self.version == self.pinned_version
+        if pinned_held or self._backing_off() or self._nothing_announced():
             return None
         ready = self._follower.take_ready(self.version or 0, self.update_timeout) if self._follower else None
-        if ready is not None:
-            return self._incoming_update(ready)
-        options = {
-            "base": self._applied if self.delta and self.version is not None else None,
-            "dtype": self.dtype,
-            "transport": self.transport,
-            "into": self._staging,
-            "retry": False,
-            "timeout": self.update_timeout,
-        }
-        if self.pinned_version is not None:
-            options["version"] = self.pinned_version
-        else:
-            options["newer_than"] = self.version or 0
+        if ready is not None:  # an incoming version, received while published; its commit just announced
+            self._server_available(asked=True)
+            self.last_fetch = ready.stats
+            weights = TensorDict(tensor_codec.decode(parse_header(ready.data), ready.data), batch_size=[])
+            return Update(ready.info, weights, stats=ready.stats, buffer=ready.data)
+        target = {"newer_than": self.version or 0} if self.pinned_version is None else {"version": self.pinned_version}
+        options = {"dtype": self.dtype, "transport": self.transport, "into": self._staging, "retry": False}
+        options["base"] = self.applied if self.delta and self.version is not None else None
         began = time.monotonic()
         try:
-            result = self.client.fetch(self.model, **options)
-        except CursorOutOfRange:
-            # This server (a relay, a failover address) is behind the policy: never go back.
+            result = self.client.fetch(self.model, timeout=self.update_timeout, **options, **target)
+        except CursorOutOfRange:  # this server (a relay, a failover address) is behind: never go back
             self._server_available(asked=True)
             return None
         except ModelNotFound:
             if not self._waiting_logged:
-                log.info(
-                    "no version of model %r on %s yet; keeping the current weights", self.model, self.client.address
-                )
+                log.info("no version of model %r on %s yet", self.model, self.client.address)
                 self._waiting_logged = True
             return None
         except UNREACHABLE as exc:
@@ -290,33 +309,26 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         return Update(result.info, result.weights, partial=result.partial, stats=result.stats, buffer=buffer)
 
     def apply(self, update: Update) -> None:
-        """Write `update` into the policy through the hooks: `_get_local_weights` ->
-        `_maybe_map_weights` -> strict check -> `_update_local_weights`; then set `version`
-        (None for weights not pulled). A mismatch raises KeyError before anything is written;
-        a copy that fails midway leaves no whole version (`version` None)."""
+        """Write `update` through the hooks, checked first; a copy that fails midway leaves `version` None."""
         try:
             local = self._get_local_weights()
             weights = update.weights
-            if update.info is not None:
-                source = f"server weights of {self.model!r} v{update.version}"
-            else:
-                source = "weights passed to " + ("load" if update.keyed_like_policy else "update_weights")
+            given = "weights passed to " + ("load" if update.keyed_like_policy else "update_weights")
+            source = f"server weights of {self.model!r} v{update.version}" if update.info is not None else given
             if not update.keyed_like_policy:
                 weights = self._maybe_map_weights(weights, local)
                 if not isinstance(weights, (TensorDictBase, Mapping)):
-                    raise TypeError(
-                        f"{type(self).__name__}._maybe_map_weights returned {type(weights).__name__} for the "
-                        f"{source}; it must return the weights keyed like the local policy (a TensorDict or a mapping)"
-                    )
+                    what = f"{type(self).__name__}._maybe_map_weights returned {type(weights).__name__}"
+                    raise TypeError(f"{what} for the {source}; it must return the weights keyed like the local policy")
             cast = bool(self.dtype) and update.info is not None
             checked = check_weights(weights, local, source=source, partial=update.partial, allow_cast=cast)
             try:
                 self._update_local_weights(local, checked)
             except BaseException:
                 log.error("%s: writing weights into the policy failed; it holds no verified version now", self.model)
-                self.version, self._applied = None, None
+                self.version, self.applied = None, None
                 raise
-            self.version, self._applied = update.version, update.info
+            self.version, self.applied = update.version, update.info
         finally:
             if update.stats is not None and update.stats.early and self._follower is not None:
                 self._follower.give_back(update.buffer)
@@ -324,18 +336,15 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
                 self._staging = update.buffer
 
     def load(self, weights: Weights) -> None:
-        """Copy weights keyed like the policy into it (no key map, no `_maybe_map_weights`), all
-        or none; the policy then holds no server version and the next update fetches one whole."""
+        """Copy weights keyed like the policy into it (no key map); it then holds no server version."""
         self.apply(Update(None, weights_of(weights), keyed_like_policy=True))
 
     def update_weights(self, weights: Weights | None = None) -> None:
-        """`apply(pull())`; explicit `weights` are server weights for the whole policy (the hooks
-        apply), which then holds no server version."""
+        """`apply(pull())`; explicit `weights` are server weights for the whole policy."""
         update = self._get_server_weights() if weights is None else Update(None, weights_of(weights))
         if update is not None:
             self.apply(update)
 
-    # ------------------------------------------------------------------ the design's hooks
     def _get_server_weights(self) -> Update | None:  # type: ignore[override]
         return self.pull()
 
@@ -350,38 +359,27 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
     def _maybe_map_weights(
         self, server_weights: TensorDictBase | None, local_weights: TensorDictBase
     ) -> TensorDictBase | None:
-        """The server weights renamed by `key_map` (flat keys); `apply` checks them."""
         return None if server_weights is None else map_keys(server_weights, self.key_map)
 
     def _update_local_weights(self, local_weights: TensorDictBase, mapped_weights: TensorDictBase | None) -> None:
-        """An in-place copy, so that shared-memory and CUDA parameters stay valid (and cast)."""
-        if mapped_weights is not None:
+        if mapped_weights is not None:  # in place: shared-memory and CUDA parameters stay valid
             with torch.no_grad():
                 local_weights.flatten_keys(".").update_(mapped_weights)
 
-    # ------------------------------------------------------------------ internals
-    def _incoming_update(self, ready: FetchedBytes) -> Update:
-        """An Update of an incoming version the follower received while it was published."""
-        self._server_available(asked=True)  # its commit was just announced
-        self.last_fetch = ready.stats
-        weights = TensorDict(tensor_codec.decode(parse_header(ready.data), ready.data), batch_size=[])
-        return Update(ready.info, weights, partial=False, stats=ready.stats, buffer=ready.data)
-
     def _nothing_announced(self) -> bool:
-        """With watch=True: nothing newer was announced and the server was asked recently."""
+        """While watching: nothing newer was announced and the server was asked recently."""
         if not self.watch or self.pinned_version is not None or self.version is None:
             return False
         if self._follower is None or not self._follower.running():  # first time, or a forked child
-            self._incoming = None
-            if self.cut_through and not self.dtype and self.transport != "shm":
-                self._incoming = CutThrough(self.client, transport=self.transport, timeout=self.update_timeout)
-            self._follower = VersionFollower(self.client, self.model, since=self.version, cut_through=self._incoming)
+            self._receiver = None
+            if self.incoming and not self.dtype and self.transport != "shm":
+                self._receiver = CutThrough(self.client, transport=self.transport, timeout=self.update_timeout)
+            self._follower = VersionFollower(self.client, self.model, since=self.version, cut_through=self._receiver)
         newest = self._follower.newest()
         return newest is not None and newest <= self.version and not self._confirm_due()
 
     def _confirm_due(self) -> bool:
-        """Neither the server (a fetch) nor the Watch stream (an event, or incoming bytes) showed
-        life for `watch_confirm_seconds`: what the stream announced may be stale."""
+        """Neither a fetch nor the Watch stream showed life for `watch_confirm_seconds`."""
         heard = self._follower.heard() if self._follower is not None else 0.0
         return time.monotonic() - max(self._last_asked, heard) >= self.watch_confirm_seconds
 
@@ -389,8 +387,7 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         return self._unavailable_since is not None and not self._next_attempt.expired()
 
     def _server_unavailable(self, error: Exception, began: float) -> None:
-        """A call begun at `began` found no server or ran out of time: keep the weights, warn once
-        per outage, back off (longer after a call that waited)."""
+        """A call begun at `began` failed: keep the weights, warn once per outage, back off."""
         now = time.monotonic()
         self._stalled = isinstance(error, DeadlineExceeded)
         if self._unavailable_since is None:
@@ -398,13 +395,9 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
             held = f"v{self.version}" if self.version is not None else "its initial weights"
             why = str(error)
             if self._stalled:
-                why = (
-                    f"weight server at {self.client.address} did not answer within update_timeout="
-                    f"{self.update_timeout:g}s (stopped or overloaded, or a fetch that needs longer: raise it)"
-                )
-            log.warning("%s; the policy keeps %s and catches up when the server is back", why, held)
-        wait = max(UNAVAILABLE_RETRY.delay(self._failures), STALL_BACKOFF * (now - began))
-        self._next_attempt = Deadline.after(wait)
+                why = f"no answer within update_timeout={self.update_timeout:g}s (stopped, overloaded, or raise it)"
+            log.warning("weight server %s: %s; the policy keeps %s until it is back", self.client.address, why, held)
+        self._next_attempt = Deadline.after(max(UNAVAILABLE_RETRY.delay(self._failures), STALL_BACKOFF * (now - began)))
         self._failures += 1
 
     def _server_available(self, asked: bool = False) -> None:
@@ -418,24 +411,11 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
 
 
 class GrpcRemoteWeightUpdater(_LazyClient, RemoteWeightUpdaterBase):
-    """Trainer-side updater: publishes the trainer's weights as a new version.
+    """Trainer side: one `update_weights()` publishes every due worker's model as ONE version.
+    `policy_weights`: weights or ``{model: weights}``, or a callable returning them; `models`: worker id
+    -> model name; `max_interval`: as torchrl's Ray updater; `retries`: of a publish, `backoff` doubling."""
 
-    Args:
-        client: a WeightClient, or the server address.
-        policy_weights: the trainer's module / TensorDict, or a callable returning the weights
-            (or a ``{model: weights}`` mapping to publish several models as one version).
-        models: worker id -> model name; a sequence of names makes each name its own worker id.
-        max_interval: as TorchRL's Ray updater: a worker is updated at most every
-            ``max_interval + 1`` calls (0: every call).
-        retries, backoff: a publish that finds the server unavailable (or out of time) is retried
-            this many times, waiting `backoff` seconds doubling, with jitter; then it raises. Every
-            attempt carries the same publish id, so a retry after a lost reply cannot commit twice.
-        transport: how the weights travel (`WeightClient.publish`): "auto", "shm", "bulk", "stream".
-
-    One `update_weights()` publishes every due worker's model under ONE version, through the
-    hooks `_get_server_weights` -> `_maybe_map_weights` -> per worker `_skip_update`,
-    `_sync_weights_with_worker`; a subclass may override any of them.
-    """
+    _not_pickled = ("_collector_wr", "_client")
 
     def __init__(
         self,
@@ -460,7 +440,7 @@ class GrpcRemoteWeightUpdater(_LazyClient, RemoteWeightUpdaterBase):
         self.retry = RetryPolicy(first=backoff, longest=math.inf, retry_on=UNREACHABLE)
         self.metadata = metadata
         self._calls_since_update = dict.fromkeys(self.models, 0)
-        self._building: dict[WorkerId, tuple[str, Weights]] | None = None  # in `update_weights`: due workers
+        self._building: dict[WorkerId, tuple[str, Weights]] = {}  # due workers, in `update_weights`
         self.version: int | None = None  # last version published
 
     def all_worker_ids(self) -> list[WorkerId]:
@@ -480,26 +460,16 @@ class GrpcRemoteWeightUpdater(_LazyClient, RemoteWeightUpdaterBase):
         return self._calls_since_update[worker_id] <= self.max_interval
 
     def _sync_weights_with_worker(self, worker_id: WorkerId, server_weights: Any) -> None:
-        """Inside `update_weights`, add the worker's model to the version being built; called on
-        its own, publish it as a version of its own."""
         model = self.models[worker_id]
         if isinstance(server_weights, Mapping) and model in server_weights:
             server_weights = server_weights[model]
-        if self._building is not None:
-            self._building[worker_id] = (model, server_weights)
-            return
-        self.publish({model: server_weights})
-        self._calls_since_update[worker_id] = 0
+        self._building[worker_id] = (model, server_weights)
 
     def update_weights(self, weights: Any = None, worker_ids: WorkerId | list[WorkerId] | None = None) -> int | None:
-        """Publish the selected workers' models (default: all) as ONE version, through the hooks.
-        Returns it, or None when `_skip_update` skipped every worker. Workers that share a model
-        publish it once."""
-        self._building = due = {}
-        try:
-            super().update_weights(weights, worker_ids)
-        finally:
-            self._building = None
+        """Publish the due workers' models as ONE version; None when every worker was skipped."""
+        self._building = {}
+        super().update_weights(weights, worker_ids)
+        due, self._building = self._building, {}
         if not due:
             return None
         version = self.publish(dict(due.values()))
@@ -507,10 +477,9 @@ class GrpcRemoteWeightUpdater(_LazyClient, RemoteWeightUpdaterBase):
             self._calls_since_update[worker] = 0
         return version
 
-    def publish(self, weights_by_model: Mapping[str, Weights], metadata: Mapping[str, str] | None = None) -> int:
-        """Publish ``{model: weights}`` as one version, retried by `self.retry` up to `retries`
-        times while the server is unavailable (exactly once: every attempt has one publish id)."""
-        meta = {**(self.metadata() if self.metadata else {}), **(metadata or {})}
+    def publish(self, weights_by_model: Mapping[str, Weights]) -> int:
+        """Publish ``{model: weights}`` as one version, retried (with one publish id) while the server is down."""
+        meta = self.metadata() if self.metadata else {}
         publish_id = uuid.uuid4().hex
         attempt = 0
         while True:
@@ -522,12 +491,7 @@ class GrpcRemoteWeightUpdater(_LazyClient, RemoteWeightUpdaterBase):
             except self.retry.retry_on as exc:
                 if attempt == self.retries:
                     raise
-                log.warning(
-                    "publish of %s failed (%s); retry %d/%d",
-                    ", ".join(weights_by_model),
-                    exc,
-                    attempt + 1,
-                    self.retries,
-                )
+                models = ", ".join(weights_by_model)
+                log.warning("publish of %s failed (%s); retry %d/%d", models, exc, attempt + 1, self.retries)
                 self.retry.wait(attempt)
                 attempt += 1

@@ -1,6 +1,5 @@
-"""KeyMap: server weight names -> the local policy's (DDP's ``module.``, a loss module's
-``loss_module.actor_network.*``), and `check_weights`, which refuses a mismatch before anything
-is written, so a policy is never left half-updated."""
+"""Server weight names -> the local policy's (`KeyMap`), and `check_weights`, which refuses a
+mismatch before anything is written, so that a policy is never left half-updated."""
 
 from __future__ import annotations
 
@@ -13,10 +12,8 @@ from tensordict import TensorDict, TensorDictBase
 
 @dataclass(frozen=True)
 class KeyMap:
-    """Server key -> local key, in order: `rename` (local key -> server key) takes its keys
-    first; `select` keeps only keys under a prefix and removes it; `strip_prefix` removes a
-    prefix where present (DDP's ``"module."``); `add_prefix` prepends (a TensorDictModule's
-    ``"module."``); `fn` maps what is left (None drops the key).
+    """Server key -> local key: `rename` (local -> server key) first; then `select` keeps keys under a
+    prefix, `strip_prefix` removes one (DDP's), `add_prefix` adds one, `fn` maps the rest (None: drop).
 
     >>> KeyMap(strip_prefix="module.").map_key("module.0.weight")
     '0.weight'
@@ -31,7 +28,6 @@ class KeyMap:
     fn: Callable[[str], str | None] | None = None
 
     def map_key(self, key: str) -> str | None:
-        """The local key for server key `key` (ignoring `rename`), or None to drop it."""
         if self.select is not None:
             if not key.startswith(self.select):
                 return None
@@ -94,9 +90,8 @@ def check_weights(
     partial: bool = False,
     allow_cast: bool = False,
 ) -> TensorDict:
-    """`weights` flat, once they match `local` exactly; else a KeyError naming every missing,
-    unexpected, mis-shaped and mis-typed key and both key sets. `partial`: a delta, which may
-    leave local keys out; `allow_cast`: floating-point dtypes may differ (the copy casts)."""
+    """`weights` flat, if they match `local`; else a KeyError naming every mismatch and both key
+    sets. `partial`: a delta may leave local keys out; `allow_cast`: float dtypes may differ."""
     mapped = flat_weights(weights)
     local_flat = flat_weights(local)
     missing = [] if partial else sorted(set(local_flat) - set(mapped))
@@ -111,14 +106,13 @@ def check_weights(
             shapes.append(f"{key}: {source} {tuple(theirs.shape)} vs local {tuple(ours.shape)}")
         if theirs.dtype != ours.dtype and not (allow_cast and theirs.is_floating_point() and ours.is_floating_point()):
             dtypes.append(f"{key}: {source} {theirs.dtype} vs local {ours.dtype}")
-    found = {
-        f"missing (local keys the {source} lack)": missing,
-        f"unexpected ({source} keys with no local parameter)": unexpected,
-        "shape mismatches": shapes,
-        "dtype mismatches": dtypes,
-    }
-    problems = [f"{what}: {keys}" for what, keys in found.items() if keys]
-    if problems:
+    found = [
+        (f"missing (local keys the {source} lack)", missing),
+        (f"unexpected ({source} keys with no local parameter)", unexpected),
+        ("shape mismatches", shapes),
+        ("dtype mismatches", dtypes),
+    ]
+    if problems := [f"{what}: {keys}" for what, keys in found if keys]:
         raise KeyError(
             f"{source} do not match the local policy; nothing was updated. "
             + "; ".join(problems)

@@ -10,37 +10,27 @@ from weightclient.client import WeightClient
 from weightclient.torchrl.grpc_updaters import GrpcRemoteWeightUpdater, Weights
 
 INTERVAL_UNITS = ("batches", "optim_steps")
-_PATH_PART = re.compile(r"([^.\[\]]+)|\[(-?\d+)\]")
+_PATH = re.compile(r"(?:\.?(?:[^.\[\]]+|\[-?\d+\]))+")
+_STEP = re.compile(r"([^.\[\]]+)|\[(-?\d+)\]")
 
 
 def resolve_path(root: Any, path: str) -> Any:
     """Follow ``"loss_module.actor_network"`` or ``"replay_buffer.transforms[0]"`` from `root`."""
-    obj = root
-    position = 0
-    for match in _PATH_PART.finditer(path):
-        if match.start() != position and path[position : match.start()] != ".":
-            raise ValueError(f"cannot parse path {path!r} at {path[position:]!r}")
-        name, index = match.groups()
-        try:
-            obj = getattr(obj, name) if name is not None else obj[int(index)]
-        except (AttributeError, IndexError, KeyError, TypeError) as exc:
-            step = name if name is not None else f"[{index}]"
-            raise AttributeError(f"cannot resolve {path!r}: {type(obj).__name__} has no {step!r} ({exc})") from None
-        position = match.end()
-    if position != len(path) or not path:
+    if not _PATH.fullmatch(path):
         raise ValueError(f"cannot parse path {path!r}")
+    obj = root
+    for name, index in _STEP.findall(path):
+        try:
+            obj = getattr(obj, name) if name else obj[int(index)]
+        except (AttributeError, IndexError, KeyError, TypeError) as exc:
+            step = name or f"[{index}]"
+            raise AttributeError(f"cannot resolve {path!r}: {type(obj).__name__} has no {step!r} ({exc})") from None
     return obj
 
 
 class PublishWeights:
-    """Publish the trainer's weights every `update_weights_interval` batches or optimizer steps.
-
-    ``torchrl.trainers.UpdateWeights``' arguments, with a publisher (a `GrpcRemoteWeightUpdater`,
-    or a `WeightClient` wrapped in one) for the collector. `weight_update_map` maps each published
-    model to a path on the trainer (``{"policy": "loss_module.actor_network"}``), all under ONE
-    version; it wins over `policy_weights_getter`. `interval_unit`: "batches" (calls, at
-    "post_steps") or "optim_steps" (at "post_optim"). Each publish is the publisher's
-    ``update_weights()``, so its hooks run; `published` lists the versions.
+    """torchrl's ``UpdateWeights`` hook, with no torchrl: publishes every N batches or optimizer steps;
+    `weight_update_map`: model -> path on the trainer, all in ONE version (wins over the getter).
 
     >>> hook = PublishWeights(updater, update_weights_interval=2,                    # doctest: +SKIP
     ...                       weight_update_map={"policy": "loss_module.actor_network"})
@@ -65,23 +55,18 @@ class PublishWeights:
         if isinstance(publisher, WeightClient):
             publisher = GrpcRemoteWeightUpdater(publisher, models=list(self.weight_update_map) or ("policy",))
         if self.weight_update_map:
-            published_models = set(publisher.models.values())
-            if set(self.weight_update_map) != published_models:
-                raise ValueError(
-                    f"weight_update_map names the models {sorted(self.weight_update_map)} but the publisher "
-                    f"publishes {sorted(published_models)}: pass GrpcRemoteWeightUpdater(..., "
-                    f"models={sorted(self.weight_update_map)!r})"
-                )
+            if set(self.weight_update_map) != set(publisher.models.values()):
+                wanted = sorted(self.weight_update_map)
+                raise ValueError(f"weight_update_map's models differ: pass GrpcRemoteWeightUpdater(models={wanted!r})")
             publisher.policy_weights = self._mapped_weights
         elif policy_weights_getter is not None:
             publisher.policy_weights = policy_weights_getter
         self.publisher = publisher
         self.update_weights_interval = update_weights_interval
-        self.policy_weights_getter = policy_weights_getter
         self.trainer = trainer
         self.interval_unit = interval_unit
-        self.counter = 0  # calls ("batches")
-        self.last_update_count = 0  # optimizer steps at the last publish ("optim_steps")
+        self.counter = 0  # calls
+        self.last_update_count = 0  # optimizer steps at the last publish
         self.published: list[int] = []
 
     def __call__(self, *args: Any, **kwargs: Any) -> None:
@@ -97,7 +82,7 @@ class PublishWeights:
         self.publish()
 
     def publish(self) -> int | None:
-        """Publish now, through the publisher's hooks: the new version, or None if skipped."""
+        """Publish now: the new version, or None if the publisher skipped it."""
         version = self.publisher.update_weights()
         if version is not None:
             self.published.append(version)
@@ -111,13 +96,11 @@ class PublishWeights:
     def _optimizer_step_count(self) -> int:
         if self.trainer is None:
             raise RuntimeError('interval_unit="optim_steps" needs the trainer: pass trainer= or call register(trainer)')
-        # As torchrl's UpdateWeights: the stepper's count (it discounts gradient-accumulation
-        # micro-steps), else Trainer._optim_count (private; pinned in tests/unit/test_torchrl_pins.py).
+        # As torchrl's UpdateWeights: the stepper's count, else the private Trainer._optim_count (pinned).
         count = getattr(getattr(self.trainer, "optimization_stepper", None), "optimizer_step_count", None)
         return int(count if count is not None else self.trainer._optim_count)
 
     def register(self, trainer: Any, name: str = "update_weights") -> None:
-        """Register with a torchrl Trainer, which this keeps (weight_update_map, optimizer steps)."""
         self.trainer = trainer
         trainer.register_module(name, self)
         trainer.register_op("post_optim" if self.interval_unit == "optim_steps" else "post_steps", self)

@@ -1,13 +1,5 @@
-"""torchrl collectors as Ray actors, each pulling its policy from its own node's relay (over
-shared memory by default), so a version crosses the network once per node, not per collector.
-
-Not torchrl's ``RayCollector``: it pushes weights from the driver through Ray, while ours pull
-from a server, and a scheme's channel does not travel in a pickle: each actor builds its own.
-
->>> relays = place_relays(primary.address)                                   # doctest: +SKIP
->>> collectors = start_node_collectors(make_env, make_policy)                # doctest: +SKIP
->>> batches = ray.get([c.collect.remote() for c in collectors])              # doctest: +SKIP
-"""
+"""torchrl collectors as Ray actors, each pulling from its own node's relay (over shared memory by
+default), so that a version crosses the network once per node; each actor dials its own channel."""
 
 from __future__ import annotations
 
@@ -27,8 +19,6 @@ __all__ = ["CollectorStatus", "NodeCollector", "start_node_collectors"]
 
 @dataclass(frozen=True)
 class CollectorStatus:
-    """Where a NodeCollector runs, what it applied, and how its last fetch travelled."""
-
     node_id: str
     relay_address: str
     version: int | None
@@ -36,12 +26,7 @@ class CollectorStatus:
 
 
 class NodeCollector:
-    """A torchrl ``Collector`` (in a Ray actor) that pulls weights from its node's relay.
-
-    `make_env` and `make_policy` build the environment and policy inside the actor; `transport`:
-    how weights travel from the relay (a fetch that cannot use "shm" falls back to the stream, as
-    `status().transport` shows). Other keyword arguments go to ``Collector``.
-    """
+    """A torchrl ``Collector`` in a Ray actor, pulling from its node's relay; kwargs go to ``Collector``."""
 
     def __init__(
         self,
@@ -73,8 +58,6 @@ class NodeCollector:
         self._batches = iter(self.collector)
 
     def collect(self) -> TensorDictBase:
-        """Apply the relay's newer version, if any, then collect one batch (its
-        ``("next", "policy_version")`` is the server version that acted)."""
         self.collector.update_policy_weights_()
         return next(self._batches)
 
@@ -83,7 +66,6 @@ class NodeCollector:
         return CollectorStatus(self.node_id, self.relay_address, self.scheme.version, last and last.transport)
 
     def policy_state(self) -> dict[str, torch.Tensor]:
-        """A copy of the policy's state dict, as the collector acts with it."""
         return {name: tensor.detach().clone() for name, tensor in self.policy.state_dict().items()}
 
     def close(self) -> None:
@@ -100,8 +82,7 @@ def start_node_collectors(
     num_cpus: float = 1,
     **kwargs: Any,
 ) -> list[Any]:
-    """`per_node` NodeCollector actors pinned to each alive Ray node (or each of `node_ids`),
-    node by node; `kwargs` go to NodeCollector. Start the relays first (`place_relays`)."""
+    """`per_node` NodeCollector actors on each alive Ray node (or `node_ids`); start the relays first."""
     import ray
 
     remote = ray.remote(num_cpus=num_cpus)(NodeCollector)

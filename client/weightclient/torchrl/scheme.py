@@ -1,15 +1,5 @@
-"""The weight server in released torchrl (0.14.x; extra `torchrl`).
-
-* `GrpcWeightSyncScheme`: the weight-sync scheme for every torchrl collector.
-* `ServerPolicyVersion`: stamps each batch with the server version whose weights produced it.
-* The trainer side needs no adapter: ``torchrl.trainers.UpdateWeights(sender=...)`` calls a
-  `GrpcRemoteWeightUpdater`'s ``update_weights()``; `publish_hook.PublishWeights` adds
-  ``weight_update_map`` and optimizer-step intervals on the same hooks.
-
-torchrl's private names used here (each pinned by tests/unit/test_torchrl_pins.py):
-``SharedMemWeightSyncScheme._send_ack``, overridden: the one moment in a worker process after it
-applied new weights and bumped its PolicyVersion, where torchrl offers no public hook.
-"""
+"""Released torchrl (0.14.x): `GrpcWeightSyncScheme` for any collector, `ServerPolicyVersion` to stamp
+batches with the server version. A trainer needs only ``UpdateWeights(sender=GrpcRemoteWeightUpdater())``."""
 
 from __future__ import annotations
 
@@ -24,7 +14,7 @@ from weightclient.client import WeightClient
 from weightclient.torchrl.grpc_updaters import GrpcLocalWeightUpdater, Update, weights_of
 
 with warnings.catch_warnings():
-    # Importing torchrl.collectors defines its own WeightUpdaterBase subclasses, which warn.
+    # torchrl.collectors defines WeightUpdaterBase subclasses, which warn.
     warnings.filterwarnings(
         "ignore", message=r"Creating \w+ which inherits from WeightUpdaterBase", category=DeprecationWarning
     )
@@ -34,8 +24,7 @@ __all__ = ["Collector", "GrpcWeightSyncScheme", "ServerPolicyVersion"]
 
 
 class ServerPolicyVersion(PolicyVersion):
-    """A PolicyVersion whose `increment_version` (called by the collector after each weight
-    update) adopts the server version just applied, and stays put when nothing was."""
+    """A PolicyVersion that, after each weight update, adopts the server version just applied."""
 
     def __init__(self) -> None:
         super().__init__(version_type=int)
@@ -47,20 +36,13 @@ class ServerPolicyVersion(PolicyVersion):
 
 
 class GrpcWeightSyncScheme(SharedMemWeightSyncScheme):
-    """The weight-sync scheme for every torchrl collector, pulling from the weight server.
-
-    ``collector.update_policy_weights_()`` applies the server's newer version, if any, through
-    the puller's hooks: in a single ``Collector`` into its policy; in ``MultiSyncCollector`` /
-    ``MultiAsyncCollector`` into torchrl's shared buffers, which the workers then apply.
+    """``collector.update_policy_weights_()`` applies the server's newer version into a ``Collector``'s
+    policy, or into the buffers a multi-process collector's workers share.
 
     >>> scheme = GrpcWeightSyncScheme("localhost:50051", key_map=KeyMap(add_prefix="module."))   # doctest: +SKIP
     >>> collector = Collector(env, policy, frames_per_batch=64,                                    # doctest: +SKIP
     ...                       weight_sync_schemes={"policy": scheme}, track_policy_version=ServerPolicyVersion())
-
-    `options` go to GrpcLocalWeightUpdater (model, key_map, version, delta, dtype, transport,
-    watch, update_timeout, ...), or ``puller=`` is the whole updater (a subclass overriding its
-    hooks); `strategy`, `sync` and `per_worker_weights` go to torchrl's SharedMemWeightSyncScheme.
-    """
+    `options` go to GrpcLocalWeightUpdater, or ``puller=`` is the whole updater (say, a subclass)."""
 
     def __init__(
         self,
@@ -79,13 +61,12 @@ class GrpcWeightSyncScheme(SharedMemWeightSyncScheme):
             given = ", ".join(["client"] * (client is not None) + list(options))
             raise ValueError(f"puller= is the whole updater: pass {given} to GrpcLocalWeightUpdater (or your subclass)")
         self.puller: GrpcLocalWeightUpdater | None = puller
-        self._in_process = False  # a single Collector: its policy is updated directly, no workers
-        # The applied server version, shared with the workers (it travels in the pickle).
+        self._in_process = False  # a single Collector: no workers, its policy is updated directly
+        # The applied server version, shared with the workers.
         self._server_version = torch.full((), -1, dtype=torch.int64).share_memory_()
 
     @property
     def version(self) -> int | None:
-        """The server version applied (None in a worker process, which never dials)."""
         return self.puller.version if self.puller is not None else None
 
     @property
@@ -97,7 +78,6 @@ class GrpcWeightSyncScheme(SharedMemWeightSyncScheme):
         return self._in_process or super().initialized_on_sender
 
     def init_on_sender(self, *args: Any, model_id: str | None = None, context: Any = None, **kwargs: Any) -> None:
-        """A single, in-process Collector has no workers and no shared buffers to set up."""
         if not isinstance(context, Collector):
             return super().init_on_sender(*args, model_id=model_id, context=context, **kwargs)
         self._in_process, self.model_id, self.context = True, model_id, context
@@ -108,14 +88,12 @@ class GrpcWeightSyncScheme(SharedMemWeightSyncScheme):
         self.synchronized_on_sender = True
 
     def send(self, weights: Any = None, worker_ids: int | list[int] | None = None) -> None:
-        """Pull the server's newer version (or take `weights`, keyed like the policy) and apply it
-        through the puller's hooks: into the policy, or into the buffers the workers share."""
+        """Apply the server's newer version, or `weights` keyed like the policy."""
         if self.puller is None:
             raise RuntimeError("this GrpcWeightSyncScheme was sent to a worker process; send from the collector")
         update = self.puller.pull() if weights is None else weights
         if update is None and not self._in_process:
             return  # up to date: the workers keep what they have
-        # torchrl's buffer shared with the workers (the first device's), or the collector's policy.
         self.puller.policy = self.context.policy if self._in_process else self.weights
         if update is not None:
             if not isinstance(update, Update):
@@ -130,12 +108,11 @@ class GrpcWeightSyncScheme(SharedMemWeightSyncScheme):
                 tracker.version = version - 1
             return
         self._server_version.fill_(-1 if version is None else version)
-        # Copies into the other devices' buffers (none on one device) and tells the workers.
         super().send(weights=self.weights, worker_ids=worker_ids)
 
     def _send_ack(self, message: str = "updated") -> None:
-        # Private torchrl hook (pinned in tests/unit/test_torchrl_pins.py): runs in a worker right
-        # after it applied new weights and bumped its PolicyVersion; stamp the server version.
+        # Private torchrl hook (pinned by a test): runs in a worker right after it applied new
+        # weights and bumped its PolicyVersion, where torchrl offers no public hook.
         version = int(self._server_version)
         tracker = getattr(self.context, "policy_version_tracker", None)
         if version >= 0 and tracker is not None:
@@ -144,5 +121,5 @@ class GrpcWeightSyncScheme(SharedMemWeightSyncScheme):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state["puller"] = None  # workers never dial the server (a channel, a key map may not pickle)
+        state["puller"] = None  # workers never dial the server
         return state
