@@ -230,7 +230,6 @@ class Fetching(Connection):
         stats = FetchStats(carrier.name, data.nbytes, time.perf_counter() - started, early=True)
         return FetchedBytes(placeholder, data, stats=stats)
 
-
     def _report(self, request: pb.FetchRequest) -> None:
         """Tell the server of a direct shared-memory read (its metrics count it): the skipped
         Negotiate, later, in `_reports`' thread (grpcio starts a thread per future)."""
