@@ -22,14 +22,13 @@ from weightserver.protocol.limits import MAX_DESCRIPTION_BYTES, MAX_DESCRIPTIONS
 from weightserver.protocol.safetensors_format import parse_header
 from weightserver.storage.index import MAX_VERSION, ModelState, Version, quoted
 
-NEW_ID = "a publish id names one publish: a retry sends the same models and bytes, a new publish needs a new id"
+NEW_ID = "a retry sends the same models and bytes, a new publish needs a new id"
 
 
 @dataclass(frozen=True)
 class Upload:
-    """One model's bytes in a publish and what the publisher declared: `sha256`, `xxh3` (None:
-    not declared; each given is checked). `digests`: computed while the bytes arrived (with the
-    store's `header_limits`), so nothing is hashed twice; None: the store computes them."""
+    """One model's bytes and what the publisher declared (None: not declared). `digests`: computed
+    as the bytes arrived, with the store's `header_limits`, so nothing is hashed twice."""
 
     model: str
     data: bytes | bytearray | memoryview = field(repr=False)
@@ -52,19 +51,19 @@ class Commit:
     visible: bool = False
 
 
+@dataclass(frozen=True)
 class Checks:
     """The limits a publish must keep: a model's size, its header, its description's size."""
 
-    def __init__(
-        self, max_model_bytes: int | None, header_limits: dict[str, int], describe: Callable[[Version], int] | None
-    ) -> None:
-        self.max_model_bytes, self.header_limits, self.describe = max_model_bytes, header_limits, describe
+    max_model_bytes: int | None
+    header_limits: dict[str, int]
+    describe: Callable[[Version], int] | None
 
     def size(self, model: str, size: int) -> None:
         if self.max_model_bytes is not None and size > self.max_model_bytes:
             raise ModelTooLarge(
-                f"model {model!r}: {size} bytes is over the server's limit of {self.max_model_bytes} "
-                "bytes (--max-model-bytes)"
+                f"model {model!r}: {size} bytes is over the server's limit of {self.max_model_bytes} bytes "
+                "(--max-model-bytes)"
             )
 
     def metadata(self, model: str, metadata: Mapping[str, str]) -> None:
@@ -76,9 +75,8 @@ class Checks:
             )
 
     def verify(self, upload: Upload, group: tuple[str, ...]) -> Version:
-        """Size, digest and header checks of one upload: its Version, not yet numbered. Declared
-        digests are checked before the header is parsed; the sha256 is left to the background
-        worker only when just an xxh3 was declared."""
+        """One upload's Version, not yet numbered. Declared digests are checked before the header
+        is parsed; the sha256 is left to the background worker only when just an xxh3 was declared."""
         model, size, data, found = upload.model, len(upload.data), upload.data, upload.digests
         if upload.total_bytes is not None and upload.total_bytes != size:
             raise IntegrityError(
@@ -95,10 +93,8 @@ class Checks:
         header = found.header if found is not None else parse_header(data, **self.header_limits)
         record = Version(
             model=model,
-            version=0,
             data=data,
             sha256=sha256 or "",
-            created=0.0,
             metadata=dict(upload.metadata or {}),
             header=header,
             pinned=upload.pin,
@@ -121,22 +117,21 @@ class Checks:
             )
         return dataclasses.replace(record, description_bytes=size)
 
-    @staticmethod
-    def reply(names: Sequence[str], verified: Sequence[Version]) -> None:
-        """The Publish reply lists every model's description, and the first one once more."""
-        reply_bytes = verified[0].description_bytes + sum(v.description_bytes for v in verified)
-        if reply_bytes > MAX_DESCRIPTIONS_PER_REPLY:
-            raise DescriptionTooLarge(
-                f"model {quoted(names)}: the descriptions of this publish add up to {reply_bytes} bytes, over the "
-                f"{MAX_DESCRIPTIONS_PER_REPLY} bytes its reply may carry to a gRPC client with default settings; "
-                "publish fewer models at once"
-            )
+
+def check_reply(verified: Sequence[Version]) -> None:
+    """The Publish reply lists every model's description, and the first one once more."""
+    reply_bytes = verified[0].description_bytes + sum(v.description_bytes for v in verified)
+    if reply_bytes > MAX_DESCRIPTIONS_PER_REPLY:
+        raise DescriptionTooLarge(
+            f"model {quoted([v.model for v in verified])}: the descriptions of this publish add up to {reply_bytes} "
+            f"bytes, over the {MAX_DESCRIPTIONS_PER_REPLY} bytes its reply may carry to a gRPC client with default "
+            "settings; publish fewer models at once"
+        )
 
 
 class PublishIds:
-    """Which retained versions each publish id committed, and the ids committing now. Entries
-    may be gone since (evicted, deleted): each is checked, and the index is rebuilt from the
-    retained versions once it has doubled. Callers hold the store's lock."""
+    """Which retained versions each publish id committed, and the ids committing now. Entries may
+    be gone since (checked on use); the index is rebuilt once it has doubled. Callers hold the lock."""
 
     def __init__(self, models: dict[str, ModelState]) -> None:
         self._models = models
@@ -151,16 +146,13 @@ class PublishIds:
 
     def rebuild(self) -> None:
         self._index = {}
-        for state in self._models.values():
-            for record in state.versions.values():
-                if record.publish_id:
-                    self._index.setdefault(record.publish_id, []).append((record.model, record.version))
+        for record in (r for state in self._models.values() for r in state.versions.values() if r.publish_id):
+            self._index.setdefault(record.publish_id, []).append((record.model, record.version))
         self._rebuilt = len(self._index)
 
     def check_unused_elsewhere(self, names: Sequence[str], publish_id: str, *, partial: bool = False) -> None:
-        """InvalidRequest when a retained version of a model outside `names`, or a publish of
-        other models committing now, has `publish_id`. `partial`: `names` may be part of a
-        group (one header's check), so a version of a group including them is no reason."""
+        """InvalidRequest when a retained version of a model outside `names`, or a publish of other
+        models committing now, has `publish_id`. `partial`: `names` may be part of a group."""
         if not publish_id:
             return
         committing = self.committing.get(publish_id)
@@ -175,8 +167,8 @@ class PublishIds:
             models = record.group or (record.model,)
             if record.model not in names and not (partial and set(names) <= set(models)):
                 raise InvalidRequest(
-                    f"publish id {publish_id!r} was already used by version {record.version} of {quoted(models)}; "
-                    + NEW_ID
+                    f"publish id {publish_id!r} was already used by version {record.version} of "
+                    f"{quoted(models)}; {NEW_ID}"
                 )
 
     def repeated(self, names: Sequence[str], verified: Sequence[Version], publish_id: str) -> list[Version] | None:
@@ -189,7 +181,7 @@ class PublishIds:
         if set(first.group or (first.model,)) != set(names):
             raise InvalidRequest(
                 f"publish id {publish_id!r} was already used by version {first.version} of "
-                f"{quoted(first.group or (first.model,))}; a retry sends the same models, a new publish needs a new id"
+                f"{quoted(first.group or (first.model,))}; {NEW_ID}"
             )
         for name, record, new in zip(names, found, verified, strict=True):
             if record is None or record.version != first.version:
@@ -200,7 +192,7 @@ class PublishIds:
             if record.xxh3 != new.xxh3:
                 raise InvalidRequest(
                     f"publish id {publish_id!r} was already used by version {record.version} of {name!r} with "
-                    "other bytes; a retry sends the same bytes, a new publish needs a new id"
+                    f"other bytes; {NEW_ID}"
                 )
         return found  # type: ignore[return-value]  # none is None: checked above
 
@@ -219,8 +211,7 @@ def committed_by(state: ModelState, publish_id: str) -> Version | None:
 
 
 def check_version(names: Sequence[str], version: int, high_water: int) -> None:
-    """A requested `version` (0: the next one) must exceed every version the models ever had
-    and be at most MAX_VERSION."""
+    """A requested `version` (0: the next one) must exceed every version the models had, up to MAX_VERSION."""
     if version > MAX_VERSION:
         raise VersionTooLarge(
             f"model {quoted(names)}: requested version {version} is over the largest version number, "

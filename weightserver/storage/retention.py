@@ -21,13 +21,13 @@ def evict(state: ModelState, keep: int) -> list[Version]:
 
 def check_listing(state: ModelState, record: Version, keep: int) -> None:
     """The descriptions retained with `record` must fit one ListVersions reply (only a publish
-    retains more, so checking it there is enough). Caller holds the lock."""
+    retains more). Caller holds the lock."""
     versions = [*state.versions.values(), record]
     unpinned = [v for v in versions if not v.pinned]
     total = sum(v.description_bytes for v in versions if v.pinned) + sum(v.description_bytes for v in unpinned[-keep:])
     if total > MAX_DESCRIPTIONS_PER_REPLY:
         raise DescriptionTooLarge(
-            f"model {record.model!r}: with this version the descriptions of its retained versions would add "
-            f"up to {total} bytes, over the {MAX_DESCRIPTIONS_PER_REPLY} bytes one ListVersions reply may "
-            "carry to a gRPC client with default settings; unpin or delete versions, or lower --keep"
+            f"model {record.model!r}: with this version the descriptions of its retained versions would add up to "
+            f"{total} bytes, over the {MAX_DESCRIPTIONS_PER_REPLY} bytes one ListVersions reply may carry to a gRPC "
+            "client with default settings; unpin or delete versions, or lower --keep"
         )

@@ -1,10 +1,5 @@
-"""VersionStore: the versions of every model, their retention and their persistence.
-
-Plain Python, no gRPC, thread-safe. A version becomes visible only once its bytes passed every
-check (size, declared digests, safetensors header) and, with a data directory, once its files
-are durable: readers only ever see complete, verified versions. The parts, a file per job:
-index (records, reads), commit (checks, publish ids), retention, persistence, hashing.
-"""
+"""VersionStore: the versions of every model, their retention and their persistence. Thread-safe;
+a version becomes visible once its bytes passed every check and, with a data directory, are durable."""
 
 from __future__ import annotations
 
@@ -16,10 +11,11 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 from weightserver.protocol.errors import InvalidRequest, VersionNotFound
 from weightserver.protocol.names import validate_model_name, validate_publish_id
-from weightserver.storage.commit import Checks, Commit, PublishIds, Upload, check_version, committed_by
+from weightserver.storage.commit import Checks, Commit, PublishIds, Upload, check_reply, check_version, committed_by
 from weightserver.storage.hashing import Sha256Worker
 from weightserver.storage.index import MAX_VERSION, ModelInfo, ModelState, Version, VersionIndex, quoted
 from weightserver.storage.persistence import Disk
@@ -51,36 +47,30 @@ class VersionStore(VersionIndex):
         max_tensors: int | None = None,
         describe: Callable[[Version], int] | None = None,
     ) -> None:
-        """`describe(version)`: the bytes of a version's description as clients receive it; with
-        it, a publish whose descriptions would not fit a reply is refused before it commits."""
+        """`describe(version)`: the size of a version's description as clients receive it; with it,
+        a publish whose descriptions would not fit a reply is refused before it commits."""
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         super().__init__()
-        self.data_dir = Path(data_dir) if data_dir is not None else None
         self.keep = keep
-        self.max_model_bytes = max_model_bytes
         limits = {"max_header_bytes": max_header_bytes, "max_tensors": max_tensors}
-        self._checks = Checks(max_model_bytes, {k: v for k, v in limits.items() if v is not None}, describe)
+        # parse_header's keyword limits, also for `Upload.digests` computed elsewhere
+        self.header_limits = {k: v for k, v in limits.items() if v is not None}
+        self._checks = Checks(max_model_bytes, self.header_limits, describe)
         self._publish_ids = PublishIds(self._models)
         self._sha256 = Sha256Worker(self._lock, self._models)
         self._listeners: list[Callable[[Commit], None]] = []
-        self._disk = Disk(self.data_dir, describe) if self.data_dir is not None else None
+        self._disk = Disk(Path(data_dir), describe) if data_dir is not None else None
         if self._disk is not None:
             self._models.update(self._disk.load())
             for state in self._models.values():
                 self._remove_files(evict(state, keep))
             self._publish_ids.rebuild()
 
-    @property
-    def header_limits(self) -> dict[str, int]:
-        """parse_header's keyword limits this store applies (for `Upload.digests` computed elsewhere)."""
-        return dict(self._checks.header_limits)
-
     def close(self) -> None:
         """Let the sha256 worker go; the versions it has not hashed keep sha256 ""."""
         self._sha256.close()
 
-    # ------------------------------------------------------------------ publishing
     def check_publish(
         self,
         model: str,
@@ -90,8 +80,7 @@ class VersionStore(VersionIndex):
         metadata: Mapping[str, str] | None = None,
         publish_id: str = "",
     ) -> None:
-        """Cheap checks before any byte is received: name, size, metadata, version order (not for
-        a repeat of a publish id: its version is the one already committed)."""
+        """The checks before any byte is received (a repeated publish id's version is already committed)."""
         validate_model_name(model)
         self._checks.size(model, total_bytes)
         self._checks.metadata(model, metadata or {})
@@ -103,21 +92,10 @@ class VersionStore(VersionIndex):
             check_version([model], version, state.high_water if state else 0)
 
     def publish(
-        self,
-        model: str,
-        data: bytes | bytearray | memoryview,
-        *,
-        sha256: str | None = None,
-        total_bytes: int | None = None,
-        version: int = 0,
-        metadata: Mapping[str, str] | None = None,
-        pin: bool = False,
-        publish_id: str = "",
-        xxh3: str | None = None,
+        self, model: str, data: bytes | bytearray | memoryview, *, version: int = 0, publish_id: str = "", **upload: Any
     ) -> Version:
-        """Verify `data` and commit it as a new version of `model` (see `commit`)."""
-        upload = Upload(model, data, sha256=sha256, total_bytes=total_bytes, metadata=metadata, pin=pin, xxh3=xxh3)
-        return self.publish_group([upload], version=version, publish_id=publish_id)[0]
+        """Commit `data` as a new version of `model` (see `commit`); `upload`: the other Upload fields."""
+        return self.publish_group([Upload(model, data, **upload)], version=version, publish_id=publish_id)[0]
 
     def publish_group(
         self, uploads: Sequence[Upload], *, version: int = 0, publish_id: str = "", created: float | None = None
@@ -131,18 +109,13 @@ class VersionStore(VersionIndex):
     def commit(
         self, uploads: Sequence[Upload], *, version: int = 0, publish_id: str = "", created: float | None = None
     ) -> Iterator[Commit]:
-        """Verify several models' bytes and commit them under ONE version number, in two phases:
+        """Verify several models' bytes and commit them under ONE version number, in two phases,
+        both under the commit locks: the `with` body gets the Commit once it is durable, before
+        anyone can see it (the publisher counts it there; an exception is logged, the commit
+        stands); leaving it, the whole group becomes visible and each listener gets the Commit.
 
-        1. the `with` body gets the Commit once it is durable, before anyone can see it, under
-           the commit locks: the publisher counts it there, so whoever sees it finds it counted.
-           An exception in the body is logged; the commit stands.
-        2. leaving it, the versions become visible (the whole group) and every listener gets the
-           Commit, still under the commit locks: each model's versions in order.
-
-        `version`: the number (0: one above every version the models had). `publish_id`: a repeat
-        of a retained publish commits nothing: its Commit is `replayed`, no listener hears of it.
-        `created`: the commit time to record (a relay keeps its upstream's); default now.
-        """
+        `version`: 0 is one above every version the models had. A repeated `publish_id` commits
+        nothing: its Commit is `replayed`, unheard by listeners. `created`: default now."""
         if not uploads:
             raise InvalidRequest("a publish needs at least one model")
         if version < 0:
@@ -153,7 +126,7 @@ class VersionStore(VersionIndex):
             raise InvalidRequest(f"a publish names a model twice: {', '.join(names)}")
         group = tuple(names) if len(names) > 1 else ()
         verified = [self._checks.verify(u, group) for u in uploads]  # hashed before taking any lock
-        self._checks.reply(names, verified)
+        check_reply(verified)
         states = {name: self._model_state(name) for name in names}
         with contextlib.ExitStack() as locks:
             for name in sorted(names):  # one fixed order, so two groups cannot deadlock
@@ -215,9 +188,8 @@ class VersionStore(VersionIndex):
         return event
 
     def subscribe(self, listener: Callable[[Commit], None]) -> Callable[[], None]:
-        """Call `listener(commit)` once each commit is visible, in version order per model (from
-        the committing thread, under its commit locks: it must not block). Exceptions are
-        logged. Returns a function that unsubscribes."""
+        """Call `listener(commit)` once each commit is visible, in version order per model, under its
+        commit locks (it must not block; exceptions are logged). Returns the unsubscribe."""
         with self._lock:
             self._listeners.append(listener)
 
@@ -228,10 +200,9 @@ class VersionStore(VersionIndex):
 
         return unsubscribe
 
-    # ------------------------------------------------------------------ admin
     def delete(self, model: str, version: int, *, evicted: bool = False) -> Version:
-        """Delete one retained version, from disk first. `evicted`: it goes because its upstream
-        evicted it (a relay), so asking for it later says VersionEvicted, not deleted."""
+        """Delete one retained version, from disk first. `evicted`: its upstream evicted it (a relay),
+        so asking for it later says VersionEvicted."""
         self.get(model, version)  # raises the right NotFound before taking the commit lock
         state = self._model_state(model)
         with state.commit_lock:  # no commit, eviction or pin of this model meanwhile
@@ -264,10 +235,8 @@ class VersionStore(VersionIndex):
         return updated
 
     def sha256_of(self, record: Version, *, hurry: bool = True) -> Future[str]:
-        """A future of `record`'s sha256: done at once when known, else once the background worker
-        hashed it (with `hurry` now, else after SHA256_DELAY_SECONDS). It fails with
-        VersionNotFound when the version went first (hash `record.data` yourself), or
-        ServerUnavailable once the store is closed. Nobody can cancel it."""
+        """`record`'s sha256, once the worker hashed it (`hurry`: now, else after its delay); it fails
+        with VersionNotFound when the version went first, ServerUnavailable once closed."""
         return self._sha256.sha256_of(record, hurry=hurry)
 
     def _remove_files(self, records: list[Version]) -> None:  # after the commit locks are released
