@@ -23,6 +23,7 @@ from weightserver.protocol.safetensors_format import parse_header
 from weightserver.storage.index import MAX_VERSION, ModelState, Version, quoted
 
 NEW_ID = "a retry sends the same models and bytes, a new publish needs a new id"
+DESCRIPTION_LIMIT = f"limit of {MAX_DESCRIPTION_BYTES} bytes on a version's description (what a gRPC client takes)"
 
 
 @dataclass(frozen=True)
@@ -61,22 +62,19 @@ class Checks:
 
     def size(self, model: str, size: int) -> None:
         if self.max_model_bytes is not None and size > self.max_model_bytes:
-            raise ModelTooLarge(
-                f"model {model!r}: {size} bytes is over the server's limit of {self.max_model_bytes} bytes "
-                "(--max-model-bytes)"
-            )
+            limit = f"the server's limit of {self.max_model_bytes} bytes (--max-model-bytes)"
+            raise ModelTooLarge(f"model {model!r}: {size} bytes is over {limit}")
 
     def metadata(self, model: str, metadata: Mapping[str, str]) -> None:
         if self.describe is not None and metadata_bytes(metadata) > MAX_DESCRIPTION_BYTES:
             raise DescriptionTooLarge(
-                f"model {model!r}: {metadata_bytes(metadata)} bytes of metadata are over the limit of "
-                f"{MAX_DESCRIPTION_BYTES} bytes (1 MiB) on a version's description (tensor list and metadata), "
-                "which keeps it within what a gRPC client receives by default; publish less metadata"
+                f"model {model!r}: {metadata_bytes(metadata)} bytes of metadata are over the {DESCRIPTION_LIMIT}; "
+                "publish less metadata"
             )
 
     def verify(self, upload: Upload, group: tuple[str, ...]) -> Version:
-        """One upload's Version, not yet numbered. Declared digests are checked before the header
-        is parsed; the sha256 is left to the background worker only when just an xxh3 was declared."""
+        """One upload's Version, not yet numbered; the sha256 is left for later only when just an
+        xxh3 was declared."""
         model, size, data, found = upload.model, len(upload.data), upload.data, upload.digests
         if upload.total_bytes is not None and upload.total_bytes != size:
             raise IntegrityError(
@@ -104,16 +102,14 @@ class Checks:
         )
         if self.describe is None:
             return record
-        # Measured at its largest: the largest number, pinned, its sha256 known.
+        # Measured at its largest: the largest number, pinned, its sha256 known
         largest = dataclasses.replace(record, version=MAX_VERSION, created=time.time(), pinned=True, sha256="0" * 64)
         size = self.describe(largest)
         if size > MAX_DESCRIPTION_BYTES:
             raise DescriptionTooLarge(
-                f"model {model!r}: the version's description (names, shapes and digests of {len(header.tensors)} "
-                f"tensors, and {metadata_bytes(record.metadata)} bytes of metadata) would be {size} bytes, over the "
-                f"limit of {MAX_DESCRIPTION_BYTES} bytes (1 MiB) that keeps it within what a gRPC client receives "
-                "by default; publish fewer tensors (split the model into several, published together as a group) "
-                "or less metadata"
+                f"model {model!r}: the description of {len(header.tensors)} tensors and {len(record.metadata)} metadata"
+                f" entries would be {size} bytes, over the {DESCRIPTION_LIMIT}; publish fewer tensors (split the model"
+                " into a group) or less metadata"
             )
         return dataclasses.replace(record, description_bytes=size)
 
