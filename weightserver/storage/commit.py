@@ -28,8 +28,8 @@ DESCRIPTION_LIMIT = f"limit of {MAX_DESCRIPTION_BYTES} bytes on a version's desc
 
 @dataclass(frozen=True)
 class Upload:
-    """One model's bytes and what the publisher declared (None: not declared). `digests`: computed
-    as the bytes arrived, with the store's `header_limits`, so nothing is hashed twice."""
+    """One model's bytes and what the publisher declared. `digests`: computed as the bytes arrived
+    (with the store's `header_limits`), so nothing is hashed twice."""
 
     model: str
     data: bytes | bytearray | memoryview = field(repr=False)
@@ -43,7 +43,7 @@ class Upload:
 
 @dataclass(frozen=True)
 class Commit:
-    """The event of one publish's commit (see `VersionStore.commit` for its two phases)."""
+    """The event of one publish's commit (see `VersionStore.commit`)."""
 
     versions: tuple[Version, ...]  # in the uploads' order
     publish_id: str = ""
@@ -54,8 +54,6 @@ class Commit:
 
 @dataclass(frozen=True)
 class Checks:
-    """The limits a publish must keep: a model's size, its header, its description's size."""
-
     max_model_bytes: int | None
     header_limits: dict[str, int]
     describe: Callable[[Version], int] | None
@@ -126,8 +124,8 @@ def check_reply(verified: Sequence[Version]) -> None:
 
 
 class PublishIds:
-    """Which retained versions each publish id committed, and the ids committing now. Entries may
-    be gone since (checked on use); the index is rebuilt once it has doubled. Callers hold the lock."""
+    """Which retained versions each publish id committed (checked on use: they may be gone; rebuilt
+    once doubled), and the ids committing now. Callers hold the store's lock."""
 
     def __init__(self, models: dict[str, ModelState]) -> None:
         self._models = models
@@ -168,8 +166,7 @@ class PublishIds:
                 )
 
     def repeated(self, names: Sequence[str], verified: Sequence[Version], publish_id: str) -> list[Version] | None:
-        """The versions an earlier publish with `publish_id` committed when this one repeats it
-        (same models, same bytes); None when no retained version carries the id."""
+        """What an earlier publish with `publish_id` committed, when this one repeats it; else None."""
         found = [committed_by(self._models[name], publish_id) for name in names]
         first = next((record for record in found if record is not None), None)
         if first is None:
@@ -202,7 +199,6 @@ def _check_declared(model: str, name: str, declared: str | None, actual: str | N
 
 
 def committed_by(state: ModelState, publish_id: str) -> Version | None:
-    """The retained version of a model that a publish with `publish_id` committed, if any."""
     return next((r for r in state.versions.values() if r.publish_id == publish_id), None) if publish_id else None
 
 

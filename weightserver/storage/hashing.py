@@ -1,6 +1,5 @@
-"""The sha256 of a version committed with only an xxh3 declared, computed after its commit: one
-thread hashes them in turn, each SHA256_DELAY_SECONDS after its commit unless a reader waits for
-it, as the moments after a commit belong to the followers applying it."""
+"""The sha256 of versions committed with only an xxh3, hashed by one thread SHA256_DELAY_SECONDS
+after the commit (the moments after it belong to the followers applying it) or when a reader waits."""
 
 from __future__ import annotations
 
@@ -17,8 +16,6 @@ SHA256_DELAY_SECONDS = 0.5
 
 
 class Sha256Worker:
-    """Hashes committed versions of `models` (guarded by `lock`) whose sha256 is ""."""
-
     def __init__(self, lock: threading.Lock, models: dict[str, ModelState]) -> None:
         self._lock, self._models = lock, models
         self._pending: dict[tuple[str, int], Future[str]] = {}
@@ -31,14 +28,13 @@ class Sha256Worker:
         self._pending[(record.model, record.version)] = running_future()
 
     def hash_later(self, record: Version) -> None:
-        """Queue `record` (registered with `expect`) by its key, not to keep a deleted one in memory."""
+        """Queue `record` (registered with `expect`) by key, so that a deleted one can be freed."""
         try:
             self._executor.submit(self._hash, (record.model, record.version), record.created)
         except RuntimeError:  # closed: fails the future at once
             self._hash((record.model, record.version), record.created)
 
     def sha256_of(self, record: Version, *, hurry: bool = True) -> Future[str]:
-        """See `VersionStore.sha256_of`."""
         with self._lock:
             pending = self._pending.get((record.model, record.version))
             if pending is not None and not record.sha256:
@@ -55,15 +51,14 @@ class Sha256Worker:
         return future
 
     def close(self) -> None:
-        """The hash running finishes; the versions still waiting fail with ServerUnavailable."""
+        """The hash running finishes; those waiting fail with ServerUnavailable."""
         with self._lock:
             self._closed = True
         self._hurry.set()
         self._executor.shutdown(wait=True)
 
     def _hash(self, key: tuple[str, int], created: float) -> None:
-        """Hash a retained version once its delay is out; its record is replaced under the commit
-        lock, so that a pin meanwhile keeps both."""
+        """Hash a retained version once its delay is out; replaced under the commit lock, so a pin keeps both."""
         model, version = key
         state = self._models[model]
         self._hurry.wait(max(0.0, created + SHA256_DELAY_SECONDS - time.time()))

@@ -71,7 +71,6 @@ class VersionIndex:
             return next(reversed(self._retained(model).versions.values()))
 
     def get(self, model: str, version: int) -> Version:
-        """Exactly `version` of `model`; VersionEvicted / VersionNotFound / ModelNotFound."""
         with self._lock:
             state = self._retained(model)
             record = state.versions.get(version)
@@ -90,7 +89,7 @@ class VersionIndex:
             raise VersionNotFound(f"model {model!r} has no version {version}; retained versions: {ranges(retained)}")
 
     def newer_than(self, model: str, version: int) -> Version | None:
-        """The latest version if it is newer than `version`, else None (caller is up to date)."""
+        """The latest version if it is newer than `version`, else None."""
         latest = self.latest(model)
         if version > latest.version:
             raise CursorOutOfRange(
@@ -134,7 +133,6 @@ class VersionIndex:
                 bisect.insort(state.missed, version)
 
     def models(self) -> list[ModelInfo]:
-        """Every model that has retained versions, sorted by name."""
         with self._lock:
             return [
                 ModelInfo(
@@ -149,7 +147,7 @@ class VersionIndex:
             return self._models.setdefault(model, ModelState())
 
     def _retained(self, model: str) -> ModelState:
-        """The state of `model` if it retains versions, else ModelNotFound. Caller holds the lock."""
+        """`model`'s state if it retains versions, else ModelNotFound. Caller holds the lock."""
         state = self._models.get(validate_model_name(model))
         if state is None or not state.versions:
             names = [name for name, other in sorted(self._models.items()) if other.versions]

@@ -11,13 +11,13 @@ mark, then the manifest, which until then keeps the number from being handed out
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import json
 import logging
 import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 from weightserver.protocol import digests
@@ -55,10 +55,7 @@ class Disk:
                     (self.data_dir / record.model).mkdir(parents=True, exist_ok=True)
                     written.append(self.paths(record.model, record.version)[0])
                     atomic_write(written[-1], record.data)
-                records = [
-                    dataclasses.replace(record, sha256=hashing[i].result()) if i in hashing else record
-                    for i, record in enumerate(records)
-                ]
+                records = [replace(r, sha256=hashing[i].result()) if i in hashing else r for i, r in enumerate(records)]
                 for record in records:
                     written.append(self.paths(record.model, record.version)[1])
                     self.write_manifest(record)
@@ -140,8 +137,7 @@ class Disk:
         return models
 
     def _drop_torn_groups(self, models: dict[str, ModelState]) -> None:
-        """Drop a group's versions whose partner lacks the number and has nothing newer: its
-        manifest was never written, the group did not commit (else the partner evicted it)."""
+        """Drop a group's version whose partner lacks it and has nothing newer: the group never committed."""
         for model, state in models.items():
             for number, record in list(state.versions.items()):
                 for partner in record.group:
@@ -176,7 +172,7 @@ class Disk:
                 tensor_xxh3=digests.tensor_digests(data, header),
             )
             if self._describe is not None:
-                record = dataclasses.replace(record, description_bytes=self._describe(record))
+                record = replace(record, description_bytes=self._describe(record))
             return record
         except Exception as exc:  # any damage: skip this version, keep the others
             log.error("skipping %s: torn or corrupt version (%s)", data_path, exc)
@@ -184,8 +180,8 @@ class Disk:
 
 
 def _check_manifest(manifest: object, path: Path) -> dict:
-    """`manifest` if every field has the type and range the server relies on, else ValueError.
-    It must name the version its file name says: a copied one must not serve another's bytes."""
+    """`manifest` if its fields have the types and ranges relied on, else ValueError; its version
+    must be its file name's, so a copied one cannot serve another's bytes."""
     if not isinstance(manifest, dict):
         raise ValueError("the manifest is not a JSON object")
     version = manifest.get("version")
@@ -226,8 +222,7 @@ def _read_high_water(path: Path) -> int:
 
 
 def atomic_write(path: Path, data: bytes | bytearray | memoryview) -> None:
-    """Write `path` so that a crash leaves the old file or the new one, and a failed write (a
-    full disk) no temp file."""
+    """Write `path` so that a crash leaves the old file or the new one, and a failed write no temp file."""
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:

@@ -43,19 +43,16 @@ class VersionStore(VersionIndex):
         *,
         keep: int = 3,
         max_model_bytes: int | None = None,
-        max_header_bytes: int | None = None,
-        max_tensors: int | None = None,
         describe: Callable[[Version], int] | None = None,
+        **header_limits: int | None,
     ) -> None:
-        """`describe(version)`: the size of a version's description as clients receive it; with it,
-        a publish whose descriptions would not fit a reply is refused before it commits."""
+        """`header_limits`: parse_header's (max_header_bytes, max_tensors). `describe(version)`: the
+        size of its description as clients receive it, to refuse a publish whose would not fit."""
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         super().__init__()
         self.keep = keep
-        limits = {"max_header_bytes": max_header_bytes, "max_tensors": max_tensors}
-        # parse_header's keyword limits, also for `Upload.digests` computed elsewhere
-        self.header_limits = {k: v for k, v in limits.items() if v is not None}
+        self.header_limits = {k: v for k, v in header_limits.items() if v is not None}  # also for Upload.digests
         self._checks = Checks(max_model_bytes, self.header_limits, describe)
         self._publish_ids = PublishIds(self._models)
         self._sha256 = Sha256Worker(self._lock, self._models)
@@ -68,7 +65,6 @@ class VersionStore(VersionIndex):
             self._publish_ids.rebuild()
 
     def close(self) -> None:
-        """Let the sha256 worker go; the versions it has not hashed keep sha256 ""."""
         self._sha256.close()
 
     def check_publish(
@@ -80,7 +76,7 @@ class VersionStore(VersionIndex):
         metadata: Mapping[str, str] | None = None,
         publish_id: str = "",
     ) -> None:
-        """The checks before any byte is received (a repeated publish id's version is already committed)."""
+        """The checks before any byte is received."""
         validate_model_name(model)
         self._checks.size(model, total_bytes)
         self._checks.metadata(model, metadata or {})
@@ -94,7 +90,7 @@ class VersionStore(VersionIndex):
     def publish(
         self, model: str, data: bytes | bytearray | memoryview, *, version: int = 0, publish_id: str = "", **upload: Any
     ) -> Version:
-        """Commit `data` as a new version of `model` (see `commit`); `upload`: the other Upload fields."""
+        """Commit `data` as a new version of `model`; `upload`: the other Upload fields."""
         return self.publish_group([Upload(model, data, **upload)], version=version, publish_id=publish_id)[0]
 
     def publish_group(
@@ -109,13 +105,10 @@ class VersionStore(VersionIndex):
     def commit(
         self, uploads: Sequence[Upload], *, version: int = 0, publish_id: str = "", created: float | None = None
     ) -> Iterator[Commit]:
-        """Verify several models' bytes and commit them under ONE version number, in two phases,
-        both under the commit locks: the `with` body gets the Commit once it is durable, before
-        anyone can see it (the publisher counts it there; an exception is logged, the commit
-        stands); leaving it, the whole group becomes visible and each listener gets the Commit.
-
-        `version`: 0 is one above every version the models had. A repeated `publish_id` commits
-        nothing: its Commit is `replayed`, unheard by listeners. `created`: default now."""
+        """Verify several models' bytes and commit them under ONE version number (0: the next). Under
+        the commit locks, the `with` body gets the Commit once durable, before anyone can see it (an
+        exception there is logged); leaving it, the group becomes visible and listeners hear of it.
+        A repeated `publish_id` commits nothing: its Commit is `replayed`, unheard by listeners."""
         if not uploads:
             raise InvalidRequest("a publish needs at least one model")
         if version < 0:
@@ -165,8 +158,7 @@ class VersionStore(VersionIndex):
                 self._sha256.hash_later(record)
         self._remove_files(list(event.evicted))
 
-    def _make_visible(self, event: Commit, states: Mapping[str, ModelState]) -> Commit:
-        """Phase 2 of `commit` (the caller holds the commit locks)."""
+    def _make_visible(self, event: Commit, states: Mapping[str, ModelState]) -> Commit:  # under the commit locks
         evicted: list[Version] = []
         with self._lock:
             for record in event.versions:
@@ -189,7 +181,7 @@ class VersionStore(VersionIndex):
 
     def subscribe(self, listener: Callable[[Commit], None]) -> Callable[[], None]:
         """Call `listener(commit)` once each commit is visible, in version order per model, under its
-        commit locks (it must not block; exceptions are logged). Returns the unsubscribe."""
+        commit locks (it must not block). Returns the unsubscribe."""
         with self._lock:
             self._listeners.append(listener)
 
@@ -201,8 +193,7 @@ class VersionStore(VersionIndex):
         return unsubscribe
 
     def delete(self, model: str, version: int, *, evicted: bool = False) -> Version:
-        """Delete one retained version, from disk first. `evicted`: its upstream evicted it (a relay),
-        so asking for it later says VersionEvicted."""
+        """Delete one version, from disk first. `evicted`: by its upstream (a relay): VersionEvicted later."""
         self.get(model, version)  # raises the right NotFound before taking the commit lock
         state = self._model_state(model)
         with state.commit_lock:  # no commit, eviction or pin of this model meanwhile
@@ -218,7 +209,7 @@ class VersionStore(VersionIndex):
         return record
 
     def set_pinned(self, model: str, version: int, pinned: bool) -> Version:
-        """Pin (keep beyond `keep`) or unpin a version; unpinning may evict it at once."""
+        """Pin (keep beyond `keep`) or unpin a version; unpinning may evict it."""
         self.get(model, version)  # raises the right NotFound before taking the commit lock
         state = self._model_state(model)
         with state.commit_lock:
@@ -235,8 +226,7 @@ class VersionStore(VersionIndex):
         return updated
 
     def sha256_of(self, record: Version, *, hurry: bool = True) -> Future[str]:
-        """`record`'s sha256, once the worker hashed it (`hurry`: now, else after its delay); it fails
-        with VersionNotFound when the version went first, ServerUnavailable once closed."""
+        """`record`'s sha256, once hashed (`hurry`: now, else after a delay); VersionNotFound if it went first."""
         return self._sha256.sha256_of(record, hurry=hurry)
 
     def _remove_files(self, records: list[Version]) -> None:  # after the commit locks are released
