@@ -23,6 +23,7 @@ from weightserver.protocol.safetensors_format import parse_header
 from weightserver.storage.index import MAX_VERSION, ModelState, Version, quoted
 
 NEW_ID = "a retry sends the same models and bytes, a new publish needs a new id"
+REPLY_LIMIT = f"the {MAX_DESCRIPTIONS_PER_REPLY} bytes one reply may carry to a gRPC client with default settings"
 DESCRIPTION_LIMIT = f"limit of {MAX_DESCRIPTION_BYTES} bytes on a version's description (what a gRPC client takes)"
 
 
@@ -111,16 +112,28 @@ class Checks:
             )
         return dataclasses.replace(record, description_bytes=size)
 
+    @staticmethod
+    def reply(verified: Sequence[Version]) -> None:
+        """The Publish reply lists every model's description, and the first one once more."""
+        reply_bytes = verified[0].description_bytes + sum(v.description_bytes for v in verified)
+        if reply_bytes > MAX_DESCRIPTIONS_PER_REPLY:
+            raise DescriptionTooLarge(
+                f"model {quoted([v.model for v in verified])}: the descriptions of this publish add up to "
+                f"{reply_bytes} bytes, over {REPLY_LIMIT}; publish fewer models at once"
+            )
 
-def check_reply(verified: Sequence[Version]) -> None:
-    """The Publish reply lists every model's description, and the first one once more."""
-    reply_bytes = verified[0].description_bytes + sum(v.description_bytes for v in verified)
-    if reply_bytes > MAX_DESCRIPTIONS_PER_REPLY:
-        raise DescriptionTooLarge(
-            f"model {quoted([v.model for v in verified])}: the descriptions of this publish add up to {reply_bytes} "
-            f"bytes, over the {MAX_DESCRIPTIONS_PER_REPLY} bytes its reply may carry to a gRPC client with default "
-            "settings; publish fewer models at once"
-        )
+    @staticmethod
+    def listing(state: ModelState, record: Version, keep: int) -> None:
+        """The descriptions retained with `record` must fit one ListVersions reply (only a publish
+        retains more). Caller holds the lock."""
+        versions = [*state.versions.values(), record]
+        retained = [v for v in versions if v.pinned] + [v for v in versions if not v.pinned][-keep:]
+        total = sum(v.description_bytes for v in retained)
+        if total > MAX_DESCRIPTIONS_PER_REPLY:
+            raise DescriptionTooLarge(
+                f"model {record.model!r}: with this version the descriptions of its retained versions would add up "
+                f"to {total} bytes, over {REPLY_LIMIT} (ListVersions reply); unpin or delete versions, or lower --keep"
+            )
 
 
 class PublishIds:

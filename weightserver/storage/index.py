@@ -1,4 +1,4 @@
-"""The index: each model's committed versions, its high-water mark and gaps, and the reads."""
+"""The index: each model's committed versions, its retention, high-water mark and gaps, and the reads."""
 
 from __future__ import annotations
 
@@ -53,6 +53,15 @@ class ModelState:
     deleted: set[int] = field(default_factory=set)  # deleted on request (this process)
     missed: list[int] = field(default_factory=list)  # sorted; upstream versions a relay will never hold
     commit_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def evict(self, keep: int) -> list[Version]:
+        """Retention: drop the unpinned versions beyond the `keep` newest; the dropped. Under the lock."""
+        unpinned = [v for v in self.versions.values() if not v.pinned]
+        doomed = unpinned[: max(0, len(unpinned) - keep)]
+        for record in doomed:
+            del self.versions[record.version]
+            bisect.insort(self.removed, record.version)
+        return doomed
 
     def gap(self, after: int, before: int) -> bool:
         """Whether a version between `after` and `before` (excluded) was removed or missed."""

@@ -15,11 +15,10 @@ from typing import Any
 
 from weightserver.protocol.errors import InvalidRequest, VersionNotFound
 from weightserver.protocol.names import validate_model_name, validate_publish_id
-from weightserver.storage.commit import Checks, Commit, PublishIds, Upload, check_reply, check_version, committed_by
+from weightserver.storage.commit import Checks, Commit, PublishIds, Upload, check_version, committed_by
 from weightserver.storage.hashing import Sha256Worker
 from weightserver.storage.index import MAX_VERSION, ModelInfo, ModelState, Version, VersionIndex, quoted
 from weightserver.storage.persistence import Disk
-from weightserver.storage.retention import check_listing, evict
 
 __all__ = ["MAX_VERSION", "Commit", "ModelInfo", "Upload", "Version", "VersionStore"]
 
@@ -61,7 +60,7 @@ class VersionStore(VersionIndex):
         if self._disk is not None:
             self._models.update(self._disk.load())
             for state in self._models.values():
-                self._remove_files(evict(state, keep))
+                self._remove_files(state.evict(keep))
             self._publish_ids.rebuild()
 
     def close(self) -> None:
@@ -119,7 +118,7 @@ class VersionStore(VersionIndex):
             raise InvalidRequest(f"a publish names a model twice: {', '.join(names)}")
         group = tuple(names) if len(names) > 1 else ()
         verified = [self._checks.verify(u, group) for u in uploads]  # hashed before taking any lock
-        check_reply(verified)
+        self._checks.reply(verified)
         states = {name: self._model_state(name) for name in names}
         with contextlib.ExitStack() as locks:
             for name in sorted(names):  # one fixed order, so two groups cannot deadlock
@@ -131,7 +130,7 @@ class VersionStore(VersionIndex):
                     high_water = max(state.high_water for state in states.values())
                     check_version(names, version, high_water)
                     for record in verified:
-                        check_listing(states[record.model], record, self.keep)
+                        self._checks.listing(states[record.model], record, self.keep)
                     if publish_id:
                         self._publish_ids.committing[publish_id] = tuple(names)
             if repeated is not None:
@@ -165,7 +164,7 @@ class VersionStore(VersionIndex):
                 state = states[record.model]
                 state.versions[record.version] = record
                 state.high_water = record.version
-                evicted += evict(state, self.keep)
+                evicted += state.evict(self.keep)
                 if not record.sha256:  # registered before any reader can see the record
                     self._sha256.expect(record)
                 if record.publish_id:
@@ -221,7 +220,7 @@ class VersionStore(VersionIndex):
                 if version not in state.versions:
                     raise VersionNotFound(f"model {model!r}: version {version} was removed concurrently")
                 state.versions[version] = updated
-                evicted = evict(state, self.keep)
+                evicted = state.evict(self.keep)
         self._remove_files(evicted)
         return updated
 
