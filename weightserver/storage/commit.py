@@ -8,16 +8,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from weightserver.protocol import digests
-from weightserver.protocol.digests import FileDigests
-from weightserver.protocol.errors import (
-    DescriptionTooLarge,
-    IntegrityError,
-    InvalidRequest,
-    ModelTooLarge,
-    VersionConflict,
-    VersionTooLarge,
-)
+from weightserver.protocol import digests, errors
 from weightserver.protocol.limits import MAX_DESCRIPTION_BYTES, MAX_DESCRIPTIONS_PER_REPLY
 from weightserver.protocol.safetensors_format import parse_header
 from weightserver.storage.index import MAX_VERSION, ModelState, Version, quoted
@@ -38,7 +29,7 @@ class Upload:
     total_bytes: int | None = None
     metadata: Mapping[str, str] | None = None
     pin: bool = False
-    digests: FileDigests | None = field(default=None, repr=False)
+    digests: digests.FileDigests | None = field(default=None, repr=False)
     xxh3: str | None = None
 
 
@@ -62,11 +53,11 @@ class Checks:
     def size(self, model: str, size: int) -> None:
         if self.max_model_bytes is not None and size > self.max_model_bytes:
             limit = f"the server's limit of {self.max_model_bytes} bytes (--max-model-bytes)"
-            raise ModelTooLarge(f"model {model!r}: {size} bytes is over {limit}")
+            raise errors.ModelTooLarge(f"model {model!r}: {size} bytes is over {limit}")
 
     def metadata(self, model: str, metadata: Mapping[str, str]) -> None:
         if self.describe is not None and metadata_bytes(metadata) > MAX_DESCRIPTION_BYTES:
-            raise DescriptionTooLarge(
+            raise errors.DescriptionTooLarge(
                 f"model {model!r}: {metadata_bytes(metadata)} bytes of metadata are over the {DESCRIPTION_LIMIT}; "
                 "publish less metadata"
             )
@@ -76,7 +67,7 @@ class Checks:
         xxh3 was declared."""
         model, size, data, found = upload.model, len(upload.data), upload.data, upload.digests
         if upload.total_bytes is not None and upload.total_bytes != size:
-            raise IntegrityError(
+            raise errors.IntegrityError(
                 f"model {model!r}: publisher declared {upload.total_bytes} bytes but sent {size}; "
                 "the upload was cut short or the header is wrong"
             )
@@ -105,7 +96,7 @@ class Checks:
         largest = dataclasses.replace(record, version=MAX_VERSION, created=time.time(), pinned=True, sha256="0" * 64)
         size = self.describe(largest)
         if size > MAX_DESCRIPTION_BYTES:
-            raise DescriptionTooLarge(
+            raise errors.DescriptionTooLarge(
                 f"model {model!r}: the description of {len(header.tensors)} tensors and {len(record.metadata)} metadata"
                 f" entries would be {size} bytes, over the {DESCRIPTION_LIMIT}; publish fewer tensors (split the model"
                 " into a group) or less metadata"
@@ -117,7 +108,7 @@ class Checks:
         """The Publish reply lists every model's description, and the first one once more."""
         reply_bytes = verified[0].description_bytes + sum(v.description_bytes for v in verified)
         if reply_bytes > MAX_DESCRIPTIONS_PER_REPLY:
-            raise DescriptionTooLarge(
+            raise errors.DescriptionTooLarge(
                 f"model {quoted([v.model for v in verified])}: the descriptions of this publish add up to "
                 f"{reply_bytes} bytes, over {REPLY_LIMIT}; publish fewer models at once"
             )
@@ -130,7 +121,7 @@ class Checks:
         retained = [v for v in versions if v.pinned] + [v for v in versions if not v.pinned][-keep:]
         total = sum(v.description_bytes for v in retained)
         if total > MAX_DESCRIPTIONS_PER_REPLY:
-            raise DescriptionTooLarge(
+            raise errors.DescriptionTooLarge(
                 f"model {record.model!r}: with this version the descriptions of its retained versions would add up "
                 f"to {total} bytes, over {REPLY_LIMIT} (ListVersions reply); unpin or delete versions, or lower --keep"
             )
@@ -164,7 +155,7 @@ class PublishIds:
             return
         committing = self.committing.get(publish_id)
         if committing is not None and not set(committing) & set(names):
-            raise InvalidRequest(
+            raise errors.InvalidRequest(
                 f"publish id {publish_id!r} belongs to a publish of {quoted(committing)} committing now; {NEW_ID}"
             )
         for model, number in self._index.get(publish_id, ()):
@@ -173,7 +164,7 @@ class PublishIds:
                 continue
             models = record.group or (record.model,)
             if record.model not in names and not (partial and set(names) <= set(models)):
-                raise InvalidRequest(
+                raise errors.InvalidRequest(
                     f"publish id {publish_id!r} was already used by version {record.version} of "
                     f"{quoted(models)}; {NEW_ID}"
                 )
@@ -185,18 +176,18 @@ class PublishIds:
         if first is None:
             return None
         if set(first.group or (first.model,)) != set(names):
-            raise InvalidRequest(
+            raise errors.InvalidRequest(
                 f"publish id {publish_id!r} was already used by version {first.version} of "
                 f"{quoted(first.group or (first.model,))}; {NEW_ID}"
             )
         for name, record, new in zip(names, found, verified, strict=True):
             if record is None or record.version != first.version:
-                raise VersionConflict(
+                raise errors.VersionConflict(
                     f"publish id {publish_id!r} committed version {first.version} of {quoted(names)}, but "
                     f"{name!r} no longer retains it (evicted or deleted); nothing was published again"
                 )
             if record.xxh3 != new.xxh3:
-                raise InvalidRequest(
+                raise errors.InvalidRequest(
                     f"publish id {publish_id!r} was already used by version {record.version} of {name!r} with "
                     f"other bytes; {NEW_ID}"
                 )
@@ -205,7 +196,7 @@ class PublishIds:
 
 def _check_declared(model: str, name: str, declared: str | None, actual: str | None) -> None:
     if declared is not None and declared.lower() != actual:
-        raise IntegrityError(
+        raise errors.IntegrityError(
             f"model {model!r}: {name} of the received bytes is {actual}, publisher declared "
             f"{declared.lower()}; the bytes were corrupted in transit or the digest is wrong"
         )
@@ -218,17 +209,17 @@ def committed_by(state: ModelState, publish_id: str) -> Version | None:
 def check_version(names: Sequence[str], version: int, high_water: int) -> None:
     """A requested `version` (0: the next one) must exceed every version the models had, up to MAX_VERSION."""
     if version > MAX_VERSION:
-        raise VersionTooLarge(
+        raise errors.VersionTooLarge(
             f"model {quoted(names)}: requested version {version} is over the largest version number, "
             f"{MAX_VERSION} (2^63-1); ask for a smaller one or leave it unset (0) to get the next one"
         )
     if version and version <= high_water:
-        raise VersionConflict(
+        raise errors.VersionConflict(
             f"model {quoted(names)}: requested version {version} is not greater than the latest version "
             f"{high_water}; ask for a version > {high_water} or leave it unset (0) to get the next one"
         )
     if not version and high_water >= MAX_VERSION:
-        raise VersionConflict(
+        raise errors.VersionConflict(
             f"model {quoted(names)}: the latest version is {high_water}, the largest version number "
             "(2^63-1), so no version can follow it; publish under another model name"
         )

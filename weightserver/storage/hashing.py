@@ -25,7 +25,8 @@ class Sha256Worker:
 
     def expect(self, record: Version) -> None:
         """Register `record` before any reader can see it. Caller holds the lock."""
-        self._pending[(record.model, record.version)] = running_future()
+        self._pending[(record.model, record.version)] = future = Future()
+        future.set_running_or_notify_cancel()  # nobody can cancel it: several callers may wait on it
 
     def hash_later(self, record: Version) -> None:
         """Queue `record` (registered with `expect`) by key, so that a deleted one can be freed."""
@@ -43,7 +44,7 @@ class Sha256Worker:
                 return pending
             state = self._models.get(record.model)
             current = state.versions.get(record.version) if state is not None else None
-        future, sha256 = running_future(), record.sha256 or (current.sha256 if current is not None else "")
+        future, sha256 = Future[str](), record.sha256 or (current.sha256 if current is not None else "")
         if sha256:
             future.set_result(sha256)
         else:
@@ -85,10 +86,3 @@ class Sha256Worker:
         return VersionNotFound(
             f"model {model!r}: version {version} was evicted or deleted before its sha256 was computed"
         )
-
-
-def running_future() -> Future[str]:
-    """A future nobody can cancel (it is running): several callers may wait on one sha256."""
-    future: Future[str] = Future()
-    future.set_running_or_notify_cancel()
-    return future

@@ -210,12 +210,10 @@ def _check_manifest(manifest: object, path: Path) -> dict:
 
 def _read_high_water(path: Path) -> int:
     try:
-        value = json.loads(path.read_text())["high_water"]
+        value = json.loads(path.read_text())["high_water"] if path.exists() else 0
         if type(value) is not int or not 0 <= value <= MAX_VERSION:
             raise ValueError(f"high_water must be an integer in 0-{MAX_VERSION}, got {value!r}")
         return value
-    except FileNotFoundError:
-        return 0
     except (ValueError, KeyError, TypeError, OverflowError, OSError) as exc:
         log.error("ignoring %s: %s", path, exc)
         return 0

@@ -17,7 +17,7 @@ from weightserver.protocol.errors import InvalidRequest, VersionNotFound
 from weightserver.protocol.names import validate_model_name, validate_publish_id
 from weightserver.storage.commit import Checks, Commit, PublishIds, Upload, check_version, committed_by
 from weightserver.storage.hashing import Sha256Worker
-from weightserver.storage.index import MAX_VERSION, ModelInfo, ModelState, Version, VersionIndex, quoted
+from weightserver.storage.index import MAX_VERSION, ModelInfo, Version, VersionIndex, quoted
 from weightserver.storage.persistence import Disk
 
 __all__ = ["MAX_VERSION", "Commit", "ModelInfo", "Upload", "Version", "VersionStore"]
@@ -147,7 +147,23 @@ class VersionStore(VersionIndex):
                     yield event
                 except Exception:
                     log.exception("the commit hook failed on %s", _numbered(records))
-                event = self._make_visible(event, states)
+                evicted: list[Version] = []
+                with self._lock:  # visible: the whole group at once
+                    for record in records:
+                        state = states[record.model]
+                        state.versions[record.version], state.high_water = record, record.version
+                        evicted += state.evict(self.keep)
+                        if not record.sha256:  # registered before any reader can see the record
+                            self._sha256.expect(record)
+                        if record.publish_id:
+                            self._publish_ids.add(record)
+                    listeners = list(self._listeners)
+                event = dataclasses.replace(event, evicted=tuple(evicted), visible=True)
+                for listener in listeners:
+                    try:
+                        listener(event)
+                    except Exception:
+                        log.exception("%r failed on %s", listener, _numbered(records))
             finally:
                 if publish_id:
                     with self._lock:
@@ -156,27 +172,6 @@ class VersionStore(VersionIndex):
             if not record.sha256:
                 self._sha256.hash_later(record)
         self._remove_files(list(event.evicted))
-
-    def _make_visible(self, event: Commit, states: Mapping[str, ModelState]) -> Commit:  # under the commit locks
-        evicted: list[Version] = []
-        with self._lock:
-            for record in event.versions:
-                state = states[record.model]
-                state.versions[record.version] = record
-                state.high_water = record.version
-                evicted += state.evict(self.keep)
-                if not record.sha256:  # registered before any reader can see the record
-                    self._sha256.expect(record)
-                if record.publish_id:
-                    self._publish_ids.add(record)
-            listeners = list(self._listeners)
-        event = dataclasses.replace(event, evicted=tuple(evicted), visible=True)
-        for listener in listeners:
-            try:
-                listener(event)
-            except Exception:
-                log.exception("%r failed on %s", listener, _numbered(event.versions))
-        return event
 
     def subscribe(self, listener: Callable[[Commit], None]) -> Callable[[], None]:
         """Call `listener(commit)` once each commit is visible, in version order per model, under its
