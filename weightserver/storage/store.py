@@ -13,7 +13,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from weightserver.protocol.errors import InvalidRequest, VersionNotFound
+from weightserver.protocol.errors import InvalidRequest
 from weightserver.protocol.names import validate_model_name, validate_publish_id
 from weightserver.storage.commit import Checks, Commit, PublishIds, Upload, check_version, committed_by
 from weightserver.storage.hashing import Sha256Worker
@@ -211,9 +211,7 @@ class VersionStore(VersionIndex):
             if self._disk is not None:
                 with self._disk.writes():
                     self._disk.write_manifest(updated)
-            with self._lock:
-                if version not in state.versions:
-                    raise VersionNotFound(f"model {model!r}: version {version} was removed concurrently")
+            with self._lock:  # the commit lock keeps it retained meanwhile
                 state.versions[version] = updated
                 evicted = state.evict(self.keep)
         self._remove_files(evicted)
