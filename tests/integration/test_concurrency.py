@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from weightclient import VersionConflict, WeightClient
+from weightserver.storage.persistence import Disk
 
 MODEL = "policy"
 JOIN = 30.0
@@ -178,39 +179,39 @@ def test_racing_publishers_on_the_same_version_one_wins(server) -> None:
             assert a.latest(MODEL).version == version
 
 
-def test_watcher_sees_every_version_when_commit_notifications_race(make_server) -> None:
+def test_watcher_sees_every_version_when_commit_notifications_race(make_server, tmp_path, monkeypatch) -> None:
     """Two publishes of one model commit back to back; the first publisher's thread is held up
     after its commit (as by a slow unlink of the version it evicted, or the GIL) while the second
     commits and notifies. The watcher must still get both versions, in order.
 
-    The hold-up is injected at the store's post-commit file cleanup: the commit of version 2
-    (which evicts version 1 with keep=1) waits there until version 3 has been committed. This
-    failed (the watcher got only [3]) while the store called listeners after releasing the
+    The hold-up is a slow unlink of the evicted version's files, after the commit: the commit of
+    version 2 (which evicts version 1 with keep=1) waits there until version 3 has been committed.
+    This failed (the watcher got only [3]) while the store called listeners after releasing the
     model's commit lock.
     """
-    server = make_server(keep=1)
+    server = make_server(keep=1, data_dir=tmp_path / "data")
     store = server.store
     subscribed = threading.Event()
     first_held = threading.Event()
     second_committed = threading.Event()
-    subscribe, remove_files = store.subscribe, store._remove_files
+    subscribe, remove_files = store.subscribe, Disk.remove_files
 
     def instrumented_subscribe(listener):
         unsubscribe = subscribe(listener)
         subscribed.set()
         return unsubscribe
 
-    def delayed_remove_files(records):
+    def delayed_remove_files(disk, records):
         versions = [r.version for r in records]
         if versions == [1]:  # after committing version 2
             first_held.set()
             second_committed.wait(JOIN)
         elif versions == [2]:  # after committing version 3
             second_committed.set()
-        return remove_files(records)
+        return remove_files(disk, records)
 
     store.subscribe = instrumented_subscribe
-    store._remove_files = delayed_remove_files
+    monkeypatch.setattr(Disk, "remove_files", delayed_remove_files)
 
     with WeightClient(server.address) as a, WeightClient(server.address) as b, WeightClient(server.address) as w:
         assert a.publish({"w": torch.zeros(4)}, model=MODEL) == 1

@@ -30,6 +30,8 @@ from weightclient import (
 from weightclient.torchrl.grpc_updaters import GrpcRemoteWeightUpdater
 from weightserver.process import ServerProcess
 from weightserver.protocol.safetensors_format import build_header
+from weightserver.storage.commit import Checks
+from weightserver.storage.persistence import Disk
 from weightserver.v1 import weights_pb2 as pb
 from weightserver.v1 import weights_pb2_grpc as pb_grpc
 
@@ -194,18 +196,20 @@ def test_the_updater_retrying_after_a_lost_reply_publishes_one_version(make_serv
         assert torch.equal(client.fetch(MODEL).tensors["weight"], policy.weight.detach())
 
 
-def test_a_retry_that_arrives_while_the_first_attempt_is_still_committing_waits_for_it(make_server, tmp_path):
+def test_a_retry_that_arrives_while_the_first_attempt_is_still_committing_waits_for_it(
+    make_server, tmp_path, monkeypatch
+):
     """The first attempt's deadline passes while the server is still writing its version; the
-    retry, on a new call, finds it once committed and answers with it."""
+    retry, on a new call, finds it once committed and answers with it. The slow disk and the
+    count of verified uploads are the storage classes' own methods, wrapped."""
     server = make_server(data_dir=tmp_path / "data")
-    store = server.store
-    write_group, verify = store._disk.write_group, store._checks.verify
+    write_group, verify = Disk.write_group, Checks.verify
     writing, release, verified = threading.Event(), threading.Event(), []
 
-    def slow_write(records):
+    def slow_write(disk, records):
         writing.set()
         release.wait(30)
-        return write_group(records)
+        return write_group(disk, records)
 
     def counted_verify(*args):
         record = verify(*args)
@@ -214,7 +218,8 @@ def test_a_retry_that_arrives_while_the_first_attempt_is_still_committing_waits_
 
     with WeightServiceClient(server.address) as client:
         assert client.publish_bytes(MODEL, payload(1)).version == 1
-        store._disk.write_group, store._checks.verify = slow_write, counted_verify
+        monkeypatch.setattr(Disk, "write_group", slow_write)
+        monkeypatch.setattr(Checks, "verify", counted_verify)
         try:
             with pytest.raises(DeadlineExceeded):
                 client.publish_bytes(MODEL, payload(2), publish_id=PUBLISH_ID, timeout=0.5)
@@ -225,7 +230,6 @@ def test_a_retry_that_arrives_while_the_first_attempt_is_still_committing_waits_
             thread.join(30)
         finally:
             release.set()
-            store._disk.write_group, store._checks.verify = write_group, verify
         assert outcome["result"].version == 2
         assert outcome["result"] == client.describe(MODEL, 2)
         assert [v.version for v in client.list_versions(MODEL)] == [1, 2]

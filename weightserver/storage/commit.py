@@ -8,28 +8,20 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from weightserver.protocol import digests
-from weightserver.protocol.digests import FileDigests
-from weightserver.protocol.errors import (
-    DescriptionTooLarge,
-    IntegrityError,
-    InvalidRequest,
-    ModelTooLarge,
-    VersionConflict,
-    VersionTooLarge,
-)
+from weightserver.protocol import digests, errors
 from weightserver.protocol.limits import MAX_DESCRIPTION_BYTES, MAX_DESCRIPTIONS_PER_REPLY
 from weightserver.protocol.safetensors_format import parse_header
 from weightserver.storage.index import MAX_VERSION, ModelState, Version, quoted
 
-NEW_ID = "a publish id names one publish: a retry sends the same models and bytes, a new publish needs a new id"
+NEW_ID = "a retry sends the same models and bytes, a new publish needs a new id"
+REPLY_LIMIT = f"the {MAX_DESCRIPTIONS_PER_REPLY} bytes one reply may carry to a gRPC client with default settings"
+DESCRIPTION_LIMIT = f"limit of {MAX_DESCRIPTION_BYTES} bytes on a version's description (what a gRPC client takes)"
 
 
 @dataclass(frozen=True)
 class Upload:
-    """One model's bytes in a publish and what the publisher declared: `sha256`, `xxh3` (None:
-    not declared; each given is checked). `digests`: computed while the bytes arrived (with the
-    store's `header_limits`), so nothing is hashed twice; None: the store computes them."""
+    """One model's bytes and what the publisher declared. `digests`: computed as the bytes arrived
+    (with the store's `header_limits`), so nothing is hashed twice."""
 
     model: str
     data: bytes | bytearray | memoryview = field(repr=False)
@@ -37,13 +29,13 @@ class Upload:
     total_bytes: int | None = None
     metadata: Mapping[str, str] | None = None
     pin: bool = False
-    digests: FileDigests | None = field(default=None, repr=False)
+    digests: digests.FileDigests | None = field(default=None, repr=False)
     xxh3: str | None = None
 
 
 @dataclass(frozen=True)
 class Commit:
-    """The event of one publish's commit (see `VersionStore.commit` for its two phases)."""
+    """The event of one publish's commit (see `VersionStore.commit`)."""
 
     versions: tuple[Version, ...]  # in the uploads' order
     publish_id: str = ""
@@ -52,36 +44,30 @@ class Commit:
     visible: bool = False
 
 
+@dataclass(frozen=True)
 class Checks:
-    """The limits a publish must keep: a model's size, its header, its description's size."""
-
-    def __init__(
-        self, max_model_bytes: int | None, header_limits: dict[str, int], describe: Callable[[Version], int] | None
-    ) -> None:
-        self.max_model_bytes, self.header_limits, self.describe = max_model_bytes, header_limits, describe
+    max_model_bytes: int | None
+    header_limits: dict[str, int]
+    describe: Callable[[Version], int] | None
 
     def size(self, model: str, size: int) -> None:
         if self.max_model_bytes is not None and size > self.max_model_bytes:
-            raise ModelTooLarge(
-                f"model {model!r}: {size} bytes is over the server's limit of {self.max_model_bytes} "
-                "bytes (--max-model-bytes)"
-            )
+            limit = f"the server's limit of {self.max_model_bytes} bytes (--max-model-bytes)"
+            raise errors.ModelTooLarge(f"model {model!r}: {size} bytes is over {limit}")
 
     def metadata(self, model: str, metadata: Mapping[str, str]) -> None:
         if self.describe is not None and metadata_bytes(metadata) > MAX_DESCRIPTION_BYTES:
-            raise DescriptionTooLarge(
-                f"model {model!r}: {metadata_bytes(metadata)} bytes of metadata are over the limit of "
-                f"{MAX_DESCRIPTION_BYTES} bytes (1 MiB) on a version's description (tensor list and metadata), "
-                "which keeps it within what a gRPC client receives by default; publish less metadata"
+            raise errors.DescriptionTooLarge(
+                f"model {model!r}: {metadata_bytes(metadata)} bytes of metadata are over the {DESCRIPTION_LIMIT}; "
+                "publish less metadata"
             )
 
     def verify(self, upload: Upload, group: tuple[str, ...]) -> Version:
-        """Size, digest and header checks of one upload: its Version, not yet numbered. Declared
-        digests are checked before the header is parsed; the sha256 is left to the background
-        worker only when just an xxh3 was declared."""
+        """One upload's Version, not yet numbered; the sha256 is left for later only when just an
+        xxh3 was declared."""
         model, size, data, found = upload.model, len(upload.data), upload.data, upload.digests
         if upload.total_bytes is not None and upload.total_bytes != size:
-            raise IntegrityError(
+            raise errors.IntegrityError(
                 f"model {model!r}: publisher declared {upload.total_bytes} bytes but sent {size}; "
                 "the upload was cut short or the header is wrong"
             )
@@ -95,10 +81,8 @@ class Checks:
         header = found.header if found is not None else parse_header(data, **self.header_limits)
         record = Version(
             model=model,
-            version=0,
             data=data,
             sha256=sha256 or "",
-            created=0.0,
             metadata=dict(upload.metadata or {}),
             header=header,
             pinned=upload.pin,
@@ -108,35 +92,44 @@ class Checks:
         )
         if self.describe is None:
             return record
-        # Measured at its largest: the largest number, pinned, its sha256 known.
+        # Measured at its largest: the largest number, pinned, its sha256 known
         largest = dataclasses.replace(record, version=MAX_VERSION, created=time.time(), pinned=True, sha256="0" * 64)
         size = self.describe(largest)
         if size > MAX_DESCRIPTION_BYTES:
-            raise DescriptionTooLarge(
-                f"model {model!r}: the version's description (names, shapes and digests of {len(header.tensors)} "
-                f"tensors, and {metadata_bytes(record.metadata)} bytes of metadata) would be {size} bytes, over the "
-                f"limit of {MAX_DESCRIPTION_BYTES} bytes (1 MiB) that keeps it within what a gRPC client receives "
-                "by default; publish fewer tensors (split the model into several, published together as a group) "
-                "or less metadata"
+            raise errors.DescriptionTooLarge(
+                f"model {model!r}: the description of {len(header.tensors)} tensors and {len(record.metadata)} metadata"
+                f" entries would be {size} bytes, over the {DESCRIPTION_LIMIT}; publish fewer tensors (split the model"
+                " into a group) or less metadata"
             )
         return dataclasses.replace(record, description_bytes=size)
 
     @staticmethod
-    def reply(names: Sequence[str], verified: Sequence[Version]) -> None:
+    def reply(verified: Sequence[Version]) -> None:
         """The Publish reply lists every model's description, and the first one once more."""
         reply_bytes = verified[0].description_bytes + sum(v.description_bytes for v in verified)
         if reply_bytes > MAX_DESCRIPTIONS_PER_REPLY:
-            raise DescriptionTooLarge(
-                f"model {quoted(names)}: the descriptions of this publish add up to {reply_bytes} bytes, over the "
-                f"{MAX_DESCRIPTIONS_PER_REPLY} bytes its reply may carry to a gRPC client with default settings; "
-                "publish fewer models at once"
+            raise errors.DescriptionTooLarge(
+                f"model {quoted([v.model for v in verified])}: the descriptions of this publish add up to "
+                f"{reply_bytes} bytes, over {REPLY_LIMIT}; publish fewer models at once"
+            )
+
+    @staticmethod
+    def listing(state: ModelState, record: Version, keep: int) -> None:
+        """The descriptions retained with `record` must fit one ListVersions reply (only a publish
+        retains more). Caller holds the lock."""
+        versions = [*state.versions.values(), record]
+        retained = [v for v in versions if v.pinned] + [v for v in versions if not v.pinned][-keep:]
+        total = sum(v.description_bytes for v in retained)
+        if total > MAX_DESCRIPTIONS_PER_REPLY:
+            raise errors.DescriptionTooLarge(
+                f"model {record.model!r}: with this version the descriptions of its retained versions would add up "
+                f"to {total} bytes, over {REPLY_LIMIT} (ListVersions reply); unpin or delete versions, or lower --keep"
             )
 
 
 class PublishIds:
-    """Which retained versions each publish id committed, and the ids committing now. Entries
-    may be gone since (evicted, deleted): each is checked, and the index is rebuilt from the
-    retained versions once it has doubled. Callers hold the store's lock."""
+    """Which retained versions each publish id committed (checked on use: they may be gone; rebuilt
+    once doubled), and the ids committing now. Callers hold the store's lock."""
 
     def __init__(self, models: dict[str, ModelState]) -> None:
         self._models = models
@@ -151,21 +144,18 @@ class PublishIds:
 
     def rebuild(self) -> None:
         self._index = {}
-        for state in self._models.values():
-            for record in state.versions.values():
-                if record.publish_id:
-                    self._index.setdefault(record.publish_id, []).append((record.model, record.version))
+        for record in (r for state in self._models.values() for r in state.versions.values() if r.publish_id):
+            self._index.setdefault(record.publish_id, []).append((record.model, record.version))
         self._rebuilt = len(self._index)
 
     def check_unused_elsewhere(self, names: Sequence[str], publish_id: str, *, partial: bool = False) -> None:
-        """InvalidRequest when a retained version of a model outside `names`, or a publish of
-        other models committing now, has `publish_id`. `partial`: `names` may be part of a
-        group (one header's check), so a version of a group including them is no reason."""
+        """InvalidRequest when a retained version of a model outside `names`, or a publish of other
+        models committing now, has `publish_id`. `partial`: `names` may be part of a group."""
         if not publish_id:
             return
         committing = self.committing.get(publish_id)
         if committing is not None and not set(committing) & set(names):
-            raise InvalidRequest(
+            raise errors.InvalidRequest(
                 f"publish id {publish_id!r} belongs to a publish of {quoted(committing)} committing now; {NEW_ID}"
             )
         for model, number in self._index.get(publish_id, ()):
@@ -174,65 +164,62 @@ class PublishIds:
                 continue
             models = record.group or (record.model,)
             if record.model not in names and not (partial and set(names) <= set(models)):
-                raise InvalidRequest(
-                    f"publish id {publish_id!r} was already used by version {record.version} of {quoted(models)}; "
-                    + NEW_ID
+                raise errors.InvalidRequest(
+                    f"publish id {publish_id!r} was already used by version {record.version} of "
+                    f"{quoted(models)}; {NEW_ID}"
                 )
 
     def repeated(self, names: Sequence[str], verified: Sequence[Version], publish_id: str) -> list[Version] | None:
-        """The versions an earlier publish with `publish_id` committed when this one repeats it
-        (same models, same bytes); None when no retained version carries the id."""
+        """What an earlier publish with `publish_id` committed, when this one repeats it; else None."""
         found = [committed_by(self._models[name], publish_id) for name in names]
         first = next((record for record in found if record is not None), None)
         if first is None:
             return None
         if set(first.group or (first.model,)) != set(names):
-            raise InvalidRequest(
+            raise errors.InvalidRequest(
                 f"publish id {publish_id!r} was already used by version {first.version} of "
-                f"{quoted(first.group or (first.model,))}; a retry sends the same models, a new publish needs a new id"
+                f"{quoted(first.group or (first.model,))}; {NEW_ID}"
             )
         for name, record, new in zip(names, found, verified, strict=True):
             if record is None or record.version != first.version:
-                raise VersionConflict(
+                raise errors.VersionConflict(
                     f"publish id {publish_id!r} committed version {first.version} of {quoted(names)}, but "
                     f"{name!r} no longer retains it (evicted or deleted); nothing was published again"
                 )
             if record.xxh3 != new.xxh3:
-                raise InvalidRequest(
+                raise errors.InvalidRequest(
                     f"publish id {publish_id!r} was already used by version {record.version} of {name!r} with "
-                    "other bytes; a retry sends the same bytes, a new publish needs a new id"
+                    f"other bytes; {NEW_ID}"
                 )
         return found  # type: ignore[return-value]  # none is None: checked above
 
 
 def _check_declared(model: str, name: str, declared: str | None, actual: str | None) -> None:
     if declared is not None and declared.lower() != actual:
-        raise IntegrityError(
+        raise errors.IntegrityError(
             f"model {model!r}: {name} of the received bytes is {actual}, publisher declared "
             f"{declared.lower()}; the bytes were corrupted in transit or the digest is wrong"
         )
 
 
 def committed_by(state: ModelState, publish_id: str) -> Version | None:
-    """The retained version of a model that a publish with `publish_id` committed, if any."""
     return next((r for r in state.versions.values() if r.publish_id == publish_id), None) if publish_id else None
 
 
 def check_version(names: Sequence[str], version: int, high_water: int) -> None:
-    """A requested `version` (0: the next one) must exceed every version the models ever had
-    and be at most MAX_VERSION."""
+    """A requested `version` (0: the next one) must exceed every version the models had, up to MAX_VERSION."""
     if version > MAX_VERSION:
-        raise VersionTooLarge(
+        raise errors.VersionTooLarge(
             f"model {quoted(names)}: requested version {version} is over the largest version number, "
             f"{MAX_VERSION} (2^63-1); ask for a smaller one or leave it unset (0) to get the next one"
         )
     if version and version <= high_water:
-        raise VersionConflict(
+        raise errors.VersionConflict(
             f"model {quoted(names)}: requested version {version} is not greater than the latest version "
             f"{high_water}; ask for a version > {high_water} or leave it unset (0) to get the next one"
         )
     if not version and high_water >= MAX_VERSION:
-        raise VersionConflict(
+        raise errors.VersionConflict(
             f"model {quoted(names)}: the latest version is {high_water}, the largest version number "
             "(2^63-1), so no version can follow it; publish under another model name"
         )

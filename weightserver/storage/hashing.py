@@ -1,12 +1,8 @@
-"""The sha256 of a version committed with only an xxh3 declared, computed after its commit.
-
-One background thread hashes such versions in turn, each once SHA256_DELAY_SECONDS have passed
-unless a reader waits for it: the moments after a commit belong to the followers applying it.
-"""
+"""The sha256 of versions committed with only an xxh3, hashed by one thread SHA256_DELAY_SECONDS
+after the commit (the moments after it belong to the followers applying it) or when a reader waits."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import threading
 import time
@@ -20,63 +16,50 @@ SHA256_DELAY_SECONDS = 0.5
 
 
 class Sha256Worker:
-    """Hashes committed versions of `models` (guarded by `lock`) whose sha256 is ""."""
-
     def __init__(self, lock: threading.Lock, models: dict[str, ModelState]) -> None:
         self._lock, self._models = lock, models
         self._pending: dict[tuple[str, int], Future[str]] = {}
         self._hurry = threading.Event()  # a reader waits for a pending sha256: no delay
-        self._executor: ThreadPoolExecutor | None = None  # started on first need
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="weightserver-sha256")  # no thread until used
         self._closed = False
 
     def expect(self, record: Version) -> None:
         """Register `record` before any reader can see it. Caller holds the lock."""
-        self._pending[(record.model, record.version)] = running_future()
+        self._pending[(record.model, record.version)] = future = Future()
+        future.set_running_or_notify_cancel()  # nobody can cancel it: several callers may wait on it
 
     def hash_later(self, record: Version) -> None:
-        """Queue `record`, registered with `expect`; by its key, so that it does not keep a
-        version deleted meanwhile in memory."""
-        key = (record.model, record.version)
-        with self._lock:
-            if not self._closed and self._executor is None:
-                self._executor = ThreadPoolExecutor(1, thread_name_prefix="weightserver-sha256")
-            executor = self._executor
-        if executor is not None:
-            with contextlib.suppress(RuntimeError):  # closed meanwhile
-                executor.submit(self._hash, key, record.created)
-                return
-        self._hash(key, record.created)  # closed: fails the future at once
+        """Queue `record` (registered with `expect`) by key, so that a deleted one can be freed."""
+        try:
+            self._executor.submit(self._hash, (record.model, record.version), record.created)
+        except RuntimeError:  # closed: fails the future at once
+            self._hash((record.model, record.version), record.created)
 
     def sha256_of(self, record: Version, *, hurry: bool = True) -> Future[str]:
-        """See `VersionStore.sha256_of`."""
-        if record.sha256:
-            return done_future(record.sha256)
         with self._lock:
             pending = self._pending.get((record.model, record.version))
-            if pending is not None:
+            if pending is not None and not record.sha256:
                 if hurry:
                     self._hurry.set()
                 return pending
             state = self._models.get(record.model)
             current = state.versions.get(record.version) if state is not None else None
-        if current is not None and current.sha256:
-            return done_future(current.sha256)
-        failed = running_future()
-        failed.set_exception(self._gone(record.model, record.version))
-        return failed
+        future, sha256 = Future[str](), record.sha256 or (current.sha256 if current is not None else "")
+        if sha256:
+            future.set_result(sha256)
+        else:
+            future.set_exception(self._gone(record.model, record.version))
+        return future
 
     def close(self) -> None:
-        """The hash running finishes; the versions still waiting fail with ServerUnavailable."""
+        """The hash running finishes; those waiting fail with ServerUnavailable."""
         with self._lock:
             self._closed = True
-            executor, self._executor = self._executor, None
         self._hurry.set()
-        if executor is not None:
-            executor.shutdown(wait=True)
+        self._executor.shutdown(wait=True)
 
     def _hash(self, key: tuple[str, int], created: float) -> None:
-        """Hash a retained version once its delay is out and put the sha256 in its record,
-        under the commit lock, so that a pin meanwhile keeps both."""
+        """Hash a retained version once its delay is out; replaced under the commit lock, so a pin keeps both."""
         model, version = key
         state = self._models[model]
         self._hurry.wait(max(0.0, created + SHA256_DELAY_SECONDS - time.time()))
@@ -103,16 +86,3 @@ class Sha256Worker:
         return VersionNotFound(
             f"model {model!r}: version {version} was evicted or deleted before its sha256 was computed"
         )
-
-
-def running_future() -> Future[str]:
-    """A future nobody can cancel (it is running): several callers may wait on one sha256."""
-    future: Future[str] = Future()
-    future.set_running_or_notify_cancel()
-    return future
-
-
-def done_future(result: str) -> Future[str]:
-    future = running_future()
-    future.set_result(result)
-    return future

@@ -1,4 +1,4 @@
-"""The index: each model's committed versions, its high-water mark and gaps, and the reads."""
+"""The index: each model's committed versions, its retention, high-water mark and gaps, and the reads."""
 
 from __future__ import annotations
 
@@ -11,27 +11,26 @@ from weightserver.protocol.errors import CursorOutOfRange, ModelNotFound, Versio
 from weightserver.protocol.names import validate_model_name
 from weightserver.protocol.safetensors_format import SafetensorsHeader
 
-# The largest version number: it fits a signed 64-bit integer, and the next one the proto's uint64.
-MAX_VERSION = 2**63 - 1
+MAX_VERSION = 2**63 - 1  # fits a signed 64-bit integer, and the next one the proto's uint64
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Version:
     """One committed, verified version. Immutable: a pin or a late sha256 replaces the record."""
 
     model: str
-    version: int
+    version: int = 0
     data: bytes | bytearray | memoryview = field(repr=False)
-    sha256: str  # "" until the background worker has hashed it
-    created: float
-    metadata: Mapping[str, str]
+    sha256: str = ""  # "" until the background worker has hashed it
+    created: float = 0.0
+    metadata: Mapping[str, str] = field(default_factory=dict)
     header: SafetensorsHeader = field(repr=False)
     pinned: bool = False
     group: tuple[str, ...] = ()  # models committed together under this version number
     xxh3: str = ""  # xxh3-128 of the whole file
     tensor_xxh3: Mapping[str, str] = field(default_factory=dict, repr=False)  # per tensor, by name
     description_bytes: int = 0  # its description as clients receive it, at most (0: not measured)
-    publish_id: str = ""  # the idempotency key of the publish that committed it ("": none)
+    publish_id: str = ""  # the idempotency key of the publish that committed it
 
     @property
     def byte_size(self) -> int:
@@ -40,8 +39,6 @@ class Version:
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """A model at a glance."""
-
     model: str
     latest_version: int
     version_count: int
@@ -54,9 +51,21 @@ class ModelState:
     high_water: int = 0  # highest version ever committed, retained or not
     removed: list[int] = field(default_factory=list)  # sorted; evicted or deleted (this process)
     deleted: set[int] = field(default_factory=set)  # deleted on request (this process)
-    # A relay's versions of its upstream it will never hold (for unnamed ones, the highest number).
-    missed: list[int] = field(default_factory=list)  # sorted
+    missed: list[int] = field(default_factory=list)  # sorted; upstream versions a relay will never hold
     commit_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def evict(self, keep: int) -> list[Version]:
+        """Retention: drop the unpinned versions beyond the `keep` newest; the dropped. Under the lock."""
+        unpinned = [v for v in self.versions.values() if not v.pinned]
+        doomed = unpinned[: max(0, len(unpinned) - keep)]
+        for record in doomed:
+            del self.versions[record.version]
+            bisect.insort(self.removed, record.version)
+        return doomed
+
+    def gap(self, after: int, before: int) -> bool:
+        """Whether a version between `after` and `before` (excluded) was removed or missed."""
+        return any(bisect.bisect_right(n, after) < bisect.bisect_left(n, before) for n in (self.removed, self.missed))
 
 
 class VersionIndex:
@@ -67,12 +76,10 @@ class VersionIndex:
         self._models: dict[str, ModelState] = {}
 
     def latest(self, model: str) -> Version:
-        """The newest version of `model`; ModelNotFound if it has none."""
         with self._lock:
             return next(reversed(self._retained(model).versions.values()))
 
     def get(self, model: str, version: int) -> Version:
-        """Exactly `version` of `model`; VersionEvicted / VersionNotFound / ModelNotFound."""
         with self._lock:
             state = self._retained(model)
             record = state.versions.get(version)
@@ -85,13 +92,13 @@ class VersionIndex:
                 )
             if 0 < version < retained[-1] and (version < retained[0] or contains(state.removed, version)):
                 raise VersionEvicted(
-                    f"model {model!r}: version {version} is no longer retained; the oldest retained "
-                    f"is {retained[0]} (retained: {ranges(retained)}); pin versions you need to keep"
+                    f"model {model!r}: version {version} is no longer retained; the oldest retained is {retained[0]} "
+                    f"(retained versions: {ranges(retained)}); pin versions you need to keep"
                 )
             raise VersionNotFound(f"model {model!r} has no version {version}; retained versions: {ranges(retained)}")
 
     def newer_than(self, model: str, version: int) -> Version | None:
-        """The latest version if it is newer than `version`, else None (caller is up to date)."""
+        """The latest version if it is newer than `version`, else None."""
         latest = self.latest(model)
         if version > latest.version:
             raise CursorOutOfRange(
@@ -101,14 +108,12 @@ class VersionIndex:
         return latest if latest.version > version else None
 
     def versions(self, model: str) -> list[Version]:
-        """Retained versions of `model`, oldest first."""
         with self._lock:
             return list(self._retained(model).versions.values())
 
     def versions_after(self, model: str, since: int) -> tuple[list[Version], bool]:
-        """Retained versions newer than `since`, oldest first, and whether one after `since` was
-        evicted, deleted or missed (a gap). No versions yet and `since` 0: ``([], False)``; a
-        `since` above every version ever committed: CursorOutOfRange."""
+        """Retained versions newer than `since`, oldest first, and whether one after `since` is
+        missing (a gap, also behind a pinned one); CursorOutOfRange above the high-water mark."""
         validate_model_name(model)
         with self._lock:
             state = self._models.get(model)
@@ -120,43 +125,30 @@ class VersionIndex:
                 )
             if state is None:
                 return [], False
-            newer = [v for v in state.versions.values() if v.version > since]
-            # Also a removed version behind a pinned one that `newer` holds is a gap.
-            gap = any(bisect.bisect_right(numbers, since) < len(numbers) for numbers in (state.removed, state.missed))
-            return newer, gap
+            return [v for v in state.versions.values() if v.version > since], state.gap(since, MAX_VERSION + 1)
 
     def gap_between(self, model: str, after: int, before: int) -> bool:
-        """Whether a version between `after` and `before` (excluded) was evicted, deleted or
-        missed: a watcher that saw `after` and then sees `before` missed it."""
+        """Whether a watcher that saw `after` and then sees `before` missed a version."""
         with self._lock:
             state = self._models.get(model)
-            if state is None:
-                return False
-            return any(
-                bisect.bisect_right(numbers, after) < bisect.bisect_left(numbers, before)
-                for numbers in (state.removed, state.missed)
-            )
+            return state is not None and state.gap(after, before)
 
     def missed(self, model: str, version: int) -> None:
-        """Record that a relay will never hold `version`, one its upstream committed, so that
-        watchers hear of the gap; for versions of unknown numbers, the highest they may have."""
+        """Record that a relay will never hold `version` of its upstream (for versions of unknown
+        numbers, the highest they may have), so that watchers hear of the gap."""
         state = self._model_state(validate_model_name(model))
         with self._lock:
             if not contains(state.missed, version):
                 bisect.insort(state.missed, version)
 
     def models(self) -> list[ModelInfo]:
-        """Every model that has retained versions, sorted by name."""
         with self._lock:
             return [
                 ModelInfo(
-                    model=name,
-                    latest_version=next(reversed(state.versions)),
-                    version_count=len(state.versions),
-                    retained_bytes=sum(v.byte_size for v in state.versions.values()),
+                    name, next(reversed(s.versions)), len(s.versions), sum(v.byte_size for v in s.versions.values())
                 )
-                for name, state in sorted(self._models.items())
-                if state.versions
+                for name, s in sorted(self._models.items())
+                if s.versions
             ]
 
     def _model_state(self, model: str) -> ModelState:
@@ -164,7 +156,7 @@ class VersionIndex:
             return self._models.setdefault(model, ModelState())
 
     def _retained(self, model: str) -> ModelState:
-        """The state of `model` if it retains versions, else ModelNotFound. Caller holds the lock."""
+        """`model`'s state if it retains versions, else ModelNotFound. Caller holds the lock."""
         state = self._models.get(validate_model_name(model))
         if state is None or not state.versions:
             names = [name for name, other in sorted(self._models.items()) if other.versions]

@@ -1,7 +1,6 @@
-"""Payloads: the bytes a fetch sends, a safetensors file: the version itself, a delta (the
-tensors whose xxh3 differs from a base version's), a cast (float32 as bfloat16 or float16), or
-both. Derived ones are built once per (version, base, dtype) however many ask at once, and
-cached within a byte budget. `apply_delta` rebuilds a version from a delta. numpy, no torch."""
+"""Payloads: the safetensors file a fetch sends: the version itself, a delta (the tensors whose
+xxh3 differs from a base version's), a cast (float32 as bfloat16 or float16), or both. Derived
+ones are built once however many ask at once, and cached within a byte budget. numpy, no torch."""
 
 from __future__ import annotations
 
@@ -21,13 +20,15 @@ from weightserver.protocol.safetensors_format import (
 )
 
 CAST_TARGETS = ("BF16", "F16")
+CAST_BLOCK_VALUES = 1 << 22  # 16 MiB of float32 at a time: whole-tensor temporaries would cost several times its size
+Bytes = bytes | bytearray | memoryview
 
 
 @dataclass(frozen=True)
 class Payload:
     """A safetensors file to send, and what it is relative to the version it came from."""
 
-    data: bytes | bytearray | memoryview = field(repr=False)
+    data: Bytes = field(repr=False)
     xxh3: str
     base_version: int = 0
     dtype: str = ""
@@ -37,12 +38,8 @@ class Payload:
         return len(self.data)
 
 
-CAST_BLOCK_VALUES = 1 << 22  # 16 MiB of float32 at a time: a cast's temporaries stay this small
-
-
 def cast_f32(data: memoryview, dtype: str) -> memoryview:
-    """Little-endian float32 bytes -> `dtype` bytes, rounding to nearest even like torch; block by
-    block, as whole-tensor temporaries would cost several times a large tensor's size."""
+    """Little-endian float32 bytes -> `dtype` bytes, rounding to nearest even like torch."""
     import numpy as np  # only servers that cast pay for the import
 
     values = np.frombuffer(data, dtype="<f4")
@@ -63,15 +60,10 @@ def cast_f32(data: memoryview, dtype: str) -> memoryview:
 
 
 def derive(
-    data: bytes | bytearray | memoryview,
-    header: SafetensorsHeader,
-    *,
-    keep: Callable[[TensorEntry], bool] | None = None,
-    dtype: str = "",
+    data: Bytes, header: SafetensorsHeader, *, keep: Callable[[TensorEntry], bool] | None = None, dtype: str = ""
 ) -> bytes:
     """A new safetensors file with the tensors `keep` selects, float32 ones cast to `dtype`."""
-    view = memoryview(data)
-    start = header.data_start
+    view, start = memoryview(data), header.data_start
     selected: list[tuple[TensorEntry, str, memoryview | bytes]] = []
     for entry in header.tensors:
         if keep is not None and not keep(entry):
@@ -88,15 +80,11 @@ def derive(
 
 
 def apply_delta(
-    base: bytes | bytearray | memoryview,
-    base_header: SafetensorsHeader,
-    layout: Sequence[TensorEntry],
-    byte_size: int,
-    delta: bytes | bytearray | memoryview,
+    base: Bytes, base_header: SafetensorsHeader, layout: Sequence[TensorEntry], byte_size: int, delta: Bytes
 ) -> bytearray | None:
-    """The inverse of `derive(..., keep=changed)`: the base's file with each tensor of `delta`
-    written over its place. `layout`, `byte_size`: the target's tensors and size; laid out
-    otherwise than the base: None. The base's header is kept, so the caller checks the digest."""
+    """The inverse of `derive(..., keep=changed)`: the base with each tensor of `delta` written over
+    its place; None when the target (`layout`, `byte_size`) is laid out otherwise. The caller
+    checks the digest."""
     if len(base) != byte_size or [_placement(t) for t in base_header.tensors] != [_placement(t) for t in layout]:
         return None
     try:
@@ -104,8 +92,7 @@ def apply_delta(
     except InvalidSafetensors:
         return None
     places = {t.name: t for t in base_header.tensors}
-    rebuilt = bytearray(base)
-    source = memoryview(delta)
+    rebuilt, source = bytearray(base), memoryview(delta)
     for entry in changed.tensors:
         place = places.get(entry.name)
         if place is None or (entry.dtype, entry.shape, entry.nbytes) != (place.dtype, place.shape, place.nbytes):
@@ -120,8 +107,8 @@ def _placement(entry: TensorEntry) -> tuple[str, str, tuple[int, ...], int, int]
 
 
 class PayloadCache:
-    """Builds derived payloads once and keeps them within `max_bytes` (least recently used
-    dropped first). Concurrent requests for the same payload wait for the one build."""
+    """Builds derived payloads once (concurrent requests wait for the one build) and keeps them
+    within `max_bytes`, least recently used dropped first."""
 
     def __init__(self, max_bytes: int = 1 << 30) -> None:
         self.max_bytes = max_bytes
@@ -131,14 +118,17 @@ class PayloadCache:
         self.builds = 0  # how many payloads were derived (a cast happens once per version)
 
     def get(self, target, base=None, dtype: str = "") -> Payload:
-        """The payload for `target` (a store Version): a delta against `base` (a Version of
-        the same model, or None) and/or a cast to `dtype`."""
+        """The payload for `target` (a store Version): a delta against `base` (a Version of the same
+        model, or None) and/or a cast to `dtype`."""
         if dtype and dtype not in CAST_TARGETS:
             raise InvalidRequest(f"cannot cast to {dtype!r}: choose one of {', '.join(CAST_TARGETS)} or ''")
-        if base is not None and not _compatible(base, target):
-            base = None  # tensors do not line up: send everything
-        if base is not None and not dtype and not _unchanged(base, target):
-            base = None  # every tensor changed: the version's own file is the delta, as is
+        # A delta needs the same tensor names, dtypes and shapes, and a tensor that did not change.
+        layout = {(t.name, t.dtype, t.shape) for t in target.header.tensors}
+        if base is not None and layout != {(t.name, t.dtype, t.shape) for t in base.header.tensors}:
+            base = None
+        unchanged = _unchanged(base, target) if base is not None else set()
+        if base is not None and not dtype and not unchanged:
+            base = None  # every tensor changed: the version's own file is the delta
         if base is None and not dtype:
             return Payload(target.data, target.xxh3)
         key = (target.model, target.version, base.version if base is not None else 0, dtype)
@@ -154,11 +144,14 @@ class PayloadCache:
                     break
             waiter.wait()
         try:
-            payload = self._build(target, base, dtype)
+            data = derive(target.data, target.header, keep=lambda e: e.name not in unchanged, dtype=dtype)
+            payload = Payload(data, xxh3_hex(data), base.version if base is not None else 0, dtype)
             with self._lock:
                 self.builds += 1
                 self._entries[key] = payload
-                self._trim()
+                total = sum(p.byte_size for p in self._entries.values())
+                while total > self.max_bytes and len(self._entries) > 1:
+                    total -= self._entries.popitem(last=False)[1].byte_size
             return payload
         finally:
             with self._lock:
@@ -174,28 +167,7 @@ class PayloadCache:
             for key in [k for k in self._entries if k[0] == model and version in (k[1], k[2])]:
                 del self._entries[key]
 
-    def _trim(self) -> None:
-        total = sum(p.byte_size for p in self._entries.values())
-        while total > self.max_bytes and len(self._entries) > 1:
-            _, dropped = self._entries.popitem(last=False)
-            total -= dropped.byte_size
-
-    @staticmethod
-    def _build(target, base, dtype: str) -> Payload:
-        if base is not None:
-            unchanged = _unchanged(base, target)
-            data = derive(target.data, target.header, keep=lambda e: e.name not in unchanged, dtype=dtype)
-        else:
-            data = derive(target.data, target.header, dtype=dtype)
-        return Payload(data, xxh3_hex(data), base.version if base is not None else 0, dtype)
-
 
 def _unchanged(base, target) -> set[str]:
     """Names of the tensors whose bytes are the same in both versions (by digest)."""
     return {name for name, digest in target.tensor_xxh3.items() if base.tensor_xxh3.get(name) == digest}
-
-
-def _compatible(base, target) -> bool:
-    """A delta needs the same tensor names, dtypes and shapes in both versions."""
-    layout = {(t.name, t.dtype, t.shape) for t in target.header.tensors}
-    return layout == {(t.name, t.dtype, t.shape) for t in base.header.tensors}

@@ -1,25 +1,23 @@
-"""Persistence: versions on disk under ``data_dir``, written so that a crash never shows a torn one.
+"""Persistence: versions under ``data_dir``, written so that a crash never shows a torn one.
 
     <model>/<version:012d>.safetensors   the published bytes, unchanged
-    <model>/<version:012d>.json          manifest: sha256, size, created, metadata, pinned, group
+    <model>/<version:012d>.json          manifest: written last, it marks a committed version
     <model>/high_water.json              highest version ever committed (written on delete)
 
-The manifest is written after the data file, so it marks a committed version; a data file
-without one is crash debris, removed on start. A delete removes the data file first (so it
-works on a full disk), then records the high-water mark, then the manifest: until then the
-manifest keeps the version's number from being handed out again.
+A delete removes the data file first (so it works on a full disk), then records the high-water
+mark, then the manifest, which until then keeps the number from being handed out again.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import json
 import logging
 import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 from weightserver.protocol import digests
@@ -39,8 +37,7 @@ class Disk:
     """The files of a data directory; `describe` measures a loaded version's description."""
 
     def __init__(self, data_dir: Path, describe: Callable[[Version], int] | None = None) -> None:
-        self.data_dir = data_dir
-        self._describe = describe
+        self.data_dir, self._describe = data_dir, describe
         data_dir.mkdir(parents=True, exist_ok=True)
 
     def paths(self, model: str, version: int) -> tuple[Path, Path]:
@@ -48,10 +45,8 @@ class Disk:
         return data, data.with_suffix(MANIFEST_SUFFIX)
 
     def write_group(self, records: list[Version]) -> list[Version]:
-        """Every data file, then every manifest (a crash leaves a torn group that `load` drops);
-        a failed write removes what the group wrote. A record without a sha256 is hashed while
-        the files are written (hashlib lets go of the GIL), so its manifest carries it: returns
-        the records with their sha256s."""
+        """Every data file, then every manifest (`load` drops a torn group); a failed write removes
+        what it wrote. Missing sha256s are computed beside the writes (hashlib lets go of the GIL)."""
         written: list[Path] = []
         try:
             with self.writes(), ThreadPoolExecutor(thread_name_prefix="weightserver-sha256") as pool:
@@ -60,10 +55,7 @@ class Disk:
                     (self.data_dir / record.model).mkdir(parents=True, exist_ok=True)
                     written.append(self.paths(record.model, record.version)[0])
                     atomic_write(written[-1], record.data)
-                records = [
-                    dataclasses.replace(record, sha256=hashing[i].result()) if i in hashing else record
-                    for i, record in enumerate(records)
-                ]
+                records = [replace(r, sha256=hashing[i].result()) if i in hashing else r for i, r in enumerate(records)]
                 for record in records:
                     written.append(self.paths(record.model, record.version)[1])
                     self.write_manifest(record)
@@ -75,7 +67,7 @@ class Disk:
 
     @contextlib.contextmanager
     def writes(self) -> Iterator[None]:
-        """Raise StorageFull, which says what to do, when the data directory has no space left."""
+        """No space left in the data directory: StorageFull, which says what to do."""
         try:
             yield
         except OSError as exc:
@@ -88,7 +80,6 @@ class Disk:
             ) from exc
 
     def delete_files(self, record: Version, high_water: int) -> None:
-        """Data file, high-water mark, manifest: in that order (see the module docstring)."""
         data_path, manifest_path = self.paths(record.model, record.version)
         data_path.unlink(missing_ok=True)
         try:
@@ -122,18 +113,22 @@ class Disk:
             except InvalidModelName:
                 log.warning("ignoring %s: not a valid model name", directory)
                 continue
-            state = models.setdefault(model, ModelState())
+            state = models.setdefault(model, ModelState(high_water=_read_high_water(directory / HIGH_WATER)))
             for tmp in directory.glob("*.tmp"):
                 log.warning("removing %s: an unfinished write from before a crash", tmp)
                 tmp.unlink(missing_ok=True)
-            state.high_water = _read_high_water(directory / HIGH_WATER)
-            for record in self._load_model(model, directory):
-                state.versions[record.version] = record
-            # A manifest marks a committed version even when it was skipped as damaged: never
-            # hand its number out again (unless it is out of range).
-            for path in directory.glob("*" + MANIFEST_SUFFIX):
-                if path.stem.isascii() and path.stem.isdigit() and int(path.stem) <= MAX_VERSION:
-                    state.high_water = max(state.high_water, int(path.stem))
+            manifests = {p.stem: p for p in directory.glob("*" + MANIFEST_SUFFIX) if p.name != HIGH_WATER}
+            for data_path in sorted(directory.glob("*" + FILE_SUFFIX)):
+                if data_path.stem not in manifests:
+                    log.warning("removing %s: data without a manifest (publish interrupted by a crash)", data_path)
+                    data_path.unlink(missing_ok=True)
+            for stem, manifest_path in sorted(manifests.items()):
+                record = self._load_one(model, manifest_path, manifest_path.with_suffix(FILE_SUFFIX))
+                if record is not None:
+                    state.versions[record.version] = record
+                # A manifest, even a damaged one, keeps its number from being handed out again.
+                if stem.isascii() and stem.isdigit() and int(stem) <= MAX_VERSION:
+                    state.high_water = max(state.high_water, int(stem))
         self._drop_torn_groups(models)
         for model, state in models.items():
             if state.versions:
@@ -142,34 +137,18 @@ class Disk:
         return models
 
     def _drop_torn_groups(self, models: dict[str, ModelState]) -> None:
-        """Drop a group's versions whose partner lacks the number and has nothing newer: its
-        manifest was never written, the group did not commit (else the partner evicted it)."""
+        """Drop a group's version whose partner lacks it and has nothing newer: the group never committed."""
         for model, state in models.items():
             for number, record in list(state.versions.items()):
                 for partner in record.group:
                     other = models.get(partner)
                     held = other.versions if other else {}
+                    torn = (model, number, partner)
                     if partner != model and number not in held and number > max(held, default=0):
-                        log.error(
-                            "skipping %s v%d: its group publish with %s did not complete before a crash",
-                            model,
-                            number,
-                            partner,
-                        )
+                        log.error("skipping %s v%d: its group with %s did not complete before a crash", *torn)
                         del state.versions[number]
                         self.remove_files([record])
                         break
-
-    def _load_model(self, model: str, directory: Path) -> Iterator[Version]:
-        manifests = {p.stem: p for p in directory.glob("*" + MANIFEST_SUFFIX) if p.name != HIGH_WATER}
-        for data_path in sorted(directory.glob("*" + FILE_SUFFIX)):
-            if data_path.stem not in manifests:
-                log.warning("removing %s: data without a manifest (publish interrupted by a crash)", data_path)
-                data_path.unlink(missing_ok=True)
-        for _, manifest_path in sorted(manifests.items()):
-            record = self._load_one(model, manifest_path, manifest_path.with_suffix(FILE_SUFFIX))
-            if record is not None:
-                yield record
 
     def _load_one(self, model: str, manifest_path: Path, data_path: Path) -> Version | None:
         try:
@@ -182,21 +161,18 @@ class Disk:
                 raise IntegrityError(f"sha256 on disk is {digest}, manifest says {manifest['sha256']}")
             header = parse_header(data)  # the format's limits: what was committed loads
             record = Version(
+                **{k: manifest[k] for k in ("version", "metadata", "pinned", "publish_id") if k in manifest},
                 model=model,
-                version=manifest["version"],
                 data=data,
                 sha256=digest,
                 created=float(manifest.get("created", 0.0)),
-                metadata=dict(manifest.get("metadata", {})),
                 header=header,
-                pinned=manifest.get("pinned", False),
                 group=tuple(manifest.get("group", ())),
-                publish_id=manifest.get("publish_id", ""),
                 xxh3=digests.xxh3_hex(data),
                 tensor_xxh3=digests.tensor_digests(data, header),
             )
             if self._describe is not None:
-                record = dataclasses.replace(record, description_bytes=self._describe(record))
+                record = replace(record, description_bytes=self._describe(record))
             return record
         except Exception as exc:  # any damage: skip this version, keep the others
             log.error("skipping %s: torn or corrupt version (%s)", data_path, exc)
@@ -204,8 +180,8 @@ class Disk:
 
 
 def _check_manifest(manifest: object, path: Path) -> dict:
-    """`manifest` if every field has the type and range the server relies on, else ValueError.
-    It must name the version its file name says: a copied one must not serve another's bytes."""
+    """`manifest` if its fields have the types and ranges relied on, else ValueError; its version
+    must be its file name's, so a copied one cannot serve another's bytes."""
     if not isinstance(manifest, dict):
         raise ValueError("the manifest is not a JSON object")
     version = manifest.get("version")
@@ -234,20 +210,17 @@ def _check_manifest(manifest: object, path: Path) -> dict:
 
 def _read_high_water(path: Path) -> int:
     try:
-        value = json.loads(path.read_text())["high_water"]
+        value = json.loads(path.read_text())["high_water"] if path.exists() else 0
         if type(value) is not int or not 0 <= value <= MAX_VERSION:
             raise ValueError(f"high_water must be an integer in 0-{MAX_VERSION}, got {value!r}")
         return value
-    except FileNotFoundError:
-        return 0
     except (ValueError, KeyError, TypeError, OverflowError, OSError) as exc:
         log.error("ignoring %s: %s", path, exc)
         return 0
 
 
 def atomic_write(path: Path, data: bytes | bytearray | memoryview) -> None:
-    """Write `path` so that a crash leaves the old file or the new one, and a failed write (a
-    full disk) no temp file."""
+    """Write `path` so that a crash leaves the old file or the new one, and a failed write no temp file."""
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:

@@ -1,10 +1,5 @@
-"""VersionStore: the versions of every model, their retention and their persistence.
-
-Plain Python, no gRPC, thread-safe. A version becomes visible only once its bytes passed every
-check (size, declared digests, safetensors header) and, with a data directory, once its files
-are durable: readers only ever see complete, verified versions. The parts, a file per job:
-index (records, reads), commit (checks, publish ids), retention, persistence, hashing.
-"""
+"""VersionStore: the versions of every model, their retention and their persistence. Thread-safe;
+a version becomes visible once its bytes passed every check and, with a data directory, are durable."""
 
 from __future__ import annotations
 
@@ -16,14 +11,14 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
-from weightserver.protocol.errors import InvalidRequest, VersionNotFound
+from weightserver.protocol.errors import InvalidRequest
 from weightserver.protocol.names import validate_model_name, validate_publish_id
 from weightserver.storage.commit import Checks, Commit, PublishIds, Upload, check_version, committed_by
 from weightserver.storage.hashing import Sha256Worker
-from weightserver.storage.index import MAX_VERSION, ModelInfo, ModelState, Version, VersionIndex, quoted
+from weightserver.storage.index import MAX_VERSION, ModelInfo, Version, VersionIndex, quoted
 from weightserver.storage.persistence import Disk
-from weightserver.storage.retention import check_listing, evict
 
 __all__ = ["MAX_VERSION", "Commit", "ModelInfo", "Upload", "Version", "VersionStore"]
 
@@ -47,40 +42,30 @@ class VersionStore(VersionIndex):
         *,
         keep: int = 3,
         max_model_bytes: int | None = None,
-        max_header_bytes: int | None = None,
-        max_tensors: int | None = None,
         describe: Callable[[Version], int] | None = None,
+        **header_limits: int | None,
     ) -> None:
-        """`describe(version)`: the bytes of a version's description as clients receive it; with
-        it, a publish whose descriptions would not fit a reply is refused before it commits."""
+        """`header_limits`: parse_header's (max_header_bytes, max_tensors). `describe(version)`: the
+        size of its description as clients receive it, to refuse a publish whose would not fit."""
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         super().__init__()
-        self.data_dir = Path(data_dir) if data_dir is not None else None
         self.keep = keep
-        self.max_model_bytes = max_model_bytes
-        limits = {"max_header_bytes": max_header_bytes, "max_tensors": max_tensors}
-        self._checks = Checks(max_model_bytes, {k: v for k, v in limits.items() if v is not None}, describe)
+        self.header_limits = {k: v for k, v in header_limits.items() if v is not None}  # also for Upload.digests
+        self._checks = Checks(max_model_bytes, self.header_limits, describe)
         self._publish_ids = PublishIds(self._models)
         self._sha256 = Sha256Worker(self._lock, self._models)
         self._listeners: list[Callable[[Commit], None]] = []
-        self._disk = Disk(self.data_dir, describe) if self.data_dir is not None else None
+        self._disk = Disk(Path(data_dir), describe) if data_dir is not None else None
         if self._disk is not None:
             self._models.update(self._disk.load())
             for state in self._models.values():
-                self._remove_files(evict(state, keep))
+                self._remove_files(state.evict(keep))
             self._publish_ids.rebuild()
 
-    @property
-    def header_limits(self) -> dict[str, int]:
-        """parse_header's keyword limits this store applies (for `Upload.digests` computed elsewhere)."""
-        return dict(self._checks.header_limits)
-
     def close(self) -> None:
-        """Let the sha256 worker go; the versions it has not hashed keep sha256 ""."""
         self._sha256.close()
 
-    # ------------------------------------------------------------------ publishing
     def check_publish(
         self,
         model: str,
@@ -90,8 +75,7 @@ class VersionStore(VersionIndex):
         metadata: Mapping[str, str] | None = None,
         publish_id: str = "",
     ) -> None:
-        """Cheap checks before any byte is received: name, size, metadata, version order (not for
-        a repeat of a publish id: its version is the one already committed)."""
+        """The checks before any byte is received."""
         validate_model_name(model)
         self._checks.size(model, total_bytes)
         self._checks.metadata(model, metadata or {})
@@ -103,21 +87,10 @@ class VersionStore(VersionIndex):
             check_version([model], version, state.high_water if state else 0)
 
     def publish(
-        self,
-        model: str,
-        data: bytes | bytearray | memoryview,
-        *,
-        sha256: str | None = None,
-        total_bytes: int | None = None,
-        version: int = 0,
-        metadata: Mapping[str, str] | None = None,
-        pin: bool = False,
-        publish_id: str = "",
-        xxh3: str | None = None,
+        self, model: str, data: bytes | bytearray | memoryview, *, version: int = 0, publish_id: str = "", **upload: Any
     ) -> Version:
-        """Verify `data` and commit it as a new version of `model` (see `commit`)."""
-        upload = Upload(model, data, sha256=sha256, total_bytes=total_bytes, metadata=metadata, pin=pin, xxh3=xxh3)
-        return self.publish_group([upload], version=version, publish_id=publish_id)[0]
+        """Commit `data` as a new version of `model`; `upload`: the other Upload fields."""
+        return self.publish_group([Upload(model, data, **upload)], version=version, publish_id=publish_id)[0]
 
     def publish_group(
         self, uploads: Sequence[Upload], *, version: int = 0, publish_id: str = "", created: float | None = None
@@ -131,18 +104,10 @@ class VersionStore(VersionIndex):
     def commit(
         self, uploads: Sequence[Upload], *, version: int = 0, publish_id: str = "", created: float | None = None
     ) -> Iterator[Commit]:
-        """Verify several models' bytes and commit them under ONE version number, in two phases:
-
-        1. the `with` body gets the Commit once it is durable, before anyone can see it, under
-           the commit locks: the publisher counts it there, so whoever sees it finds it counted.
-           An exception in the body is logged; the commit stands.
-        2. leaving it, the versions become visible (the whole group) and every listener gets the
-           Commit, still under the commit locks: each model's versions in order.
-
-        `version`: the number (0: one above every version the models had). `publish_id`: a repeat
-        of a retained publish commits nothing: its Commit is `replayed`, no listener hears of it.
-        `created`: the commit time to record (a relay keeps its upstream's); default now.
-        """
+        """Verify several models' bytes and commit them under ONE version number (0: the next). Under
+        the commit locks, the `with` body gets the Commit once durable, before anyone can see it (an
+        exception there is logged); leaving it, the group becomes visible and listeners hear of it.
+        A repeated `publish_id` commits nothing: its Commit is `replayed`, unheard by listeners."""
         if not uploads:
             raise InvalidRequest("a publish needs at least one model")
         if version < 0:
@@ -153,7 +118,7 @@ class VersionStore(VersionIndex):
             raise InvalidRequest(f"a publish names a model twice: {', '.join(names)}")
         group = tuple(names) if len(names) > 1 else ()
         verified = [self._checks.verify(u, group) for u in uploads]  # hashed before taking any lock
-        self._checks.reply(names, verified)
+        self._checks.reply(verified)
         states = {name: self._model_state(name) for name in names}
         with contextlib.ExitStack() as locks:
             for name in sorted(names):  # one fixed order, so two groups cannot deadlock
@@ -165,7 +130,7 @@ class VersionStore(VersionIndex):
                     high_water = max(state.high_water for state in states.values())
                     check_version(names, version, high_water)
                     for record in verified:
-                        check_listing(states[record.model], record, self.keep)
+                        self._checks.listing(states[record.model], record, self.keep)
                     if publish_id:
                         self._publish_ids.committing[publish_id] = tuple(names)
             if repeated is not None:
@@ -182,7 +147,23 @@ class VersionStore(VersionIndex):
                     yield event
                 except Exception:
                     log.exception("the commit hook failed on %s", _numbered(records))
-                event = self._make_visible(event, states)
+                evicted: list[Version] = []
+                with self._lock:  # visible: the whole group at once
+                    for record in records:
+                        state = states[record.model]
+                        state.versions[record.version], state.high_water = record, record.version
+                        evicted += state.evict(self.keep)
+                        if not record.sha256:  # registered before any reader can see the record
+                            self._sha256.expect(record)
+                        if record.publish_id:
+                            self._publish_ids.add(record)
+                    listeners = list(self._listeners)
+                event = dataclasses.replace(event, evicted=tuple(evicted), visible=True)
+                for listener in listeners:
+                    try:
+                        listener(event)
+                    except Exception:
+                        log.exception("%r failed on %s", listener, _numbered(records))
             finally:
                 if publish_id:
                     with self._lock:
@@ -192,32 +173,9 @@ class VersionStore(VersionIndex):
                 self._sha256.hash_later(record)
         self._remove_files(list(event.evicted))
 
-    def _make_visible(self, event: Commit, states: Mapping[str, ModelState]) -> Commit:
-        """Phase 2 of `commit` (the caller holds the commit locks)."""
-        evicted: list[Version] = []
-        with self._lock:
-            for record in event.versions:
-                state = states[record.model]
-                state.versions[record.version] = record
-                state.high_water = record.version
-                evicted += evict(state, self.keep)
-                if not record.sha256:  # registered before any reader can see the record
-                    self._sha256.expect(record)
-                if record.publish_id:
-                    self._publish_ids.add(record)
-            listeners = list(self._listeners)
-        event = dataclasses.replace(event, evicted=tuple(evicted), visible=True)
-        for listener in listeners:
-            try:
-                listener(event)
-            except Exception:
-                log.exception("%r failed on %s", listener, _numbered(event.versions))
-        return event
-
     def subscribe(self, listener: Callable[[Commit], None]) -> Callable[[], None]:
-        """Call `listener(commit)` once each commit is visible, in version order per model (from
-        the committing thread, under its commit locks: it must not block). Exceptions are
-        logged. Returns a function that unsubscribes."""
+        """Call `listener(commit)` once each commit is visible, in version order per model, under its
+        commit locks (it must not block). Returns the unsubscribe."""
         with self._lock:
             self._listeners.append(listener)
 
@@ -228,10 +186,8 @@ class VersionStore(VersionIndex):
 
         return unsubscribe
 
-    # ------------------------------------------------------------------ admin
     def delete(self, model: str, version: int, *, evicted: bool = False) -> Version:
-        """Delete one retained version, from disk first. `evicted`: it goes because its upstream
-        evicted it (a relay), so asking for it later says VersionEvicted, not deleted."""
+        """Delete one version, from disk first. `evicted`: by its upstream (a relay): VersionEvicted later."""
         self.get(model, version)  # raises the right NotFound before taking the commit lock
         state = self._model_state(model)
         with state.commit_lock:  # no commit, eviction or pin of this model meanwhile
@@ -247,7 +203,7 @@ class VersionStore(VersionIndex):
         return record
 
     def set_pinned(self, model: str, version: int, pinned: bool) -> Version:
-        """Pin (keep beyond `keep`) or unpin a version; unpinning may evict it at once."""
+        """Pin (keep beyond `keep`) or unpin a version; unpinning may evict it."""
         self.get(model, version)  # raises the right NotFound before taking the commit lock
         state = self._model_state(model)
         with state.commit_lock:
@@ -255,19 +211,14 @@ class VersionStore(VersionIndex):
             if self._disk is not None:
                 with self._disk.writes():
                     self._disk.write_manifest(updated)
-            with self._lock:
-                if version not in state.versions:
-                    raise VersionNotFound(f"model {model!r}: version {version} was removed concurrently")
+            with self._lock:  # the commit lock keeps it retained meanwhile
                 state.versions[version] = updated
-                evicted = evict(state, self.keep)
+                evicted = state.evict(self.keep)
         self._remove_files(evicted)
         return updated
 
     def sha256_of(self, record: Version, *, hurry: bool = True) -> Future[str]:
-        """A future of `record`'s sha256: done at once when known, else once the background worker
-        hashed it (with `hurry` now, else after SHA256_DELAY_SECONDS). It fails with
-        VersionNotFound when the version went first (hash `record.data` yourself), or
-        ServerUnavailable once the store is closed. Nobody can cancel it."""
+        """`record`'s sha256, once hashed (`hurry`: now, else after a delay); VersionNotFound if it went first."""
         return self._sha256.sha256_of(record, hurry=hurry)
 
     def _remove_files(self, records: list[Version]) -> None:  # after the commit locks are released
