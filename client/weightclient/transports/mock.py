@@ -21,7 +21,7 @@ from weightclient.core.retry import Deadline
 from weightclient.transports.base import NotOffered, Offer, OutgoingFile, Progress, TransportFailed, negotiated_offer
 from weightclient.transports.negotiation import TransportChain
 from weightserver.protocol.errors import InvalidRequest, ModelNotFound, VersionNotFound
-from weightserver.protocol.framing import BufferSink, receive_chunks
+from weightserver.protocol.framing import receive_chunks
 from weightserver.protocol.version_info import VersionInfo
 from weightserver.v1 import weights_pb2 as pb
 
@@ -124,7 +124,7 @@ class MockTransport:
         if self.name in self.server.corrupt and data:
             data[0] ^= 0xFF
         buffer = memoryview(bytearray(len(data)))
-        receive_chunks([memoryview(data)], BufferSink(buffer))
+        receive_chunks([memoryview(data)], buffer)
         if progress is not None:
             progress(len(data), len(data))
         return buffer
