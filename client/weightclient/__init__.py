@@ -1,8 +1,5 @@
-"""Python client for weightserver: publish and fetch versioned model weights over gRPC.
-
-`WeightClient` needs torch and tensordict (the `client` extra); `WeightServiceClient` works on
-safetensors bytes and needs neither.
-"""
+"""Python client for weightserver: `WeightClient` (torch tensors, the `client` extra) and
+`WeightServiceClient` (safetensors bytes, no torch)."""
 
 from __future__ import annotations
 

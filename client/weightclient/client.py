@@ -23,11 +23,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class FetchResult:
-    """A fetched version: `.version`, `.metadata`, `.weights` (TensorDict), `.state_dict()`.
-
-    The tensors view one buffer, `data` (the received payload). A delta fetched with
-    ``base=<version number>`` is `partial`: `tensors` holds only those changed since `base_version`.
-    """
+    """A fetched version: `.version`, `.metadata`, `.weights` (TensorDict), `.state_dict()`; the
+    tensors view `data`. A delta against a version number is `partial` (only changed tensors)."""
 
     info: VersionInfo
     tensors: dict[str, torch.Tensor] = field(repr=False)
@@ -57,7 +54,6 @@ class FetchResult:
 
 
 def _placeable(tensor: torch.Tensor, entry: TensorInfo) -> bool:
-    """Whether `entry`'s bytes can be received straight into `tensor`."""
     return (
         tensor.device.type == "cpu"
         and tensor.is_contiguous()
@@ -67,8 +63,7 @@ def _placeable(tensor: torch.Tensor, entry: TensorInfo) -> bool:
 
 
 def _check_delta(info: VersionInfo, tensors: dict[str, torch.Tensor], dtype: str) -> None:
-    """The tensors a delta carried are the target version's (by name, and by digest unless
-    they were cast)."""
+    """The tensors a delta carried are the target's (by name, and by digest unless cast)."""
     expected = {t.name: t for t in info.tensors}
     unknown = sorted(set(tensors) - set(expected))
     if unknown:
@@ -84,9 +79,8 @@ def _check_delta(info: VersionInfo, tensors: dict[str, torch.Tensor], dtype: str
 def _unchanged_from_base(
     base: FetchResult, info: VersionInfo, changed: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor] | None:
-    """The base's tensors for every target tensor the delta did not carry, each hashed and
-    checked against the target's digest; None if any is missing or differs (the base was
-    modified since it was fetched): the caller then fetches the version whole."""
+    """The base's tensors the delta did not carry, checked against the target's digests; None if
+    one is missing or differs (modified since it was fetched: fetch the version whole)."""
     unchanged = {}
     for entry in info.tensors:
         if entry.name in changed:
@@ -110,55 +104,18 @@ class WeightClient(WeightServiceClient):
 
     _publisher: BackgroundPublisher | None = None
 
-    def publish(
-        self,
-        weights: tensor_codec.Weights,
-        model: str = "policy",
-        *,
-        version: int = 0,
-        metadata: Mapping[str, str] | None = None,
-        pin: bool = False,
-        timeout: float | None = None,
-        wait: bool = True,
-        publish_id: str | None = None,
-        transport: str = "auto",
-    ) -> int | PublishFuture:
+    def publish(self, weights: tensor_codec.Weights, model: str = "policy", **options) -> int | PublishFuture:
         """Publish `weights` (an nn.Module, a TensorDict or a state dict) as a new version of
-        `model`; return its number once the server committed it. wait=False: snapshot the
-        weights and return a `PublishFuture` at once (see weightclient.core.background_publisher).
-        `publish_id`: the idempotency key (default: a new one); pass it again to retry a publish
-        whose reply was lost without committing it twice. `transport`: "auto" (shared memory on
-        the server's host, else bulk TCP, else the stream), "shm", "bulk" or "stream".
-        """
-        return self.publish_group(
-            {model: weights},
-            version=version,
-            metadata=metadata,
-            pin=pin,
-            timeout=timeout,
-            wait=wait,
-            publish_id=publish_id,
-            transport=transport,
-        )
+        `model`; its number once committed. wait=False: snapshot them and return a
+        `PublishFuture` at once. Other options (version, metadata, pin, timeout, publish_id,
+        transport): `publish_group_bytes`."""
+        return self.publish_group({model: weights}, **options)
 
     def publish_group(
-        self,
-        weights: Mapping[str, tensor_codec.Weights],
-        *,
-        version: int = 0,
-        metadata: Mapping[str, str] | None = None,
-        pin: bool = False,
-        timeout: float | None = None,
-        wait: bool = True,
-        publish_id: str | None = None,
-        transport: str = "auto",
+        self, weights: Mapping[str, tensor_codec.Weights], *, wait: bool = True, **options
     ) -> int | PublishFuture:
-        """Publish several models (e.g. ``{"policy": actor, "critic": critic}``) under ONE
-        version number, committed together; return that number (a `PublishFuture` with
-        wait=False, as in `publish`)."""
-        options = dict(
-            version=version, metadata=metadata, pin=pin, timeout=timeout, publish_id=publish_id, transport=transport
-        )
+        """Publish several models (``{"policy": actor, "critic": critic}``) under ONE version
+        number, committed together (as `publish`)."""
         if not wait:
             publisher = self._background()
             snapshot = {model: tensor_codec.snapshot(w, into=publisher.spare_buffer()) for model, w in weights.items()}
@@ -167,15 +124,13 @@ class WeightClient(WeightServiceClient):
         return self.publish_group_bytes(encoded, **options)[0].version
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait for background publishes (wait=False) to finish and direct fetches to be
-        reported; False on timeout."""
+        """Wait for background publishes and reports of direct reads; False on timeout."""
         deadline = Deadline.after(timeout)
         if self._publisher is not None and not self._publisher.flush(timeout):
             return False
         return super().flush(deadline.remaining())
 
     def close(self) -> None:
-        """Finish background publishes, then close the channel."""
         if self._publisher is not None:
             self._publisher.close()
         super().close()
@@ -204,20 +159,15 @@ class WeightClient(WeightServiceClient):
         retry: bool = True,
         deadline: Deadline | None = None,
     ) -> FetchResult | None:
-        """Fetch a version as tensors: `fetch_bytes` (which describes `version`, `newer_than`,
-        `dtype`, `transport`, `timeout`, `into` and `retry`), decoded. None when the latest is
-        not newer than `newer_than`. The tensors view `into` when it was used, so it must not be
-        reused while they are in use.
+        """`fetch_bytes`, decoded into tensors (viewing `into` when it was used). None when the
+        latest is not newer than `newer_than`.
 
         base: a version the caller holds; only tensors changed since are sent. A FetchResult
-            gives a complete result (unchanged tensors taken from it, re-hashed); a VersionInfo
-            or number a partial one (`partial=True`). Every tensor is checked against the
-            target's digests; a base that differs from the server's copy means a whole fetch.
-        place: called with the version's description before its bytes move; may return
-            {name: contiguous CPU tensor of that dtype and shape}, e.g. the live parameters,
-            which then receive a whole version's bytes directly, verified (`placed`; tensors
-            left out are dropped). If they fail verification the version is fetched again
-            normally, so they may hold unverified bytes until the caller copies the result in.
+            gives a complete result (unchanged tensors taken from it, re-hashed), a VersionInfo
+            or number a partial one. A base that differs from the server's means a whole fetch.
+        place: may return {name: contiguous CPU tensor of that dtype and shape} (say, the live
+            parameters) to receive a whole version directly (`placed`). If they fail
+            verification the version is fetched again, so they may hold unverified bytes.
         """
         if isinstance(base, FetchResult) and (base.partial or base.dtype or dtype):
             raise InvalidRequest(
@@ -280,10 +230,7 @@ class WeightClient(WeightServiceClient):
         )
 
     def watch_weights(self, model: str = "policy", *, since: int = 0) -> Iterator[FetchResult]:
-        """Yield the weights of every version committed after `since` as it lands.
-
-        A version evicted between its event and its fetch is skipped (the next one follows).
-        """
+        """Yield the weights of every version committed after `since` (evicted ones skipped)."""
         for event in self.watch(model, since=since):
             try:
                 result = self.fetch(model, version=event.version)

@@ -1,11 +1,5 @@
-"""Placed fetches: a version's tensors received straight into memory the caller owns.
-
-Copying fetched tensors into a policy moves every byte twice (socket -> buffer -> parameters).
-When the caller names where each tensor lands before the bytes move, every transport scatters
-the file into those tensors directly, hashing each block while it is still in cache; a tensor
-that does not match its xxh3 sends the caller to the stream.
-
-Byte-level (memoryviews), no torch: `WeightClient.fetch(place=...)` supplies the views.
+"""Placed fetches: a version's tensors received straight into memory the caller owns (say,
+the policy's parameters), saving a copy; each block is hashed while in cache. No torch here.
 """
 
 from __future__ import annotations
@@ -18,9 +12,8 @@ from weightserver.protocol.digests import BLOCK_BYTES, PREFIX_BYTES
 from weightserver.protocol.version_info import VersionInfo
 
 Placement = Callable[[VersionInfo], Mapping[str, memoryview] | None]
-"""Called with a version's description before its bytes move: {tensor name: a writable view
-of exactly that tensor's byte size} for the tensors to place (the others are received into
-scratch and dropped), or None to receive the version normally."""
+"""Called with a version's description before its bytes move: {tensor name: a writable view of
+its size} for the tensors to place (others are dropped), or None to receive it normally."""
 
 
 def checked_views(place: Placement, info: VersionInfo) -> dict[str, memoryview] | None:
@@ -38,8 +31,7 @@ def checked_views(place: Placement, info: VersionInfo) -> dict[str, memoryview] 
 
 def layout(info: VersionInfo, views: Mapping[str, memoryview], header_bytes: int) -> list[tuple[int, str | None]]:
     """The file after its 8-byte prefix as (size, tensor to place or None) regions in file
-    order: the header, gaps and unplaced tensors are None. Raises ValueError when the layout
-    does not add up to the version's size."""
+    order; ValueError when they do not add up to the version's size."""
     regions: list[tuple[int, str | None]] = [(header_bytes, None)]
     position = 0
     for entry in sorted(info.tensors, key=lambda t: t.begin):
@@ -57,14 +49,8 @@ def layout(info: VersionInfo, views: Mapping[str, memoryview], header_bytes: int
 
 
 class PlacedReceiver:
-    """A version's file arriving in order (from a socket or a stream of chunks), scattered
-    into the views of its placed tensors; the header, gaps and other tensors go to scratch.
-    Each placed tensor is hashed block by block as it lands.
-
-    Feed it with ``target()`` (where the next bytes go, at most a block) and ``advance(n)``
-    (n bytes were written there) until ``done``; then ``bad()`` lists the tensors that fail
-    their digests. Raises ValueError when the bytes do not fit the version's description.
-    """
+    """A framing.Sink: a version's file arriving in order, scattered into the placed tensors'
+    views (the rest to scratch), each hashed as it lands; `bad()` lists those that fail."""
 
     def __init__(self, info: VersionInfo, views: Mapping[str, memoryview]) -> None:
         self._info = info
@@ -76,7 +62,7 @@ class PlacedReceiver:
         self._region: memoryview | None = self._prefix  # the region being filled: a view, or None for scratch
         self._name: str | None = None
         self._left = PREFIX_BYTES  # bytes still to come in this region
-        self._remaining = info.byte_size
+        self._remaining = self.nbytes = info.byte_size
 
     @property
     def done(self) -> bool:
@@ -113,7 +99,6 @@ class PlacedReceiver:
 
 
 def mismatched(info: VersionInfo, hashers: Mapping[str, xxhash.xxh3_128]) -> list[str]:
-    """The placed tensors whose hashed bytes do not match the version's digests (an empty
-    tensor receives nothing; its digest is still checked)."""
+    """The placed tensors whose hashed bytes do not match the version's digests."""
     expected = {t.name: t.xxh3 for t in info.tensors}
     return [name for name, hasher in hashers.items() if hasher.hexdigest() != expected[name]]

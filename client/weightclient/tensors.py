@@ -1,8 +1,5 @@
-"""Tensors <-> safetensors bytes, framed by hand so no whole-model copy is made.
-
-Encoding hands out memoryviews of the tensors' own storage after the header; decoding views
-one buffer with `torch.frombuffer`. The bytes are exactly the `safetensors` package's format.
-"""
+"""Tensors <-> safetensors bytes (the `safetensors` package's format), with no whole-model copy:
+encoding hands out views of the tensors' storage, decoding views one buffer."""
 
 from __future__ import annotations
 
@@ -40,10 +37,7 @@ Weights = torch.nn.Module | TensorDictBase | Mapping[str, torch.Tensor]
 
 
 def state_dict_of(weights: Weights) -> dict[str, torch.Tensor]:
-    """A flat {name: tensor} view of an nn.Module, a TensorDict or a state dict (no copies).
-
-    TensorDict keys are flattened with '.', as in a state dict.
-    """
+    """A flat {name: tensor} view of an nn.Module, a TensorDict ('.'-flattened) or a state dict."""
     if isinstance(weights, torch.nn.Module):
         items = weights.state_dict(keep_vars=True).items()  # _framed detaches each one
     elif isinstance(weights, TensorDictBase):
@@ -66,18 +60,15 @@ def state_dict_of(weights: Weights) -> dict[str, torch.Tensor]:
 
 
 def encode(weights: Weights, metadata: Mapping[str, str] | None = None) -> list[memoryview]:
-    """Frame `weights` as a safetensors file in consecutive parts: the header, then each
-    tensor's bytes. Contiguous CPU tensors are not copied; the parts stay valid only while the
-    tensors are not modified."""
+    """`weights` as a safetensors file in parts (header, each tensor's bytes), valid only while
+    the tensors are not modified."""
     prefix, prepared = _framed(weights, metadata)
     return [memoryview(prefix), *(tensor_bytes(tensor) for _, tensor in prepared if tensor.numel())]
 
 
 def snapshot(weights: Weights, metadata: Mapping[str, str] | None = None, into: memoryview | None = None) -> memoryview:
-    """The safetensors file of `weights` copied into one buffer (`into` when large enough): a
-    copy the caller may keep while the tensors change. The trainer waits for it
-    (publish(wait=False)), so tensors go in with torch's `copy_` (every core, one
-    device-to-host copy), not through `encode`'s memoryviews."""
+    """The safetensors file of `weights` copied into one buffer (`into` when large enough), with
+    torch's `copy_` (every core, one device-to-host copy): the trainer waits for it."""
     prefix, prepared = _framed(weights, metadata, to_cpu=False)
     buffer = receive_buffer(len(prefix) + sum(t.numel() * t.element_size() for _, t in prepared), into)
     buffer[: len(prefix)] = prefix
@@ -96,8 +87,7 @@ def snapshot(weights: Weights, metadata: Mapping[str, str] | None = None, into: 
 def _framed(
     weights: Weights, metadata: Mapping[str, str] | None, *, to_cpu: bool = True
 ) -> tuple[bytes, list[tuple[str, torch.Tensor]]]:
-    """The safetensors header (with its length prefix) and the contiguous tensors whose bytes
-    follow it, in file order (moved to the CPU unless `to_cpu` is False)."""
+    """The header (with its length prefix) and the contiguous tensors after it, in file order."""
     tensors = state_dict_of(weights)
     prepared: list[tuple[str, torch.Tensor]] = []
     for name, tensor in tensors.items():
@@ -125,20 +115,18 @@ def _framed(
 
 @functools.lru_cache(maxsize=16)
 def _header(layout: tuple[tuple[str, str, tuple[int, ...], int], ...], metadata: tuple[tuple[str, str], ...]) -> bytes:
-    """The header for a layout: a trainer publishes the same layout again and again, and its
-    JSON costs about a tenth of the memcpy of a 16 MiB policy."""
+    """Cached: a trainer publishes one layout again and again; its JSON costs a tenth of a
+    16 MiB policy's memcpy."""
     return build_header(layout, dict(metadata))[0]
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, as stored: a view that writes go through (empty
-    tensors too), so a fetch can also receive into it."""
+    """The bytes of a contiguous CPU tensor: a writable view (a fetch can receive into it)."""
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else memoryview(bytearray())
 
 
 def decode(header: SafetensorsHeader, buffer: bytearray | memoryview) -> dict[str, torch.Tensor]:
-    """Tensors viewing `buffer` (no copy where alignment allows), keyed and ordered by name
-    as in the header. `header` must have been parsed from `buffer`."""
+    """Tensors viewing `buffer` (no copy where aligned), as `header` (parsed from it) lists them."""
     result: dict[str, Any] = {}
     for entry in header.tensors:
         dtype = SAFETENSORS_TO_TORCH.get(entry.dtype)

@@ -223,7 +223,7 @@ def test_bytes_received_while_arriving_are_the_committed_version(
     assert committed.arriving == announced.id  # the commit names the bytes announced
     early = receive.join()
     assert not isinstance(early, Exception), early
-    assert early.stats.early and early.stats.transport == receive_over
+    assert early.stats.incoming and early.stats.transport == receive_over
     assert bytes(early.data) == data and committed.info.xxh3 == publish.xxh3
 
 
@@ -352,7 +352,7 @@ def test_the_watching_updater_applies_versions_received_early(server, client, ma
             time.sleep(0.01)
         catch_up(updater, publish.finish())
         assert torch.equal(policy.w.detach(), weights["w"]) and torch.equal(policy.b, weights["b"])
-        assert updater.last_fetch.early and updater.last_fetch.transport == transport
+        assert updater.last_fetch.incoming and updater.last_fetch.transport == transport
     weights = weights_filled(3.0)  # and a publish as a trainer makes it
     catch_up(updater, client.publish(weights, model=MODEL, transport=transport))
     assert torch.equal(policy.w.detach(), weights["w"])

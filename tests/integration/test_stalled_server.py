@@ -19,8 +19,8 @@ from waiting import sigstop, wait_until
 
 from weightclient import WeightClient
 from weightclient.torchrl.grpc_updaters import GrpcLocalWeightUpdater
-from weightclient.transports import StreamTransport
 from weightserver.process import ServerProcess
+from weightserver.protocol import framing
 
 MODEL = "policy"
 UPDATE_TIMEOUT = 1.0
@@ -139,13 +139,16 @@ def test_a_stream_that_stalls_part_way_is_bounded_and_the_policy_keeps_its_weigh
     torch.manual_seed(0)
     policy, trained = torch.nn.Linear(4096, 4096), [torch.nn.Linear(4096, 4096) for _ in range(2)]
     timers: list[threading.Timer] = []
-    original = StreamTransport._chunks
+    original = framing.receive_chunks
 
-    def stop_after_the_first_chunk(offer):
-        for i, chunk in enumerate(original(offer)):
-            if i == 1 and not timers:
-                timers.append(stop(proc))
-            yield chunk
+    def stop_after_the_first_chunk(chunks, into, progress=None):
+        def counted():
+            for i, chunk in enumerate(chunks):
+                if i == 1 and not timers:
+                    timers.append(stop(proc))
+                yield chunk
+
+        original(counted(), into, progress)
 
     with WeightClient(proc.address) as trainer:
         trainer.publish(trained[0], model=MODEL)
@@ -155,7 +158,7 @@ def test_a_stream_that_stalls_part_way_is_bounded_and_the_policy_keeps_its_weigh
         updater()
         assert updater.version == 1 and same(policy, trained[0])
         trainer.publish(trained[1], model=MODEL)
-        monkeypatch.setattr(StreamTransport, "_chunks", staticmethod(stop_after_the_first_chunk))
+        monkeypatch.setattr(framing, "receive_chunks", stop_after_the_first_chunk)
         try:
             _, spent = timed(updater)
             assert timers, "the fetch never reached its second chunk"

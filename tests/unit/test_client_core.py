@@ -114,6 +114,16 @@ def test_a_failed_server_is_left_for_the_next_address_at_once():
         assert client.address == "b:2"
 
 
+def test_a_retried_call_moves_on_to_the_next_address_at_once():
+    server = MockServer()
+    server.commit("policy", DATA)
+    server.fail["GetLatest"] = [ServerUnavailable("down")]
+    started = time.monotonic()
+    with WeightServiceClient("a:1,b:2", connect=server.connect, retry=RetryPolicy(first=1.0)) as client:
+        assert client.latest("policy").version == 1 and client.address == "b:2"
+    assert time.monotonic() - started < 0.5
+
+
 def test_without_retry_each_address_gets_its_share_and_the_call_never_outlasts_its_deadline():
     server = MockServer()
     server.commit("policy", DATA)

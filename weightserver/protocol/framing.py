@@ -1,11 +1,8 @@
 """Pre-serialized chunk messages: the bytes of `FetchResponse{chunk}` and `PublishRequest{chunk}`.
 
-Weights move as thousands of 1 MiB chunk messages. Building each through the generated
-classes copies its bytes twice (into the message, then into its serialization); framing them
-by hand copies once when sending and not at all when receiving. Both messages are a oneof
-whose `chunk` is a length-delimited field, so one framing serves both; the tag is read from
-the generated descriptors, never written down, and tests/unit/test_framing.py round-trips it
-through the generated classes.
+The generated classes copy a chunk twice; framing by hand copies once to send, never to receive.
+Both messages' `chunk` is a length-delimited oneof field, so one framing serves both; the tag
+comes from the descriptors (tests/unit/test_framing.py round-trips it).
 """
 
 from __future__ import annotations
@@ -18,6 +15,7 @@ from google.protobuf.message import Message
 from weightserver.v1 import weights_pb2 as pb
 
 _LENGTH_DELIMITED = 2
+Progress = Callable[[int, int], None]  # (bytes so far, total bytes)
 
 
 def _chunk_tag(message: type[Message]) -> bytes:
@@ -84,51 +82,36 @@ def deserialize_fetch_response(raw: bytes) -> pb.FetchResponse | memoryview:
 
 
 class Sink(Protocol):
-    """Where received bytes go: `target(n)` is a writable view of at most n bytes for the next
-    ones, `advance(n)` says n of them were written, `done` once all are in. ValueError when
-    bytes do not fit."""
+    """Scatters received bytes: `target(n)` is a writable view of at most n bytes for the next
+    ones, `advance(n)` says n of them were written; `nbytes` in all. ValueError when they do not fit."""
 
-    @property
-    def done(self) -> bool: ...
+    nbytes: int
 
     def target(self, most: int) -> memoryview: ...
 
     def advance(self, n: int) -> None: ...
 
 
-class BufferSink:
-    """A sink that fills one buffer front to back."""
-
-    def __init__(self, buffer: memoryview) -> None:
-        self.buffer, self.received = buffer, 0
-
-    @property
-    def done(self) -> bool:
-        return self.received == self.buffer.nbytes
-
-    def target(self, most: int) -> memoryview:
-        return self.buffer[self.received : self.received + most]
-
-    def advance(self, n: int) -> None:
-        if n > self.buffer.nbytes - self.received:
-            raise ValueError(f"more than the announced {self.buffer.nbytes} bytes")
-        self.received += n
-
-
-def receive_chunks(chunks: Iterable[memoryview], sink: Sink, progress: Callable[[int], None] | None = None) -> None:
-    """The one chunk-receive loop: every chunk into `sink`, in order; `progress(received)` after
-    each. ValueError when the chunks hold more or fewer bytes than the sink takes."""
+def receive_chunks(chunks: Iterable[object], into: memoryview | Sink, progress: Progress | None = None) -> None:
+    """The one chunk-receive loop: every chunk into `into` in order, `progress(received, total)`
+    after each. ValueError for a message that is no chunk, or more or fewer bytes than `into` takes."""
     received = 0
     for chunk in chunks:
+        if not isinstance(chunk, memoryview):
+            raise ValueError(f"expected a chunk, got {type(chunk).__name__}")
+        if received + chunk.nbytes > into.nbytes:
+            raise ValueError(f"more than the announced {into.nbytes} bytes")
+        if isinstance(into, memoryview):
+            into[received : received + chunk.nbytes] = chunk
+        else:
+            rest = chunk
+            while rest.nbytes:
+                target = into.target(rest.nbytes)
+                target[:] = rest[: target.nbytes]
+                into.advance(target.nbytes)
+                rest = rest[target.nbytes :]
         received += chunk.nbytes
-        while chunk.nbytes:
-            if sink.done:
-                raise ValueError("more bytes than announced")
-            target = sink.target(chunk.nbytes)
-            target[:] = chunk[: target.nbytes]
-            sink.advance(target.nbytes)
-            chunk = chunk[target.nbytes :]
         if progress is not None:
-            progress(received)
-    if not sink.done:
+            progress(received, into.nbytes)
+    if received != into.nbytes:
         raise ValueError("the stream was cut short")

@@ -11,8 +11,7 @@ class Admin(Connection):
     """The describe-and-manage part of `WeightServiceClient`."""
 
     def latest(self, model: str, *, retry: bool = True, timeout: float | None = None) -> VersionInfo:
-        """The newest version of `model` (ModelNotFound if none). `retry=False` raises
-        ServerUnavailable at once instead of waiting for a server; `timeout`: this call's."""
+        """The newest version of `model`; `retry=False` raises ServerUnavailable at once."""
         request = pb.GetLatestRequest(model=model)
         return VersionInfo.from_proto(self._call("GetLatest", request, retry=retry, timeout=timeout))
 

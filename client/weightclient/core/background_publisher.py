@@ -1,10 +1,6 @@
-"""BackgroundPublisher: publish without blocking the trainer.
-
-`submit` snapshots the weights (the trainer may change its tensors once it returns) and
-streams the snapshot from a background thread. One publish is in flight; a newer submit
-replaces a snapshot still waiting (collectors want the newest weights), whose future resolves
-to the version that carried them (`superseded`). A failure is set on every future it served.
-Sent snapshot buffers are reused (`spare_buffer`): warm memory, no fresh page faults.
+"""BackgroundPublisher: publish snapshots from a thread, one at a time, without blocking the
+trainer. A newer submit replaces a snapshot still waiting (`superseded`: its future gets the
+version that carried it). Sent buffers are reused (`spare_buffer`): no fresh page faults.
 """
 
 from __future__ import annotations
@@ -21,8 +17,6 @@ log = logging.getLogger(__name__)
 
 
 class PublishFuture(Future):
-    """The version a background publish committed (`result()`), once it has."""
-
     superseded: bool = False  # a newer submit replaced this snapshot before it was sent
 
 
@@ -49,16 +43,13 @@ class BackgroundPublisher:
         return future
 
     def spare_buffer(self) -> memoryview | None:
-        """The buffer of an earlier snapshot, to copy the next one into, if there is one."""
         with self._spares_lock:
             return self._spares.pop() if self._spares else None
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until nothing is queued or in flight (every future resolved); False on timeout."""
         return self._worker.flush(timeout)
 
     def close(self, timeout: float | None = None) -> None:
-        """Send what is queued, then stop the thread."""
         self._worker.flush(timeout)
         self._worker.close(timeout)
 

@@ -1,12 +1,6 @@
-"""CutThrough: receive a publish's bytes while they still arrive at the server, keep them only
-if the commit names them and they match the committed version.
-
-A follower watching with `incoming=True` hears of a publish as its first bytes land on the
-server (`Arriving`) and starts receiving them here, in a thread of its own, as they land; the
-trainer's publish and this transfer overlap instead of following each other. When the commit
-event names the same bytes, they are checked against that version's size and xxh3 and become a
-`FetchedBytes` ready to apply. Bytes whose publish failed, that were cut short, or that do not
-match are dropped: the version (if any) is then fetched normally.
+"""CutThrough: receive a publish's bytes while they still arrive at the server (the publish and
+this transfer overlap), kept only if the commit event names them and they match its size and
+xxh3; otherwise they are dropped and the version fetched normally.
 """
 
 from __future__ import annotations
@@ -30,8 +24,7 @@ HASH_STRETCH = 1 << 20  # received bytes are hashed once this many more are in
 
 
 class CutThrough:
-    """Early receives for one model's follower (its Watch thread calls `arriving` and
-    `committed`)."""
+    """Early receives for one model's follower (its Watch thread calls `arriving`, `committed`)."""
 
     def __init__(self, client: WeightServiceClient, *, transport: str = "auto", timeout: float = 30.0) -> None:
         self._client = client
@@ -59,16 +52,13 @@ class CutThrough:
             self._receiving.pop(stale)
 
     def busy(self) -> bool:
-        """Whether bytes announced are being received now."""
         return any(not future.done() for future in list(self._receiving.values()))
 
     def expects(self, event: VersionEvent) -> bool:
-        """Whether bytes of the version `event` announces are being (or were) received here."""
         return bool(event.arriving) and event.arriving in self._receiving
 
     def committed(self, event: VersionEvent) -> FetchedBytes | None:
-        """The version `event` announces, from the bytes received early if they were its own and
-        match it; None otherwise (fetch it normally)."""
+        """The version `event` announces from the bytes received early if they match; else None."""
         future = self._receiving.pop(event.arriving, None) if event.arriving else None
         if future is None:
             return None
@@ -85,7 +75,6 @@ class CutThrough:
         return replace(early, info=info)
 
     def give_back(self, buffer: memoryview | None) -> None:
-        """A buffer this produced is free again (its update was applied or dropped)."""
         if buffer is not None and not buffer.readonly:
             with self._lock:
                 if self._spare is None or buffer.nbytes > self._spare.nbytes:
@@ -96,8 +85,7 @@ class CutThrough:
         self._threads.shutdown(wait=False, cancel_futures=True)
 
     def _receive(self, announced: Arriving) -> tuple[FetchedBytes, str]:
-        """The bytes, and their xxh3, hashed a stretch at a time as they land (while they are in
-        cache, and while waiting for the rest) rather than in a pass after the commit."""
+        """The bytes and their xxh3, hashed a stretch at a time as they land (in cache)."""
         with self._lock:
             spare, self._spare = self._spare, None
         into = receive_buffer(announced.byte_size, spare)

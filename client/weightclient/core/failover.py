@@ -1,10 +1,7 @@
-"""Reaching a server: the channel and call metadata, the addresses a client may use and the
-one it uses now, gRPC errors mapped to the library's own, and calls retried or moved on.
-
-A client given several addresses (`"relay-a:50052,primary:50051"`) uses the first and moves to
-the next when a call finds its server down or stalled, round and round. Versions keep their
-numbers and bytes across a primary and its relays, so the move is safe; a server behind the
-version a caller holds answers CursorOutOfRange, read as "nothing newer here".
+"""Reaching a server: channel, call metadata, gRPC errors mapped to the library's own, and a
+client of several addresses (`"relay-a:50052,primary:50051"`) moving on, round and round, from
+one down or stalled. Versions keep their numbers and bytes across a primary and its relays, so
+the move is safe (one behind the caller answers CursorOutOfRange: "nothing newer here").
 """
 
 from __future__ import annotations
@@ -58,8 +55,8 @@ def open_channel(
     tls_cert: PathLike | None = None,
     tls_key: PathLike | None = None,
 ) -> grpc.Channel:
-    """TLS when `tls` is True or any TLS file is given (else $WEIGHTSERVER_TLS_CA / _CERT /
-    _KEY), plaintext otherwise; without a CA the system's roots are trusted."""
+    """TLS when `tls` is True or a TLS file is given (else $WEIGHTSERVER_TLS_CA/_CERT/_KEY);
+    without a CA the system's roots are trusted."""
     tls_ca = tls_ca or os.environ.get(TLS_CA_ENV) or None
     tls_cert = tls_cert or os.environ.get(TLS_CERT_ENV) or None
     tls_key = tls_key or os.environ.get(TLS_KEY_ENV) or None
@@ -100,8 +97,7 @@ def map_rpc_errors(address: str | None = None) -> Iterator[None]:
 
 @dataclass
 class ServerLink:
-    """One address: its channel, stub and the transports bound to it (shared memory is the
-    client's, whatever the address)."""
+    """One address: its channel, stub and transports (shared memory is the client's)."""
 
     address: str
     stub: Any  # pb_grpc.WeightServiceStub, or a stand-in (transports.mock)
@@ -136,16 +132,13 @@ class Connection:
     """The link in use among several addresses, and how calls on it are made.
 
     Args:
-        address: host:port (default `$WEIGHTSERVER_ADDRESS`, then localhost:50051), or several,
-            comma-separated or a list: a call that finds its server down or stalled moves on.
+        address: host:port (default `$WEIGHTSERVER_ADDRESS`, then localhost:50051), or several.
         timeout: deadline in seconds for unary calls (describe, list, delete, pin).
         chunk_bytes: size of the chunks a publish sends and a fetch asks for.
         client_id: a name for this client in the server's logs.
-        token: bearer token (default `$WEIGHTSERVER_TOKEN`).
-        tls, tls_ca, tls_cert, tls_key: TLS (`open_channel`).
-        retry_seconds: how long idempotent calls retry while no server answers, when the call
-            has no timeout. Publish, delete and pin never retry (a publish id makes a retried
-            publish commit once).
+        token: bearer token (default `$WEIGHTSERVER_TOKEN`); tls...: see `open_channel`.
+        retry_seconds: how long idempotent calls without a timeout retry while no server
+            answers. Publish, delete and pin never retry (a publish id commits once).
         retry: the backoff between retries, and each address's share of a deadline.
         connect: `connect(address) -> ServerLink`, to replace the network (transports.mock).
     """
@@ -187,7 +180,6 @@ class Connection:
 
     @property
     def address(self) -> str:
-        """The address in use."""
         return self._link.address
 
     @property
@@ -204,8 +196,7 @@ class Connection:
         return self._link.stub
 
     def _move_on(self, failed: str, why: object) -> bool:
-        """The server at `failed` is down or stalled: use the next address (unless another
-        thread already did). False when there is no other address."""
+        """Use the address after `failed` (unless another thread did); False if there is none."""
         if len(self.addresses) == 1:
             return False
         with self._lock:
@@ -232,25 +223,30 @@ class Connection:
         return once(deadline) if change else self._on_any_server(once, deadline, retry=retry)
 
     def _on_any_server(self, call: Callable[[Deadline], T], deadline: Deadline, *, retry: bool) -> T:
-        """`call(deadline)` on the server in use. With `retry`, retried under the policy while
-        no server answers (for `retry_seconds` when `deadline` is never), moving on from each
-        that fails; without, at most once more on the next address, each address getting its
-        share of the deadline (`RetryPolicy.share`)."""
-        used = [self.address]  # the address of the latest attempt: the one to move on from
-
-        def attempt(deadline: Deadline) -> T:
-            used[0] = self.address
-            return call(deadline)
-
-        if retry:
-            window = deadline if deadline.at is not None else Deadline.after(self.retry_seconds)
-            return self.retry.call(attempt, window, used[0], move_on=lambda exc: self._move_on(used[0], exc))
-        try:
-            return attempt(self.retry.share(deadline, min(2, len(self.addresses))))
-        except (ServerUnavailable, DeadlineExceeded) as exc:
-            if deadline.expired() or not self._move_on(used[0], exc):
-                raise
-        return attempt(deadline)
+        """`call(deadline)` on the server in use, moving on from one that is down (at once the
+        first time). With `retry`, retried under the policy while no server answers (for
+        `retry_seconds` when `deadline` is never); without, the first address gets its share of
+        the deadline (`RetryPolicy.share`: a stalled one leaves the next some) and one more the rest."""
+        if retry and deadline.at is None:
+            deadline = Deadline.after(self.retry_seconds)
+        errors = self.retry.retry_on if retry else (ServerUnavailable, DeadlineExceeded)
+        attempt = 0
+        while True:
+            address = self.address
+            try:
+                return call(deadline if retry or attempt else self.retry.share(deadline, min(2, len(self.addresses))))
+            except errors as exc:
+                if not retry:
+                    if attempt or deadline.expired() or not self._move_on(address, exc):
+                        raise
+                elif not (self._move_on(address, exc) and attempt == 0):
+                    if attempt == 0:
+                        log.warning(
+                            "%s: %s; retrying for up to %.1fs", address, type(exc).__name__, deadline.remaining()
+                        )
+                    if not self.retry.wait(attempt, deadline):
+                        raise
+                attempt += 1
 
     def close(self) -> None:
         """Close every channel (cancels running calls) and bulk connection."""

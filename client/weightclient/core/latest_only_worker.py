@@ -1,8 +1,5 @@
 """LatestOnlyWorker: one daemon thread working through items one at a time, where only the
-newest item waiting matters: the client's background publishes (`background_publisher`) and
-its reports of direct reads (`WeightServiceClient._report`). An item put while another is
-being worked on waits behind it, replacing any item already waiting.
-"""
+newest item waiting matters (background publishes, reports of direct reads)."""
 
 from __future__ import annotations
 
@@ -17,9 +14,8 @@ T = TypeVar("T")
 
 
 class LatestOnlyWorker(Generic[T]):
-    """Runs `work(item)` for the items `put`, one at a time, in a thread named `thread_name`
-    that starts on the first put (again in a forked child, which has none). An exception from
-    `work` is logged at debug level; the next item still goes."""
+    """Runs `work(item)` for the items `put`, one at a time, in a thread started on the first
+    put (again in a forked child). An exception from `work` is logged at debug level."""
 
     def __init__(self, work: Callable[[T], object], thread_name: str) -> None:
         self._work = work
@@ -31,8 +27,7 @@ class LatestOnlyWorker(Generic[T]):
         self._thread: threading.Thread | None = None
 
     def put(self, item: T, merge: Callable[[T, T], T] | None = None) -> bool:
-        """Queue `item` in place of the item waiting, if any (``merge(waiting, item)`` then
-        says what waits instead); False, queueing nothing, once closed."""
+        """Queue `item` in place of the one waiting (or `merge(waiting, item)`); False once closed."""
         with self._changed:
             if self._closed:
                 return False
@@ -46,13 +41,11 @@ class LatestOnlyWorker(Generic[T]):
         return True
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until no item waits or is being worked on; False if `timeout` passed first."""
         with self._changed:
             return self._changed.wait_for(lambda: self._waiting is None and not self._busy, timeout)
 
     def close(self, timeout: float | None = 0.0) -> None:
-        """Take no more items; the thread works on the one waiting, if any, then stops. Waits
-        up to `timeout` seconds for that (None: until it has; by default not at all)."""
+        """Take no more items; wait up to `timeout` for the one waiting to be done."""
         with self._changed:
             self._closed = True
             self._changed.notify_all()

@@ -24,6 +24,8 @@ log = logging.getLogger(__name__)
 
 Buffer = bytes | bytearray | memoryview
 SPARE_NEGOTIATE_SECONDS = 10.0  # a spare upload's Negotiate, in the background
+# Bytes written in place between two words to the server: a sixteenth of the model (its last
+# stretch to hash after the writing), at least 4 MiB (each word costs a message; no gain below).
 ANNOUNCE_MIN_BYTES = 4 << 20
 ANNOUNCE_PARTS = 16
 
@@ -46,22 +48,12 @@ class Publishing(Connection):
         model: str,
         parts: Buffer | Sequence[Buffer],
         *,
-        version: int = 0,
-        metadata: Mapping[str, str] | None = None,
-        pin: bool = False,
         sha256: str | None = None,
-        timeout: float | None = None,
-        progress: Progress | None = None,
-        publish_id: str | None = None,
-        transport: str = "auto",
+        **options,
     ) -> VersionInfo:
-        """Publish one safetensors file, whole or as consecutive parts (sent without joining
-        them); return the version. `version` 0: the server assigns latest + 1. The other
-        arguments: see `publish_group_bytes`."""
-        options = dict(version=version, metadata=metadata, pin=pin, timeout=timeout, progress=progress)
-        return self.publish_group_bytes(
-            {model: parts}, sha256s={model: sha256}, publish_id=publish_id, transport=transport, **options
-        )[0]
+        """Publish one safetensors file, whole or as consecutive parts (not joined); return the
+        version. The options: see `publish_group_bytes`."""
+        return self.publish_group_bytes({model: parts}, sha256s={model: sha256}, **options)[0]
 
     def publish_group_bytes(
         self,
@@ -76,25 +68,34 @@ class Publishing(Connection):
         publish_id: str | None = None,
         transport: str = "auto",
     ) -> list[VersionInfo]:
-        """Publish several models' files under ONE version number, committed together; each
-        model's version, in `files` order. `progress(sent, total)` counts all models.
-
-        `publish_id` (default: a new one; "" sends none): the server commits an id once, so a
-        retry with the same id after a lost reply gets the first attempt's version.
-        `transport`: "auto" (shared memory on the server's host, else bulk TCP, else the
-        stream), "shm", "bulk" or "stream", each falling back to the next.
-
-        Each header declares the file's xxh3-128; a sha256 in `sha256s` is declared too. The
-        server computes the sha256 itself when none was given, so the reply's may be ""."""
+        """Publish several models' files under ONE version number (0: the server assigns latest
+        + 1), committed together; each model's version, in `files` order. `progress(sent, total)`
+        counts all models. `publish_id` (default: a new one; "" sends none): the server commits
+        an id once, so a retry after a lost reply gets the first attempt's version. `transport`:
+        "auto" (shared memory, bulk TCP, the stream), "shm", "bulk" or "stream", each falling back
+        to the next. A sha256 in `sha256s` is declared; else the server computes it."""
         if not files:
             raise InvalidRequest("publish needs at least one model")
         publish_id = uuid.uuid4().hex if publish_id is None else publish_id
-        options = dict(version=version, metadata=metadata, pin=pin, sha256s=sha256s, progress=progress)
+        meta = {str(k): str(v) for k, v in (metadata or {}).items()}
+        outgoing = []
+        for i, (model, parts) in enumerate(files.items()):
+            views = [memoryview(p).cast("B") for p in ([parts] if isinstance(parts, Buffer) else parts)]
+            header = pb.PublishHeader(
+                model=model,
+                version=version if i == 0 else 0,
+                metadata=meta,
+                total_bytes=sum(v.nbytes for v in views),
+                sha256=(sha256s or {}).get(model) or "",
+                pin=pin,
+                publish_id=publish_id if i == 0 else "",
+            )
+            outgoing.append(OutgoingFile(header, views))
         deadline = Deadline.after(timeout)
         spares, in_place = True, True
         while True:  # at most three attempts: each clears one of the two flags
             try:
-                return self._publish_group(files, publish_id, transport, deadline, spares, in_place, **options)
+                return self._publish_once(outgoing, transport, deadline, progress, spares, in_place)
             except UploadNotFound:
                 if not spares:  # else the server forgot an upload set up ahead (it restarted)
                     raise
@@ -104,31 +105,19 @@ class Publishing(Connection):
                 log.info("writing a publish in place failed (%s); publishing again", exc.__cause__)
                 in_place = False
 
-    def _publish_group(
+    def _publish_once(
         self,
-        files: Mapping[str, Buffer | Sequence[Buffer]],
-        publish_id: str,
-        transport: str,
+        files: list[OutgoingFile],
+        choice: str,
         deadline: Deadline,
+        progress: Progress | None,
         spares: bool,
         in_place: bool,
-        *,
-        version: int,
-        metadata: Mapping[str, str] | None,
-        pin: bool,
-        sha256s: Mapping[str, str | None] | None,
-        progress: Progress | None,
     ) -> list[VersionInfo]:
         """One attempt. A model written in place (shared memory), when `in_place`, opens the
         Publish call before its bytes are written, so the server verifies them meanwhile."""
-        meta = {str(k): str(v) for k, v in (metadata or {}).items()}
-        order = self.transports.order(transport)
-        stream = self.transports.stream
-        models = {
-            model: [memoryview(p).cast("B") for p in ([parts] if isinstance(parts, Buffer) else parts)]
-            for model, parts in files.items()
-        }
-        grand_total = sum(v.nbytes for views in models.values() for v in views)
+        order, stream = self.transports.order(choice), self.transports.stream
+        grand_total = sum(f.header.total_bytes for f in files)
         total = 0
         outgoing: list[OutgoingFile] = []
         call: OpenPublish | None = None  # opened early, for a model written in place
@@ -136,29 +125,23 @@ class Publishing(Connection):
         def opened() -> OpenPublish:
             nonlocal call
             if call is None:
-                call = stream.open_publish(deadline=deadline)
+                call = OpenPublish(stream, deadline)
                 for file in outgoing:
                     call.send_file(file)
             return call
 
         with map_rpc_errors(self.address):
             try:
-                for i, (model, views) in enumerate(models.items()):
-                    header = pb.PublishHeader(
-                        model=model,
-                        version=version if i == 0 else 0,
-                        metadata=meta,
-                        total_bytes=sum(v.nbytes for v in views),
-                        sha256=(sha256s or {}).get(model) or "",
-                        pin=pin,
-                        publish_id=publish_id if i == 0 else "",
-                    )
-                    counted = None if progress is None else _shifted(progress, total, grand_total)
+                for header, views in ((f.header, f.parts) for f in files):
+                    counted = None if progress is None else lambda done, _, at=total: progress(at + done, grand_total)
                     uploaded, carrier = self._upload(
                         header, views, order, deadline, counted, spares, opened if in_place else None
                     )
                     if not uploaded:
-                        header.xxh3 = _xxh3(views)
+                        hasher = xxhash.xxh3_128()
+                        for view in views:
+                            hasher.update(view)
+                        header.xxh3 = hasher.hexdigest()
                     file = OutgoingFile(header, views, uploaded, carrier)
                     outgoing.append(file)
                     written_in_place = in_place and carrier is not None and carrier.written_in_place
@@ -189,9 +172,10 @@ class Publishing(Connection):
     ) -> tuple[str, Transport | None]:
         """Move one model's bytes over the transport the server picks from `order` (an upload
         set up ahead first), setting the header's xxh3: the upload's id and its transport, or
-        ("", None) for the stream, which carries them in the Publish call. A transport that
-        writes in place, given `opened`, sends the model's messages itself. A failed upload is
-        left to expire on the server."""
+        ("", None) for the stream, which carries them in the Publish call. Given `opened`, a
+        transport that writes in place sends the header first and tells the server how far the
+        bytes are (it hashes them meanwhile): _StartOver when it fails, the call being spoilt.
+        A failed upload is left to expire on the server."""
         model, size = header.model, header.total_bytes
         spare = self._spares.take(model, size, order) if size else None
         if spare is not None and not spares:
@@ -200,57 +184,29 @@ class Publishing(Connection):
         while len(order) > 1 and size:
             answer = spare.answer if spare is not None else None
             if answer is None:
-                negotiate = pb.NegotiateRequest(
-                    direction=pb.DIRECTION_PUBLISH, accept=[t.kind for t in order], publish=header
-                )
+                accept = [t.kind for t in order]
+                negotiate = pb.NegotiateRequest(direction=pb.DIRECTION_PUBLISH, accept=accept, publish=header)
                 answer = self._stub.Negotiate(negotiate, timeout=deadline.remaining(), metadata=self._metadata)
-            transport, spare = self.transports.by_kind[answer.transport], None
+            transport, spare, upload = self.transports.by_kind[answer.transport], None, answer.upload
             if transport is self.transports.stream:
                 break
-            if transport.written_in_place and opened is not None:
-                self._write_in_place(opened(), header, answer, transport, views, deadline, progress)
-                self.transports.worked(transport)
-                return answer.upload, transport
+            call = opened() if transport.written_in_place and opened is not None else None
+            if call is not None:
+                call.send(pb.PublishRequest(header=header))
+            told = progress if call is None else _announcing(call, upload, size, progress)
             try:
-                header.xxh3 = transport.upload(answer.payload, views, deadline=deadline, progress=progress)
+                header.xxh3 = transport.upload(answer.payload, views, deadline=deadline, progress=told)
             except TransportFailed as exc:
                 self.transports.failed(transport, exc)
+                if call is not None:
+                    raise _StartOver() from exc
                 order = [t for t in order if t is not transport]
                 continue
+            if call is not None:
+                call.send(pb.PublishRequest(uploaded=pb.PublishUploaded(upload=upload, xxh3=header.xxh3)))
             self.transports.worked(transport)
-            return answer.upload, transport
+            return upload, transport
         return "", None
-
-    def _write_in_place(
-        self,
-        call: OpenPublish,
-        header: pb.PublishHeader,
-        answer: pb.NegotiateResponse,
-        transport: Transport,
-        views: Sequence[memoryview],
-        deadline: Deadline,
-        progress: Progress | None,
-    ) -> None:
-        """Send the header, write the bytes into the upload telling the server how far they are
-        every `_announce_step` bytes (it hashes them meanwhile), then name the upload and its
-        xxh3. _StartOver when the transport fails: the call is spoilt (its header is sent)."""
-        call.send(pb.PublishRequest(header=header))
-        step, next_at = _announce_step(header.total_bytes), 0
-
-        def announce(done: int, total: int) -> None:
-            nonlocal next_at
-            if done >= next_at + step and done < total:
-                call.send(pb.PublishRequest(written=pb.PublishWritten(upload=answer.upload, end=done)))
-                next_at = done
-            if progress is not None:
-                progress(done, total)
-
-        try:
-            header.xxh3 = transport.upload(answer.payload, views, deadline=deadline, progress=announce)
-        except TransportFailed as exc:
-            self.transports.failed(transport, exc)
-            raise _StartOver() from exc
-        call.send(pb.PublishRequest(uploaded=pb.PublishUploaded(upload=answer.upload, xxh3=header.xxh3)))
 
     def close(self) -> None:
         if "_spares" in self.__dict__:
@@ -258,20 +214,16 @@ class Publishing(Connection):
         super().close()
 
 
-def _announce_step(total: int) -> int:
-    """Bytes written in place between two words to the server: a sixteenth of the model (the
-    server's last stretch to hash after the writing), at least 4 MiB (each word costs both
-    sides a message; below that no gain was measured)."""
-    return max(ANNOUNCE_MIN_BYTES, total // ANNOUNCE_PARTS)
+def _announcing(call: OpenPublish, upload: str, size: int, progress: Progress | None) -> Progress:
+    """`progress` that also tells the server how far the bytes written in place are."""
+    step, announced = max(ANNOUNCE_MIN_BYTES, size // ANNOUNCE_PARTS), 0
 
+    def announce(done: int, total: int) -> None:
+        nonlocal announced
+        if announced + step <= done < total:
+            call.send(pb.PublishRequest(written=pb.PublishWritten(upload=upload, end=done)))
+            announced = done
+        if progress is not None:
+            progress(done, total)
 
-def _shifted(progress: Progress, offset: int, total: int) -> Progress:
-    """`progress` for one model of several: counts from `offset` up to `total`."""
-    return lambda done, _: progress(offset + done, total)
-
-
-def _xxh3(views: Sequence[memoryview]) -> str:
-    hasher = xxhash.xxh3_128()
-    for view in views:
-        hasher.update(view)
-    return hasher.hexdigest()
+    return announce

@@ -1,11 +1,9 @@
-"""One deadline type and one retry policy for every caller: the client's calls, the updaters, the
-relay's follow loop, transport negotiation and the background publisher.
+"""One deadline type and one retry policy for every caller (client calls, updaters, the relay).
 
-A `Deadline` is a point in `time.monotonic()` time (or never). It is made once, from the
-caller's timeout, and handed down: a retry, a refetch or a next address gets what is left of
-it, never a fresh timeout. A `RetryPolicy` says how long to wait before each retry (doubling,
-with jitter so that many clients do not come back in step) and runs a call until it succeeds,
-raises something not retryable, or the deadline would pass during the next wait.
+A `Deadline` is made once, from the caller's timeout, and handed down: a retry, a refetch or a
+next address gets what is left of it, never a fresh timeout. A `RetryPolicy` waits before each
+retry (doubling, with jitter so that many clients do not come back in step) and runs a call until
+it succeeds, raises something not retryable, or the deadline would pass during the next wait.
 
 >>> d = Deadline.after(None)
 >>> d.remaining() is None and not d.expired()
@@ -22,7 +20,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -58,13 +56,6 @@ class Deadline:
             return left
         return seconds if left is None else min(seconds, left)
 
-    def sooner(self, seconds: float | None) -> Deadline:
-        """This deadline or one `seconds` from now, whichever comes first."""
-        other = Deadline.after(seconds)
-        if other.at is None or (self.at is not None and self.at <= other.at):
-            return self
-        return other
-
 
 NEVER = Deadline()
 
@@ -72,13 +63,7 @@ NEVER = Deadline()
 @dataclass(frozen=True)
 class RetryPolicy:
     """Waits between attempts: `first` seconds, doubling up to `longest`, each scaled by a
-    random factor in [1 - jitter, 1 + jitter].
-
-    Failover (a call that moves on to the next address instead of retrying): each address gets
-    at most its share of what is left (`share`), and the whole call never outlasts the caller's
-    deadline. So a stalled first server leaves the next one half of an updater's update_timeout,
-    rather than all of it (a fresh timeout, up to twice the caller's) or nothing (carrying it).
-    """
+    random factor in [1 - jitter, 1 + jitter]."""
 
     first: float = 0.05
     longest: float = 2.0
@@ -92,14 +77,14 @@ class RetryPolicy:
 
     @staticmethod
     def share(deadline: Deadline, addresses: int) -> Deadline:
-        """One address's share of `deadline` among `addresses` still to try: what is left,
-        divided evenly (all of it for the last)."""
+        """One address's share of what is left of `deadline` among `addresses` still to try: a
+        stalled first server leaves the next half of an updater's timeout, not all or nothing."""
         left = deadline.remaining()
         return deadline if left is None or addresses <= 1 else Deadline.after(left / addresses)
 
     def wait(self, attempt: int, deadline: Deadline = NEVER, wake: threading.Event | None = None) -> bool:
         """Sleep before retry `attempt`; False (at once) if the deadline would pass first. A set
-        `wake` event ends the wait early (say, the server is back)."""
+        `wake` ends the wait early."""
         delay = self.delay(attempt)
         left = deadline.remaining()
         if left is not None and delay >= left:
@@ -123,48 +108,20 @@ class RetryPolicy:
                 await asyncio.wait_for(wake.wait(), delay)
         return True
 
-    def call(
-        self,
-        call: Callable[[Deadline], T],
-        deadline: Deadline,
-        what: str,
-        *,
-        move_on: Callable[[BaseException], bool] | None = None,
-    ) -> T:
+    def call(self, call: Callable[[Deadline], T], deadline: Deadline, what: str) -> T:
         """`call(deadline)` until it returns, retrying on `retry_on` while the deadline allows.
-        Only for idempotent calls. `move_on(error)`, for a client of several addresses, moves it
-        to the next address: tried at once after the first failure, then one per retry."""
+        Only for idempotent calls."""
         attempt = 0
         while True:
             try:
                 return call(deadline)
             except self.retry_on as exc:
-                if move_on is not None and move_on(exc) and attempt == 0:
-                    attempt += 1
-                    continue
                 if attempt == 0:
-                    log.warning("%s: %s; retrying for up to %s", what, type(exc).__name__, _seconds(deadline))
+                    left = "ever" if deadline.at is None else f"{deadline.remaining():.1f}s"
+                    log.warning("%s: %s; retrying for up to %s", what, type(exc).__name__, left)
                 if not self.wait(attempt, deadline):
                     raise
                 attempt += 1
-
-    async def call_async(self, call: Callable[[Deadline], Awaitable[T]], deadline: Deadline, what: str) -> T:
-        """`call` for coroutines."""
-        attempt = 0
-        while True:
-            try:
-                return await call(deadline)
-            except self.retry_on as exc:
-                if attempt == 0:
-                    log.warning("%s: %s; retrying for up to %s", what, type(exc).__name__, _seconds(deadline))
-                if not await self.wait_async(attempt, deadline):
-                    raise
-                attempt += 1
-
-
-def _seconds(deadline: Deadline) -> str:
-    left = deadline.remaining()
-    return "ever" if left is None else f"{left:.1f}s"
 
 
 DEFAULT_RETRY = RetryPolicy()

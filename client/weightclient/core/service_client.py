@@ -13,9 +13,5 @@ __all__ = ["FetchStats", "FetchedBytes", "WeightServiceClient", "default_address
 
 
 class WeightServiceClient(Publishing, Fetching, Watching, Admin):
-    """A connection to a weight server (or several, with failover), working on safetensors
-    bytes: publish (`core.publish`), fetch (`core.fetch`), watch (`core.watch`), describe and
-    manage (`core.admin`), over the link `core.failover` keeps. Arguments: `Connection`.
-
-    `transports` (a `TransportChain`) holds the transports and what this client learned of them.
-    """
+    """A connection to a weight server (or several, with failover) on safetensors bytes: publish,
+    fetch, watch, describe and manage. Arguments: `core.failover.Connection`."""

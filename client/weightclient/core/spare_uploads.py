@@ -1,16 +1,9 @@
 """SpareUploads: the next publish's upload, set up while the trainer trains.
 
-Setting an upload up costs the server an allocation and a page-table fill of the model's size
-(about 0.3 ms per MiB on the development machine), and a shared-memory writer as much again in
-its own process. A trainer publishes the same model at the same size again and again, so after
-each publish over a fast transport the client sets up the model's next upload in the
-background and the transport prepares it; the next
-publish of that size moves its bytes at once. A spare unused for SPARE_SECONDS is let go (the
-server drops an upload nobody named 60 s after Negotiate). Each spare holds one model's size
-of the server's memory (shared memory, where it has some) while it waits, so models over
-MAX_SPARE_BYTES get none: for them a second copy in the server's memory (a 4 GiB model's spare
-beside its version ran the 24 GiB development machine out of memory) costs more than the
-setup saves, a small part of such a transfer.
+Setting an upload up costs the server (and a shared-memory writer) a page-table fill of the
+model's size, about 0.3 ms per MiB; a trainer publishes the same size again and again, so the
+next upload is set up in the background after each. Models over MAX_SPARE_BYTES get none: a
+second copy in the server's memory (a 4 GiB model's ran a 24 GiB machine out) costs more.
 """
 
 from __future__ import annotations
@@ -34,8 +27,6 @@ MAX_SPARE_BYTES = 1 << 30
 
 @dataclass(frozen=True)
 class Spare:
-    """An upload set up ahead: the transport that carries it and the server's answer."""
-
     transport: Transport
     answer: pb.NegotiateResponse
     expires: float
@@ -52,8 +43,7 @@ class SpareUploads:
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="weightclient-spare-uploads")
 
     def take(self, model: str, size: int, order: Sequence[Transport]) -> Spare | None:
-        """A fresh spare of `model` at `size` bytes on the first transport of `order` that has
-        one, now the caller's; None when there is none."""
+        """A fresh spare of `model` at `size` on the first transport of `order` that has one."""
         now = time.monotonic()
         stale: list[Spare] = []
         found = None
@@ -71,15 +61,13 @@ class SpareUploads:
         return found
 
     def refill(self, model: str, size: int, transport: Transport) -> None:
-        """Set up the next upload of `model` at `size` bytes on `transport`, in the background
-        (not for a model over MAX_SPARE_BYTES)."""
+        """Set up the next upload of `model` at `size` on `transport`, in the background."""
         if size > MAX_SPARE_BYTES:
             return
         with contextlib.suppress(RuntimeError):  # closed meanwhile
             self._thread.submit(self._prepare, model, size, transport)
 
     def close(self) -> None:
-        """Let every spare go (the server drops the uploads when they expire)."""
         with self._lock:
             self._closed = True
             spares, self._spares = list(self._spares.values()), {}

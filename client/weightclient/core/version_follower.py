@@ -1,10 +1,6 @@
-"""VersionFollower: the newest version of a model that the server has announced, kept current
-by a Watch stream in a daemon thread.
-
-An updater that follows the Watch stream asks the server only once a newer version was
-announced (and every `watch_confirm_seconds` regardless), instead of one call per batch. With
-`cut_through`, the follower also receives each publish's bytes while they arrive at the server,
-and holds the version ready (`take_ready`) once its commit is announced and the bytes match it.
+"""VersionFollower: the newest version the server announced, kept by a Watch stream in a
+daemon thread, so an updater asks the server only once a newer one exists. With `cut_through`
+it also holds versions received while they arrived, ready once committed (`take_ready`).
 """
 
 from __future__ import annotations
@@ -26,10 +22,9 @@ RETRY_SECONDS = 1.0  # after a stream failed for good (the client's retry window
 
 
 class VersionFollower:
-    """Follows `model` from `since` on: `newest()` is the newest version announced, or None
-    while no stream is open (not yet, or after a failure: ask the server then). A stream that
-    stalls (a stopped server, a silent network) stays open until its renewal: a caller trusts
-    it only as long as the server has answered recently (the updater's watch_confirm_seconds)."""
+    """Follows `model` from `since`: `newest()` is the newest version announced, or None while no
+    stream is open (ask the server then). A stalled stream stays open until its renewal, so a
+    caller trusts it only while the server answered recently (`heard`)."""
 
     def __init__(
         self, client: WeightServiceClient, model: str, since: int, cut_through: CutThrough | None = None
@@ -55,10 +50,8 @@ class VersionFollower:
             return self._cursor if self._open else None
 
     def take_ready(self, newer_than: int, timeout: float) -> FetchedBytes | None:
-        """The newest version received early (cut-through), verified, if newer than `newer_than`;
-        each is handed out once. Give its buffer back with `give_back` once applied. A version
-        announced whose early bytes are still being checked is waited for (up to `timeout`),
-        rather than fetched a second time."""
+        """The newest version received early, verified, if newer than `newer_than` (each once;
+        `give_back` its buffer once applied). One still being checked is waited for (`timeout`)."""
         if os.getpid() != self._pid:
             return None
         with self._lock:
@@ -77,24 +70,20 @@ class VersionFollower:
             self._cut_through.give_back(buffer)
 
     def heard(self) -> float:
-        """When the Watch stream last showed life (time.monotonic()): its last event, or now
-        while bytes it announced are being received early (their commit event is still to come)."""
+        """When the stream last showed life (monotonic): its last event, or now while receiving."""
         if self._cut_through is not None and self._cut_through.busy():
             return time.monotonic()
         return self._heard
 
     def running(self) -> bool:
-        """Whether the thread is alive in this process (not in a forked child, not stopped)."""
         return os.getpid() == self._pid and self._thread.is_alive() and not self._stopped.is_set()
 
     def stop(self) -> None:
-        """Stop following; the thread exits when its current Watch call ends."""
         self._stopped.set()
         if self._cut_through is not None:
             self._cut_through.close()
 
     def _settle(self, ready: FetchedBytes | None, settling: threading.Event) -> None:
-        """The early bytes of the version just announced are checked: `ready`, or None."""
         replaced = None
         with self._lock:
             if ready is not None:
@@ -107,8 +96,7 @@ class VersionFollower:
 
     def _run(self) -> None:
         while not self._stopped.is_set():
-            # From just before the cursor: the server replays the cursor's version at once (or
-            # newer ones, if it was evicted), and the first event marks the stream open.
+            # From just before the cursor: the server replays its version, marking the stream open.
             since = max(0, self._cursor - 1)
             cut_through = self._cut_through
             try:
@@ -121,8 +109,6 @@ class VersionFollower:
                         continue
                     settling = threading.Event() if cut_through is not None and cut_through.expects(event) else None
                     with self._lock:
-                        # An update that sees the new version waits for `settling` and takes it
-                        # from here, rather than fetching it a second time.
                         self._settling = settling
                         self._cursor = max(self._cursor, event.version)
                         self._open = True

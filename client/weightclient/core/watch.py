@@ -27,12 +27,10 @@ class Watching(Connection):
         incoming: bool = False,
         on_subscribed: Callable[[dict[str, str]], None] | None = None,
     ) -> Iterator[VersionEvent | Arriving]:
-        """Yield an event for every version of `model` committed after `since`, in order,
-        retained ones that landed before the call first. Runs until closed, the deadline
-        passes, or the server stops. `incoming=True` also yields an `Arriving` as each publish's
-        bytes begin to arrive (or fail), for cut-through (`fetch_incoming`). `on_subscribed(metadata)`
-        gets the server's initial metadata each time it takes the subscription (a relay names its
-        primary there)."""
+        """Yield an event for every version of `model` committed after `since`, in order, until
+        closed, the deadline, or the server stops. `incoming=True` also yields an `Arriving` as
+        each publish begins (or fails), for `fetch_incoming`. `on_subscribed(metadata)` gets the
+        server's initial metadata at each subscription (a relay names its primary there)."""
         if since < 0:
             raise InvalidRequest(f"since must be >= 0 (a version number, 0 for all retained), got {since}")
         deadline = Deadline.after(timeout)
@@ -59,9 +57,8 @@ class Watching(Connection):
                         )
                 return
             except ServerUnavailable as exc:
-                # Subscribe again from the last version seen (on the next address, if any):
-                # nothing is missed or repeated. The outage may last the deadline, or else
-                # `retry_seconds`.
+                # Subscribe again from the last version seen (the next address at once, the first
+                # time): nothing is missed or repeated, for the deadline or else `retry_seconds`.
                 if failures == 0:
                     outage = deadline if deadline.at is not None else Deadline.after(self.retry_seconds)
                     log.warning("watch of %r at %s interrupted after v%d; resubscribing", model, address, cursor)
@@ -69,7 +66,7 @@ class Watching(Connection):
                     raise
                 moved = self._move_on(address, exc)
                 if not (moved and failures == 0) and not self.retry.wait(failures, outage):
-                    raise  # the next address is asked at once, the first time
+                    raise
                 failures += 1
             finally:
                 stream.cancel()

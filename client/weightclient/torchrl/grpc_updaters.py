@@ -330,7 +330,7 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
                 raise
             self.version, self.applied = update.version, update.info
         finally:
-            if update.stats is not None and update.stats.early and self._follower is not None:
+            if update.stats is not None and update.stats.incoming and self._follower is not None:
                 self._follower.give_back(update.buffer)
             elif update.buffer is not None and (self._staging is None or update.buffer.nbytes > self._staging.nbytes):
                 self._staging = update.buffer

@@ -1,34 +1,30 @@
 """The contract every transport keeps: move one payload, in either direction.
 
-A fetch gets an `Offer` (from Negotiate, or the head of the Fetch stream) from the transport
-the server picked, which then receives the bytes into a buffer or scatters the tensors into
-the caller's views ("placed"). A publish's fast transport moves the bytes where Negotiate said
-(`upload`); the Publish stream then names the upload instead of carrying chunks. Transports
-move bytes and say when they cannot (`TransportFailed`); the caller verifies and falls back.
+A fetch gets an `Offer` from the transport the server picked and receives its bytes into a
+buffer or the caller's tensors ("placed"). A publish's fast transport moves the bytes where
+Negotiate said (`upload`); the Publish stream then names the upload. Transports say when they
+cannot (`TransportFailed`); the caller verifies and falls back.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 from weightclient.core.retry import NEVER, Deadline
+from weightserver.protocol.framing import Progress
 from weightserver.protocol.version_info import VersionInfo
 from weightserver.v1 import weights_pb2 as pb
 
-Progress = Callable[[int, int], None]
-"""Called as bytes move: (bytes so far, total bytes)."""
-
 
 class TransportFailed(Exception):
-    """This transport cannot carry the payload here (another host, a closed port, bytes that
-    fail their digests): the caller falls back to the next transport."""
+    """This transport cannot carry the payload here (another host, a closed port, bad bytes):
+    the caller falls back to the next one."""
 
 
 class PayloadGone(TransportFailed):
-    """The file the server named was removed before it was read (its version was evicted):
-    the caller asks again for what it asked for."""
+    """The file the server named was removed (evicted) before it was read: ask again."""
 
 
 class NotOffered(TransportFailed):
@@ -37,8 +33,8 @@ class NotOffered(TransportFailed):
 
 @dataclass(frozen=True)
 class Offer:
-    """One payload, as negotiated: the version it belongs to, what its bytes are (`payload`:
-    the version itself, a delta or a cast), and, for the stream, its open stream of chunks."""
+    """One negotiated payload: its version, what its bytes are (the version, a delta or a cast)
+    and, for the stream, its open stream of chunks."""
 
     info: VersionInfo
     payload: pb.Payload
@@ -57,8 +53,7 @@ class Offer:
 
 @dataclass(frozen=True)
 class OutgoingFile:
-    """One model's file to publish: its header and its bytes as consecutive parts, or, once a
-    fast transport moved them, the id of that upload (`uploaded`) and that transport."""
+    """One model's file to publish: header and parts, or the id of the upload that moved them."""
 
     header: pb.PublishHeader
     parts: Sequence[memoryview]
@@ -70,7 +65,7 @@ class Transport(Protocol):
     """Moves one payload between a client and a server (one class per file here)."""
 
     name: ClassVar[str]  # "stream", "bulk", "shm": what FetchStats.transport reports
-    kind: ClassVar[int]  # its pb.Transport value, as negotiated
+    kind: ClassVar[int]  # its pb.Transport value
     # Whether a publish writes the server's upload itself, front to back, calling `progress`
     # once bytes [0, n) are in for good (so the server can verify them meanwhile).
     written_in_place: ClassVar[bool]
@@ -78,31 +73,30 @@ class Transport(Protocol):
     def offer(
         self, request: pb.FetchRequest, answer: pb.NegotiateResponse | None, deadline: Deadline, info: VersionInfo
     ) -> Offer | None:
-        """The payload `answer` (Negotiate's, naming this transport) or `request` describes;
-        None when the server is up to date. `info` stands in for a version not committed yet."""
+        """The payload `answer` (naming this transport) or `request` describes; None when up to
+        date. `info` stands in for a version not committed yet."""
         ...
 
     def upload(
         self, payload: pb.Payload, parts: Sequence[memoryview], *, deadline: Deadline, progress: Progress | None
     ) -> str:
-        """Move one model's file (`parts`) where Negotiate said; the xxh3-128 of the bytes moved."""
+        """Move one model's file where Negotiate said; the xxh3-128 of the bytes moved."""
         ...
 
     def prepare(self, payload: pb.Payload) -> None:
-        """Get ready to `upload` into an upload set up ahead, so the upload costs only the copy."""
+        """Get ready for an `upload` set up ahead, so that it costs only the copy."""
         ...
 
     def release(self, payload: pb.Payload) -> None:
-        """Let go of what `prepare` held, if anything."""
+        """Let go of what `prepare` held."""
         ...
 
     def receive(self, offer: Offer, *, into: memoryview | None, progress: Progress | None) -> memoryview:
-        """The offered payload's bytes, unverified, in `into` when it is large enough."""
+        """The payload's bytes, unverified, in `into` when it is large enough."""
         ...
 
     def receive_placed(self, offer: Offer, views: Mapping[str, memoryview]) -> list[str]:
-        """The version's file scattered into `views` (name -> writable view of that tensor's
-        size), each hashed as it lands: the names of the tensors that fail their digests."""
+        """The version's file scattered into `views`, hashed as it lands: the tensors that fail."""
         ...
 
 
@@ -116,8 +110,8 @@ def negotiated_offer(
 
 
 def receive_buffer(size: int, into: memoryview | None = None) -> memoryview:
-    """`into[:size]` if it is large enough, else a writable buffer that, unlike bytearray(size),
-    is not zero-filled first (for a large model that costs as much as receiving it)."""
+    """`into[:size]` if large enough, else a new buffer not zero-filled first (for a large model
+    that costs as much as receiving it)."""
     if into is not None and into.nbytes >= size and not into.readonly:
         return into.cast("B")[:size]
     import numpy as np

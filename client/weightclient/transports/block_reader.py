@@ -1,9 +1,6 @@
-"""Reading a file's blocks on two cores while the caller hashes them in file order.
-
-`os.preadv` releases the GIL, a streaming xxh3 does not (and must see bytes in order), so
-the caller and one helper thread both copy unread blocks while the caller hashes landed ones
-in order: 16 MiB lands about 1.4x faster on 2 cores (bench/run.py, fetch_shm_vs_gloo). With
-one usable CPU, or a few blocks, the caller reads alone.
+"""Reading a file's blocks on two cores while the caller hashes them in file order: `preadv`
+releases the GIL, xxh3 does not, so a helper thread reads too (16 MiB lands about 1.4x faster
+on 2 cores, bench fetch_shm_vs_gloo). With one CPU, or few blocks, the caller reads alone.
 """
 
 from __future__ import annotations
@@ -33,9 +30,8 @@ os.register_at_fork(after_in_child=_forget_helper)
 
 
 def read_blocks(fd: int, blocks: Sequence[Block], landed: Callable[[int], None]) -> None:
-    """Fill every block from `fd`, calling `landed(i)` for i = 0, 1, ... in order, each as
-    soon as block i is in place (in the calling thread). Raises OSError when the file is
-    shorter than a block needs; no helper read is in flight when this returns or raises."""
+    """Fill every block from `fd`, calling `landed(i)` in order as block i lands (in this thread).
+    OSError when the file is short; no helper read is in flight once this returns."""
     if len(blocks) < PARALLEL_MIN_BLOCKS or _usable_cpus() < 2:
         for i, (view, offset) in enumerate(blocks):
             pread_exactly(fd, view, offset)
@@ -54,10 +50,8 @@ def pread_exactly(fd: int, view: memoryview, offset: int) -> None:
 
 
 class _SharedRead:
-    """One read of `blocks` shared by the caller and the helper thread. `done[i]` turns True
-    once block i is in place (or given up); the helper also puts each finished block on
-    `helper_done`, which the caller waits on (GIL released) only for a block the helper holds:
-    cheaper per block than an Event."""
+    """One read shared by the caller and the helper; the caller waits on `helper_done` (cheaper
+    per block than an Event) only for a block the helper holds."""
 
     def __init__(self, fd: int, blocks: Sequence[Block]) -> None:
         self.fd, self.blocks = fd, blocks
@@ -104,8 +98,7 @@ class _SharedRead:
             self.helper_done.get()  # the helper holds block i: wait for its next finished block
 
     def _settle(self) -> None:
-        """Claim what is left (so the helper starts nothing new), then wait for the helper's
-        read in flight: the caller may close the fd, and its number be reused, after this."""
+        """Claim what is left, then wait for the helper's read in flight (the fd may close next)."""
         for i in self.claims:
             if i >= len(self.blocks):
                 break
@@ -122,8 +115,7 @@ def _usable_cpus() -> int:
 
 
 def _helper_pool() -> ThreadPoolExecutor:
-    """One helper thread for the process, started on first use. A fetch that finds it busy
-    with another fetch's blocks simply reads its own blocks alone."""
+    """One helper thread for the process (a fetch finding it busy reads alone)."""
     global _helper
     with _helper_lock:
         if _helper is None:

@@ -1,12 +1,6 @@
-"""An in-memory server and transports, for unit tests with no sockets (as httpx's MockTransport):
-
->>> server = MockServer()
->>> client = WeightServiceClient("mock", connect=server.connect)  # doctest: +SKIP
-
-`MockServer` holds versions as bytes and answers the unary calls; its `MockTransport`s move
-payloads through memory as the stream, bulk or shared memory would. `fail[method]` lists errors
-that method's next calls raise (a transport's `receive` and `upload` too); `corrupt` names the
-transports that flip a byte of what they receive; `calls` records what was asked.
+"""An in-memory server and transports for unit tests with no sockets (as httpx's MockTransport):
+`WeightServiceClient("mock", connect=MockServer().connect)`. `fail[method]` lists errors that
+method's next calls raise; `corrupt` names transports that flip a byte; `calls` records calls.
 """
 
 from __future__ import annotations
@@ -21,7 +15,7 @@ from weightclient.core.retry import Deadline
 from weightclient.transports.base import NotOffered, Offer, OutgoingFile, Progress, TransportFailed, negotiated_offer
 from weightclient.transports.negotiation import TransportChain
 from weightserver.protocol.errors import InvalidRequest, ModelNotFound, VersionNotFound
-from weightserver.protocol.framing import BufferSink, receive_chunks
+from weightserver.protocol.framing import receive_chunks
 from weightserver.protocol.version_info import VersionInfo
 from weightserver.v1 import weights_pb2 as pb
 
@@ -29,8 +23,6 @@ KINDS = {"stream": pb.TRANSPORT_STREAM, "bulk": pb.TRANSPORT_BULK, "shm": pb.TRA
 
 
 class MockServer:
-    """Versions in memory, and the stub of a server that holds them."""
-
     def __init__(self, fast: Sequence[str] = ("bulk",)) -> None:
         self.versions: dict[str, list[tuple[pb.VersionInfo, bytes]]] = {}
         self.uploads: dict[str, bytes] = {}
@@ -124,7 +116,7 @@ class MockTransport:
         if self.name in self.server.corrupt and data:
             data[0] ^= 0xFF
         buffer = memoryview(bytearray(len(data)))
-        receive_chunks([memoryview(data)], BufferSink(buffer))
+        receive_chunks([memoryview(data)], buffer)
         if progress is not None:
             progress(len(data), len(data))
         return buffer
@@ -151,7 +143,6 @@ class MockTransport:
     def send(
         self, files: Sequence[OutgoingFile], *, deadline: Deadline, progress: Progress | None
     ) -> pb.PublishResponse:
-        """The Publish call: commit every file under one version number."""
         self.server.called("Publish")
         version = files[0].header.version
         reply = pb.PublishResponse()

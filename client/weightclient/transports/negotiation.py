@@ -1,8 +1,5 @@
-"""TransportChain: which transports a transfer tries, in what order, and when a failed one is
-tried again.
-
-"auto" tries shared memory, bulk TCP, then the stream; a named one is tried alone before the
-stream, which every server offers and is always last. A fast transport that failed is left out
+"""TransportChain: the transports a transfer tries, in order ("auto": shared memory, bulk, then
+the stream, always last; a named one alone before the stream). A fast one that failed rests out
 of "auto" for `rest_seconds`; one that carried a payload is trusted again at once.
 """
 
@@ -37,7 +34,6 @@ class TransportChain:
         return ("auto", *self.by_name)
 
     def order(self, choice: str) -> list[Transport]:
-        """The transports to try for `choice`, best first; the stream is always the last."""
         if choice == "auto":
             return [*(t for t in self.fast if not self.resting(t)), self.stream]
         if choice not in self.by_name:

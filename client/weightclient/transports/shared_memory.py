@@ -1,24 +1,20 @@
-"""Shared memory: a payload read from a file in the server's shared memory, on the same host.
+"""Shared memory: payload files in a same-host server's shared memory.
 
-The server names the file (Negotiate); the client maps it copy-on-write or, placed, reads
-each tensor's blocks into the caller's views (`block_reader`). Once handed a version's own
-file, it reads later exact versions by their header files without asking (`read_directly`,
-layout in `weightserver.protocol.files`); anything unexpected sends the fetch to the server.
-A publish writes the model's file straight from the tensors into the upload file the server
-created for it, hashing each block while it is in cache: `pwrite` (one copy, no page faults in
-this process), or, into an upload set up ahead (`prepare`), a copy into a mapping whose page
-table was filled then, which runs at memcpy speed.
+A fetch maps the file the server names copy-on-write, or reads placed tensors' blocks into the
+caller's views; once it knows a model's folder it reads later exact versions by their header
+files without a call (`read_directly`). A publish writes the upload file the server made, hashing
+each block in cache: `pwrite` (one copy, no page faults here), or into a mapping set up ahead
+(`prepare`) at memcpy speed.
 """
 
 from __future__ import annotations
 
-import functools
 import mmap
 import os
 import re
 import stat
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import ClassVar
@@ -57,11 +53,9 @@ class SharedMemoryTransport:
     def upload(
         self, payload: pb.Payload, parts: Sequence[memoryview], *, deadline: Deadline, progress: Progress | None
     ) -> str:
-        """Write `parts` into the server's upload file: only a regular file of exactly the
-        announced size, named as the server names uploads, and not through a link, front to
-        back: `progress(n, total)` is called once bytes [0, n) are in the file. The mapping of
-        a prepared upload is unmapped before this returns: nothing of this process can write
-        the file once the version is committed."""
+        """Write `parts` into the server's upload file, front to back (`progress(n, total)` once
+        bytes [0, n) are in). A prepared mapping is unmapped before this returns: nothing here
+        can write the file once the version is committed."""
         path, total = payload.shared_memory.path, payload.byte_size
         if sum(p.nbytes for p in parts) != total:
             raise TransportFailed(f"{path} is not an upload file of {total} bytes")
@@ -70,20 +64,15 @@ class SharedMemoryTransport:
         if mapping is not None:
             target = memoryview(mapping)
             try:
-
-                def copy(block: memoryview, offset: int) -> None:
-                    target[offset : offset + block.nbytes] = block
-
-                return _moved_hashed(copy, parts, total, deadline, progress)
+                return _moved_hashed(target, parts, total, deadline, progress)
             finally:
                 target.release()
                 mapping.close()
         with self._upload_file(path, total, os.O_WRONLY) as fd:
-            return _moved_hashed(functools.partial(_pwrite_all, fd), parts, total, deadline, progress)
+            return _moved_hashed(fd, parts, total, deadline, progress)
 
     def prepare(self, payload: pb.Payload) -> None:
-        """Map the upload file and fill this process's page table for it now (about 0.25 ms per
-        MiB), so that `upload` only copies."""
+        """Map the upload file and fill the page table now (about 0.25 ms per MiB)."""
         path, total = payload.shared_memory.path, payload.byte_size
         with self._upload_file(path, total, os.O_RDWR) as fd:
             mapping = mmap.mmap(fd, total)
@@ -101,8 +90,8 @@ class SharedMemoryTransport:
 
     @contextmanager
     def _upload_file(self, path: str, total: int, flags: int) -> Iterator[int]:
-        """The server's upload file at `path`, open: TransportFailed unless it is a regular file
-        of exactly `total` bytes, named as the server names uploads, not reached through a link."""
+        """The upload file, open: TransportFailed unless a regular file of `total` bytes, named as
+        the server names uploads, not reached through a link."""
         if not UPLOAD_FILE.fullmatch(os.path.basename(path)):
             raise TransportFailed(f"{path} is not an upload file of {total} bytes")
         try:
@@ -122,8 +111,7 @@ class SharedMemoryTransport:
     offer = staticmethod(negotiated_offer)
 
     def receive(self, offer: Offer, *, into: memoryview | None, progress: Progress | None) -> memoryview:
-        """The file mapped copy-on-write: reading costs no copy, a write to a tensor viewing it
-        stays private, and the mapping stays valid after the server removes the file."""
+        """The file mapped copy-on-write: no copy, writes stay private, valid after removal."""
         size = offer.payload.byte_size
         with self._opened(offer) as fd:
             data = memoryview(bytearray())  # mmap cannot map an empty file
@@ -141,7 +129,6 @@ class SharedMemoryTransport:
 
     @contextmanager
     def _opened(self, offer: Offer) -> Iterator[int]:
-        """The payload's file, open and checked to have the announced size."""
         path, size = offer.payload.shared_memory.path, offer.payload.byte_size
         try:
             fd = os.open(path, os.O_RDONLY)
@@ -157,9 +144,8 @@ class SharedMemoryTransport:
             os.close(fd)
 
     def read_directly(self, model: str, version: int) -> Offer | None:
-        """An offer for exactly `version` made from its header file, with no call to the
-        server; None when this client knows no folder of the model or the header is not
-        there (not committed yet, evicted) or not to be trusted."""
+        """An offer for exactly `version` from its header file, no call; None when unknown,
+        absent or untrusted."""
         folder = self._folders.get(model)
         header = folder.header(model, version) if folder is not None else None
         if header is None:
@@ -178,22 +164,21 @@ class SharedMemoryTransport:
 
     @staticmethod
     def _unreadable(path: str, exc: Exception) -> TransportFailed:
-        """PayloadGone when the file left a folder this client can see (its version was evicted
-        after the server named it), else TransportFailed (another host, no permission)."""
+        """PayloadGone when the file left a folder this client sees (evicted), else TransportFailed."""
         if not os.path.exists(path) and os.path.isdir(os.path.dirname(path)):
             return PayloadGone(f"{path} was removed before it could be read")
         return TransportFailed(f"cannot open {path} here ({exc})")
 
 
 def _moved_hashed(
-    write: Callable[[memoryview, int], None],
+    target: memoryview | int,
     parts: Sequence[memoryview],
     total: int,
     deadline: Deadline,
     progress: Progress | None,
 ) -> str:
-    """`write(block, offset)` every block of `parts`, one after another from offset 0, each
-    hashed once written (still in cache); their xxh3-128."""
+    """Every block of `parts` into `target` (a mapping, or a file descriptor) from offset 0,
+    each hashed once written (still in cache); their xxh3-128."""
     hasher = xxhash.xxh3_128()
     offset = 0
     for part in parts:
@@ -201,7 +186,12 @@ def _moved_hashed(
             if deadline.expired():
                 raise DeadlineExceeded(f"writing the upload took longer than the call's timeout ({offset} bytes in)")
             block = part[start : start + WRITE_BLOCK]
-            write(block, offset)
+            if isinstance(target, int):
+                written = 0
+                while written < block.nbytes:  # a write may be short (a signal, or over 2 GiB)
+                    written += os.pwrite(target, block[written:], offset + written)
+            else:
+                target[offset : offset + block.nbytes] = block
             hasher.update(block)
             offset += block.nbytes
             if progress is not None:
@@ -209,15 +199,8 @@ def _moved_hashed(
     return hasher.hexdigest()
 
 
-def _pwrite_all(fd: int, block: memoryview, offset: int) -> None:
-    written = 0
-    while written < block.nbytes:  # a write may be short (a signal, or over 2 GiB)
-        written += os.pwrite(fd, block[written:], offset + written)
-
-
 def _read_placed(fd: int, info: VersionInfo, views: Mapping[str, memoryview]) -> list[str]:
-    """Read the file's placed tensors into `views`, hashing each block while it is still in
-    cache: the tensors whose digests do not match."""
+    """Read the placed tensors into `views`, hashing each block in cache: those that fail."""
     prefix = os.pread(fd, PREFIX_BYTES, 0)
     if len(prefix) != PREFIX_BYTES:
         raise ValueError("the file is shorter than a safetensors header")
@@ -244,8 +227,7 @@ class SharedMemoryDirectory:
 
     @classmethod
     def learned_from(cls, file_path: str, version: int) -> SharedMemoryDirectory | None:
-        """The folder of `file_path`, if it is `version`'s own file named the server's way and
-        the folder is one only its owner can change; else None (read nothing directly)."""
+        """The folder of `version`'s own file, if only its owner can change it; else None."""
         folder, name = os.path.split(file_path)
         if name != version_file_name(version):
             return None  # a delta or cast payload, or a server that names files otherwise
@@ -261,8 +243,7 @@ class SharedMemoryDirectory:
         return os.path.join(self.path, version_file_name(version))
 
     def header(self, model: str, version: int) -> pb.VersionInfo | None:
-        """`version`'s header as the server wrote it, or None when it is not there (not yet
-        committed, evicted, the server gone) or not to be trusted."""
+        """`version`'s header as the server wrote it; None when absent or untrusted."""
         try:
             fd = os.open(os.path.join(self.path, header_file_name(version)), os.O_RDONLY | os.O_NOFOLLOW)
         except OSError:

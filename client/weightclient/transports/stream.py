@@ -1,10 +1,10 @@
-"""The gRPC streams: Publish and Fetch. Always available, works under TLS, and the only
-transport clients in other languages need. Chunks travel pre-framed (weightserver.protocol.framing)."""
+"""The gRPC streams, Publish and Fetch: always there, work under TLS, and the only transport
+clients in other languages need. Chunks travel pre-framed (weightserver.protocol.framing)."""
 
 from __future__ import annotations
 
 import queue
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 import grpc
@@ -14,7 +14,6 @@ from weightclient.placement import PlacedReceiver
 from weightclient.transports.base import NotOffered, Offer, OutgoingFile, Progress, receive_buffer
 from weightserver.protocol import framing
 from weightserver.protocol.errors import IntegrityError
-from weightserver.protocol.framing import BufferSink, Sink
 from weightserver.protocol.version_info import VersionInfo
 from weightserver.v1 import weights_pb2 as pb
 
@@ -40,18 +39,12 @@ class StreamTransport:
             response_deserializer=pb.PublishResponse.FromString,
         )
 
-    # ------------------------------------------------------------------ publish
     def send(
         self, files: Sequence[OutgoingFile], *, deadline: Deadline, progress: Progress | None
     ) -> pb.PublishResponse:
         """Publish `files` as one version (a Publish call); the server's reply."""
         messages = self._publish_messages(files, progress)
         return self._publish(messages, timeout=deadline.remaining(), metadata=self._metadata)
-
-    def open_publish(self, *, deadline: Deadline) -> OpenPublish:
-        """A Publish call started now, its messages handed over as they are ready (a header
-        before its bytes are written in place, then how far they are)."""
-        return OpenPublish(self, deadline.remaining())
 
     def upload(
         self, payload: pb.Payload, parts: Sequence[memoryview], *, deadline: Deadline, progress: Progress | None
@@ -67,9 +60,8 @@ class StreamTransport:
     def _publish_messages(
         self, files: Sequence[OutgoingFile], progress: Progress | None, *, commit: bool = True
     ) -> Iterator[Any]:
-        """Each header followed by its parts re-cut into chunks (small parts are merged), or by
-        the upload that moved them, then the commit. `progress` hears of each chunk once gRPC
-        has taken it."""
+        """Each header, then its parts re-cut into chunks (or the upload that moved them), then
+        the commit; `progress` hears of each chunk once gRPC has taken it."""
         total = sum(f.header.total_bytes for f in files)
         sent = 0
         for file in files:
@@ -100,14 +92,12 @@ class StreamTransport:
         if commit:
             yield pb.PublishRequest(commit=pb.PublishCommit())
 
-    # ------------------------------------------------------------------ fetch
     def offer(
         self, request: pb.FetchRequest, answer: pb.NegotiateResponse | None, deadline: Deadline, info: VersionInfo
     ) -> Offer | None:
-        """Start a Fetch stream and read its head (the stream's own negotiation): None when the
-        server is up to date, else an offer whose chunks follow. Its head is the version's
-        header, then a payload description when a delta or cast was asked for; for incoming
-        bytes (`request.incoming`) only the payload, under `info`."""
+        """Start a Fetch stream and read its head: the version's header (then a payload
+        description for a delta or cast), or for incoming bytes only the payload, under `info`.
+        None when the server is up to date."""
         stream = self._fetch(request, timeout=deadline.remaining(), metadata=self._metadata)
         try:
             first = next(stream, None)
@@ -131,50 +121,39 @@ class StreamTransport:
             raise
         return Offer(info, payload, chunks=stream, deadline=deadline)
 
-    def receive(self, offer: Offer, *, into: memoryview | None, progress: Progress | None) -> memoryview:
-        size = offer.payload.byte_size
-        buffer = receive_buffer(size, into)
-        self._fill(offer, BufferSink(buffer), None if progress is None else lambda n: progress(n, size))
-        return buffer
+    def receive(
+        self, offer: Offer, *, into: memoryview | PlacedReceiver | None, progress: Progress | None
+    ) -> memoryview:
+        """The payload's chunks into `into` (or a new buffer); a PlacedReceiver scatters them."""
+        assert offer.chunks is not None, "a stream offer comes from StreamTransport.offer"
+        target = into if isinstance(into, PlacedReceiver) else receive_buffer(offer.payload.byte_size, into)
+        try:
+            framing.receive_chunks(offer.chunks, target, progress)
+        except ValueError as exc:
+            raise IntegrityError(
+                f"model {offer.label}: the streamed payload does not fit its description: {exc}"
+            ) from exc
+        finally:
+            offer.chunks.cancel()
+        return target if isinstance(target, memoryview) else memoryview(b"")
 
     def receive_placed(self, offer: Offer, views: Mapping[str, memoryview]) -> list[str]:
         receiver = PlacedReceiver(offer.info, views)
-        self._fill(offer, receiver, None)
+        self.receive(offer, into=receiver, progress=None)
         return receiver.bad()
-
-    def _fill(self, offer: Offer, sink: Sink, progress: Callable[[int], None] | None) -> None:
-        try:
-            framing.receive_chunks(self._chunks(offer), sink, progress)
-        except ValueError as exc:
-            raise IntegrityError(
-                f"model {offer.label}: the streamed payload does not match its description: {exc}"
-            ) from exc
-
-    @staticmethod
-    def _chunks(offer: Offer) -> Iterator[memoryview]:
-        stream = offer.chunks
-        assert stream is not None, "a stream offer comes from StreamTransport.offer"
-        try:
-            for message in stream:
-                if not isinstance(message, memoryview):
-                    raise IntegrityError(f"model {offer.label}: expected chunks, got {message.WhichOneof('kind')!r}")
-                yield message
-        finally:
-            stream.cancel()
 
 
 class OpenPublish:
-    """A Publish call whose messages are handed over one by one, as they are ready: for a
-    publisher that writes a model's bytes in place (shared memory) and tells the server how
-    far it has got, so that the server verifies them meanwhile."""
+    """A Publish call whose messages go one by one as they are ready: for a publisher that
+    writes a model's bytes in place (shared memory) and tells the server how far it has got."""
 
     _END: ClassVar[object] = object()
 
-    def __init__(self, stream: StreamTransport, timeout: float | None) -> None:
+    def __init__(self, stream: StreamTransport, deadline: Deadline) -> None:
         self._stream = stream
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._future = stream._publish.future(
-            iter(self._queue.get, self._END), timeout=timeout, metadata=stream._metadata
+            iter(self._queue.get, self._END), timeout=deadline.remaining(), metadata=stream._metadata
         )
 
     def send(self, message: pb.PublishRequest) -> None:
@@ -185,12 +164,10 @@ class OpenPublish:
         self._queue.put(message)
 
     def send_file(self, file: OutgoingFile) -> None:
-        """A model's header and its bytes (or the upload that moved them)."""
         for message in self._stream._publish_messages([file], None, commit=False):
             self.send(message)
 
     def commit(self) -> pb.PublishResponse:
-        """Send the commit and end the stream; the server's reply."""
         self.send(pb.PublishRequest(commit=pb.PublishCommit()))
         self._queue.put(self._END)
         return self._future.result()
@@ -202,7 +179,7 @@ class OpenPublish:
 
 
 def _expect_end(stream: Iterator[Any], model: str) -> None:
-    """Read a Fetch stream to its end (the OK status the server sent after its last message).
-    Cancelling it instead races with that status and makes grpc log an error on the server."""
+    """Read a Fetch stream to its end: cancelling it instead races with the server's OK status
+    and makes grpc log an error there."""
     for _ in stream:
         raise IntegrityError(f"model {model!r}: the server sent more than the fetch expects")
