@@ -147,7 +147,7 @@ def test_stream_fetches_hold_their_chunks_while_a_publish_commits_but_never_stop
     server = make_server()
     data = safetensors_file(6 * 64 * 1024)  # 7 chunks of 64 KiB
     held, entered = threading.Event(), threading.Event()
-    real = VersionStore.publish_group
+    real = VersionStore.commit
 
     def held_commit(self, *args, **kwargs):
         if threading.current_thread().name.startswith("weightserver-publish"):
@@ -157,7 +157,7 @@ def test_stream_fetches_hold_their_chunks_while_a_publish_commits_but_never_stop
 
     with WeightServiceClient(server.address, chunk_bytes=64 * 1024) as client:
         client.publish_bytes(MODEL, data, transport="stream")  # a version to fetch
-        monkeypatch.setattr(VersionStore, "publish_group", held_commit)
+        monkeypatch.setattr(VersionStore, "commit", held_commit)
         publisher = threading.Thread(target=lambda: client.publish_bytes(MODEL, data, transport="stream"))
         publisher.start()
         assert entered.wait(WAIT)  # a commit is under way, and hangs
