@@ -1,5 +1,4 @@
-"""What a commit checks before a version exists: limits, digests, header, version numbers, and
-publish ids (idempotency: a retried publish never makes a second version)."""
+"""A commit's checks: limits, digests, header, version numbers, publish ids (a retry never makes a second version)."""
 
 from __future__ import annotations
 
@@ -20,8 +19,7 @@ DESCRIPTION_LIMIT = f"limit of {MAX_DESCRIPTION_BYTES} bytes on a version's desc
 
 @dataclass(frozen=True)
 class Upload:
-    """One model's bytes and what the publisher declared. `digests`: computed as the bytes arrived
-    (with the store's `header_limits`), so nothing is hashed twice."""
+    """One model's bytes and what the publisher declared; `digests`: computed as the bytes arrived."""
 
     model: str
     data: bytes | bytearray | memoryview = field(repr=False)
@@ -56,15 +54,14 @@ class Checks:
             raise errors.ModelTooLarge(f"model {model!r}: {size} bytes is over {limit}")
 
     def metadata(self, model: str, metadata: Mapping[str, str]) -> None:
-        if self.describe is not None and metadata_bytes(metadata) > MAX_DESCRIPTION_BYTES:
+        size = sum(len(key.encode()) + len(value.encode()) for key, value in metadata.items())
+        if self.describe is not None and size > MAX_DESCRIPTION_BYTES:
             raise errors.DescriptionTooLarge(
-                f"model {model!r}: {metadata_bytes(metadata)} bytes of metadata are over the {DESCRIPTION_LIMIT}; "
-                "publish less metadata"
+                f"model {model!r}: {size} bytes of metadata are over the {DESCRIPTION_LIMIT}; publish less metadata"
             )
 
     def verify(self, upload: Upload, group: tuple[str, ...]) -> Version:
-        """One upload's Version, not yet numbered; the sha256 is left for later only when just an
-        xxh3 was declared."""
+        """One upload's Version, not yet numbered; its sha256 is left for later when just an xxh3 was declared."""
         model, size, data, found = upload.model, len(upload.data), upload.data, upload.digests
         if upload.total_bytes is not None and upload.total_bytes != size:
             raise errors.IntegrityError(
@@ -115,8 +112,7 @@ class Checks:
 
     @staticmethod
     def listing(state: ModelState, record: Version, keep: int) -> None:
-        """The descriptions retained with `record` must fit one ListVersions reply (only a publish
-        retains more). Caller holds the lock."""
+        """The descriptions retained with `record` must fit one ListVersions reply. Caller holds the lock."""
         versions = [*state.versions.values(), record]
         retained = [v for v in versions if v.pinned] + [v for v in versions if not v.pinned][-keep:]
         total = sum(v.description_bytes for v in retained)
@@ -128,8 +124,7 @@ class Checks:
 
 
 class PublishIds:
-    """Which retained versions each publish id committed (checked on use: they may be gone; rebuilt
-    once doubled), and the ids committing now. Callers hold the store's lock."""
+    """Retained versions by publish id (checked on use: maybe gone), and the ids committing now; under the lock."""
 
     def __init__(self, models: dict[str, ModelState]) -> None:
         self._models = models
@@ -148,11 +143,33 @@ class PublishIds:
             self._index.setdefault(record.publish_id, []).append((record.model, record.version))
         self._rebuilt = len(self._index)
 
-    def check_unused_elsewhere(self, names: Sequence[str], publish_id: str, *, partial: bool = False) -> None:
-        """InvalidRequest when a retained version of a model outside `names`, or a publish of other
-        models committing now, has `publish_id`. `partial`: `names` may be part of a group."""
+    def check(self, names: Sequence[str], publish_id: str, verified: Sequence[Version] | None = None) -> list | None:
+        """What an earlier publish with `publish_id` committed when this one repeats it, else None; InvalidRequest
+        when other models used it. `verified` None: before the bytes, and `names` may be part of a group."""
         if not publish_id:
-            return
+            return None
+        found = [committed_by(self._models[name], publish_id) if name in self._models else None for name in names]
+        first = next((record for record in found if record is not None), None)
+        if first is not None:
+            if verified is None:  # a retry's header: its bytes are checked at the commit
+                return found
+            if set(first.group or (first.model,)) != set(names):
+                raise errors.InvalidRequest(
+                    f"publish id {publish_id!r} was already used by version {first.version} of "
+                    f"{quoted(first.group or (first.model,))}; {NEW_ID}"
+                )
+            for name, record, new in zip(names, found, verified, strict=True):
+                if record is None or record.version != first.version:
+                    raise errors.VersionConflict(
+                        f"publish id {publish_id!r} committed version {first.version} of {quoted(names)}, but "
+                        f"{name!r} no longer retains it (evicted or deleted); nothing was published again"
+                    )
+                if record.xxh3 != new.xxh3:
+                    raise errors.InvalidRequest(
+                        f"publish id {publish_id!r} was already used by version {record.version} of {name!r} with "
+                        f"other bytes; {NEW_ID}"
+                    )
+            return found
         committing = self.committing.get(publish_id)
         if committing is not None and not set(committing) & set(names):
             raise errors.InvalidRequest(
@@ -163,35 +180,12 @@ class PublishIds:
             if record is None or record.publish_id != publish_id:
                 continue
             models = record.group or (record.model,)
-            if record.model not in names and not (partial and set(names) <= set(models)):
+            if record.model not in names and not (verified is None and set(names) <= set(models)):
                 raise errors.InvalidRequest(
                     f"publish id {publish_id!r} was already used by version {record.version} of "
                     f"{quoted(models)}; {NEW_ID}"
                 )
-
-    def repeated(self, names: Sequence[str], verified: Sequence[Version], publish_id: str) -> list[Version] | None:
-        """What an earlier publish with `publish_id` committed, when this one repeats it; else None."""
-        found = [committed_by(self._models[name], publish_id) for name in names]
-        first = next((record for record in found if record is not None), None)
-        if first is None:
-            return None
-        if set(first.group or (first.model,)) != set(names):
-            raise errors.InvalidRequest(
-                f"publish id {publish_id!r} was already used by version {first.version} of "
-                f"{quoted(first.group or (first.model,))}; {NEW_ID}"
-            )
-        for name, record, new in zip(names, found, verified, strict=True):
-            if record is None or record.version != first.version:
-                raise errors.VersionConflict(
-                    f"publish id {publish_id!r} committed version {first.version} of {quoted(names)}, but "
-                    f"{name!r} no longer retains it (evicted or deleted); nothing was published again"
-                )
-            if record.xxh3 != new.xxh3:
-                raise errors.InvalidRequest(
-                    f"publish id {publish_id!r} was already used by version {record.version} of {name!r} with "
-                    f"other bytes; {NEW_ID}"
-                )
-        return found  # type: ignore[return-value]  # none is None: checked above
+        return None
 
 
 def _check_declared(model: str, name: str, declared: str | None, actual: str | None) -> None:
@@ -223,7 +217,3 @@ def check_version(names: Sequence[str], version: int, high_water: int) -> None:
             f"model {quoted(names)}: the latest version is {high_water}, the largest version number "
             "(2^63-1), so no version can follow it; publish under another model name"
         )
-
-
-def metadata_bytes(metadata: Mapping[str, str]) -> int:
-    return sum(len(key.encode()) + len(value.encode()) for key, value in metadata.items())

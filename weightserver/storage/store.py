@@ -15,9 +15,9 @@ from typing import Any
 
 from weightserver.protocol.errors import InvalidRequest
 from weightserver.protocol.names import validate_model_name, validate_publish_id
-from weightserver.storage.commit import Checks, Commit, PublishIds, Upload, check_version, committed_by
+from weightserver.storage.commit import Checks, Commit, PublishIds, Upload, check_version
 from weightserver.storage.hashing import Sha256Worker
-from weightserver.storage.index import MAX_VERSION, ModelInfo, Version, VersionIndex, quoted
+from weightserver.storage.index import MAX_VERSION, ModelInfo, Version, VersionIndex
 from weightserver.storage.persistence import Disk
 
 __all__ = ["MAX_VERSION", "Commit", "ModelInfo", "Upload", "Version", "VersionStore"]
@@ -28,12 +28,9 @@ log = logging.getLogger(__name__)
 class VersionStore(VersionIndex):
     """Versions of named models with retention (`keep` latest + pinned) and optional persistence.
 
-    >>> store = VersionStore()
     >>> from weightserver.protocol.safetensors_format import build_header
-    >>> prefix, _ = build_header([("w", "U8", (2,), 2)])
-    >>> v = store.publish("policy", prefix + b"\\x01\\x02")
-    >>> (v.version, store.latest("policy").sha256 == v.sha256)
-    (1, True)
+    >>> VersionStore().publish("policy", build_header([("w", "U8", (2,), 2)])[0] + b"\\x01\\x02").version
+    1
     """
 
     def __init__(
@@ -45,8 +42,7 @@ class VersionStore(VersionIndex):
         describe: Callable[[Version], int] | None = None,
         **header_limits: int | None,
     ) -> None:
-        """`header_limits`: parse_header's (max_header_bytes, max_tensors). `describe(version)`: the
-        size of its description as clients receive it, to refuse a publish whose would not fit."""
+        """`header_limits`: parse_header's; `describe(version)`: its description's size, to refuse one too big."""
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         super().__init__()
@@ -67,13 +63,7 @@ class VersionStore(VersionIndex):
         self._sha256.close()
 
     def check_publish(
-        self,
-        model: str,
-        *,
-        total_bytes: int,
-        version: int = 0,
-        metadata: Mapping[str, str] | None = None,
-        publish_id: str = "",
+        self, model: str, *, total_bytes: int, version: int = 0, metadata: Mapping | None = None, publish_id: str = ""
     ) -> None:
         """The checks before any byte is received."""
         validate_model_name(model)
@@ -81,10 +71,8 @@ class VersionStore(VersionIndex):
         self._checks.metadata(model, metadata or {})
         with self._lock:
             state = self._models.get(model)
-            if state is not None and committed_by(state, validate_publish_id(publish_id)):
-                return
-            self._publish_ids.check_unused_elsewhere([model], publish_id, partial=True)
-            check_version([model], version, state.high_water if state else 0)
+            if self._publish_ids.check([model], validate_publish_id(publish_id)) is None:
+                check_version([model], version, state.high_water if state else 0)
 
     def publish(
         self, model: str, data: bytes | bytearray | memoryview, *, version: int = 0, publish_id: str = "", **upload: Any
@@ -104,10 +92,9 @@ class VersionStore(VersionIndex):
     def commit(
         self, uploads: Sequence[Upload], *, version: int = 0, publish_id: str = "", created: float | None = None
     ) -> Iterator[Commit]:
-        """Verify several models' bytes and commit them under ONE version number (0: the next). Under
-        the commit locks, the `with` body gets the Commit once durable, before anyone can see it (an
-        exception there is logged); leaving it, the group becomes visible and listeners hear of it.
-        A repeated `publish_id` commits nothing: its Commit is `replayed`, unheard by listeners."""
+        """Verify several models' bytes and commit them under ONE version number (0: the next). The
+        `with` body gets the Commit once durable, under the commit locks, before anyone can see it (an
+        exception there is logged). A repeated `publish_id` commits nothing: its Commit is `replayed`."""
         if not uploads:
             raise InvalidRequest("a publish needs at least one model")
         if version < 0:
@@ -124,9 +111,8 @@ class VersionStore(VersionIndex):
             for name in sorted(names):  # one fixed order, so two groups cannot deadlock
                 locks.enter_context(states[name].commit_lock)
             with self._lock:
-                repeated = self._publish_ids.repeated(names, verified, publish_id)
+                repeated = self._publish_ids.check(names, publish_id, verified)
                 if repeated is None:
-                    self._publish_ids.check_unused_elsewhere(names, publish_id)
                     high_water = max(state.high_water for state in states.values())
                     check_version(names, version, high_water)
                     for record in verified:
@@ -146,7 +132,7 @@ class VersionStore(VersionIndex):
                 try:
                     yield event
                 except Exception:
-                    log.exception("the commit hook failed on %s", _numbered(records))
+                    log.exception("the commit hook failed on %s v%d", ", ".join(names), number)
                 evicted: list[Version] = []
                 with self._lock:  # visible: the whole group at once
                     for record in records:
@@ -163,7 +149,7 @@ class VersionStore(VersionIndex):
                     try:
                         listener(event)
                     except Exception:
-                        log.exception("%r failed on %s", listener, _numbered(records))
+                        log.exception("%r failed on %s v%d", listener, ", ".join(names), number)
             finally:
                 if publish_id:
                     with self._lock:
@@ -174,8 +160,7 @@ class VersionStore(VersionIndex):
         self._remove_files(list(event.evicted))
 
     def subscribe(self, listener: Callable[[Commit], None]) -> Callable[[], None]:
-        """Call `listener(commit)` once each commit is visible, in version order per model, under its
-        commit locks (it must not block). Returns the unsubscribe."""
+        """Call `listener(commit)` once each commit is visible, in order, under its commit locks (must not block)."""
         with self._lock:
             self._listeners.append(listener)
 
@@ -224,7 +209,3 @@ class VersionStore(VersionIndex):
     def _remove_files(self, records: list[Version]) -> None:  # after the commit locks are released
         if self._disk is not None:
             self._disk.remove_files(records)
-
-
-def _numbered(records: Sequence[Version]) -> str:
-    return quoted([f"{r.model} v{r.version}" for r in records]).replace("'", "")
