@@ -8,8 +8,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from weightserver.protocol import digests
-from weightserver.protocol.errors import ServerUnavailable, VersionNotFound, WeightServerError
+from weightserver.protocol import digests, errors
 from weightserver.storage.index import ModelState, Version
 
 SHA256_DELAY_SECONDS = 0.5
@@ -80,9 +79,9 @@ class Sha256Worker:
                 self._hurry.clear()  # none left that a reader waits for
         future.set_result(digest)
 
-    def _gone(self, model: str, version: int) -> WeightServerError:
+    def _gone(self, model: str, version: int) -> errors.WeightServerError:
         if self._closed:
-            return ServerUnavailable(f"model {model!r} v{version}: the server is stopping")
-        return VersionNotFound(
+            return errors.ServerUnavailable(f"model {model!r} v{version}: the server is stopping")
+        return errors.VersionNotFound(
             f"model {model!r}: version {version} was evicted or deleted before its sha256 was computed"
         )

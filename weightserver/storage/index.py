@@ -112,8 +112,7 @@ class VersionIndex:
             return list(self._retained(model).versions.values())
 
     def versions_after(self, model: str, since: int) -> tuple[list[Version], bool]:
-        """Retained versions newer than `since`, oldest first, and whether one after `since` is
-        missing (a gap, also behind a pinned one); CursorOutOfRange above the high-water mark."""
+        """Retained versions newer than `since`, oldest first, and whether one after `since` is missing."""
         validate_model_name(model)
         with self._lock:
             state = self._models.get(model)
@@ -134,8 +133,7 @@ class VersionIndex:
             return state is not None and state.gap(after, before)
 
     def missed(self, model: str, version: int) -> None:
-        """Record that a relay will never hold `version` of its upstream (for versions of unknown
-        numbers, the highest they may have), so that watchers hear of the gap."""
+        """A relay will never hold `version` of its upstream (or up to it): watchers hear of the gap."""
         state = self._model_state(validate_model_name(model))
         with self._lock:
             if not contains(state.missed, version):
@@ -143,13 +141,8 @@ class VersionIndex:
 
     def models(self) -> list[ModelInfo]:
         with self._lock:
-            return [
-                ModelInfo(
-                    name, next(reversed(s.versions)), len(s.versions), sum(v.byte_size for v in s.versions.values())
-                )
-                for name, s in sorted(self._models.items())
-                if s.versions
-            ]
+            held = [(name, s.versions) for name, s in sorted(self._models.items()) if s.versions]
+            return [ModelInfo(m, next(reversed(v)), len(v), sum(r.byte_size for r in v.values())) for m, v in held]
 
     def _model_state(self, model: str) -> ModelState:
         with self._lock:

@@ -1,6 +1,5 @@
-"""Payloads: the safetensors file a fetch sends: the version itself, a delta (the tensors whose
-xxh3 differs from a base version's), a cast (float32 as bfloat16 or float16), or both. Derived
-ones are built once however many ask at once, and cached within a byte budget. numpy, no torch."""
+"""The safetensors file a fetch sends: the version, a delta (the tensors whose xxh3 differs from a
+base version's), a cast (float32 as bfloat16 or float16), or both; derived ones built once, cached."""
 
 from __future__ import annotations
 
@@ -82,9 +81,8 @@ def derive(
 def apply_delta(
     base: Bytes, base_header: SafetensorsHeader, layout: Sequence[TensorEntry], byte_size: int, delta: Bytes
 ) -> bytearray | None:
-    """The inverse of `derive(..., keep=changed)`: the base with each tensor of `delta` written over
-    its place; None when the target (`layout`, `byte_size`) is laid out otherwise. The caller
-    checks the digest."""
+    """The inverse of `derive(..., keep=changed)`: the base with `delta`'s tensors written over; None when
+    the target (`layout`, `byte_size`) is laid out otherwise. The caller checks the digest."""
     if len(base) != byte_size or [_placement(t) for t in base_header.tensors] != [_placement(t) for t in layout]:
         return None
     try:
@@ -122,15 +120,14 @@ class PayloadCache:
         model, or None) and/or a cast to `dtype`."""
         if dtype and dtype not in CAST_TARGETS:
             raise InvalidRequest(f"cannot cast to {dtype!r}: choose one of {', '.join(CAST_TARGETS)} or ''")
-        # A delta needs the same tensor names, dtypes and shapes, and a tensor that did not change.
+        # A delta needs the same tensor names, dtypes and shapes, and a tensor that did not change (by digest).
         layout = {(t.name, t.dtype, t.shape) for t in target.header.tensors}
-        if base is not None and layout != {(t.name, t.dtype, t.shape) for t in base.header.tensors}:
-            base = None
-        unchanged = _unchanged(base, target) if base is not None else set()
-        if base is not None and not dtype and not unchanged:
-            base = None  # every tensor changed: the version's own file is the delta
-        if base is None and not dtype:
-            return Payload(target.data, target.xxh3)
+        if base is None or layout != {(t.name, t.dtype, t.shape) for t in base.header.tensors}:
+            base, unchanged = None, set()
+        else:
+            unchanged = {name for name, xxh3 in target.tensor_xxh3.items() if base.tensor_xxh3.get(name) == xxh3}
+        if not dtype and not unchanged:
+            return Payload(target.data, target.xxh3)  # no cast, and no delta or every tensor changed
         key = (target.model, target.version, base.version if base is not None else 0, dtype)
         while True:
             with self._lock:
@@ -166,8 +163,3 @@ class PayloadCache:
         with self._lock:
             for key in [k for k in self._entries if k[0] == model and version in (k[1], k[2])]:
                 del self._entries[key]
-
-
-def _unchanged(base, target) -> set[str]:
-    """Names of the tensors whose bytes are the same in both versions (by digest)."""
-    return {name for name, digest in target.tensor_xxh3.items() if base.tensor_xxh3.get(name) == digest}

@@ -1,12 +1,10 @@
-"""Persistence: versions under ``data_dir``, written so that a crash never shows a torn one.
+"""Versions under ``data_dir``, written so that a crash never shows a torn one:
 
     <model>/<version:012d>.safetensors   the published bytes, unchanged
     <model>/<version:012d>.json          manifest: written last, it marks a committed version
     <model>/high_water.json              highest version ever committed (written on delete)
 
-A delete removes the data file first (so it works on a full disk), then records the high-water
-mark, then the manifest, which until then keeps the number from being handed out again.
-"""
+A delete removes the data file (works on a full disk), then the manifest: it kept the number from reuse."""
 
 from __future__ import annotations
 
@@ -20,8 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
-from weightserver.protocol import digests
-from weightserver.protocol.errors import IntegrityError, InvalidModelName, StorageFull
+from weightserver.protocol import digests, errors
 from weightserver.protocol.files import FILE_SUFFIX, version_file_name
 from weightserver.protocol.names import MODEL_NAME, PUBLISH_ID, validate_model_name
 from weightserver.protocol.safetensors_format import parse_header
@@ -73,7 +70,7 @@ class Disk:
         except OSError as exc:
             if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
-            raise StorageFull(
+            raise errors.StorageFull(
                 f"the data directory {self.data_dir} is full ({exc.strerror}), so nothing was written "
                 "or changed; free space by deleting versions (weightserver delete) or unpinning them, "
                 "lower --keep, or give the data directory more space"
@@ -85,7 +82,7 @@ class Disk:
         try:
             with self.writes():
                 atomic_write(self.data_dir / record.model / HIGH_WATER, json.dumps({"high_water": high_water}).encode())
-        except (StorageFull, OSError) as exc:
+        except (errors.StorageFull, OSError) as exc:
             log.warning("keeping %s so that its number is never reused: %s", manifest_path, exc)
             return
         remove_logged(manifest_path)
@@ -110,7 +107,7 @@ class Disk:
         for directory in sorted(p for p in self.data_dir.iterdir() if p.is_dir()):
             try:
                 model = validate_model_name(directory.name)
-            except InvalidModelName:
+            except errors.InvalidModelName:
                 log.warning("ignoring %s: not a valid model name", directory)
                 continue
             state = models.setdefault(model, ModelState(high_water=_read_high_water(directory / HIGH_WATER)))
@@ -155,22 +152,15 @@ class Disk:
             manifest = _check_manifest(json.loads(manifest_path.read_text()), manifest_path)
             data = data_path.read_bytes()
             if len(data) != manifest["byte_size"]:
-                raise IntegrityError(f"{len(data)} bytes on disk, manifest says {manifest['byte_size']}")
+                raise errors.IntegrityError(f"{len(data)} bytes on disk, manifest says {manifest['byte_size']}")
             digest = digests.sha256_hex(data)
             if digest != manifest["sha256"]:
-                raise IntegrityError(f"sha256 on disk is {digest}, manifest says {manifest['sha256']}")
+                raise errors.IntegrityError(f"sha256 on disk is {digest}, manifest says {manifest['sha256']}")
             header = parse_header(data)  # the format's limits: what was committed loads
-            record = Version(
-                **{k: manifest[k] for k in ("version", "metadata", "pinned", "publish_id") if k in manifest},
-                model=model,
-                data=data,
-                sha256=digest,
-                created=float(manifest.get("created", 0.0)),
-                header=header,
-                group=tuple(manifest.get("group", ())),
-                xxh3=digests.xxh3_hex(data),
-                tensor_xxh3=digests.tensor_digests(data, header),
-            )
+            fields = {k: manifest[k] for k in ("version", "metadata", "pinned", "publish_id") if k in manifest}
+            fields.update(created=float(manifest.get("created", 0.0)), group=tuple(manifest.get("group", ())))
+            fields.update(xxh3=digests.xxh3_hex(data), tensor_xxh3=digests.tensor_digests(data, header))
+            record = Version(**fields, model=model, data=data, sha256=digest, header=header)
             if self._describe is not None:
                 record = replace(record, description_bytes=self._describe(record))
             return record
