@@ -22,6 +22,7 @@ from weightserver.config import ServerConfig, url_host
 from weightserver.metrics import NoMetrics, ServerMetrics
 from weightserver.protocol import framing
 from weightserver.protocol.limits import MAX_MESSAGE_BYTES
+from weightserver.protocol.version_info import description_bytes
 from weightserver.relay.relay import Relay
 from weightserver.relay.upstream import UpstreamLink
 from weightserver.service import wire
@@ -103,7 +104,7 @@ class WeightServer:
             max_model_bytes=self.config.max_model_bytes,
             max_header_bytes=self.config.max_header_bytes,
             max_tensors=self.config.max_tensors,
-            describe=wire.description_bytes,
+            describe=description_bytes,
         )
         # A bad token file stops the server here, before it binds a port; so does a bad PEM file
         # of the relay's link to its upstream.

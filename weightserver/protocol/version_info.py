@@ -1,12 +1,106 @@
-"""VersionInfo: a version's description as plain Python (from weights.proto's VersionInfo)."""
+"""A version's description: the one conversion between weights.proto's VersionInfo and Python.
+
+The server builds the message from its record's plain fields (`version_message`); the client
+reads it back as a `VersionInfo` (`VersionInfo.from_proto`).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from typing import Protocol
+
+from google.protobuf.timestamp_pb2 import Timestamp
 
 from weightserver.protocol.safetensors_format import TensorEntry
 from weightserver.v1 import weights_pb2 as pb
+
+
+class _Tensors(Protocol):
+    @property
+    def tensors(self) -> Iterable[TensorEntry]: ...
+
+
+class VersionRecord(Protocol):
+    """What a server keeps of a version that its description is built from (the store's record)."""
+
+    @property
+    def model(self) -> str: ...
+    @property
+    def version(self) -> int: ...
+    @property
+    def byte_size(self) -> int: ...
+    @property
+    def sha256(self) -> str: ...
+    @property
+    def created(self) -> float: ...
+    @property
+    def metadata(self) -> Mapping[str, str]: ...
+    @property
+    def header(self) -> _Tensors: ...
+    @property
+    def tensor_xxh3(self) -> Mapping[str, str]: ...
+    @property
+    def pinned(self) -> bool: ...
+    @property
+    def group(self) -> tuple[str, ...]: ...
+    @property
+    def xxh3(self) -> str: ...
+
+
+class SummaryRecord(Protocol):
+    @property
+    def model(self) -> str: ...
+    @property
+    def latest_version(self) -> int: ...
+    @property
+    def version_count(self) -> int: ...
+    @property
+    def retained_bytes(self) -> int: ...
+
+
+def version_message(record: VersionRecord) -> pb.VersionInfo:
+    """The wire's VersionInfo of a server's record."""
+    created = Timestamp()
+    created.FromNanoseconds(int(record.created * 1e9))
+    tensors = [
+        pb.TensorInfo(
+            name=t.name,
+            dtype=t.dtype,
+            shape=list(t.shape),
+            data_begin=t.begin,
+            data_end=t.end,
+            xxh3=record.tensor_xxh3.get(t.name, ""),
+        )
+        for t in record.header.tensors
+    ]
+    return pb.VersionInfo(
+        model=record.model,
+        version=record.version,
+        byte_size=record.byte_size,
+        sha256=record.sha256,
+        created=created,
+        metadata=dict(record.metadata),
+        tensors=tensors,
+        pinned=record.pinned,
+        group=list(record.group),
+        xxh3=record.xxh3,
+    )
+
+
+def description_bytes(record: VersionRecord) -> int:
+    """Bytes of `record`'s description as clients receive it."""
+    return version_message(record).ByteSize()
+
+
+def summary_message(info: SummaryRecord) -> pb.ModelSummary:
+    return pb.ModelSummary(
+        model=info.model,
+        latest_version=info.latest_version,
+        version_count=info.version_count,
+        retained_bytes=info.retained_bytes,
+    )
 
 
 @dataclass(frozen=True)
