@@ -1,9 +1,8 @@
-"""Publishes: one Publish call's models read off its stream, verified and committed.
+"""A Publish call: its models read off the stream, verified and committed.
 
-A call sends, per model, a header and then its bytes: chunks, or the id of an upload that
-Negotiate staged (`written` as a same-host writer goes, `uploaded` once all are in); then one
-commit message. The commit runs in threads of its own, so that no backlog of other work (casts,
-deltas) queues in front of it.
+Per model a header, then its bytes: chunks, or the id of an upload Negotiate staged (`written`
+as a same-host writer goes, `uploaded` once all are in); then one commit message. Commits run
+in threads of their own, so that no backlog of other work (casts, deltas) queues before them.
 """
 
 from __future__ import annotations
@@ -12,62 +11,42 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 from weightserver.protocol.errors import DeadlineExceeded, IntegrityError, InvalidRequest, clipped_message, clipped_repr
 from weightserver.publish.incoming import IncomingPublishes
 from weightserver.publish.priority import PublishTurn
 from weightserver.publish.receiver import IncomingModel
 from weightserver.publish.staged_uploads import StagedUploads
-from weightserver.storage.store import Version, VersionStore
+from weightserver.storage.store import Upload, Version, VersionStore
 from weightserver.transports.shared_memory import SharedMemoryFiles
 from weightserver.v1 import weights_pb2 as pb
 
 PUBLISH_THREADS = 4  # threads that verify and commit publishes (hash, parse, fsync)
 NO_HEADER = "a Publish stream must start with a header message (model, total_bytes, sha256)"
-
-
-@dataclass
-class Published:
-    """What one Publish call received and committed, and where its time went (seconds)."""
-
-    models: list[IncomingModel] = field(default_factory=list)
-    records: list[Version] = field(default_factory=list)
-    receive: float = 0.0  # from the call's start until its commit message
-    verify: float = 0.0  # until the digests of its bytes were in
-    commit: float = 0.0  # the store's commit
-
-    @property
-    def repeat(self) -> bool:
-        """A repeat of a publish id: `records` are what an earlier call committed."""
-        return not self.models[0].committed
+BYTES_TWICE = "a model's bytes come as chunks or one `uploaded`"
 
 
 class Publishes:
-    """Receives and commits Publish calls into `store`."""
+    """What every Publish call into `store` shares."""
 
     def __init__(
         self,
         store: VersionStore,
-        *,
         shared_memory: SharedMemoryFiles | None,
         announcements: IncomingPublishes,
         staged: StagedUploads,
         timeout: float | None,
     ) -> None:
-        self.store = store
-        self.shared_memory = shared_memory
-        self.announcements = announcements
-        self.staged = staged
-        self.timeout = timeout
+        self.store, self.shared_memory, self.announcements = store, shared_memory, announcements
+        self.staged, self.timeout = staged, timeout
         self._threads = ThreadPoolExecutor(PUBLISH_THREADS, thread_name_prefix="weightserver-publish")
 
     def close(self) -> None:
         self._threads.shutdown(wait=False, cancel_futures=True)
 
     def check(self, header: pb.PublishHeader, first: pb.PublishHeader | None = None) -> None:
-        """The store's checks of a model's header before any byte comes; the version number and
-        publish id are the group's, from its `first` header."""
+        """The store's checks of a header before any byte comes; the version number and publish
+        id are the group's, from its `first` header."""
         first = first or header
         self.store.check_publish(
             header.model,
@@ -77,29 +56,49 @@ class Publishes:
             publish_id=first.publish_id,
         )
 
-    async def receive(
-        self,
-        messages: AsyncIterator[pb.PublishRequest],
-        turn: PublishTurn,
-        published: Published,
-        *,
-        owner: bytes | None,
-        counted: Callable[[Version], None],
+    async def commit(self, uploads: list[Upload], first: pb.PublishHeader) -> list[Version]:
+        committing = asyncio.get_running_loop().run_in_executor(
+            self._threads, lambda: self.store.publish_group(uploads, version=first.version, publish_id=first.publish_id)
+        )
+        try:
+            return await asyncio.shield(committing)
+        finally:
+            # A call cancelled meanwhile leaves the commit running: it finishes with the uploads
+            # before they are let go, and a retry with the same publish id finds its version.
+            await asyncio.wait([committing])
+
+
+class PublishCall:
+    """One Publish call, telling `turn` what arrives; `owner` may name only the uploads it set
+    up, and `counted` is called in each model's commit. Its phases' seconds: `receive` (until
+    the commit message), `verify` (until the digests were in), `commit` (the store's)."""
+
+    def __init__(
+        self, publishes: Publishes, turn: PublishTurn, owner: bytes | None, counted: Callable[[Version], None]
     ) -> None:
-        """Receive the models of `messages` into `published`, then verify and commit them,
-        telling `turn` what arrives. `owner` may name only the uploads it set up. Whatever
-        does not commit is let go."""
-        started, models = time.perf_counter(), published.models
+        self.publishes, self.turn, self.owner, self.counted = publishes, turn, owner, counted
+        self.models: list[IncomingModel] = []
+        self.records: list[Version] = []
+        self.receive = self.verify = self.commit = 0.0
+
+    @property
+    def repeat(self) -> bool:
+        """A repeat of a publish id: `records` are what an earlier call committed."""
+        return not self.models[0].committed
+
+    async def run(self, messages: AsyncIterator[pb.PublishRequest]) -> None:
+        """Receive, verify and commit; whatever does not commit is let go."""
+        started, models = time.perf_counter(), self.models
         failure = "the publish stream ended without committing"
         try:
-            commit = await self._read(messages, turn, models, owner, counted)
-            published.receive = time.perf_counter() - started
+            commit = await self._read(_within(messages, self.publishes.timeout))
+            self.receive = time.perf_counter() - started
             sha256s = _declared_sha256s(models, commit)
             digests = [await asyncio.to_thread(m.finish) for m in models]
-            published.verify = time.perf_counter() - started - published.receive
+            self.verify = time.perf_counter() - started - self.receive
             uploads = [m.as_upload(s, d) for m, s, d in zip(models, sha256s, digests, strict=True)]
-            published.records = await self._commit(uploads, models[0].header)
-            published.commit = time.perf_counter() - started - published.receive - published.verify
+            self.records = await self.publishes.commit(uploads, models[0].header)
+            self.commit = time.perf_counter() - started - self.receive - self.verify
             failure = "a repeat of a publish id committed before: its version was announced then"
         except BaseException as exc:
             failure = clipped_message(str(exc) or type(exc).__name__, 200)
@@ -108,44 +107,28 @@ class Publishes:
             for model in models:
                 model.discard(failure)
 
-    async def _read(
-        self,
-        messages: AsyncIterator[pb.PublishRequest],
-        turn: PublishTurn,
-        models: list[IncomingModel],
-        owner: bytes | None,
-        counted: Callable[[Version], None],
-    ) -> pb.PublishCommit:
-        commit: pb.PublishCommit | None = None
-        async for message in _within(messages, self.timeout):
+    async def _read(self, messages: AsyncIterator[pb.PublishRequest]) -> pb.PublishCommit:
+        models, turn, commit = self.models, self.turn, None
+        async for message in messages:
             kind = message.WhichOneof("kind")
             if commit is not None:
                 raise InvalidRequest(f"model {models[0].model!r}: nothing may follow the commit message")
             if kind == "header":
-                header = message.header
-                if any(m.model == header.model for m in models):
-                    raise InvalidRequest(f"model {header.model!r} appears twice in one publish")
-                if models:
-                    models[-1].check_complete()
-                    _check_group_header(models[0].header, header)
-                self.check(header, models[0].header if models else None)
-                models.append(self._model(header, "stream", counted))
+                self._header(message.header)
                 turn.header()
             elif not models:
                 raise InvalidRequest(NO_HEADER)
             elif kind == "chunk":
                 turn.chunk()
                 models[-1].add(message.chunk)
-            elif kind in ("written", "uploaded"):
-                # A `written` keeps the header's hold: a same-host writer's pace is a memory copy.
-                part = getattr(message, kind)
-                model = models[-1] = self._staged(models[-1], part.upload, owner, counted, kind)
-                if kind == "written":
-                    model.written(part.end)
-                    turn.written()
-                else:
-                    model.uploaded(part)
-                    turn.uploaded()
+            elif kind == "written":  # keeps the header's hold: a same-host writer's pace is a memory copy
+                self._staged(message.written.upload, "`written` after another upload or its `uploaded`")
+                models[-1].written(message.written.end)
+                turn.written()
+            elif kind == "uploaded":
+                self._staged(message.uploaded.upload, BYTES_TWICE)
+                models[-1].uploaded(message.uploaded)
+                turn.uploaded()
             elif kind == "commit":
                 models[-1].check_complete()
                 commit = message.commit
@@ -156,58 +139,38 @@ class Publishes:
             raise InvalidRequest(NO_HEADER)
         if commit is None:
             models[-1].check_complete()
-            names = ", ".join(repr(m.model) for m in models)
             raise InvalidRequest(
-                f"model {names}: the publish stream ended without a commit message, so nothing "
-                "was published (the publisher was cancelled or failed before finishing)"
+                f"model {', '.join(repr(m.model) for m in models)}: the publish stream ended without a commit "
+                "message, so nothing was published (the publisher was cancelled or failed before finishing)"
             )
         return commit
 
-    def _model(self, header: pb.PublishHeader, transport: str, counted: Callable[[Version], None]) -> IncomingModel:
-        return IncomingModel(
-            header,
-            transport,
-            shared_memory=self.shared_memory,
-            header_limits=self.store.header_limits,
-            announcements=self.announcements,
-            counted=counted,
+    def _header(self, header: pb.PublishHeader) -> None:
+        models, publishes = self.models, self.publishes
+        if any(m.model == header.model for m in models):
+            raise InvalidRequest(f"model {header.model!r} appears twice in one publish")
+        if models:
+            models[-1].check_complete()
+            _check_group_header(models[0].header, header)
+        publishes.check(header, models[0].header if models else None)
+        limits, memory, announcements = publishes.store.header_limits, publishes.shared_memory, publishes.announcements
+        models.append(
+            IncomingModel(
+                header, shared_memory=memory, header_limits=limits, announcements=announcements, counted=self.counted
+            )
         )
 
-    def _staged(
-        self,
-        model: IncomingModel,
-        upload: str,
-        owner: bytes | None,
-        counted: Callable[[Version], None],
-        kind: str,
-    ) -> IncomingModel:
-        """The staged upload `upload` that a `written` or `uploaded` message names, taken by the
-        first such message; InvalidRequest when the model's bytes came otherwise."""
+    def _staged(self, upload: str, out_of_order: str) -> None:
+        """The last model is the staged upload `upload`, taken by the first message naming it."""
+        model = self.models[-1]
         if model.transport == "stream":
             if model.received:
-                raise InvalidRequest(f"model {model.model!r}: a model's bytes come as chunks or one `uploaded`")
-            staged = self.staged.take(upload, model.model, model.total_bytes, owner=owner)
-            staged.header, staged.counted, staged.shared_memory = model.header, counted, self.shared_memory
-            return staged
-        if upload != model.id or model.moved:
-            out_of_order = "`written` after another upload or its `uploaded`"
-            raise InvalidRequest(
-                f"model {model.model!r}: "
-                + (out_of_order if kind == "written" else "a model's bytes come as chunks or one `uploaded`")
-            )
-        return model
-
-    async def _commit(self, uploads: list, first: pb.PublishHeader) -> list[Version]:
-        loop = asyncio.get_running_loop()
-        committing = loop.run_in_executor(
-            self._threads, lambda: self.store.publish_group(uploads, version=first.version, publish_id=first.publish_id)
-        )
-        try:
-            return await asyncio.shield(committing)
-        finally:
-            # A call cancelled meanwhile leaves the commit running in its thread: it finishes with
-            # the uploads before they are let go, and a retry with the same publish id finds it.
-            await asyncio.wait([committing])
+                raise InvalidRequest(f"model {model.model!r}: {BYTES_TWICE}")
+            staged = self.publishes.staged.take(upload, model.model, model.total_bytes, owner=self.owner)
+            staged.header, staged.counted, staged.shared_memory = model.header, self.counted, model.shared_memory
+            self.models[-1] = staged
+        elif upload != model.id or model.moved:
+            raise InvalidRequest(f"model {model.model!r}: {out_of_order}")
 
 
 async def _within(
@@ -215,15 +178,12 @@ async def _within(
 ) -> AsyncIterator[pb.PublishRequest]:
     """The messages of a stream that takes at most `seconds` in all: a stalled publisher must
     not hold its receive buffer forever."""
-    if seconds is None:
-        async for message in messages:
-            yield message
-        return
-    deadline = asyncio.get_running_loop().time() + seconds
+    deadline = None if seconds is None else asyncio.get_running_loop().time() + seconds
     iterator = aiter(messages)
     while True:
         try:
-            message = await asyncio.wait_for(anext(iterator), max(deadline - asyncio.get_running_loop().time(), 0))
+            remaining = None if deadline is None else max(deadline - asyncio.get_running_loop().time(), 0)
+            message = await asyncio.wait_for(anext(iterator), remaining)
         except StopAsyncIteration:
             return
         except TimeoutError:
@@ -249,8 +209,7 @@ def _check_group_header(first: pb.PublishHeader, header: pb.PublishHeader) -> No
 
 
 def _declared_sha256s(models: list[IncomingModel], commit: pb.PublishCommit) -> list[str | None]:
-    """Each model's sha256 as declared in its header and/or the commit message; None for a
-    model whose header declares only an xxh3."""
+    """Each model's sha256 as declared in its header and/or the commit; None where only an xxh3 is."""
     from_commit = list(commit.sha256)
     if from_commit and len(from_commit) != len(models):
         raise InvalidRequest(

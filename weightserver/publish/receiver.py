@@ -1,16 +1,10 @@
 """IncomingModel: the one receiver of a model's bytes in a publish, whatever the transport.
 
-The bytes land in a buffer of the declared size (a file in the shared-memory folder when there
-is one, so that the committed version is served from there without another copy): as chunks
-of the Publish stream (`arrived` after each), from a bulk socket (`arrived`), or copied with
-pread from the file a same-host publisher writes (`written`). Each stretch is hashed in the
-model's own thread as it lands (xxh3 of the file and of each tensor; sha256 too for a stream
-publish that declares one, or no xxh3), so no pass over the bytes follows the transfer, and
-watchers that asked for it hear of the bytes as they land (cut-through, `IncomingPublish`).
-
-What a same-host publisher writes is never mapped: the server copies it into its own buffer,
-so the file may change, shrink or vanish, which can only fail the publish (a short read is
-DATA_LOSS), never change a version or crash the server.
+The bytes land in a buffer of the declared size (a shared-memory file when there is room, so
+the committed version is served from there): as Publish chunks, from a bulk socket, or copied
+with pread from the file a same-host publisher writes (never mapped: it may change or shrink,
+which can only fail the publish). Each stretch is hashed in the model's own thread as it lands,
+so no pass over the bytes follows the transfer, and announced to cut-through watchers.
 """
 
 from __future__ import annotations
@@ -40,16 +34,13 @@ from weightserver.transports.shared_memory import SharedMemoryFiles, SharedMemor
 from weightserver.v1 import weights_pb2 as pb
 
 HASH_STRETCH = 1 << 20  # bytes are handed to the hashing thread this many at a time
-# Threads that copy same-host writers' blocks in, for all uploads: at most this many, and one CPU
-# fewer than the machine has (one is the writer's). None: the model's own thread copies.
-COPY_THREADS = 4
+COPY_THREADS = 4  # copy same-host writers' blocks in, at most one CPU fewer than the machine has
 _copy_threads: ThreadPoolExecutor | None = None
 _copy_threads_lock = threading.Lock()
 
 
 def _copying() -> ThreadPoolExecutor | None:
-    """The threads that copy a same-host writer's blocks (pread lets go of the GIL); None on a
-    machine of two CPUs or fewer, where they only add to what those do."""
+    """The copying threads (pread lets go of the GIL); None on two CPUs or fewer."""
     global _copy_threads
     workers = min(COPY_THREADS, (os.cpu_count() or 1) - 1)
     if workers < 2:
@@ -61,9 +52,8 @@ def _copying() -> ThreadPoolExecutor | None:
 
 
 class IncomingModel:
-    """One model's bytes on their way into a publish. `transport` says who writes the buffer:
-    "stream" (Publish chunks), "bulk" (a bulk socket) or "shm" (copied from a same-host
-    publisher's file)."""
+    """One model's bytes on their way into a publish, written by `transport`: "stream" (Publish
+    chunks), "bulk" (a bulk socket) or "shm" (copied from a same-host publisher's file)."""
 
     def __init__(
         self,
@@ -88,8 +78,7 @@ class IncomingModel:
         self.announcement: IncomingPublish | None = None  # told to watchers with the first bytes
         self.file: SharedMemoryUpload | None = None  # the buffer's file, removed unless committed
         self.buffer: memoryview | None = None
-        # None once a stream's bytes turned out not to be a safetensors file: the store then
-        # checks them from scratch, so the error is the one it always gave.
+        # None once a stream's bytes are no safetensors file: the store's check gives the error.
         self.digests: IncomingDigests | None = None
         self.received = 0  # bytes [0, received) are in (or, for a writer's, announced)
         self.copied = 0  # a writer's bytes copied in
@@ -112,8 +101,7 @@ class IncomingModel:
         return self.header.total_bytes
 
     def allocate(self, file: SharedMemoryUpload | None) -> None:
-        """Receive into `file` (a shared-memory file, so that the committed version is served
-        from there), or None: anonymous memory, committed page by page as bytes arrive."""
+        """Receive into `file`, or None: anonymous memory, committed page by page as bytes arrive."""
         if file is None and self.transport == "shm":
             raise OSError("no room in the shared-memory folder")
         size = self.total_bytes
@@ -138,9 +126,8 @@ class IncomingModel:
         self.arrived(end)
 
     def arrived(self, end: int) -> None:
-        """Bytes [0, end) are in (stream, bulk): hash them in this model's thread while the
-        next ones arrive. A bulk transfer waits for that at its end, so that a malformed
-        header stops it before its acknowledgement."""
+        """Bytes [0, end) are in: hash them while the next arrive. A bulk transfer waits for that
+        at its end, so that a malformed header stops it before its acknowledgement."""
         self.received = end
         self._landed(end)
         if end - self._handed >= HASH_STRETCH or end == self.total_bytes:
@@ -149,8 +136,7 @@ class IncomingModel:
             self._hashing_done()
 
     def written(self, end: int) -> None:
-        """A same-host writer's word that bytes [0, end) are written for good: copy them in
-        and hash them, in this model's thread, while it writes the rest."""
+        """A same-host writer's word that bytes [0, end) are written: copy and hash them meanwhile."""
         if self.transport != "shm":
             raise InvalidRequest(
                 f"model {self.model!r}: `written` is for a shared-memory upload; upload {self.id} is {self.transport}"
@@ -165,8 +151,7 @@ class IncomingModel:
         self._hash_to(end)
 
     def uploaded(self, message: pb.PublishUploaded) -> None:
-        """All bytes are in the staged upload (and its xxh3 comes here when the header was
-        sent before they were moved)."""
+        """All bytes are in the staged upload (with their xxh3 if the header came before them)."""
         if message.xxh3:
             if self.header.xxh3 and self.header.xxh3.lower() != message.xxh3.lower():
                 raise IntegrityError(
@@ -191,9 +176,8 @@ class IncomingModel:
             )
 
     def finish(self) -> FileDigests | None:
-        """The digests of the bytes, once all are in and hashed (a writer's: copied and hashed
-        now); None when the store is to check them itself. Blocks: call it off the event loop.
-        IntegrityError when a bulk transfer fell short."""
+        """The digests of the bytes once all are in and hashed; None: the store checks them. Blocks.
+        IntegrityError when a transfer fell short."""
         if self.transport == "shm":
             try:
                 self._hash_to(self.total_bytes)
@@ -238,9 +222,8 @@ class IncomingModel:
         )
 
     def _adopt(self, record: Version) -> None:
-        """The store calls this once `record` is durable and before any reader can see it, under
-        the model's commit lock: a same-host reader that hears of the version finds its file and
-        header in place. Not called when the publish repeats a publish id."""
+        """Called by the store once `record` is durable, before any reader can see it (not for a
+        repeated publish id): a same-host reader finds the version's file and header in place."""
         self.committed = True
         if self.counted is not None:
             self.counted(record)
@@ -267,8 +250,7 @@ class IncomingModel:
             self.file.abort()
 
     def _landed(self, end: int) -> None:
-        """Bytes [0, end) are in (a writer's: on their way): the upload does not expire while
-        they move, and watchers hear of them (announced with the first)."""
+        """Bytes [0, end) are in (a writer's: on their way): watchers hear of them."""
         self.active = time.monotonic()
         if self.announcement is None and self.announcements is not None and self.total_bytes:
             assert self.buffer is not None
@@ -277,9 +259,8 @@ class IncomingModel:
             self.announcement.advance(end)  # a writer's, once copied (`_copy`)
 
     def _hash_to(self, end: int) -> None:
-        """Hash up to `end` (a writer's bytes: copy them in first) in this model's own thread,
-        after what it does now; raise what an earlier stretch raised there (a malformed header,
-        a file cut short), so that a transfer can stop early."""
+        """Hash up to `end` (a writer's: copy first) in this model's thread; raise what an earlier
+        stretch raised there, so that a transfer can stop early."""
         if self._hashed is not None and self._hashed.done():
             self._hashed.result()
         if self._hashing is None:
@@ -301,8 +282,7 @@ class IncomingModel:
             self._sha256_fed = end
 
     def _copy(self, end: int) -> None:
-        """Copy the writer's bytes up to `end` into the buffer, a block per copying thread, and
-        hash each block in order once it is in. IntegrityError when the file ends first."""
+        """Copy the writer's bytes up to `end` in, a block per thread, hashing each in order."""
         assert self.file is not None and self.file.source is not None and self.buffer is not None
         source, buffer = self.file.source, self.buffer
         blocks = [(start, min(end, start + BLOCK_BYTES)) for start in range(self.copied, end, BLOCK_BYTES)]

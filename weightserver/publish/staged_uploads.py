@@ -1,11 +1,8 @@
 """StagedUploads: models whose bytes move outside the Publish stream, until a Publish names them.
 
-Negotiate (DIRECTION_PUBLISH) stages one model's upload (an `IncomingModel` fed over bulk TCP
-or from a same-host writer's file) under a random id. A Publish stream names the id after the
-model's header; the upload is then the stream's and goes with it. Only the caller that set it
-up may name it (with tokens: the same token; without, anyone who knows the id); a claim that
-does not match is refused and leaves the upload to its owner. Uploads nobody names expire: a
-sweeper thread, running while any upload is staged, drops them and their files.
+Negotiate stages an upload (an `IncomingModel` fed over bulk or from a same-host writer's file)
+under a random id that only its caller may name (with tokens: the same token); a claim that does
+not match is refused and leaves the upload to its owner. Uploads nobody names expire.
 """
 
 from __future__ import annotations
@@ -51,9 +48,8 @@ class StagedUploads:
         *,
         owner: bytes | None = None,
     ) -> IncomingModel:
-        """A new upload of `total_bytes` for `model` over `transport` ("bulk", "shm"), into the
-        file `new_file()` makes (None: anonymous memory), that only `owner` (the sha256 of the
-        caller's token; None: anyone) may name. OSError when "shm" finds no room."""
+        """An upload over `transport` ("bulk", "shm") into the file `new_file()` makes (None:
+        anonymous memory), that only `owner` (its token's sha256; None: anyone) may name."""
         self._expire()
         with self._lock:
             if len(self._uploads) >= self._max:
@@ -75,9 +71,7 @@ class StagedUploads:
         return upload
 
     def take(self, upload_id: str, model: str, total_bytes: int, *, owner: bytes | None = None) -> IncomingModel:
-        """The upload `upload_id`, now the caller's: `owner` must be the one that set it up
-        (PermissionDenied), and it must be for `model` and `total_bytes` (InvalidRequest). A
-        refused claim leaves the upload staged for its owner."""
+        """The upload `upload_id`, now the caller's, if `owner` set it up for `model` and `total_bytes`."""
         self._expire()
         with self._lock:
             upload = self._uploads.get(upload_id)
@@ -114,7 +108,7 @@ class StagedUploads:
             upload.discard()
 
     def _sweep(self) -> None:
-        """Expire uploads until none is left (the next one starts a new sweeper) or close()."""
+        """Expire uploads until none is left (the next starts a new sweeper) or close()."""
         while not self._closed.wait(SWEEP_SECONDS):
             self._expire()
             with self._lock:

@@ -1,39 +1,34 @@
-"""WeightServicer: weightserver.v1.WeightService, one short method per RPC.
+"""WeightServicer: weightserver.v1.WeightService on grpc.aio, one short method per RPC.
 
-Runs on grpc.aio. Work that hashes, parses or fsyncs runs in threads, so one large publish never
-stalls the event loop that serves fetches and watchers. Requests are checked against the
-caller's token (`auth`), domain errors leave as their status code (`_abort`).
+Work that hashes, parses or fsyncs runs in threads, so a large publish never stalls the loop
+that serves fetches and watchers. Domain errors leave as their status code (`_abort`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from weightserver.config import ServerConfig, clamp_chunk_bytes
 from weightserver.metrics import NoMetrics
 from weightserver.protocol.errors import (
-    ERROR_METADATA_KEY,
     InvalidRequest,
     PermissionDenied,
     WeightServerError,
-    clipped_message,
-    status_code_for,
 )
 from weightserver.protocol.version_info import summary_message, version_message
-from weightserver.publish.call import Published, Publishes
+from weightserver.publish.call import PublishCall, Publishes
 from weightserver.publish.incoming import IncomingPublishes
 from weightserver.publish.priority import CommitsFirst
 from weightserver.publish.staged_uploads import StagedUploads
-from weightserver.service import negotiate, wire
+from weightserver.service import negotiate
 from weightserver.service.auth import Principal, TokenTable
-from weightserver.service.call_log import client_id_of, log, log_event
+from weightserver.service.calls import Undecodable, client_id_of, log_event, streaming, unary
 from weightserver.service.fetch import chosen_version, payload_for, sha256_of
 from weightserver.service.watch import Watches
 from weightserver.storage.payloads import PayloadCache
@@ -47,59 +42,6 @@ from weightserver.v1 import weights_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
     from weightserver.relay.relay import Relay
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-async def _abort(context: grpc.aio.ServicerContext, error: BaseException) -> None:
-    """End the call with the status of `error` (INTERNAL for anything unexpected)."""
-    if isinstance(error, WeightServerError):
-        code, name, message = status_code_for(error), type(error).__name__, str(error)
-    else:
-        log.exception("internal error in %s", context.peer())
-        code, name = grpc.StatusCode.INTERNAL, "InternalServerError"
-        message = f"internal server error ({type(error).__name__}); see the server log"
-    # Clipped: an oversized status fails the call on the client with RESOURCE_EXHAUSTED instead.
-    await context.abort(code, clipped_message(message), trailing_metadata=((ERROR_METADATA_KEY, name),))
-
-
-def _unary(method: F) -> F:
-    """Authorize a unary call and map the domain exceptions its handler raises to its status."""
-
-    @functools.wraps(method)
-    async def wrapper(self: WeightServicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        try:
-            # The model a call changes (DeleteVersion, PinVersion) counts for model-scoped tokens;
-            # a Publish stream's headers are checked as they arrive.
-            self._authorize(context, method.__name__, getattr(request, "model", None))
-            if isinstance(request, wire.Undecodable):
-                raise request.error()
-            if self.relay is not None and method.__name__ in ("Publish", "DeleteVersion", "PinVersion"):
-                self.relay.refuse(method.__name__)  # NotPrimary, naming the primary
-            return await method(self, request, context)
-        except Exception as error:
-            await _abort(context, error)
-
-    return wrapper  # type: ignore[return-value]
-
-
-def _streaming(method: F) -> F:
-    """The same for a server-streaming call."""
-
-    @functools.wraps(method)
-    async def wrapper(self: WeightServicer, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        try:
-            self._authorize(context, method.__name__)
-            if isinstance(request, wire.Undecodable):
-                raise request.error()
-            # Closed as soon as the call ends, so a fetch hands back its turn at once.
-            async with contextlib.aclosing(method(self, request, context)) as messages:
-                async for message in messages:
-                    yield message
-        except Exception as error:
-            await _abort(context, error)
-
-    return wrapper  # type: ignore[return-value]
 
 
 class WeightServicer(pb_grpc.WeightServiceServicer):
@@ -125,14 +67,10 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         self.commits_first = CommitsFirst()
         self.incoming = IncomingPublishes()  # publishes whose bytes are arriving, for cut-through
         self.staged = StagedUploads(store.header_limits, incoming=self.incoming)
-        self.publishes = Publishes(
-            store,
-            shared_memory=shared_memory,
-            announcements=self.incoming,
-            staged=self.staged,
-            timeout=config.publish_timeout,
+        self.publishes = Publishes(store, shared_memory, self.incoming, self.staged, config.publish_timeout)
+        self.watches = Watches(
+            store, self.incoming, self.metrics, lambda: self.relay.watch_metadata() if self.relay else ()
         )
-        self.watches = Watches(store, self.incoming, self.metrics, self._watch_metadata)
         self.stream = StreamTransport(config.max_stream_fetches, self.commits_first)
         self.shared_memory = SharedMemoryTransport(shared_memory, self.staged, store) if shared_memory else None
         offered = [self.stream, self.shared_memory, BulkTransport(bulk, self.staged, shared_memory) if bulk else None]
@@ -146,30 +84,23 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         self.publishes.close()
         self.staged.close()
 
-    def end_watches(self) -> None:
-        """End every Watch with UNAVAILABLE, so watchers resubscribe (on the server's loop)."""
-        self.watches.end_all()
-
-    def _authorize(self, context: grpc.aio.ServicerContext, method: str, model: str | None = None) -> Principal | None:
+    def authorize(self, context: grpc.aio.ServicerContext, method: str, model: str | None = None) -> Principal | None:
         """With --auth-tokens, the caller's token must allow `method` (on `model`): its principal."""
         return self.tokens.authorize(context.invocation_metadata(), method, model) if self.tokens else None
 
     def _authorize_header(self, context: grpc.aio.ServicerContext, header: pb.PublishHeader) -> Principal | None:
         """The caller's token must allow publishing `header.model`, and pinning it with pin=True."""
-        principal = self._authorize(context, "Publish", header.model)
+        principal = self.authorize(context, "Publish", header.model)
         try:
             if header.pin:
-                self._authorize(context, "PinVersion", header.model)
+                self.authorize(context, "PinVersion", header.model)
         except PermissionDenied as exc:
             raise PermissionDenied(f"a publish with pin=True pins the version: {exc}") from None
         return principal
 
-    def _watch_metadata(self) -> list[tuple[str, str]]:
-        return list(self.relay.watch_metadata()) if self.relay is not None else []
-
     def _on_commit(self, record: Version) -> None:
-        """Store listener: a commit may have evicted older versions. A version committed without
-        its sha256 gets its shared-memory header rewritten once the store has computed it."""
+        """Store listener: a commit may have evicted older versions; one committed without its
+        sha256 gets its shared-memory header rewritten once the store has it."""
         self.forget_removed(record.model)
         if not record.sha256 and self.shared_memory is not None:
             shm, model, version = self.shared_memory, record.model, record.version  # not the record: its bytes may go
@@ -178,8 +109,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
             )
 
     def forget_removed(self, model: str) -> None:
-        """Drop derived payloads and shared-memory files of versions no longer retained, and
-        update the retention metrics."""
+        """Drop payloads and files derived from versions no longer retained; update the metrics."""
         try:
             versions = self.store.versions(model)
         except WeightServerError:
@@ -194,12 +124,12 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
                 files.forget(model, version)
 
     # ------------------------------------------------------------------ publish
-    @_unary
+    @unary
     async def Publish(
         self, request_iterator: AsyncIterator[pb.PublishRequest], context: grpc.aio.ServicerContext
     ) -> pb.PublishResponse:
-        started, published = time.perf_counter(), Published()
-        caller = self._authorize(context, "Publish")
+        started = time.perf_counter()
+        caller = self.authorize(context, "Publish")
         owner = caller.token_sha256 if caller is not None else None
         # Whose bucket of waiting hold the publish draws on: its token's, or its host's.
         bucket = f"token {owner.hex()}" if owner is not None else "peer " + context.peer().rpartition(":")[0]
@@ -208,19 +138,15 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
             self.metrics.published(record.model, record.byte_size, time.perf_counter() - started)
 
         with self.commits_first.publish(bucket) as turn:
-            messages = self._checked_headers(request_iterator, context)
-            await self.publishes.receive(messages, turn, published, owner=owner, counted=counted)
-        phases = {
-            "receive_ms": round(published.receive * 1e3, 3),
-            "verify_ms": round(published.verify * 1e3, 3),
-            "commit_ms": round(published.commit * 1e3, 3),
-        }
-        for model, record in zip(published.models, published.records, strict=True):
-            if published.repeat:
+            call = PublishCall(self.publishes, turn, owner, counted)
+            await call.run(self._checked_headers(request_iterator, context))
+        phases = {f"{phase}_ms": round(getattr(call, phase) * 1e3, 3) for phase in ("receive", "verify", "commit")}
+        for model, record in zip(call.models, call.records, strict=True):
+            if call.repeat:
                 log_event("publish_repeat", context, model=record.model, version=record.version)
             else:
                 self._transferred("publish", record, started, context, model.transport, **phases)
-        infos = [version_message(r) for r in published.records]
+        infos = [version_message(r) for r in call.records]
         return pb.PublishResponse(version=infos[0], versions=infos)
 
     async def _checked_headers(
@@ -228,35 +154,35 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
     ) -> AsyncIterator[pb.PublishRequest]:
         """The stream's messages, each header checked against the caller's token before its bytes."""
         async for message in messages:
-            if isinstance(message, wire.Undecodable):
+            if isinstance(message, Undecodable):
                 raise message.error()
             if message.WhichOneof("kind") == "header":
                 self._authorize_header(context, message.header)
             yield message
 
     # ------------------------------------------------------------------ describe
-    @_unary
+    @unary
     async def GetLatest(self, request: pb.GetLatestRequest, context: grpc.aio.ServicerContext) -> pb.VersionInfo:
         return version_message(self.store.latest(request.model))
 
-    @_unary
+    @unary
     async def Describe(self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext) -> pb.VersionInfo:
         record = self.store.get(request.model, request.version) if request.version else self.store.latest(request.model)
         return version_message(record)
 
-    @_unary
+    @unary
     async def ListModels(
         self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListModelsResponse:
         return pb.ListModelsResponse(models=[summary_message(m) for m in self.store.models()])
 
-    @_unary
+    @unary
     async def ListVersions(
         self, request: pb.ListVersionsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListVersionsResponse:
         return pb.ListVersionsResponse(versions=[version_message(v) for v in self.store.versions(request.model)])
 
-    @_unary
+    @unary
     async def DeleteVersion(
         self, request: pb.DeleteVersionRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeleteVersionResponse:
@@ -265,7 +191,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         log_event("delete", context, model=record.model, version=record.version)
         return pb.DeleteVersionResponse(deleted=version_message(record))
 
-    @_unary
+    @unary
     async def PinVersion(self, request: pb.PinVersionRequest, context: grpc.aio.ServicerContext) -> pb.VersionInfo:
         record = await asyncio.to_thread(self.store.set_pinned, request.model, request.version, request.pinned)
         self.forget_removed(record.model)
@@ -275,7 +201,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         return version_message(record)
 
     # ------------------------------------------------------------------ fetch
-    @_streaming
+    @streaming
     async def Fetch(
         self, request: pb.FetchRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.FetchResponse | bytes]:
@@ -305,7 +231,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
                 yield message
         self._transferred("fetch", record, started, context, "stream", sent=payload.byte_size)
 
-    @_unary
+    @unary
     async def Negotiate(self, request: pb.NegotiateRequest, context: grpc.aio.ServicerContext) -> pb.NegotiateResponse:
         if request.direction == pb.DIRECTION_PUBLISH:
             caller = self._authorize_header(context, request.publish)
@@ -327,36 +253,19 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         return answer
 
     def _transferred(
-        self,
-        kind: str,
-        record: Version,
-        started: float,
-        context: grpc.aio.ServicerContext,
-        transport: str,
-        sent: int | None = None,
-        **phases: float,
+        self, kind: str, record: Version, started: float, context: grpc.aio.ServicerContext, transport: str, **more: Any
     ) -> None:
-        """Log one finished publish or fetch, and count a fetch (a publish is counted in its
-        commit). For shm and bulk the duration covers handing out the file or ticket."""
-        seconds, nbytes = time.perf_counter() - started, record.byte_size if sent is None else sent
+        """Log a finished publish or fetch (`sent` bytes, and a publish's phases), and count a fetch
+        (a publish is counted in its commit). For shm and bulk it covers handing out the file or ticket."""
+        seconds, nbytes = time.perf_counter() - started, more.pop("sent", record.byte_size)
+        model, version = record.model, record.version
         if kind == "fetch":
-            client_id = client_id_of(context)
-            self.metrics.fetched(
-                record.model, record.version, nbytes, seconds, transport=transport, client_id=client_id
-            )
-        log_event(
-            kind,
-            context,
-            model=record.model,
-            version=record.version,
-            bytes=nbytes,
-            transport=transport,
-            duration_ms=round(seconds * 1e3, 3),
-            **phases,
-        )
+            self.metrics.fetched(model, version, nbytes, seconds, transport=transport, client_id=client_id_of(context))
+        fields = {"model": model, "version": version, "bytes": nbytes, "transport": transport}
+        log_event(kind, context, **fields, duration_ms=round(seconds * 1e3, 3), **more)
 
     # ------------------------------------------------------------------ watch
-    @_streaming
+    @streaming
     async def Watch(
         self, request: pb.WatchRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.VersionEvent]:

@@ -12,7 +12,7 @@ from weightserver.metrics import NoMetrics
 from weightserver.protocol.errors import ServerUnavailable
 from weightserver.protocol.version_info import version_message
 from weightserver.publish.incoming import IncomingPublish, IncomingPublishes
-from weightserver.service.call_log import log_event
+from weightserver.service.calls import log_event
 from weightserver.storage.store import Version, VersionStore, validate_model_name
 from weightserver.v1 import weights_pb2 as pb
 

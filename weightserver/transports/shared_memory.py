@@ -17,6 +17,7 @@ file of its own beside (PublisherFile), which the server only reads with pread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import fcntl
 import logging
@@ -88,13 +89,8 @@ def _remove_abandoned(root: Path) -> None:
         finally:
             os.close(fd)
     if unlocked:
-        log.info(
-            "leaving %d folder(s) without a lock file in %s (%s): servers of an older release, maybe "
-            "still running; remove them by hand once those servers are gone",
-            len(unlocked),
-            root,
-            ", ".join(sorted(unlocked)[:5]) + (", ..." if len(unlocked) > 5 else ""),
-        )
+        names = ", ".join(sorted(unlocked)[:5]) + (", ..." if len(unlocked) > 5 else "")
+        log.info("leaving %d folder(s) without a lock file in %s (%s): of an older release", len(unlocked), root, names)
 
 
 def _write_file(path: Path, data: bytes | bytearray | memoryview, mode: int) -> None:
@@ -117,15 +113,6 @@ def _reserve(fd: int, size: int) -> None:
     """Allocate `size` bytes of the file `fd` now, not page by page as they are written."""
     if size:
         os.posix_fallocate(fd, 0, size)
-
-
-def _usage(directory: Path) -> str:
-    """'64.0 MiB, 3.2 MiB free': the size of the file system holding `directory`."""
-    try:
-        st = os.statvfs(directory)
-    except OSError:
-        return "size unknown"
-    return f"{st.f_blocks * st.f_frsize / 2**20:.1f} MiB, {st.f_bavail * st.f_frsize / 2**20:.1f} MiB free"
 
 
 class SharedMemoryFiles:
@@ -234,17 +221,16 @@ class SharedMemoryFiles:
         if self._warned:
             log.debug("shared memory full: no room for %s (%d bytes); %s", what, size, instead)
             return
-        self._warned = True
+        self._warned, usage = True, "size unknown"
+        with contextlib.suppress(OSError):
+            st = os.statvfs(self.directory)
+            usage = f"{st.f_blocks * st.f_frsize / 2**20:.1f} MiB, {st.f_bavail * st.f_frsize / 2**20:.1f} MiB free"
         log.warning(
-            "shared-memory folder %s is full (%s): no room for %s (%d bytes), so %s. It needs about "
-            "(--keep + 3) x the model's size plus deltas and casts: give it more (`shm_size` in compose, "
-            "`docker run --shm-size`), point --shm-dir at a larger tmpfs, or turn it off with --no-shm. "
+            "shared-memory folder %s is full (%s): no room for %s (%d bytes), so %s. It "
+            "needs about (--keep + 3) x the model's size plus deltas and casts: give it more (`shm_size` in "
+            "compose, `docker run --shm-size`), point --shm-dir at a larger tmpfs, or turn it off with --no-shm. "
             "This warning is logged once.",
-            self.directory,
-            _usage(self.directory),
-            what,
-            size,
-            instead,
+            *(self.directory, usage, what, size, instead),
         )
 
 
