@@ -6,10 +6,10 @@ reads it back as a `VersionInfo` (`VersionInfo.from_proto`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Protocol
+from typing import Any, Protocol
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
@@ -17,47 +17,27 @@ from weightserver.protocol.safetensors_format import TensorEntry
 from weightserver.v1 import weights_pb2 as pb
 
 
-class _Tensors(Protocol):
-    @property
-    def tensors(self) -> Iterable[TensorEntry]: ...
-
-
 class VersionRecord(Protocol):
     """What a server keeps of a version that its description is built from (the store's record)."""
 
-    @property
-    def model(self) -> str: ...
-    @property
-    def version(self) -> int: ...
-    @property
-    def byte_size(self) -> int: ...
-    @property
-    def sha256(self) -> str: ...
-    @property
-    def created(self) -> float: ...
-    @property
-    def metadata(self) -> Mapping[str, str]: ...
-    @property
-    def header(self) -> _Tensors: ...
-    @property
-    def tensor_xxh3(self) -> Mapping[str, str]: ...
-    @property
-    def pinned(self) -> bool: ...
-    @property
-    def group(self) -> tuple[str, ...]: ...
-    @property
-    def xxh3(self) -> str: ...
+    model: str
+    version: int
+    byte_size: int
+    sha256: str
+    created: float  # seconds since the epoch
+    metadata: Mapping[str, str]
+    header: Any  # its safetensors header: `.tensors`, each a TensorEntry
+    tensor_xxh3: Mapping[str, str]
+    pinned: bool
+    group: tuple[str, ...]
+    xxh3: str
 
 
 class SummaryRecord(Protocol):
-    @property
-    def model(self) -> str: ...
-    @property
-    def latest_version(self) -> int: ...
-    @property
-    def version_count(self) -> int: ...
-    @property
-    def retained_bytes(self) -> int: ...
+    model: str
+    latest_version: int
+    version_count: int
+    retained_bytes: int
 
 
 def version_message(record: VersionRecord) -> pb.VersionInfo:

@@ -66,5 +66,4 @@ async def publish(transports: Transports, request: pb.NegotiateRequest, owner: b
             answer.payload.byte_size = header.total_bytes
             answer.upload = upload.id
             break
-        answer.ClearField("payload")
     return answer
