@@ -40,10 +40,6 @@ class IncomingPublish:
         self.landed = end
         self._wake()
 
-    def commit(self) -> None:
-        """The bytes became a version: every byte is in place for good."""
-        self._end(None)
-
     def fail(self, why: str) -> None:
         """The publish failed or was abandoned: its bytes never become a version."""
         self._end(why)
@@ -89,7 +85,7 @@ class IncomingPublishes:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._arriving: dict[str, IncomingPublish] = {}
+        self._open: dict[str, IncomingPublish] = {}
         self._commits: OrderedDict[tuple[str, int], str] = OrderedDict()  # (model, version) -> id
         self._listeners: list[Callable[[IncomingPublish], None]] = []
 
@@ -97,14 +93,14 @@ class IncomingPublishes:
         """Register a publish whose bytes begin to arrive in `buffer`, and announce it."""
         incoming = IncomingPublish(model, buffer, self._ended)
         with self._lock:
-            self._arriving[incoming.id] = incoming
+            self._open[incoming.id] = incoming
         self._tell(incoming)
         return incoming
 
     def get(self, incoming_id: str, model: str) -> IncomingPublish:
         """The publish `incoming_id` of `model` while its bytes arrive; UploadNotFound once it ended."""
         with self._lock:
-            incoming = self._arriving.get(incoming_id)
+            incoming = self._open.get(incoming_id)
         if incoming is None or incoming.model != model:
             raise UploadNotFound(
                 f"model {clipped_repr(model)}: publish {clipped_repr(incoming_id)} is not arriving any more (it "
@@ -118,7 +114,7 @@ class IncomingPublishes:
             self._commits[(model, version)] = incoming.id
             while len(self._commits) > REMEMBERED_COMMITS:
                 self._commits.popitem(last=False)
-        incoming.commit()
+        incoming._end(None)  # every byte is in place for good
 
     def id_of(self, model: str, version: int) -> str:
         """The announcement whose bytes became `version` of `model` ("" if none)."""
@@ -138,7 +134,7 @@ class IncomingPublishes:
 
     def _ended(self, incoming: IncomingPublish) -> None:
         with self._lock:
-            self._arriving.pop(incoming.id, None)
+            self._open.pop(incoming.id, None)
         if incoming.failure is not None:
             self._tell(incoming)  # a commit is told by its version's event
 
