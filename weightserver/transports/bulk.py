@@ -185,8 +185,7 @@ class BulkEndpoint:
             while True:
                 pending = None  # not held while idle: its version may be evicted meanwhile
                 try:
-                    async with asyncio.timeout(wait):
-                        await _recv_exactly(loop, conn, memoryview(ticket))
+                    await _receive(loop, conn, memoryview(ticket), None, stall=wait)
                 except (OSError, EOFError, TimeoutError):
                     return  # the client closed its connection, or sent no ticket in time
                 with self._lock:
@@ -278,20 +277,15 @@ class _Loop:
         task.add_done_callback(self._tasks.discard)
 
 
-async def _recv_exactly(loop: asyncio.AbstractEventLoop, conn: socket.socket, view: memoryview) -> None:
-    received = 0
-    while received < view.nbytes:
-        n = await loop.sock_recv_into(conn, view[received:])
-        if not n:
-            raise EOFError("connection closed before a ticket arrived")
-        received += n
-
-
 async def _receive(
-    loop: asyncio.AbstractEventLoop, conn: socket.socket, into: memoryview, arrived: Callable[[int], None]
+    loop: asyncio.AbstractEventLoop,
+    conn: socket.socket,
+    into: memoryview,
+    arrived: Callable[[int], None] | None,
+    stall: float = SEND_STALL_SECONDS,
 ) -> None:
     """Fill `into` from the connection, telling `arrived` of every HASH_STRETCH more; EOFError
-    when the sender closes early, TimeoutError when it sends nothing for SEND_STALL_SECONDS."""
+    when the sender closes early, TimeoutError when it sends nothing for `stall` seconds."""
     readable = asyncio.Event()
     loop.add_reader(conn, readable.set)
     try:
@@ -301,13 +295,13 @@ async def _receive(
             try:
                 n = conn.recv_into(into[received:])
             except (BlockingIOError, InterruptedError):
-                async with asyncio.timeout(SEND_STALL_SECONDS):
+                async with asyncio.timeout(stall):
                     await readable.wait()
                 continue
             if not n:
                 raise EOFError(f"the sender closed the connection after {received} of {into.nbytes} bytes")
             received += n
-            if received - told >= HASH_STRETCH or received == into.nbytes:
+            if arrived is not None and (received - told >= HASH_STRETCH or received == into.nbytes):
                 arrived(received)
                 if received // YIELD_STRETCH != told // YIELD_STRETCH:
                     await asyncio.sleep(0)
