@@ -103,7 +103,7 @@ class IncomingPublishes:
             incoming = self._open.get(incoming_id)
         if incoming is None or incoming.model != model:
             raise UploadNotFound(
-                f"model {clipped_repr(model)}: publish {clipped_repr(incoming_id)} is not arriving any more (it "
+                f"model {clipped_repr(model)}: publish {clipped_repr(incoming_id)} is not incoming any more (it "
                 "committed, failed, or was never announced here); fetch the committed version instead"
             )
         return incoming
