@@ -15,8 +15,8 @@ the collectors' `time.monotonic()` stamps, each taken when its fetch of that ver
 (verified against the announced xxh3, which on a relay is the primary's). CLOCK_MONOTONIC is
 one clock for every process on a Linux host. The primary's egress per version is read between
 publishes from its own counters: `weightserver_fetch_bytes_total` of the model (every
-transport; its /metrics) plus the bytes of the cut-through transfers (`fetch_arriving ...
-bytes=N` in its log; `_fetch_arriving` in weightserver/service/servicer.py does not count them in the
+transport; its /metrics) plus the bytes of the cut-through transfers (`fetch_incoming ...
+bytes=N` in its log; the servicer's Fetch of incoming bytes does not count them in the
 metrics).
 
 Collectors are byte-level (`workers.tree_collectors`: `WeightServiceClient` threads, no torch),
@@ -67,14 +67,14 @@ def _free_port() -> int:
 
 class Egress:
     """The primary's payload bytes sent for `model`: its fetch counters (every transport) plus
-    the cut-through transfers its log records (`fetch_arriving model=M bytes=N`)."""
+    the cut-through transfers its log records (`fetch_incoming model=M bytes=N`)."""
 
     def __init__(self, server: ServerProcess, metrics_port: int, model: str) -> None:
         self.server, self.url, self.model = server, f"http://127.0.0.1:{metrics_port}/metrics", model
         self._counter = re.compile(
             rf'^weightserver_fetch_bytes_total\{{model="{re.escape(model)}",transport="(\w+)"\}} (\S+)$', re.M
         )
-        self._arriving = re.compile(rf"fetch_arriving model={re.escape(model)} bytes=(\d+)")
+        self._arriving = re.compile(rf"fetch_incoming model={re.escape(model)} bytes=(\d+)")
 
     def read(self) -> dict[str, int]:
         """{transport: bytes so far} with "arriving" for the cut-through transfers."""
@@ -303,7 +303,7 @@ def _rows(single: dict, tree: dict, direct: dict, transport: str, file_bytes: in
     direct_egress = statistics.median(_egress_mib(direct["egress"]))
     egress_row.note = (
         f"the primary's payload bytes per version with {RELAYS} relays and {collectors} collectors (its "
-        f"weightserver_fetch_bytes_total over every transport + its log's fetch_arriving bytes, cut-through; "
+        f"weightserver_fetch_bytes_total over every transport + its log's fetch_incoming bytes, cut-through; "
         f"Watch and other control messages not counted); median by kind "
         + ", ".join(f"{k} {v:.1f}" for k, v in sorted(by_kind.items()))
         + f" MiB; ratio = worst version / one version's file ({file_bytes} bytes); the same {collectors} "

@@ -1,105 +1,87 @@
-"""Where a publish's time goes: the phases of `publish()` over one transport, each timed.
+"""Where a publish's time goes: the server's own per-phase timing of each `publish()`.
 
     .venv/bin/python -m bench.publish_phases [--size 16MiB] [--transport shm] [--count 20] [--gap 1.0]
 
-A profile, not a bench row: the server runs in this process (`WeightServer`) so that its
-phases can be timed, and this tool wraps functions of both sides (private ones included) with
-a timer. Each publish follows `--gap` seconds of idle, as the `publish_*` rows do; the first
-`WARMUP` are not reported. Prints the p50, min and max of each phase in ms. The README's
-breakdowns of `publish_shm` and `publish_bulk` were measured with it. A shared-memory publish
-opens its Publish call before writing (the server hashes what it is told is written), so its
-call spans the copy: its last phase is the commit's.
+A profile, not a bench row. The server logs each publish with the time it spent receiving
+(until the commit message), verifying (until the digests of the bytes were in) and committing
+(`receive_ms`, `verify_ms`, `commit_ms` beside `duration_ms`); this tool reads those log records
+and times `publish()` on the client around them, so nothing private is wrapped. Each publish
+follows `--gap` seconds of idle, as the `publish_*` rows do; the first WARMUP are not reported.
+Prints the p50, min and max of each phase in ms.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
-import inspect
+import contextlib
+import logging
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Iterator
 
 import torch
 
-import weightserver.publish.staged_uploads as staged_uploads
-import weightserver.service.servicer as service
-import weightserver.storage.store as store
 from bench.common import format_size, parse_size
 from bench.models import FlatPolicy
 from weightclient import WeightClient
-from weightclient.transports import bulk, shared_memory, stream
 from weightserver.server import WeightServer
 
 WARMUP = 5
-
-# (owner, attribute, label): what is timed, in the order printed.
-PHASES: list[tuple[object, str, str]] = [
-    (shared_memory.SharedMemoryTransport, "upload", "client: copy and hash into the shm upload"),
-    (bulk.BulkTransport, "upload", "client: send the bulk upload, hashing"),
-    (stream.StreamTransport, "send", "client: the Publish call"),
-    (stream.OpenPublish, "commit", "client: the commit, until the reply (written in place)"),
-    (service.WeightServicer, "_receive_and_commit", "server: Publish, receive to commit"),
-    (service._IncomingModel, "as_upload", "server:   the upload's digests, awaited"),
-    (staged_uploads.StagedUpload, "finish", "server:     its pass over the bytes"),
-    (store.VersionStore, "publish_group", "server:   the store's commit"),
-    (service._IncomingModel, "_adopt", "server:     adopting the file, its header"),
+SERVER_LOGGER = "weightserver.service.servicer"
+# (field of the server's publish record, label), in the order printed.
+SERVER_PHASES = [
+    ("receive_ms", "server: receive, until the commit message"),
+    ("verify_ms", "server: verify, until the digests are in"),
+    ("commit_ms", "server: the store's commit"),
+    ("duration_ms", "server: the Publish call"),
 ]
+TOTAL = "client: publish() until committed"
 
 
-def _timed(owner: object, name: str, label: str, into: dict[str, list[float]]) -> None:
-    """Replace `owner.name` with a wrapper adding each call's duration in ms to `into[label]`."""
-    fn = getattr(owner, name)
-    if inspect.iscoroutinefunction(fn):
+class PublishRecords(logging.Handler):
+    """The server's `publish` log records, as they are logged in this process."""
 
-        @functools.wraps(fn)
-        async def timed_async(*args: object, **kwargs: object) -> object:
-            start = time.perf_counter()
-            try:
-                return await fn(*args, **kwargs)
-            finally:
-                into[label].append((time.perf_counter() - start) * 1e3)
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.records: list[logging.LogRecord] = []
 
-        setattr(owner, name, timed_async)
-        return
+    def emit(self, record: logging.LogRecord) -> None:
+        if getattr(record, "event", None) == "publish":
+            self.records.append(record)
 
-    @functools.wraps(fn)
-    def timed(*args: object, **kwargs: object) -> object:
-        start = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            into[label].append((time.perf_counter() - start) * 1e3)
 
-    setattr(owner, name, timed)
+@contextlib.contextmanager
+def publish_records() -> Iterator[PublishRecords]:
+    """Collect the publish records of servers in this process while the block runs."""
+    logger, handler = logging.getLogger(SERVER_LOGGER), PublishRecords()
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def profile(size: int, transport: str, count: int, gap: float) -> dict[str, list[float]]:
     """{phase: durations in ms} of `count` timed publishes of a `size`-byte model."""
     phases: dict[str, list[float]] = defaultdict(list)
-    originals: list[tuple[object, str, Callable[..., object]]] = []
-    for owner, name, label in PHASES:
-        originals.append((owner, name, getattr(owner, name)))
-        _timed(owner, name, label, phases)
-    try:
-        totals = []
-        with WeightServer() as server, WeightClient(server.address) as client:
-            weights = FlatPolicy(size, 4, fill=3.0)
-            for i in range(WARMUP + count):
-                with torch.no_grad():
-                    for param in weights.parameters():
-                        param[0] = i  # every version differs
-                time.sleep(gap)
-                start = time.perf_counter()
-                client.publish(weights, model="phases", transport=transport)
-                totals.append((time.perf_counter() - start) * 1e3)
-        phases["publish() until committed"] = totals
-    finally:
-        for owner, name, fn in originals:
-            setattr(owner, name, fn)
-    order = [label for _, _, label in PHASES] + ["publish() until committed"]
-    return {label: phases[label][WARMUP:] for label in order if len(phases[label]) > WARMUP}
+    with publish_records() as logged, WeightServer() as server, WeightClient(server.address) as client:
+        weights = FlatPolicy(size, 4, fill=3.0)
+        for i in range(WARMUP + count):
+            with torch.no_grad():
+                for param in weights.parameters():
+                    param[0] = i  # every version differs
+            time.sleep(gap)
+            start = time.perf_counter()
+            version = client.publish(weights, model="phases", transport=transport)
+            phases[TOTAL].append((time.perf_counter() - start) * 1e3)
+            (record,) = [r for r in logged.records if getattr(r, "version", None) == version]
+            for field, label in SERVER_PHASES:
+                phases[label].append(getattr(record, field))
+    return {label: times[WARMUP:] for label, times in phases.items()}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,7 +1,7 @@
 """WeightServer: the gRPC server's lifecycle (start, port, stop, context manager).
 
-The server runs grpc.aio on an event loop in a background thread, so it can be embedded in a
-test or a trainer process as easily as run by `weightserver serve`.
+It runs grpc.aio on an event loop in a background thread, so it can be embedded in a test or a
+trainer process as easily as run by `weightserver serve`.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from weightserver.config import ServerConfig, url_host
 from weightserver.metrics import NoMetrics, ServerMetrics
 from weightserver.protocol import framing
 from weightserver.protocol.limits import MAX_MESSAGE_BYTES
-from weightserver.service import wire
+from weightserver.protocol.version_info import description_bytes
 from weightserver.service.auth import TokenTable
+from weightserver.service.calls import lenient
 from weightserver.service.servicer import WeightServicer
 from weightserver.storage.store import VersionStore
 from weightserver.transports.bulk import BulkEndpoint
@@ -37,48 +38,36 @@ if TYPE_CHECKING:  # the relay is a client of its upstream: imported by relays o
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["WeightService"].full_name
-
 GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.so_reuseport", 0),
-    # Calls that arrived but were not yet picked up by the event loop. gRPC's default (1000)
-    # cancels the rest of a burst, e.g. a thousand watchers resubscribing after a restart.
+    # Calls not yet picked up by the loop: gRPC's default (1000) cancels the rest of a burst,
+    # e.g. a thousand watchers resubscribing after a restart.
     ("grpc.server.max_pending_requests", 20000),
     ("grpc.server.max_pending_requests_hard_limit", 40000),
 ]
 
 
-_HANDLER_FACTORIES = {
-    (False, False): grpc.unary_unary_rpc_method_handler,
-    (True, False): grpc.stream_unary_rpc_method_handler,
-    (False, True): grpc.unary_stream_rpc_method_handler,
-    (True, True): grpc.stream_stream_rpc_method_handler,
-}
-
-
 def add_weight_service(servicer: WeightServicer, server: grpc.aio.Server) -> None:
-    """Register WeightService like the generated `add_WeightServiceServicer_to_server`, except
-    that Fetch's responses may be pre-serialized chunk messages (see weightserver.protocol.framing), and
-    a request that does not parse reaches the handler as a `wire.Undecodable` (INVALID_ARGUMENT
-    there, not INTERNAL)."""
-    service = pb.DESCRIPTOR.services_by_name["WeightService"]
-    handlers = {}
+    """Register WeightService as the generated code would, except that Fetch may send
+    pre-serialized chunk messages (`framing`), and a request that does not parse reaches the
+    handler as a `calls.Undecodable` (INVALID_ARGUMENT there, not INTERNAL)."""
+    service, handlers = pb.DESCRIPTOR.services_by_name["WeightService"], {}
     for method in service.methods:
-        request_class = getattr(pb, method.input_type.name)
-        response_class = getattr(pb, method.output_type.name)
-        factory = _HANDLER_FACTORIES[(method.client_streaming, method.server_streaming)]
-        handlers[method.name] = factory(
+        streams = ("stream" if method.client_streaming else "unary", "stream" if method.server_streaming else "unary")
+        handlers[method.name] = getattr(grpc, "{}_{}_rpc_method_handler".format(*streams))(
             getattr(servicer, method.name),
-            request_deserializer=wire.lenient(request_class),
-            response_serializer=framing.serialize if method.name == "Fetch" else response_class.SerializeToString,
+            request_deserializer=lenient(getattr(pb, method.input_type.name)),
+            response_serializer=framing.serialize
+            if method.name == "Fetch"
+            else getattr(pb, method.output_type.name).SerializeToString,
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
 
 
 def server_credentials(config: ServerConfig) -> grpc.ServerCredentials:
-    """TLS credentials from the config's PEM files; a client CA makes client certificates
-    mandatory (mutual TLS)."""
+    """TLS credentials from the config's PEM files; a client CA makes it mutual TLS."""
     assert config.tls_cert is not None and config.tls_key is not None
     client_ca = config.tls_client_ca.read_bytes() if config.tls_client_ca is not None else None
     return grpc.ssl_server_credentials(
@@ -97,39 +86,35 @@ class WeightServer:
     """
 
     def __init__(self, config: ServerConfig | None = None, store: VersionStore | None = None) -> None:
-        self.config = config or ServerConfig()
+        self.config = config = config or ServerConfig()
         self._owns_store = store is None  # closed with the server (its sha256 worker)
         self.store = store or VersionStore(
-            self.config.data_dir,
-            keep=self.config.keep,
-            max_model_bytes=self.config.max_model_bytes,
-            max_header_bytes=self.config.max_header_bytes,
-            max_tensors=self.config.max_tensors,
-            describe=wire.description_bytes,
+            config.data_dir,
+            keep=config.keep,
+            max_model_bytes=config.max_model_bytes,
+            max_header_bytes=config.max_header_bytes,
+            max_tensors=config.max_tensors,
+            describe=description_bytes,
         )
-        # A bad token file stops the server here, before it binds a port; so does a bad PEM file
-        # of the relay's link to its upstream.
-        self.tokens = TokenTable.load(self.config.auth_tokens) if self.config.auth_tokens else None
+        # A bad token file, or a bad PEM file of the relay's upstream link, stops it before it binds.
+        self.tokens = TokenTable.load(config.auth_tokens) if config.auth_tokens else None
         self.upstream_link: UpstreamLink | None = None
-        if self.config.upstream is not None:
-            from weightserver.relay.relay import UpstreamLink
+        if config.upstream is not None:
+            from weightserver.relay.relay import UpstreamLink  # a relay is a client: loaded only here
 
-            self.upstream_link = UpstreamLink.from_config(self.config)
+            self.upstream_link = UpstreamLink.from_config(config)
         self.port: int = 0
-        # The bound port of /metrics (with config.metrics_port), once started.
-        self.metrics_port: int | None = None
+        self.metrics_port: int | None = None  # the bound port of /metrics, once started
         self.bulk: BulkEndpoint | None = None
         self.shared_memory: SharedMemoryFiles | None = None
         self.metrics: NoMetrics = NoMetrics()
-        # With config.upstream: what follows the upstream into the store, once started.
-        self.relay: Relay | None = None
+        self.relay: Relay | None = None  # with config.upstream, once started
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._ready = threading.Event()
-        self._stopped = threading.Event()
+        self._ready, self._stopped = threading.Event(), threading.Event()
         self._stop_requested: asyncio.Event | None = None
         self._startup_error: BaseException | None = None
-        self._grace = self.config.grace_seconds
+        self._grace = config.grace_seconds
 
     @property
     def address(self) -> str:
@@ -143,7 +128,7 @@ class WeightServer:
 
     @property
     def _local_host(self) -> str:
-        """The bound host, or 127.0.0.1 for a wildcard address (reachable from this machine)."""
+        """The bound host, or 127.0.0.1 for a wildcard address."""
         return "127.0.0.1" if self.config.host in ("0.0.0.0", "::", "[::]") else self.config.host
 
     def start(self) -> WeightServer:
@@ -161,8 +146,7 @@ class WeightServer:
         """Stop accepting calls, let running ones finish for `grace` seconds, then cancel them."""
         if self._loop is None or self._stop_requested is None or self._stopped.is_set():
             return
-        if grace is not None:
-            self._grace = grace
+        self._grace = self._grace if grace is None else grace
         self._loop.call_soon_threadsafe(self._stop_requested.set)
         self._stopped.wait()
         if self._thread is not None:
@@ -175,69 +159,64 @@ class WeightServer:
     def __enter__(self) -> WeightServer:
         return self.start()
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.stop()
 
     def _run(self) -> None:
-        loop = asyncio.new_event_loop()
-        self._loop = loop
+        self._loop = loop = asyncio.new_event_loop()
         try:
             loop.run_until_complete(self._serve())
         except BaseException as exc:
-            if not self._ready.is_set():
-                self._startup_error = exc
-            else:
+            if self._ready.is_set():
                 log.exception("server stopped on an error")
+            else:
+                self._startup_error = exc
         finally:
-            _cancel_pending(loop)
+            # Finish the tasks left, as asyncio.run does: a handler cancelled just before the stop
+            # would otherwise be destroyed pending.
+            pending = asyncio.all_tasks(loop)
+            for task in pending:
+                task.cancel()
+            if pending:
+                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
             self._ready.set()
             self._stopped.set()
             loop.close()
 
     async def _serve(self) -> None:
-        self._stop_requested = asyncio.Event()
-        config = self.config
-        bulk_port = config.bulk_port
-        if bulk_port is not None and config.tls:
+        self._stop_requested, config = asyncio.Event(), self.config
+        if config.bulk_port is not None and config.tls:
             log.info("bulk endpoint off: it is plain TCP and the server runs TLS (fetches use the TLS stream)")
-            bulk_port = None
-        self.bulk = (
-            BulkEndpoint(config.host, bulk_port, max_connections=config.bulk_max_connections)
-            if bulk_port is not None
-            else None
-        )
-        shm_dir = None
+        elif config.bulk_port is not None:
+            self.bulk = BulkEndpoint(config.host, config.bulk_port, max_connections=config.bulk_max_connections)
         if config.shm_dir is not None:
             shm_dir = server_shm_dir(config.port, None if config.shm_dir == "auto" else Path(config.shm_dir))
-        self.shared_memory = SharedMemoryFiles(shm_dir) if shm_dir is not None else None
+            self.shared_memory = SharedMemoryFiles(shm_dir) if shm_dir is not None else None
         if self.shared_memory is not None and self.tokens is not None:
-            # Tokens guard the gRPC calls; payload files are guarded by file permissions:
-            # only this user (and root) may read them.
-            self.shared_memory.directory.chmod(0o700)
+            self.shared_memory.directory.chmod(0o700)  # tokens guard calls; permissions guard files
         try:
             if config.metrics_port is not None:
                 offered = {"bulk": self.bulk, "shm": self.shared_memory}
                 transports = ["stream", *(name for name, endpoint in offered.items() if endpoint is not None)]
-                self.metrics = metrics = ServerMetrics(transports=transports, relay=config.upstream is not None)
-                self.metrics_port = metrics.serve(config.host, config.metrics_port)
+                self.metrics = ServerMetrics(transports=transports, relay=config.upstream is not None)
+                self.metrics_port = self.metrics.serve(config.host, config.metrics_port)
             await self._serve_grpc()
         finally:
             if self._owns_store:  # first: a sha256 it finishes may rewrite a shared-memory header
                 self.store.close()
             self.metrics.close()
-            if self.bulk is not None:
-                self.bulk.close()
-            if self.shared_memory is not None:
-                self.shared_memory.close()
+            for endpoint in (self.bulk, self.shared_memory):
+                if endpoint is not None:
+                    endpoint.close()
 
     async def _serve_grpc(self) -> None:
-        options = [*GRPC_OPTIONS, ("grpc.max_concurrent_streams", self.config.max_concurrent_streams)]
-        server = grpc.aio.server(options=options)
+        config = self.config
+        server = grpc.aio.server(
+            options=[*GRPC_OPTIONS, ("grpc.max_concurrent_streams", config.max_concurrent_streams)]
+        )
         servicer = WeightServicer(
             self.store,
-            self.config,
+            config,
             bulk=self.bulk,
             shared_memory=self.shared_memory,
             tokens=self.tokens,
@@ -247,56 +226,49 @@ class WeightServer:
         self.servicer = servicer
         health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
-        if self.config.upstream is not None:  # set before serving: no publish may slip in
+        if config.upstream is not None:  # set before serving: no publish may slip in
             from weightserver.relay.relay import Relay
 
             self.relay = servicer.relay = Relay(
                 self.store,
-                self.config.upstream,
-                models=self.config.upstream_models,
-                poll_seconds=self.config.upstream_poll_seconds,
+                config.upstream,
+                models=config.upstream_models,
+                poll_seconds=config.upstream_poll_seconds,
                 metrics=self.metrics,
                 health=health,
                 incoming=servicer.incoming,
                 link=self.upstream_link,
                 on_removed=servicer.forget_removed,
             )
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-            server,
-        )
-        if self.config.tls:
-            port = server.add_secure_port(self.config.address, server_credentials(self.config))
+        services = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(services, server)
+        if config.tls:
+            self.port = server.add_secure_port(config.address, server_credentials(config))
         else:
-            port = server.add_insecure_port(self.config.address)
-        if port == 0:
-            raise OSError(f"could not bind {self.config.address}: is the port in use?")
-        self.port = port
+            self.port = server.add_insecure_port(config.address)
+        if self.port == 0:
+            raise OSError(f"could not bind {config.address}: is the port in use?")
         if self.bulk is not None:
             log.info(
                 "bulk endpoint on %s:%d (at most %d connections)",
-                self.config.host,
+                config.host,
                 self.bulk.port,
                 self.bulk.max_connections,
             )
         if self.shared_memory is not None:
             log.info("shared-memory payloads in %s", self.shared_memory.directory)
         if self.metrics_port is not None:
-            log.info("metrics on http://%s:%d/metrics", url_host(self.config.host), self.metrics_port)
+            log.info("metrics on http://%s:%d/metrics", url_host(config.host), self.metrics_port)
         await server.start()
         for service in ("", SERVICE_NAME):
             await health.set(service, health_pb2.HealthCheckResponse.SERVING)
         if self.relay is not None:  # named in the upstream's logs and per-client lag metrics
-            await self.relay.start(client_id=f"relay@{socket.gethostname()}:{port}")
+            await self.relay.start(client_id=f"relay@{socket.gethostname()}:{self.port}")
+        security = ("mutual TLS" if config.tls_client_ca else "TLS") if config.tls else "plaintext"
         log.info(
             "serving on %s:%d (%s%s; data dir: %s, keep %d, max model %d bytes)",
-            self.config.host,
-            port,
-            ("mutual TLS" if self.config.tls_client_ca else "TLS") if self.config.tls else "plaintext",
-            f", {len(self.tokens)} tokens" if self.tokens is not None else ", no auth",
-            self.config.data_dir or "none, versions kept in memory",
-            self.config.keep,
-            self.config.max_model_bytes,
+            *(config.host, self.port, security, f", {len(self.tokens)} tokens" if self.tokens else ", no auth"),
+            *(config.data_dir or "none, versions kept in memory", config.keep, config.max_model_bytes),
         )
         self._ready.set()
         await self._stop_requested.wait()
@@ -304,18 +276,7 @@ class WeightServer:
         if self.relay is not None:
             await self.relay.stop()
         await health.enter_graceful_shutdown()
-        servicer.end_watches()
+        servicer.watches.end_all()
         await server.stop(self._grace)
         servicer.close()
         log.info("stopped")
-
-
-def _cancel_pending(loop: asyncio.AbstractEventLoop) -> None:
-    """Cancel and finish the tasks still on the loop, as asyncio.run does: grpc's handler of a
-    call cancelled just before the stop (a Watch whose client went away) could otherwise be
-    destroyed pending when the loop closes ("Task was destroyed but it is pending!")."""
-    pending = asyncio.all_tasks(loop)
-    for task in pending:
-        task.cancel()
-    if pending:
-        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))

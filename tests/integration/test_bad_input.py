@@ -52,7 +52,7 @@ from weightclient import (
     WeightServiceClient,
 )
 from weightserver.protocol.safetensors_format import DTYPE_SIZES, build_header, parse_header
-from weightserver.service import wire
+from weightserver.protocol.version_info import version_message
 from weightserver.storage.store import VersionStore
 from weightserver.v1 import weights_pb2 as pb
 from weightserver.v1 import weights_pb2_grpc as pb_grpc
@@ -766,7 +766,7 @@ def assert_damaged_dir_served(root: Path, damaged_data: bool = True) -> VersionS
         assert all(isinstance(k, str) and isinstance(v, str) for k, v in record.metadata.items())
         assert isinstance(record.created, float) and math.isfinite(record.created)
         assert all(isinstance(g, str) for g in record.group)
-        wire.version_info(record).SerializeToString()  # what Describe, ListVersions and Watch send
+        version_message(record).SerializeToString()  # what Describe, ListVersions and Watch send
     if 2 in loaded:
         record = loaded[2]
         assert on_disk is not None and bytes(record.data) == on_disk
@@ -997,7 +997,7 @@ def test_property_valid_data_dirs_always_load(versions) -> None:
                 original.created,
                 original.header,
             )
-            wire.version_info(record).SerializeToString()
+            version_message(record).SerializeToString()
         for model in {o.model for o in originals}:
             high = max(o.version for o in originals if o.model == model)
             assert reloaded.publish(model, store_payload(0)).version == high + 1

@@ -25,7 +25,7 @@ import pytest
 import torch
 import xxhash
 
-import weightserver.publish.staged_uploads as staged_uploads
+import weightserver.publish.receiver as receiver
 from tests.integration.test_publish_transports import SHM, file_of
 from tests.waiting import wait_for
 from weightserver.process import ServerProcess
@@ -223,7 +223,7 @@ def test_the_server_copies_the_writers_file_and_verifies_its_copy(tmp_path, monk
     holding the writer's bytes and the digests are of them; a file cut short is an
     IntegrityError; the writer's file is removed either way."""
     pool = ThreadPoolExecutor(threads) if threads else None
-    monkeypatch.setattr(staged_uploads, "_copying", lambda: pool)
+    monkeypatch.setattr(receiver, "_copying", lambda: pool)
     files, uploads = SharedMemoryFiles(tmp_path / "shm"), StagedUploads({})
     data = model_file(1.0)  # several copy blocks
     try:

@@ -207,7 +207,7 @@ class HeldPublish:
 # ---------------------------------------------------------------------- the happy paths
 @pytest.mark.parametrize("publish_over", ["bulk", "stream", "shm"])
 @pytest.mark.parametrize("receive_over", ["bulk", "stream"])
-def test_bytes_received_while_arriving_are_the_committed_version(
+def test_incoming_bytes_received_early_are_the_committed_version(
     server, other_client, watcher, publish_over, receive_over
 ):
     data = file_of(weights_filled(1.5))
@@ -254,7 +254,7 @@ def test_a_watch_that_does_not_ask_sees_only_commits(server, client, other_clien
     assert events[0].version == version and events[0].arriving == ""
 
 
-def test_arriving_bytes_are_not_found_once_their_publish_ended(server, client, watcher):
+def test_incoming_bytes_are_not_found_once_their_publish_ended(server, client, watcher):
     version = client.publish(weights_filled(3.0), model=MODEL, transport="bulk")
     announced = watcher.next()
     assert isinstance(announced, Arriving)
@@ -372,7 +372,7 @@ def test_the_updater_never_applies_a_publish_cut_half_way(server, client, make_u
     publish.cut()
     # It was receiving the cut publish early: the server cut that transfer short.
     wait_until(
-        lambda: (updater(), "(arriving)" in caplog.text and "nothing was committed" in caplog.text)[1],
+        lambda: (updater(), "(incoming)" in caplog.text and "nothing was committed" in caplog.text)[1],
         step=0.01,
         what="the early transfer cut short",
     )

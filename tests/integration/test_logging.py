@@ -60,6 +60,9 @@ def test_json_log_lines_carry_each_transfers_fields():
     assert publish["model"] == MODEL and publish["version"] == 1 and publish["bytes"] == len(data)
     assert publish["client_id"] == "trainer-1" and publish["transport"] == "stream"
     assert isinstance(publish["duration_ms"], float) and publish["duration_ms"] >= 0
+    # Its phases, each timed by the server, lie within the call.
+    phases = [publish[k] for k in ("receive_ms", "verify_ms", "commit_ms")]
+    assert all(p >= 0 for p in phases) and sum(phases) <= publish["duration_ms"]
     assert re.fullmatch(r"ipv4:127\.0\.0\.1:\d+", publish["peer"])
     assert publish["message"].startswith(f"publish model={MODEL} version=1 bytes={len(data)} ")
 
@@ -90,8 +93,9 @@ def test_default_format_is_human_readable(monkeypatch):
     publishes = [line for line in lines if " weightserver.service.servicer: publish " in line]
     assert len(publishes) == 1
     assert re.search(
-        rf"INFO weightserver\.service: publish model={MODEL} version=1 bytes={len(data)} transport=stream "
-        r"duration_ms=\d+\.\d peer=ipv4:127\.0\.0\.1:\d+ client=trainer-1$",
+        rf"INFO weightserver\.service\.servicer: publish model={MODEL} version=1 bytes={len(data)} transport=stream "
+        r"duration_ms=\d+\.\d receive_ms=\d+\.\d verify_ms=\d+\.\d commit_ms=\d+\.\d "
+        r"peer=ipv4:127\.0\.0\.1:\d+ client=trainer-1$",
         publishes[0],
     ), publishes[0]
 

@@ -1,12 +1,86 @@
-"""VersionInfo: a version's description as plain Python (from weights.proto's VersionInfo)."""
+"""A version's description: the one conversion between weights.proto's VersionInfo and Python.
+
+The server builds the message from its record's plain fields (`version_message`); the client
+reads it back as a `VersionInfo` (`VersionInfo.from_proto`).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from typing import Any, Protocol
+
+from google.protobuf.timestamp_pb2 import Timestamp
 
 from weightserver.protocol.safetensors_format import TensorEntry
 from weightserver.v1 import weights_pb2 as pb
+
+
+class VersionRecord(Protocol):
+    """What a server keeps of a version that its description is built from (the store's record)."""
+
+    model: str
+    version: int
+    byte_size: int
+    sha256: str
+    created: float  # seconds since the epoch
+    metadata: Mapping[str, str]
+    header: Any  # its safetensors header: `.tensors`, each a TensorEntry
+    tensor_xxh3: Mapping[str, str]
+    pinned: bool
+    group: tuple[str, ...]
+    xxh3: str
+
+
+class SummaryRecord(Protocol):
+    model: str
+    latest_version: int
+    version_count: int
+    retained_bytes: int
+
+
+def version_message(record: VersionRecord) -> pb.VersionInfo:
+    """The wire's VersionInfo of a server's record."""
+    created = Timestamp()
+    created.FromNanoseconds(int(record.created * 1e9))
+    tensors = [
+        pb.TensorInfo(
+            name=t.name,
+            dtype=t.dtype,
+            shape=list(t.shape),
+            data_begin=t.begin,
+            data_end=t.end,
+            xxh3=record.tensor_xxh3.get(t.name, ""),
+        )
+        for t in record.header.tensors
+    ]
+    return pb.VersionInfo(
+        model=record.model,
+        version=record.version,
+        byte_size=record.byte_size,
+        sha256=record.sha256,
+        created=created,
+        metadata=dict(record.metadata),
+        tensors=tensors,
+        pinned=record.pinned,
+        group=list(record.group),
+        xxh3=record.xxh3,
+    )
+
+
+def description_bytes(record: VersionRecord) -> int:
+    """Bytes of `record`'s description as clients receive it."""
+    return version_message(record).ByteSize()
+
+
+def summary_message(info: SummaryRecord) -> pb.ModelSummary:
+    return pb.ModelSummary(
+        model=info.model,
+        latest_version=info.latest_version,
+        version_count=info.version_count,
+        retained_bytes=info.retained_bytes,
+    )
 
 
 @dataclass(frozen=True)

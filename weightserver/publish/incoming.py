@@ -1,14 +1,9 @@
-"""IncomingPublishes: a publish's bytes while they arrive, for followers that take them early.
+"""Incoming publishes: a publish's bytes while they arrive, for followers that take them early.
 
-Cut-through: a watcher that asked for it (WatchRequest.incoming) hears of a publish as its
-first bytes land, over the Publish stream or bulk TCP, and fetches them (FetchRequest.incoming)
-while the rest arrive, so that the version is in its hands about when it commits instead of a
-whole transfer later. It applies them only once the commit event names the same bytes and they
-match the committed version's xxh3: a publish that fails half-way is never applied.
-
-One `IncomingPublish` per model being received, registered from its first bytes until it
-commits or fails. Its bytes are written by one thread (the gRPC loop or a bulk loop) and read by
-fetches on other loops, each waiting for more with `landed_beyond`.
+Cut-through: a watcher that asked for it hears of a publish as its first bytes land and fetches
+them while the rest arrive; it applies them only once the commit event names the same bytes and
+they match the committed xxh3, so a publish that fails half-way is never applied. One thread
+writes an `IncomingPublish`'s bytes; fetches on other loops wait for more with `landed_beyond`.
 """
 
 from __future__ import annotations
@@ -22,8 +17,7 @@ from collections.abc import Callable
 
 from weightserver.protocol.errors import PublishAborted, UploadNotFound, clipped_repr
 
-# Commits remembered with the announcement they ended: a Watch names it in the version's event.
-REMEMBERED_COMMITS = 256
+REMEMBERED_COMMITS = 256  # commits remembered with the announcement they ended, for Watch events
 
 
 class IncomingPublish:
@@ -46,10 +40,6 @@ class IncomingPublish:
         self.landed = end
         self._wake()
 
-    def commit(self) -> None:
-        """The bytes became a version: every byte is in place for good."""
-        self._end(None)
-
     def fail(self, why: str) -> None:
         """The publish failed or was abandoned: its bytes never become a version."""
         self._end(why)
@@ -65,8 +55,8 @@ class IncomingPublish:
         self._on_end(self)
 
     async def landed_beyond(self, sent: int, timeout: float) -> int:
-        """How many bytes are in place, once that is more than `sent` (or all of them).
-        PublishAborted once the publish failed; TimeoutError after `timeout` with no new byte."""
+        """How many bytes are in place, once more than `sent` (or all). PublishAborted once the
+        publish failed; TimeoutError after `timeout` with no new byte."""
         loop = asyncio.get_running_loop()
         while True:
             event = asyncio.Event()
@@ -95,7 +85,7 @@ class IncomingPublishes:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._arriving: dict[str, IncomingPublish] = {}
+        self._open: dict[str, IncomingPublish] = {}
         self._commits: OrderedDict[tuple[str, int], str] = OrderedDict()  # (model, version) -> id
         self._listeners: list[Callable[[IncomingPublish], None]] = []
 
@@ -103,18 +93,17 @@ class IncomingPublishes:
         """Register a publish whose bytes begin to arrive in `buffer`, and announce it."""
         incoming = IncomingPublish(model, buffer, self._ended)
         with self._lock:
-            self._arriving[incoming.id] = incoming
+            self._open[incoming.id] = incoming
         self._tell(incoming)
         return incoming
 
     def get(self, incoming_id: str, model: str) -> IncomingPublish:
-        """The publish `incoming_id` of `model` while its bytes arrive; UploadNotFound once it
-        has ended (the caller fetches the committed version instead)."""
+        """The publish `incoming_id` of `model` while its bytes arrive; UploadNotFound once it ended."""
         with self._lock:
-            incoming = self._arriving.get(incoming_id)
+            incoming = self._open.get(incoming_id)
         if incoming is None or incoming.model != model:
             raise UploadNotFound(
-                f"model {clipped_repr(model)}: publish {clipped_repr(incoming_id)} is not arriving any more (it "
+                f"model {clipped_repr(model)}: publish {clipped_repr(incoming_id)} is not incoming any more (it "
                 "committed, failed, or was never announced here); fetch the committed version instead"
             )
         return incoming
@@ -125,7 +114,7 @@ class IncomingPublishes:
             self._commits[(model, version)] = incoming.id
             while len(self._commits) > REMEMBERED_COMMITS:
                 self._commits.popitem(last=False)
-        incoming.commit()
+        incoming._end(None)  # every byte is in place for good
 
     def id_of(self, model: str, version: int) -> str:
         """The announcement whose bytes became `version` of `model` ("" if none)."""
@@ -133,8 +122,7 @@ class IncomingPublishes:
             return self._commits.get((model, version), "")
 
     def subscribe(self, listener: Callable[[IncomingPublish], None]) -> Callable[[], None]:
-        """Call `listener(incoming)` as each publish starts and as it ends (from the thread
-        that receives it). Returns a function that unsubscribes."""
+        """Call `listener(incoming)` as each publish starts and fails; returns the unsubscribe."""
         with self._lock:
             self._listeners.append(listener)
 
@@ -146,7 +134,7 @@ class IncomingPublishes:
 
     def _ended(self, incoming: IncomingPublish) -> None:
         with self._lock:
-            self._arriving.pop(incoming.id, None)
+            self._open.pop(incoming.id, None)
         if incoming.failure is not None:
             self._tell(incoming)  # a commit is told by its version's event
 

@@ -1,26 +1,14 @@
-"""Publishes go before stream fetches ("commits first").
+"""Publish priority: while a publish holds its turn, each stream fetch holds its next chunk.
 
-A trainer must be able to publish while many collectors fetch: on a busy server the event loop
-that serves 200 stream fetches also reads the publish's messages and hands its verification
-and commit to threads, and each of those steps waits its turn behind the fetches' chunks.
-While a publish holds its turn, every stream fetch holds its next chunk, each at most
-COMMIT_FIRST_SECONDS: the CPU goes to the version every collector waits for, and a commit that
-hangs (a disk that does not answer) slows fetches down but never stops them.
+On a busy server the event loop that serves many stream fetches also reads a publish's messages,
+so the version every collector waits for would queue behind their chunks. A fetch waits at most
+COMMIT_FIRST_SECONDS per chunk, so a hung commit slows fetches but never stops them.
 
-A publish holds its turn while the server, not the publisher, sets its pace:
-- from the commit message (all its bytes are in) until it has committed or failed: the
-  server's work, never bounded here;
-- while it waits on its publisher for what follows at once from an honest one: from a
-  header (the bytes of a publish over a fast transport are already in, or a same-host writer
-  is copying them into shared memory and says how far it has got with `written`), and from
-  an `uploaded` message until the next message. This waiting hold is budgeted, so that a
-  publisher that stalls or drips messages without bytes gets nothing from it: each publish
-  has COMMIT_FIRST_SECONDS of it in all, not renewed by any later message; and each caller
-  (its token, or with no tokens its host) has a bucket of COMMIT_FIRST_SECONDS that its
-  publishes draw on and that refills at CALLER_REFILL seconds per second (not by messages, nor
-  by new publishes), so that reopening publishes, or many at once, gains nothing either;
-- not while its bytes arrive as chunks: their pace is the publisher's link, and a slow
-  publisher must not slow every fetch down.
+A publish holds its turn while the server, not the publisher, sets the pace: from its commit
+message until it ends (unbounded); and, budgeted, while it waits on its publisher after a header
+or `uploaded` (COMMIT_FIRST_SECONDS per publish, drawn from a per-caller bucket that refills at
+CALLER_REFILL s/s, so a stalling or reopening publisher gains nothing). Never while chunks arrive:
+their pace is the publisher's link.
 """
 
 from __future__ import annotations
@@ -30,16 +18,10 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-# The longest a stream fetch holds one chunk for a publish; also the waiting hold (see the
-# module docstring) each publish may take in all, and each caller's bucket of it.
-COMMIT_FIRST_SECONDS = 0.25
-# Each caller's bucket refills at this many seconds of waiting hold per second: a caller's
-# publishes can hold fetches while they wait on it at most this share of the time, on average.
-CALLER_REFILL = 0.1
-# A waiting hold shorter than this is not started (what the bucket refilled in microseconds).
-MIN_HOLD_SECONDS = 0.005
-# Buckets kept; beyond this, full ones (of callers with no hold now) are forgotten.
-MAX_CALLERS = 1024
+COMMIT_FIRST_SECONDS = 0.25  # a fetch's longest wait per chunk; each publish's and caller's waiting hold
+CALLER_REFILL = 0.1  # seconds of waiting hold per second refilled into a caller's bucket
+MIN_HOLD_SECONDS = 0.005  # a shorter waiting hold is not started
+MAX_CALLERS = 1024  # buckets kept; beyond this, full ones of callers holding nothing are forgotten
 
 
 @dataclass
@@ -57,8 +39,7 @@ class _Bucket:
 
 
 class CommitsFirst:
-    """The publishes holding their turn now, and the wait stream fetches make for them. Used on
-    the event loop's thread only."""
+    """The publishes holding their turn, and the wait fetches make for them (event loop only)."""
 
     def __init__(self) -> None:
         self._holding = 0  # publishes holding their turn now
@@ -68,8 +49,7 @@ class CommitsFirst:
 
     @contextlib.contextmanager
     def publish(self, caller: str = "") -> Iterator[PublishTurn]:
-        """One Publish call's turn, for `caller` (whose waiting holds share one bucket);
-        released when the block ends, whatever happened."""
+        """One Publish call's turn for `caller` (whose waiting holds share a bucket), released at the end."""
         turn = PublishTurn(self, caller)
         try:
             yield turn
@@ -102,8 +82,7 @@ class CommitsFirst:
 
 
 class PublishTurn:
-    """One publish's turn: `header()`, `written()`, `uploaded()`, `chunk()` and `bytes_in()` as
-    its messages arrive."""
+    """One publish's turn, told of its messages as they arrive."""
 
     def __init__(self, owner: CommitsFirst, caller: str = "") -> None:
         self._owner = owner
@@ -121,16 +100,14 @@ class PublishTurn:
         return self._held
 
     def header(self) -> None:
-        """A model's header arrived: hold while the budgets last (see the module docstring),
-        unless its bytes arrive as chunks meanwhile or it is held already."""
+        """A header: hold while the budgets last, unless chunks arrive meanwhile."""
         self._wait_on_publisher()
 
     def written(self) -> None:
         """A shared-memory writer's progress: a hold from the header goes on, but is not renewed."""
 
     def uploaded(self) -> None:
-        """A model's bytes are in a staged upload: hold, while the budgets last, for the next
-        message (an honest publisher sends it at once)."""
+        """The bytes are in a staged upload: hold, while the budgets last, for the next message."""
         self._wait_on_publisher()
 
     def chunk(self) -> None:

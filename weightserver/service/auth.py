@@ -7,16 +7,11 @@
     publisher    trainer       Zt3kq9Jx0VYbW1rFwA7sPq2L
     admin        ops           0v8mK3nB5cX7zL9qW2eR4tY6
 
-Make a token with ``python -c "import secrets; print(secrets.token_urlsafe(32))"``. Roles are
-ordered: `reader` may fetch, watch, describe and list; `publisher` may also publish;
-`admin` may also delete and pin (a publish with pin=True pins too: it needs `admin`). A
-`publisher` or `admin` role may be limited to some models, ``publisher:policy,critic``: it may
-publish, pin and delete only those (and read every model). Clients send
-``authorization: Bearer <token>``. A missing or unknown token is UNAUTHENTICATED, a known token
-with too small a role, or a scoped one on another model, PERMISSION_DENIED. Health
-checks and reflection need no token (they reveal nothing beyond the public .proto). Tokens are
-compared in constant time (a sha256 of each, compared with every entry) and never logged: the
-name stands for the token in logs.
+Roles are ordered: `reader` may fetch, watch, describe and list; `publisher` may also publish;
+`admin` may also delete and pin (a publish with pin=True too). ``publisher:policy,critic`` limits
+a role to those models (for changes; it reads every model). Clients send ``authorization: Bearer
+<token>``: none or an unknown one is UNAUTHENTICATED, too small a role or another model
+PERMISSION_DENIED. Tokens are compared in constant time and never logged (the name stands in).
 """
 
 from __future__ import annotations
@@ -34,8 +29,7 @@ from weightserver.protocol.names import validate_model_name
 ROLES = ("reader", "publisher", "admin")  # each includes the rights of the ones before it
 MIN_TOKEN_CHARS = 16
 
-# Every WeightService method and the least role that may call it. A method missing here is
-# refused to everyone but admins (a test checks that the table covers the .proto).
+# The least role that may call each method; one missing here is for admins (a test checks the .proto).
 REQUIRED_ROLE: dict[str, str] = {
     "GetLatest": "reader",
     "Describe": "reader",
@@ -52,9 +46,8 @@ REQUIRED_ROLE: dict[str, str] = {
 
 @dataclass(frozen=True)
 class Principal:
-    """Who a token belongs to: the name from the token file, its role, and the models it may
-    publish, pin and delete (None: every model). `token_sha256` tells tokens apart where
-    several share a name: what a caller sets up (an upload) is its token's."""
+    """Who a token belongs to: its name, role and the models it may change (None: every model).
+    `token_sha256` tells apart tokens that share a name: an upload a caller sets up is its token's."""
 
     name: str
     role: str
@@ -123,9 +116,8 @@ class TokenTable:
     def authorize(
         self, metadata: Iterable[tuple[str, str | bytes]] | None, method: str, model: str | None = None
     ) -> Principal:
-        """The caller of `method` (on `model`, when it acts on one) if its bearer token allows
-        it; else AuthenticationRequired (no or unknown token) or PermissionDenied (role too
-        small, or a call beyond reading on a model outside the token's models)."""
+        """The caller of `method` (on `model`) if its bearer token allows it; else
+        AuthenticationRequired or PermissionDenied."""
         header = next((v for k, v in metadata or () if k == AUTHORIZATION_METADATA_KEY), None)
         if header is None:
             raise AuthenticationRequired(

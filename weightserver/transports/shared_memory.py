@@ -1,29 +1,23 @@
-"""SharedMemoryFiles: payloads as files under a shared-memory directory (/dev/shm).
+"""Shared memory: payloads as files under a shared-memory directory (/dev/shm), same host only.
 
-A collector on the same host (or sharing a /dev/shm volume in compose) reads the file named in
-the fetch reply straight into its buffer instead of receiving a stream: a page-cache copy
-instead of a socket. Each payload is written once (temp file + rename, so readers never see a
-partial file) and removed when its version is evicted. The client verifies the file's xxh3
-and falls back to streaming if it cannot open it or the digest differs.
+A same-host collector reads the file named in the fetch reply straight into its buffer (a
+page-cache copy instead of a socket), and can read any later version of the model from the
+header file beside each version's (weightserver.protocol.files) without a round trip. Files are
+written once (temp file + rename) and removed with their version.
 
-Beside each version's own file lies its header (the layout is in weightserver.protocol.files): a
-client that has been handed one version of a model can then read any later version it names,
-digests included, without a round trip.
+Every file's space is reserved before a byte is written (posix_fallocate): a store to a page a
+full tmpfs cannot back is a SIGBUS. When the folder is full, a publish is received into memory
+and a fetch goes over another transport, and one warning says how to give it room.
 
-Every file's space is reserved before a byte is written (posix_fallocate): a store to a page
-that a full tmpfs cannot back kills the process with SIGBUS. When the folder is full, a publish
-is received into memory instead and a fetch is offered the next transport; the publish and the
-fetch still succeed, and one warning says how to give the folder more room.
-
-Every file the server maps is one it made and only it writes (SharedMemoryUpload: created
-read-only, written through the descriptor that created it and its mapping), so no other
-process can change a version it serves or shorten the file under its mapping (a mapped page
-past a file's end is a SIGBUS). A same-host publisher writes into a file of its own beside
-(PublisherFile), which the server reads only with pread, copying it into its own.
+Every file the server maps is one only it writes (SharedMemoryUpload), so no other process can
+change a version it serves or cut the file under its mapping. A same-host publisher writes a
+file of its own beside (PublisherFile), which the server only reads with pread.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import errno
 import fcntl
 import logging
@@ -34,24 +28,32 @@ import shutil
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from weightserver.protocol import page_tables
+from weightserver.protocol.errors import WeightServerError
 from weightserver.protocol.files import FOLDER_MODE, header_file_name, version_file_name
+from weightserver.protocol.version_info import version_message
+from weightserver.v1 import weights_pb2 as pb
+
+if TYPE_CHECKING:
+    from weightserver.publish.incoming import IncomingPublish
+    from weightserver.publish.receiver import IncomingModel
+    from weightserver.publish.staged_uploads import StagedUploads
+    from weightserver.storage.payloads import Payload
+    from weightserver.storage.store import Version, VersionStore
 
 log = logging.getLogger(__name__)
 
-# In a server's folder, beside the model folders (a model name cannot start with "."): the file
-# its server holds an exclusive flock on while it runs.
+# Beside the model folders (a model name cannot start with "."): the file its server holds an
+# exclusive flock on while it runs, and where it copies same-host publishers' bytes in (0700).
 LOCK_FILE = ".lock"
-# Beside them too: where the server receives a same-host publisher's bytes, into files of its
-# own that no other process opens (mode 0700) until one becomes a version's file at its commit.
 RECEIVING_FOLDER = ".receiving"
 
 
 def server_shm_dir(port: int, root: Path | None = None) -> Path | None:
-    """This server's own directory, <root>/weightserver-<port>-<random>-<pid> (unique even for
-    several port-0 servers in one process), or None (shared memory off) when `root` (default
-    /dev/shm) does not exist. Folders of servers that died uncleanly are removed first: it is memory."""
+    """This server's own directory under `root` (default /dev/shm), or None (shared memory off)
+    when it does not exist. Folders of servers that died uncleanly are removed first."""
     root = Path("/dev/shm") if root is None else Path(root)
     if not root.is_dir():
         log.warning("shared-memory directory %s does not exist; same-host fetches will stream", root)
@@ -61,13 +63,11 @@ def server_shm_dir(port: int, root: Path | None = None) -> Path | None:
 
 
 def _remove_abandoned(root: Path) -> None:
-    """Remove the folders under `root` whose server is gone: those whose lock file nobody holds.
+    """Remove the folders under `root` whose lock file nobody holds: their server is gone.
 
-    A running server holds flock(LOCK_EX) on its folder's LOCK_FILE for its whole life, and the
-    kernel drops the lock when the process dies, however it dies. Unlike a PID, a lock means the
-    same thing to servers in other PID namespaces (containers) sharing this /dev/shm. A folder
-    without a lock file is left alone: it is a server's of an older release (alive or not, no
-    one here can tell) or one being created this instant (the lock file follows the mkdir)."""
+    A server holds flock(LOCK_EX) on its LOCK_FILE for life; the kernel drops it however the
+    process dies, and unlike a PID it means the same in other PID namespaces. A folder without
+    a lock file is left alone (an older release's, or one being created this instant)."""
     unlocked = []
     for folder in root.glob("weightserver-*-*"):
         try:
@@ -89,18 +89,12 @@ def _remove_abandoned(root: Path) -> None:
         finally:
             os.close(fd)
     if unlocked:
-        log.info(
-            "leaving %d folder(s) without a lock file in %s (%s): servers of an older release, maybe "
-            "still running; remove them by hand once those servers are gone",
-            len(unlocked),
-            root,
-            ", ".join(sorted(unlocked)[:5]) + (", ..." if len(unlocked) > 5 else ""),
-        )
+        names = ", ".join(sorted(unlocked)[:5]) + (", ..." if len(unlocked) > 5 else "")
+        log.info("leaving %d folder(s) without a lock file in %s (%s): of an older release", len(unlocked), root, names)
 
 
 def _write_file(path: Path, data: bytes | bytearray | memoryview, mode: int) -> None:
-    """Write `path` whole with `mode` (temp file + rename: a reader never sees part of it).
-    OSError (ENOSPC) before anything is written when the folder has no room for it."""
+    """Write `path` whole with `mode` (temp file + rename); OSError (ENOSPC) when there is no room."""
     tmp = path.with_name(path.name + ".tmp")
     tmp.unlink(missing_ok=True)  # left by a crash, and read-only if it was a header's
     try:
@@ -121,20 +115,10 @@ def _reserve(fd: int, size: int) -> None:
         os.posix_fallocate(fd, 0, size)
 
 
-def _usage(directory: Path) -> str:
-    """'64.0 MiB, 3.2 MiB free': the size of the file system holding `directory`."""
-    try:
-        st = os.statvfs(directory)
-    except OSError:
-        return "size unknown"
-    return f"{st.f_blocks * st.f_frsize / 2**20:.1f} MiB, {st.f_bavail * st.f_frsize / 2**20:.1f} MiB free"
-
-
 class SharedMemoryFiles:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self.directory.mkdir(mode=FOLDER_MODE, parents=True, exist_ok=True)
-        # Held until close() or the process's end: while it is, no other server removes the folder.
         self._lock_fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         self._lock = threading.Lock()
@@ -147,8 +131,8 @@ class SharedMemoryFiles:
             return self._files.get(key)
 
     def path_for(self, key: tuple[str, int, int, str], data: bytes | bytearray | memoryview) -> Path | None:
-        """The file holding `data` for payload `key` (model, version, base, dtype), written
-        once; None when it cannot be written (the folder is full): offer another transport."""
+        """The file holding `data` for payload `key` (model, version, base, dtype), written once;
+        None when the folder is full."""
         with self._lock:
             path = self._files.get(key)
             if path is not None and path.exists():
@@ -168,12 +152,8 @@ class SharedMemoryFiles:
     def new_upload(
         self, model: str, size: int, *, populate: bool = False, publisher_writes: bool = False
     ) -> SharedMemoryUpload | None:
-        """A fresh file of `size` bytes, mapped writable, for a publish to receive into: the
-        version's bytes then live in shared memory from the start. None when the folder has no
-        room: the publish is received into memory instead. `populate`: map every page now (see
-        SharedMemoryUpload). `publisher_writes`: a same-host publisher writes the bytes, into a
-        file of its own beside (`upload.source`, the one Negotiate names), and this server
-        copies them from there into the upload as it is told they are written."""
+        """A fresh file of `size` bytes for a publish to receive into; None when the folder has no
+        room. `publisher_writes`: with the file a same-host publisher writes (`upload.source`)."""
         path = self.directory / model / f"upload-{secrets.token_hex(8)}.tmp"
         source: PublisherFile | None = None
         try:
@@ -201,9 +181,8 @@ class SharedMemoryFiles:
             self._files[key] = path
 
     def write_header(self, model: str, version: int, header: Callable[[], bytes | None]) -> None:
-        """(Re)write the header file of `version` if its own file is here. `header()` is called
-        under this object's lock, so of two concurrent writers (a lazy file, a pin) the later
-        one writes the later state; it returns None when the version is gone."""
+        """(Re)write the header file of `version` if its own file is here. `header()` (None: the
+        version is gone) is called under the lock, so of two writers the later writes the later state."""
         with self._lock:
             if (model, version, 0, "") not in self._files:
                 return
@@ -213,7 +192,6 @@ class SharedMemoryFiles:
             try:
                 _write_file(self.directory / model / header_file_name(version), content, 0o444)
             except OSError as exc:
-                # Without its header a version is not read directly: clients ask the server.
                 self._cannot_write(f"the header of {model!r} v{version}", len(content), exc, "clients ask the server")
 
     def keys(self) -> list[tuple[str, int, int, str]]:
@@ -236,53 +214,42 @@ class SharedMemoryFiles:
             self._lock_fd = -1
 
     def _cannot_write(self, what: str, size: int, exc: OSError, instead: str) -> None:
-        """Log that `what` found no room (a warning the first time, with what to do about it)."""
+        """Log that `what` found no room (a warning with what to do, the first time)."""
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
             log.warning("cannot write %s (%d bytes) in %s: %s; %s", what, size, self.directory, exc, instead)
             return
         if self._warned:
             log.debug("shared memory full: no room for %s (%d bytes); %s", what, size, instead)
             return
-        self._warned = True
+        self._warned, usage = True, "size unknown"
+        with contextlib.suppress(OSError):
+            st = os.statvfs(self.directory)
+            usage = f"{st.f_blocks * st.f_frsize / 2**20:.1f} MiB, {st.f_bavail * st.f_frsize / 2**20:.1f} MiB free"
         log.warning(
-            "shared-memory folder %s is full (%s): no room for %s (%d bytes), so %s. Same-host "
-            "fetches fall back to bulk TCP or the stream until there is room. It needs about "
-            "(--keep + 3) x the model's size (a publish in flight and the next one set up ahead, each "
-            "held twice while a same-host publisher writes it: its file and this server's copy), plus "
-            "derived payloads (deltas, casts): give it more "
-            "(`shm_size` in compose, `docker run --shm-size`), point --shm-dir at a larger tmpfs, or "
-            "turn it off with --no-shm. This warning is logged once.",
-            self.directory,
-            _usage(self.directory),
-            what,
-            size,
-            instead,
+            "shared-memory folder %s is full (%s): no room for %s (%d bytes), so %s. It "
+            "needs about (--keep + 3) x the model's size plus deltas and casts: give it more (`shm_size` in "
+            "compose, `docker run --shm-size`), point --shm-dir at a larger tmpfs, or turn it off with --no-shm. "
+            "This warning is logged once.",
+            *(self.directory, usage, what, size, instead),
         )
 
 
 class SharedMemoryUpload:
-    """A publish's receive buffer backed by a file in the shared-memory directory that only this
-    process writes: it is created read-only for everyone (this process writes it through the
-    descriptor that created it, then its mapping), so no other process holds a descriptor that
-    can write, grow or shrink it, and a version served from its mapping cannot change or end
-    under the server (a mapped page past a file's end is a SIGBUS). `source`: the file a
-    same-host publisher writes the bytes into, read from by this server, never mapped."""
+    """A publish's receive buffer in a file only this process writes: created read-only for
+    everyone and written through its creating descriptor's mapping, so no other process can
+    write, grow or shrink it under the server. `source`: the file a same-host publisher writes
+    the bytes into, read with pread, never mapped."""
 
     def __init__(self, path: Path, size: int, *, populate: bool = False) -> None:
-        """OSError (ENOSPC) when the folder has no room for `size` bytes; no file is left.
-        `populate`: fill this process's page table for the mapping in the background
-        (`page_tables`), rather than a page fault at a time while the bytes
-        arrive or are copied in: for an upload set up before its bytes come."""
+        """OSError (ENOSPC) when the folder has no room; no file is left. `populate`: fill the
+        page table in the background, for an upload set up before its bytes come."""
         self.path = path
         self.source: PublisherFile | None = None
         self._kept = False  # it became a version's file
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o444)
             try:
-                # Allocated now: pages of a sparse file would be allocated as the chunks arrive,
-                # and one that a full tmpfs cannot back is a SIGBUS, not an error.
-                _reserve(fd, size)
-                # A zero-length file cannot be mapped; an empty upload gets a plain buffer.
+                _reserve(fd, size)  # now: a sparse page a full tmpfs cannot back is a SIGBUS later
                 mapping = mmap.mmap(fd, size) if size else None
             finally:
                 os.close(fd)
@@ -312,13 +279,8 @@ class SharedMemoryUpload:
 
 
 class PublisherFile:
-    """The file a same-host publisher writes a model into, named in Negotiate's answer.
-
-    This server never maps it: the publisher (or any process of its user) may write, shorten
-    or grow it at any time, and a mapped page past a file's end kills the process with
-    SIGBUS. The server reads it with pread (`read_into`) into a buffer of its own: a file cut
-    short reads short, an error, never a signal, and what is verified is the copy it serves.
-    """
+    """The file a same-host publisher writes a model into, named in Negotiate's answer. Never
+    mapped (the publisher may cut it at any time): read with pread, a short file is an error."""
 
     def __init__(self, path: Path, size: int) -> None:
         """OSError (ENOSPC) when the folder has no room for `size` bytes; no file is left."""
@@ -327,16 +289,13 @@ class PublisherFile:
         self._lock = threading.Lock()
         try:
             os.fchmod(self._fd, 0o644)  # whatever the umask: the publisher writes it
-            # Allocated now, as a receive buffer is: the publisher's own stores into a page that
-            # a full tmpfs cannot back would be its SIGBUS.
-            _reserve(self._fd, size)
+            _reserve(self._fd, size)  # now, or the publisher's stores may be its SIGBUS
         except OSError:
             self.remove()
             raise
 
     def read_into(self, buffer: memoryview, start: int, stop: int) -> int:
-        """Copy the file's bytes [start, stop) into `buffer[start:stop]`; how many it held
-        (fewer once the file ends before `stop`)."""
+        """Copy the file's bytes [start, stop) into `buffer[start:stop]`; how many it held."""
         view, done = buffer[start:stop], 0
         try:
             while done < view.nbytes:
@@ -355,3 +314,57 @@ class PublisherFile:
                 os.close(self._fd)
                 self._fd = -1
         self.path.unlink(missing_ok=True)
+
+
+class SharedMemoryTransport:
+    """Fetches as files named in the reply (written on first demand); uploads a same-host
+    publisher writes into a file beside, which this server copies in."""
+
+    name, kind = "shm", pb.TRANSPORT_SHARED_MEMORY
+
+    def __init__(self, files: SharedMemoryFiles, uploads: StagedUploads, store: VersionStore) -> None:
+        self.files = files
+        self.uploads = uploads
+        self.store = store
+
+    async def offer(self, record: Version, payload: Payload, description: pb.Payload) -> bool:
+        key = (record.model, record.version, payload.base_version, payload.dtype)
+        path = self.files.existing(key)
+        if path is None:
+            path = await asyncio.to_thread(self.files.path_for, key, payload.data)
+            if path is None:
+                return False  # the folder is full
+            if key[2:] == (0, ""):
+                await asyncio.to_thread(self.write_header, record.model, record.version)
+        description.shared_memory.path = str(path)
+        return True
+
+    def offer_incoming(self, incoming: IncomingPublish, description: pb.Payload) -> bool:
+        return False  # a same-host reader gets the committed version's file as fast
+
+    def stage(self, header: pb.PublishHeader, owner: bytes | None, description: pb.Payload) -> IncomingModel | None:
+        model, size = header.model, header.total_bytes
+        try:
+            upload = self.uploads.create(
+                model,
+                size,
+                "shm",
+                lambda: self.files.new_upload(model, size, populate=True, publisher_writes=True),
+                owner=owner,
+            )
+        except OSError:
+            return None
+        assert upload.file is not None and upload.file.source is not None
+        description.shared_memory.path = str(upload.file.source.path)
+        return upload
+
+    def write_header(self, model: str, version: int) -> None:
+        """Write the header file beside a version's file from the store's current record."""
+
+        def current() -> bytes | None:
+            try:
+                return version_message(self.store.get(model, version)).SerializeToString()
+            except WeightServerError:
+                return None  # evicted or deleted meanwhile: its files go with it
+
+        self.files.write_header(model, version, current)

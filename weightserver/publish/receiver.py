@@ -1,0 +1,310 @@
+"""IncomingModel: the one receiver of a model's bytes in a publish, whatever the transport.
+
+The bytes land in a buffer of the declared size (a shared-memory file when there is room, so
+the committed version is served from there): as Publish chunks, from a bulk socket, or copied
+with pread from the file a same-host publisher writes (never mapped: it may change or shrink,
+which can only fail the publish). Each stretch is hashed in the model's own thread as it lands,
+so no pass over the bytes follows the transfer, and announced to cut-through watchers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import mmap
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+
+from weightserver.protocol import version_info
+from weightserver.protocol.digests import BLOCK_BYTES, FileDigests, IncomingDigests
+from weightserver.protocol.errors import (
+    IntegrityError,
+    InvalidRequest,
+    InvalidSafetensors,
+    WeightServerError,
+    clipped_repr,
+)
+from weightserver.publish.incoming import IncomingPublish, IncomingPublishes
+from weightserver.storage.store import Upload, Version
+from weightserver.transports.shared_memory import SharedMemoryFiles, SharedMemoryUpload
+from weightserver.v1 import weights_pb2 as pb
+
+HASH_STRETCH = 1 << 20  # bytes are handed to the hashing thread this many at a time
+COPY_THREADS = 4  # copy same-host writers' blocks in, at most one CPU fewer than the machine has
+_copy_threads: ThreadPoolExecutor | None = None
+_copy_threads_lock = threading.Lock()
+
+
+def _copying() -> ThreadPoolExecutor | None:
+    """The copying threads (pread lets go of the GIL); None on two CPUs or fewer."""
+    global _copy_threads
+    workers = min(COPY_THREADS, (os.cpu_count() or 1) - 1)
+    if workers < 2:
+        return None
+    with _copy_threads_lock:
+        if _copy_threads is None:
+            _copy_threads = ThreadPoolExecutor(workers, thread_name_prefix="weightserver-shm-upload-copy")
+        return _copy_threads
+
+
+class IncomingModel:
+    """One model's bytes on their way into a publish, written by `transport`: "stream" (Publish
+    chunks), "bulk" (a bulk socket) or "shm" (copied from a same-host publisher's file)."""
+
+    def __init__(
+        self,
+        header: pb.PublishHeader,
+        transport: str = "stream",
+        *,
+        shared_memory: SharedMemoryFiles | None = None,
+        header_limits: dict[str, int] | None = None,
+        announcements: IncomingPublishes | None = None,
+        owner: bytes | None = None,
+        counted: Callable[[Version], None] | None = None,
+    ) -> None:
+        self.id = secrets.token_hex(16)
+        self.header = header
+        self.transport = transport
+        self.owner = owner  # the token that may name a staged upload (None: anyone)
+        self.counted = counted  # called in the commit, before any reader can see the version
+        self.active = time.monotonic()  # when its bytes last moved (a staged upload expires after)
+        self.shared_memory = shared_memory
+        self.header_limits = header_limits
+        self.announcements = announcements
+        self.announcement: IncomingPublish | None = None  # told to watchers with the first bytes
+        self.file: SharedMemoryUpload | None = None  # the buffer's file, removed unless committed
+        self.buffer: memoryview | None = None
+        # None once a stream's bytes are no safetensors file: the store's check gives the error.
+        self.digests: IncomingDigests | None = None
+        self.received = 0  # bytes [0, received) are in (or, for a writer's, announced)
+        self.copied = 0  # a writer's bytes copied in
+        self.complete = False  # a bulk transfer's end: every byte is in
+        self.moved = False  # `uploaded` came: the staged upload holds every byte
+        self.failure: BaseException | None = None  # why a bulk transfer stopped short
+        self.committed = False  # whether these bytes became a version (not so for a repeat)
+        self._sha256: hashlib._Hash | None = None
+        self._sha256_fed = 0
+        self._handed = 0  # bytes handed to the hashing thread
+        self._hashing: ThreadPoolExecutor | None = None
+        self._hashed: Future[None] | None = None
+
+    @property
+    def model(self) -> str:
+        return self.header.model
+
+    @property
+    def total_bytes(self) -> int:
+        return self.header.total_bytes
+
+    def allocate(self, file: SharedMemoryUpload | None) -> None:
+        """Receive into `file`, or None: anonymous memory, committed page by page as bytes arrive."""
+        if file is None and self.transport == "shm":
+            raise OSError("no room in the shared-memory folder")
+        size = self.total_bytes
+        self.file = file
+        self.buffer = file.buffer if file is not None else memoryview(mmap.mmap(-1, size) if size else bytearray())
+        self.digests = IncomingDigests(self.buffer, header_limits=self.header_limits)
+        if self.transport == "stream" and (self.header.sha256 or not self.header.xxh3):
+            self._sha256 = hashlib.sha256()  # else the store computes it after the commit
+
+    def add(self, chunk: bytes) -> None:
+        """A Publish stream's next chunk."""
+        if self.transport != "stream":
+            raise InvalidRequest(f"model {self.model!r}: chunks after `uploaded`; send one or the other")
+        if self.buffer is None:
+            memory = self.shared_memory
+            self.allocate(memory.new_upload(self.model, self.total_bytes) if memory is not None else None)
+        end = self.received + len(chunk)
+        if end > self.total_bytes:
+            raise IntegrityError(f"model {self.model!r}: publisher declared {self.total_bytes} bytes but sent more")
+        assert self.buffer is not None
+        self.buffer[self.received : end] = chunk
+        self.arrived(end)
+
+    def arrived(self, end: int) -> None:
+        """Bytes [0, end) are in: hash them while the next arrive. A bulk transfer waits for that
+        at its end, so that a malformed header stops it before its acknowledgement."""
+        self.received = end
+        self._landed(end)
+        if end - self._handed >= HASH_STRETCH or end == self.total_bytes:
+            self._hash_to(end)
+        if end == self.total_bytes and self.transport == "bulk":
+            self._hashing_done()
+
+    def written(self, end: int) -> None:
+        """A same-host writer's word that bytes [0, end) are written: copy and hash them meanwhile."""
+        if self.transport != "shm":
+            raise InvalidRequest(
+                f"model {self.model!r}: `written` is for a shared-memory upload; upload {self.id} is {self.transport}"
+            )
+        if not self.received <= end <= self.total_bytes:
+            raise InvalidRequest(
+                f"model {self.model!r}: `written` says {end} bytes, after {self.received}, of {self.total_bytes}; "
+                "it must not go back or beyond the size"
+            )
+        self.received = end
+        self._landed(end)
+        self._hash_to(end)
+
+    def uploaded(self, message: pb.PublishUploaded) -> None:
+        """All bytes are in the staged upload (with their xxh3 if the header came before them)."""
+        if message.xxh3:
+            if self.header.xxh3 and self.header.xxh3.lower() != message.xxh3.lower():
+                raise IntegrityError(
+                    f"model {self.model!r}: header declares xxh3 {clipped_repr(self.header.xxh3)} but "
+                    f"`uploaded` declares {clipped_repr(message.xxh3)}"
+                )
+            self.header.xxh3 = message.xxh3
+        self.received, self.moved = self.total_bytes, True
+
+    def transferred(self, error: BaseException | None) -> None:
+        """The bulk endpoint's word on the transfer: all bytes in, or why not."""
+        self.complete, self.failure = error is None, error
+        if error is not None and self.announcement is not None:
+            self.announcement.fail(f"the bulk upload stopped short: {str(error) or type(error).__name__}")
+        self.active = time.monotonic()
+
+    def check_complete(self) -> None:
+        if self.received != self.total_bytes:
+            raise IntegrityError(
+                f"model {self.model!r}: publisher declared {self.total_bytes} bytes but sent "
+                f"{self.received}; the upload was cut short or the header is wrong"
+            )
+
+    def finish(self) -> FileDigests | None:
+        """The digests of the bytes once all are in and hashed; None: the store checks them. Blocks.
+        IntegrityError when a transfer fell short."""
+        if self.transport == "shm":
+            try:
+                self._hash_to(self.total_bytes)
+                self._hashing_done()
+            finally:
+                if self.file is not None:
+                    self.file.remove_source()  # every byte is copied, or none will be
+        elif self.transport == "bulk" and not self.complete:
+            if isinstance(self.failure, WeightServerError):
+                raise self.failure  # bytes that are no safetensors file: the check's own error
+            why = (str(self.failure) or type(self.failure).__name__) if self.failure else "it has not finished"
+            raise IntegrityError(
+                f"model {self.model!r}: the bulk upload of {self.total_bytes} bytes did not arrive whole ({why}); "
+                "publish again"
+            )
+        self._hashing_done()
+        self.settle()
+        if self.digests is None:
+            return None
+        try:
+            digests = self.digests.finish()
+        except InvalidSafetensors:
+            if self.transport != "stream":
+                raise
+            return None  # too short for a header: the store's check says so
+        if self._sha256 is not None:
+            digests = dataclasses.replace(digests, sha256=self._sha256.hexdigest())
+        return digests
+
+    def as_upload(self, sha256: str | None, digests: FileDigests | None) -> Upload:
+        """The store's Upload of the bytes, with their digests and the declared ones."""
+        return Upload(
+            self.model,
+            self.buffer if self.buffer is not None else memoryview(b""),
+            sha256=sha256,
+            total_bytes=self.total_bytes,
+            metadata=dict(self.header.metadata),
+            pin=self.header.pin,
+            digests=digests,
+            xxh3=self.header.xxh3 or None,
+        )
+
+    def adopt(self, record: Version) -> None:
+        """In the store's commit, once `record` is durable and before any reader can see it (not
+        for a replayed publish id): a same-host reader finds the version's file and header in place."""
+        self.committed = True
+        if self.counted is not None:
+            self.counted(record)
+        if self.announcement is not None and self.announcements is not None:
+            self.announcements.committed(self.announcement, record.model, record.version)
+        if self.file is None:
+            return
+        assert self.shared_memory is not None
+        self.shared_memory.adopt((record.model, record.version, 0, ""), self.file)
+        message = version_info.version_message(record).SerializeToString()
+        self.shared_memory.write_header(record.model, record.version, lambda: message)
+
+    def settle(self) -> None:
+        """Wait for the stretch being hashed, drop those not started, and end the thread."""
+        if self._hashing is not None:
+            self._hashing.shutdown(wait=True, cancel_futures=True)
+
+    def discard(self, why: str = "the upload was never committed") -> None:
+        """Let bytes that did not commit go (the file is removed; a commit moved it away)."""
+        self.settle()
+        if self.announcement is not None and not self.committed:
+            self.announcement.fail(why)  # followers that took bytes early drop them
+        if self.file is not None and self.file.path.exists():
+            self.file.abort()
+
+    def _landed(self, end: int) -> None:
+        """Bytes [0, end) are in (a writer's: on their way): watchers hear of them."""
+        self.active = time.monotonic()
+        if self.announcement is None and self.announcements is not None and self.total_bytes:
+            assert self.buffer is not None
+            self.announcement = self.announcements.start(self.model, self.buffer)
+        if self.announcement is not None and self.transport != "shm":
+            self.announcement.advance(end)  # a writer's, once copied (`_copy`)
+
+    def _hash_to(self, end: int) -> None:
+        """Hash up to `end` (a writer's: copy first) in this model's thread; raise what an earlier
+        stretch raised there, so that a transfer can stop early."""
+        if self._hashed is not None and self._hashed.done():
+            self._hashed.result()
+        if self._hashing is None:
+            self._hashing = ThreadPoolExecutor(1, thread_name_prefix=f"weightserver-{self.transport}-upload-hash")
+        self._handed = end
+        self._hashed = self._hashing.submit(self._copy if self.transport == "shm" else self._hash, end)
+
+    def _hash(self, end: int) -> None:
+        if self.digests is not None:
+            try:
+                self.digests.advance(end)
+            except InvalidSafetensors:
+                if self.transport != "stream":
+                    raise
+                self.digests = self._sha256 = None
+        if self._sha256 is not None:
+            assert self.buffer is not None
+            self._sha256.update(self.buffer[self._sha256_fed : end])
+            self._sha256_fed = end
+
+    def _copy(self, end: int) -> None:
+        """Copy the writer's bytes up to `end` in, a block per thread, hashing each in order."""
+        assert self.file is not None and self.file.source is not None and self.buffer is not None
+        source, buffer = self.file.source, self.buffer
+        blocks = [(start, min(end, start + BLOCK_BYTES)) for start in range(self.copied, end, BLOCK_BYTES)]
+        threads = _copying()
+        copies = [threads.submit(source.read_into, buffer, *block) for block in blocks] if threads else []
+        try:
+            for i, (start, stop) in enumerate(blocks):
+                got = copies[i].result() if copies else source.read_into(buffer, start, stop)
+                if got < stop - start:
+                    raise IntegrityError(
+                        f"model {self.model!r}: the shared-memory upload file holds {start + got} bytes, not the "
+                        f"{self.total_bytes} declared (it was cut short after Negotiate); publish again"
+                    )
+                self.copied = stop
+                self._hash(stop)
+        finally:
+            for copy in copies:  # none is left reading the file or writing the buffer
+                copy.cancel()
+            wait(copies)
+        if self.announcement is not None:
+            self.announcement.advance(end)
+
+    def _hashing_done(self) -> None:
+        """Wait until every stretch handed over is hashed; raise what the hashing raised."""
+        if self._hashed is not None:
+            self._hashed.result()

@@ -1,0 +1,104 @@
+"""Watches: each Watch call's stream of version events, and of incoming publishes if asked."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Sequence
+
+import grpc
+
+from weightserver.metrics import NoMetrics
+from weightserver.protocol.errors import ServerUnavailable
+from weightserver.protocol.names import validate_model_name
+from weightserver.protocol.version_info import version_message
+from weightserver.publish.incoming import IncomingPublish, IncomingPublishes
+from weightserver.service.calls import log_event
+from weightserver.storage.store import Commit, Version, VersionStore
+from weightserver.v1 import weights_pb2 as pb
+
+
+class Watches:
+    """The open Watch calls, ended with UNAVAILABLE at shutdown (`end_all`) so that watchers
+    resubscribe instead of being cancelled mid-call."""
+
+    def __init__(
+        self,
+        store: VersionStore,
+        announcements: IncomingPublishes,
+        metrics: NoMetrics,
+        metadata: Callable[[], Sequence[tuple[str, str]]],
+    ) -> None:
+        self.store = store
+        self.announcements = announcements
+        self.metrics = metrics
+        self.metadata = metadata  # the initial metadata (a relay names its primary)
+        self._queues: set[asyncio.Queue[Version | IncomingPublish | None]] = set()
+
+    async def watch(
+        self, request: pb.WatchRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.VersionEvent]:
+        model = validate_model_name(request.model)
+        loop = asyncio.get_running_loop()
+        # Commits, and with `incoming` publishes as they start and fail; None: the server stops.
+        queue: asyncio.Queue[Version | IncomingPublish | None] = asyncio.Queue()
+
+        def on_event(event: Version | IncomingPublish) -> None:
+            if event.model == model:
+                with contextlib.suppress(RuntimeError):  # loop closed: the server is shutting down
+                    loop.call_soon_threadsafe(queue.put_nowait, event)
+
+        def on_commit(commit: Commit) -> None:
+            for record in commit.versions:
+                on_event(record)
+
+        # Subscribe before reading the backlog so no version can land between the two.
+        unsubscribes = [self.store.subscribe(on_commit)]
+        if request.incoming:
+            unsubscribes.append(self.announcements.subscribe(on_event))
+        self.metrics.watch_started(model)
+        self._queues.add(queue)
+        try:
+            backlog, gap = self.store.versions_after(model, request.since)
+            last = request.since
+            # Headers now: a client waiting for them knows its subscription is live.
+            await context.send_initial_metadata(self.metadata())
+            log_event("watch", context, model=model, since=request.since, backlog=len(backlog))
+            for record in backlog:
+                yield self._event(record, gap, request.incoming)
+                gap, last = False, record.version
+            while True:
+                event = await queue.get()
+                if event is None:
+                    raise ServerUnavailable("the server is shutting down; resubscribe with since=<last version seen>")
+                if isinstance(event, IncomingPublish):
+                    failed = event.failure is not None
+                    yield pb.VersionEvent(
+                        incoming=pb.IncomingPublish(id=event.id, byte_size=event.byte_size, failed=failed)
+                    )
+                    continue
+                if event.version <= last:
+                    continue
+                # With an empty backlog the gap is reported on the first live event; on a relay,
+                # also on an event after versions it missed.
+                gap = gap or self.store.gap_between(model, last, event.version)
+                yield self._event(event, gap, request.incoming)
+                gap, last = False, event.version
+        finally:
+            self._queues.discard(queue)
+            for unsubscribe in unsubscribes:
+                unsubscribe()
+            self.metrics.watch_ended(model)
+
+    def _event(self, record: Version, gap: bool, incoming: bool) -> pb.VersionEvent:
+        """A commit's event; for a watcher of incoming publishes, naming the bytes that became it."""
+        event = pb.VersionEvent(version=version_message(record), gap=gap)
+        announced = self.announcements.id_of(record.model, record.version) if incoming else ""
+        if announced:
+            event.incoming.id, event.incoming.byte_size = announced, record.byte_size
+        return event
+
+    def end_all(self) -> None:
+        """End every Watch with UNAVAILABLE (on the server's event loop)."""
+        for queue in self._queues:
+            queue.put_nowait(None)

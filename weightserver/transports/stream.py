@@ -1,0 +1,88 @@
+"""StreamTransport: payloads as chunk messages of the Fetch call itself.
+
+Stream fetches send chunks a bounded number at a time (`--max-stream-fetches`), the rest waiting
+their turn, so that a publish's chunks share the event loop with a few fetches, not with every
+open one; and each chunk waits while a publish goes first (`CommitsFirst`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterable
+
+from weightserver.protocol import framing
+from weightserver.protocol.errors import PublishAborted
+from weightserver.publish.incoming import IncomingPublish
+from weightserver.publish.priority import CommitsFirst
+from weightserver.publish.receiver import IncomingModel
+from weightserver.storage.payloads import Payload
+from weightserver.storage.store import Version
+from weightserver.v1 import weights_pb2 as pb
+
+# A fetch whose chunk write has not completed after this long (a slow or stalled reader) gives
+# its turn back for the rest of the fetch: it must not hold up the fetches queued behind it.
+SLOW_READER_SECONDS = 1.0
+# A fetch of a publish's bytes as they land gives up when none land for this long.
+INCOMING_STALL_SECONDS = 60.0
+
+
+class StreamTransport:
+    """The fallback every server has: it makes no offer in Negotiate; Fetch sends the chunks."""
+
+    name, kind = "stream", pb.TRANSPORT_STREAM
+
+    def __init__(self, max_fetches: int, commits_first: CommitsFirst) -> None:
+        self._turns = asyncio.Semaphore(max_fetches)
+        self._commits_first = commits_first
+
+    async def offer(self, record: Version, payload: Payload, description: pb.Payload) -> bool:
+        return False
+
+    def offer_incoming(self, incoming: IncomingPublish, description: pb.Payload) -> bool:
+        return False
+
+    def stage(self, header: pb.PublishHeader, owner: bytes | None, description: pb.Payload) -> IncomingModel | None:
+        return None  # its bytes come as chunks of the Publish call
+
+    def send(self, data: memoryview, chunk_bytes: int) -> AsyncIterator[bytes]:
+        """`data` as pre-serialized chunk messages, each in turn."""
+        return self._in_turn(framing.chunk_messages(data, chunk_bytes))
+
+    async def send_incoming(self, incoming: IncomingPublish, chunk_bytes: int) -> AsyncIterator[bytes]:
+        """A publish's bytes as chunk messages as they land (cut-through)."""
+        sent = 0
+        while sent < incoming.byte_size:
+            try:
+                landed = await incoming.landed_beyond(sent, INCOMING_STALL_SECONDS)
+            except TimeoutError:
+                raise PublishAborted(
+                    f"the publish of {incoming.model!r} sent nothing for {INCOMING_STALL_SECONDS:g}s; "
+                    "fetch the version once it is committed"
+                ) from None
+            for message in framing.chunk_messages(incoming.buffer[sent:landed], chunk_bytes):
+                yield message
+            sent = landed
+
+    async def _in_turn(self, messages: Iterable[bytes]) -> AsyncIterator[bytes]:
+        """`messages`, sent while this fetch holds a turn (first come first served), each after
+        any publish that goes first. A write pending after SLOW_READER_SECONDS gives the turn back."""
+        turns, loop = self._turns, asyncio.get_running_loop()
+        await turns.acquire()
+        held = True
+
+        def give_back() -> None:
+            nonlocal held
+            if held:
+                held = False
+                turns.release()
+
+        try:
+            for message in messages:
+                await self._commits_first.wait()
+                slow = loop.call_later(SLOW_READER_SECONDS, give_back)
+                try:
+                    yield message
+                finally:
+                    slow.cancel()
+        finally:
+            give_back()
