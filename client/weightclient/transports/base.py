@@ -1,10 +1,7 @@
-"""The contract every transport keeps: move one payload, in either direction.
-
-A fetch gets an `Offer` from the transport the server picked and receives its bytes into a
-buffer or the caller's tensors ("placed"). A publish's fast transport moves the bytes where
-Negotiate said (`upload`); the Publish stream then names the upload. Transports say when they
-cannot (`TransportFailed`); the caller verifies and falls back.
-"""
+"""The contract every transport keeps: move one payload, in either direction. A fetch receives
+an `Offer` into a buffer or the caller's tensors ("placed"); a publish's fast transport moves the
+bytes where Negotiate said (`upload`) and the Publish stream names the upload. A transport that
+cannot raises `TransportFailed`; the caller verifies and falls back."""
 
 from __future__ import annotations
 
@@ -13,14 +10,14 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 from weightclient.core.retry import NEVER, Deadline
+from weightclient.placement import PlacedReceiver
 from weightserver.protocol.framing import Progress
 from weightserver.protocol.version_info import VersionInfo
 from weightserver.v1 import weights_pb2 as pb
 
 
 class TransportFailed(Exception):
-    """This transport cannot carry the payload here (another host, a closed port, bad bytes):
-    the caller falls back to the next one."""
+    """This transport cannot carry the payload here: the caller falls back to the next one."""
 
 
 class PayloadGone(TransportFailed):
@@ -33,8 +30,7 @@ class NotOffered(TransportFailed):
 
 @dataclass(frozen=True)
 class Offer:
-    """One negotiated payload: its version, what its bytes are (the version, a delta or a cast)
-    and, for the stream, its open stream of chunks."""
+    """One negotiated payload, its version and, for the stream, its open stream of chunks."""
 
     info: VersionInfo
     payload: pb.Payload
@@ -62,51 +58,45 @@ class OutgoingFile:
 
 
 class Transport(Protocol):
-    """Moves one payload between a client and a server (one class per file here)."""
+    """Moves one payload between a client and a server; subclasses inherit the defaults here."""
 
     name: ClassVar[str]  # "stream", "bulk", "shm": what FetchStats.transport reports
     kind: ClassVar[int]  # its pb.Transport value
     # Whether a publish writes the server's upload itself, front to back, calling `progress`
     # once bytes [0, n) are in for good (so the server can verify them meanwhile).
-    written_in_place: ClassVar[bool]
+    written_in_place: ClassVar[bool] = False
 
     def offer(
         self, request: pb.FetchRequest, answer: pb.NegotiateResponse | None, deadline: Deadline, info: VersionInfo
     ) -> Offer | None:
-        """The payload `answer` (naming this transport) or `request` describes; None when up to
-        date. `info` stands in for a version not committed yet."""
-        ...
+        """The payload `answer` (naming this transport) describes; `info` stands in for a version
+        not committed yet. The stream overrides this to start a Fetch (None: up to date)."""
+        assert answer is not None, "a fast transport is only ever picked by Negotiate"
+        version = VersionInfo.from_proto(answer.header) if answer.HasField("header") else info
+        return Offer(version, answer.payload, deadline=deadline)
 
     def upload(
         self, payload: pb.Payload, parts: Sequence[memoryview], *, deadline: Deadline, progress: Progress | None
     ) -> str:
         """Move one model's file where Negotiate said; the xxh3-128 of the bytes moved."""
-        ...
+        raise NotOffered(f"{self.name} carries no uploads")
 
     def prepare(self, payload: pb.Payload) -> None:
         """Get ready for an `upload` set up ahead, so that it costs only the copy."""
-        ...
+        raise NotOffered(f"{self.name} has no uploads to set up ahead")
 
     def release(self, payload: pb.Payload) -> None:
         """Let go of what `prepare` held."""
-        ...
 
-    def receive(self, offer: Offer, *, into: memoryview | None, progress: Progress | None) -> memoryview:
+    def receive(self, offer: Offer, *, into: Any, progress: Progress | None) -> memoryview:
         """The payload's bytes, unverified, in `into` when it is large enough."""
         ...
 
     def receive_placed(self, offer: Offer, views: Mapping[str, memoryview]) -> list[str]:
         """The version's file scattered into `views`, hashed as it lands: the tensors that fail."""
-        ...
-
-
-def negotiated_offer(
-    request: pb.FetchRequest, answer: pb.NegotiateResponse | None, deadline: Deadline, info: VersionInfo
-) -> Offer:
-    """A fast transport's offer: the payload Negotiate described."""
-    assert answer is not None, "a fast transport is only ever picked by Negotiate"
-    version = VersionInfo.from_proto(answer.header) if answer.HasField("header") else info
-    return Offer(version, answer.payload, deadline=deadline)
+        receiver = PlacedReceiver(offer.info, views)
+        self.receive(offer, into=receiver, progress=None)
+        return receiver.bad()
 
 
 def receive_buffer(size: int, into: memoryview | None = None) -> memoryview:
