@@ -8,10 +8,7 @@ from weightserver.v1 import weights_pb2 as pb
 
 
 class Admin(Connection):
-    """The describe-and-manage part of `WeightServiceClient`."""
-
     def latest(self, model: str, *, retry: bool = True, timeout: float | None = None) -> VersionInfo:
-        """The newest version of `model`; `retry=False` raises ServerUnavailable at once."""
         request = pb.GetLatestRequest(model=model)
         return VersionInfo.from_proto(self._call("GetLatest", request, retry=retry, timeout=timeout))
 
@@ -20,7 +17,6 @@ class Admin(Connection):
         return VersionInfo.from_proto(self._call("Describe", pb.DescribeRequest(model=model, version=version)))
 
     def list_models(self) -> list[ModelSummary]:
-        """Every model on the server, sorted by name."""
         return [ModelSummary.from_proto(m) for m in self._call("ListModels", pb.ListModelsRequest()).models]
 
     def list_versions(self, model: str) -> list[VersionInfo]:

@@ -125,7 +125,8 @@ class Connection:
     """The link in use among several addresses (default `$WEIGHTSERVER_ADDRESS`, then
     localhost:50051), and how calls on it are made. `timeout`: unary calls'. `retry_seconds`: how
     long idempotent calls without a timeout retry while no server answers (publish, delete and pin
-    never retry). `connect(address) -> ServerLink` replaces the network (transports.mock)."""
+    never retry). `connect(address) -> ServerLink` replaces the network (transports.mock). `tls`,
+    `tls_ca`, `tls_cert`, `tls_key`: see `open_channel`."""
 
     def __init__(
         self,
@@ -135,22 +136,18 @@ class Connection:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         client_id: str | None = None,
         token: str | None = None,
-        tls: bool | None = None,
-        tls_ca: PathLike | None = None,
-        tls_cert: PathLike | None = None,
-        tls_key: PathLike | None = None,
         retry_seconds: float = 30.0,
         retry: RetryPolicy = DEFAULT_RETRY,
         connect: Callable[[str], ServerLink] | None = None,
+        **tls: Any,
     ) -> None:
         self.addresses = parse_addresses(address or default_address())
         self.timeout, self.chunk_bytes, self.retry_seconds, self.retry = timeout, chunk_bytes, retry_seconds, retry
         self._metadata = call_metadata(token, client_id)
         self._shm = SharedMemoryTransport()
-        tls_options = dict(tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
 
         def dial(address: str) -> ServerLink:
-            channel = open_channel(address, **tls_options)
+            channel = open_channel(address, **tls)
             stream = StreamTransport(channel, self._metadata, chunk_bytes)
             chain = TransportChain([self._shm, BulkTransport(host_of(address))], stream)
             stub = pb_grpc.WeightServiceStub(channel)

@@ -12,8 +12,15 @@ from typing import Any
 import xxhash
 
 from weightclient.core.retry import Deadline
-from weightclient.transports.base import NotOffered, Offer, OutgoingFile, Progress, Transport, TransportFailed
-from weightclient.transports.negotiation import TransportChain
+from weightclient.transports.base import (
+    NotOffered,
+    Offer,
+    OutgoingFile,
+    Progress,
+    Transport,
+    TransportChain,
+    TransportFailed,
+)
 from weightserver.protocol.errors import InvalidRequest, ModelNotFound, VersionNotFound
 from weightserver.protocol.version_info import VersionInfo
 from weightserver.v1 import weights_pb2 as pb
