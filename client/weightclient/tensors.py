@@ -119,7 +119,6 @@ def _header(layout: tuple[tuple[str, str, tuple[int, ...], int], ...], metadata:
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """A writable view of a contiguous CPU tensor's bytes."""
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else memoryview(bytearray())
 
 

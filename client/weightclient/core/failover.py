@@ -91,8 +91,6 @@ def map_rpc_errors(address: str | None = None) -> Iterator[None]:
 
 @dataclass
 class ServerLink:
-    """One address: its channel, stub and transports."""
-
     address: str
     stub: Any  # pb_grpc.WeightServiceStub, or a stand-in (transports.mock)
     transports: TransportChain

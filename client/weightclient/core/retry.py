@@ -39,7 +39,6 @@ class Deadline:
         return cls(None if seconds is None else time.monotonic() + seconds)
 
     def remaining(self) -> float | None:
-        """Seconds left, at least 0; None for no deadline."""
         return None if self.at is None else max(0.0, self.at - time.monotonic())
 
     def expired(self) -> bool:

@@ -64,7 +64,6 @@ class _SharedRead:
             pass
 
     def _read_next(self, *, by_helper: bool) -> bool:
-        """Claim and read the next unread block; False when none is left."""
         i = next(self.claims)
         if i >= len(self.blocks):
             return False

@@ -96,8 +96,6 @@ class MockServer:
 
 
 class MockTransport(Transport):
-    """A transport of `server` named `name`, moving bytes through memory."""
-
     def __init__(self, server: MockServer, name: str) -> None:
         self.server, self.name, self.kind = server, name, KINDS[name]
 
