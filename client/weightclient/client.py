@@ -10,7 +10,7 @@ import torch
 from tensordict import TensorDict
 
 from weightclient import tensors as tensor_codec
-from weightclient.core.background_publisher import BackgroundPublisher, PublishFuture
+from weightclient.core.background import BackgroundPublisher, PublishFuture
 from weightclient.core.retry import Deadline
 from weightclient.core.service_client import FetchStats, WeightServiceClient
 from weightserver.protocol.digests import xxh3_hex
@@ -23,8 +23,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class FetchResult:
-    """A fetched version: `.version`, `.metadata`, `.weights` (TensorDict), `.state_dict()`; the
-    tensors view `data`. A delta against a version number is `partial` (only changed tensors)."""
+    """A fetched version; the tensors view `data`. A delta against a version number is `partial`
+    (only changed tensors)."""
 
     info: VersionInfo
     tensors: dict[str, torch.Tensor] = field(repr=False)
@@ -45,11 +45,10 @@ class FetchResult:
 
     @property
     def weights(self) -> TensorDict:
-        """A TensorDict keyed like the state dict ("0.weight"); `.unflatten_keys(".")` nests it."""
+        """Keyed like the state dict ("0.weight"); `.unflatten_keys(".")` nests it."""
         return TensorDict(dict(self.tensors), batch_size=[])
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """A plain {name: tensor} dict, ready for `module.load_state_dict`."""
         return dict(self.tensors)
 
 
@@ -63,7 +62,7 @@ def _placeable(tensor: torch.Tensor, entry: TensorInfo) -> bool:
 
 
 def _check_delta(info: VersionInfo, tensors: dict[str, torch.Tensor], dtype: str) -> None:
-    """The tensors a delta carried are the target's (by name, and by digest unless cast)."""
+    """The delta's tensors are the target's (by name, and by digest unless cast)."""
     expected = {t.name: t for t in info.tensors}
     unknown = sorted(set(tensors) - set(expected))
     if unknown:
@@ -80,7 +79,7 @@ def _unchanged_from_base(
     base: FetchResult, info: VersionInfo, changed: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor] | None:
     """The base's tensors the delta did not carry, checked against the target's digests; None if
-    one is missing or differs (modified since it was fetched: fetch the version whole)."""
+    one is missing or differs (modified since it was fetched)."""
     unchanged = {}
     for entry in info.tensors:
         if entry.name in changed:
@@ -105,17 +104,14 @@ class WeightClient(WeightServiceClient):
     _publisher: BackgroundPublisher | None = None
 
     def publish(self, weights: tensor_codec.Weights, model: str = "policy", **options) -> int | PublishFuture:
-        """Publish `weights` (an nn.Module, a TensorDict or a state dict) as a new version of
-        `model`; its number once committed. wait=False: snapshot them and return a
-        `PublishFuture` at once. Other options (version, metadata, pin, timeout, publish_id,
-        transport): `publish_group_bytes`."""
+        """Publish an nn.Module, TensorDict or state dict as a new version; its number. wait=False:
+        snapshot it and return a `PublishFuture` at once. Options: `publish_group_bytes`."""
         return self.publish_group({model: weights}, **options)
 
     def publish_group(
         self, weights: Mapping[str, tensor_codec.Weights], *, wait: bool = True, **options
     ) -> int | PublishFuture:
-        """Publish several models (``{"policy": actor, "critic": critic}``) under ONE version
-        number, committed together (as `publish`)."""
+        """Publish several models (``{"policy": actor, "critic": critic}``) under ONE version."""
         if not wait:
             publisher = self._background()
             snapshot = {model: tensor_codec.snapshot(w, into=publisher.spare_buffer()) for model, w in weights.items()}
@@ -124,7 +120,6 @@ class WeightClient(WeightServiceClient):
         return self.publish_group_bytes(encoded, **options)[0].version
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait for background publishes and reports of direct reads; False on timeout."""
         deadline = Deadline.after(timeout)
         if self._publisher is not None and not self._publisher.flush(timeout):
             return False
@@ -137,38 +132,28 @@ class WeightClient(WeightServiceClient):
 
     def _background(self) -> BackgroundPublisher:
         if self._publisher is None:
-
-            def send(snapshot: Mapping[str, memoryview], **options) -> int:
-                return self.publish_group_bytes(snapshot, **options)[0].version
-
-            self._publisher = BackgroundPublisher(send)
+            self._publisher = BackgroundPublisher(
+                lambda snapshot, **o: self.publish_group_bytes(snapshot, **o)[0].version
+            )
         return self._publisher
 
     def fetch(
         self,
         model: str = "policy",
         *,
-        version: int | None = None,
-        newer_than: int | None = None,
         base: FetchResult | VersionInfo | int | None = None,
         dtype: str | None = None,
-        transport: str = "auto",
-        timeout: float | None = None,
-        into: memoryview | None = None,
         place: Callable[[VersionInfo], Mapping[str, torch.Tensor] | None] | None = None,
-        retry: bool = True,
+        timeout: float | None = None,
         deadline: Deadline | None = None,
+        **options,
     ) -> FetchResult | None:
-        """`fetch_bytes`, decoded into tensors (viewing `into` when it was used). None when the
-        latest is not newer than `newer_than`.
-
-        base: a version the caller holds; only tensors changed since are sent. A FetchResult
-            gives a complete result (unchanged tensors taken from it, re-hashed), a VersionInfo
-            or number a partial one. A base that differs from the server's means a whole fetch.
-        place: may return {name: contiguous CPU tensor of that dtype and shape} (say, the live
-            parameters) to receive a whole version directly (`placed`). If they fail
-            verification the version is fetched again, so they may hold unverified bytes.
-        """
+        """`fetch_bytes` (its options: version, newer_than, transport, into, retry), decoded into
+        tensors. `base`: a version the caller holds, so only changed tensors are sent; a FetchResult
+        gives a complete result (unchanged tensors taken from it, re-hashed), a VersionInfo or
+        number a partial one. `place` may return {name: contiguous CPU tensor of that dtype and
+        shape} (say, the live parameters) to receive a whole version into (`placed`); if they fail
+        verification the version is fetched again, so they may hold unverified bytes."""
         if isinstance(base, FetchResult) and (base.partial or base.dtype or dtype):
             raise InvalidRequest(
                 "a delta against a FetchResult needs a complete result fetched without dtype, and no dtype now; "
@@ -189,18 +174,16 @@ class WeightClient(WeightServiceClient):
             targets.update(wanted)
             return {name: tensor_codec.tensor_bytes(tensor.detach()) for name, tensor in wanted.items()}
 
+        base_xxh3 = base_info.xxh3 if base_info is not None else ""
+        views = views_for if place is not None else None
         fetched = self.fetch_bytes(
             model,
-            version=version,
-            newer_than=newer_than,
             base_version=base_version,
             dtype=dtype or "",
-            transport=transport,
             deadline=deadline,
-            into=into,
-            base_xxh3=base_info.xxh3 if base_info is not None else "",
-            place=views_for if place is not None else None,
-            retry=retry,
+            base_xxh3=base_xxh3,
+            place=views,
+            **options,
         )
         if fetched is None:
             return None
@@ -216,6 +199,7 @@ class WeightClient(WeightServiceClient):
                     log.info(
                         "the base of %s v%d changed since it was fetched; fetching whole", model, fetched.info.version
                     )
+                    transport = options.get("transport", "auto")
                     return self.fetch(model, version=fetched.info.version, transport=transport, deadline=deadline)
                 tensors = {**unchanged, **tensors}
                 partial = False
@@ -230,7 +214,7 @@ class WeightClient(WeightServiceClient):
         )
 
     def watch_weights(self, model: str = "policy", *, since: int = 0) -> Iterator[FetchResult]:
-        """Yield the weights of every version committed after `since` (evicted ones skipped)."""
+        """The weights of every version committed after `since` (evicted ones skipped)."""
         for event in self.watch(model, since=since):
             try:
                 result = self.fetch(model, version=event.version)

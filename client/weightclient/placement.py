@@ -1,6 +1,5 @@
-"""Placed fetches: a version's tensors received straight into memory the caller owns (say,
-the policy's parameters), saving a copy; each block is hashed while in cache. No torch here.
-"""
+"""Placed fetches: a version's tensors received straight into memory the caller owns (say, the
+policy's parameters), saving a copy; each block is hashed while in cache."""
 
 from __future__ import annotations
 
@@ -12,8 +11,8 @@ from weightserver.protocol.digests import BLOCK_BYTES, PREFIX_BYTES
 from weightserver.protocol.version_info import VersionInfo
 
 Placement = Callable[[VersionInfo], Mapping[str, memoryview] | None]
-"""Called with a version's description before its bytes move: {tensor name: a writable view of
-its size} for the tensors to place (others are dropped), or None to receive it normally."""
+"""Called before a version's bytes move: {tensor name: a writable view of its size} for the
+tensors to place (others are dropped), or None to receive it normally."""
 
 
 def checked_views(place: Placement, info: VersionInfo) -> dict[str, memoryview] | None:
@@ -30,8 +29,8 @@ def checked_views(place: Placement, info: VersionInfo) -> dict[str, memoryview] 
 
 
 def layout(info: VersionInfo, views: Mapping[str, memoryview], header_bytes: int) -> list[tuple[int, str | None]]:
-    """The file after its 8-byte prefix as (size, tensor to place or None) regions in file
-    order; ValueError when they do not add up to the version's size."""
+    """The file after its 8-byte prefix as (size, tensor to place or None) regions in order;
+    ValueError when they do not add up to the version's size."""
     regions: list[tuple[int, str | None]] = [(header_bytes, None)]
     position = 0
     for entry in sorted(info.tensors, key=lambda t: t.begin):
@@ -49,8 +48,8 @@ def layout(info: VersionInfo, views: Mapping[str, memoryview], header_bytes: int
 
 
 class PlacedReceiver:
-    """A framing.Sink: a version's file arriving in order, scattered into the placed tensors'
-    views (the rest to scratch), each hashed as it lands; `bad()` lists those that fail."""
+    """A framing.Sink scattering a version's file into the placed tensors' views (the rest to
+    scratch), each hashed as it lands; `bad()` lists those that fail."""
 
     def __init__(self, info: VersionInfo, views: Mapping[str, memoryview]) -> None:
         self._info = info
@@ -99,6 +98,5 @@ class PlacedReceiver:
 
 
 def mismatched(info: VersionInfo, hashers: Mapping[str, xxhash.xxh3_128]) -> list[str]:
-    """The placed tensors whose hashed bytes do not match the version's digests."""
     expected = {t.name: t.xxh3 for t in info.tensors}
     return [name for name, hasher in hashers.items() if hasher.hexdigest() != expected[name]]

@@ -37,7 +37,7 @@ Weights = torch.nn.Module | TensorDictBase | Mapping[str, torch.Tensor]
 
 
 def state_dict_of(weights: Weights) -> dict[str, torch.Tensor]:
-    """A flat {name: tensor} view of an nn.Module, a TensorDict ('.'-flattened) or a state dict."""
+    """A flat {name: tensor} view of an nn.Module, a TensorDict or a state dict."""
     if isinstance(weights, torch.nn.Module):
         items = weights.state_dict(keep_vars=True).items()  # _framed detaches each one
     elif isinstance(weights, TensorDictBase):
@@ -60,15 +60,14 @@ def state_dict_of(weights: Weights) -> dict[str, torch.Tensor]:
 
 
 def encode(weights: Weights, metadata: Mapping[str, str] | None = None) -> list[memoryview]:
-    """`weights` as a safetensors file in parts (header, each tensor's bytes), valid only while
-    the tensors are not modified."""
+    """A safetensors file in parts (header, each tensor's bytes), valid while the tensors are."""
     prefix, prepared = _framed(weights, metadata)
     return [memoryview(prefix), *(tensor_bytes(tensor) for _, tensor in prepared if tensor.numel())]
 
 
 def snapshot(weights: Weights, metadata: Mapping[str, str] | None = None, into: memoryview | None = None) -> memoryview:
-    """The safetensors file of `weights` copied into one buffer (`into` when large enough), with
-    torch's `copy_` (every core, one device-to-host copy): the trainer waits for it."""
+    """The safetensors file copied into one buffer (`into` when large enough) with torch's `copy_`
+    (every core, one device-to-host copy): the trainer waits for it."""
     prefix, prepared = _framed(weights, metadata, to_cpu=False)
     buffer = receive_buffer(len(prefix) + sum(t.numel() * t.element_size() for _, t in prepared), into)
     buffer[: len(prefix)] = prefix
@@ -87,7 +86,6 @@ def snapshot(weights: Weights, metadata: Mapping[str, str] | None = None, into: 
 def _framed(
     weights: Weights, metadata: Mapping[str, str] | None, *, to_cpu: bool = True
 ) -> tuple[bytes, list[tuple[str, torch.Tensor]]]:
-    """The header (with its length prefix) and the contiguous tensors after it, in file order."""
     tensors = state_dict_of(weights)
     prepared: list[tuple[str, torch.Tensor]] = []
     for name, tensor in tensors.items():
@@ -115,18 +113,17 @@ def _framed(
 
 @functools.lru_cache(maxsize=16)
 def _header(layout: tuple[tuple[str, str, tuple[int, ...], int], ...], metadata: tuple[tuple[str, str], ...]) -> bytes:
-    """Cached: a trainer publishes one layout again and again; its JSON costs a tenth of a
-    16 MiB policy's memcpy."""
+    """Cached: a trainer publishes one layout again and again (its JSON costs a tenth of a 16 MiB
+    policy's memcpy)."""
     return build_header(layout, dict(metadata))[0]
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor: a writable view (a fetch can receive into it)."""
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else memoryview(bytearray())
 
 
 def decode(header: SafetensorsHeader, buffer: bytearray | memoryview) -> dict[str, torch.Tensor]:
-    """Tensors viewing `buffer` (no copy where aligned), as `header` (parsed from it) lists them."""
+    """Tensors viewing `buffer` (no copy where aligned), as `header` lists them."""
     result: dict[str, Any] = {}
     for entry in header.tensors:
         dtype = SAFETENSORS_TO_TORCH.get(entry.dtype)

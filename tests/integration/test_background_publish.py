@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from weightclient import ServerUnavailable, WeightClient
-from weightclient.core.background_publisher import PublishFuture
+from weightclient.core.background import PublishFuture
 
 MODEL = "policy"
 TIMEOUT = 30

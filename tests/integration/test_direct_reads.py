@@ -17,7 +17,7 @@ from waiting import sigstop, wait_until
 from tests.integration.test_errors import chunks, file_bytes, header_request, watch_publish_start
 from tests.integration.test_metrics import scrape, value, wait_for_value
 from weightclient import IntegrityError, WeightClient
-from weightclient.core.latest_only_worker import LatestOnlyWorker
+from weightclient.core.background import LatestOnlyWorker
 from weightclient.torchrl.grpc_updaters import GrpcLocalWeightUpdater
 from weightserver.process import ServerProcess
 from weightserver.protocol.errors import DeadlineExceeded, NotFoundError, VersionNotFound

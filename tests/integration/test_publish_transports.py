@@ -443,14 +443,14 @@ def test_a_spare_the_server_forgot_does_not_fail_the_publish(server, client, tra
 
 def test_a_model_over_the_spare_limit_gets_no_spare(server, client, monkeypatch):
     """A spare holds a model's size of the server's memory: above MAX_SPARE_BYTES none is set up."""
-    import weightclient.core.spare_uploads as spare_uploads
+    import weightclient.core.publish as publish
 
     weights = mixed_model(1)
-    monkeypatch.setattr(spare_uploads, "MAX_SPARE_BYTES", len(file_of(weights)) - 1)
+    monkeypatch.setattr(publish, "MAX_SPARE_BYTES", len(file_of(weights)) - 1)
     for transport in ("shm", "bulk"):
         client.publish(weights, model=MODEL, transport=transport)
         time.sleep(0.3)  # a spare would be set up in the background by now
         assert staged_count(server) == 0
-    monkeypatch.setattr(spare_uploads, "MAX_SPARE_BYTES", len(file_of(weights)))
+    monkeypatch.setattr(publish, "MAX_SPARE_BYTES", len(file_of(weights)))
     client.publish(weights, model=MODEL, transport="shm")
     wait_equal(lambda: staged_count(server), 1, what="uploads staged")  # at the limit: one is

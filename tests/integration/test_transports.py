@@ -17,21 +17,19 @@ from weightclient.transports import (
     TransportChain,
     TransportFailed,
 )
-from weightclient.transports.base import negotiated_offer
+from weightclient.transports.base import Transport
 from weightserver.protocol.version_info import TensorInfo, VersionInfo
 from weightserver.v1 import weights_pb2 as pb
 
 MODEL = "policy"
 
 
-class FakeTransport:
+class FakeTransport(Transport):
     """An in-process transport: hands out `data` for any offer, or fails as told."""
 
     def __init__(self, name: str, kind: int, data: bytes = b"", fail: bool = False) -> None:
         self.name, self.kind, self.data, self.fail = name, kind, data, fail
         self.received = 0
-
-    offer = staticmethod(negotiated_offer)
 
     def upload(self, payload, parts, *, deadline, progress):
         raise NotOffered(self.name)

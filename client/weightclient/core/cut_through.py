@@ -1,7 +1,5 @@
-"""CutThrough: receive a publish's bytes while they still arrive at the server (the publish and
-this transfer overlap), kept only if the commit event names them and they match its size and
-xxh3; otherwise they are dropped and the version fetched normally.
-"""
+"""CutThrough: receive a publish's bytes while they still arrive at the server, kept only if the
+commit event names them and they match its size and xxh3 (else the version is fetched)."""
 
 from __future__ import annotations
 
@@ -37,7 +35,6 @@ class CutThrough:
         self._closed = False
 
     def arriving(self, announced: Arriving) -> None:
-        """A publish's bytes began to arrive: receive them (or, `failed`, forget them)."""
         if self._closed:
             return
         if announced.failed:
@@ -58,7 +55,7 @@ class CutThrough:
         return bool(event.arriving) and event.arriving in self._receiving
 
     def committed(self, event: VersionEvent) -> FetchedBytes | None:
-        """The version `event` announces from the bytes received early if they match; else None."""
+        """The version `event` announces, from the bytes received early if they match."""
         future = self._receiving.pop(event.arriving, None) if event.arriving else None
         if future is None:
             return None
@@ -85,7 +82,7 @@ class CutThrough:
         self._threads.shutdown(wait=False, cancel_futures=True)
 
     def _receive(self, announced: Arriving) -> tuple[FetchedBytes, str]:
-        """The bytes and their xxh3, hashed a stretch at a time as they land (in cache)."""
+        """The bytes and their xxh3, hashed a stretch at a time as they land."""
         with self._lock:
             spare, self._spare = self._spare, None
         into = receive_buffer(announced.byte_size, spare)

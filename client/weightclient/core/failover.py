@@ -1,8 +1,6 @@
-"""Reaching a server: channel, call metadata, gRPC errors mapped to the library's own, and a
-client of several addresses (`"relay-a:50052,primary:50051"`) moving on, round and round, from
-one down or stalled. Versions keep their numbers and bytes across a primary and its relays, so
-the move is safe (one behind the caller answers CursorOutOfRange: "nothing newer here").
-"""
+"""Reaching a server: channel, metadata, errors, and failover among several addresses
+(`"relay-a:50052,primary:50051"`). Versions keep their numbers and bytes across a primary and its
+relays, so moving on is safe (one behind the caller answers CursorOutOfRange)."""
 
 from __future__ import annotations
 
@@ -43,7 +41,6 @@ RETIRED_LINKS = 2  # links moved away from, kept open for calls still running on
 
 
 def default_address() -> str:
-    """`$WEIGHTSERVER_ADDRESS`, else localhost:50051."""
     return os.environ.get(ADDRESS_ENV) or f"localhost:{DEFAULT_PORT}"
 
 
@@ -55,8 +52,7 @@ def open_channel(
     tls_cert: PathLike | None = None,
     tls_key: PathLike | None = None,
 ) -> grpc.Channel:
-    """TLS when `tls` is True or a TLS file is given (else $WEIGHTSERVER_TLS_CA/_CERT/_KEY);
-    without a CA the system's roots are trusted."""
+    """TLS when `tls` is True or a TLS file is given (or in $WEIGHTSERVER_TLS_*); no CA: system roots."""
     tls_ca = tls_ca or os.environ.get(TLS_CA_ENV) or None
     tls_cert = tls_cert or os.environ.get(TLS_CERT_ENV) or None
     tls_key = tls_key or os.environ.get(TLS_KEY_ENV) or None
@@ -67,7 +63,7 @@ def open_channel(
 
 
 def call_metadata(token: str | None, client_id: str | None) -> tuple[tuple[str, str], ...] | None:
-    """Sent with every call: the bearer token ($WEIGHTSERVER_TOKEN when not given), the client id."""
+    """Sent with every call: the bearer token (default $WEIGHTSERVER_TOKEN), the client id."""
     token = token if token is not None else os.environ.get(TOKEN_ENV) or None
     metadata = [bearer_metadata(token)] if token else []
     if client_id:
@@ -76,7 +72,6 @@ def call_metadata(token: str | None, client_id: str | None) -> tuple[tuple[str, 
 
 
 def error_from_rpc(err: grpc.RpcError) -> WeightServerError:
-    """The library's exception for a failed call, by status code and the server's error name."""
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     details = (err.details() if hasattr(err, "details") else None) or str(err)
     trailing = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
@@ -85,7 +80,6 @@ def error_from_rpc(err: grpc.RpcError) -> WeightServerError:
 
 @contextmanager
 def map_rpc_errors(address: str | None = None) -> Iterator[None]:
-    """Re-raise grpc.RpcError inside the block as the matching WeightServerError."""
     try:
         yield
     except grpc.RpcError as err:
@@ -97,8 +91,6 @@ def map_rpc_errors(address: str | None = None) -> Iterator[None]:
 
 @dataclass
 class ServerLink:
-    """One address: its channel, stub and transports (shared memory is the client's)."""
-
     address: str
     stub: Any  # pb_grpc.WeightServiceStub, or a stand-in (transports.mock)
     transports: TransportChain
@@ -114,7 +106,6 @@ class ServerLink:
 
 
 def parse_addresses(address: str | Sequence[str]) -> list[str]:
-    """`"a:1,b:2"` (or a sequence) -> ["a:1", "b:2"]; ValueError when none is given."""
     parts = address.split(",") if isinstance(address, str) else list(address)
     addresses = [part.strip() for part in parts if part.strip()]
     if not addresses:
@@ -123,25 +114,17 @@ def parse_addresses(address: str | Sequence[str]) -> list[str]:
 
 
 def host_of(address: str) -> str:
-    """The host part of a gRPC target: 'localhost:50051' -> 'localhost', '[::1]:5' -> '::1'."""
+    """'localhost:50051' -> 'localhost', '[::1]:5' -> '::1'."""
     target = address.split("///", 1)[-1]
     return (target.rsplit(":", 1)[0] if ":" in target else target).strip("[]")
 
 
 class Connection:
-    """The link in use among several addresses, and how calls on it are made.
-
-    Args:
-        address: host:port (default `$WEIGHTSERVER_ADDRESS`, then localhost:50051), or several.
-        timeout: deadline in seconds for unary calls (describe, list, delete, pin).
-        chunk_bytes: size of the chunks a publish sends and a fetch asks for.
-        client_id: a name for this client in the server's logs.
-        token: bearer token (default `$WEIGHTSERVER_TOKEN`); tls...: see `open_channel`.
-        retry_seconds: how long idempotent calls without a timeout retry while no server
-            answers. Publish, delete and pin never retry (a publish id commits once).
-        retry: the backoff between retries, and each address's share of a deadline.
-        connect: `connect(address) -> ServerLink`, to replace the network (transports.mock).
-    """
+    """The link in use among several addresses (default `$WEIGHTSERVER_ADDRESS`, then
+    localhost:50051), and how calls on it are made. `timeout`: unary calls'. `retry_seconds`: how
+    long idempotent calls without a timeout retry while no server answers (publish, delete and pin
+    never retry). `connect(address) -> ServerLink` replaces the network (transports.mock). `tls`,
+    `tls_ca`, `tls_cert`, `tls_key`: see `open_channel`."""
 
     def __init__(
         self,
@@ -151,22 +134,18 @@ class Connection:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         client_id: str | None = None,
         token: str | None = None,
-        tls: bool | None = None,
-        tls_ca: PathLike | None = None,
-        tls_cert: PathLike | None = None,
-        tls_key: PathLike | None = None,
         retry_seconds: float = 30.0,
         retry: RetryPolicy = DEFAULT_RETRY,
         connect: Callable[[str], ServerLink] | None = None,
+        **tls: Any,
     ) -> None:
         self.addresses = parse_addresses(address or default_address())
         self.timeout, self.chunk_bytes, self.retry_seconds, self.retry = timeout, chunk_bytes, retry_seconds, retry
         self._metadata = call_metadata(token, client_id)
         self._shm = SharedMemoryTransport()
-        tls_options = dict(tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
 
         def dial(address: str) -> ServerLink:
-            channel = open_channel(address, **tls_options)
+            channel = open_channel(address, **tls)
             stream = StreamTransport(channel, self._metadata, chunk_bytes)
             chain = TransportChain([self._shm, BulkTransport(host_of(address))], stream)
             stub = pb_grpc.WeightServiceStub(channel)
@@ -184,7 +163,6 @@ class Connection:
 
     @property
     def transports(self) -> TransportChain:
-        """The transports to the server in use, and what this client learned of them."""
         return self._link.transports
 
     @transports.setter
@@ -196,7 +174,7 @@ class Connection:
         return self._link.stub
 
     def _move_on(self, failed: str, why: object) -> bool:
-        """Use the address after `failed` (unless another thread did); False if there is none."""
+        """Use the address after `failed` (unless another thread did); False if none."""
         if len(self.addresses) == 1:
             return False
         with self._lock:
@@ -224,9 +202,8 @@ class Connection:
 
     def _on_any_server(self, call: Callable[[Deadline], T], deadline: Deadline, *, retry: bool) -> T:
         """`call(deadline)` on the server in use, moving on from one that is down (at once the
-        first time). With `retry`, retried under the policy while no server answers (for
-        `retry_seconds` when `deadline` is never); without, the first address gets its share of
-        the deadline (`RetryPolicy.share`: a stalled one leaves the next some) and one more the rest."""
+        first time). With `retry`, retried while no server answers; without, the first address
+        gets its share of the deadline and one more the rest."""
         if retry and deadline.at is None:
             deadline = Deadline.after(self.retry_seconds)
         errors = self.retry.retry_on if retry else (ServerUnavailable, DeadlineExceeded)
@@ -249,7 +226,6 @@ class Connection:
                 attempt += 1
 
     def close(self) -> None:
-        """Close every channel (cancels running calls) and bulk connection."""
         with self._lock:
             links, self._retired = [self._link, *self._retired], []
         for link in links:

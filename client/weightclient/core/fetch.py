@@ -10,8 +10,8 @@ from datetime import datetime, timezone
 
 import xxhash
 
+from weightclient.core.background import LatestOnlyWorker
 from weightclient.core.failover import Connection, map_rpc_errors
-from weightclient.core.latest_only_worker import LatestOnlyWorker
 from weightclient.core.retry import Deadline
 from weightclient.placement import Placement, checked_views
 from weightclient.transports import PayloadGone, TransportFailed
@@ -25,8 +25,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class FetchStats:
-    """How a fetch went. `direct`: read from the server's shared memory without a call;
-    `incoming`: received while its publish was still arriving (cut-through)."""
+    """How a fetch went. `direct`: read from shared memory without a call; `incoming`: received
+    while its publish was still arriving (cut-through)."""
 
     transport: str
     wire_bytes: int
@@ -37,8 +37,8 @@ class FetchStats:
 
 @dataclass(frozen=True)
 class FetchedBytes:
-    """A version's description and its verified payload (a safetensors file): the version's
-    own file, or with `base_version` or `dtype` only the changed or cast tensors."""
+    """A version and its verified payload: its safetensors file, or with `base_version` or
+    `dtype` only the changed or cast tensors."""
 
     info: VersionInfo
     data: memoryview
@@ -50,8 +50,6 @@ class FetchedBytes:
 
 
 class Fetching(Connection):
-    """The fetch half of `WeightServiceClient`."""
-
     @functools.cached_property
     def _reports(self) -> LatestOnlyWorker:
         return LatestOnlyWorker(self._report, "weightclient-fetch-reports")
@@ -75,13 +73,9 @@ class Fetching(Connection):
     ) -> FetchedBytes | None:
         """The latest version's bytes, exactly `version`, or the latest only if newer than
         `newer_than` (else None). `base_version`: only the tensors changed since; `dtype`
-        ("BF16"/"F16"): float32 tensors cast by the server. `transport`: "auto" (shared memory,
-        bulk TCP, the stream), "shm", "bulk" or "stream", each falling back to the next; an exact
-        `version` on the server's host is read without a call (`stats.direct`). IntegrityError
-        for bad bytes. `into`: a reused buffer. `base_xxh3`: the caller's digest of the base; if
-        the server's differs, the whole version is fetched in what is left of the deadline.
-        `place`: see placement.Placement. `retry=False` fails at once (ServerUnavailable).
-        """
+        ("BF16"/"F16"): float32 tensors cast by the server. `transport`: "auto", "shm", "bulk" or
+        "stream", each falling back to the next. `base_xxh3`: the caller's digest of the base; if
+        the server's differs, the whole version is fetched in what is left of the deadline."""
         request = _fetch_request(model, version, newer_than, self.chunk_bytes, base_version, dtype)
         deadline = deadline or Deadline.after(timeout)
         once = functools.partial(self._fetch_once, request, transport, into, place, progress)
@@ -101,10 +95,9 @@ class Fetching(Connection):
         progress: Progress | None,
         deadline: Deadline,
     ) -> FetchedBytes | None:
-        """One fetch: a direct read where possible, else over the transport the server picks,
-        falling back to the stream; once the server named a version, the stream asks for it.
-        Bad bytes are TransportFailed (fall back), or from the last transport IntegrityError.
-        Progress goes to the last transport as bytes come, others report once verified."""
+        """A direct read where possible, else the transport the server picks, falling back to the
+        stream (asking for the version the server named). Bad bytes from the last transport are
+        IntegrityError. Progress follows the last transport's bytes; others report once verified."""
         started, order, asked = time.perf_counter(), self.transports.order(choice), request
         transport, offer = self._shm, None
         exact = request.WhichOneof("selector") == "version" and not request.base_version and not request.dtype
@@ -133,14 +126,13 @@ class Fetching(Connection):
                 views = checked_views(place, offer.info) if place is not None and offer.whole_version else None
                 try:
                     if views is not None:
-                        bad = transport.receive_placed(offer, views)
-                        data, problem = memoryview(b""), f"placed tensors {bad[:5]} do not match their digests"
-                        problem = problem if bad else ""
+                        data, bad = memoryview(b""), transport.receive_placed(offer, views)
+                        problem = f"placed tensors {bad[:5]} do not match their digests" if bad else ""
                     else:
                         data = transport.receive(offer, into=into, progress=progress if last else None)
                         digest, announced = xxhash.xxh3_128_hexdigest(data), offer.payload.xxh3
                         problem = (
-                            f"xxh3 of the payload is {digest}, announced {announced}" if digest != announced else ""
+                            "" if digest == announced else f"xxh3 of the payload is {digest}, announced {announced}"
                         )
                     if problem:
                         raise (IntegrityError if last else TransportFailed)(f"model {offer.label}: {problem}")
@@ -155,16 +147,10 @@ class Fetching(Connection):
                         progress(data.nbytes, data.nbytes)
                     if direct:
                         self._reports.put(request)
-                    stats = FetchStats(transport.name, offer.payload.byte_size, time.perf_counter() - started, direct)
-                    payload = offer.payload
+                    p = offer.payload
+                    stats = FetchStats(transport.name, p.byte_size, time.perf_counter() - started, direct)
                     return FetchedBytes(
-                        offer.info,
-                        data,
-                        payload.base_version,
-                        payload.dtype,
-                        stats,
-                        payload.base_xxh3,
-                        views is not None,
+                        offer.info, data, p.base_version, p.dtype, stats, p.base_xxh3, views is not None
                     )
                 # Direct: the server says what now; else the stream, which every server offers.
                 order = [t for t in order if not self.transports.resting(t)] if direct else order[-1:]
@@ -179,10 +165,9 @@ class Fetching(Connection):
         into: memoryview | None = None,
         progress: Progress | None = None,
     ) -> FetchedBytes:
-        """The bytes of a publish still arriving at the server (cut-through), received as they
-        land, over bulk TCP when `transport` allows, else the stream. UNVERIFIED: apply them only
-        once the commit event names `incoming.id` and they match its xxh3 (`info` is a stand-in,
-        version 0). PublishAborted when the publish fails first; UploadNotFound once it ended."""
+        """The bytes of a publish still arriving (cut-through), over bulk TCP when `transport`
+        allows, else the stream. UNVERIFIED: apply them only once the commit event names
+        `incoming.id` and they match its xxh3 (`info` is a stand-in, version 0)."""
         started, deadline = time.perf_counter(), Deadline.after(timeout)
         request = pb.FetchRequest(model=incoming.model, incoming=incoming.id, chunk_size=self.chunk_bytes)
         placeholder = VersionInfo(incoming.model, 0, incoming.byte_size, "", datetime.now(timezone.utc))
@@ -204,13 +189,12 @@ class Fetching(Connection):
         return FetchedBytes(placeholder, data, stats=stats)
 
     def _report(self, request: pb.FetchRequest) -> None:
-        """Tell the server of a direct read (its metrics count it), later, in `_reports`' thread."""
+        """Tell the server of a direct read (for its metrics), in `_reports`' thread."""
         accept = [pb.TRANSPORT_SHARED_MEMORY]
         negotiate = pb.NegotiateRequest(direction=pb.DIRECTION_FETCH, accept=accept, fetch=request)
         self._stub.Negotiate(negotiate, timeout=self.timeout, metadata=self._metadata)
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until the server has heard of every direct read; False on timeout."""
         return self._reports.flush(timeout)
 
     def close(self) -> None:

@@ -1,21 +1,25 @@
-"""Publishing safetensors files: each model's bytes over the transport Negotiate picks, then
-one Publish call that commits them together."""
+"""Publishing: each model's bytes over the transport Negotiate picks, then one Publish call.
+After each, the next upload is set up while the trainer trains (`SpareUploads`: a page-table
+fill of the model's size, about 0.3 ms per MiB)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import threading
+import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-
-import xxhash
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from weightclient.core.failover import Connection, map_rpc_errors
 from weightclient.core.retry import Deadline
-from weightclient.core.spare_uploads import SpareUploads
 from weightclient.transports import OutgoingFile, Transport, TransportFailed
 from weightclient.transports.base import Progress
 from weightclient.transports.stream import OpenPublish
+from weightserver.protocol.digests import xxh3_hex
 from weightserver.protocol.errors import InvalidRequest, UploadNotFound
 from weightserver.protocol.version_info import VersionInfo
 from weightserver.v1 import weights_pb2 as pb
@@ -24,10 +28,85 @@ log = logging.getLogger(__name__)
 
 Buffer = bytes | bytearray | memoryview
 SPARE_NEGOTIATE_SECONDS = 10.0  # a spare upload's Negotiate, in the background
-# Bytes written in place between two words to the server: a sixteenth of the model (its last
-# stretch to hash after the writing), at least 4 MiB (each word costs a message; no gain below).
+SPARE_SECONDS = 45.0  # under the server's 60 s for an upload nobody named
+# Larger models get no spare: a second copy in the server's memory costs more (a 4 GiB model's
+# ran a 24 GiB machine out).
+MAX_SPARE_BYTES = 1 << 30
+# Bytes written in place between two words to the server: a sixteenth of the model (left to
+# hash after the writing), at least 4 MiB (each word costs a message).
 ANNOUNCE_MIN_BYTES = 4 << 20
 ANNOUNCE_PARTS = 16
+
+
+@dataclass(frozen=True)
+class Spare:
+    transport: Transport
+    answer: pb.NegotiateResponse
+    expires: float
+
+
+class SpareUploads:
+    """At most one spare per model and transport; `negotiate` sets an upload up (Negotiate)."""
+
+    def __init__(self, negotiate: Callable[[pb.NegotiateRequest], pb.NegotiateResponse]) -> None:
+        self._negotiate = negotiate
+        self._lock = threading.Lock()
+        self._spares: dict[tuple[str, int], Spare] = {}
+        self._closed = False
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="weightclient-spare-uploads")
+
+    def take(self, model: str, size: int, order: Sequence[Transport]) -> Spare | None:
+        now = time.monotonic()
+        stale: list[Spare] = []
+        found = None
+        with self._lock:
+            for transport in order:
+                spare = self._spares.pop((model, transport.kind), None)
+                if spare is None:
+                    continue
+                if spare.expires > now and spare.answer.payload.byte_size == size:
+                    found = spare
+                    break
+                stale.append(spare)
+        for spare in stale:
+            spare.transport.release(spare.answer.payload)
+        return found
+
+    def refill(self, model: str, size: int, transport: Transport) -> None:
+        if size > MAX_SPARE_BYTES:
+            return
+        with contextlib.suppress(RuntimeError):  # closed meanwhile
+            self._thread.submit(self._prepare, model, size, transport)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            spares, self._spares = list(self._spares.values()), {}
+        self._thread.shutdown(wait=False, cancel_futures=True)
+        for spare in spares:
+            spare.transport.release(spare.answer.payload)
+
+    def _prepare(self, model: str, size: int, transport: Transport) -> None:
+        header = pb.PublishHeader(model=model, total_bytes=size)
+        request = pb.NegotiateRequest(direction=pb.DIRECTION_PUBLISH, accept=[transport.kind], publish=header)
+        try:
+            answer = self._negotiate(request)
+            if answer.transport != transport.kind:
+                return
+            transport.prepare(answer.payload)
+        except Exception as exc:  # a spare is a bonus: the next publish negotiates as usual
+            log.debug("no spare upload of %r over %s: %s", model, transport.name, exc)
+            return
+        spare = Spare(transport, answer, time.monotonic() + SPARE_SECONDS)
+        with self._lock:
+            unused = [self._spares.pop((model, transport.kind), None)]
+            if self._closed:
+                unused.append(spare)
+            else:
+                self._spares[(model, transport.kind)] = spare
+        for other in unused:
+            if other is not None:
+                other.transport.release(other.answer.payload)
 
 
 class _StartOver(Exception):
@@ -35,8 +114,6 @@ class _StartOver(Exception):
 
 
 class Publishing(Connection):
-    """The publish half of `WeightServiceClient`."""
-
     @functools.cached_property
     def _spares(self) -> SpareUploads:
         return SpareUploads(
@@ -51,8 +128,7 @@ class Publishing(Connection):
         sha256: str | None = None,
         **options,
     ) -> VersionInfo:
-        """Publish one safetensors file, whole or as consecutive parts (not joined); return the
-        version. The options: see `publish_group_bytes`."""
+        """Publish one safetensors file, whole or as consecutive parts (not joined)."""
         return self.publish_group_bytes({model: parts}, sha256s={model: sha256}, **options)[0]
 
     def publish_group_bytes(
@@ -68,12 +144,9 @@ class Publishing(Connection):
         publish_id: str | None = None,
         transport: str = "auto",
     ) -> list[VersionInfo]:
-        """Publish several models' files under ONE version number (0: the server assigns latest
-        + 1), committed together; each model's version, in `files` order. `progress(sent, total)`
-        counts all models. `publish_id` (default: a new one; "" sends none): the server commits
-        an id once, so a retry after a lost reply gets the first attempt's version. `transport`:
-        "auto" (shared memory, bulk TCP, the stream), "shm", "bulk" or "stream", each falling back
-        to the next. A sha256 in `sha256s` is declared; else the server computes it."""
+        """Publish several models' files under ONE version number (0: latest + 1), committed
+        together; each model's version. The server commits a `publish_id` (default: a new one; ""
+        sends none) once, so a retry after a lost reply gets the first attempt's version."""
         if not files:
             raise InvalidRequest("publish needs at least one model")
         publish_id = uuid.uuid4().hex if publish_id is None else publish_id
@@ -114,8 +187,8 @@ class Publishing(Connection):
         spares: bool,
         in_place: bool,
     ) -> list[VersionInfo]:
-        """One attempt. A model written in place (shared memory), when `in_place`, opens the
-        Publish call before its bytes are written, so the server verifies them meanwhile."""
+        """One attempt. A model written in place (`in_place`) opens the Publish call before its
+        bytes are written, so the server verifies them meanwhile."""
         order, stream = self.transports.order(choice), self.transports.stream
         grand_total = sum(f.header.total_bytes for f in files)
         total = 0
@@ -138,10 +211,7 @@ class Publishing(Connection):
                         header, views, order, deadline, counted, spares, opened if in_place else None
                     )
                     if not uploaded:
-                        hasher = xxhash.xxh3_128()
-                        for view in views:
-                            hasher.update(view)
-                        header.xxh3 = hasher.hexdigest()
+                        header.xxh3 = xxh3_hex(*views)
                     file = OutgoingFile(header, views, uploaded, carrier)
                     outgoing.append(file)
                     written_in_place = in_place and carrier is not None and carrier.written_in_place
@@ -170,12 +240,10 @@ class Publishing(Connection):
         spares: bool,
         opened: Callable[[], OpenPublish] | None,
     ) -> tuple[str, Transport | None]:
-        """Move one model's bytes over the transport the server picks from `order` (an upload
-        set up ahead first), setting the header's xxh3: the upload's id and its transport, or
-        ("", None) for the stream, which carries them in the Publish call. Given `opened`, a
-        transport that writes in place sends the header first and tells the server how far the
-        bytes are (it hashes them meanwhile): _StartOver when it fails, the call being spoilt.
-        A failed upload is left to expire on the server."""
+        """Move one model's bytes over the transport the server picks (a spare first), setting
+        the header's xxh3: the upload's id and transport, or ("", None) for the stream. Given
+        `opened`, a transport that writes in place sends the header first and tells the server
+        how far it got: _StartOver when it fails. A failed upload expires on the server."""
         model, size = header.model, header.total_bytes
         spare = self._spares.take(model, size, order) if size else None
         if spare is not None and not spares:

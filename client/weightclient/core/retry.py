@@ -1,9 +1,6 @@
 """One deadline type and one retry policy for every caller (client calls, updaters, the relay).
-
-A `Deadline` is made once, from the caller's timeout, and handed down: a retry, a refetch or a
-next address gets what is left of it, never a fresh timeout. A `RetryPolicy` waits before each
-retry (doubling, with jitter so that many clients do not come back in step) and runs a call until
-it succeeds, raises something not retryable, or the deadline would pass during the next wait.
+A `Deadline` is made once and handed down: a retry or refetch gets what is left, never a fresh
+timeout. Retry waits double, with jitter so that many clients do not come back in step.
 
 >>> d = Deadline.after(None)
 >>> d.remaining() is None and not d.expired()
@@ -39,11 +36,9 @@ class Deadline:
 
     @classmethod
     def after(cls, seconds: float | None) -> Deadline:
-        """The deadline `seconds` from now (None: never)."""
         return cls(None if seconds is None else time.monotonic() + seconds)
 
     def remaining(self) -> float | None:
-        """Seconds left, at least 0; None for no deadline. What a call or a retry is given."""
         return None if self.at is None else max(0.0, self.at - time.monotonic())
 
     def expired(self) -> bool:
@@ -62,8 +57,7 @@ NEVER = Deadline()
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Waits between attempts: `first` seconds, doubling up to `longest`, each scaled by a
-    random factor in [1 - jitter, 1 + jitter]."""
+    """Waits between attempts: `first` seconds, doubling up to `longest`, scaled by 1 +- jitter."""
 
     first: float = 0.05
     longest: float = 2.0
@@ -71,46 +65,37 @@ class RetryPolicy:
     retry_on: tuple[type[BaseException], ...] = (ServerUnavailable,)
 
     def delay(self, attempt: int) -> float:
-        """Seconds to wait before retry `attempt` (0-based)."""
         base = min(self.longest, self.first * 2 ** min(attempt, 62))
         return base * (1.0 + self.jitter * (2.0 * random.random() - 1.0))
 
     @staticmethod
     def share(deadline: Deadline, addresses: int) -> Deadline:
-        """One address's share of what is left of `deadline` among `addresses` still to try: a
-        stalled first server leaves the next half of an updater's timeout, not all or nothing."""
+        """One address's share of what is left: a stalled first server leaves the next some."""
         left = deadline.remaining()
         return deadline if left is None or addresses <= 1 else Deadline.after(left / addresses)
 
+    def _delay_within(self, attempt: int, deadline: Deadline) -> float | None:
+        """The wait before retry `attempt`; None if the deadline would pass first."""
+        delay, left = self.delay(attempt), deadline.remaining()
+        return None if left is not None and delay >= left else delay
+
     def wait(self, attempt: int, deadline: Deadline = NEVER, wake: threading.Event | None = None) -> bool:
-        """Sleep before retry `attempt`; False (at once) if the deadline would pass first. A set
-        `wake` ends the wait early."""
-        delay = self.delay(attempt)
-        left = deadline.remaining()
-        if left is not None and delay >= left:
-            return False
-        if wake is not None:
-            wake.wait(delay)
-        else:
-            time.sleep(delay)
-        return True
+        """Sleep before retry `attempt` (a set `wake` ends it early); False at once if the
+        deadline would pass first."""
+        delay = self._delay_within(attempt, deadline)
+        if delay is not None:
+            (wake or threading.Event()).wait(delay)
+        return delay is not None
 
     async def wait_async(self, attempt: int, deadline: Deadline = NEVER, wake: asyncio.Event | None = None) -> bool:
-        """`wait` on an event loop."""
-        delay = self.delay(attempt)
-        left = deadline.remaining()
-        if left is not None and delay >= left:
-            return False
-        if wake is None:
-            await asyncio.sleep(delay)
-        else:
+        delay = self._delay_within(attempt, deadline)
+        if delay is not None:
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(wake.wait(), delay)
-        return True
+                await asyncio.wait_for((wake or asyncio.Event()).wait(), delay)
+        return delay is not None
 
     def call(self, call: Callable[[Deadline], T], deadline: Deadline, what: str) -> T:
-        """`call(deadline)` until it returns, retrying on `retry_on` while the deadline allows.
-        Only for idempotent calls."""
+        """`call(deadline)`, retried on `retry_on` while the deadline allows (idempotent calls only)."""
         attempt = 0
         while True:
             try:

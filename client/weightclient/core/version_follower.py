@@ -1,7 +1,6 @@
-"""VersionFollower: the newest version the server announced, kept by a Watch stream in a
-daemon thread, so an updater asks the server only once a newer one exists. With `cut_through`
-it also holds versions received while they arrived, ready once committed (`take_ready`).
-"""
+"""VersionFollower: the newest version announced, kept by a Watch stream in a daemon thread, so
+an updater asks the server only once a newer one exists; with `cut_through`, also versions
+received while they arrived (`take_ready`)."""
 
 from __future__ import annotations
 
@@ -22,9 +21,8 @@ RETRY_SECONDS = 1.0  # after a stream failed for good (the client's retry window
 
 
 class VersionFollower:
-    """Follows `model` from `since`: `newest()` is the newest version announced, or None while no
-    stream is open (ask the server then). A stalled stream stays open until its renewal, so a
-    caller trusts it only while the server answered recently (`heard`)."""
+    """`newest()`: the newest version of `model` announced, or None while no stream is open. A
+    stalled stream stays open until its renewal: trust it only while `heard` is recent."""
 
     def __init__(
         self, client: WeightServiceClient, model: str, since: int, cut_through: CutThrough | None = None
@@ -50,8 +48,8 @@ class VersionFollower:
             return self._cursor if self._open else None
 
     def take_ready(self, newer_than: int, timeout: float) -> FetchedBytes | None:
-        """The newest version received early, verified, if newer than `newer_than` (each once;
-        `give_back` its buffer once applied). One still being checked is waited for (`timeout`)."""
+        """The newest version received early and verified, if newer than `newer_than` (each once;
+        `give_back` its buffer once applied); one still being checked is waited for."""
         if os.getpid() != self._pid:
             return None
         with self._lock:
@@ -70,7 +68,7 @@ class VersionFollower:
             self._cut_through.give_back(buffer)
 
     def heard(self) -> float:
-        """When the stream last showed life (monotonic): its last event, or now while receiving."""
+        """When the stream last showed life: its last event, or now while receiving."""
         if self._cut_through is not None and self._cut_through.busy():
             return time.monotonic()
         return self._heard

@@ -16,8 +16,6 @@ log = logging.getLogger(__name__)
 
 
 class Watching(Connection):
-    """The watch part of `WeightServiceClient`."""
-
     def watch(
         self,
         model: str,
@@ -27,10 +25,9 @@ class Watching(Connection):
         incoming: bool = False,
         on_subscribed: Callable[[dict[str, str]], None] | None = None,
     ) -> Iterator[VersionEvent | Arriving]:
-        """Yield an event for every version of `model` committed after `since`, in order, until
-        closed, the deadline, or the server stops. `incoming=True` also yields an `Arriving` as
-        each publish begins (or fails), for `fetch_incoming`. `on_subscribed(metadata)` gets the
-        server's initial metadata at each subscription (a relay names its primary there)."""
+        """An event per version of `model` committed after `since`, in order. `incoming=True`
+        also yields an `Arriving` as each publish begins (or fails). `on_subscribed(metadata)`
+        gets the server's initial metadata at each subscription (a relay names its primary)."""
         if since < 0:
             raise InvalidRequest(f"since must be >= 0 (a version number, 0 for all retained), got {since}")
         deadline = Deadline.after(timeout)
@@ -57,8 +54,7 @@ class Watching(Connection):
                         )
                 return
             except ServerUnavailable as exc:
-                # Subscribe again from the last version seen (the next address at once, the first
-                # time): nothing is missed or repeated, for the deadline or else `retry_seconds`.
+                # Subscribe again from the last version seen: nothing is missed or repeated.
                 if failures == 0:
                     outage = deadline if deadline.at is not None else Deadline.after(self.retry_seconds)
                     log.warning("watch of %r at %s interrupted after v%d; resubscribing", model, address, cursor)

@@ -1,26 +1,30 @@
-"""The contract every transport keeps: move one payload, in either direction.
-
-A fetch gets an `Offer` from the transport the server picked and receives its bytes into a
-buffer or the caller's tensors ("placed"). A publish's fast transport moves the bytes where
-Negotiate said (`upload`); the Publish stream then names the upload. Transports say when they
-cannot (`TransportFailed`); the caller verifies and falls back.
-"""
+"""The contract every transport keeps: move one payload, in either direction. A fetch receives
+an `Offer` into a buffer or the caller's tensors ("placed"); a publish's fast transport moves the
+bytes where Negotiate said (`upload`) and the Publish stream names the upload. A transport that
+cannot raises `TransportFailed`; the caller verifies and falls back along a `TransportChain`
+("auto": shared memory, bulk, then the stream; a named one alone before the stream). A fast one
+that failed rests out of "auto" for `rest_seconds`; one that carried a payload is trusted again."""
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 from weightclient.core.retry import NEVER, Deadline
+from weightclient.placement import PlacedReceiver
+from weightserver.protocol.errors import InvalidRequest
 from weightserver.protocol.framing import Progress
 from weightserver.protocol.version_info import VersionInfo
 from weightserver.v1 import weights_pb2 as pb
 
+log = logging.getLogger(__name__)
+
 
 class TransportFailed(Exception):
-    """This transport cannot carry the payload here (another host, a closed port, bad bytes):
-    the caller falls back to the next one."""
+    """This transport cannot carry the payload here: the caller falls back to the next one."""
 
 
 class PayloadGone(TransportFailed):
@@ -33,8 +37,7 @@ class NotOffered(TransportFailed):
 
 @dataclass(frozen=True)
 class Offer:
-    """One negotiated payload: its version, what its bytes are (the version, a delta or a cast)
-    and, for the stream, its open stream of chunks."""
+    """One negotiated payload, its version and, for the stream, its open stream of chunks."""
 
     info: VersionInfo
     payload: pb.Payload
@@ -62,51 +65,90 @@ class OutgoingFile:
 
 
 class Transport(Protocol):
-    """Moves one payload between a client and a server (one class per file here)."""
+    """Moves one payload between a client and a server; subclasses inherit the defaults here."""
 
     name: ClassVar[str]  # "stream", "bulk", "shm": what FetchStats.transport reports
     kind: ClassVar[int]  # its pb.Transport value
     # Whether a publish writes the server's upload itself, front to back, calling `progress`
     # once bytes [0, n) are in for good (so the server can verify them meanwhile).
-    written_in_place: ClassVar[bool]
+    written_in_place: ClassVar[bool] = False
 
     def offer(
         self, request: pb.FetchRequest, answer: pb.NegotiateResponse | None, deadline: Deadline, info: VersionInfo
     ) -> Offer | None:
-        """The payload `answer` (naming this transport) or `request` describes; None when up to
-        date. `info` stands in for a version not committed yet."""
-        ...
+        """The payload `answer` (naming this transport) describes; `info` stands in for a version
+        not committed yet. The stream overrides this to start a Fetch (None: up to date)."""
+        assert answer is not None, "a fast transport is only ever picked by Negotiate"
+        version = VersionInfo.from_proto(answer.header) if answer.HasField("header") else info
+        return Offer(version, answer.payload, deadline=deadline)
 
     def upload(
         self, payload: pb.Payload, parts: Sequence[memoryview], *, deadline: Deadline, progress: Progress | None
     ) -> str:
         """Move one model's file where Negotiate said; the xxh3-128 of the bytes moved."""
-        ...
+        raise NotOffered(f"{self.name} carries no uploads")
 
     def prepare(self, payload: pb.Payload) -> None:
         """Get ready for an `upload` set up ahead, so that it costs only the copy."""
-        ...
+        raise NotOffered(f"{self.name} has no uploads to set up ahead")
 
     def release(self, payload: pb.Payload) -> None:
         """Let go of what `prepare` held."""
-        ...
 
-    def receive(self, offer: Offer, *, into: memoryview | None, progress: Progress | None) -> memoryview:
+    def receive(self, offer: Offer, *, into: Any, progress: Progress | None) -> memoryview:
         """The payload's bytes, unverified, in `into` when it is large enough."""
         ...
 
     def receive_placed(self, offer: Offer, views: Mapping[str, memoryview]) -> list[str]:
         """The version's file scattered into `views`, hashed as it lands: the tensors that fail."""
-        ...
+        receiver = PlacedReceiver(offer.info, views)
+        self.receive(offer, into=receiver, progress=None)
+        return receiver.bad()
 
 
-def negotiated_offer(
-    request: pb.FetchRequest, answer: pb.NegotiateResponse | None, deadline: Deadline, info: VersionInfo
-) -> Offer:
-    """A fast transport's offer: the payload Negotiate described."""
-    assert answer is not None, "a fast transport is only ever picked by Negotiate"
-    version = VersionInfo.from_proto(answer.header) if answer.HasField("header") else info
-    return Offer(version, answer.payload, deadline=deadline)
+REST_SECONDS = 60.0
+
+
+class TransportChain:
+    def __init__(self, fast: Sequence[Transport], stream: Transport, *, rest_seconds: float = REST_SECONDS) -> None:
+        self.fast = list(fast)
+        self.stream = stream
+        self.rest_seconds = rest_seconds
+        self.by_name: dict[str, Transport] = {t.name: t for t in (*self.fast, stream)}
+        self.by_kind: dict[int, Transport] = {t.kind: t for t in (*self.fast, stream)}
+        self._failed_at: dict[str, float] = {}
+        self._worked: set[str] = set()
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        return ("auto", *self.by_name)
+
+    def order(self, choice: str) -> list[Transport]:
+        if choice == "auto":
+            return [*(t for t in self.fast if not self.resting(t)), self.stream]
+        if choice not in self.by_name:
+            raise InvalidRequest(f"transport must be one of {', '.join(self.choices)}, got {choice!r}")
+        return [self.stream] if choice == self.stream.name else [self.by_name[choice], self.stream]
+
+    def resting(self, transport: Transport) -> bool:
+        failed = self._failed_at.get(transport.name)
+        return failed is not None and time.monotonic() - failed < self.rest_seconds
+
+    def failed(self, transport: Transport, reason: object) -> None:
+        if not self.resting(transport):
+            log.warning(
+                "%s transport failed (%s); using the next one for %.0fs", transport.name, reason, self.rest_seconds
+            )
+        self._failed_at[transport.name] = time.monotonic()
+        self._worked.discard(transport.name)
+
+    def worked(self, transport: Transport) -> None:
+        self._failed_at.pop(transport.name, None)
+        self._worked.add(transport.name)
+
+    def usable(self, name: str) -> bool | None:
+        """True once a transport carried a payload, False while it rests after a failure, None before."""
+        return False if self.resting(self.by_name[name]) else (name in self._worked) or None
 
 
 def receive_buffer(size: int, into: memoryview | None = None) -> memoryview:

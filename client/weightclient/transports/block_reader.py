@@ -1,32 +1,18 @@
 """Reading a file's blocks on two cores while the caller hashes them in file order: `preadv`
 releases the GIL, xxh3 does not, so a helper thread reads too (16 MiB lands about 1.4x faster
-on 2 cores, bench fetch_shm_vs_gloo). With one CPU, or few blocks, the caller reads alone.
-"""
+on 2 cores, bench fetch_shm_vs_gloo)."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import queue
-import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-Block = tuple[memoryview, int]
-"""A writable view and the file offset whose bytes it receives."""
-
+Block = tuple[memoryview, int]  # a writable view and the file offset whose bytes it receives
 PARALLEL_MIN_BLOCKS = 4  # below this the helper's hand-off costs more than it saves
-
-_helper: ThreadPoolExecutor | None = None
-_helper_lock = threading.Lock()
-
-
-def _forget_helper() -> None:
-    global _helper
-    _helper = None  # a forked child has no thread behind the parent's pool
-
-
-os.register_at_fork(after_in_child=_forget_helper)
 
 
 def read_blocks(fd: int, blocks: Sequence[Block], landed: Callable[[int], None]) -> None:
@@ -78,7 +64,6 @@ class _SharedRead:
             pass
 
     def _read_next(self, *, by_helper: bool) -> bool:
-        """Claim and read the next unread block; False when none is left."""
         i = next(self.claims)
         if i >= len(self.blocks):
             return False
@@ -114,10 +99,10 @@ def _usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
+@functools.cache
 def _helper_pool() -> ThreadPoolExecutor:
     """One helper thread for the process (a fetch finding it busy reads alone)."""
-    global _helper
-    with _helper_lock:
-        if _helper is None:
-            _helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weightclient-read")
-        return _helper
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="weightclient-read")
+
+
+os.register_at_fork(after_in_child=_helper_pool.cache_clear)  # a child has no thread behind the pool

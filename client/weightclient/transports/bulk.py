@@ -1,27 +1,21 @@
-"""Bulk TCP: a payload over a plain TCP connection to the server's bulk port, beside gRPC.
-
-A gRPC stream of 1 MiB messages tops out near 0.6x of one loopback TCP connection in Python.
-A fetch sends its 16-byte ticket on a kept-open connection and `recv_into`s exactly the
-payload's bytes; a publish sends the ticket, then the file's bytes straight from the tensors
-(hashing each block just before it goes, while in cache), and waits for a one-byte ACK.
-
-Every recv waits at most what is left of the deadline (DeadlineExceeded), FIRST_BYTE_TIMEOUT
-for the first byte (a server over its connection cap never answers: fall back to the stream)
-and STALL_TIMEOUT between bytes. A connection that timed out is dropped: its position is unknown.
-"""
+"""Bulk TCP to the server's bulk port (a gRPC stream of 1 MiB messages tops out near 0.6x of
+one loopback TCP connection in Python): a 16-byte ticket, then the payload's bytes (a publish
+hashes each block just before it goes, in cache, and waits for a one-byte ACK). A recv waits at
+most FIRST_BYTE_TIMEOUT for the first byte (a server over its connection cap never answers) and
+STALL_TIMEOUT between bytes; a connection that timed out is dropped (its position is unknown)."""
 
 from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import ClassVar
 
 import xxhash
 
 from weightclient.core.retry import Deadline
 from weightclient.placement import PlacedReceiver
-from weightclient.transports.base import Offer, Progress, TransportFailed, negotiated_offer, receive_buffer
+from weightclient.transports.base import Offer, Progress, Transport, TransportFailed, receive_buffer
 from weightserver.protocol.errors import DeadlineExceeded
 from weightserver.v1 import weights_pb2 as pb
 
@@ -33,18 +27,17 @@ SEND_BLOCK = 2 << 20  # a publish hashes and sends this much at a time
 ACK = b"\x01"
 
 
-class BulkTransport:
+class BulkTransport(Transport):
     """A client's kept-open connection to a server's bulk port (one transfer at a time)."""
 
     name: ClassVar[str] = "bulk"
-    written_in_place: ClassVar[bool] = False
     kind: ClassVar[int] = pb.TRANSPORT_BULK
 
     def __init__(self, host: str) -> None:
         self.host = host
         self._lock = threading.Lock()
         self._socket: socket.socket | None = None
-        self._port: int | None = None
+        self.port: int | None = None  # the server's bulk port this client last connected to
 
     def upload(
         self, payload: pb.Payload, parts: Sequence[memoryview], *, deadline: Deadline, progress: Progress | None
@@ -62,33 +55,17 @@ class BulkTransport:
     def prepare(self, payload: pb.Payload) -> None:
         pass  # the server set the buffer up; the kept connection is ready
 
-    def release(self, payload: pb.Payload) -> None:
-        pass
-
-    offer = staticmethod(negotiated_offer)
-
     def receive(
         self, offer: Offer, *, into: memoryview | PlacedReceiver | None, progress: Progress | None
     ) -> memoryview:
-        """The payload into `into` (or a new buffer); a PlacedReceiver scatters it."""
         target = into if isinstance(into, PlacedReceiver) else receive_buffer(offer.payload.byte_size, into)
         self._transfer(offer.payload.bulk, offer.label, offer.deadline, target, progress=progress)
         return target if isinstance(target, memoryview) else memoryview(b"")
-
-    def receive_placed(self, offer: Offer, views: Mapping[str, memoryview]) -> list[str]:
-        receiver = PlacedReceiver(offer.info, views)
-        self.receive(offer, into=receiver, progress=None)
-        return receiver.bad()
 
     @property
     def connected(self) -> bool:
         """Whether a connection is kept open for the next transfer."""
         return self._socket is not None
-
-    @property
-    def port(self) -> int | None:
-        """The server's bulk port this client last connected to."""
-        return self._port
 
     def close(self) -> None:
         with self._lock:
@@ -105,17 +82,16 @@ class BulkTransport:
         hasher: xxhash.xxh3_128 | None = None,
         progress: Progress | None = None,
     ) -> None:
-        """Send the ticket on the kept connection to `bulk.port` (a fresh one if needed), then
-        `parts` (hashed into `hasher` block by block), then receive `into`. `progress` follows
-        what is sent, or with no `parts` what is received. A kept connection the server closed
-        meanwhile (EOF before the first byte) leaves the ticket unused: tried once afresh."""
+        """Send the ticket on the kept connection to `bulk.port`, then `parts` (hashed block by
+        block), then receive `into`. A kept connection the server closed meanwhile (EOF before the
+        first byte) leaves the ticket unused: tried once afresh."""
         with self._lock:
             try:
                 while True:
-                    fresh = self._socket is None or self._port != bulk.port
+                    fresh = self._socket is None or self.port != bulk.port
                     if fresh:
                         self._close()
-                        self._socket, self._port = _connect(self.host, bulk.port, deadline), bulk.port
+                        self._socket, self.port = _connect(self.host, bulk.port, deadline), bulk.port
                     conn = self._socket
                     try:
                         conn.settimeout(_wait(CONNECT_TIMEOUT, deadline))

@@ -7,15 +7,21 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import xxhash
 
 from weightclient.core.retry import Deadline
-from weightclient.transports.base import NotOffered, Offer, OutgoingFile, Progress, TransportFailed, negotiated_offer
-from weightclient.transports.negotiation import TransportChain
+from weightclient.transports.base import (
+    NotOffered,
+    Offer,
+    OutgoingFile,
+    Progress,
+    Transport,
+    TransportChain,
+    TransportFailed,
+)
 from weightserver.protocol.errors import InvalidRequest, ModelNotFound, VersionNotFound
-from weightserver.protocol.framing import receive_chunks
 from weightserver.protocol.version_info import VersionInfo
 from weightserver.v1 import weights_pb2 as pb
 
@@ -89,11 +95,7 @@ class MockServer:
         return answer
 
 
-class MockTransport:
-    """A transport of `server` named `name`, moving bytes through memory."""
-
-    written_in_place: ClassVar[bool] = False
-
+class MockTransport(Transport):
     def __init__(self, server: MockServer, name: str) -> None:
         self.server, self.name, self.kind = server, name, KINDS[name]
 
@@ -101,7 +103,7 @@ class MockTransport:
         self, request: pb.FetchRequest, answer: pb.NegotiateResponse | None, deadline: Deadline, info: VersionInfo
     ) -> Offer | None:
         if self.name != "stream":
-            return negotiated_offer(request, answer, deadline, info)
+            return super().offer(request, answer, deadline, info)
         self.server.called("Fetch")
         found = self.server.find(request)
         if found is None:
@@ -115,11 +117,9 @@ class MockTransport:
         data = bytearray(found[1])  # type: ignore[index]
         if self.name in self.server.corrupt and data:
             data[0] ^= 0xFF
-        buffer = memoryview(bytearray(len(data)))
-        receive_chunks([memoryview(data)], buffer)
         if progress is not None:
             progress(len(data), len(data))
-        return buffer
+        return memoryview(data)
 
     def receive_placed(self, offer: Offer, views: Mapping[str, memoryview]) -> list[str]:
         raise TransportFailed("the mock transports do not place tensors")
@@ -133,12 +133,6 @@ class MockTransport:
         data = b"".join(parts)
         self.server.uploads[payload.bulk.ticket.decode()] = data
         return xxhash.xxh3_128_hexdigest(data)
-
-    def prepare(self, payload: pb.Payload) -> None:
-        raise NotOffered("no uploads set up ahead here")
-
-    def release(self, payload: pb.Payload) -> None:
-        pass
 
     def send(
         self, files: Sequence[OutgoingFile], *, deadline: Deadline, progress: Progress | None

@@ -1,11 +1,7 @@
-"""Shared memory: payload files in a same-host server's shared memory.
-
-A fetch maps the file the server names copy-on-write, or reads placed tensors' blocks into the
-caller's views; once it knows a model's folder it reads later exact versions by their header
-files without a call (`read_directly`). A publish writes the upload file the server made, hashing
-each block in cache: `pwrite` (one copy, no page faults here), or into a mapping set up ahead
-(`prepare`) at memcpy speed.
-"""
+"""Payload files in a same-host server's shared memory. A fetch maps the file copy-on-write (or
+reads placed tensors' blocks); once it knows a model's folder it reads exact versions by their
+header files without a call (`read_directly`). A publish writes the server's upload file, hashing
+each block in cache: `pwrite` (one copy, no page faults here), or a mapping set up ahead."""
 
 from __future__ import annotations
 
@@ -16,7 +12,6 @@ import stat
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import ClassVar
 
 import xxhash
@@ -24,7 +19,7 @@ from google.protobuf.message import DecodeError
 
 from weightclient.core.retry import Deadline
 from weightclient.placement import BLOCK_BYTES, PREFIX_BYTES, layout, mismatched
-from weightclient.transports.base import Offer, PayloadGone, Progress, TransportFailed, negotiated_offer
+from weightclient.transports.base import Offer, PayloadGone, Progress, Transport, TransportFailed
 from weightclient.transports.block_reader import read_blocks
 from weightserver.protocol import page_tables
 from weightserver.protocol.errors import DeadlineExceeded
@@ -38,7 +33,7 @@ WRITE_BLOCK = 256 << 10  # a publish writes, then hashes, this much at a time: t
 UPLOAD_FILE = re.compile(r"upload-[0-9a-f]+\.tmp")
 
 
-class SharedMemoryTransport:
+class SharedMemoryTransport(Transport):
     """Reads payload files that a same-host server names, and remembers each model's folder."""
 
     name: ClassVar[str] = "shm"
@@ -46,16 +41,15 @@ class SharedMemoryTransport:
     kind: ClassVar[int] = pb.TRANSPORT_SHARED_MEMORY
 
     def __init__(self) -> None:
-        self._folders: dict[str, SharedMemoryDirectory] = {}  # per model, once a version's file was read
+        self._folders: dict[str, tuple[str, int]] = {}  # model -> (folder, owner), once a file was read
         self._prepared: dict[str, mmap.mmap] = {}  # upload path -> its mapping, page table filled
         self._lock = threading.Lock()
 
     def upload(
         self, payload: pb.Payload, parts: Sequence[memoryview], *, deadline: Deadline, progress: Progress | None
     ) -> str:
-        """Write `parts` into the server's upload file, front to back (`progress(n, total)` once
-        bytes [0, n) are in). A prepared mapping is unmapped before this returns: nothing here
-        can write the file once the version is committed."""
+        """Write `parts` into the upload file, front to back. A prepared mapping is unmapped before
+        this returns: nothing here can write the file once the version is committed."""
         path, total = payload.shared_memory.path, payload.byte_size
         if sum(p.nbytes for p in parts) != total:
             raise TransportFailed(f"{path} is not an upload file of {total} bytes")
@@ -91,7 +85,7 @@ class SharedMemoryTransport:
     @contextmanager
     def _upload_file(self, path: str, total: int, flags: int) -> Iterator[int]:
         """The upload file, open: TransportFailed unless a regular file of `total` bytes, named as
-        the server names uploads, not reached through a link."""
+        the server names uploads, not a link."""
         if not UPLOAD_FILE.fullmatch(os.path.basename(path)):
             raise TransportFailed(f"{path} is not an upload file of {total} bytes")
         try:
@@ -107,8 +101,6 @@ class SharedMemoryTransport:
             raise TransportFailed(f"cannot write {path}: {exc}") from exc
         finally:
             os.close(fd)
-
-    offer = staticmethod(negotiated_offer)
 
     def receive(self, offer: Offer, *, into: memoryview | None, progress: Progress | None) -> memoryview:
         """The file mapped copy-on-write: no copy, writes stay private, valid after removal."""
@@ -146,19 +138,18 @@ class SharedMemoryTransport:
     def read_directly(self, model: str, version: int) -> Offer | None:
         """An offer for exactly `version` from its header file, no call; None when unknown,
         absent or untrusted."""
-        folder = self._folders.get(model)
-        header = folder.header(model, version) if folder is not None else None
+        folder, owner = self._folders.get(model, ("", -1))
+        header = _read_header(folder, owner, model, version) if folder else None
         if header is None:
             return None
-        info = VersionInfo.from_proto(header)
-        payload = pb.Payload(
-            byte_size=info.byte_size, xxh3=info.xxh3, shared_memory=pb.SharedMemoryFile(path=folder.file(version))
+        info, path = VersionInfo.from_proto(header), os.path.join(folder, version_file_name(version))
+        return Offer(
+            info, pb.Payload(byte_size=info.byte_size, xxh3=info.xxh3, shared_memory=pb.SharedMemoryFile(path=path))
         )
-        return Offer(info, payload)
 
     def _learn(self, offer: Offer) -> None:
         if offer.whole_version:
-            folder = SharedMemoryDirectory.learned_from(offer.payload.shared_memory.path, offer.info.version)
+            folder = _trusted_folder(offer.payload.shared_memory.path, offer.info.version)
             if folder is not None:
                 self._folders[offer.info.model] = folder
 
@@ -218,50 +209,36 @@ def _read_placed(fd: int, info: VersionInfo, views: Mapping[str, memoryview]) ->
     return mismatched(info, hashers)
 
 
-@dataclass(frozen=True)
-class SharedMemoryDirectory:
-    """The folder holding one model's version files, and the user that owns it."""
+def _trusted_folder(file_path: str, version: int) -> tuple[str, int] | None:
+    """The folder of `version`'s own file and its owner, if only the owner can change it."""
+    folder, name = os.path.split(file_path)
+    if name != version_file_name(version):
+        return None  # a delta or cast payload, or a server that names files otherwise
+    try:
+        st = os.stat(folder)
+    except OSError:
+        return None
+    return (folder, st.st_uid) if stat.S_ISDIR(st.st_mode) and not st.st_mode & 0o022 else None
 
-    path: str
-    owner: int
 
-    @classmethod
-    def learned_from(cls, file_path: str, version: int) -> SharedMemoryDirectory | None:
-        """The folder of `version`'s own file, if only its owner can change it; else None."""
-        folder, name = os.path.split(file_path)
-        if name != version_file_name(version):
-            return None  # a delta or cast payload, or a server that names files otherwise
-        try:
-            st = os.stat(folder)
-        except OSError:
+def _read_header(folder: str, owner: int, model: str, version: int) -> pb.VersionInfo | None:
+    """`version`'s header as the server wrote it; None when absent or untrusted."""
+    try:
+        fd = os.open(os.path.join(folder, header_file_name(version)), os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        trusted = stat.S_ISREG(st.st_mode) and st.st_uid == owner and not st.st_mode & 0o022
+        if not trusted or st.st_size > MAX_HEADER_BYTES:
             return None
-        if not stat.S_ISDIR(st.st_mode) or st.st_mode & 0o022:
-            return None
-        return cls(folder, st.st_uid)
-
-    def file(self, version: int) -> str:
-        return os.path.join(self.path, version_file_name(version))
-
-    def header(self, model: str, version: int) -> pb.VersionInfo | None:
-        """`version`'s header as the server wrote it; None when absent or untrusted."""
-        try:
-            fd = os.open(os.path.join(self.path, header_file_name(version)), os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:
-            return None
-        try:
-            st = os.fstat(fd)
-            trusted = stat.S_ISREG(st.st_mode) and st.st_uid == self.owner and not st.st_mode & 0o022
-            if not trusted or st.st_size > MAX_HEADER_BYTES:
-                return None
-            content = os.pread(fd, st.st_size, 0)
-        except OSError:
-            return None
-        finally:
-            os.close(fd)
-        try:
-            info = pb.VersionInfo.FromString(content)
-        except DecodeError:
-            return None
-        if info.model != model or info.version != version or not info.xxh3:
-            return None
-        return info
+        content = os.pread(fd, st.st_size, 0)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    try:
+        info = pb.VersionInfo.FromString(content)
+    except DecodeError:
+        return None
+    return info if info.model == model and info.version == version and info.xxh3 else None

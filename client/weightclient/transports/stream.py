@@ -1,29 +1,28 @@
 """The gRPC streams, Publish and Fetch: always there, work under TLS, and the only transport
-clients in other languages need. Chunks travel pre-framed (weightserver.protocol.framing)."""
+clients in other languages need. Chunks travel pre-framed (protocol.framing)."""
 
 from __future__ import annotations
 
 import queue
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
 import grpc
 
 from weightclient.core.retry import Deadline
 from weightclient.placement import PlacedReceiver
-from weightclient.transports.base import NotOffered, Offer, OutgoingFile, Progress, receive_buffer
+from weightclient.transports.base import Offer, OutgoingFile, Progress, Transport, receive_buffer
 from weightserver.protocol import framing
 from weightserver.protocol.errors import IntegrityError
 from weightserver.protocol.version_info import VersionInfo
 from weightserver.v1 import weights_pb2 as pb
 
 
-class StreamTransport:
+class StreamTransport(Transport):
     """Payloads as chunk messages of a Fetch or Publish stream on the client's channel."""
 
     name: ClassVar[str] = "stream"
     kind: ClassVar[int] = pb.TRANSPORT_STREAM
-    written_in_place: ClassVar[bool] = False
 
     def __init__(self, channel: grpc.Channel, metadata: Any, chunk_bytes: int) -> None:
         self.chunk_bytes = chunk_bytes
@@ -42,20 +41,9 @@ class StreamTransport:
     def send(
         self, files: Sequence[OutgoingFile], *, deadline: Deadline, progress: Progress | None
     ) -> pb.PublishResponse:
-        """Publish `files` as one version (a Publish call); the server's reply."""
+        """Publish `files` as one version (a Publish call, which carries their bytes)."""
         messages = self._publish_messages(files, progress)
         return self._publish(messages, timeout=deadline.remaining(), metadata=self._metadata)
-
-    def upload(
-        self, payload: pb.Payload, parts: Sequence[memoryview], *, deadline: Deadline, progress: Progress | None
-    ) -> str:
-        raise NotOffered("the stream carries a publish's bytes in the Publish call itself (send)")
-
-    def prepare(self, payload: pb.Payload) -> None:
-        raise NotOffered("the stream has no uploads to set up ahead")
-
-    def release(self, payload: pb.Payload) -> None:
-        pass
 
     def _publish_messages(
         self, files: Sequence[OutgoingFile], progress: Progress | None, *, commit: bool = True
@@ -124,7 +112,6 @@ class StreamTransport:
     def receive(
         self, offer: Offer, *, into: memoryview | PlacedReceiver | None, progress: Progress | None
     ) -> memoryview:
-        """The payload's chunks into `into` (or a new buffer); a PlacedReceiver scatters them."""
         assert offer.chunks is not None, "a stream offer comes from StreamTransport.offer"
         target = into if isinstance(into, PlacedReceiver) else receive_buffer(offer.payload.byte_size, into)
         try:
@@ -136,11 +123,6 @@ class StreamTransport:
         finally:
             offer.chunks.cancel()
         return target if isinstance(target, memoryview) else memoryview(b"")
-
-    def receive_placed(self, offer: Offer, views: Mapping[str, memoryview]) -> list[str]:
-        receiver = PlacedReceiver(offer.info, views)
-        self.receive(offer, into=receiver, progress=None)
-        return receiver.bad()
 
 
 class OpenPublish:

@@ -1,0 +1,135 @@
+"""Work in one daemon thread where only the newest item waiting matters: reports of direct reads
+(`LatestOnlyWorker`) and publishes that must not block the trainer (`BackgroundPublisher`)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class LatestOnlyWorker(Generic[T]):
+    """Runs `work(item)` for the items `put`, one at a time, in a thread started on the first
+    put (again in a forked child). An exception from `work` is logged at debug level."""
+
+    def __init__(self, work: Callable[[T], object], thread_name: str) -> None:
+        self._work = work
+        self._thread_name = thread_name
+        self._changed = threading.Condition()
+        self._waiting: T | None = None
+        self._busy = False
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def put(self, item: T, merge: Callable[[T, T], T] | None = None) -> bool:
+        """Queue `item` in place of the one waiting (or `merge(waiting, item)`); False once closed."""
+        with self._changed:
+            if self._closed:
+                return False
+            if self._waiting is not None and merge is not None:
+                item = merge(self._waiting, item)
+            self._waiting = item
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name=self._thread_name, daemon=True)
+                self._thread.start()
+            self._changed.notify_all()
+        return True
+
+    def flush(self, timeout: float | None = None) -> bool:
+        with self._changed:
+            return self._changed.wait_for(lambda: self._waiting is None and not self._busy, timeout)
+
+    def close(self, timeout: float | None = 0.0) -> None:
+        """Take no more items; wait up to `timeout` for the one waiting to be done."""
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: self._waiting is not None or self._closed)
+                if self._waiting is None:
+                    return  # closed
+                item, self._waiting, self._busy = self._waiting, None, True
+            try:
+                self._work(item)
+            except Exception as exc:
+                log.debug("%s: %s", self._thread_name, exc)
+            finally:
+                with self._changed:
+                    self._busy = False
+                    self._changed.notify_all()
+
+
+class PublishFuture(Future):
+    superseded: bool = False  # a newer submit replaced this snapshot before it was sent
+
+
+@dataclass
+class _Job:
+    snapshot: Mapping[str, memoryview]
+    options: dict
+    futures: list[PublishFuture] = field(default_factory=list)
+
+
+class BackgroundPublisher(LatestOnlyWorker[_Job]):
+    """Runs `send(snapshot, **options) -> version` for submitted snapshots, one at a time. A newer
+    submit replaces a snapshot still waiting (its future gets the version that carried it). Sent
+    buffers are reused (`spare_buffer`): no fresh page faults."""
+
+    def __init__(self, send: Callable[..., int]) -> None:
+        super().__init__(self._publish, "weightclient-publisher")
+        self._send = send
+        self._spares: list[memoryview] = []  # buffers of snapshots sent or replaced
+        self._spares_lock = threading.Lock()
+
+    def submit(self, snapshot: Mapping[str, memoryview], **options) -> PublishFuture:
+        future = PublishFuture()
+        if not self.put(_Job(snapshot, options, [future]), merge=self._coalesce):
+            raise RuntimeError("the background publisher is closed")
+        return future
+
+    def spare_buffer(self) -> memoryview | None:
+        with self._spares_lock:
+            return self._spares.pop() if self._spares else None
+
+    def close(self, timeout: float | None = None) -> None:
+        self.flush(timeout)
+        super().close(timeout)
+
+    def _coalesce(self, waiting: _Job, newer: _Job) -> _Job:
+        log.debug("coalescing %d waiting publish(es) into the newest", len(waiting.futures))
+        for older in waiting.futures:
+            older.superseded = True
+        self._recycle(waiting.snapshot)
+        newer.futures[:0] = waiting.futures
+        return newer
+
+    def _publish(self, job: _Job) -> None:
+        try:
+            version, error = self._send(job.snapshot, **job.options), None
+        except BaseException as exc:  # handed to the caller through the futures
+            log.error("background publish failed: %s", exc)
+            version, error = None, exc
+        # Recycle first, so a caller woken by its future finds the buffer ready for reuse.
+        self._recycle(job.snapshot)
+        for future in job.futures:
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(version)
+
+    def _recycle(self, snapshot: Mapping[str, memoryview]) -> None:
+        with self._spares_lock:
+            self._spares.extend(snapshot.values())
+            self._spares[:] = sorted(self._spares, key=lambda b: b.nbytes)[-4:]  # keep a few, largest
