@@ -1,16 +1,13 @@
-"""Relay (`weightserver serve --upstream ADDRESS`): a server that follows another instead of
-taking publishes, so that collectors fetch near them and the primary sends each version once per
-relay; relays of relays make a tree. A relay is a client of its upstream (WeightServiceClient,
-in threads): shared memory, bulk or the stream as negotiated, publishes received while they
-arrive, deltas, the client's retry rules. It commits each version the upstream's Watch announces
-under the upstream's number, metadata, digests and commit time; it records missed versions
-(gaps), drops those the upstream no longer retains, and refuses changes naming the primary.
+"""Relay (`weightserver serve --upstream ADDRESS`): a server that follows another instead of taking
+publishes, as a client of it, committing each version its Watch announces under the upstream's
+number, metadata, digests and commit time. Relays of relays make a tree.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import mmap
@@ -59,16 +56,13 @@ T = TypeVar("T")
 RELAY_HEALTH_SERVICE = "weightserver.relay"
 # Initial metadata of a relay's Watch: the primary, so a relay of a relay names the tree's root.
 PRIMARY_METADATA_KEY = "weightserver-primary"
-# Deadlines: a unary call; a Watch (then resubscribed: an upstream gone silent is asked again); a fetch.
+# Deadlines: a unary call; a Watch (then resubscribed, so a silent upstream is asked again); a fetch.
 CALL_SECONDS = 5.0
 WATCH_SECONDS = 60.0
 FETCH_SECONDS = 3600.0
-# A follower's waits after a failure, and the poll's while the upstream refuses this relay.
-BACKOFF = RetryPolicy(first=0.1, longest=5.0)
-# How long a follower waits for the other members of a group version; then it commits alone.
-GROUP_WAIT_SECONDS = 60.0
-# Publishes received while they arrive, awaiting their commit; beyond, the oldest are let go.
-MAX_INCOMING = 8
+BACKOFF = RetryPolicy(first=0.1, longest=5.0)  # after a failure; the poll's while the upstream refuses
+GROUP_WAIT_SECONDS = 60.0  # for the other members of a group version; then a follower commits alone
+MAX_INCOMING = 8  # publishes received early, awaiting their commit; beyond, the oldest are let go
 _NEVER_FITS = (ModelTooLarge, DescriptionTooLarge, InvalidSafetensors)
 _REFUSALS = (AuthenticationRequired, PermissionDenied)
 _CHANGES = {"Publish": "publishes", "Negotiate": "publishes", "DeleteVersion": "deletes", "PinVersion": "pins"}
@@ -76,38 +70,35 @@ _CHANGES = {"Publish": "publishes", "Negotiate": "publishes", "DeleteVersion": "
 
 @dataclass(frozen=True)
 class UpstreamLink:
-    """How a relay dials its upstream: TLS (`tls`, with optional PEM files) and a bearer token."""
+    """How a relay dials its upstream: the client's TLS options and bearer token ("": none)."""
 
     tls: bool = False
-    ca: Path | None = None
-    cert: Path | None = None
-    key: Path | None = None
-    token: str | None = field(default=None, repr=False)
+    tls_ca: Path | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    token: str = field(default="", repr=False)
 
     @classmethod
     def from_config(cls, config: ServerConfig) -> UpstreamLink:
-        """The link `config`'s upstream_* settings describe; its PEM files are read now, so a bad
-        one stops the server before it binds its port (ValueError naming the option)."""
+        """Reads the PEM files now, so a bad one stops the server before it binds (ValueError)."""
         files = (config.upstream_tls_ca, config.upstream_tls_cert, config.upstream_tls_key)
         if config.upstream_uses_tls:
             try:
                 channel_credentials(*files, names=("--upstream-tls-ca", "--upstream-tls-cert", "--upstream-tls-key"))
             except OSError as exc:
                 raise ValueError(f"cannot read the upstream's TLS file {exc.filename}: {exc.strerror}") from None
-        return cls(config.upstream_uses_tls, *files, token=config.upstream_token)
+        return cls(config.upstream_uses_tls, *files, token=config.upstream_token or "")
 
 
 @dataclass
 class _GroupCommit:
-    """A group version that the followers of its models reach one by one."""
-
-    waiting: set[str]  # the members whose followers have not reached it yet
+    waiting: set[str]  # the members whose followers have not reached the group version yet
     done: asyncio.Future[bool] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
 @dataclass
 class _Subscription:
-    """One Watch on the upstream, as far as its events went: what a missed version is told by."""
+    """One Watch on the upstream, as far as its events went."""
 
     last: int  # the newest version announced (at first: the `since` subscribed with)
     gap: bool = False  # the upstream said versions after `since` are gone
@@ -115,7 +106,7 @@ class _Subscription:
 
 @dataclass
 class _Incoming:
-    """A publish's bytes received from the upstream while they arrive there, passed on as they land."""
+    """A publish's bytes received while they arrive upstream, passed on as they land."""
 
     publish: IncomingPublish
     task: asyncio.Task[None]
@@ -123,8 +114,6 @@ class _Incoming:
 
 @dataclass(frozen=True)
 class _Fetched:
-    """A version fetched from the upstream, whole."""
-
     info: VersionInfo
     data: bytes | bytearray | memoryview = field(repr=False)
     moved: int  # payload bytes received: a delta's, or the whole file's (and a discarded delta's)
@@ -132,11 +121,10 @@ class _Fetched:
 
 
 class Relay:
-    """Follows `upstream` into `store`, on the running event loop, from `start()` to `stop()`.
+    """Follows `upstream` into `store` on the running event loop, from `start()` to `stop()`.
 
-    `models`: those to follow (None: all, later ones too). `health`: for `weightserver.relay`.
-    `incoming`: the server's publishes in progress, which the relay's cut-through feeds, so that
-    depth adds about a chunk's latency, not a transfer. `link`: default plaintext, no token.
+    `models`: those to follow (None: all, later ones too). `incoming`: the server's publishes in
+    progress, fed by cut-through so that each level of a tree adds about a chunk's latency.
     """
 
     def __init__(
@@ -172,13 +160,11 @@ class Relay:
         self._tasks: dict[str, asyncio.Task[None]] = {}  # "" polls, each model's follows it
         self._groups: dict[int, _GroupCommit] = {}
         self._upstream_back = asyncio.Event()  # set (and replaced) when the upstream answers again
-        # model -> the upstream's summary (latest, count, bytes) when its versions were last
-        # listed, and the versions this relay held then that the upstream retained.
+        # model -> the upstream's (latest, count, bytes) when last listed, and the versions held then that it retained
         self._checked: dict[str, tuple[tuple[int, int, int], frozenset[int]]] = {}
 
     @property
     def followed(self) -> list[str]:
-        """The models this relay follows now, sorted."""
         return sorted(name for name in self._tasks if name)
 
     @property
@@ -191,7 +177,6 @@ class Relay:
         return ((PRIMARY_METADATA_KEY, self.primary),)
 
     def refuse(self, call: str) -> NoReturn:
-        """Raise NotPrimary for a call that would change versions (`_CHANGES`)."""
         raise NotPrimary(
             f"this server is a relay of {self.address} and takes no {_CHANGES.get(call, 'changes')}: its versions "
             f"are the primary's; send publishes, deletes and pins to the primary, {self.primary}"
@@ -205,11 +190,7 @@ class Relay:
             timeout=CALL_SECONDS,
             chunk_bytes=MAX_CHUNK_BYTES,
             client_id=client_id,
-            token=link.token or "",  # "": not the client's $WEIGHTSERVER_TOKEN
-            tls=link.tls,
-            tls_ca=link.ca,
-            tls_cert=link.cert,
-            tls_key=link.key,
+            **dataclasses.asdict(link),
         )
         self.metrics.upstream_up(False)
         if self.health is not None:  # until the upstream first answers
@@ -217,30 +198,23 @@ class Relay:
         self._tasks[""] = asyncio.create_task(self._poll(), name="weightserver-relay-poll")
         for model in sorted(self.models or ()):
             self._follow(model)
-        log.info(
-            "relaying %s (models: %s; polled every %gs; %s, %s)",
-            self.address,
-            ", ".join(sorted(self.models)) if self.models is not None else "all",
-            self.poll_seconds,
-            "TLS" if link.tls else "plaintext",
-            "with a token" if link.token else "no token",
-        )
+        models = ", ".join(sorted(self.models)) if self.models is not None else "all"
+        how = ("TLS" if link.tls else "plaintext", "with a token" if link.token else "no token")
+        log.info("relaying %s (models: %s; polled every %gs; %s, %s)", self.address, models, self.poll_seconds, *how)
         if link.token and not link.tls:
             log.warning(
-                "relay: the upstream token travels in plaintext to %s; dial it over TLS (--upstream-tls-ca) "
-                "unless the network between them is private",
+                "relay: the upstream token travels in plaintext to %s; dial it over TLS (--upstream-tls-ca)",
                 self.address,
             )
 
     async def stop(self) -> None:
-        """Stop following; a commit under way finishes first. Closing the client ends its calls
-        still running in threads."""
+        """Stop following; a commit under way finishes first."""
         tasks = list(self._tasks.values()) + [incoming.task for incoming in self._incoming.values()]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         if self._client is not None:
-            await asyncio.to_thread(self._client.close)
+            await asyncio.to_thread(self._client.close)  # ends its calls still running in threads
         self._threads.shutdown(wait=False, cancel_futures=True)
 
     async def _blocking(self, call: Callable[..., T], *args: object, **kwargs: object) -> T:
@@ -248,7 +222,6 @@ class Relay:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._threads, functools.partial(call, *args, **kwargs))
 
-    # ------------------------------------------------------------------ the upstream's models
     def _follows(self, model: str) -> bool:
         return self.models is None or model in self.models
 
@@ -257,8 +230,8 @@ class Relay:
             self._tasks[model] = asyncio.create_task(self._follower(model), name=f"weightserver-relay-{model}")
 
     async def _poll(self) -> None:
-        """Ask the upstream for its models every `poll_seconds` (longer while it refuses this
-        relay): a new one is followed, and the answer or its absence says whether it is up."""
+        """Every `poll_seconds` (backing off while refused): list the upstream's models, follow the
+        new ones, drop the versions it no longer retains, and say whether it answers."""
         assert self._client is not None
         refusals = 0  # in a row
         while True:
@@ -267,9 +240,9 @@ class Relay:
             except Exception as exc:
                 if not isinstance(exc, WeightServerError):
                     log.exception("polling the upstream %s failed", self.address)
-                await self._report(False, exc)
+                await self._report(exc)
             else:
-                await self._report(True)
+                await self._report(None)
                 for summary in summaries:
                     if self._follows(summary.model):
                         self._heard(summary.model, summary.latest_version, exact=True)
@@ -287,14 +260,14 @@ class Relay:
         self.upstream_latest[model] = latest
         self.metrics.upstream_latest(model, latest)
 
-    async def _report(self, up: bool, error: BaseException | None = None) -> None:
-        """Record whether the upstream answers, and whether it refuses this relay: metrics, one
-        log line per change, then health; when it answers again, waiting followers go at once."""
-        refused = not up and isinstance(error, _REFUSALS)
+    async def _report(self, error: BaseException | None) -> None:
+        """The upstream answered (`error` None) or not: metrics, one log line per change, then
+        health, last, so a probe that sees it change finds the rest in place."""
+        up, refused = error is None, isinstance(error, _REFUSALS)
         if refused:
             self.metrics.upstream_refusal()
-        if not up:
-            self.upstream_error = f"{type(error).__name__}: {error}" if error is not None else "no answer"
+        if error is not None:
+            self.upstream_error = f"{type(error).__name__}: {error}"
         if up == self.upstream_up and refused == self.upstream_refused:
             return
         self.upstream_up, self.upstream_refused = up, refused
@@ -302,95 +275,56 @@ class Relay:
         if up:
             self.upstream_error = None
             log.info("upstream %s answers: following it", self.address)
-            self._upstream_back.set()
+            self._upstream_back.set()  # waiting followers go at once
             self._upstream_back = asyncio.Event()
         elif refused:
-            log.error(
-                "upstream %s refuses this relay (%s): %s; serving the versions held, retrying with backoff",
-                self.address,
-                self.upstream_error,
-                self._refusal_advice(),
+            advice = (
+                "check the token of --upstream-token-file or $WEIGHTSERVER_UPSTREAM_TOKEN against its --auth-tokens"
+                if self.link.token
+                else "it requires a token: give the relay one, --upstream-token-file or $WEIGHTSERVER_UPSTREAM_TOKEN"
             )
-        else:
-            log.warning(
-                "upstream %s does not answer (%s): serving the versions held, retrying%s",
-                self.address,
-                error,
-                self._handshake_advice(),
+            message = "upstream %s refuses this relay (%s): %s (role reader or above); serving the versions held"
+            log.error(message, self.address, self.upstream_error, advice)
+        else:  # a failed TLS handshake looks like an upstream that is away (UNAVAILABLE)
+            advice = (
+                "if it is up, check the TLS handshake: --upstream-tls-ca must have signed its certificate, "
+                "which names the address dialled; with --tls-client-ca it needs --upstream-tls-cert and -key"
+                if self.link.tls
+                else "if it is up and serves TLS, dial it with --upstream-tls-ca PEM or --upstream-tls"
             )
-        # Health last: a probe that sees it change finds the metrics and the log line in place.
+            log.warning("upstream %s does not answer (%s): serving the versions held (%s)", self.address, error, advice)
         if self.health is not None:
             status = health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
             await self.health.set(RELAY_HEALTH_SERVICE, status)
 
-    def _refusal_advice(self) -> str:
-        if not self.link.token:
-            return (
-                "it requires a token: give the relay one with --upstream-token-file FILE or "
-                "$WEIGHTSERVER_UPSTREAM_TOKEN (an entry of the upstream's --auth-tokens file, role reader)"
-            )
-        return (
-            "check the token of --upstream-token-file or $WEIGHTSERVER_UPSTREAM_TOKEN against the "
-            "upstream's --auth-tokens file: it must be listed there, with role reader or above"
-        )
-
-    def _handshake_advice(self) -> str:
-        """A failed TLS handshake looks like an upstream that is away (UNAVAILABLE)."""
-        if self.link.tls:
-            return (
-                " (if it is up, the TLS handshake may be what fails: --upstream-tls-ca must be the CA that "
-                "signed its certificate, which must name the address dialled; an upstream with "
-                "--tls-client-ca also needs --upstream-tls-cert and --upstream-tls-key)"
-            )
-        return " (if it is up and serves TLS, dial it with --upstream-tls-ca PEM or --upstream-tls)"
-
-    # ------------------------------------------------------------------ deletes upstream
     async def _reconcile(self, summaries: Sequence[ModelSummary]) -> None:
-        """Drop every version held that the upstream no longer retains. A model is listed again
-        only when its summary (latest, count, bytes) changed since it was last listed; a version
-        missing there is dropped once Describe confirms it is gone (not committed since)."""
+        """Drop each version held that the upstream no longer retains, once Describe confirms it
+        gone; a model is listed again only when its summary (latest, count, bytes) changed."""
         assert self._client is not None
         listed = {s.model: (s.latest_version, s.version_count, s.retained_bytes) for s in summaries}
         for model in [info.model for info in self.store.models()]:
-            held = {v.version for v in self._held_versions(model)}
-            summary = listed.get(model)
-            checked = self._checked.get(model)
-            if summary is not None and checked is not None and checked[0] == summary:
+            summary, checked = listed.get(model), self._checked.pop(model, None)
+            try:
+                held = {v.version for v in self.store.versions(model)}
+            except ModelNotFound:
+                continue  # gone meanwhile (this relay's own retention)
+            retained: frozenset[int] = frozenset()  # when the upstream holds no version of it
+            if checked is not None and checked[0] == summary:
                 retained = checked[1]
-            elif summary is None:  # the upstream holds no version of it
-                retained = frozenset()
-            else:
-                retained = frozenset(v.version for v in await self._upstream_versions(model))
+            elif summary is not None:
+                with contextlib.suppress(ModelNotFound):
+                    retained = frozenset(v.version for v in await self._blocking(self._client.list_versions, model))
             confirmed = held & retained
             for version in sorted(held - retained):
                 try:
                     await self._blocking(self._client.describe, model, version)
-                except VersionEvicted:
-                    await self._drop(model, version, evicted=True)
-                except NotFoundError:  # deleted (or the model is gone)
-                    await self._drop(model, version, evicted=False)
-                else:
                     confirmed.add(version)  # committed upstream after its listing
-            if summary is None:
-                self._checked.pop(model, None)
-            else:
+                except NotFoundError as exc:  # evicted, deleted, or the model is gone
+                    await self._drop(model, version, evicted=isinstance(exc, VersionEvicted))
+            if summary is not None:
                 self._checked[model] = (summary, frozenset(confirmed))
 
-    def _held_versions(self, model: str) -> list[Version]:
-        try:
-            return self.store.versions(model)
-        except ModelNotFound:
-            return []
-
-    async def _upstream_versions(self, model: str) -> list[VersionInfo]:
-        assert self._client is not None
-        try:
-            return await self._blocking(self._client.list_versions, model)
-        except ModelNotFound:
-            return []
-
     async def _drop(self, model: str, version: int, *, evicted: bool) -> None:
-        """Stop serving a version the upstream no longer retains."""
         try:
             await asyncio.to_thread(self.store.delete, model, version, evicted=evicted)
         except NotFoundError:
@@ -400,7 +334,6 @@ class Relay:
         why = "evicted" if evicted else "deleted"
         log.info("relay of %r: v%d was %s upstream; no longer served here", model, version, why)
 
-    # ------------------------------------------------------------------ following one model
     def _held(self, model: str) -> Version | None:
         try:
             return self.store.latest(model)
@@ -412,9 +345,8 @@ class Relay:
         return held.version if held is not None else 0
 
     async def _follower(self, model: str) -> None:
-        """Watch `model` on the upstream since the newest version held and relay each version
-        announced; after a failure, back off (`BACKOFF`, woken when the poll reaches the
-        upstream again) and resubscribe, so the upstream replays what was missed."""
+        """Watch `model` since the newest version held and relay each version announced; after a
+        failure, back off (woken when the poll reaches the upstream again) and resubscribe."""
         assert self._client is not None
         attempt, failure = 0, ""
 
@@ -437,7 +369,7 @@ class Relay:
                     await self._on_event(model, event, subscription)
                 continue  # the Watch's deadline passed: resubscribe at once
             except (ServerUnavailable, DeadlineExceeded, *_REFUSALS) as exc:
-                await self._report(False, exc)
+                await self._report(exc)
             except WeightServerError as exc:  # logged once while it repeats (e.g. CursorOutOfRange)
                 repeated, failure = failure == str(exc), str(exc)
                 level = logging.DEBUG if repeated else logging.WARNING
@@ -459,15 +391,10 @@ class Relay:
         self._heard(model, number)
         if event.gap:
             subscription.gap = True
-            log.warning(
-                "relay of %r: versions before v%d were evicted or deleted upstream before this relay fetched them",
-                model,
-                number,
-            )
+            log.warning("relay of %r: versions before v%d went upstream before this relay fetched them", model, number)
         after, subscription.last = subscription.last, number
         if subscription.gap and number > after + 1 and number > self._held_version(model):
-            # Numbers need not be consecutive, so only after the upstream flagged a gap is a jump
-            # taken for one: this relay's watchers after `after` are told of it with this version.
+            # Numbers need not be consecutive: only after the upstream flagged a gap is a jump one.
             self.store.missed(model, number - 1)
         if number <= self._held_version(model):
             if incoming is not None:
@@ -484,8 +411,7 @@ class Relay:
             await self._relay([model], number)
 
     async def _reach_group(self, model: str, members: list[str], number: int) -> None:
-        """`model`'s follower reached group version `number`: the last of `members` to reach it
-        fetches and commits every member's version together; the others wait for it."""
+        """The last of `members`' followers to reach group version `number` commits them together."""
         for member in members:
             self._follow(member)  # a group may name a model the poll has not listed yet
         group = self._groups.get(number)
@@ -504,13 +430,8 @@ class Relay:
         try:
             committed = await asyncio.wait_for(asyncio.shield(group.done), GROUP_WAIT_SECONDS)
         except asyncio.TimeoutError:  # TimeoutError from 3.11 on
-            log.warning(
-                "relay of %r v%d: the followers of %s did not reach this group version within %gs; committing it alone",
-                model,
-                number,
-                ", ".join(sorted(group.waiting)),
-                GROUP_WAIT_SECONDS,
-            )
+            waiting = ", ".join(sorted(group.waiting))
+            log.warning("relay of %r v%d: %s did not reach it in time; committing it alone", model, number, waiting)
             if self._groups.get(number) is group:
                 del self._groups[number]
             await self._relay([model], number)
@@ -518,10 +439,9 @@ class Relay:
         if not committed:
             raise ServerUnavailable(f"the group commit of v{number} failed; {model!r} resubscribes")
 
-    # ------------------------------------------------------------------ incoming publishes
     def _on_arriving(self, announced: Arriving) -> None:
-        """The upstream announced a publish's bytes arriving (or, `failed`, never to commit):
-        receive them, announcing them to this relay's own followers as they land."""
+        """A publish's bytes arrive upstream (or, `failed`, never will): receive them, announcing
+        them to this relay's own followers as they land."""
         if self.incoming is None:
             return
         if announced.failed:
@@ -557,8 +477,8 @@ class Relay:
             raise
 
     async def _relay_incoming(self, info: VersionInfo, incoming: _Incoming) -> bool:
-        """Commit the version the upstream just committed from the bytes received while they
-        arrived, if they all came and the store finds them to be it; False if not (fetch it)."""
+        """Commit the version from the bytes received early; False if they did not all come or
+        are not it (then it is fetched)."""
         try:
             await incoming.task
         except (asyncio.CancelledError, Exception) as exc:
@@ -572,17 +492,14 @@ class Relay:
             self.incoming.committed(incoming.publish, record.model, record.version)
 
         try:
-            await self._commit_fetched([fetched], info.version, time.perf_counter(), on_commit=committed)
+            await self._commit([fetched], info.version, time.perf_counter(), on_commit=committed)
         except IntegrityError as exc:
-            log.warning(
-                "relay of %r v%d: the bytes received early are not it (%s); fetching it", info.model, info.version, exc
-            )
+            log.warning("relay of %r v%d: the bytes received early are not it (%s)", info.model, info.version, exc)
             return False
         return incoming.publish.ended and incoming.publish.failure is None
 
-    # ------------------------------------------------------------------ fetch and commit
     async def _relay(self, models: list[str], number: int) -> None:
-        """Fetch version `number` of `models` and commit them (together)."""
+        """Fetch version `number` of `models` and commit them together."""
         started = time.perf_counter()
         fetched: list[_Fetched] = []
         for model in models:
@@ -592,7 +509,7 @@ class Relay:
                 log.warning("relay of %r v%d: gone upstream before it was fetched (%s)", model, number, exc)
                 self.store.missed(model, number)  # this relay's watchers are told of the gap
         if fetched:
-            await self._commit_fetched(fetched, number, started)
+            await self._commit(fetched, number, started)
 
     def _fetch(self, model: str, number: int, base: Version | None) -> _Fetched:
         """Version `number` of `model`, whole (in a thread): rebuilt from a delta against `base`
@@ -615,33 +532,39 @@ class Relay:
         assert got is not None
         return _Fetched(got.info, got.data, discarded + got.data.nbytes, delta=False)
 
-    async def _commit_fetched(
+    async def _commit(
         self, fetched: list[_Fetched], number: int, started: float, on_commit: Callable[[Version], None] | None = None
     ) -> None:
-        """Commit the fetched versions together under `number`, with the upstream's metadata,
-        digests and commit time; log and count them. Counted in the commit itself, before any
-        reader can see them: a client that sees a version then reads /metrics finds it counted."""
+        """Commit `fetched` together under `number` with the upstream's metadata, digests and
+        commit time, in a thread (it hashes and may fsync) that a cancelled caller waits for.
+        Counted in the commit, so a client that sees a version finds it in /metrics."""
 
-        def counted(commit: Commit) -> None:
-            for f, record in zip(fetched, commit.versions, strict=True):
+        def commit() -> list[Version]:
+            uploads = [
+                Upload(
+                    f.info.model,
+                    f.data,
+                    f.info.sha256 or None,
+                    f.info.byte_size,
+                    dict(f.info.metadata),
+                    xxh3=f.info.xxh3,
+                )
+                for f in fetched
+            ]
+            with self.store.commit(uploads, version=number, created=fetched[0].info.created_ns / 1e9) as done:
+                counted(done)
+            return list(done.versions)
+
+        def counted(done: Commit) -> None:
+            for f, record in zip(fetched, done.versions, strict=True):
                 if on_commit is not None:
                     on_commit(record)
                 self.metrics.relayed(record.model, f.moved, delta=f.delta)
                 self.metrics.published(record.model, record.byte_size, time.perf_counter() - started)
 
-        uploads = [
-            Upload(
-                f.info.model,
-                f.data,
-                sha256=f.info.sha256 or None,
-                xxh3=f.info.xxh3,
-                total_bytes=f.info.byte_size,
-                metadata=dict(f.info.metadata),
-            )
-            for f in fetched
-        ]
+        committing = asyncio.get_running_loop().run_in_executor(None, commit)
         try:
-            records = await self._commit(uploads, number, fetched[0].info.created_ns / 1e9, counted)
+            records = await asyncio.shield(committing)
         except VersionConflict:
             return  # committed meanwhile (a group's other follower)
         except _NEVER_FITS as exc:
@@ -649,35 +572,16 @@ class Relay:
             for f in fetched:
                 self.store.missed(f.info.model, number)
             return
-        seconds = time.perf_counter() - started
-        for f, record in zip(fetched, records, strict=True):
-            fields = {
-                "event": "relay",
-                "model": record.model,
-                "version": record.version,
-                "bytes": f.moved,
-                "payload": "delta" if f.delta else "whole",
-                "duration_ms": round(seconds * 1e3, 3),
-            }
-            pairs = " ".join(f"{key}={value}" for key, value in fields.items() if key != "event")
-            log.info("relay %s upstream=%s", pairs, self.address, extra=fields)
-
-    async def _commit(
-        self, uploads: list[Upload], number: int, created: float, durable: Callable[[Commit], None]
-    ) -> list[Version]:
-        """Commit in a worker thread (it hashes and may fsync), calling `durable` before the
-        versions are visible; a cancelled caller (the relay stopping) waits for it to finish."""
-
-        def publish() -> list[Version]:
-            with self.store.commit(uploads, version=number, created=created) as commit:
-                durable(commit)
-            return list(commit.versions)
-
-        committing = asyncio.get_running_loop().run_in_executor(None, publish)
-        try:
-            return await asyncio.shield(committing)
         finally:
             await asyncio.wait([committing])
+        milliseconds = round((time.perf_counter() - started) * 1e3, 3)
+        for f, record in zip(fetched, records, strict=True):
+            payload = "delta" if f.delta else "whole"
+            fields = dict(
+                model=record.model, version=record.version, bytes=f.moved, payload=payload, duration_ms=milliseconds
+            )
+            pairs = " ".join(f"{key}={value}" for key, value in fields.items())
+            log.info("relay %s upstream=%s", pairs, self.address, extra={"event": "relay", **fields})
 
 
 def _next_event(events: Iterator[VersionEvent | Arriving]) -> VersionEvent | Arriving | None:
