@@ -25,30 +25,15 @@ from weightclient.core.retry import RetryPolicy
 from weightclient.core.service_client import WeightServiceClient
 from weightserver.config import ServerConfig
 from weightserver.metrics import NoMetrics
+from weightserver.protocol import errors
 from weightserver.protocol.channel import channel_credentials
 from weightserver.protocol.digests import xxh3_hex
-from weightserver.protocol.errors import (
-    AuthenticationRequired,
-    DeadlineExceeded,
-    DescriptionTooLarge,
-    IntegrityError,
-    InvalidSafetensors,
-    ModelNotFound,
-    ModelTooLarge,
-    NotFoundError,
-    NotPrimary,
-    PermissionDenied,
-    ServerUnavailable,
-    VersionConflict,
-    VersionEvicted,
-    WeightServerError,
-)
 from weightserver.protocol.limits import MAX_CHUNK_BYTES
 from weightserver.protocol.names import validate_model_name
 from weightserver.protocol.version_info import Arriving, ModelSummary, VersionEvent, VersionInfo
 from weightserver.publish.incoming import IncomingPublish, IncomingPublishes
 from weightserver.storage.payloads import apply_delta
-from weightserver.storage.store import Commit, Upload, Version, VersionStore
+from weightserver.storage.store import Upload, Version, VersionStore
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -63,8 +48,8 @@ FETCH_SECONDS = 3600.0
 BACKOFF = RetryPolicy(first=0.1, longest=5.0)  # after a failure; the poll's while the upstream refuses
 GROUP_WAIT_SECONDS = 60.0  # for the other members of a group version; then a follower commits alone
 MAX_INCOMING = 8  # publishes received early, awaiting their commit; beyond, the oldest are let go
-_NEVER_FITS = (ModelTooLarge, DescriptionTooLarge, InvalidSafetensors)
-_REFUSALS = (AuthenticationRequired, PermissionDenied)
+_NEVER_FITS = (errors.ModelTooLarge, errors.DescriptionTooLarge, errors.InvalidSafetensors)
+_REFUSALS = (errors.AuthenticationRequired, errors.PermissionDenied)
 _CHANGES = {"Publish": "publishes", "Negotiate": "publishes", "DeleteVersion": "deletes", "PinVersion": "pins"}
 
 
@@ -97,14 +82,6 @@ class _GroupCommit:
 
 
 @dataclass
-class _Subscription:
-    """One Watch on the upstream, as far as its events went."""
-
-    last: int  # the newest version announced (at first: the `since` subscribed with)
-    gap: bool = False  # the upstream said versions after `since` are gone
-
-
-@dataclass
 class _Incoming:
     """A publish's bytes received while they arrive upstream, passed on as they land."""
 
@@ -118,6 +95,10 @@ class _Fetched:
     data: bytes | bytearray | memoryview = field(repr=False)
     moved: int  # payload bytes received: a delta's, or the whole file's (and a discarded delta's)
     delta: bool  # rebuilt from a delta against the version held
+
+    def upload(self) -> Upload:
+        info = self.info
+        return Upload(info.model, self.data, info.sha256 or None, info.byte_size, dict(info.metadata), xxh3=info.xxh3)
 
 
 class Relay:
@@ -177,20 +158,16 @@ class Relay:
         return ((PRIMARY_METADATA_KEY, self.primary),)
 
     def refuse(self, call: str) -> NoReturn:
-        raise NotPrimary(
+        raise errors.NotPrimary(
             f"this server is a relay of {self.address} and takes no {_CHANGES.get(call, 'changes')}: its versions "
             f"are the primary's; send publishes, deletes and pins to the primary, {self.primary}"
         )
 
     async def start(self, client_id: str | None = None) -> None:
         """Start following; `client_id` names this relay to its upstream (logs, per-client metrics)."""
-        link = self.link
+        link, options = self.link, dataclasses.asdict(self.link)
         self._client = WeightServiceClient(
-            self.address,
-            timeout=CALL_SECONDS,
-            chunk_bytes=MAX_CHUNK_BYTES,
-            client_id=client_id,
-            **dataclasses.asdict(link),
+            self.address, timeout=CALL_SECONDS, chunk_bytes=MAX_CHUNK_BYTES, client_id=client_id, **options
         )
         self.metrics.upstream_up(False)
         if self.health is not None:  # until the upstream first answers
@@ -238,7 +215,7 @@ class Relay:
             try:
                 summaries = await self._blocking(self._client.list_models)
             except Exception as exc:
-                if not isinstance(exc, WeightServerError):
+                if not isinstance(exc, errors.WeightServerError):
                     log.exception("polling the upstream %s failed", self.address)
                 await self._report(exc)
             else:
@@ -249,7 +226,7 @@ class Relay:
                         self._follow(summary.model)
                 try:
                     await self._reconcile(summaries)
-                except WeightServerError as exc:  # the upstream went away meanwhile: the next poll
+                except errors.WeightServerError as exc:  # the upstream went away meanwhile: the next poll
                     log.info("relay: checking the versions held against %s failed: %s", self.address, exc)
             refusals = refusals + 1 if self.upstream_refused else 0
             await asyncio.sleep(max(self.poll_seconds, BACKOFF.delay(refusals - 1) if refusals else 0.0))
@@ -306,43 +283,36 @@ class Relay:
             summary, checked = listed.get(model), self._checked.pop(model, None)
             try:
                 held = {v.version for v in self.store.versions(model)}
-            except ModelNotFound:
+            except errors.ModelNotFound:
                 continue  # gone meanwhile (this relay's own retention)
             retained: frozenset[int] = frozenset()  # when the upstream holds no version of it
             if checked is not None and checked[0] == summary:
                 retained = checked[1]
             elif summary is not None:
-                with contextlib.suppress(ModelNotFound):
+                with contextlib.suppress(errors.ModelNotFound):
                     retained = frozenset(v.version for v in await self._blocking(self._client.list_versions, model))
             confirmed = held & retained
             for version in sorted(held - retained):
                 try:
                     await self._blocking(self._client.describe, model, version)
                     confirmed.add(version)  # committed upstream after its listing
-                except NotFoundError as exc:  # evicted, deleted, or the model is gone
-                    await self._drop(model, version, evicted=isinstance(exc, VersionEvicted))
+                except errors.NotFoundError as exc:  # evicted, deleted, or the model is gone
+                    why = "evicted" if isinstance(exc, errors.VersionEvicted) else "deleted"
+                    with contextlib.suppress(errors.NotFoundError):  # else gone meanwhile (this relay's retention)
+                        await asyncio.to_thread(self.store.delete, model, version, evicted=why == "evicted")
+                        if self.on_removed is not None:
+                            self.on_removed(model)
+                        log.info("relay of %r: v%d was %s upstream; no longer served here", model, version, why)
             if summary is not None:
                 self._checked[model] = (summary, frozenset(confirmed))
 
-    async def _drop(self, model: str, version: int, *, evicted: bool) -> None:
-        try:
-            await asyncio.to_thread(self.store.delete, model, version, evicted=evicted)
-        except NotFoundError:
-            return  # gone meanwhile (this relay's own retention)
-        if self.on_removed is not None:
-            self.on_removed(model)
-        why = "evicted" if evicted else "deleted"
-        log.info("relay of %r: v%d was %s upstream; no longer served here", model, version, why)
-
     def _held(self, model: str) -> Version | None:
-        try:
+        with contextlib.suppress(errors.ModelNotFound):
             return self.store.latest(model)
-        except ModelNotFound:
-            return None
+        return None
 
     def _held_version(self, model: str) -> int:
-        held = self._held(model)
-        return held.version if held is not None else 0
+        return getattr(self._held(model), "version", 0)
 
     async def _follower(self, model: str) -> None:
         """Watch `model` since the newest version held and relay each version announced; after a
@@ -355,22 +325,23 @@ class Relay:
             attempt, self._upstream_primary = 0, metadata.get(PRIMARY_METADATA_KEY) or None
 
         while True:
-            subscription = _Subscription(self._held_version(model))
+            last, gap = self._held_version(model), False  # the newest version announced; some went upstream
             events = self._client.watch(
-                model,
-                since=subscription.last,
-                timeout=WATCH_SECONDS,
-                incoming=self.incoming is not None,
-                on_subscribed=subscribed,
+                model, since=last, timeout=WATCH_SECONDS, incoming=self.incoming is not None, on_subscribed=subscribed
             )
             try:
                 while (event := await self._blocking(_next_event, events)) is not None:
                     failure = ""
-                    await self._on_event(model, event, subscription)
+                    if isinstance(event, VersionEvent):  # numbers need not be consecutive: a jump after a gap is one
+                        gap = gap or event.gap
+                        if gap and event.version > last + 1 and event.version > self._held_version(model):
+                            self.store.missed(model, event.version - 1)
+                        last = event.version
+                    await self._on_event(model, event)
                 continue  # the Watch's deadline passed: resubscribe at once
-            except (ServerUnavailable, DeadlineExceeded, *_REFUSALS) as exc:
+            except (errors.ServerUnavailable, errors.DeadlineExceeded, *_REFUSALS) as exc:
                 await self._report(exc)
-            except WeightServerError as exc:  # logged once while it repeats (e.g. CursorOutOfRange)
+            except errors.WeightServerError as exc:  # logged once while it repeats (e.g. CursorOutOfRange)
                 repeated, failure = failure == str(exc), str(exc)
                 level = logging.DEBUG if repeated else logging.WARNING
                 log.log(level, "relay of %r: %s: %s; retrying", model, type(exc).__name__, exc)
@@ -382,7 +353,7 @@ class Relay:
             await BACKOFF.wait_async(attempt, wake=self._upstream_back)
             attempt += 1
 
-    async def _on_event(self, model: str, event: VersionEvent | Arriving, subscription: _Subscription) -> None:
+    async def _on_event(self, model: str, event: VersionEvent | Arriving) -> None:
         if isinstance(event, Arriving):
             self._on_arriving(event)
             return
@@ -390,12 +361,7 @@ class Relay:
         incoming = self._incoming.pop(event.arriving, None) if event.arriving else None
         self._heard(model, number)
         if event.gap:
-            subscription.gap = True
             log.warning("relay of %r: versions before v%d went upstream before this relay fetched them", model, number)
-        after, subscription.last = subscription.last, number
-        if subscription.gap and number > after + 1 and number > self._held_version(model):
-            # Numbers need not be consecutive: only after the upstream flagged a gap is a jump one.
-            self.store.missed(model, number - 1)
         if number <= self._held_version(model):
             if incoming is not None:
                 incoming.publish.fail("this relay holds that version already")
@@ -437,7 +403,7 @@ class Relay:
             await self._relay([model], number)
             return
         if not committed:
-            raise ServerUnavailable(f"the group commit of v{number} failed; {model!r} resubscribes")
+            raise errors.ServerUnavailable(f"the group commit of v{number} failed; {model!r} resubscribes")
 
     def _on_arriving(self, announced: Arriving) -> None:
         """A publish's bytes arrive upstream (or, `failed`, never will): receive them, announcing
@@ -485,15 +451,11 @@ class Relay:
             log.info("relay of %r v%d: receiving it early failed (%s); fetching it", info.model, info.version, exc)
             return False
         buffer = incoming.publish.buffer
-        fetched = _Fetched(info, buffer, moved=buffer.nbytes, delta=False)
-
-        def committed(record: Version) -> None:  # under the commit lock: this relay's events name the bytes
-            assert self.incoming is not None
-            self.incoming.committed(incoming.publish, record.model, record.version)
-
         try:
-            await self._commit([fetched], info.version, time.perf_counter(), on_commit=committed)
-        except IntegrityError as exc:
+            await self._commit(
+                [_Fetched(info, buffer, buffer.nbytes, False)], info.version, time.perf_counter(), incoming.publish
+            )
+        except errors.IntegrityError as exc:
             log.warning("relay of %r v%d: the bytes received early are not it (%s)", info.model, info.version, exc)
             return False
         return incoming.publish.ended and incoming.publish.failure is None
@@ -505,7 +467,7 @@ class Relay:
         for model in models:
             try:
                 fetched.append(await self._blocking(self._fetch, model, number, self._held(model)))
-            except NotFoundError as exc:  # evicted or deleted upstream since it was announced
+            except errors.NotFoundError as exc:  # evicted or deleted upstream since it was announced
                 log.warning("relay of %r v%d: gone upstream before it was fetched (%s)", model, number, exc)
                 self.store.missed(model, number)  # this relay's watchers are told of the gap
         if fetched:
@@ -533,39 +495,26 @@ class Relay:
         return _Fetched(got.info, got.data, discarded + got.data.nbytes, delta=False)
 
     async def _commit(
-        self, fetched: list[_Fetched], number: int, started: float, on_commit: Callable[[Version], None] | None = None
+        self, fetched: list[_Fetched], number: int, started: float, publish: IncomingPublish | None = None
     ) -> None:
         """Commit `fetched` together under `number` with the upstream's metadata, digests and
         commit time, in a thread (it hashes and may fsync) that a cancelled caller waits for.
         Counted in the commit, so a client that sees a version finds it in /metrics."""
 
         def commit() -> list[Version]:
-            uploads = [
-                Upload(
-                    f.info.model,
-                    f.data,
-                    f.info.sha256 or None,
-                    f.info.byte_size,
-                    dict(f.info.metadata),
-                    xxh3=f.info.xxh3,
-                )
-                for f in fetched
-            ]
+            uploads = [f.upload() for f in fetched]
             with self.store.commit(uploads, version=number, created=fetched[0].info.created_ns / 1e9) as done:
-                counted(done)
+                for f, record in zip(fetched, done.versions, strict=True):
+                    if publish is not None and self.incoming is not None:  # this relay's events name the bytes
+                        self.incoming.committed(publish, record.model, record.version)
+                    self.metrics.relayed(record.model, f.moved, delta=f.delta)
+                    self.metrics.published(record.model, record.byte_size, time.perf_counter() - started)
             return list(done.versions)
-
-        def counted(done: Commit) -> None:
-            for f, record in zip(fetched, done.versions, strict=True):
-                if on_commit is not None:
-                    on_commit(record)
-                self.metrics.relayed(record.model, f.moved, delta=f.delta)
-                self.metrics.published(record.model, record.byte_size, time.perf_counter() - started)
 
         committing = asyncio.get_running_loop().run_in_executor(None, commit)
         try:
             records = await asyncio.shield(committing)
-        except VersionConflict:
+        except errors.VersionConflict:
             return  # committed meanwhile (a group's other follower)
         except _NEVER_FITS as exc:
             log.error("relay of %s v%d: cannot hold it, skipped: %s", [f.info.model for f in fetched], number, exc)
@@ -588,5 +537,5 @@ def _next_event(events: Iterator[VersionEvent | Arriving]) -> VersionEvent | Arr
     """The Watch's next event; None once it ended (its deadline passed: resubscribe)."""
     try:
         return next(events, None)
-    except DeadlineExceeded:
+    except errors.DeadlineExceeded:
         return None
