@@ -14,7 +14,6 @@ import subprocess
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import Any
 
 from weightserver.process import ServerProcess
@@ -50,8 +49,7 @@ class RelayServer:
 
 @dataclass(frozen=True)
 class RelayTLS:
-    """PEM files (the same paths on every node) to check a relay serving TLS: `ca` signed its
-    certificate; `cert` and `key`, a client certificate for one with ``--tls-client-ca``."""
+    """PEM files, the same on every node: `ca` signed the relay's certificate; `cert`, `key`: a client's."""
 
     ca: str
     cert: str | None = None
@@ -59,7 +57,7 @@ class RelayTLS:
 
 
 @dataclass
-class RelayPlacement:
+class RelayPlacement(contextlib.AbstractContextManager):
     """Each Ray node id's relay address (reachable from that node only) and actor."""
 
     upstream: str
@@ -77,12 +75,7 @@ class RelayPlacement:
                 ray.kill(actor)
             self.actors = {}
 
-    def __enter__(self) -> RelayPlacement:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
 
@@ -107,8 +100,7 @@ def place_relays(
     timeout: float = 60.0,
     tls: RelayTLS | None = None,
 ) -> RelayPlacement:
-    """Start a relay of `upstream` on each alive Ray node (or `node_ids`), with more ``serve``
-    `args`, in an actor of no CPU pinned to it; return once all serve."""
+    """Start a relay of `upstream` (more ``serve`` `args`) in a no-CPU actor pinned to each node; wait for all."""
     import ray
 
     remote = ray.remote(num_cpus=0)(RelayServer)
@@ -142,7 +134,6 @@ def node_relay_address(timeout: float = 30.0) -> str:
         except ValueError:  # no actor of that name (yet)
             if time.monotonic() > deadline:
                 raise LookupError(
-                    f"no weightserver relay on Ray node {node_id} after {timeout}s: "
-                    "start one per node with weightserver.relay.ray_relays.place_relays(primary)"
+                    f"no weightserver relay on Ray node {node_id} after {timeout}s: start them with place_relays()"
                 ) from None
             time.sleep(0.2)

@@ -1,7 +1,5 @@
-"""Relay (`weightserver serve --upstream ADDRESS`): a server that follows another instead of taking
-publishes, as a client of it, committing each version its Watch announces under the upstream's
-number, metadata, digests and commit time. Relays of relays make a tree.
-"""
+"""Relay (`serve --upstream ADDRESS`): a server that follows another as its client, committing each
+version announced under the upstream's number, metadata, digests and commit time."""
 
 from __future__ import annotations
 
@@ -82,9 +80,7 @@ class _GroupCommit:
 
 
 @dataclass
-class _Incoming:
-    """A publish's bytes received while they arrive upstream, passed on as they land."""
-
+class _Incoming:  # a publish's bytes received while they arrive upstream, passed on as they land
     publish: IncomingPublish
     task: asyncio.Task[None]
 
@@ -102,11 +98,8 @@ class _Fetched:
 
 
 class Relay:
-    """Follows `upstream` into `store` on the running event loop, from `start()` to `stop()`.
-
-    `models`: those to follow (None: all, later ones too). `incoming`: the server's publishes in
-    progress, fed by cut-through so that each level of a tree adds about a chunk's latency.
-    """
+    """Follows `upstream` into `store` on the running event loop. `models`: those to follow (None: all).
+    `incoming`: the server's publishes in progress, fed as bytes arrive (cut-through) so depth is cheap."""
 
     def __init__(
         self,
@@ -179,10 +172,7 @@ class Relay:
         how = ("TLS" if link.tls else "plaintext", "with a token" if link.token else "no token")
         log.info("relaying %s (models: %s; polled every %gs; %s, %s)", self.address, models, self.poll_seconds, *how)
         if link.token and not link.tls:
-            log.warning(
-                "relay: the upstream token travels in plaintext to %s; dial it over TLS (--upstream-tls-ca)",
-                self.address,
-            )
+            log.warning("relay: the upstream token travels in plaintext to %s; use --upstream-tls-ca", self.address)
 
     async def stop(self) -> None:
         """Stop following; a commit under way finishes first."""
@@ -207,8 +197,7 @@ class Relay:
             self._tasks[model] = asyncio.create_task(self._follower(model), name=f"weightserver-relay-{model}")
 
     async def _poll(self) -> None:
-        """Every `poll_seconds` (backing off while refused): list the upstream's models, follow the
-        new ones, drop the versions it no longer retains, and say whether it answers."""
+        """Every `poll_seconds` (longer while refused): follow new models, drop versions gone upstream, report."""
         assert self._client is not None
         refusals = 0  # in a row
         while True:
@@ -222,7 +211,7 @@ class Relay:
                 await self._report(None)
                 for summary in summaries:
                     if self._follows(summary.model):
-                        self._heard(summary.model, summary.latest_version, exact=True)
+                        self._heard(summary.model, summary.latest_version)
                         self._follow(summary.model)
                 try:
                     await self._reconcile(summaries)
@@ -231,52 +220,39 @@ class Relay:
             refusals = refusals + 1 if self.upstream_refused else 0
             await asyncio.sleep(max(self.poll_seconds, BACKOFF.delay(refusals - 1) if refusals else 0.0))
 
-    def _heard(self, model: str, version: int, *, exact: bool = False) -> None:
-        """The upstream's latest version of `model` is `version` (`exact`), or at least that."""
-        latest = version if exact else max(version, self.upstream_latest.get(model, 0))
+    def _heard(self, model: str, latest: int) -> None:
         self.upstream_latest[model] = latest
         self.metrics.upstream_latest(model, latest)
 
     async def _report(self, error: BaseException | None) -> None:
-        """The upstream answered (`error` None) or not: metrics, one log line per change, then
-        health, last, so a probe that sees it change finds the rest in place."""
+        """Record whether the upstream answers (`error` None) or refuses: metrics, a log line per change, health."""
         up, refused = error is None, isinstance(error, _REFUSALS)
         if refused:
             self.metrics.upstream_refusal()
-        if error is not None:
-            self.upstream_error = f"{type(error).__name__}: {error}"
+        self.upstream_error = None if error is None else f"{type(error).__name__}: {error}"
         if up == self.upstream_up and refused == self.upstream_refused:
             return
         self.upstream_up, self.upstream_refused = up, refused
         self.metrics.upstream_up(up, refused=refused)
         if up:
-            self.upstream_error = None
             log.info("upstream %s answers: following it", self.address)
             self._upstream_back.set()  # waiting followers go at once
             self._upstream_back = asyncio.Event()
         elif refused:
-            advice = (
-                "check the token of --upstream-token-file or $WEIGHTSERVER_UPSTREAM_TOKEN against its --auth-tokens"
-                if self.link.token
-                else "it requires a token: give the relay one, --upstream-token-file or $WEIGHTSERVER_UPSTREAM_TOKEN"
-            )
-            message = "upstream %s refuses this relay (%s): %s (role reader or above); serving the versions held"
-            log.error(message, self.address, self.upstream_error, advice)
+            advice = "check the token of" if self.link.token else "it requires a token: give the relay one with"
+            message = "upstream %s refuses this relay (%s): %s --upstream-token-file or $WEIGHTSERVER_UPSTREAM_TOKEN"
+            log.error(message + " (role reader or above)", self.address, self.upstream_error, advice)
         else:  # a failed TLS handshake looks like an upstream that is away (UNAVAILABLE)
-            advice = (
-                "if it is up, check the TLS handshake: --upstream-tls-ca must have signed its certificate, "
-                "which names the address dialled; with --tls-client-ca it needs --upstream-tls-cert and -key"
-                if self.link.tls
-                else "if it is up and serves TLS, dial it with --upstream-tls-ca PEM or --upstream-tls"
-            )
+            advice = "if it is up and serves TLS, dial it with --upstream-tls-ca PEM or --upstream-tls"
+            if self.link.tls:
+                advice = "if it is up, check its TLS: --upstream-tls-ca (its CA, the name dialled), --upstream-tls-cert"
             log.warning("upstream %s does not answer (%s): serving the versions held (%s)", self.address, error, advice)
-        if self.health is not None:
+        if self.health is not None:  # last: a probe that sees it change finds the rest in place
             status = health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
             await self.health.set(RELAY_HEALTH_SERVICE, status)
 
     async def _reconcile(self, summaries: Sequence[ModelSummary]) -> None:
-        """Drop each version held that the upstream no longer retains, once Describe confirms it
-        gone; a model is listed again only when its summary (latest, count, bytes) changed."""
+        """Drop the versions held that the upstream no longer retains (as Describe confirms); relist on a change."""
         assert self._client is not None
         listed = {s.model: (s.latest_version, s.version_count, s.retained_bytes) for s in summaries}
         for model in [info.model for info in self.store.models()]:
@@ -315,8 +291,7 @@ class Relay:
         return getattr(self._held(model), "version", 0)
 
     async def _follower(self, model: str) -> None:
-        """Watch `model` since the newest version held and relay each version announced; after a
-        failure, back off (woken when the poll reaches the upstream again) and resubscribe."""
+        """Watch `model` from the newest version held and relay each; after a failure, back off and resubscribe."""
         assert self._client is not None
         attempt, failure = 0, ""
 
@@ -342,8 +317,7 @@ class Relay:
             except (errors.ServerUnavailable, errors.DeadlineExceeded, *_REFUSALS) as exc:
                 await self._report(exc)
             except errors.WeightServerError as exc:  # logged once while it repeats (e.g. CursorOutOfRange)
-                repeated, failure = failure == str(exc), str(exc)
-                level = logging.DEBUG if repeated else logging.WARNING
+                level, failure = (logging.DEBUG if failure == str(exc) else logging.WARNING), str(exc)
                 log.log(level, "relay of %r: %s: %s; retrying", model, type(exc).__name__, exc)
             except Exception:
                 log.exception("relay of %r failed; retrying", model)
@@ -359,7 +333,7 @@ class Relay:
             return
         number = event.version
         incoming = self._incoming.pop(event.arriving, None) if event.arriving else None
-        self._heard(model, number)
+        self._heard(model, max(number, self.upstream_latest.get(model, 0)))
         if event.gap:
             log.warning("relay of %r: versions before v%d went upstream before this relay fetched them", model, number)
         if number <= self._held_version(model):
@@ -406,8 +380,7 @@ class Relay:
             raise errors.ServerUnavailable(f"the group commit of v{number} failed; {model!r} resubscribes")
 
     def _on_arriving(self, announced: Arriving) -> None:
-        """A publish's bytes arrive upstream (or, `failed`, never will): receive them, announcing
-        them to this relay's own followers as they land."""
+        """A publish's bytes arrive upstream (or, `failed`, never will): receive them, passing them on as they land."""
         if self.incoming is None:
             return
         if announced.failed:
@@ -430,21 +403,20 @@ class Relay:
     async def _receive_incoming(self, announced: Arriving, publish: IncomingPublish) -> None:
         """The bytes into `publish.buffer`, unchecked: kept only if the commit names and matches them."""
         assert self._client is not None
+
+        def progress(received: int, _: int) -> None:
+            publish.advance(received)  # thread-safe
+
         try:
             await self._blocking(
-                self._client.fetch_incoming,
-                announced,
-                timeout=FETCH_SECONDS,
-                into=publish.buffer,
-                progress=lambda received, _: publish.advance(received),  # thread-safe
+                self._client.fetch_incoming, announced, timeout=FETCH_SECONDS, into=publish.buffer, progress=progress
             )
         except BaseException as exc:
             publish.fail(f"the relay's transfer from its upstream stopped: {str(exc) or type(exc).__name__}")
             raise
 
     async def _relay_incoming(self, info: VersionInfo, incoming: _Incoming) -> bool:
-        """Commit the version from the bytes received early; False if they did not all come or
-        are not it (then it is fetched)."""
+        """Commit the version from the bytes received early; False (fetch it) if they are not all there or not it."""
         try:
             await incoming.task
         except (asyncio.CancelledError, Exception) as exc:
@@ -474,8 +446,7 @@ class Relay:
             await self._commit(fetched, number, started)
 
     def _fetch(self, model: str, number: int, base: Version | None) -> _Fetched:
-        """Version `number` of `model`, whole (in a thread): rebuilt from a delta against `base`
-        when the upstream sends one that rebuilds to the version's xxh3, else its file."""
+        """Version `number` of `model` (in a thread), rebuilt from a delta against `base` if that matches its xxh3."""
         assert self._client is not None
         fetch = functools.partial(self._client.fetch_bytes, model, version=number, timeout=FETCH_SECONDS, retry=False)
         discarded = 0
@@ -497,9 +468,8 @@ class Relay:
     async def _commit(
         self, fetched: list[_Fetched], number: int, started: float, publish: IncomingPublish | None = None
     ) -> None:
-        """Commit `fetched` together under `number` with the upstream's metadata, digests and
-        commit time, in a thread (it hashes and may fsync) that a cancelled caller waits for.
-        Counted in the commit, so a client that sees a version finds it in /metrics."""
+        """Commit `fetched` under `number` in a thread (it hashes) that a cancelled caller waits for; counted
+        before it is visible, so a client that sees a version finds it in /metrics."""
 
         def commit() -> list[Version]:
             uploads = [f.upload() for f in fetched]
@@ -525,10 +495,8 @@ class Relay:
             await asyncio.wait([committing])
         milliseconds = round((time.perf_counter() - started) * 1e3, 3)
         for f, record in zip(fetched, records, strict=True):
-            payload = "delta" if f.delta else "whole"
-            fields = dict(
-                model=record.model, version=record.version, bytes=f.moved, payload=payload, duration_ms=milliseconds
-            )
+            fields = {"model": record.model, "version": record.version, "bytes": f.moved}
+            fields.update(payload="delta" if f.delta else "whole", duration_ms=milliseconds)
             pairs = " ".join(f"{key}={value}" for key, value in fields.items())
             log.info("relay %s upstream=%s", pairs, self.address, extra={"event": "relay", **fields})
 
