@@ -186,8 +186,7 @@ class Relay:
 
     async def _blocking(self, call: Callable[..., T], *args: object, **kwargs: object) -> T:
         """`call` (the client's, which blocks) in this relay's threads."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._threads, functools.partial(call, *args, **kwargs))
+        return await asyncio.get_running_loop().run_in_executor(self._threads, functools.partial(call, *args, **kwargs))
 
     def _follows(self, model: str) -> bool:
         return self.models is None or model in self.models
@@ -348,7 +347,7 @@ class Relay:
         if len(members) > 1:
             await self._reach_group(model, members, number)
         else:
-            await self._relay([model], number)
+            await self._relay([model], number, event.info.byte_size)
 
     async def _reach_group(self, model: str, members: list[str], number: int) -> None:
         """The last of `members`' followers to reach group version `number` commits them together."""
@@ -432,26 +431,28 @@ class Relay:
             return False
         return incoming.publish.ended and incoming.publish.failure is None
 
-    async def _relay(self, models: list[str], number: int) -> None:
-        """Fetch version `number` of `models` and commit them together."""
+    async def _relay(self, models: list[str], number: int, size: int = 0) -> None:
+        """Fetch version `number` of `models` (each of about `size` bytes, if known) and commit them together."""
         started = time.perf_counter()
         fetched: list[_Fetched] = []
         for model in models:
             try:
-                fetched.append(await self._blocking(self._fetch, model, number, self._held(model)))
+                fetched.append(await self._blocking(self._fetch, model, number, self._held(model), size))
             except errors.NotFoundError as exc:  # evicted or deleted upstream since it was announced
                 log.warning("relay of %r v%d: gone upstream before it was fetched (%s)", model, number, exc)
                 self.store.missed(model, number)  # this relay's watchers are told of the gap
         if fetched:
             await self._commit(fetched, number, started)
 
-    def _fetch(self, model: str, number: int, base: Version | None) -> _Fetched:
+    def _fetch(self, model: str, number: int, base: Version | None, size: int) -> _Fetched:
         """Version `number` of `model` (in a thread), rebuilt from a delta against `base` if that matches its xxh3."""
         assert self._client is not None
+        # Anonymous memory, not the client's numpy buffer: its huge-page compaction doubled a 256 MiB receive.
+        into = memoryview(mmap.mmap(-1, size)) if size else None
         fetch = functools.partial(self._client.fetch_bytes, model, version=number, timeout=FETCH_SECONDS, retry=False)
         discarded = 0
         if base is not None:
-            got = fetch(base_version=base.version, base_xxh3=base.xxh3)
+            got = fetch(into=into, base_version=base.version, base_xxh3=base.xxh3)
             assert got is not None  # an exact version is never "up to date"
             if not got.base_version:
                 return _Fetched(got.info, got.data, got.data.nbytes, delta=False)
@@ -461,7 +462,7 @@ class Relay:
                 return _Fetched(info, rebuilt, got.data.nbytes, delta=True)
             log.info("%s v%d: the delta against v%d did not rebuild it; fetching it whole", model, number, base.version)
             discarded = got.data.nbytes
-        got = fetch()
+        got = fetch(into=into)
         assert got is not None
         return _Fetched(got.info, got.data, discarded + got.data.nbytes, delta=False)
 
