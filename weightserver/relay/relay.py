@@ -447,7 +447,7 @@ class Relay:
     def _fetch(self, model: str, number: int, base: Version | None, size: int) -> _Fetched:
         """Version `number` of `model` (in a thread), rebuilt from a delta against `base` if that matches its xxh3."""
         assert self._client is not None
-        # Anonymous memory, not the client's numpy buffer: its huge-page compaction doubled a 256 MiB receive.
+        # Anonymous memory, not the client's numpy buffer: its huge pages' compaction can triple a 256 MiB receive.
         into = memoryview(mmap.mmap(-1, size)) if size else None
         fetch = functools.partial(self._client.fetch_bytes, model, version=number, timeout=FETCH_SECONDS, retry=False)
         discarded = 0
