@@ -103,6 +103,8 @@ def assert_same_versions(relay, primary, model: str, versions: list[int]) -> Non
     """The relay holds exactly `versions` of `model`, each described and fetched as the primary does."""
     assert [v.version for v in WeightServiceClient(address_of(relay)).list_versions(model)] == versions
     for version in versions:
+        for server in (primary, relay):  # a version published with only an xxh3 gets its sha256 just after
+            wait_until(lambda s=server, v=version: describe(s, model, v).sha256, timeout=10)
         assert describe(relay, model, version) == describe(primary, model, version)
         assert fetched(relay, model, version) == fetched(primary, model, version)
 

@@ -1,7 +1,5 @@
-"""One relay per Ray node: `place_relays(primary)` starts ``weightserver serve --upstream
-PRIMARY`` on every node, in an actor pinned to it and named after it (`relay_actor_name`, in
-`RELAY_NAMESPACE`); `node_relay_address()` gives a collector its own node's relay, so it fetches
-over shared memory. `ray` (the `ray` extra) is imported only when these functions run.
+"""One relay per Ray node, in an actor pinned to it, so that collectors fetch over shared memory
+from their node's relay (`node_relay_address()`). `ray` is imported only when these run.
 
 >>> relays = place_relays("10.0.0.5:50051")                       # doctest: +SKIP
 >>> node_relay_address()      # inside an actor on a node          # doctest: +SKIP
@@ -16,33 +14,20 @@ import subprocess
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import Any
 
 from weightserver.process import ServerProcess
 from weightserver.protocol.channel import channel_credentials
 
-__all__ = [
-    "RELAY_NAMESPACE",
-    "RelayPlacement",
-    "RelayServer",
-    "RelayTLS",
-    "node_relay_address",
-    "place_relays",
-    "relay_actor_name",
-]
-
 RELAY_NAMESPACE = "weightserver"
 
 
 def relay_actor_name(node_id: str) -> str:
-    """The name of the relay actor on the Ray node `node_id` (hex)."""
     return f"weightserver-relay-{node_id}"
 
 
 class RelayServer:
-    """A relay actor's body (plain Python): a ``weightserver serve --upstream`` child process,
-    serving once the constructor returns, so the actor's methods never see it not up yet."""
+    """A relay actor's body: a ``weightserver serve --upstream`` child process, serving once built."""
 
     def __init__(
         self, upstream: str, args: Sequence[str] = (), timeout: float = 60.0, tls: RelayTLS | None = None
@@ -52,9 +37,6 @@ class RelayServer:
 
     def address(self) -> str:
         return self.server.address
-
-    def log(self) -> str:
-        return self.server.log()
 
     def stop(self, timeout: float = 30.0) -> int:
         """SIGTERM the relay and wait for it (SIGKILL after `timeout`); return its exit code."""
@@ -67,9 +49,7 @@ class RelayServer:
 
 @dataclass(frozen=True)
 class RelayTLS:
-    """PEM files, at the same paths on every node, with which a relay that serves TLS (its
-    ``--tls-cert`` among the args) is checked to serve: `ca` signed its certificate; `cert` and
-    `key` are a client certificate, for a relay that also has ``--tls-client-ca``."""
+    """PEM files, the same on every node: `ca` signed the relay's certificate; `cert`, `key`: a client's."""
 
     ca: str
     cert: str | None = None
@@ -77,9 +57,8 @@ class RelayTLS:
 
 
 @dataclass
-class RelayPlacement:
-    """The relays `place_relays` started: `addresses` maps each Ray node id to its relay's
-    address (reachable from that node only), `actors` to its actor."""
+class RelayPlacement(contextlib.AbstractContextManager):
+    """Each Ray node id's relay address (reachable from that node only) and actor."""
 
     upstream: str
     addresses: dict[str, str]
@@ -96,24 +75,18 @@ class RelayPlacement:
                 ray.kill(actor)
             self.actors = {}
 
-    def __enter__(self) -> RelayPlacement:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
 
 def alive_node_ids() -> list[str]:
-    """The ids of the Ray cluster's alive nodes."""
     import ray
 
     return [node["NodeID"] for node in ray.nodes() if node["Alive"]]
 
 
 def pinned_to(node_id: str) -> Any:
-    """A scheduling strategy that keeps an actor on `node_id` (soft=False: never moved)."""
+    """A scheduling strategy that never moves an actor off `node_id`."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     return NodeAffinitySchedulingStrategy(node_id, soft=False)
@@ -127,9 +100,7 @@ def place_relays(
     timeout: float = 60.0,
     tls: RelayTLS | None = None,
 ) -> RelayPlacement:
-    """Start one relay of `upstream` on each alive Ray node (or `node_ids`); return once all
-    serve. `args`: more ``weightserver serve`` arguments (with ``--tls-cert``, `tls` says how to
-    check them). Each actor asks for no CPU and is pinned to its node (soft=False)."""
+    """Start a relay of `upstream` (more ``serve`` `args`) in a no-CPU actor pinned to each node; wait for all."""
     import ray
 
     remote = ray.remote(num_cpus=0)(RelayServer)
@@ -163,7 +134,6 @@ def node_relay_address(timeout: float = 30.0) -> str:
         except ValueError:  # no actor of that name (yet)
             if time.monotonic() > deadline:
                 raise LookupError(
-                    f"no weightserver relay on Ray node {node_id} after {timeout}s: "
-                    "start one per node with weightserver.relay.ray_relays.place_relays(primary)"
+                    f"no weightserver relay on Ray node {node_id} after {timeout}s: start them with place_relays()"
                 ) from None
             time.sleep(0.2)

@@ -1,16 +1,11 @@
-"""Relay (`weightserver serve --upstream ADDRESS`): a server that follows another instead of
-taking publishes, so that collectors fetch near them and the primary sends each version once per
-relay; relays of relays make a tree. A relay is a client of its upstream (WeightServiceClient,
-in threads): shared memory, bulk or the stream as negotiated, publishes received while they
-arrive, deltas, the client's retry rules. It commits each version the upstream's Watch announces
-under the upstream's number, metadata, digests and commit time; it records missed versions
-(gaps), drops those the upstream no longer retains, and refuses changes naming the primary.
-"""
+"""Relay (`serve --upstream ADDRESS`): a server that follows another as its client, committing each
+version announced under the upstream's number, metadata, digests and commit time."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import mmap
@@ -28,30 +23,15 @@ from weightclient.core.retry import RetryPolicy
 from weightclient.core.service_client import WeightServiceClient
 from weightserver.config import ServerConfig
 from weightserver.metrics import NoMetrics
+from weightserver.protocol import errors
 from weightserver.protocol.channel import channel_credentials
 from weightserver.protocol.digests import xxh3_hex
-from weightserver.protocol.errors import (
-    AuthenticationRequired,
-    DeadlineExceeded,
-    DescriptionTooLarge,
-    IntegrityError,
-    InvalidSafetensors,
-    ModelNotFound,
-    ModelTooLarge,
-    NotFoundError,
-    NotPrimary,
-    PermissionDenied,
-    ServerUnavailable,
-    VersionConflict,
-    VersionEvicted,
-    WeightServerError,
-)
 from weightserver.protocol.limits import MAX_CHUNK_BYTES
 from weightserver.protocol.names import validate_model_name
 from weightserver.protocol.version_info import Arriving, ModelSummary, VersionEvent, VersionInfo
 from weightserver.publish.incoming import IncomingPublish, IncomingPublishes
 from weightserver.storage.payloads import apply_delta
-from weightserver.storage.store import Commit, Upload, Version, VersionStore
+from weightserver.storage.store import Upload, Version, VersionStore
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -59,85 +39,67 @@ T = TypeVar("T")
 RELAY_HEALTH_SERVICE = "weightserver.relay"
 # Initial metadata of a relay's Watch: the primary, so a relay of a relay names the tree's root.
 PRIMARY_METADATA_KEY = "weightserver-primary"
-# Deadlines: a unary call; a Watch (then resubscribed: an upstream gone silent is asked again); a fetch.
+# Deadlines: a unary call; a Watch (then resubscribed, so a silent upstream is asked again); a fetch.
 CALL_SECONDS = 5.0
 WATCH_SECONDS = 60.0
 FETCH_SECONDS = 3600.0
-# A follower's waits after a failure, and the poll's while the upstream refuses this relay.
-BACKOFF = RetryPolicy(first=0.1, longest=5.0)
-# How long a follower waits for the other members of a group version; then it commits alone.
-GROUP_WAIT_SECONDS = 60.0
-# Publishes received while they arrive, awaiting their commit; beyond, the oldest are let go.
-MAX_INCOMING = 8
-_NEVER_FITS = (ModelTooLarge, DescriptionTooLarge, InvalidSafetensors)
-_REFUSALS = (AuthenticationRequired, PermissionDenied)
+BACKOFF = RetryPolicy(first=0.1, longest=5.0)  # after a failure; the poll's while the upstream refuses
+GROUP_WAIT_SECONDS = 60.0  # for the other members of a group version; then a follower commits alone
+MAX_INCOMING = 8  # publishes received early, awaiting their commit; beyond, the oldest are let go
+_NEVER_FITS = (errors.ModelTooLarge, errors.DescriptionTooLarge, errors.InvalidSafetensors)
+_REFUSALS = (errors.AuthenticationRequired, errors.PermissionDenied)
 _CHANGES = {"Publish": "publishes", "Negotiate": "publishes", "DeleteVersion": "deletes", "PinVersion": "pins"}
 
 
 @dataclass(frozen=True)
 class UpstreamLink:
-    """How a relay dials its upstream: TLS (`tls`, with optional PEM files) and a bearer token."""
+    """How a relay dials its upstream: the client's TLS options and bearer token ("": none)."""
 
     tls: bool = False
-    ca: Path | None = None
-    cert: Path | None = None
-    key: Path | None = None
-    token: str | None = field(default=None, repr=False)
+    tls_ca: Path | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    token: str = field(default="", repr=False)
 
     @classmethod
     def from_config(cls, config: ServerConfig) -> UpstreamLink:
-        """The link `config`'s upstream_* settings describe; its PEM files are read now, so a bad
-        one stops the server before it binds its port (ValueError naming the option)."""
+        """Reads the PEM files now, so a bad one stops the server before it binds (ValueError)."""
         files = (config.upstream_tls_ca, config.upstream_tls_cert, config.upstream_tls_key)
         if config.upstream_uses_tls:
             try:
                 channel_credentials(*files, names=("--upstream-tls-ca", "--upstream-tls-cert", "--upstream-tls-key"))
             except OSError as exc:
                 raise ValueError(f"cannot read the upstream's TLS file {exc.filename}: {exc.strerror}") from None
-        return cls(config.upstream_uses_tls, *files, token=config.upstream_token)
+        return cls(config.upstream_uses_tls, *files, token=config.upstream_token or "")
 
 
 @dataclass
 class _GroupCommit:
-    """A group version that the followers of its models reach one by one."""
-
-    waiting: set[str]  # the members whose followers have not reached it yet
+    waiting: set[str]  # the members whose followers have not reached the group version yet
     done: asyncio.Future[bool] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
 @dataclass
-class _Subscription:
-    """One Watch on the upstream, as far as its events went: what a missed version is told by."""
-
-    last: int  # the newest version announced (at first: the `since` subscribed with)
-    gap: bool = False  # the upstream said versions after `since` are gone
-
-
-@dataclass
-class _Incoming:
-    """A publish's bytes received from the upstream while they arrive there, passed on as they land."""
-
+class _Incoming:  # a publish's bytes received while they arrive upstream, passed on as they land
     publish: IncomingPublish
     task: asyncio.Task[None]
 
 
 @dataclass(frozen=True)
 class _Fetched:
-    """A version fetched from the upstream, whole."""
-
     info: VersionInfo
     data: bytes | bytearray | memoryview = field(repr=False)
     moved: int  # payload bytes received: a delta's, or the whole file's (and a discarded delta's)
     delta: bool  # rebuilt from a delta against the version held
 
+    def upload(self) -> Upload:
+        info = self.info
+        return Upload(info.model, self.data, info.sha256 or None, info.byte_size, dict(info.metadata), xxh3=info.xxh3)
+
 
 class Relay:
-    """Follows `upstream` into `store`, on the running event loop, from `start()` to `stop()`.
-
-    `models`: those to follow (None: all, later ones too). `health`: for `weightserver.relay`.
-    `incoming`: the server's publishes in progress, which the relay's cut-through feeds, so that
-    depth adds about a chunk's latency, not a transfer. `link`: default plaintext, no token.
-    """
+    """Follows `upstream` into `store` on the running event loop. `models`: those to follow (None: all).
+    `incoming`: the server's publishes in progress, fed as bytes arrive (cut-through) so depth is cheap."""
 
     def __init__(
         self,
@@ -172,13 +134,11 @@ class Relay:
         self._tasks: dict[str, asyncio.Task[None]] = {}  # "" polls, each model's follows it
         self._groups: dict[int, _GroupCommit] = {}
         self._upstream_back = asyncio.Event()  # set (and replaced) when the upstream answers again
-        # model -> the upstream's summary (latest, count, bytes) when its versions were last
-        # listed, and the versions this relay held then that the upstream retained.
+        # model -> the upstream's (latest, count, bytes) when last listed, and the versions held then that it retained
         self._checked: dict[str, tuple[tuple[int, int, int], frozenset[int]]] = {}
 
     @property
     def followed(self) -> list[str]:
-        """The models this relay follows now, sorted."""
         return sorted(name for name in self._tasks if name)
 
     @property
@@ -191,25 +151,16 @@ class Relay:
         return ((PRIMARY_METADATA_KEY, self.primary),)
 
     def refuse(self, call: str) -> NoReturn:
-        """Raise NotPrimary for a call that would change versions (`_CHANGES`)."""
-        raise NotPrimary(
+        raise errors.NotPrimary(
             f"this server is a relay of {self.address} and takes no {_CHANGES.get(call, 'changes')}: its versions "
             f"are the primary's; send publishes, deletes and pins to the primary, {self.primary}"
         )
 
     async def start(self, client_id: str | None = None) -> None:
         """Start following; `client_id` names this relay to its upstream (logs, per-client metrics)."""
-        link = self.link
+        link, options = self.link, dataclasses.asdict(self.link)
         self._client = WeightServiceClient(
-            self.address,
-            timeout=CALL_SECONDS,
-            chunk_bytes=MAX_CHUNK_BYTES,
-            client_id=client_id,
-            token=link.token or "",  # "": not the client's $WEIGHTSERVER_TOKEN
-            tls=link.tls,
-            tls_ca=link.ca,
-            tls_cert=link.cert,
-            tls_key=link.key,
+            self.address, timeout=CALL_SECONDS, chunk_bytes=MAX_CHUNK_BYTES, client_id=client_id, **options
         )
         self.metrics.upstream_up(False)
         if self.health is not None:  # until the upstream first answers
@@ -217,38 +168,26 @@ class Relay:
         self._tasks[""] = asyncio.create_task(self._poll(), name="weightserver-relay-poll")
         for model in sorted(self.models or ()):
             self._follow(model)
-        log.info(
-            "relaying %s (models: %s; polled every %gs; %s, %s)",
-            self.address,
-            ", ".join(sorted(self.models)) if self.models is not None else "all",
-            self.poll_seconds,
-            "TLS" if link.tls else "plaintext",
-            "with a token" if link.token else "no token",
-        )
+        models = ", ".join(sorted(self.models)) if self.models is not None else "all"
+        how = ("TLS" if link.tls else "plaintext", "with a token" if link.token else "no token")
+        log.info("relaying %s (models: %s; polled every %gs; %s, %s)", self.address, models, self.poll_seconds, *how)
         if link.token and not link.tls:
-            log.warning(
-                "relay: the upstream token travels in plaintext to %s; dial it over TLS (--upstream-tls-ca) "
-                "unless the network between them is private",
-                self.address,
-            )
+            log.warning("relay: the upstream token travels in plaintext to %s; use --upstream-tls-ca", self.address)
 
     async def stop(self) -> None:
-        """Stop following; a commit under way finishes first. Closing the client ends its calls
-        still running in threads."""
+        """Stop following; a commit under way finishes first."""
         tasks = list(self._tasks.values()) + [incoming.task for incoming in self._incoming.values()]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         if self._client is not None:
-            await asyncio.to_thread(self._client.close)
+            await asyncio.to_thread(self._client.close)  # ends its calls still running in threads
         self._threads.shutdown(wait=False, cancel_futures=True)
 
     async def _blocking(self, call: Callable[..., T], *args: object, **kwargs: object) -> T:
         """`call` (the client's, which blocks) in this relay's threads."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._threads, functools.partial(call, *args, **kwargs))
+        return await asyncio.get_running_loop().run_in_executor(self._threads, functools.partial(call, *args, **kwargs))
 
-    # ------------------------------------------------------------------ the upstream's models
     def _follows(self, model: str) -> bool:
         return self.models is None or model in self.models
 
@@ -257,164 +196,101 @@ class Relay:
             self._tasks[model] = asyncio.create_task(self._follower(model), name=f"weightserver-relay-{model}")
 
     async def _poll(self) -> None:
-        """Ask the upstream for its models every `poll_seconds` (longer while it refuses this
-        relay): a new one is followed, and the answer or its absence says whether it is up."""
+        """Every `poll_seconds` (longer while refused): follow new models, drop versions gone upstream, report."""
         assert self._client is not None
         refusals = 0  # in a row
         while True:
             try:
                 summaries = await self._blocking(self._client.list_models)
             except Exception as exc:
-                if not isinstance(exc, WeightServerError):
+                if not isinstance(exc, errors.WeightServerError):
                     log.exception("polling the upstream %s failed", self.address)
-                await self._report(False, exc)
+                await self._report(exc)
             else:
-                await self._report(True)
+                await self._report(None)
                 for summary in summaries:
                     if self._follows(summary.model):
-                        self._heard(summary.model, summary.latest_version, exact=True)
+                        self._heard(summary.model, summary.latest_version)
                         self._follow(summary.model)
                 try:
                     await self._reconcile(summaries)
-                except WeightServerError as exc:  # the upstream went away meanwhile: the next poll
+                except errors.WeightServerError as exc:  # the upstream went away meanwhile: the next poll
                     log.info("relay: checking the versions held against %s failed: %s", self.address, exc)
             refusals = refusals + 1 if self.upstream_refused else 0
             await asyncio.sleep(max(self.poll_seconds, BACKOFF.delay(refusals - 1) if refusals else 0.0))
 
-    def _heard(self, model: str, version: int, *, exact: bool = False) -> None:
-        """The upstream's latest version of `model` is `version` (`exact`), or at least that."""
-        latest = version if exact else max(version, self.upstream_latest.get(model, 0))
+    def _heard(self, model: str, latest: int) -> None:
         self.upstream_latest[model] = latest
         self.metrics.upstream_latest(model, latest)
 
-    async def _report(self, up: bool, error: BaseException | None = None) -> None:
-        """Record whether the upstream answers, and whether it refuses this relay: metrics, one
-        log line per change, then health; when it answers again, waiting followers go at once."""
-        refused = not up and isinstance(error, _REFUSALS)
+    async def _report(self, error: BaseException | None) -> None:
+        """Record whether the upstream answers (`error` None) or refuses: metrics, a log line per change, health."""
+        up, refused = error is None, isinstance(error, _REFUSALS)
         if refused:
             self.metrics.upstream_refusal()
-        if not up:
-            self.upstream_error = f"{type(error).__name__}: {error}" if error is not None else "no answer"
+        self.upstream_error = None if error is None else f"{type(error).__name__}: {error}"
         if up == self.upstream_up and refused == self.upstream_refused:
             return
         self.upstream_up, self.upstream_refused = up, refused
         self.metrics.upstream_up(up, refused=refused)
         if up:
-            self.upstream_error = None
             log.info("upstream %s answers: following it", self.address)
-            self._upstream_back.set()
+            self._upstream_back.set()  # waiting followers go at once
             self._upstream_back = asyncio.Event()
         elif refused:
-            log.error(
-                "upstream %s refuses this relay (%s): %s; serving the versions held, retrying with backoff",
-                self.address,
-                self.upstream_error,
-                self._refusal_advice(),
-            )
-        else:
-            log.warning(
-                "upstream %s does not answer (%s): serving the versions held, retrying%s",
-                self.address,
-                error,
-                self._handshake_advice(),
-            )
-        # Health last: a probe that sees it change finds the metrics and the log line in place.
-        if self.health is not None:
+            advice = "check the token of" if self.link.token else "it requires a token: give the relay one with"
+            message = "upstream %s refuses this relay (%s): %s --upstream-token-file or $WEIGHTSERVER_UPSTREAM_TOKEN"
+            log.error(message + " (role reader or above)", self.address, self.upstream_error, advice)
+        else:  # a failed TLS handshake looks like an upstream that is away (UNAVAILABLE)
+            advice = "if it is up and serves TLS, dial it with --upstream-tls-ca PEM or --upstream-tls"
+            if self.link.tls:
+                advice = "if it is up, check its TLS: --upstream-tls-ca (its CA, the name dialled), --upstream-tls-cert"
+            log.warning("upstream %s does not answer (%s): serving the versions held (%s)", self.address, error, advice)
+        if self.health is not None:  # last: a probe that sees it change finds the rest in place
             status = health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
             await self.health.set(RELAY_HEALTH_SERVICE, status)
 
-    def _refusal_advice(self) -> str:
-        if not self.link.token:
-            return (
-                "it requires a token: give the relay one with --upstream-token-file FILE or "
-                "$WEIGHTSERVER_UPSTREAM_TOKEN (an entry of the upstream's --auth-tokens file, role reader)"
-            )
-        return (
-            "check the token of --upstream-token-file or $WEIGHTSERVER_UPSTREAM_TOKEN against the "
-            "upstream's --auth-tokens file: it must be listed there, with role reader or above"
-        )
-
-    def _handshake_advice(self) -> str:
-        """A failed TLS handshake looks like an upstream that is away (UNAVAILABLE)."""
-        if self.link.tls:
-            return (
-                " (if it is up, the TLS handshake may be what fails: --upstream-tls-ca must be the CA that "
-                "signed its certificate, which must name the address dialled; an upstream with "
-                "--tls-client-ca also needs --upstream-tls-cert and --upstream-tls-key)"
-            )
-        return " (if it is up and serves TLS, dial it with --upstream-tls-ca PEM or --upstream-tls)"
-
-    # ------------------------------------------------------------------ deletes upstream
     async def _reconcile(self, summaries: Sequence[ModelSummary]) -> None:
-        """Drop every version held that the upstream no longer retains. A model is listed again
-        only when its summary (latest, count, bytes) changed since it was last listed; a version
-        missing there is dropped once Describe confirms it is gone (not committed since)."""
+        """Drop the versions held that the upstream no longer retains (as Describe confirms); relist on a change."""
         assert self._client is not None
         listed = {s.model: (s.latest_version, s.version_count, s.retained_bytes) for s in summaries}
         for model in [info.model for info in self.store.models()]:
-            held = {v.version for v in self._held_versions(model)}
-            summary = listed.get(model)
-            checked = self._checked.get(model)
-            if summary is not None and checked is not None and checked[0] == summary:
+            summary, checked = listed.get(model), self._checked.pop(model, None)
+            try:
+                held = {v.version for v in self.store.versions(model)}
+            except errors.ModelNotFound:
+                continue  # gone meanwhile (this relay's own retention)
+            retained: frozenset[int] = frozenset()  # when the upstream holds no version of it
+            if checked is not None and checked[0] == summary:
                 retained = checked[1]
-            elif summary is None:  # the upstream holds no version of it
-                retained = frozenset()
-            else:
-                retained = frozenset(v.version for v in await self._upstream_versions(model))
+            elif summary is not None:
+                with contextlib.suppress(errors.ModelNotFound):
+                    retained = frozenset(v.version for v in await self._blocking(self._client.list_versions, model))
             confirmed = held & retained
             for version in sorted(held - retained):
                 try:
                     await self._blocking(self._client.describe, model, version)
-                except VersionEvicted:
-                    await self._drop(model, version, evicted=True)
-                except NotFoundError:  # deleted (or the model is gone)
-                    await self._drop(model, version, evicted=False)
-                else:
                     confirmed.add(version)  # committed upstream after its listing
-            if summary is None:
-                self._checked.pop(model, None)
-            else:
+                except errors.NotFoundError as exc:  # evicted, deleted, or the model is gone
+                    why = "evicted" if isinstance(exc, errors.VersionEvicted) else "deleted"
+                    with contextlib.suppress(errors.NotFoundError):  # else gone meanwhile (this relay's retention)
+                        await asyncio.to_thread(self.store.delete, model, version, evicted=why == "evicted")
+                        if self.on_removed is not None:
+                            self.on_removed(model)
+                        log.info("relay of %r: v%d was %s upstream; no longer served here", model, version, why)
+            if summary is not None:
                 self._checked[model] = (summary, frozenset(confirmed))
 
-    def _held_versions(self, model: str) -> list[Version]:
-        try:
-            return self.store.versions(model)
-        except ModelNotFound:
-            return []
-
-    async def _upstream_versions(self, model: str) -> list[VersionInfo]:
-        assert self._client is not None
-        try:
-            return await self._blocking(self._client.list_versions, model)
-        except ModelNotFound:
-            return []
-
-    async def _drop(self, model: str, version: int, *, evicted: bool) -> None:
-        """Stop serving a version the upstream no longer retains."""
-        try:
-            await asyncio.to_thread(self.store.delete, model, version, evicted=evicted)
-        except NotFoundError:
-            return  # gone meanwhile (this relay's own retention)
-        if self.on_removed is not None:
-            self.on_removed(model)
-        why = "evicted" if evicted else "deleted"
-        log.info("relay of %r: v%d was %s upstream; no longer served here", model, version, why)
-
-    # ------------------------------------------------------------------ following one model
     def _held(self, model: str) -> Version | None:
-        try:
+        with contextlib.suppress(errors.ModelNotFound):
             return self.store.latest(model)
-        except ModelNotFound:
-            return None
+        return None
 
     def _held_version(self, model: str) -> int:
-        held = self._held(model)
-        return held.version if held is not None else 0
+        return getattr(self._held(model), "version", 0)
 
     async def _follower(self, model: str) -> None:
-        """Watch `model` on the upstream since the newest version held and relay each version
-        announced; after a failure, back off (`BACKOFF`, woken when the poll reaches the
-        upstream again) and resubscribe, so the upstream replays what was missed."""
+        """Watch `model` from the newest version held and relay each; after a failure, back off and resubscribe."""
         assert self._client is not None
         attempt, failure = 0, ""
 
@@ -423,24 +299,24 @@ class Relay:
             attempt, self._upstream_primary = 0, metadata.get(PRIMARY_METADATA_KEY) or None
 
         while True:
-            subscription = _Subscription(self._held_version(model))
+            last, gap = self._held_version(model), False  # the newest version announced; some went upstream
             events = self._client.watch(
-                model,
-                since=subscription.last,
-                timeout=WATCH_SECONDS,
-                incoming=self.incoming is not None,
-                on_subscribed=subscribed,
+                model, since=last, timeout=WATCH_SECONDS, incoming=self.incoming is not None, on_subscribed=subscribed
             )
             try:
                 while (event := await self._blocking(_next_event, events)) is not None:
                     failure = ""
-                    await self._on_event(model, event, subscription)
+                    if isinstance(event, VersionEvent):  # numbers need not be consecutive: a jump after a gap is one
+                        gap = gap or event.gap
+                        if gap and event.version > last + 1 and event.version > self._held_version(model):
+                            self.store.missed(model, event.version - 1)
+                        last = event.version
+                    await self._on_event(model, event)
                 continue  # the Watch's deadline passed: resubscribe at once
-            except (ServerUnavailable, DeadlineExceeded, *_REFUSALS) as exc:
-                await self._report(False, exc)
-            except WeightServerError as exc:  # logged once while it repeats (e.g. CursorOutOfRange)
-                repeated, failure = failure == str(exc), str(exc)
-                level = logging.DEBUG if repeated else logging.WARNING
+            except (errors.ServerUnavailable, errors.DeadlineExceeded, *_REFUSALS) as exc:
+                await self._report(exc)
+            except errors.WeightServerError as exc:  # logged once while it repeats (e.g. CursorOutOfRange)
+                level, failure = (logging.DEBUG if failure == str(exc) else logging.WARNING), str(exc)
                 log.log(level, "relay of %r: %s: %s; retrying", model, type(exc).__name__, exc)
             except Exception:
                 log.exception("relay of %r failed; retrying", model)
@@ -450,25 +326,15 @@ class Relay:
             await BACKOFF.wait_async(attempt, wake=self._upstream_back)
             attempt += 1
 
-    async def _on_event(self, model: str, event: VersionEvent | Arriving, subscription: _Subscription) -> None:
+    async def _on_event(self, model: str, event: VersionEvent | Arriving) -> None:
         if isinstance(event, Arriving):
             self._on_arriving(event)
             return
         number = event.version
         incoming = self._incoming.pop(event.arriving, None) if event.arriving else None
-        self._heard(model, number)
+        self._heard(model, max(number, self.upstream_latest.get(model, 0)))
         if event.gap:
-            subscription.gap = True
-            log.warning(
-                "relay of %r: versions before v%d were evicted or deleted upstream before this relay fetched them",
-                model,
-                number,
-            )
-        after, subscription.last = subscription.last, number
-        if subscription.gap and number > after + 1 and number > self._held_version(model):
-            # Numbers need not be consecutive, so only after the upstream flagged a gap is a jump
-            # taken for one: this relay's watchers after `after` are told of it with this version.
-            self.store.missed(model, number - 1)
+            log.warning("relay of %r: versions before v%d went upstream before this relay fetched them", model, number)
         if number <= self._held_version(model):
             if incoming is not None:
                 incoming.publish.fail("this relay holds that version already")
@@ -481,11 +347,10 @@ class Relay:
         if len(members) > 1:
             await self._reach_group(model, members, number)
         else:
-            await self._relay([model], number)
+            await self._relay([model], number, event.info.byte_size)
 
     async def _reach_group(self, model: str, members: list[str], number: int) -> None:
-        """`model`'s follower reached group version `number`: the last of `members` to reach it
-        fetches and commits every member's version together; the others wait for it."""
+        """The last of `members`' followers to reach group version `number` commits them together."""
         for member in members:
             self._follow(member)  # a group may name a model the poll has not listed yet
         group = self._groups.get(number)
@@ -504,24 +369,17 @@ class Relay:
         try:
             committed = await asyncio.wait_for(asyncio.shield(group.done), GROUP_WAIT_SECONDS)
         except asyncio.TimeoutError:  # TimeoutError from 3.11 on
-            log.warning(
-                "relay of %r v%d: the followers of %s did not reach this group version within %gs; committing it alone",
-                model,
-                number,
-                ", ".join(sorted(group.waiting)),
-                GROUP_WAIT_SECONDS,
-            )
+            waiting = ", ".join(sorted(group.waiting))
+            log.warning("relay of %r v%d: %s did not reach it in time; committing it alone", model, number, waiting)
             if self._groups.get(number) is group:
                 del self._groups[number]
             await self._relay([model], number)
             return
         if not committed:
-            raise ServerUnavailable(f"the group commit of v{number} failed; {model!r} resubscribes")
+            raise errors.ServerUnavailable(f"the group commit of v{number} failed; {model!r} resubscribes")
 
-    # ------------------------------------------------------------------ incoming publishes
     def _on_arriving(self, announced: Arriving) -> None:
-        """The upstream announced a publish's bytes arriving (or, `failed`, never to commit):
-        receive them, announcing them to this relay's own followers as they land."""
+        """A publish's bytes arrive upstream (or, `failed`, never will): receive them, passing them on as they land."""
         if self.incoming is None:
             return
         if announced.failed:
@@ -544,64 +402,57 @@ class Relay:
     async def _receive_incoming(self, announced: Arriving, publish: IncomingPublish) -> None:
         """The bytes into `publish.buffer`, unchecked: kept only if the commit names and matches them."""
         assert self._client is not None
+
+        def progress(received: int, _: int) -> None:
+            publish.advance(received)  # thread-safe
+
         try:
             await self._blocking(
-                self._client.fetch_incoming,
-                announced,
-                timeout=FETCH_SECONDS,
-                into=publish.buffer,
-                progress=lambda received, _: publish.advance(received),  # thread-safe
+                self._client.fetch_incoming, announced, timeout=FETCH_SECONDS, into=publish.buffer, progress=progress
             )
         except BaseException as exc:
             publish.fail(f"the relay's transfer from its upstream stopped: {str(exc) or type(exc).__name__}")
             raise
 
     async def _relay_incoming(self, info: VersionInfo, incoming: _Incoming) -> bool:
-        """Commit the version the upstream just committed from the bytes received while they
-        arrived, if they all came and the store finds them to be it; False if not (fetch it)."""
+        """Commit the version from the bytes received early; False (fetch it) if they are not all there or not it."""
         try:
             await incoming.task
         except (asyncio.CancelledError, Exception) as exc:
             log.info("relay of %r v%d: receiving it early failed (%s); fetching it", info.model, info.version, exc)
             return False
         buffer = incoming.publish.buffer
-        fetched = _Fetched(info, buffer, moved=buffer.nbytes, delta=False)
-
-        def committed(record: Version) -> None:  # under the commit lock: this relay's events name the bytes
-            assert self.incoming is not None
-            self.incoming.committed(incoming.publish, record.model, record.version)
-
         try:
-            await self._commit_fetched([fetched], info.version, time.perf_counter(), on_commit=committed)
-        except IntegrityError as exc:
-            log.warning(
-                "relay of %r v%d: the bytes received early are not it (%s); fetching it", info.model, info.version, exc
+            await self._commit(
+                [_Fetched(info, buffer, buffer.nbytes, False)], info.version, time.perf_counter(), incoming.publish
             )
+        except errors.IntegrityError as exc:
+            log.warning("relay of %r v%d: the bytes received early are not it (%s)", info.model, info.version, exc)
             return False
         return incoming.publish.ended and incoming.publish.failure is None
 
-    # ------------------------------------------------------------------ fetch and commit
-    async def _relay(self, models: list[str], number: int) -> None:
-        """Fetch version `number` of `models` and commit them (together)."""
+    async def _relay(self, models: list[str], number: int, size: int = 0) -> None:
+        """Fetch version `number` of `models` (each of about `size` bytes, if known) and commit them together."""
         started = time.perf_counter()
         fetched: list[_Fetched] = []
         for model in models:
             try:
-                fetched.append(await self._blocking(self._fetch, model, number, self._held(model)))
-            except NotFoundError as exc:  # evicted or deleted upstream since it was announced
+                fetched.append(await self._blocking(self._fetch, model, number, self._held(model), size))
+            except errors.NotFoundError as exc:  # evicted or deleted upstream since it was announced
                 log.warning("relay of %r v%d: gone upstream before it was fetched (%s)", model, number, exc)
                 self.store.missed(model, number)  # this relay's watchers are told of the gap
         if fetched:
-            await self._commit_fetched(fetched, number, started)
+            await self._commit(fetched, number, started)
 
-    def _fetch(self, model: str, number: int, base: Version | None) -> _Fetched:
-        """Version `number` of `model`, whole (in a thread): rebuilt from a delta against `base`
-        when the upstream sends one that rebuilds to the version's xxh3, else its file."""
+    def _fetch(self, model: str, number: int, base: Version | None, size: int) -> _Fetched:
+        """Version `number` of `model` (in a thread), rebuilt from a delta against `base` if that matches its xxh3."""
         assert self._client is not None
+        # Anonymous memory, not the client's numpy buffer: its huge pages' compaction can triple a 256 MiB receive.
+        into = memoryview(mmap.mmap(-1, size)) if size else None
         fetch = functools.partial(self._client.fetch_bytes, model, version=number, timeout=FETCH_SECONDS, retry=False)
         discarded = 0
         if base is not None:
-            got = fetch(base_version=base.version, base_xxh3=base.xxh3)
+            got = fetch(into=into, base_version=base.version, base_xxh3=base.xxh3)
             assert got is not None  # an exact version is never "up to date"
             if not got.base_version:
                 return _Fetched(got.info, got.data, got.data.nbytes, delta=False)
@@ -611,78 +462,49 @@ class Relay:
                 return _Fetched(info, rebuilt, got.data.nbytes, delta=True)
             log.info("%s v%d: the delta against v%d did not rebuild it; fetching it whole", model, number, base.version)
             discarded = got.data.nbytes
-        got = fetch()
+        got = fetch(into=into)
         assert got is not None
         return _Fetched(got.info, got.data, discarded + got.data.nbytes, delta=False)
 
-    async def _commit_fetched(
-        self, fetched: list[_Fetched], number: int, started: float, on_commit: Callable[[Version], None] | None = None
+    async def _commit(
+        self, fetched: list[_Fetched], number: int, started: float, publish: IncomingPublish | None = None
     ) -> None:
-        """Commit the fetched versions together under `number`, with the upstream's metadata,
-        digests and commit time; log and count them. Counted in the commit itself, before any
-        reader can see them: a client that sees a version then reads /metrics finds it counted."""
+        """Commit `fetched` under `number` in a thread (it hashes) that a cancelled caller waits for; counted
+        before it is visible, so a client that sees a version finds it in /metrics."""
 
-        def counted(commit: Commit) -> None:
-            for f, record in zip(fetched, commit.versions, strict=True):
-                if on_commit is not None:
-                    on_commit(record)
-                self.metrics.relayed(record.model, f.moved, delta=f.delta)
-                self.metrics.published(record.model, record.byte_size, time.perf_counter() - started)
+        def commit() -> list[Version]:
+            uploads = [f.upload() for f in fetched]
+            with self.store.commit(uploads, version=number, created=fetched[0].info.created_ns / 1e9) as done:
+                for f, record in zip(fetched, done.versions, strict=True):
+                    if publish is not None and self.incoming is not None:  # this relay's events name the bytes
+                        self.incoming.committed(publish, record.model, record.version)
+                    self.metrics.relayed(record.model, f.moved, delta=f.delta)
+                    self.metrics.published(record.model, record.byte_size, time.perf_counter() - started)
+            return list(done.versions)
 
-        uploads = [
-            Upload(
-                f.info.model,
-                f.data,
-                sha256=f.info.sha256 or None,
-                xxh3=f.info.xxh3,
-                total_bytes=f.info.byte_size,
-                metadata=dict(f.info.metadata),
-            )
-            for f in fetched
-        ]
+        committing = asyncio.get_running_loop().run_in_executor(None, commit)
         try:
-            records = await self._commit(uploads, number, fetched[0].info.created_ns / 1e9, counted)
-        except VersionConflict:
+            records = await asyncio.shield(committing)
+        except errors.VersionConflict:
             return  # committed meanwhile (a group's other follower)
         except _NEVER_FITS as exc:
             log.error("relay of %s v%d: cannot hold it, skipped: %s", [f.info.model for f in fetched], number, exc)
             for f in fetched:
                 self.store.missed(f.info.model, number)
             return
-        seconds = time.perf_counter() - started
-        for f, record in zip(fetched, records, strict=True):
-            fields = {
-                "event": "relay",
-                "model": record.model,
-                "version": record.version,
-                "bytes": f.moved,
-                "payload": "delta" if f.delta else "whole",
-                "duration_ms": round(seconds * 1e3, 3),
-            }
-            pairs = " ".join(f"{key}={value}" for key, value in fields.items() if key != "event")
-            log.info("relay %s upstream=%s", pairs, self.address, extra=fields)
-
-    async def _commit(
-        self, uploads: list[Upload], number: int, created: float, durable: Callable[[Commit], None]
-    ) -> list[Version]:
-        """Commit in a worker thread (it hashes and may fsync), calling `durable` before the
-        versions are visible; a cancelled caller (the relay stopping) waits for it to finish."""
-
-        def publish() -> list[Version]:
-            with self.store.commit(uploads, version=number, created=created) as commit:
-                durable(commit)
-            return list(commit.versions)
-
-        committing = asyncio.get_running_loop().run_in_executor(None, publish)
-        try:
-            return await asyncio.shield(committing)
         finally:
             await asyncio.wait([committing])
+        milliseconds = round((time.perf_counter() - started) * 1e3, 3)
+        for f, record in zip(fetched, records, strict=True):
+            fields = {"model": record.model, "version": record.version, "bytes": f.moved}
+            fields.update(payload="delta" if f.delta else "whole", duration_ms=milliseconds)
+            pairs = " ".join(f"{key}={value}" for key, value in fields.items())
+            log.info("relay %s upstream=%s", pairs, self.address, extra={"event": "relay", **fields})
 
 
 def _next_event(events: Iterator[VersionEvent | Arriving]) -> VersionEvent | Arriving | None:
     """The Watch's next event; None once it ended (its deadline passed: resubscribe)."""
     try:
         return next(events, None)
-    except DeadlineExceeded:
+    except errors.DeadlineExceeded:
         return None
