@@ -84,9 +84,7 @@ class Publishes:
 
 
 class PublishCall:
-    """One Publish call, telling `turn` what arrives; `owner` may name only the uploads it set
-    up, and `counted` is called in each model's commit. Its phases' seconds: `receive` (until
-    the commit message), `verify` (until the digests were in), `commit` (the store's)."""
+    """One Publish call; `owner` may name only the uploads it set up. Phases: receive, verify, commit (s)."""
 
     def __init__(
         self, publishes: Publishes, turn: PublishTurn, owner: bytes | None, counted: Callable[[Version], None]

@@ -63,11 +63,7 @@ def server_shm_dir(port: int, root: Path | None = None) -> Path | None:
 
 
 def _remove_abandoned(root: Path) -> None:
-    """Remove the folders under `root` whose lock file nobody holds: their server is gone.
-
-    A server holds flock(LOCK_EX) on its LOCK_FILE for life; the kernel drops it however the
-    process dies, and unlike a PID it means the same in other PID namespaces. A folder without
-    a lock file is left alone (an older release's, or one being created this instant)."""
+    """Remove the folders under `root` whose lock file nobody holds."""
     unlocked = []
     for folder in root.glob("weightserver-*-*"):
         try:
@@ -235,10 +231,7 @@ class SharedMemoryFiles:
 
 
 class SharedMemoryUpload:
-    """A publish's receive buffer in a file only this process writes: created read-only for
-    everyone and written through its creating descriptor's mapping, so no other process can
-    write, grow or shrink it under the server. `source`: the file a same-host publisher writes
-    the bytes into, read with pread, never mapped."""
+    """A publish's receive buffer in a file only this process writes."""
 
     def __init__(self, path: Path, size: int, *, populate: bool = False) -> None:
         """OSError (ENOSPC) when the folder has no room; no file is left. `populate`: fill the
