@@ -98,7 +98,16 @@ class PublishCall:
         started, models = time.perf_counter(), self.models
         failure = "the publish stream ended without committing"
         try:
-            commit = await self._read(_within(messages, self.publishes.timeout))
+            seconds = self.publishes.timeout  # a stalled publisher must not hold its buffer forever
+            try:
+                async with asyncio.timeout(seconds):
+                    commit = await self._read(messages)
+            except TimeoutError:
+                raise DeadlineExceeded(
+                    f"the publish stream took longer than the server's limit of {seconds:g}s and was dropped "
+                    "(nothing was published); raise `weightserver serve --publish-timeout` for larger models "
+                    "or slower links"
+                ) from None
             self.receive = time.perf_counter() - started
             sha256s = _declared_sha256s(models, commit)
             digests = [await self.publishes.in_thread(m.finish) for m in models]
@@ -177,27 +186,6 @@ class PublishCall:
             self.models[-1] = staged
         elif upload != model.id or model.moved:
             raise InvalidRequest(f"model {model.model!r}: {out_of_order}")
-
-
-async def _within(
-    messages: AsyncIterator[pb.PublishRequest], seconds: float | None
-) -> AsyncIterator[pb.PublishRequest]:
-    """The messages of a stream that takes at most `seconds` (a stalled publisher holds memory)."""
-    deadline = None if seconds is None else asyncio.get_running_loop().time() + seconds
-    iterator = aiter(messages)
-    while True:
-        try:
-            remaining = None if deadline is None else max(deadline - asyncio.get_running_loop().time(), 0)
-            message = await asyncio.wait_for(anext(iterator), remaining)
-        except StopAsyncIteration:
-            return
-        except TimeoutError:
-            raise DeadlineExceeded(
-                f"the publish stream took longer than the server's limit of {seconds:g}s and was dropped "
-                "(nothing was published); raise `weightserver serve --publish-timeout` for larger models "
-                "or slower links"
-            ) from None
-        yield message
 
 
 def _check_group_header(first: pb.PublishHeader, header: pb.PublishHeader) -> None:

@@ -8,11 +8,11 @@ over the bytes follows the transfer, and announced to cut-through watchers.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import mmap
 import os
 import secrets
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -33,20 +33,13 @@ from weightserver.v1 import weights_pb2 as pb
 
 HASH_STRETCH = 1 << 20  # bytes are handed to the hashing thread this many at a time
 COPY_THREADS = 4  # copy same-host writers' blocks in, at most one CPU fewer than the machine has
-_copy_threads: ThreadPoolExecutor | None = None
-_copy_threads_lock = threading.Lock()
 
 
+@functools.cache
 def _copying() -> ThreadPoolExecutor | None:
     """The copying threads (pread lets go of the GIL); None on two CPUs or fewer."""
-    global _copy_threads
     workers = min(COPY_THREADS, (os.cpu_count() or 1) - 1)
-    if workers < 2:
-        return None
-    with _copy_threads_lock:
-        if _copy_threads is None:
-            _copy_threads = ThreadPoolExecutor(workers, thread_name_prefix="weightserver-shm-upload-copy")
-        return _copy_threads
+    return ThreadPoolExecutor(workers, thread_name_prefix="weightserver-shm-upload-copy") if workers > 1 else None
 
 
 class IncomingModel:

@@ -79,6 +79,11 @@ class BulkEndpoint:
         self._loops = [_Loop(f"weightserver-bulk-{i}") for i in range(LOOPS)]
         self._loops[0].start(self._accept_loop)
 
+    @property
+    def connections(self) -> int:
+        with self._lock:
+            return sum(loop.connections for loop in self._loops)
+
     def issue(self, data: bytes | bytearray | memoryview, label: str = "", **pending: Any) -> bytes:
         """A ticket that sends `data` once (with `landed`: as it lands); with `arrived` and `done`,
         one that receives an upload into `data` (`arrived` may raise to stop it)."""
@@ -186,16 +191,14 @@ class BulkEndpoint:
                 await _receive(loop, conn, pending.data, pending.arrived)
             else:
                 await _send(loop, conn, pending.data, pending.landed)
-        except Exception as exc:  # a reset, a stall, no safetensors file, a publish that failed
+        except BaseException as exc:  # a reset, a stall, no safetensors file, a failed publish; cancelled
+            if done is not None:
+                done(exc)
+            if not isinstance(exc, Exception):
+                raise
             why = f"stalled: nothing moved for {SEND_STALL_SECONDS:g}s" if isinstance(exc, TimeoutError) else exc
             log.warning("bulk: transfer of %s with %s failed: %s", pending.label, peer, why)
-            if done is not None:
-                done(exc)
             return False
-        except BaseException as exc:  # cancelled: the server stops
-            if done is not None:
-                done(exc)
-            raise
         if done is not None:
             done(None)  # before the ACK: the publisher's next call may name the upload at once
             try:
