@@ -101,7 +101,7 @@ def profile(size: int, count: int, pause: float) -> dict[str, list[Transfer]]:
                     arrived: list[int] = [0]
                     failed: list[BaseException | None] = []
                     time.sleep(max(0.0, pause - (time.perf_counter() - idle_from)))
-                    tickets.put(endpoint.issue_upload(buffer, "profile", arrived.append, failed.append))
+                    tickets.put(endpoint.issue(buffer, "profile", arrived=arrived.append, done=failed.append))
                     ms = seconds.get(timeout=60) * 1e3
                     if failed != [None]:
                         raise RuntimeError(f"the upload into the {landing} failed: {failed}")

@@ -1,8 +1,4 @@
-"""WeightServer: the gRPC server's lifecycle (start, port, stop, context manager).
-
-It runs grpc.aio on an event loop in a background thread, so it can be embedded in a test or a
-trainer process as easily as run by `weightserver serve`.
-"""
+"""WeightServer: grpc.aio on an event loop in a background thread (start, port, stop, context manager)."""
 
 from __future__ import annotations
 
@@ -50,9 +46,8 @@ GRPC_OPTIONS = [
 
 
 def add_weight_service(servicer: WeightServicer, server: grpc.aio.Server) -> None:
-    """Register WeightService as the generated code would, except that Fetch may send
-    pre-serialized chunk messages (`framing`), and a request that does not parse reaches the
-    handler as a `calls.Undecodable` (INVALID_ARGUMENT there, not INTERNAL)."""
+    """Register WeightService as generated code would, except that Fetch may send pre-serialized chunks
+    and a request that does not parse reaches the handler as an `Undecodable` (INVALID_ARGUMENT, not INTERNAL)."""
     service, handlers = pb.DESCRIPTOR.services_by_name["WeightService"], {}
     for method in service.methods:
         streams = ("stream" if method.client_streaming else "unary", "stream" if method.server_streaming else "unary")
@@ -67,7 +62,7 @@ def add_weight_service(servicer: WeightServicer, server: grpc.aio.Server) -> Non
 
 
 def server_credentials(config: ServerConfig) -> grpc.ServerCredentials:
-    """TLS credentials from the config's PEM files; a client CA makes it mutual TLS."""
+    """TLS from the config's PEM files; a client CA makes it mutual TLS."""
     assert config.tls_cert is not None and config.tls_key is not None
     client_ca = config.tls_client_ca.read_bytes() if config.tls_client_ca is not None else None
     return grpc.ssl_server_credentials(
@@ -87,7 +82,7 @@ class WeightServer:
 
     def __init__(self, config: ServerConfig | None = None, store: VersionStore | None = None) -> None:
         self.config = config = config or ServerConfig()
-        self._owns_store = store is None  # closed with the server (its sha256 worker)
+        self._owns_store = store is None
         self.store = store or VersionStore(
             config.data_dir,
             keep=config.keep,
@@ -96,19 +91,19 @@ class WeightServer:
             max_tensors=config.max_tensors,
             describe=description_bytes,
         )
-        # A bad token file, or a bad PEM file of the relay's upstream link, stops it before it binds.
+        # A bad token file or upstream PEM file stops it before it binds.
         self.tokens = TokenTable.load(config.auth_tokens) if config.auth_tokens else None
         self.upstream_link: UpstreamLink | None = None
         if config.upstream is not None:
-            from weightserver.relay.relay import UpstreamLink  # a relay is a client: loaded only here
+            from weightserver.relay.relay import UpstreamLink
 
             self.upstream_link = UpstreamLink.from_config(config)
         self.port: int = 0
-        self.metrics_port: int | None = None  # the bound port of /metrics, once started
+        self.metrics_port: int | None = None
         self.bulk: BulkEndpoint | None = None
         self.shared_memory: SharedMemoryFiles | None = None
         self.metrics: NoMetrics = NoMetrics()
-        self.relay: Relay | None = None  # with config.upstream, once started
+        self.relay: Relay | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._ready, self._stopped = threading.Event(), threading.Event()
@@ -123,16 +118,13 @@ class WeightServer:
 
     @property
     def metrics_url(self) -> str | None:
-        """http://host:port/metrics when metrics are on and the server has started."""
         return None if self.metrics_port is None else f"http://{url_host(self._local_host)}:{self.metrics_port}/metrics"
 
     @property
     def _local_host(self) -> str:
-        """The bound host, or 127.0.0.1 for a wildcard address."""
         return "127.0.0.1" if self.config.host in ("0.0.0.0", "::", "[::]") else self.config.host
 
     def start(self) -> WeightServer:
-        """Bind the port and start serving in a background thread; return self."""
         if self._thread is not None:
             raise RuntimeError("server already started")
         self._thread = threading.Thread(target=self._run, name="weightserver", daemon=True)
@@ -172,8 +164,7 @@ class WeightServer:
             else:
                 self._startup_error = exc
         finally:
-            # Finish the tasks left, as asyncio.run does: a handler cancelled just before the stop
-            # would otherwise be destroyed pending.
+            # As asyncio.run does: a handler cancelled just before the stop would be destroyed pending.
             pending = asyncio.all_tasks(loop)
             for task in pending:
                 task.cancel()
@@ -200,7 +191,7 @@ class WeightServer:
                 transports = ["stream", *(name for name, endpoint in offered.items() if endpoint is not None)]
                 self.metrics = ServerMetrics(transports=transports, relay=config.upstream is not None)
                 self.metrics_port = self.metrics.serve(config.host, config.metrics_port)
-            await self._serve_grpc()
+            await self._serve_grpc(config)
         finally:
             if self._owns_store:  # first: a sha256 it finishes may rewrite a shared-memory header
                 self.store.close()
@@ -209,8 +200,7 @@ class WeightServer:
                 if endpoint is not None:
                     endpoint.close()
 
-    async def _serve_grpc(self) -> None:
-        config = self.config
+    async def _serve_grpc(self, config: ServerConfig) -> None:
         server = grpc.aio.server(
             options=[*GRPC_OPTIONS, ("grpc.max_concurrent_streams", config.max_concurrent_streams)]
         )
@@ -226,7 +216,7 @@ class WeightServer:
         self.servicer = servicer
         health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
-        if config.upstream is not None:  # set before serving: no publish may slip in
+        if config.upstream is not None:  # before serving: no publish may slip in
             from weightserver.relay.relay import Relay
 
             self.relay = servicer.relay = Relay(
@@ -253,7 +243,7 @@ class WeightServer:
                 "bulk endpoint on %s:%d (at most %d connections)",
                 config.host,
                 self.bulk.port,
-                self.bulk.max_connections,
+                config.bulk_max_connections,
             )
         if self.shared_memory is not None:
             log.info("shared-memory payloads in %s", self.shared_memory.directory)
@@ -262,7 +252,7 @@ class WeightServer:
         await server.start()
         for service in ("", SERVICE_NAME):
             await health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        if self.relay is not None:  # named in the upstream's logs and per-client lag metrics
+        if self.relay is not None:
             await self.relay.start(client_id=f"relay@{socket.gethostname()}:{self.port}")
         security = ("mutual TLS" if config.tls_client_ca else "TLS") if config.tls else "plaintext"
         log.info(

@@ -1,8 +1,6 @@
-"""A Publish call: its models read off the stream, verified and committed.
+"""A Publish call: per model a header, then chunks or a staged upload's id, then one commit message.
 
-Per model a header, then its bytes: chunks, or the id of an upload Negotiate staged (`written`
-as a same-host writer goes, `uploaded` once all are in); then one commit message. Commits run
-in threads of their own, so that no backlog of other work (casts, deltas) queues before them.
+Commits run in threads of their own, so that no backlog of casts and deltas queues before them.
 """
 
 from __future__ import annotations
@@ -48,8 +46,7 @@ class Publishes:
         self._threads.shutdown(wait=False, cancel_futures=True)
 
     def check(self, header: pb.PublishHeader, first: pb.PublishHeader | None = None) -> None:
-        """The store's checks of a header before any byte comes; the version number and publish
-        id are the group's, from its `first` header."""
+        """The store's checks of a header before its bytes; version and publish id are the `first`'s."""
         first = first or header
         self.store.check_publish(
             header.model,
@@ -73,8 +70,7 @@ class Publishes:
             await asyncio.wait([committing])
 
     def _commit(self, uploads: list[Upload], models: list[IncomingModel]) -> list[Version]:
-        """In a publish thread. Each model's bytes adopt their version in the commit's first
-        phase (durable, not yet visible); a replayed publish id's bytes become nothing."""
+        """Each model adopts its version in the commit's first phase (durable, not yet visible)."""
         first = models[0].header
         with self.store.commit(uploads, version=first.version, publish_id=first.publish_id) as commit:
             if not commit.replayed:
@@ -84,9 +80,7 @@ class Publishes:
 
 
 class PublishCall:
-    """One Publish call, telling `turn` what arrives; `owner` may name only the uploads it set
-    up, and `counted` is called in each model's commit. Its phases' seconds: `receive` (until
-    the commit message), `verify` (until the digests were in), `commit` (the store's)."""
+    """One Publish call; `owner` may name only the uploads it set up. Phases: receive, verify, commit (s)."""
 
     def __init__(
         self, publishes: Publishes, turn: PublishTurn, owner: bytes | None, counted: Callable[[Version], None]
@@ -98,15 +92,22 @@ class PublishCall:
 
     @property
     def repeat(self) -> bool:
-        """A repeat of a publish id: `records` are what an earlier call committed."""
         return not self.models[0].committed
 
     async def run(self, messages: AsyncIterator[pb.PublishRequest]) -> None:
-        """Receive, verify and commit; whatever does not commit is let go."""
         started, models = time.perf_counter(), self.models
         failure = "the publish stream ended without committing"
         try:
-            commit = await self._read(_within(messages, self.publishes.timeout))
+            seconds = self.publishes.timeout  # a stalled publisher must not hold its buffer forever
+            try:
+                async with asyncio.timeout(seconds):
+                    commit = await self._read(messages)
+            except TimeoutError:
+                raise DeadlineExceeded(
+                    f"the publish stream took longer than the server's limit of {seconds:g}s and was dropped "
+                    "(nothing was published); raise `weightserver serve --publish-timeout` for larger models "
+                    "or slower links"
+                ) from None
             self.receive = time.perf_counter() - started
             sha256s = _declared_sha256s(models, commit)
             digests = [await self.publishes.in_thread(m.finish) for m in models]
@@ -176,7 +177,6 @@ class PublishCall:
         )
 
     def _staged(self, upload: str, out_of_order: str) -> None:
-        """The last model is the staged upload `upload`, taken by the first message naming it."""
         model = self.models[-1]
         if model.transport == "stream":
             if model.received:
@@ -186,28 +186,6 @@ class PublishCall:
             self.models[-1] = staged
         elif upload != model.id or model.moved:
             raise InvalidRequest(f"model {model.model!r}: {out_of_order}")
-
-
-async def _within(
-    messages: AsyncIterator[pb.PublishRequest], seconds: float | None
-) -> AsyncIterator[pb.PublishRequest]:
-    """The messages of a stream that takes at most `seconds` in all: a stalled publisher must
-    not hold its receive buffer forever."""
-    deadline = None if seconds is None else asyncio.get_running_loop().time() + seconds
-    iterator = aiter(messages)
-    while True:
-        try:
-            remaining = None if deadline is None else max(deadline - asyncio.get_running_loop().time(), 0)
-            message = await asyncio.wait_for(anext(iterator), remaining)
-        except StopAsyncIteration:
-            return
-        except TimeoutError:
-            raise DeadlineExceeded(
-                f"the publish stream took longer than the server's limit of {seconds:g}s and was dropped "
-                "(nothing was published); raise `weightserver serve --publish-timeout` for larger models "
-                "or slower links"
-            ) from None
-        yield message
 
 
 def _check_group_header(first: pb.PublishHeader, header: pb.PublishHeader) -> None:
@@ -224,7 +202,7 @@ def _check_group_header(first: pb.PublishHeader, header: pb.PublishHeader) -> No
 
 
 def _declared_sha256s(models: list[IncomingModel], commit: pb.PublishCommit) -> list[str | None]:
-    """Each model's sha256 as declared in its header and/or the commit; None where only an xxh3 is."""
+    """Each model's sha256 from its header or the commit; None where only an xxh3 is."""
     from_commit = list(commit.sha256)
     if from_commit and len(from_commit) != len(models):
         raise InvalidRequest(

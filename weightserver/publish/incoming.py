@@ -1,9 +1,5 @@
-"""Incoming publishes: a publish's bytes while they arrive, for followers that take them early.
-
-Cut-through: a watcher that asked for it hears of a publish as its first bytes land and fetches
-them while the rest arrive; it applies them only once the commit event names the same bytes and
-they match the committed xxh3, so a publish that fails half-way is never applied. One thread
-writes an `IncomingPublish`'s bytes; fetches on other loops wait for more with `landed_beyond`.
+"""Incoming publishes (cut-through): a watcher fetches a publish's bytes while they arrive and
+applies them once the commit event names them and the xxh3 matches, so a failed one never is.
 """
 
 from __future__ import annotations
@@ -36,12 +32,10 @@ class IncomingPublish:
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
 
     def advance(self, end: int) -> None:
-        """Bytes [0, end) are in place (from the one thread that writes them)."""
         self.landed = end
         self._wake()
 
     def fail(self, why: str) -> None:
-        """The publish failed or was abandoned: its bytes never become a version."""
         self._end(why)
 
     def _end(self, failure: str | None) -> None:
@@ -55,8 +49,7 @@ class IncomingPublish:
         self._on_end(self)
 
     async def landed_beyond(self, sent: int, timeout: float) -> int:
-        """How many bytes are in place, once more than `sent` (or all). PublishAborted once the
-        publish failed; TimeoutError after `timeout` with no new byte."""
+        """How many bytes are in place, once more than `sent` (or all); PublishAborted or TimeoutError."""
         loop = asyncio.get_running_loop()
         while True:
             event = asyncio.Event()
@@ -90,7 +83,6 @@ class IncomingPublishes:
         self._listeners: list[Callable[[IncomingPublish], None]] = []
 
     def start(self, model: str, buffer: memoryview) -> IncomingPublish:
-        """Register a publish whose bytes begin to arrive in `buffer`, and announce it."""
         incoming = IncomingPublish(model, buffer, self._ended)
         with self._lock:
             self._open[incoming.id] = incoming
@@ -98,7 +90,6 @@ class IncomingPublishes:
         return incoming
 
     def get(self, incoming_id: str, model: str) -> IncomingPublish:
-        """The publish `incoming_id` of `model` while its bytes arrive; UploadNotFound once it ended."""
         with self._lock:
             incoming = self._open.get(incoming_id)
         if incoming is None or incoming.model != model:
@@ -109,7 +100,7 @@ class IncomingPublishes:
         return incoming
 
     def committed(self, incoming: IncomingPublish, model: str, version: int) -> None:
-        """`incoming`'s bytes became `version`: remembered, so that its commit event names them."""
+        """Remembered, so that `version`'s commit event names `incoming`."""
         with self._lock:
             self._commits[(model, version)] = incoming.id
             while len(self._commits) > REMEMBERED_COMMITS:
@@ -117,12 +108,11 @@ class IncomingPublishes:
         incoming._end(None)  # every byte is in place for good
 
     def id_of(self, model: str, version: int) -> str:
-        """The announcement whose bytes became `version` of `model` ("" if none)."""
         with self._lock:
             return self._commits.get((model, version), "")
 
     def subscribe(self, listener: Callable[[IncomingPublish], None]) -> Callable[[], None]:
-        """Call `listener(incoming)` as each publish starts and fails; returns the unsubscribe."""
+        """Call `listener(incoming)` as each publish starts and fails; returns an unsubscribe."""
         with self._lock:
             self._listeners.append(listener)
 

@@ -1,14 +1,8 @@
-"""Publish priority: while a publish holds its turn, each stream fetch holds its next chunk.
-
-On a busy server the event loop that serves many stream fetches also reads a publish's messages,
-so the version every collector waits for would queue behind their chunks. A fetch waits at most
-COMMIT_FIRST_SECONDS per chunk, so a hung commit slows fetches but never stops them.
-
-A publish holds its turn while the server, not the publisher, sets the pace: from its commit
-message until it ends (unbounded); and, budgeted, while it waits on its publisher after a header
-or `uploaded` (COMMIT_FIRST_SECONDS per publish, drawn from a per-caller bucket that refills at
-CALLER_REFILL s/s, so a stalling or reopening publisher gains nothing). Never while chunks arrive:
-their pace is the publisher's link.
+"""Publish priority: while a publish holds its turn, each stream fetch waits (at most
+COMMIT_FIRST_SECONDS) before its next chunk, so the version every collector waits for does not
+queue behind their chunks on the loop. A publish holds from its commit message to its end, and
+after a header or `uploaded` while budgets last (per publish, and per caller refilling at
+CALLER_REFILL s/s, so a stalling or reopening publisher gains nothing); never while chunks arrive.
 """
 
 from __future__ import annotations
@@ -39,7 +33,7 @@ class _Bucket:
 
 
 class CommitsFirst:
-    """The publishes holding their turn, and the wait fetches make for them (event loop only)."""
+    """The publishes holding their turn, and the wait fetches make for them (loop only)."""
 
     def __init__(self) -> None:
         self._holding = 0  # publishes holding their turn now
@@ -49,7 +43,6 @@ class CommitsFirst:
 
     @contextlib.contextmanager
     def publish(self, caller: str = "") -> Iterator[PublishTurn]:
-        """One Publish call's turn for `caller` (whose waiting holds share a bucket), released at the end."""
         turn = PublishTurn(self, caller)
         try:
             yield turn
@@ -57,17 +50,13 @@ class CommitsFirst:
             turn.release()
 
     async def wait(self) -> None:
-        """Return once no publish holds its turn, or after COMMIT_FIRST_SECONDS."""
         if not self._none.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._none.wait(), COMMIT_FIRST_SECONDS)
 
     def _count(self, change: int) -> None:
         self._holding += change
-        if self._holding:
-            self._none.clear()
-        else:
-            self._none.set()
+        (self._none.clear if self._holding else self._none.set)()
 
     def _bucket(self, caller: str, now: float) -> _Bucket:
         bucket = self._buckets.get(caller)
@@ -85,10 +74,8 @@ class PublishTurn:
     """One publish's turn, told of its messages as they arrive."""
 
     def __init__(self, owner: CommitsFirst, caller: str = "") -> None:
-        self._owner = owner
-        self._caller = caller
-        self._held = False
-        self._committing = False  # the commit message came: held until release()
+        self._owner, self._caller = owner, caller
+        self._held = self._committing = False  # committing: the commit message came
         self._spent = 0.0  # waiting hold taken so far
         # The waiting hold now: when it began, what it took from the caller's bucket, its end.
         self._waiting_since: float | None = None
@@ -99,37 +86,28 @@ class PublishTurn:
     def held(self) -> bool:
         return self._held
 
-    def header(self) -> None:
-        """A header: hold while the budgets last, unless chunks arrive meanwhile."""
-        self._wait_on_publisher()
-
     def written(self) -> None:
-        """A shared-memory writer's progress: a hold from the header goes on, but is not renewed."""
-
-    def uploaded(self) -> None:
-        """The bytes are in a staged upload: hold, while the budgets last, for the next message."""
-        self._wait_on_publisher()
+        """A shared-memory writer's progress (a memory copy's pace): a hold goes on, not renewed."""
 
     def chunk(self) -> None:
-        """Bytes arrive as chunks: the publisher sets the pace, fetches go on."""
+        """Chunks arrive at the publisher's pace: fetches go on."""
         if not self._committing:
             self._stop_waiting()
             self._set_held(False)
 
     def bytes_in(self) -> None:
-        """All the publish's bytes are in (the commit message): hold until `release()`."""
+        """The commit message: hold until `release()`."""
         self._stop_waiting()
         self._committing = True
         self._set_held(True)
 
     def release(self) -> None:
-        """Fetches go on (the publish ended)."""
         self._stop_waiting()
         self._committing = False
         self._set_held(False)
 
-    def _wait_on_publisher(self) -> None:
-        """Hold for as long as this publish's budget and its caller's bucket allow, from now."""
+    def header(self) -> None:
+        """A header or `uploaded`: hold for as long as the budgets allow, from now."""
         if self._held:
             return
         loop = asyncio.get_running_loop()
@@ -143,6 +121,8 @@ class PublishTurn:
         self._waiting_since, self._granted = now, grant
         self._expiry = loop.call_later(grant, self._expired)
         self._set_held(True)
+
+    uploaded = header
 
     def _expired(self) -> None:
         self._expiry = None

@@ -1,20 +1,18 @@
 """IncomingModel: the one receiver of a model's bytes in a publish, whatever the transport.
 
-The bytes land in a buffer of the declared size (a shared-memory file when there is room, so
-the committed version is served from there): as Publish chunks, from a bulk socket, or copied
-with pread from the file a same-host publisher writes (never mapped: it may change or shrink,
-which can only fail the publish). Each stretch is hashed in the model's own thread as it lands,
-so no pass over the bytes follows the transfer, and announced to cut-through watchers.
+The bytes land in a buffer of the declared size (a shared-memory file when there is room, then
+served from there); each stretch is hashed in the model's own thread as it lands, so no pass
+over the bytes follows the transfer, and announced to cut-through watchers.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import mmap
 import os
 import secrets
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -35,25 +33,17 @@ from weightserver.v1 import weights_pb2 as pb
 
 HASH_STRETCH = 1 << 20  # bytes are handed to the hashing thread this many at a time
 COPY_THREADS = 4  # copy same-host writers' blocks in, at most one CPU fewer than the machine has
-_copy_threads: ThreadPoolExecutor | None = None
-_copy_threads_lock = threading.Lock()
 
 
+@functools.cache
 def _copying() -> ThreadPoolExecutor | None:
     """The copying threads (pread lets go of the GIL); None on two CPUs or fewer."""
-    global _copy_threads
     workers = min(COPY_THREADS, (os.cpu_count() or 1) - 1)
-    if workers < 2:
-        return None
-    with _copy_threads_lock:
-        if _copy_threads is None:
-            _copy_threads = ThreadPoolExecutor(workers, thread_name_prefix="weightserver-shm-upload-copy")
-        return _copy_threads
+    return ThreadPoolExecutor(workers, thread_name_prefix="weightserver-shm-upload-copy") if workers > 1 else None
 
 
 class IncomingModel:
-    """One model's bytes on their way into a publish, written by `transport`: "stream" (Publish
-    chunks), "bulk" (a bulk socket) or "shm" (copied from a same-host publisher's file)."""
+    """One model's bytes on their way into a publish, over "stream", "bulk" or "shm"."""
 
     def __init__(
         self,
@@ -69,7 +59,7 @@ class IncomingModel:
         self.id = secrets.token_hex(16)
         self.header = header
         self.transport = transport
-        self.owner = owner  # the token that may name a staged upload (None: anyone)
+        self.owner = owner  # the token that may name a staged upload
         self.counted = counted  # called in the commit, before any reader can see the version
         self.active = time.monotonic()  # when its bytes last moved (a staged upload expires after)
         self.shared_memory = shared_memory
@@ -78,7 +68,6 @@ class IncomingModel:
         self.announcement: IncomingPublish | None = None  # told to watchers with the first bytes
         self.file: SharedMemoryUpload | None = None  # the buffer's file, removed unless committed
         self.buffer: memoryview | None = None
-        # None once a stream's bytes are no safetensors file: the store's check gives the error.
         self.digests: IncomingDigests | None = None
         self.received = 0  # bytes [0, received) are in (or, for a writer's, announced)
         self.copied = 0  # a writer's bytes copied in
@@ -101,7 +90,7 @@ class IncomingModel:
         return self.header.total_bytes
 
     def allocate(self, file: SharedMemoryUpload | None) -> None:
-        """Receive into `file`, or None: anonymous memory, committed page by page as bytes arrive."""
+        """Receive into `file`, or None: anonymous memory."""
         if file is None and self.transport == "shm":
             raise OSError("no room in the shared-memory folder")
         size = self.total_bytes
@@ -112,7 +101,6 @@ class IncomingModel:
             self._sha256 = hashlib.sha256()  # else the store computes it after the commit
 
     def add(self, chunk: bytes) -> None:
-        """A Publish stream's next chunk."""
         if self.transport != "stream":
             raise InvalidRequest(f"model {self.model!r}: chunks after `uploaded`; send one or the other")
         if self.buffer is None:
@@ -126,8 +114,8 @@ class IncomingModel:
         self.arrived(end)
 
     def arrived(self, end: int) -> None:
-        """Bytes [0, end) are in: hash them while the next arrive. A bulk transfer waits for that
-        at its end, so that a malformed header stops it before its acknowledgement."""
+        """Bytes [0, end) are in: hash them while the next arrive (a bulk transfer waits at its end,
+        so that a malformed header stops it before its acknowledgement)."""
         self.received = end
         self._landed(end)
         if end - self._handed >= HASH_STRETCH or end == self.total_bytes:
@@ -136,7 +124,7 @@ class IncomingModel:
             self._hashing_done()
 
     def written(self, end: int) -> None:
-        """A same-host writer's word that bytes [0, end) are written: copy and hash them meanwhile."""
+        """A same-host writer's bytes [0, end) are written: copy and hash them meanwhile."""
         if self.transport != "shm":
             raise InvalidRequest(
                 f"model {self.model!r}: `written` is for a shared-memory upload; upload {self.id} is {self.transport}"
@@ -151,7 +139,6 @@ class IncomingModel:
         self._hash_to(end)
 
     def uploaded(self, message: pb.PublishUploaded) -> None:
-        """All bytes are in the staged upload (with their xxh3 if the header came before them)."""
         if message.xxh3:
             if self.header.xxh3 and self.header.xxh3.lower() != message.xxh3.lower():
                 raise IntegrityError(
@@ -162,7 +149,6 @@ class IncomingModel:
         self.received, self.moved = self.total_bytes, True
 
     def transferred(self, error: BaseException | None) -> None:
-        """The bulk endpoint's word on the transfer: all bytes in, or why not."""
         self.complete, self.failure = error is None, error
         if error is not None and self.announcement is not None:
             self.announcement.fail(f"the bulk upload stopped short: {str(error) or type(error).__name__}")
@@ -176,8 +162,7 @@ class IncomingModel:
             )
 
     def finish(self) -> FileDigests | None:
-        """The digests of the bytes once all are in and hashed; None: the store checks them. Blocks.
-        IntegrityError when a transfer fell short."""
+        """The digests once all bytes are in and hashed (None: the store checks them). Blocks."""
         if self.transport == "shm":
             try:
                 self._hash_to(self.total_bytes)
@@ -208,7 +193,6 @@ class IncomingModel:
         return digests
 
     def as_upload(self, sha256: str | None, digests: FileDigests | None) -> Upload:
-        """The store's Upload of the bytes, with their digests and the declared ones."""
         return Upload(
             self.model,
             self.buffer if self.buffer is not None else memoryview(b""),
@@ -221,8 +205,8 @@ class IncomingModel:
         )
 
     def adopt(self, record: Version) -> None:
-        """In the store's commit, once `record` is durable and before any reader can see it (not
-        for a replayed publish id): a same-host reader finds the version's file and header in place."""
+        """In the commit, once `record` is durable and before a reader can see it: a same-host
+        reader finds the version's file and header in place."""
         self.committed = True
         if self.counted is not None:
             self.counted(record)
@@ -236,12 +220,10 @@ class IncomingModel:
         self.shared_memory.write_header(record.model, record.version, lambda: message)
 
     def settle(self) -> None:
-        """Wait for the stretch being hashed, drop those not started, and end the thread."""
         if self._hashing is not None:
             self._hashing.shutdown(wait=True, cancel_futures=True)
 
     def discard(self, why: str = "the upload was never committed") -> None:
-        """Let bytes that did not commit go (the file is removed; a commit moved it away)."""
         self.settle()
         if self.announcement is not None and not self.committed:
             self.announcement.fail(why)  # followers that took bytes early drop them
@@ -249,7 +231,6 @@ class IncomingModel:
             self.file.abort()
 
     def _landed(self, end: int) -> None:
-        """Bytes [0, end) are in (a writer's: on their way): watchers hear of them."""
         self.active = time.monotonic()
         if self.announcement is None and self.announcements is not None and self.total_bytes:
             assert self.buffer is not None
@@ -258,8 +239,7 @@ class IncomingModel:
             self.announcement.advance(end)  # a writer's, once copied (`_copy`)
 
     def _hash_to(self, end: int) -> None:
-        """Hash up to `end` (a writer's: copy first) in this model's thread; raise what an earlier
-        stretch raised there, so that a transfer can stop early."""
+        """Hash up to `end` (a writer's: copy first); raise what an earlier stretch raised, to stop early."""
         if self._hashed is not None and self._hashed.done():
             self._hashed.result()
         if self._hashing is None:
@@ -281,7 +261,6 @@ class IncomingModel:
             self._sha256_fed = end
 
     def _copy(self, end: int) -> None:
-        """Copy the writer's bytes up to `end` in, a block per thread, hashing each in order."""
         assert self.file is not None and self.file.source is not None and self.buffer is not None
         source, buffer = self.file.source, self.buffer
         blocks = [(start, min(end, start + BLOCK_BYTES)) for start in range(self.copied, end, BLOCK_BYTES)]
@@ -305,6 +284,5 @@ class IncomingModel:
             self.announcement.advance(end)
 
     def _hashing_done(self) -> None:
-        """Wait until every stretch handed over is hashed; raise what the hashing raised."""
         if self._hashed is not None:
             self._hashed.result()

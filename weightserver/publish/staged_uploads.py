@@ -1,8 +1,5 @@
-"""StagedUploads: models whose bytes move outside the Publish stream, until a Publish names them.
-
-Negotiate stages an upload (an `IncomingModel` fed over bulk or from a same-host writer's file)
-under a random id that only its caller may name (with tokens: the same token); a claim that does
-not match is refused and leaves the upload to its owner. Uploads nobody names expire.
+"""StagedUploads: uploads Negotiate set up (bulk, shm) under a random id only their caller's token
+may name, until a Publish names them; a claim that does not match leaves it to its owner.
 """
 
 from __future__ import annotations
@@ -26,8 +23,6 @@ MAX_STAGED_UPLOADS = 64  # set up and not yet named: each may hold a model's siz
 
 
 class StagedUploads:
-    """The uploads set up and not yet named by a Publish stream, by id."""
-
     def __init__(
         self, header_limits: dict, *, max_uploads: int = MAX_STAGED_UPLOADS, incoming: IncomingPublishes | None = None
     ) -> None:
@@ -48,8 +43,7 @@ class StagedUploads:
         *,
         owner: bytes | None = None,
     ) -> IncomingModel:
-        """An upload over `transport` ("bulk", "shm") into the file `new_file()` makes (None:
-        anonymous memory), that only `owner` (its token's sha256; None: anyone) may name."""
+        """An upload over `transport` into `new_file()` (None: memory) that only `owner` may name."""
         self._expire()
         with self._lock:
             if len(self._uploads) >= self._max:
@@ -71,7 +65,6 @@ class StagedUploads:
         return upload
 
     def take(self, upload_id: str, model: str, total_bytes: int, *, owner: bytes | None = None) -> IncomingModel:
-        """The upload `upload_id`, now the caller's, if `owner` set it up for `model` and `total_bytes`."""
         self._expire()
         with self._lock:
             upload = self._uploads.get(upload_id)
@@ -108,7 +101,6 @@ class StagedUploads:
             upload.discard()
 
     def _sweep(self) -> None:
-        """Expire uploads until none is left (the next starts a new sweeper) or close()."""
         while not self._closed.wait(SWEEP_SECONDS):
             self._expire()
             with self._lock:

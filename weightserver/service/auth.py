@@ -7,11 +7,9 @@
     publisher    trainer       Zt3kq9Jx0VYbW1rFwA7sPq2L
     admin        ops           0v8mK3nB5cX7zL9qW2eR4tY6
 
-Roles are ordered: `reader` may fetch, watch, describe and list; `publisher` may also publish;
-`admin` may also delete and pin (a publish with pin=True too). ``publisher:policy,critic`` limits
-a role to those models (for changes; it reads every model). Clients send ``authorization: Bearer
-<token>``: none or an unknown one is UNAUTHENTICATED, too small a role or another model
-PERMISSION_DENIED. Tokens are compared in constant time and never logged (the name stands in).
+A reader fetches, watches, describes and lists; a publisher also publishes; an admin also deletes
+and pins. ``publisher:policy,critic`` limits changes to those models. Tokens are compared in
+constant time and never logged (the name stands in).
 """
 
 from __future__ import annotations
@@ -46,8 +44,7 @@ REQUIRED_ROLE: dict[str, str] = {
 
 @dataclass(frozen=True)
 class Principal:
-    """Who a token belongs to: its name, role and the models it may change (None: every model).
-    `token_sha256` tells apart tokens that share a name: an upload a caller sets up is its token's."""
+    """Who a token belongs to; `token_sha256` owns the uploads its Negotiate sets up."""
 
     name: str
     role: str
@@ -62,7 +59,6 @@ class TokenTable:
     """The tokens a server accepts, held as sha256 digests."""
 
     def __init__(self, entries: Iterable[tuple[str, str, str]]) -> None:
-        """`entries`: (role, name, token) triples; a role may name its models, `publisher:a,b`."""
         self._entries: list[tuple[bytes, Principal]] = []
         seen: set[bytes] = set()
         for scoped_role, name, token in entries:
@@ -86,7 +82,7 @@ class TokenTable:
 
     @classmethod
     def load(cls, path: str | Path) -> TokenTable:
-        """Parse a token file (format in the module docstring); errors name the line, never the token."""
+        """Parse a token file; errors name the line, never the token."""
         entries = []
         for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
             line = line.split("#", 1)[0].strip()
@@ -105,7 +101,7 @@ class TokenTable:
         return len(self._entries)
 
     def identify(self, token: str) -> Principal | None:
-        """The token's principal, or None. Every entry is compared, so timing reveals nothing."""
+        """The token's principal, or None; every entry is compared, so timing reveals nothing."""
         digest = _digest(token)
         found = None
         for known, principal in self._entries:
@@ -116,8 +112,7 @@ class TokenTable:
     def authorize(
         self, metadata: Iterable[tuple[str, str | bytes]] | None, method: str, model: str | None = None
     ) -> Principal:
-        """The caller of `method` (on `model`) if its bearer token allows it; else
-        AuthenticationRequired or PermissionDenied."""
+        """The caller of `method` (on `model`) if its bearer token allows it."""
         header = next((v for k, v in metadata or () if k == AUTHORIZATION_METADATA_KEY), None)
         if header is None:
             raise AuthenticationRequired(

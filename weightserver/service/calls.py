@@ -29,8 +29,7 @@ CHANGES = ("Publish", "DeleteVersion", "PinVersion")  # refused by a relay, nami
 
 @dataclass(frozen=True)
 class Undecodable:
-    """A request that did not parse, handed to the handler in its place: raised in gRPC's
-    deserializer, the error would end the call with INTERNAL, as if the server had failed."""
+    """A request that did not parse (raised in gRPC's deserializer, it would end the call INTERNAL)."""
 
     message_type: str
     reason: str
@@ -44,7 +43,6 @@ class Undecodable:
 
 
 def lenient(message_class: Any) -> Callable[[bytes], Any]:
-    """A request deserializer for `message_class` that returns an Undecodable instead of raising."""
 
     def deserialize(data: bytes) -> Any:
         try:
@@ -56,7 +54,6 @@ def lenient(message_class: Any) -> Callable[[bytes], Any]:
 
 
 async def abort(context: grpc.aio.ServicerContext, error: BaseException) -> None:
-    """End the call with the status of `error` (INTERNAL for anything unexpected)."""
     if isinstance(error, WeightServerError):
         code, name, message = status_code_for(error), type(error).__name__, str(error)
     else:
@@ -77,7 +74,7 @@ def _admit(servicer: Any, request: Any, context: grpc.aio.ServicerContext, metho
 
 
 def unary(method: F) -> F:
-    """Admit a unary call (token, decoding, relay) and end it with the status of what it raises."""
+    """Admit a unary call (token, decoding, relay); end it with the status of what it raises."""
 
     @functools.wraps(method)
     async def handler(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -107,8 +104,7 @@ def streaming(method: F) -> F:
 
 
 def log_event(event: str, context: grpc.aio.ServicerContext, **fields: object) -> None:
-    """Log `event` with `fields` (floats to 0.1); the record also carries them, `peer` and
-    `client_id` as extra fields, for --log-format json."""
+    """Log `event` with `fields`; the record carries them, `peer` and `client_id` for --log-format json."""
     peer, client_id = context.peer(), client_id_of(context)
     pairs = " ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in fields.items())
     extra = {"event": event, **fields, "peer": peer, "client_id": client_id}
@@ -116,5 +112,4 @@ def log_event(event: str, context: grpc.aio.ServicerContext, **fields: object) -
 
 
 def client_id_of(context: grpc.aio.ServicerContext) -> str | None:
-    """The id the caller gave in the `weightserver-client-id` metadata, if any."""
     return next((str(v) for k, v in context.invocation_metadata() or () if k == CLIENT_ID_METADATA_KEY), None)

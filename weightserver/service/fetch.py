@@ -51,8 +51,7 @@ async def payload_for(
 
 
 async def sha256_of(store: VersionStore, record: Version) -> str:
-    """The sha256 the store computes after a commit that declared only an xxh3; if the version
-    went before its turn, hashed here."""
+    """The sha256 the store computes after an xxh3-only commit (here, if the version went first)."""
     try:
         return await asyncio.wrap_future(store.sha256_of(record))
     except WeightServerError:

@@ -1,8 +1,4 @@
-"""Negotiate: which transport carries a fetch's payload or a publish's bytes.
-
-Each transport the caller accepts is asked in the caller's order (`ServerTransport`); the first
-offer wins, and TRANSPORT_STREAM (Fetch, or Publish chunks) answers when none makes one.
-"""
+"""Negotiate: the first transport the caller accepts (in its order) that makes an offer, else the stream."""
 
 from __future__ import annotations
 
@@ -27,8 +23,7 @@ async def fetch(
     record: Version | None,
     request: pb.NegotiateRequest,
 ) -> tuple[pb.NegotiateResponse, ServerTransport | None, Payload | None]:
-    """The answer for a fetch of `record` (None: nothing newer), the transport that made its
-    offer and the payload it carries (None, None: the stream)."""
+    """The answer for a fetch of `record`, with the transport and payload (None, None: the stream)."""
     answer = pb.NegotiateResponse(transport=pb.TRANSPORT_STREAM)
     if record is None:
         answer.up_to_date.latest_version = request.fetch.newer_than
@@ -44,8 +39,6 @@ async def fetch(
 
 
 def incoming(transports: Transports, announced: IncomingPublish, request: pb.NegotiateRequest) -> pb.NegotiateResponse:
-    """The answer for a fetch of a publish's bytes as they land; the stream is Fetch with the
-    same `incoming`."""
     answer = pb.NegotiateResponse(transport=pb.TRANSPORT_STREAM)
     for transport in filter(None, map(transports.get, request.accept)):
         if transport.offer_incoming(announced, answer.payload):
@@ -56,8 +49,7 @@ def incoming(transports: Transports, announced: IncomingPublish, request: pb.Neg
 
 
 async def publish(transports: Transports, request: pb.NegotiateRequest, owner: bytes | None) -> pb.NegotiateResponse:
-    """Stage one model's upload over the first transport the caller accepts that has room for
-    it, that only `owner` may name; the stream when none does (or there are no bytes)."""
+    """Stage one model's upload, that only `owner` may name, on the first transport with room."""
     header, answer = request.publish, pb.NegotiateResponse(transport=pb.TRANSPORT_STREAM)
     # The stream stages nothing: asked first, it would wait for a default thread (casts hold them).
     accept = [kind for kind in request.accept if kind != pb.TRANSPORT_STREAM] if header.total_bytes else []

@@ -1,8 +1,4 @@
-"""WeightServicer: weightserver.v1.WeightService on grpc.aio, one short method per RPC.
-
-Work that hashes, parses or fsyncs runs in threads, so a large publish never stalls the loop
-that serves fetches and watchers. Domain errors leave as their status code (`_abort`).
-"""
+"""WeightServicer: weightserver.v1.WeightService on grpc.aio, one short method per RPC."""
 
 from __future__ import annotations
 
@@ -18,11 +14,7 @@ import grpc
 
 from weightserver.config import ServerConfig, clamp_chunk_bytes
 from weightserver.metrics import NoMetrics
-from weightserver.protocol.errors import (
-    InvalidRequest,
-    PermissionDenied,
-    WeightServerError,
-)
+from weightserver.protocol.errors import InvalidRequest, PermissionDenied, WeightServerError
 from weightserver.protocol.version_info import summary_message, version_message
 from weightserver.publish.call import PublishCall, Publishes
 from weightserver.publish.incoming import IncomingPublishes
@@ -47,8 +39,6 @@ if TYPE_CHECKING:
 
 
 class WeightServicer(pb_grpc.WeightServiceServicer):
-    """Implements weightserver.v1.WeightService on top of a VersionStore."""
-
     def __init__(
         self,
         store: VersionStore,
@@ -65,7 +55,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         self.config = config
         self.payloads = payloads or PayloadCache(config.payload_cache_bytes)
         self.metrics = metrics or NoMetrics()
-        self.relay: Relay | None = None  # set on a relay: it refuses changes and names its primary to watchers
+        self.relay: Relay | None = None  # on a relay: refuses changes, names its primary to watchers
         self.commits_first = CommitsFirst()
         self.incoming = IncomingPublishes()  # publishes whose bytes are arriving, for cut-through
         self.staged = StagedUploads(store.header_limits, incoming=self.incoming)
@@ -82,16 +72,13 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
             self.metrics.retained(summary.model, store.versions(summary.model))
 
     def close(self) -> None:
-        """Let the publish threads go and drop uploads nobody committed (after the server stopped)."""
         self.publishes.close()
         self.staged.close()
 
     def authorize(self, context: grpc.aio.ServicerContext, method: str, model: str | None = None) -> Principal | None:
-        """With --auth-tokens, the caller's token must allow `method` (on `model`): its principal."""
         return self.tokens.authorize(context.invocation_metadata(), method, model) if self.tokens else None
 
     def _authorize_header(self, context: grpc.aio.ServicerContext, header: pb.PublishHeader) -> Principal | None:
-        """The caller's token must allow publishing `header.model`, and pinning it with pin=True."""
         principal = self.authorize(context, "Publish", header.model)
         try:
             if header.pin:
@@ -101,8 +88,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         return principal
 
     def _on_commit(self, commit: Commit) -> None:
-        """Store listener: a commit may have evicted older versions; one committed without its
-        sha256 gets its shared-memory header rewritten once the store has it."""
+        """A commit may have evicted versions; an xxh3-only one's shm header is rewritten with its sha256."""
         for record in commit.versions:
             self.forget_removed(record.model)
             if not record.sha256 and self.shared_memory is not None:
@@ -111,7 +97,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
                 )
 
     def forget_removed(self, model: str) -> None:
-        """Drop payloads and files derived from versions no longer retained; update the metrics."""
+        """Drop payloads and files of versions no longer retained; update the metrics."""
         try:
             versions = self.store.versions(model)
         except WeightServerError:
@@ -125,7 +111,6 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
             if files is not None:
                 files.forget(model, version)
 
-    # ------------------------------------------------------------------ publish
     @unary
     async def Publish(
         self, request_iterator: AsyncIterator[pb.PublishRequest], context: grpc.aio.ServicerContext
@@ -154,7 +139,6 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
     async def _checked_headers(
         self, messages: AsyncIterator[pb.PublishRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.PublishRequest]:
-        """The stream's messages, each header checked against the caller's token before its bytes."""
         async for message in messages:
             if isinstance(message, Undecodable):
                 raise message.error()
@@ -162,7 +146,6 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
                 self._authorize_header(context, message.header)
             yield message
 
-    # ------------------------------------------------------------------ describe
     @unary
     async def GetLatest(self, request: pb.GetLatestRequest, context: grpc.aio.ServicerContext) -> pb.VersionInfo:
         return version_message(self.store.latest(request.model))
@@ -202,7 +185,6 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         log_event("pin" if record.pinned else "unpin", context, model=record.model, version=record.version)
         return version_message(record)
 
-    # ------------------------------------------------------------------ fetch
     @streaming
     async def Fetch(
         self, request: pb.FetchRequest, context: grpc.aio.ServicerContext
@@ -257,8 +239,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
     def _transferred(
         self, kind: str, record: Version, started: float, context: grpc.aio.ServicerContext, transport: str, **more: Any
     ) -> None:
-        """Log a finished publish or fetch (`sent` bytes, and a publish's phases), and count a fetch
-        (a publish is counted in its commit). For shm and bulk it covers handing out the file or ticket."""
+        """Log a finished publish or fetch and count a fetch (a publish is counted in its commit)."""
         seconds, nbytes = time.perf_counter() - started, more.pop("sent", record.byte_size)
         model, version = record.model, record.version
         if kind == "fetch":
@@ -266,7 +247,6 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         fields = {"model": model, "version": version, "bytes": nbytes, "transport": transport}
         log_event(kind, context, **fields, duration_ms=round(seconds * 1e3, 3), **more)
 
-    # ------------------------------------------------------------------ watch
     @streaming
     async def Watch(
         self, request: pb.WatchRequest, context: grpc.aio.ServicerContext
@@ -277,6 +257,5 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
 
 
 def _rewrite_header(shm: SharedMemoryFiles, model: str, version: int, sha256: Future[str]) -> None:
-    """The shared-memory header again, now with the sha256 (not the record: its bytes may go)."""
     if sha256.exception() is None:
         shm.write_header(model, version)

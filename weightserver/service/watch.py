@@ -19,8 +19,7 @@ from weightserver.v1 import weights_pb2 as pb
 
 
 class Watches:
-    """The open Watch calls, ended with UNAVAILABLE at shutdown (`end_all`) so that watchers
-    resubscribe instead of being cancelled mid-call."""
+    """The open Watch calls, ended with UNAVAILABLE at shutdown so that watchers resubscribe."""
 
     def __init__(
         self,
@@ -40,7 +39,7 @@ class Watches:
     ) -> AsyncIterator[pb.VersionEvent]:
         model = validate_model_name(request.model)
         loop = asyncio.get_running_loop()
-        # Commits, and with `incoming` publishes as they start and fail; None: the server stops.
+        # None: the server stops.
         queue: asyncio.Queue[Version | IncomingPublish | None] = asyncio.Queue()
 
         def on_event(event: Version | IncomingPublish) -> None:
@@ -61,7 +60,6 @@ class Watches:
         try:
             backlog, gap = self.store.versions_after(model, request.since)
             last = request.since
-            # Headers now: a client waiting for them knows its subscription is live.
             await context.send_initial_metadata(self.metadata())
             log_event("watch", context, model=model, since=request.since, backlog=len(backlog))
             for record in backlog:
@@ -79,8 +77,7 @@ class Watches:
                     continue
                 if event.version <= last:
                     continue
-                # With an empty backlog the gap is reported on the first live event; on a relay,
-                # also on an event after versions it missed.
+                # On the first live event after an empty backlog; on a relay, after missed versions.
                 gap = gap or self.store.gap_between(model, last, event.version)
                 yield self._event(event, gap, request.incoming)
                 gap, last = False, event.version
@@ -91,7 +88,6 @@ class Watches:
             self.metrics.watch_ended(model)
 
     def _event(self, record: Version, gap: bool, incoming: bool) -> pb.VersionEvent:
-        """A commit's event; for a watcher of incoming publishes, naming the bytes that became it."""
         event = pb.VersionEvent(version=version_message(record), gap=gap)
         announced = self.announcements.id_of(record.model, record.version) if incoming else ""
         if announced:
@@ -99,6 +95,5 @@ class Watches:
         return event
 
     def end_all(self) -> None:
-        """End every Watch with UNAVAILABLE (on the server's event loop)."""
         for queue in self._queues:
             queue.put_nowait(None)

@@ -1,9 +1,4 @@
-"""ServerTransport: how a payload leaves this server for a fetch, and how a publish's bytes come in.
-
-Negotiate asks each transport the caller accepts, in the caller's order, for an offer; the
-first that makes one is the answer, and the stream (Fetch, Publish chunks) is the fallback
-every server has.
-"""
+"""ServerTransport: how a payload leaves this server for a fetch, and how a publish's bytes come in."""
 
 from __future__ import annotations
 
@@ -22,8 +17,7 @@ class ServerTransport(Protocol):
     kind: int  # its pb.Transport value
 
     async def offer(self, record: Version, payload: Payload, description: pb.Payload) -> bool:
-        """Describe in `description` where the caller takes `payload` of `record`; False when this
-        transport cannot carry it now (the next one is asked)."""
+        """Describe in `description` where the caller takes `payload`; False: it cannot now."""
         ...
 
     def offer_incoming(self, incoming: IncomingPublish, description: pb.Payload) -> bool:
@@ -31,6 +25,5 @@ class ServerTransport(Protocol):
         ...
 
     def stage(self, header: pb.PublishHeader, owner: bytes | None, description: pb.Payload) -> IncomingModel | None:
-        """Set up the upload of `header`'s bytes that only `owner` may name, described in
-        `description`; None when this transport cannot take it now. Blocks: off the loop."""
+        """Set up an upload of `header`'s bytes that only `owner` may name; None: no room. Blocks."""
         ...

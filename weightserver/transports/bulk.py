@@ -1,15 +1,8 @@
-"""Bulk: payloads and uploads over a plain TCP connection beside the gRPC control path.
+"""Bulk: payloads and uploads over plain TCP beside gRPC (a gRPC stream tops out near 0.6x of it).
 
-A gRPC stream tops out near 0.6x of what one loopback TCP connection carries, so Negotiate may
-hand out a single-use ticket instead: the client sends the 16-byte ticket on its (kept)
-connection to the bulk port, then receives exactly the payload's bytes, or sends an upload's
-(acknowledged with ACK). Tickets are random, expire, and name one transfer; an unknown ticket
-gets the connection closed with nothing sent.
-
-The port is unauthenticated (a ticket is the capability), so what one peer can hold is bounded:
-LOOPS event loops in threads serve every connection; at most `max_connections` are open (one
-over the cap is reset: its client uses the stream); a connection must send a ticket in time,
-and a reader that takes nothing for SEND_STALL_SECONDS is dropped.
+A client sends a single-use 16-byte ticket from Negotiate, then receives the payload or sends an
+upload (acknowledged with ACK). The ticket is the capability, so a peer's hold is bounded: at most
+`max_connections`, a ticket in time, and a reader stalled for SEND_STALL_SECONDS is dropped.
 """
 
 from __future__ import annotations
@@ -59,10 +52,8 @@ class _Pending:
     data: memoryview
     label: str
     expires: float = 0.0
-    # An upload: `arrived(n)` as the first n bytes are in, `done(error)` at the end.
-    arrived: Callable[[int], None] | None = None
-    done: Callable[[BaseException | None], None] | None = None
-    # Incoming bytes (cut-through): waits until more than `sent` are in place, says how many.
+    arrived: Callable[[int], None] | None = None  # an upload: the first n bytes are in
+    done: Callable[[BaseException | None], None] | None = None  # an upload's end
     landed: Callable[[int, float], Awaitable[int]] | None = None
 
 
@@ -90,28 +81,18 @@ class BulkEndpoint:
 
     @property
     def connections(self) -> int:
-        """Connections open now."""
         with self._lock:
             return sum(loop.connections for loop in self._loops)
 
     def issue(self, data: bytes | bytearray | memoryview, label: str = "", **pending: Any) -> bytes:
-        """A ticket that delivers `data` once, within TICKET_TTL_SECONDS; with `landed`, as its
-        bytes land (cut short if it raises); with `arrived` and `done`, an upload into `data`."""
+        """A ticket that sends `data` once (with `landed`: as it lands); with `arrived` and `done`,
+        one that receives an upload into `data` (`arrived` may raise to stop it)."""
         ticket, expires = secrets.token_bytes(TICKET_BYTES), time.monotonic() + TICKET_TTL_SECONDS
         self._drop_expired()
         with self._lock:
             self._tickets[ticket] = _Pending(memoryview(data).cast("B"), label, expires, **pending)
-        # Dropped once expired even if no ticket follows: an unused one holds its bytes.
         self._loops[0].call_later(TICKET_TTL_SECONDS + 0.1, self._drop_expired)
         return ticket
-
-    def issue_upload(
-        self, into: memoryview, label: str, arrived: Callable[[int], None], done: Callable[[BaseException | None], None]
-    ) -> bytes:
-        """A ticket to send exactly `into.nbytes` bytes into `into`. `arrived(n)` is called on an
-        endpoint thread as the first n are in (it may raise to stop the transfer), `done(error)`
-        once at the end."""
-        return self.issue(into, label, arrived=arrived, done=done)
 
     def _drop_expired(self) -> None:
         now = time.monotonic()
@@ -122,7 +103,7 @@ class BulkEndpoint:
                     expired.done(TimeoutError("the upload ticket expired unused"))
 
     def close(self) -> None:
-        """Stop accepting, drop every connection (a transfer in flight is cut) and the port."""
+        """Stop accepting and drop every connection (a transfer in flight is cut)."""
         for loop in self._loops:
             loop.stop()
         self._socket.close()
@@ -132,7 +113,7 @@ class BulkEndpoint:
         while True:
             try:
                 conn, peer = await loop.sock_accept(self._socket)
-            except Exception as exc:  # EMFILE, ENFILE, ENOBUFS, ...: keep serving, warn once per run
+            except Exception as exc:  # EMFILE, ENFILE, ENOBUFS: keep serving, warn once per run
                 log.log(
                     logging.WARNING if pause == ACCEPT_RETRY_SECONDS[0] else logging.DEBUG,
                     "bulk: accept failed (%s); retrying",
@@ -142,15 +123,16 @@ class BulkEndpoint:
                 pause = min(pause * 2, ACCEPT_RETRY_SECONDS[1])
                 continue
             pause = ACCEPT_RETRY_SECONDS[0]
-            with self._lock:  # the least busy loop takes it; kept connections stay where they landed
+            with self._lock:  # the least busy loop takes it
                 target = min(self._loops, key=lambda candidate: candidate.connections)
-                full = sum(candidate.connections for candidate in self._loops) >= self.max_connections
+                open_now = sum(candidate.connections for candidate in self._loops)
+                full = open_now >= self.max_connections
                 target.connections += not full
             if full:  # reset, not closed: the client hears at once, and this side keeps no TIME_WAIT
                 with contextlib.suppress(OSError):
                     conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                 conn.close()
-                self._refuse(peer)
+                self._refuse(peer, open_now)
                 continue
             try:
                 target.start(self._serve_connection, conn, peer, target)
@@ -158,14 +140,14 @@ class BulkEndpoint:
                 self._closed(conn, target)
                 log.exception("bulk: could not serve a connection from %s", peer)
 
-    def _refuse(self, peer: object) -> None:
+    def _refuse(self, peer: object, open_now: int) -> None:
         self.refused += 1
         logged, when = self._refused_logged
         if time.monotonic() - when >= REFUSED_LOG_SECONDS:
             log.warning(
                 "bulk: %d connections open, the most --bulk-max-connections allows; reset %d new one(s) since "
                 "the last warning (the latest from %s): those clients fetch over the gRPC stream",
-                *(self.connections, self.refused - logged, peer),
+                *(open_now, self.refused - logged, peer),
             )
             self._refused_logged = (self.refused, time.monotonic())
 
@@ -175,7 +157,6 @@ class BulkEndpoint:
             loop.connections -= 1
 
     async def _serve_connection(self, conn: socket.socket, peer: object, owner: _Loop) -> None:
-        """Answer tickets on one connection until the client closes it or sits idle too long."""
         loop = asyncio.get_running_loop()
         try:
             conn.setblocking(False)
@@ -204,23 +185,20 @@ class BulkEndpoint:
     async def _transfer(
         self, loop: asyncio.AbstractEventLoop, conn: socket.socket, peer: object, pending: _Pending
     ) -> bool:
-        """Send a payload, or receive an upload and acknowledge it; whether that went through."""
         started, done = time.perf_counter(), pending.done
         try:
             if done is not None:
                 await _receive(loop, conn, pending.data, pending.arrived)
             else:
                 await _send(loop, conn, pending.data, pending.landed)
-        except Exception as exc:  # a reset, a stall, no safetensors file, a publish that failed
+        except BaseException as exc:  # a reset, a stall, no safetensors file, a failed publish; cancelled
+            if done is not None:
+                done(exc)
+            if not isinstance(exc, Exception):
+                raise
             why = f"stalled: nothing moved for {SEND_STALL_SECONDS:g}s" if isinstance(exc, TimeoutError) else exc
             log.warning("bulk: transfer of %s with %s failed: %s", pending.label, peer, why)
-            if done is not None:
-                done(exc)
             return False
-        except BaseException as exc:  # cancelled: the server stops
-            if done is not None:
-                done(exc)
-            raise
         if done is not None:
             done(None)  # before the ACK: the publisher's next call may name the upload at once
             try:
@@ -234,7 +212,7 @@ class BulkEndpoint:
 
 
 class _Loop:
-    """An asyncio event loop in its own thread, and the tasks started on it."""
+    """An asyncio event loop in its own thread (a send's copy into the kernel costs its CPU)."""
 
     def __init__(self, name: str) -> None:
         self.connections = 0  # handed to this loop and not closed yet (under BulkEndpoint._lock)
@@ -244,16 +222,13 @@ class _Loop:
         self._thread.start()
 
     def start(self, function: Callable[..., Coroutine[Any, Any, None]], *args: object) -> None:
-        """Run `function(*args)` as a task on this loop (callable from any thread)."""
         self._loop.call_soon_threadsafe(self._create_task, function, args)
 
     def call_later(self, seconds: float, function: Callable[[], None]) -> None:
-        """Call `function()` on this loop in `seconds` (from any thread; nothing once it is closed)."""
         with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(self._loop.call_later, seconds, function)
 
     def stop(self) -> None:
-        """Cancel every task, let each finish, stop and close the loop (a second call does nothing)."""
         if self._loop.is_closed():
             return
 
@@ -284,8 +259,7 @@ async def _receive(
     arrived: Callable[[int], None] | None,
     stall: float = SEND_STALL_SECONDS,
 ) -> None:
-    """Fill `into` from the connection, telling `arrived` of every HASH_STRETCH more; EOFError
-    when the sender closes early, TimeoutError when it sends nothing for `stall` seconds."""
+    """Fill `into`, telling `arrived` of every HASH_STRETCH more; EOFError or TimeoutError."""
     readable = asyncio.Event()
     loop.add_reader(conn, readable.set)
     try:
@@ -316,8 +290,7 @@ async def _send(
     data: memoryview,
     landed: Callable[[int, float], Awaitable[int]] | None,
 ) -> None:
-    """Send `data` (the kernel reads the memoryview), each part once `landed` says it is in
-    place; TimeoutError when the reader takes nothing for SEND_STALL_SECONDS."""
+    """Send `data`, each part once `landed` says it is in place; TimeoutError on a stalled reader."""
     writable = asyncio.Event()
     loop.add_writer(conn, writable.set)  # for the whole transfer: no epoll_ctl per wait
     try:
@@ -339,8 +312,7 @@ async def _send(
 
 
 class BulkTransport:
-    """Fetches and uploads over the bulk endpoint; uploads land in a shared-memory file when the
-    server has a folder (the committed version is then served from there without a copy)."""
+    """Fetches and uploads over the bulk endpoint; uploads land in a shared-memory file if it can."""
 
     name, kind = "bulk", pb.TRANSPORT_BULK
 
@@ -368,7 +340,6 @@ class BulkTransport:
         except OSError:
             return None
         description.bulk.port = self.endpoint.port
-        description.bulk.ticket = self.endpoint.issue_upload(
-            upload.buffer, repr(model), upload.arrived, upload.transferred
-        )
+        ticket = self.endpoint.issue(upload.buffer, repr(model), arrived=upload.arrived, done=upload.transferred)
+        description.bulk.ticket = ticket
         return upload

@@ -1,17 +1,7 @@
-"""Shared memory: payloads as files under a shared-memory directory (/dev/shm), same host only.
-
-A same-host collector reads the file named in the fetch reply straight into its buffer (a
-page-cache copy instead of a socket), and can read any later version of the model from the
-header file beside each version's (weightserver.protocol.files) without a round trip. Files are
-written once (temp file + rename) and removed with their version.
-
-Every file's space is reserved before a byte is written (posix_fallocate): a store to a page a
-full tmpfs cannot back is a SIGBUS. When the folder is full, a publish is received into memory
-and a fetch goes over another transport, and one warning says how to give it room.
-
-Every file the server maps is one only it writes (SharedMemoryUpload), so no other process can
-change a version it serves or cut the file under its mapping. A same-host publisher writes a
-file of its own beside (PublisherFile), which the server only reads with pread.
+"""Shared memory: payloads as files under /dev/shm for same-host collectors, with a header file
+beside each version's. Space is reserved before a byte is written (a store to a page a full tmpfs
+cannot back is a SIGBUS). The server maps only files it alone writes; a same-host publisher
+writes a file of its own beside, which the server reads with pread.
 """
 
 from __future__ import annotations
@@ -45,15 +35,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Beside the model folders (a model name cannot start with "."): the file its server holds an
-# exclusive flock on while it runs, and where it copies same-host publishers' bytes in (0700).
-LOCK_FILE = ".lock"
-RECEIVING_FOLDER = ".receiving"
+LOCK_FILE = ".lock"  # flocked by its server for life (a model name cannot start with ".")
+RECEIVING_FOLDER = ".receiving"  # where same-host publishers' bytes are copied in (0700)
 
 
 def server_shm_dir(port: int, root: Path | None = None) -> Path | None:
-    """This server's own directory under `root` (default /dev/shm), or None (shared memory off)
-    when it does not exist. Folders of servers that died uncleanly are removed first."""
+    """This server's own directory under `root` (default /dev/shm); None: shared memory off."""
     root = Path("/dev/shm") if root is None else Path(root)
     if not root.is_dir():
         log.warning("shared-memory directory %s does not exist; same-host fetches will stream", root)
@@ -63,11 +50,7 @@ def server_shm_dir(port: int, root: Path | None = None) -> Path | None:
 
 
 def _remove_abandoned(root: Path) -> None:
-    """Remove the folders under `root` whose lock file nobody holds: their server is gone.
-
-    A server holds flock(LOCK_EX) on its LOCK_FILE for life; the kernel drops it however the
-    process dies, and unlike a PID it means the same in other PID namespaces. A folder without
-    a lock file is left alone (an older release's, or one being created this instant)."""
+    """Remove folders whose lock file nobody holds (a flock, unlike a PID, holds across namespaces)."""
     unlocked = []
     for folder in root.glob("weightserver-*-*"):
         try:
@@ -94,7 +77,7 @@ def _remove_abandoned(root: Path) -> None:
 
 
 def _write_file(path: Path, data: bytes | bytearray | memoryview, mode: int) -> None:
-    """Write `path` whole with `mode` (temp file + rename); OSError (ENOSPC) when there is no room."""
+    """Write `path` whole with `mode` (temp file + rename); OSError when there is no room."""
     tmp = path.with_name(path.name + ".tmp")
     tmp.unlink(missing_ok=True)  # left by a crash, and read-only if it was a header's
     try:
@@ -110,7 +93,6 @@ def _write_file(path: Path, data: bytes | bytearray | memoryview, mode: int) -> 
 
 
 def _reserve(fd: int, size: int) -> None:
-    """Allocate `size` bytes of the file `fd` now, not page by page as they are written."""
     if size:
         os.posix_fallocate(fd, 0, size)
 
@@ -126,13 +108,11 @@ class SharedMemoryFiles:
         self._warned = False  # about a full folder, once per server
 
     def existing(self, key: tuple[str, int, int, str]) -> Path | None:
-        """The file of payload `key` if it was written already."""
         with self._lock:
             return self._files.get(key)
 
     def path_for(self, key: tuple[str, int, int, str], data: bytes | bytearray | memoryview) -> Path | None:
-        """The file holding `data` for payload `key` (model, version, base, dtype), written once;
-        None when the folder is full."""
+        """The file of payload `key` (model, version, base, dtype), written once; None: no room."""
         with self._lock:
             path = self._files.get(key)
             if path is not None and path.exists():
@@ -152,8 +132,8 @@ class SharedMemoryFiles:
     def new_upload(
         self, model: str, size: int, *, populate: bool = False, publisher_writes: bool = False
     ) -> SharedMemoryUpload | None:
-        """A fresh file of `size` bytes for a publish to receive into; None when the folder has no
-        room. `publisher_writes`: with the file a same-host publisher writes (`upload.source`)."""
+        """A file for a publish to receive into (None: no room), with `publisher_writes` the
+        publisher's own file beside (`upload.source`)."""
         path = self.directory / model / f"upload-{secrets.token_hex(8)}.tmp"
         source: PublisherFile | None = None
         try:
@@ -173,7 +153,6 @@ class SharedMemoryFiles:
         return upload
 
     def adopt(self, key: tuple[str, int, int, str], upload: SharedMemoryUpload) -> None:
-        """Make a committed upload's file the payload file of `key`."""
         model, version, _, _ = key
         path = self.directory / model / version_file_name(version)
         upload.keep_as(path)
@@ -181,8 +160,8 @@ class SharedMemoryFiles:
             self._files[key] = path
 
     def write_header(self, model: str, version: int, header: Callable[[], bytes | None]) -> None:
-        """(Re)write the header file of `version` if its own file is here. `header()` (None: the
-        version is gone) is called under the lock, so of two writers the later writes the later state."""
+        """(Re)write `version`'s header file if its file is here; `header()` (None: gone) runs under
+        the lock, so of two writers the later writes the later state."""
         with self._lock:
             if (model, version, 0, "") not in self._files:
                 return
@@ -199,7 +178,6 @@ class SharedMemoryFiles:
             return list(self._files)
 
     def forget(self, model: str, version: int) -> None:
-        """Remove the files of every payload derived from (or against) `version`."""
         with self._lock:
             for key in [k for k in self._files if k[0] == model and version in (k[1], k[2])]:
                 path = self._files.pop(key)
@@ -214,7 +192,6 @@ class SharedMemoryFiles:
             self._lock_fd = -1
 
     def _cannot_write(self, what: str, size: int, exc: OSError, instead: str) -> None:
-        """Log that `what` found no room (a warning with what to do, the first time)."""
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
             log.warning("cannot write %s (%d bytes) in %s: %s; %s", what, size, self.directory, exc, instead)
             return
@@ -235,25 +212,21 @@ class SharedMemoryFiles:
 
 
 class SharedMemoryUpload:
-    """A publish's receive buffer in a file only this process writes: created read-only for
-    everyone and written through its creating descriptor's mapping, so no other process can
-    write, grow or shrink it under the server. `source`: the file a same-host publisher writes
-    the bytes into, read with pread, never mapped."""
+    """A publish's receive buffer in a file created read-only and written through its creating
+    descriptor's mapping: no other process can change or cut it under the server."""
 
     def __init__(self, path: Path, size: int, *, populate: bool = False) -> None:
-        """OSError (ENOSPC) when the folder has no room; no file is left. `populate`: fill the
-        page table in the background, for an upload set up before its bytes come."""
         self.path = path
-        self.source: PublisherFile | None = None
+        self.source: PublisherFile | None = None  # a same-host publisher's file
         self._kept = False  # it became a version's file
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o444)
             try:
-                _reserve(fd, size)  # now: a sparse page a full tmpfs cannot back is a SIGBUS later
+                _reserve(fd, size)
                 mapping = mmap.mmap(fd, size) if size else None
             finally:
                 os.close(fd)
-            if mapping is not None and populate:
+            if mapping is not None and populate:  # an upload set up before its bytes come
                 threading.Thread(target=page_tables.populate, args=(mapping,), name="weightserver-populate").start()
             self.buffer: memoryview = memoryview(mapping) if mapping is not None else memoryview(bytearray())
         except OSError:
@@ -261,29 +234,24 @@ class SharedMemoryUpload:
             raise
 
     def keep_as(self, path: Path) -> None:
-        """Make the file `path` (a version's file): the publisher's file goes."""
         self.remove_source()
         self.path.replace(path)
         self._kept = True
 
     def remove_source(self) -> None:
-        """Let the publisher's file go, once its bytes are copied or no longer wanted."""
         if self.source is not None:
             self.source.remove()
 
     def abort(self) -> None:
-        """Remove the files of an upload that did not commit (nothing once it did)."""
         self.remove_source()
         if not self._kept:
             self.path.unlink(missing_ok=True)
 
 
 class PublisherFile:
-    """The file a same-host publisher writes a model into, named in Negotiate's answer. Never
-    mapped (the publisher may cut it at any time): read with pread, a short file is an error."""
+    """The file a same-host publisher writes, never mapped (it may be cut at any time): pread only."""
 
     def __init__(self, path: Path, size: int) -> None:
-        """OSError (ENOSPC) when the folder has no room for `size` bytes; no file is left."""
         self.path = path
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         self._lock = threading.Lock()
@@ -295,7 +263,7 @@ class PublisherFile:
             raise
 
     def read_into(self, buffer: memoryview, start: int, stop: int) -> int:
-        """Copy the file's bytes [start, stop) into `buffer[start:stop]`; how many it held."""
+        """Copy bytes [start, stop) into `buffer`; how many the file held."""
         view, done = buffer[start:stop], 0
         try:
             while done < view.nbytes:
@@ -308,7 +276,6 @@ class PublisherFile:
         return done
 
     def remove(self) -> None:
-        """Close the file and remove it (a publisher still holding it keeps its own copy)."""
         with self._lock:
             if self._fd >= 0:
                 os.close(self._fd)
@@ -317,8 +284,8 @@ class PublisherFile:
 
 
 class SharedMemoryTransport:
-    """Fetches as files named in the reply (written on first demand); uploads a same-host
-    publisher writes into a file beside, which this server copies in."""
+    """Fetches as files named in the reply (written on first demand); uploads a same-host publisher
+    writes into a file beside."""
 
     name, kind = "shm", pb.TRANSPORT_SHARED_MEMORY
 
@@ -359,8 +326,6 @@ class SharedMemoryTransport:
         return upload
 
     def write_header(self, model: str, version: int) -> None:
-        """Write the header file beside a version's file from the store's current record."""
-
         def current() -> bytes | None:
             try:
                 return version_message(self.store.get(model, version)).SerializeToString()

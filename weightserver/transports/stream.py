@@ -1,8 +1,7 @@
 """StreamTransport: payloads as chunk messages of the Fetch call itself.
 
-Stream fetches send chunks a bounded number at a time (`--max-stream-fetches`), the rest waiting
-their turn, so that a publish's chunks share the event loop with a few fetches, not with every
-open one; and each chunk waits while a publish goes first (`CommitsFirst`).
+At most `--max-stream-fetches` send at a time, so a publish shares the loop with a few fetches,
+not every open one; and each chunk waits while a publish goes first (`CommitsFirst`).
 """
 
 from __future__ import annotations
@@ -19,9 +18,7 @@ from weightserver.storage.payloads import Payload
 from weightserver.storage.store import Version
 from weightserver.v1 import weights_pb2 as pb
 
-# A fetch whose chunk write has not completed after this long (a slow or stalled reader) gives
-# its turn back for the rest of the fetch: it must not hold up the fetches queued behind it.
-SLOW_READER_SECONDS = 1.0
+SLOW_READER_SECONDS = 1.0  # a write pending this long gives the fetch's turn back
 # A fetch of a publish's bytes as they land gives up when none land for this long.
 INCOMING_STALL_SECONDS = 60.0
 
@@ -45,7 +42,6 @@ class StreamTransport:
         return None  # its bytes come as chunks of the Publish call
 
     def send(self, data: memoryview, chunk_bytes: int) -> AsyncIterator[bytes]:
-        """`data` as pre-serialized chunk messages, each in turn."""
         return self._in_turn(framing.chunk_messages(data, chunk_bytes))
 
     async def send_incoming(self, incoming: IncomingPublish, chunk_bytes: int) -> AsyncIterator[bytes]:
@@ -64,8 +60,6 @@ class StreamTransport:
             sent = landed
 
     async def _in_turn(self, messages: Iterable[bytes]) -> AsyncIterator[bytes]:
-        """`messages`, sent while this fetch holds a turn (first come first served), each after
-        any publish that goes first. A write pending after SLOW_READER_SECONDS gives the turn back."""
         turns, loop = self._turns, asyncio.get_running_loop()
         await turns.acquire()
         held = True
