@@ -56,7 +56,10 @@ class CommitsFirst:
 
     def _count(self, change: int) -> None:
         self._holding += change
-        (self._none.clear if self._holding else self._none.set)()
+        if self._holding:
+            self._none.clear()
+        else:
+            self._none.set()
 
     def _bucket(self, caller: str, now: float) -> _Bucket:
         bucket = self._buckets.get(caller)
