@@ -137,7 +137,10 @@ class Connection:
         retry_seconds: float = 30.0,
         retry: RetryPolicy = DEFAULT_RETRY,
         connect: Callable[[str], ServerLink] | None = None,
-        **tls: Any,
+        tls: bool | None = None,
+        tls_ca: PathLike | None = None,
+        tls_cert: PathLike | None = None,
+        tls_key: PathLike | None = None,
     ) -> None:
         self.addresses = parse_addresses(address or default_address())
         self.timeout, self.chunk_bytes, self.retry_seconds, self.retry = timeout, chunk_bytes, retry_seconds, retry
@@ -145,7 +148,7 @@ class Connection:
         self._shm = SharedMemoryTransport()
 
         def dial(address: str) -> ServerLink:
-            channel = open_channel(address, **tls)
+            channel = open_channel(address, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
             stream = StreamTransport(channel, self._metadata, chunk_bytes)
             chain = TransportChain([self._shm, BulkTransport(host_of(address))], stream)
             stub = pb_grpc.WeightServiceStub(channel)
