@@ -113,8 +113,8 @@ class CutThrough:
 
 
 class VersionFollower:
-    """`newest()`: the newest version of `model` announced, or None while no stream is open. A
-    stalled stream stays open until its renewal: trust it only while `heard` is recent."""
+    """`newest()`: None while no stream is open; a stalled one stays open until its renewal, so
+    trust it only while `heard()` (its last event, or now while receiving) is recent."""
 
     def __init__(
         self, client: WeightServiceClient, model: str, since: int, cut_through: CutThrough | None = None
@@ -141,7 +141,7 @@ class VersionFollower:
 
     def take_ready(self, newer_than: int, timeout: float) -> FetchedBytes | None:
         """The newest version received early and verified, if newer than `newer_than` (each once;
-        `give_back` its buffer once applied); one still being checked is waited for."""
+        `give_back` its buffer once applied)."""
         if os.getpid() != self._pid:
             return None
         with self._lock:
@@ -160,7 +160,6 @@ class VersionFollower:
             self._cut_through.give_back(buffer)
 
     def heard(self) -> float:
-        """When the stream last showed life: its last event, or now while receiving."""
         if self._cut_through is not None and self._cut_through.busy():
             return time.monotonic()
         return self._heard
