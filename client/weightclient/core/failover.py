@@ -164,6 +164,10 @@ class Connection:
     def transports(self) -> TransportChain:
         return self._link.transports
 
+    @transports.setter
+    def transports(self, chain: TransportChain) -> None:
+        self._link.transports = chain
+
     @property
     def _stub(self) -> pb_grpc.WeightServiceStub:
         return self._link.stub

@@ -70,11 +70,9 @@ class Fetching(Connection):
         progress: Progress | None = None,
         deadline: Deadline | None = None,
     ) -> FetchedBytes | None:
-        """The latest version's bytes, exactly `version`, or the latest only if newer than
-        `newer_than` (else None). `base_version`: only the tensors changed since; `dtype`
-        ("BF16"/"F16"): float32 tensors cast by the server. `transport`: "auto", "shm", "bulk" or
-        "stream", each falling back to the next. `base_xxh3`: the caller's digest of the base; if
-        the server's differs, the whole version is fetched in what is left of the deadline."""
+        """The latest version, exactly `version`, or the latest if newer than `newer_than` (else None).
+        `base_version`: changed tensors only; `dtype`: float32 cast by the server; `base_xxh3`: the
+        caller's digest of the base (if the server's differs, the whole version is fetched)."""
         if (version is not None and newer_than is not None) or (version or 1) < 1 or (newer_than or 0) < 0:
             raise InvalidRequest(f"give version >= 1 or newer_than >= 0, not {version=}, {newer_than=}")
         request = pb.FetchRequest(model=model, version=version, newer_than=newer_than, chunk_size=self.chunk_bytes)
@@ -153,7 +151,6 @@ class Fetching(Connection):
                     return FetchedBytes(
                         offer.info, data, p.base_version, p.dtype, stats, p.base_xxh3, views is not None
                     )
-                # Direct: the server says what now; else the stream, which every server offers.
                 order = [t for t in order if not self.transports.resting(t)] if direct else order[-1:]
                 offer, direct = None, False
 

@@ -117,12 +117,7 @@ class Publishing(Connection):
         )
 
     def publish_bytes(
-        self,
-        model: str,
-        parts: Buffer | Sequence[Buffer],
-        *,
-        sha256: str | None = None,
-        **options,
+        self, model: str, parts: Buffer | Sequence[Buffer], *, sha256: str | None = None, **options
     ) -> VersionInfo:
         """Publish one safetensors file, whole or as consecutive parts (not joined)."""
         return self.publish_group_bytes({model: parts}, sha256s={model: sha256}, **options)[0]

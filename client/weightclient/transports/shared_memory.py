@@ -156,11 +156,7 @@ class SharedMemoryTransport(Transport):
 
 
 def _moved_hashed(
-    target: memoryview | int,
-    parts: Sequence[memoryview],
-    total: int,
-    deadline: Deadline,
-    progress: Progress | None,
+    target: memoryview | int, parts: Sequence[memoryview], total: int, deadline: Deadline, progress: Progress | None
 ) -> str:
     """`parts` into `target` (a mapping or a file descriptor), each block hashed once written."""
     hasher = xxhash.xxh3_128()
