@@ -1,28 +1,75 @@
 """Python client for weightserver: `WeightClient` (torch tensors, the `client` extra) and
-`WeightServiceClient` (safetensors bytes, no torch). Every exception of the library's tree
-(`weightserver.protocol.errors`) is exported here too."""
+`WeightServiceClient` (safetensors bytes, no torch), and the library's exception tree."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
 from weightclient.core.service_client import FetchedBytes, WeightServiceClient, default_address
-from weightserver.protocol import errors as _errors
+from weightserver.protocol.errors import (
+    AuthenticationRequired,
+    Cancelled,
+    CursorOutOfRange,
+    DeadlineExceeded,
+    DescriptionTooLarge,
+    IntegrityError,
+    InternalServerError,
+    InvalidModelName,
+    InvalidRequest,
+    InvalidSafetensors,
+    ModelNotFound,
+    ModelTooLarge,
+    NotFoundError,
+    NotPrimary,
+    PermissionDenied,
+    PublishAborted,
+    ServerUnavailable,
+    StorageFull,
+    TooManyUploads,
+    UploadNotFound,
+    VersionConflict,
+    VersionEvicted,
+    VersionNotFound,
+    VersionTooLarge,
+    WeightServerError,
+)
 from weightserver.protocol.version_info import ModelSummary, VersionEvent, VersionInfo
 
 if TYPE_CHECKING:
     from weightclient.client import FetchResult, WeightClient
 
-_EXCEPTIONS = {cls.__name__: cls for cls in (_errors.WeightServerError, *_errors.STATUS_CODES)}
-globals().update(_EXCEPTIONS)
 __all__ = [
-    *sorted(_EXCEPTIONS),
+    "AuthenticationRequired",
+    "Cancelled",
+    "CursorOutOfRange",
+    "DeadlineExceeded",
+    "DescriptionTooLarge",
     "FetchResult",
     "FetchedBytes",
+    "IntegrityError",
+    "InternalServerError",
+    "InvalidModelName",
+    "InvalidRequest",
+    "InvalidSafetensors",
+    "ModelNotFound",
     "ModelSummary",
+    "ModelTooLarge",
+    "NotFoundError",
+    "NotPrimary",
+    "PermissionDenied",
+    "PublishAborted",
+    "ServerUnavailable",
+    "StorageFull",
+    "TooManyUploads",
+    "UploadNotFound",
+    "VersionConflict",
     "VersionEvent",
+    "VersionEvicted",
     "VersionInfo",
+    "VersionNotFound",
+    "VersionTooLarge",
     "WeightClient",
+    "WeightServerError",
     "WeightServiceClient",
     "default_address",
 ]

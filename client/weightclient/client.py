@@ -23,8 +23,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class FetchResult:
-    """A fetched version; the tensors view `data`. A delta against a version number is `partial`
-    (only changed tensors)."""
+    """A fetched version; the tensors view `data`. `partial`: a delta's changed tensors only."""
 
     info: VersionInfo
     tensors: dict[str, torch.Tensor] = field(repr=False)
@@ -62,7 +61,6 @@ def _placeable(tensor: torch.Tensor, entry: TensorInfo) -> bool:
 
 
 def _check_delta(info: VersionInfo, tensors: dict[str, torch.Tensor], dtype: str) -> None:
-    """The delta's tensors are the target's (by name, and by digest unless cast)."""
     expected = {t.name: t for t in info.tensors}
     unknown = sorted(set(tensors) - set(expected))
     if unknown:
@@ -78,8 +76,7 @@ def _check_delta(info: VersionInfo, tensors: dict[str, torch.Tensor], dtype: str
 def _unchanged_from_base(
     base: FetchResult, info: VersionInfo, changed: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor] | None:
-    """The base's tensors the delta did not carry, checked against the target's digests; None if
-    one is missing or differs (modified since it was fetched)."""
+    """The base's tensors the delta did not carry; None if one is missing or changed since."""
     unchanged = {}
     for entry in info.tensors:
         if entry.name in changed:
@@ -104,8 +101,7 @@ class WeightClient(WeightServiceClient):
     _publisher: BackgroundPublisher | None = None
 
     def publish(self, weights: tensor_codec.Weights, model: str = "policy", **options) -> int | PublishFuture:
-        """Publish an nn.Module, TensorDict or state dict as a new version; its number. wait=False:
-        snapshot it and return a `PublishFuture` at once. Options: `publish_group_bytes`."""
+        """Publish an nn.Module, TensorDict or state dict: its version, or with wait=False a future."""
         return self.publish_group({model: weights}, **options)
 
     def publish_group(
@@ -148,12 +144,9 @@ class WeightClient(WeightServiceClient):
         deadline: Deadline | None = None,
         **options,
     ) -> FetchResult | None:
-        """`fetch_bytes` (its options: version, newer_than, transport, into, retry), decoded into
-        tensors. `base`: a version the caller holds, so only changed tensors are sent; a FetchResult
-        gives a complete result (unchanged tensors taken from it, re-hashed), a VersionInfo or
-        number a partial one. `place` may return {name: contiguous CPU tensor of that dtype and
-        shape} (say, the live parameters) to receive a whole version into (`placed`); if they fail
-        verification the version is fetched again, so they may hold unverified bytes."""
+        """`fetch_bytes` decoded into tensors. `base`: a version held, so only changed tensors come
+        (a FetchResult gives a complete result, a number a partial one). `place` may return {name:
+        contiguous CPU tensor} to receive into; they may hold unverified bytes if it fails."""
         if isinstance(base, FetchResult) and (base.partial or base.dtype or dtype):
             raise InvalidRequest(
                 "a delta against a FetchResult needs a complete result fetched without dtype, and no dtype now; "
@@ -214,7 +207,6 @@ class WeightClient(WeightServiceClient):
         )
 
     def watch_weights(self, model: str = "policy", *, since: int = 0) -> Iterator[FetchResult]:
-        """The weights of every version committed after `since` (evicted ones skipped)."""
         for event in self.watch(model, since=since):
             try:
                 result = self.fetch(model, version=event.version)

@@ -1,5 +1,4 @@
-"""Placed fetches: a version's tensors received straight into memory the caller owns (say, the
-policy's parameters), saving a copy; each block is hashed while in cache."""
+"""Placed fetches: tensors received straight into the caller's memory, hashed block by block."""
 
 from __future__ import annotations
 
@@ -11,12 +10,10 @@ from weightserver.protocol.digests import BLOCK_BYTES, PREFIX_BYTES
 from weightserver.protocol.version_info import VersionInfo
 
 Placement = Callable[[VersionInfo], Mapping[str, memoryview] | None]
-"""Called before a version's bytes move: {tensor name: a writable view of its size} for the
-tensors to place (others are dropped), or None to receive it normally."""
+"""Before a version's bytes move: {tensor name: a writable view} to place (others dropped), or None."""
 
 
 def checked_views(place: Placement, info: VersionInfo) -> dict[str, memoryview] | None:
-    """The caller's views if every one fits its tensor and has a digest to verify it by."""
     views = place(info)
     if not views:
         return None
@@ -29,8 +26,7 @@ def checked_views(place: Placement, info: VersionInfo) -> dict[str, memoryview] 
 
 
 def layout(info: VersionInfo, views: Mapping[str, memoryview], header_bytes: int) -> list[tuple[int, str | None]]:
-    """The file after its 8-byte prefix as (size, tensor to place or None) regions in order;
-    ValueError when they do not add up to the version's size."""
+    """The file after its prefix as (size, tensor to place or None) regions; ValueError if off."""
     regions: list[tuple[int, str | None]] = [(header_bytes, None)]
     position = 0
     for entry in sorted(info.tensors, key=lambda t: t.begin):
@@ -48,8 +44,7 @@ def layout(info: VersionInfo, views: Mapping[str, memoryview], header_bytes: int
 
 
 class PlacedReceiver:
-    """A framing.Sink scattering a version's file into the placed tensors' views (the rest to
-    scratch), each hashed as it lands; `bad()` lists those that fail."""
+    """A framing.Sink scattering a file into the views (the rest to scratch); `bad()`: failed ones."""
 
     def __init__(self, info: VersionInfo, views: Mapping[str, memoryview]) -> None:
         self._info = info

@@ -1,5 +1,4 @@
-"""Tensors <-> safetensors bytes (the `safetensors` package's format), with no whole-model copy:
-encoding hands out views of the tensors' storage, decoding views one buffer."""
+"""Tensors <-> safetensors bytes with no whole-model copy: views of the storage, views of a buffer."""
 
 from __future__ import annotations
 
@@ -37,7 +36,6 @@ Weights = torch.nn.Module | TensorDictBase | Mapping[str, torch.Tensor]
 
 
 def state_dict_of(weights: Weights) -> dict[str, torch.Tensor]:
-    """A flat {name: tensor} view of an nn.Module, a TensorDict or a state dict."""
     if isinstance(weights, torch.nn.Module):
         items = weights.state_dict(keep_vars=True).items()  # _framed detaches each one
     elif isinstance(weights, TensorDictBase):
@@ -66,8 +64,7 @@ def encode(weights: Weights, metadata: Mapping[str, str] | None = None) -> list[
 
 
 def snapshot(weights: Weights, metadata: Mapping[str, str] | None = None, into: memoryview | None = None) -> memoryview:
-    """The safetensors file copied into one buffer (`into` when large enough) with torch's `copy_`
-    (every core, one device-to-host copy): the trainer waits for it."""
+    """The file copied into one buffer (`into` if large enough) by torch's `copy_` (every core)."""
     prefix, prepared = _framed(weights, metadata, to_cpu=False)
     buffer = receive_buffer(len(prefix) + sum(t.numel() * t.element_size() for _, t in prepared), into)
     buffer[: len(prefix)] = prefix
@@ -76,8 +73,7 @@ def snapshot(weights: Weights, metadata: Mapping[str, str] | None = None, into: 
     for _, tensor in prepared:
         size = tensor.numel() * tensor.element_size()
         if size:
-            # As the tensor's own dtype: about 10% faster than copying bytes. The layout puts
-            # every tensor at a multiple of its element size, as such a view needs.
+            # As its own dtype: ~10% faster than bytes (the layout aligns each to its element size).
             target[position : position + size].view(tensor.dtype).copy_(tensor.reshape(-1))
             position += size
     return buffer
@@ -98,8 +94,7 @@ def _framed(
         if to_cpu and tensor.device.type != "cpu":
             tensor = tensor.cpu()
         prepared.append((name, tensor.contiguous()))
-    # Largest element size first, as the safetensors package does: with the header padded to
-    # 8 bytes every tensor then starts at a multiple of its element size.
+    # Largest element size first (as safetensors does): each tensor starts aligned to its own.
     prepared.sort(key=lambda item: (-item[1].element_size(), item[0]))
     layout = tuple(
         (name, TORCH_TO_SAFETENSORS[t.dtype], tuple(t.shape), t.numel() * t.element_size()) for name, t in prepared
@@ -113,8 +108,7 @@ def _framed(
 
 @functools.lru_cache(maxsize=16)
 def _header(layout: tuple[tuple[str, str, tuple[int, ...], int], ...], metadata: tuple[tuple[str, str], ...]) -> bytes:
-    """Cached: a trainer publishes one layout again and again (its JSON costs a tenth of a 16 MiB
-    policy's memcpy)."""
+    """Cached: a trainer publishes one layout again and again (JSON: a tenth of 16 MiB's memcpy)."""
     return build_header(layout, dict(metadata))[0]
 
 

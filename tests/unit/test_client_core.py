@@ -171,3 +171,8 @@ def test_a_publish_whose_fast_transport_fails_goes_over_the_stream():
         assert client.transports.usable("bulk") is False
         client.transports.by_name["bulk"].upload = original
     assert server.versions["policy"][0][1] == DATA
+
+
+def test_a_misspelt_tls_option_is_a_type_error_even_with_a_stand_in_network():
+    with pytest.raises(TypeError, match="tls_cret"):
+        client_of(MockServer(), tls_cret="client.pem")

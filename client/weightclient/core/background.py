@@ -1,5 +1,5 @@
-"""Work in one daemon thread where only the newest item waiting matters: reports of direct reads
-(`LatestOnlyWorker`) and publishes that must not block the trainer (`BackgroundPublisher`)."""
+"""One daemon thread where only the newest item waiting matters: direct reads' reports and
+publishes that must not block the trainer."""
 
 from __future__ import annotations
 
@@ -16,8 +16,7 @@ T = TypeVar("T")
 
 
 class LatestOnlyWorker(Generic[T]):
-    """Runs `work(item)` for the items `put`, one at a time, in a thread started on the first
-    put (again in a forked child). An exception from `work` is logged at debug level."""
+    """`work(item)` for the items `put`, in a thread started on the first put (again in a fork)."""
 
     def __init__(self, work: Callable[[T], object], thread_name: str) -> None:
         self._work = work
@@ -72,7 +71,7 @@ class LatestOnlyWorker(Generic[T]):
 
 
 class PublishFuture(Future):
-    superseded: bool = False  # a newer submit replaced this snapshot before it was sent
+    superseded: bool = False  # a newer snapshot was sent in its place
 
 
 @dataclass
@@ -83,9 +82,8 @@ class _Job:
 
 
 class BackgroundPublisher(LatestOnlyWorker[_Job]):
-    """Runs `send(snapshot, **options) -> version` for submitted snapshots, one at a time. A newer
-    submit replaces a snapshot still waiting (its future gets the version that carried it). Sent
-    buffers are reused (`spare_buffer`): no fresh page faults."""
+    """`send(snapshot, **options) -> version` per submit; a newer one replaces a snapshot still
+    waiting. Sent buffers are reused (`spare_buffer`): no fresh page faults."""
 
     def __init__(self, send: Callable[..., int]) -> None:
         super().__init__(self._publish, "weightclient-publisher")

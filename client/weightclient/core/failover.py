@@ -1,6 +1,5 @@
-"""Reaching a server: channel, metadata, errors, and failover among several addresses
-(`"relay-a:50052,primary:50051"`). Versions keep their numbers and bytes across a primary and its
-relays, so moving on is safe (one behind the caller answers CursorOutOfRange)."""
+"""Reaching a server: channel, metadata, errors, failover among addresses ("relay:50052,primary:50051";
+versions keep their numbers and bytes across a primary and its relays, so moving on is safe)."""
 
 from __future__ import annotations
 
@@ -63,7 +62,6 @@ def open_channel(
 
 
 def call_metadata(token: str | None, client_id: str | None) -> tuple[tuple[str, str], ...] | None:
-    """Sent with every call: the bearer token (default $WEIGHTSERVER_TOKEN), the client id."""
     token = token if token is not None else os.environ.get(TOKEN_ENV) or None
     metadata = [bearer_metadata(token)] if token else []
     if client_id:
@@ -120,11 +118,9 @@ def host_of(address: str) -> str:
 
 
 class Connection:
-    """The link in use among several addresses (default `$WEIGHTSERVER_ADDRESS`, then
-    localhost:50051), and how calls on it are made. `timeout`: unary calls'. `retry_seconds`: how
-    long idempotent calls without a timeout retry while no server answers (publish, delete and pin
-    never retry). `connect(address) -> ServerLink` replaces the network (transports.mock). `tls`,
-    `tls_ca`, `tls_cert`, `tls_key`: see `open_channel`."""
+    """The link in use among `address`es (default $WEIGHTSERVER_ADDRESS, then localhost:50051).
+    `retry_seconds`: how long idempotent calls with no timeout retry while no server answers.
+    `connect(address) -> ServerLink` replaces the network (transports.mock); TLS: `open_channel`."""
 
     def __init__(
         self,
@@ -137,7 +133,10 @@ class Connection:
         retry_seconds: float = 30.0,
         retry: RetryPolicy = DEFAULT_RETRY,
         connect: Callable[[str], ServerLink] | None = None,
-        **tls: Any,
+        tls: bool | None = None,
+        tls_ca: PathLike | None = None,
+        tls_cert: PathLike | None = None,
+        tls_key: PathLike | None = None,
     ) -> None:
         self.addresses = parse_addresses(address or default_address())
         self.timeout, self.chunk_bytes, self.retry_seconds, self.retry = timeout, chunk_bytes, retry_seconds, retry
@@ -145,7 +144,7 @@ class Connection:
         self._shm = SharedMemoryTransport()
 
         def dial(address: str) -> ServerLink:
-            channel = open_channel(address, **tls)
+            channel = open_channel(address, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
             stream = StreamTransport(channel, self._metadata, chunk_bytes)
             chain = TransportChain([self._shm, BulkTransport(host_of(address))], stream)
             stub = pb_grpc.WeightServiceStub(channel)
@@ -201,9 +200,8 @@ class Connection:
         return once(deadline) if change else self._on_any_server(once, deadline, retry=retry)
 
     def _on_any_server(self, call: Callable[[Deadline], T], deadline: Deadline, *, retry: bool) -> T:
-        """`call(deadline)` on the server in use, moving on from one that is down (at once the
-        first time). With `retry`, retried while no server answers; without, the first address
-        gets its share of the deadline and one more the rest."""
+        """`call(deadline)`, moving on from a server that is down (at once the first time); without
+        `retry`, the first address gets its share of the deadline and one more the rest."""
         if retry and deadline.at is None:
             deadline = Deadline.after(self.retry_seconds)
         errors = self.retry.retry_on if retry else (ServerUnavailable, DeadlineExceeded)

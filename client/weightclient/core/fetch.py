@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import time
@@ -25,8 +26,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class FetchStats:
-    """How a fetch went. `direct`: read from shared memory without a call; `incoming`: received
-    while its publish was still arriving (cut-through)."""
+    """`direct`: read from shared memory without a call; `incoming`: received by cut-through."""
 
     transport: str
     wire_bytes: int
@@ -37,8 +37,7 @@ class FetchStats:
 
 @dataclass(frozen=True)
 class FetchedBytes:
-    """A version and its verified payload: its safetensors file, or with `base_version` or
-    `dtype` only the changed or cast tensors."""
+    """A version and its verified payload: its file, or the changed or cast tensors only."""
 
     info: VersionInfo
     data: memoryview
@@ -71,19 +70,20 @@ class Fetching(Connection):
         progress: Progress | None = None,
         deadline: Deadline | None = None,
     ) -> FetchedBytes | None:
-        """The latest version's bytes, exactly `version`, or the latest only if newer than
-        `newer_than` (else None). `base_version`: only the tensors changed since; `dtype`
-        ("BF16"/"F16"): float32 tensors cast by the server. `transport`: "auto", "shm", "bulk" or
-        "stream", each falling back to the next. `base_xxh3`: the caller's digest of the base; if
-        the server's differs, the whole version is fetched in what is left of the deadline."""
-        request = _fetch_request(model, version, newer_than, self.chunk_bytes, base_version, dtype)
+        """The latest version, exactly `version`, or the latest if newer than `newer_than` (else None).
+        `base_version`: changed tensors only; `dtype`: float32 cast by the server; `base_xxh3`: the
+        caller's digest of the base (if the server's differs, the whole version is fetched)."""
+        if (version is not None and newer_than is not None) or (version or 1) < 1 or (newer_than or 0) < 0:
+            raise InvalidRequest(f"give version >= 1 or newer_than >= 0, not {version=}, {newer_than=}")
+        request = pb.FetchRequest(model=model, version=version, newer_than=newer_than, chunk_size=self.chunk_bytes)
+        request.base_version, request.dtype = base_version, dtype  # (a None above leaves its field unset)
         deadline = deadline or Deadline.after(timeout)
         once = functools.partial(self._fetch_once, request, transport, into, place, progress)
         fetched = self._on_any_server(once, deadline, retry=retry)
         if fetched is not None and fetched.base_version and base_xxh3 and fetched.base_xxh3 != base_xxh3:
             log.info("%s v%d on the server differs from the caller's; fetching it whole", model, base_version)
-            request = _fetch_request(model, fetched.info.version, None, self.chunk_bytes, dtype=dtype)
-            return self._fetch_once(request, transport, into, None, progress, deadline)
+            whole = pb.FetchRequest(model=model, version=fetched.info.version, chunk_size=self.chunk_bytes, dtype=dtype)
+            return self._fetch_once(whole, transport, into, None, progress, deadline)
         return fetched
 
     def _fetch_once(
@@ -95,9 +95,8 @@ class Fetching(Connection):
         progress: Progress | None,
         deadline: Deadline,
     ) -> FetchedBytes | None:
-        """A direct read where possible, else the transport the server picks, falling back to the
-        stream (asking for the version the server named). Bad bytes from the last transport are
-        IntegrityError. Progress follows the last transport's bytes; others report once verified."""
+        """A direct read, else the transport the server picks, falling back to the stream for the
+        version named. Bad bytes from the last transport are IntegrityError."""
         started, order, asked = time.perf_counter(), self.transports.order(choice), request
         transport, offer = self._shm, None
         exact = request.WhichOneof("selector") == "version" and not request.base_version and not request.dtype
@@ -120,8 +119,8 @@ class Fetching(Connection):
                     offer = transport.offer(request, answer, deadline, None)
                     if offer is None:
                         return None
-                    version, base, dtype = offer.info.version, request.base_version, request.dtype
-                    request = _fetch_request(request.model, version, None, self.chunk_bytes, base, dtype)
+                    request = copy.deepcopy(asked)
+                    request.version = offer.info.version  # the one named, whatever `asked` selected
                 last = transport is order[-1] and not direct
                 views = checked_views(place, offer.info) if place is not None and offer.whole_version else None
                 try:
@@ -152,7 +151,6 @@ class Fetching(Connection):
                     return FetchedBytes(
                         offer.info, data, p.base_version, p.dtype, stats, p.base_xxh3, views is not None
                     )
-                # Direct: the server says what now; else the stream, which every server offers.
                 order = [t for t in order if not self.transports.resting(t)] if direct else order[-1:]
                 offer, direct = None, False
 
@@ -165,9 +163,8 @@ class Fetching(Connection):
         into: memoryview | None = None,
         progress: Progress | None = None,
     ) -> FetchedBytes:
-        """The bytes of a publish still arriving (cut-through), over bulk TCP when `transport`
-        allows, else the stream. UNVERIFIED: apply them only once the commit event names
-        `incoming.id` and they match its xxh3 (`info` is a stand-in, version 0)."""
+        """The bytes of a publish still arriving, over bulk when `transport` allows. UNVERIFIED:
+        apply them only once the commit event names `incoming.id` and they match its xxh3."""
         started, deadline = time.perf_counter(), Deadline.after(timeout)
         request = pb.FetchRequest(model=incoming.model, incoming=incoming.id, chunk_size=self.chunk_bytes)
         placeholder = VersionInfo(incoming.model, 0, incoming.byte_size, "", datetime.now(timezone.utc))
@@ -189,7 +186,7 @@ class Fetching(Connection):
         return FetchedBytes(placeholder, data, stats=stats)
 
     def _report(self, request: pb.FetchRequest) -> None:
-        """Tell the server of a direct read (for its metrics), in `_reports`' thread."""
+        """Tell the server of a direct read (for its metrics)."""
         accept = [pb.TRANSPORT_SHARED_MEMORY]
         negotiate = pb.NegotiateRequest(direction=pb.DIRECTION_FETCH, accept=accept, fetch=request)
         self._stub.Negotiate(negotiate, timeout=self.timeout, metadata=self._metadata)
@@ -200,16 +197,3 @@ class Fetching(Connection):
     def close(self) -> None:
         self._reports.close()
         super().close()
-
-
-def _fetch_request(
-    model: str, version: int | None, newer_than: int | None, chunk_bytes: int, base_version: int = 0, dtype: str = ""
-) -> pb.FetchRequest:
-    if version is not None and newer_than is not None:
-        raise InvalidRequest("give at most one of version= and newer_than=")
-    if version is not None and version < 1:
-        raise InvalidRequest(f"version must be >= 1, got {version}")
-    if newer_than is not None and newer_than < 0:
-        raise InvalidRequest(f"newer_than must be >= 0, got {newer_than}")
-    selector = {"version": version, "newer_than": newer_than}  # None leaves a field unset
-    return pb.FetchRequest(model=model, chunk_size=chunk_bytes, base_version=base_version, dtype=dtype, **selector)

@@ -1,6 +1,5 @@
-"""Publishing: each model's bytes over the transport Negotiate picks, then one Publish call.
-After each, the next upload is set up while the trainer trains (`SpareUploads`: a page-table
-fill of the model's size, about 0.3 ms per MiB)."""
+"""Publishing: each model's bytes over the transport Negotiate picks, then one Publish call; the
+next upload is set up meanwhile (`SpareUploads`: a page-table fill, about 0.3 ms per MiB)."""
 
 from __future__ import annotations
 
@@ -29,11 +28,8 @@ log = logging.getLogger(__name__)
 Buffer = bytes | bytearray | memoryview
 SPARE_NEGOTIATE_SECONDS = 10.0  # a spare upload's Negotiate, in the background
 SPARE_SECONDS = 45.0  # under the server's 60 s for an upload nobody named
-# Larger models get no spare: a second copy in the server's memory costs more (a 4 GiB model's
-# ran a 24 GiB machine out).
-MAX_SPARE_BYTES = 1 << 30
-# Bytes written in place between two words to the server: a sixteenth of the model (left to
-# hash after the writing), at least 4 MiB (each word costs a message).
+MAX_SPARE_BYTES = 1 << 30  # above, a second copy in the server's memory costs more (4 GiB ran 24 GiB out)
+# Bytes written in place between two words to the server: a sixteenth of the model, at least 4 MiB.
 ANNOUNCE_MIN_BYTES = 4 << 20
 ANNOUNCE_PARTS = 16
 
@@ -46,7 +42,7 @@ class Spare:
 
 
 class SpareUploads:
-    """At most one spare per model and transport; `negotiate` sets an upload up (Negotiate)."""
+    """At most one upload set up ahead per model and transport."""
 
     def __init__(self, negotiate: Callable[[pb.NegotiateRequest], pb.NegotiateResponse]) -> None:
         self._negotiate = negotiate
@@ -121,12 +117,7 @@ class Publishing(Connection):
         )
 
     def publish_bytes(
-        self,
-        model: str,
-        parts: Buffer | Sequence[Buffer],
-        *,
-        sha256: str | None = None,
-        **options,
+        self, model: str, parts: Buffer | Sequence[Buffer], *, sha256: str | None = None, **options
     ) -> VersionInfo:
         """Publish one safetensors file, whole or as consecutive parts (not joined)."""
         return self.publish_group_bytes({model: parts}, sha256s={model: sha256}, **options)[0]
@@ -144,9 +135,8 @@ class Publishing(Connection):
         publish_id: str | None = None,
         transport: str = "auto",
     ) -> list[VersionInfo]:
-        """Publish several models' files under ONE version number (0: latest + 1), committed
-        together; each model's version. The server commits a `publish_id` (default: a new one; ""
-        sends none) once, so a retry after a lost reply gets the first attempt's version."""
+        """Several models' files under ONE version number (0: latest + 1). The server commits a
+        `publish_id` (default: a new one; "" sends none) once: a retry gets the first's version."""
         if not files:
             raise InvalidRequest("publish needs at least one model")
         publish_id = uuid.uuid4().hex if publish_id is None else publish_id
@@ -187,8 +177,7 @@ class Publishing(Connection):
         spares: bool,
         in_place: bool,
     ) -> list[VersionInfo]:
-        """One attempt. A model written in place (`in_place`) opens the Publish call before its
-        bytes are written, so the server verifies them meanwhile."""
+        """One attempt. Writing in place opens the Publish call first: the server verifies meanwhile."""
         order, stream = self.transports.order(choice), self.transports.stream
         grand_total = sum(f.header.total_bytes for f in files)
         total = 0
@@ -223,8 +212,7 @@ class Publishing(Connection):
                 if call is not None:
                     call.cancel()
                 raise
-        # Committed: set up each fast upload's successor while the trainer trains (not before:
-        # on few cores it would slow this commit down).
+        # Set up each fast upload's successor now, not before: on few cores it slows the commit.
         for file in outgoing:
             if file.transport is not None:
                 self._spares.refill(file.header.model, file.header.total_bytes, file.transport)
@@ -240,10 +228,9 @@ class Publishing(Connection):
         spares: bool,
         opened: Callable[[], OpenPublish] | None,
     ) -> tuple[str, Transport | None]:
-        """Move one model's bytes over the transport the server picks (a spare first), setting
-        the header's xxh3: the upload's id and transport, or ("", None) for the stream. Given
-        `opened`, a transport that writes in place sends the header first and tells the server
-        how far it got: _StartOver when it fails. A failed upload expires on the server."""
+        """One model's bytes over the transport the server picks (a spare first): the upload's id
+        and transport, or ("", None) for the stream. Written in place (`opened`), the header goes
+        first, then how far it got: _StartOver when it fails."""
         model, size = header.model, header.total_bytes
         spare = self._spares.take(model, size, order) if size else None
         if spare is not None and not spares:
@@ -283,7 +270,7 @@ class Publishing(Connection):
 
 
 def _announcing(call: OpenPublish, upload: str, size: int, progress: Progress | None) -> Progress:
-    """`progress` that also tells the server how far the bytes written in place are."""
+    """`progress` that also tells the server how far the bytes written in place got."""
     step, announced = max(ANNOUNCE_MIN_BYTES, size // ANNOUNCE_PARTS), 0
 
     def announce(done: int, total: int) -> None:

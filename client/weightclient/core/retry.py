@@ -1,6 +1,5 @@
-"""One deadline type and one retry policy for every caller (client calls, updaters, the relay).
-A `Deadline` is made once and handed down: a retry or refetch gets what is left, never a fresh
-timeout. Retry waits double, with jitter so that many clients do not come back in step.
+"""One deadline type and one retry policy for every caller. A `Deadline` is made once and handed
+down: a retry or refetch gets what is left. Waits double, with jitter (clients do not come back in step).
 
 >>> d = Deadline.after(None)
 >>> d.remaining() is None and not d.expired()
@@ -45,7 +44,6 @@ class Deadline:
         return self.at is not None and time.monotonic() >= self.at
 
     def within(self, seconds: float | None) -> float | None:
-        """`seconds`, cut to what is left (either may be None for unbounded)."""
         left = self.remaining()
         if seconds is None:
             return left
@@ -75,13 +73,11 @@ class RetryPolicy:
         return deadline if left is None or addresses <= 1 else Deadline.after(left / addresses)
 
     def _delay_within(self, attempt: int, deadline: Deadline) -> float | None:
-        """The wait before retry `attempt`; None if the deadline would pass first."""
         delay, left = self.delay(attempt), deadline.remaining()
         return None if left is not None and delay >= left else delay
 
     def wait(self, attempt: int, deadline: Deadline = NEVER, wake: threading.Event | None = None) -> bool:
-        """Sleep before retry `attempt` (a set `wake` ends it early); False at once if the
-        deadline would pass first."""
+        """Sleep before retry `attempt` (`wake` ends it early); False if the deadline would pass first."""
         delay = self._delay_within(attempt, deadline)
         if delay is not None:
             (wake or threading.Event()).wait(delay)

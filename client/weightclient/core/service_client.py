@@ -1,5 +1,4 @@
-"""WeightServiceClient: the byte-level client of weightserver.v1.WeightService (no torch; the
-CLI and the relay use it, `WeightClient` adds tensors), composed of one part per job."""
+"""WeightServiceClient: the byte-level client (no torch; the CLI and the relay use it)."""
 
 from __future__ import annotations
 
@@ -14,8 +13,7 @@ __all__ = ["FetchStats", "FetchedBytes", "WeightServiceClient", "default_address
 
 
 class WeightServiceClient(Publishing, Fetching, Watching):
-    """A connection to a weight server (or several, with failover) on safetensors bytes: publish,
-    fetch, watch (one part per file), describe and manage. Arguments: `core.failover.Connection`."""
+    """Publish, fetch, watch, describe and manage safetensors bytes. Arguments: `Connection`."""
 
     def latest(self, model: str, *, retry: bool = True, timeout: float | None = None) -> VersionInfo:
         request = pb.GetLatestRequest(model=model)

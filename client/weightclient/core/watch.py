@@ -1,5 +1,4 @@
-"""Watching a model: an event per committed version (and, asked for, per incoming publish),
-resubscribing from the last version seen when the server goes away."""
+"""Watching a model, resubscribing from the last version seen when the server goes away."""
 
 from __future__ import annotations
 
@@ -25,9 +24,8 @@ class Watching(Connection):
         incoming: bool = False,
         on_subscribed: Callable[[dict[str, str]], None] | None = None,
     ) -> Iterator[VersionEvent | Arriving]:
-        """An event per version of `model` committed after `since`, in order. `incoming=True`
-        also yields an `Arriving` as each publish begins (or fails). `on_subscribed(metadata)`
-        gets the server's initial metadata at each subscription (a relay names its primary)."""
+        """An event per version committed after `since`; `incoming`: an `Arriving` per publish too.
+        `on_subscribed(metadata)`: each subscription's initial metadata (a relay names its primary)."""
         if since < 0:
             raise InvalidRequest(f"since must be >= 0 (a version number, 0 for all retained), got {since}")
         deadline = Deadline.after(timeout)
@@ -54,7 +52,6 @@ class Watching(Connection):
                         )
                 return
             except ServerUnavailable as exc:
-                # Subscribe again from the last version seen: nothing is missed or repeated.
                 if failures == 0:
                     outage = deadline if deadline.at is not None else Deadline.after(self.retry_seconds)
                     log.warning("watch of %r at %s interrupted after v%d; resubscribing", model, address, cursor)

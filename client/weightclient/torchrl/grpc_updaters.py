@@ -18,10 +18,9 @@ from tensordict import TensorDict, TensorDictBase
 
 from weightclient import tensors as tensor_codec
 from weightclient.client import WeightClient
-from weightclient.core.cut_through import CutThrough
 from weightclient.core.retry import Deadline, RetryPolicy
 from weightclient.core.service_client import FetchStats
-from weightclient.core.version_follower import VersionFollower
+from weightclient.core.version_follower import CutThrough, VersionFollower
 from weightclient.torchrl.key_mapping import IDENTITY, KeyMap, check_weights, map_keys
 from weightserver.protocol.errors import CursorOutOfRange, DeadlineExceeded, ModelNotFound, ServerUnavailable
 from weightserver.protocol.safetensors_format import parse_header

@@ -1,6 +1,5 @@
-"""The transport layer: one class per way of moving a payload, behind one Protocol (base.py):
-the gRPC streams (stream.py), bulk TCP (bulk.py) and a same-host server's shared memory
-(shared_memory.py), tried in the order and by the retry rule of base.TransportChain."""
+"""One class per way of moving a payload (gRPC stream, bulk TCP, shared memory), behind one
+Protocol and tried in the order of base.TransportChain."""
 
 from weightclient.transports.base import (
     NotOffered,

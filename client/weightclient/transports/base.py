@@ -1,9 +1,6 @@
-"""The contract every transport keeps: move one payload, in either direction. A fetch receives
-an `Offer` into a buffer or the caller's tensors ("placed"); a publish's fast transport moves the
-bytes where Negotiate said (`upload`) and the Publish stream names the upload. A transport that
-cannot raises `TransportFailed`; the caller verifies and falls back along a `TransportChain`
-("auto": shared memory, bulk, then the stream; a named one alone before the stream). A fast one
-that failed rests out of "auto" for `rest_seconds`; one that carried a payload is trusted again."""
+"""The contract every transport keeps: move one payload either way (`receive` an `Offer`, or
+`upload` where Negotiate said). One that cannot raises `TransportFailed`, and the caller falls
+back along a `TransportChain` ("auto": shm, bulk, stream), where it rests for `rest_seconds`."""
 
 from __future__ import annotations
 
@@ -24,7 +21,7 @@ log = logging.getLogger(__name__)
 
 
 class TransportFailed(Exception):
-    """This transport cannot carry the payload here: the caller falls back to the next one."""
+    """This transport cannot carry the payload here: the caller falls back to the next."""
 
 
 class PayloadGone(TransportFailed):
@@ -32,13 +29,11 @@ class PayloadGone(TransportFailed):
 
 
 class NotOffered(TransportFailed):
-    """This transport does not carry payloads in this direction."""
+    pass
 
 
 @dataclass(frozen=True)
 class Offer:
-    """One negotiated payload, its version and, for the stream, its open stream of chunks."""
-
     info: VersionInfo
     payload: pb.Payload
     chunks: Iterator[Any] | None = field(default=None, repr=False)
@@ -46,7 +41,6 @@ class Offer:
 
     @property
     def whole_version(self) -> bool:
-        """Whether the payload is the version's own file (so its tensors can be placed)."""
         return not self.payload.base_version and not self.payload.dtype and self.payload.xxh3 == self.info.xxh3
 
     @property
@@ -56,8 +50,6 @@ class Offer:
 
 @dataclass(frozen=True)
 class OutgoingFile:
-    """One model's file to publish: header and parts, or the id of the upload that moved them."""
-
     header: pb.PublishHeader
     parts: Sequence[memoryview]
     uploaded: str = ""
@@ -65,19 +57,15 @@ class OutgoingFile:
 
 
 class Transport(Protocol):
-    """Moves one payload between a client and a server; subclasses inherit the defaults here."""
-
     name: ClassVar[str]  # "stream", "bulk", "shm": what FetchStats.transport reports
     kind: ClassVar[int]  # its pb.Transport value
-    # Whether a publish writes the server's upload itself, front to back, calling `progress`
-    # once bytes [0, n) are in for good (so the server can verify them meanwhile).
+    # A publish writes the server's upload front to back; `progress(n)`: bytes [0, n) are in for good.
     written_in_place: ClassVar[bool] = False
 
     def offer(
         self, request: pb.FetchRequest, answer: pb.NegotiateResponse | None, deadline: Deadline, info: VersionInfo
     ) -> Offer | None:
-        """The payload `answer` (naming this transport) describes; `info` stands in for a version
-        not committed yet. The stream overrides this to start a Fetch (None: up to date)."""
+        """The payload `answer` describes; `info` stands in for a version not committed yet."""
         assert answer is not None, "a fast transport is only ever picked by Negotiate"
         version = VersionInfo.from_proto(answer.header) if answer.HasField("header") else info
         return Offer(version, answer.payload, deadline=deadline)
@@ -89,7 +77,7 @@ class Transport(Protocol):
         raise NotOffered(f"{self.name} carries no uploads")
 
     def prepare(self, payload: pb.Payload) -> None:
-        """Get ready for an `upload` set up ahead, so that it costs only the copy."""
+        """Get ready for an `upload` set up ahead, so it costs only the copy."""
         raise NotOffered(f"{self.name} has no uploads to set up ahead")
 
     def release(self, payload: pb.Payload) -> None:
@@ -97,7 +85,6 @@ class Transport(Protocol):
 
     def receive(self, offer: Offer, *, into: Any, progress: Progress | None) -> memoryview:
         """The payload's bytes, unverified, in `into` when it is large enough."""
-        ...
 
     def receive_placed(self, offer: Offer, views: Mapping[str, memoryview]) -> list[str]:
         """The version's file scattered into `views`, hashed as it lands: the tensors that fail."""
@@ -147,13 +134,11 @@ class TransportChain:
         self._worked.add(transport.name)
 
     def usable(self, name: str) -> bool | None:
-        """True once a transport carried a payload, False while it rests after a failure, None before."""
         return False if self.resting(self.by_name[name]) else (name in self._worked) or None
 
 
 def receive_buffer(size: int, into: memoryview | None = None) -> memoryview:
-    """`into[:size]` if large enough, else a new buffer not zero-filled first (for a large model
-    that costs as much as receiving it)."""
+    """`into[:size]` if large enough, else a new buffer not zero-filled (that costs a receive)."""
     if into is not None and into.nbytes >= size and not into.readonly:
         return into.cast("B")[:size]
     import numpy as np

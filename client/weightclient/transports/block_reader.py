@@ -16,8 +16,7 @@ PARALLEL_MIN_BLOCKS = 4  # below this the helper's hand-off costs more than it s
 
 
 def read_blocks(fd: int, blocks: Sequence[Block], landed: Callable[[int], None]) -> None:
-    """Fill every block from `fd`, calling `landed(i)` in order as block i lands (in this thread).
-    OSError when the file is short; no helper read is in flight once this returns."""
+    """Fill every block, calling `landed(i)` in order in this thread; OSError when the file is short."""
     if len(blocks) < PARALLEL_MIN_BLOCKS or _usable_cpus() < 2:
         for i, (view, offset) in enumerate(blocks):
             pread_exactly(fd, view, offset)
@@ -36,8 +35,7 @@ def pread_exactly(fd: int, view: memoryview, offset: int) -> None:
 
 
 class _SharedRead:
-    """One read shared by the caller and the helper; the caller waits on `helper_done` (cheaper
-    per block than an Event) only for a block the helper holds."""
+    """The caller waits on `helper_done` (cheaper than an Event) only for a block the helper holds."""
 
     def __init__(self, fd: int, blocks: Sequence[Block]) -> None:
         self.fd, self.blocks = fd, blocks
@@ -101,7 +99,6 @@ def _usable_cpus() -> int:
 
 @functools.cache
 def _helper_pool() -> ThreadPoolExecutor:
-    """One helper thread for the process (a fetch finding it busy reads alone)."""
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="weightclient-read")
 
 

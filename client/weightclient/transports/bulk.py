@@ -1,8 +1,6 @@
-"""Bulk TCP to the server's bulk port (a gRPC stream of 1 MiB messages tops out near 0.6x of
-one loopback TCP connection in Python): a 16-byte ticket, then the payload's bytes (a publish
-hashes each block just before it goes, in cache, and waits for a one-byte ACK). A recv waits at
-most FIRST_BYTE_TIMEOUT for the first byte (a server over its connection cap never answers) and
-STALL_TIMEOUT between bytes; a connection that timed out is dropped (its position is unknown)."""
+"""Bulk TCP to the server's bulk port (a gRPC stream tops out near 0.6x of one loopback TCP
+connection in Python): a 16-byte ticket, then the bytes (an upload ends with a one-byte ACK). The
+first byte waits FIRST_BYTE_TIMEOUT (a server over its connection cap never answers)."""
 
 from __future__ import annotations
 
@@ -64,7 +62,6 @@ class BulkTransport(Transport):
 
     @property
     def connected(self) -> bool:
-        """Whether a connection is kept open for the next transfer."""
         return self._socket is not None
 
     def close(self) -> None:
@@ -82,9 +79,8 @@ class BulkTransport(Transport):
         hasher: xxhash.xxh3_128 | None = None,
         progress: Progress | None = None,
     ) -> None:
-        """Send the ticket on the kept connection to `bulk.port`, then `parts` (hashed block by
-        block), then receive `into`. A kept connection the server closed meanwhile (EOF before the
-        first byte) leaves the ticket unused: tried once afresh."""
+        """Send the ticket, then `parts` (each block hashed just before it goes), then receive
+        `into`. A kept connection the server closed (EOF before the first byte): tried once afresh."""
         with self._lock:
             try:
                 while True:
@@ -139,20 +135,13 @@ class BulkTransport(Transport):
                         self._close()
                         if fresh:
                             raise
-            except ValueError as exc:
-                self._close()
-                raise TransportFailed(f"bulk payload of {label} does not match its description: {exc}") from exc
-            except (OSError, EOFError) as exc:
-                self._close()
-                raise TransportFailed(f"bulk transfer of {label} with {self.host}:{bulk.port} failed ({exc})") from exc
-            except DeadlineExceeded as exc:
-                self._close()
-                raise DeadlineExceeded(
-                    f"bulk transfer of {label} with {self.host}:{bulk.port} did not finish within the call's "
-                    f"timeout ({exc}); the connection was dropped"
-                ) from None
-            except BaseException:
-                self._close()  # an interrupt part-way: the connection's position is unknown
+            except BaseException as exc:
+                self._close()  # cut part-way (an interrupt too): the connection's position is unknown
+                what = f"bulk transfer of {label} with {self.host}:{bulk.port}"
+                if isinstance(exc, DeadlineExceeded):
+                    raise DeadlineExceeded(f"{what} did not finish in time ({exc}); connection dropped") from None
+                if isinstance(exc, (ValueError, OSError, EOFError)):  # ValueError: bytes off their layout
+                    raise TransportFailed(f"{what} failed ({exc})") from exc
                 raise
 
     def _close(self) -> None:
@@ -162,7 +151,7 @@ class BulkTransport(Transport):
 
 
 def _wait(limit: float, deadline: Deadline) -> float:
-    """`limit`, or what is left of `deadline` if that is less; DeadlineExceeded once it passed."""
+    """`limit`, cut to what is left of `deadline`; DeadlineExceeded once it passed."""
     if deadline.expired():
         raise DeadlineExceeded("the deadline passed")
     return deadline.within(limit)
@@ -172,8 +161,7 @@ def _connect(host: str, port: int, deadline: Deadline) -> socket.socket:
     family, _, _, _, address = socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM)[0]
     conn = socket.socket(family, socket.SOCK_STREAM)
     try:
-        # A large receive buffer from the first byte: the window otherwise grows from ~128 KiB,
-        # which dominates a transfer of a few MiB.
+        # From the first byte: the window otherwise grows from ~128 KiB (most of a few MiB's time).
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         conn.settimeout(_wait(CONNECT_TIMEOUT, deadline))

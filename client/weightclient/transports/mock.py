@@ -1,7 +1,5 @@
-"""An in-memory server and transports for unit tests with no sockets (as httpx's MockTransport):
-`WeightServiceClient("mock", connect=MockServer().connect)`. `fail[method]` lists errors that
-method's next calls raise; `corrupt` names transports that flip a byte; `calls` records calls.
-"""
+"""An in-memory server for unit tests: `WeightServiceClient("mock", connect=MockServer().connect)`.
+`fail[method]`: errors its next calls raise; `corrupt`: transports that flip a byte; `calls`."""
 
 from __future__ import annotations
 
@@ -12,15 +10,8 @@ from typing import Any
 import xxhash
 
 from weightclient.core.retry import Deadline
-from weightclient.transports.base import (
-    NotOffered,
-    Offer,
-    OutgoingFile,
-    Progress,
-    Transport,
-    TransportChain,
-    TransportFailed,
-)
+from weightclient.transports import TransportFailed
+from weightclient.transports.base import NotOffered, Offer, OutgoingFile, Progress, Transport, TransportChain
 from weightserver.protocol.errors import InvalidRequest, ModelNotFound, VersionNotFound
 from weightserver.protocol.version_info import VersionInfo
 from weightserver.v1 import weights_pb2 as pb

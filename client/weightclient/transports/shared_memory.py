@@ -1,7 +1,6 @@
-"""Payload files in a same-host server's shared memory. A fetch maps the file copy-on-write (or
-reads placed tensors' blocks); once it knows a model's folder it reads exact versions by their
-header files without a call (`read_directly`). A publish writes the server's upload file, hashing
-each block in cache: `pwrite` (one copy, no page faults here), or a mapping set up ahead."""
+"""Payload files in a same-host server's shared memory: a fetch maps one copy-on-write, or reads an
+exact version by its header file with no call (`read_directly`); a publish writes the upload file,
+hashing each block in cache (`pwrite`: one copy, no page faults; or a mapping set up ahead)."""
 
 from __future__ import annotations
 
@@ -29,13 +28,10 @@ from weightserver.v1 import weights_pb2 as pb
 
 MAX_HEADER_BYTES = 64 << 20  # far above any real manifest; a larger file is not one of ours
 WRITE_BLOCK = 256 << 10  # a publish writes, then hashes, this much at a time: the hash finds it in cache
-# The name of a file the server made for a publish to write: anything else is not written to.
 UPLOAD_FILE = re.compile(r"upload-[0-9a-f]+\.tmp")
 
 
 class SharedMemoryTransport(Transport):
-    """Reads payload files that a same-host server names, and remembers each model's folder."""
-
     name: ClassVar[str] = "shm"
     written_in_place: ClassVar[bool] = True
     kind: ClassVar[int] = pb.TRANSPORT_SHARED_MEMORY
@@ -48,8 +44,7 @@ class SharedMemoryTransport(Transport):
     def upload(
         self, payload: pb.Payload, parts: Sequence[memoryview], *, deadline: Deadline, progress: Progress | None
     ) -> str:
-        """Write `parts` into the upload file, front to back. A prepared mapping is unmapped before
-        this returns: nothing here can write the file once the version is committed."""
+        """Write `parts` into the upload file; a prepared mapping is unmapped before the commit."""
         path, total = payload.shared_memory.path, payload.byte_size
         if sum(p.nbytes for p in parts) != total:
             raise TransportFailed(f"{path} is not an upload file of {total} bytes")
@@ -85,7 +80,7 @@ class SharedMemoryTransport(Transport):
     @contextmanager
     def _upload_file(self, path: str, total: int, flags: int) -> Iterator[int]:
         """The upload file, open: TransportFailed unless a regular file of `total` bytes, named as
-        the server names uploads, not a link."""
+        the server names uploads (nothing else is written to), not a link."""
         if not UPLOAD_FILE.fullmatch(os.path.basename(path)):
             raise TransportFailed(f"{path} is not an upload file of {total} bytes")
         try:
@@ -136,8 +131,7 @@ class SharedMemoryTransport(Transport):
             os.close(fd)
 
     def read_directly(self, model: str, version: int) -> Offer | None:
-        """An offer for exactly `version` from its header file, no call; None when unknown,
-        absent or untrusted."""
+        """An offer for exactly `version` from its header file; None when absent or untrusted."""
         folder, owner = self._folders.get(model, ("", -1))
         header = _read_header(folder, owner, model, version) if folder else None
         if header is None:
@@ -162,14 +156,9 @@ class SharedMemoryTransport(Transport):
 
 
 def _moved_hashed(
-    target: memoryview | int,
-    parts: Sequence[memoryview],
-    total: int,
-    deadline: Deadline,
-    progress: Progress | None,
+    target: memoryview | int, parts: Sequence[memoryview], total: int, deadline: Deadline, progress: Progress | None
 ) -> str:
-    """Every block of `parts` into `target` (a mapping, or a file descriptor) from offset 0,
-    each hashed once written (still in cache); their xxh3-128."""
+    """`parts` into `target` (a mapping or a file descriptor), each block hashed once written."""
     hasher = xxhash.xxh3_128()
     offset = 0
     for part in parts:
@@ -191,13 +180,12 @@ def _moved_hashed(
 
 
 def _read_placed(fd: int, info: VersionInfo, views: Mapping[str, memoryview]) -> list[str]:
-    """Read the placed tensors into `views`, hashing each block in cache: those that fail."""
     prefix = os.pread(fd, PREFIX_BYTES, 0)
     if len(prefix) != PREFIX_BYTES:
         raise ValueError("the file is shorter than a safetensors header")
     offset = PREFIX_BYTES
     blocks: list[tuple[memoryview, int]] = []
-    owners: list[str] = []  # the tensor of each block
+    owners: list[str] = []
     for size, name in layout(info, views, int.from_bytes(prefix, "little")):
         if name is not None:
             for start in range(0, size, BLOCK_BYTES):

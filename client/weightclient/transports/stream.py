@@ -1,5 +1,5 @@
-"""The gRPC streams, Publish and Fetch: always there, work under TLS, and the only transport
-clients in other languages need. Chunks travel pre-framed (protocol.framing)."""
+"""The gRPC streams, Publish and Fetch: always there, under TLS too, and all that clients in other
+languages need. Chunks travel pre-framed (protocol.framing)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,6 @@ from weightserver.v1 import weights_pb2 as pb
 
 
 class StreamTransport(Transport):
-    """Payloads as chunk messages of a Fetch or Publish stream on the client's channel."""
-
     name: ClassVar[str] = "stream"
     kind: ClassVar[int] = pb.TRANSPORT_STREAM
 
@@ -49,7 +47,7 @@ class StreamTransport(Transport):
         self, files: Sequence[OutgoingFile], progress: Progress | None, *, commit: bool = True
     ) -> Iterator[Any]:
         """Each header, then its parts re-cut into chunks (or the upload that moved them), then
-        the commit; `progress` hears of each chunk once gRPC has taken it."""
+        the commit; `progress` hears of each chunk once gRPC took it."""
         total = sum(f.header.total_bytes for f in files)
         sent = 0
         for file in files:
@@ -83,9 +81,8 @@ class StreamTransport(Transport):
     def offer(
         self, request: pb.FetchRequest, answer: pb.NegotiateResponse | None, deadline: Deadline, info: VersionInfo
     ) -> Offer | None:
-        """Start a Fetch stream and read its head: the version's header (then a payload
-        description for a delta or cast), or for incoming bytes only the payload, under `info`.
-        None when the server is up to date."""
+        """Start a Fetch and read its head: the header (then a payload for a delta or cast), or for
+        incoming bytes only the payload, under `info`. None when up to date."""
         stream = self._fetch(request, timeout=deadline.remaining(), metadata=self._metadata)
         try:
             first = next(stream, None)
@@ -126,42 +123,36 @@ class StreamTransport(Transport):
 
 
 class OpenPublish:
-    """A Publish call whose messages go one by one as they are ready: for a publisher that
-    writes a model's bytes in place (shared memory) and tells the server how far it has got."""
-
-    _END: ClassVar[object] = object()
+    """A Publish call sent message by message, for a publisher that writes in place (shared
+    memory) and tells the server how far it got. `cancel()`: the server commits nothing."""
 
     def __init__(self, stream: StreamTransport, deadline: Deadline) -> None:
-        self._stream = stream
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._stream, self._queue = stream, queue.SimpleQueue()
         self._future = stream._publish.future(
-            iter(self._queue.get, self._END), timeout=deadline.remaining(), metadata=stream._metadata
+            iter(self._queue.get, None), timeout=deadline.remaining(), metadata=stream._metadata
         )
 
-    def send(self, message: pb.PublishRequest) -> None:
-        """Hand `message` to the call; the call's error (RpcError) once the server has ended it."""
+    def send(self, *messages: pb.PublishRequest) -> None:
+        """Hand `messages` to the call; the call's error (RpcError) once the server has ended it."""
         if self._future.done():
             self._future.result()  # raises what ended it
             raise IntegrityError("the server ended the Publish call before its commit")
-        self._queue.put(message)
+        for message in messages:
+            self._queue.put(message)
 
     def send_file(self, file: OutgoingFile) -> None:
-        for message in self._stream._publish_messages([file], None, commit=False):
-            self.send(message)
+        self.send(*self._stream._publish_messages([file], None, commit=False))
 
     def commit(self) -> pb.PublishResponse:
-        self.send(pb.PublishRequest(commit=pb.PublishCommit()))
-        self._queue.put(self._END)
+        self.send(pb.PublishRequest(commit=pb.PublishCommit()), None)
         return self._future.result()
 
     def cancel(self) -> None:
-        """End the call without a commit: the server commits nothing of it."""
         self._future.cancel()
-        self._queue.put(self._END)
+        self._queue.put(None)  # ends the request iterator gRPC reads in a thread of its own
 
 
 def _expect_end(stream: Iterator[Any], model: str) -> None:
-    """Read a Fetch stream to its end: cancelling it instead races with the server's OK status
-    and makes grpc log an error there."""
+    """Read a Fetch stream to its end: cancelling it races with the server's OK and logs an error."""
     for _ in stream:
         raise IntegrityError(f"model {model!r}: the server sent more than the fetch expects")
