@@ -33,7 +33,7 @@ from weightserver.protocol.errors import (
     VersionTooLarge,
     WeightServerError,
 )
-from weightserver.protocol.version_info import ModelSummary, VersionEvent, VersionInfo
+from weightserver.protocol.version_info import IncomingEvent, ModelSummary, VersionEvent, VersionInfo
 
 if TYPE_CHECKING:
     from weightclient.client import FetchResult, WeightClient
@@ -46,6 +46,7 @@ __all__ = [
     "DescriptionTooLarge",
     "FetchResult",
     "FetchedBytes",
+    "IncomingEvent",
     "IntegrityError",
     "InternalServerError",
     "InvalidModelName",

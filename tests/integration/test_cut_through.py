@@ -23,7 +23,7 @@ from weightclient import WeightClient
 from weightclient.torchrl.grpc_updaters import GrpcLocalWeightUpdater
 from weightserver.protocol import framing
 from weightserver.protocol.errors import PublishAborted, UploadNotFound
-from weightserver.protocol.version_info import Arriving, VersionEvent
+from weightserver.protocol.version_info import IncomingEvent, VersionEvent
 from weightserver.v1 import weights_pb2 as pb
 
 MODEL = "policy"
@@ -38,7 +38,7 @@ class Watcher:
     """A Watch with incoming=True in a thread: every event, in order, on a queue."""
 
     def __init__(self, client: WeightClient, since: int = 0) -> None:
-        self.events: queue.Queue[VersionEvent | Arriving] = queue.Queue()
+        self.events: queue.Queue[VersionEvent | IncomingEvent] = queue.Queue()
         self._stream = client.watch(MODEL, since=since, incoming=True, timeout=60)
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -50,7 +50,7 @@ class Watcher:
         except Exception:  # closed at the end of the test
             pass
 
-    def next(self, timeout: float = 20.0) -> VersionEvent | Arriving:
+    def next(self, timeout: float = 20.0) -> VersionEvent | IncomingEvent:
         return self.events.get(timeout=timeout)
 
     @classmethod
@@ -74,13 +74,13 @@ def watcher(server, other_client) -> Iterator[Watcher]:
 class EarlyReceive:
     """`fetch_incoming` in a thread, counting the bytes as they come."""
 
-    def __init__(self, client: WeightClient, announced: Arriving, transport: str) -> None:
+    def __init__(self, client: WeightClient, announced: IncomingEvent, transport: str) -> None:
         self.received = 0
         self.result: object = None
         self._thread = threading.Thread(target=self._run, args=(client, announced, transport), daemon=True)
         self._thread.start()
 
-    def _run(self, client: WeightClient, announced: Arriving, transport: str) -> None:
+    def _run(self, client: WeightClient, announced: IncomingEvent, transport: str) -> None:
         def progress(done: int, total: int) -> None:
             self.received = done
 
@@ -213,14 +213,14 @@ def test_incoming_bytes_received_early_are_the_committed_version(
     data = file_of(weights_filled(1.5))
     publish = HeldPublish(server.address, data, publish_over)
     announced = watcher.next()
-    assert isinstance(announced, Arriving) and not announced.failed and announced.byte_size == len(data)
+    assert isinstance(announced, IncomingEvent) and not announced.failed and announced.byte_size == len(data)
     receive = EarlyReceive(other_client, announced, receive_over)
     wait_until(lambda: receive.received >= 1 << 20, timeout=10, step=0.01)  # under way before the commit
     assert receive.received < len(data)
     version = publish.finish()
     committed = watcher.next()
     assert isinstance(committed, VersionEvent) and committed.version == version
-    assert committed.arriving == announced.id  # the commit names the bytes announced
+    assert committed.incoming == announced.id  # the commit names the bytes announced
     early = receive.join()
     assert not isinstance(early, Exception), early
     assert early.stats.incoming and early.stats.transport == receive_over
@@ -233,9 +233,9 @@ def test_a_same_host_publish_is_announced_as_it_is_written(server, client, other
     weights = weights_filled(2.5)
     version = client.publish(weights, model=MODEL, transport="shm")
     announced, committed = watcher.next(), watcher.next()
-    assert isinstance(announced, Arriving) and announced.byte_size == len(file_of(weights))
+    assert isinstance(announced, IncomingEvent) and announced.byte_size == len(file_of(weights))
     assert isinstance(committed, VersionEvent) and committed.version == version
-    assert committed.arriving == announced.id
+    assert committed.incoming == announced.id
     fetched = other_client.fetch(MODEL, version=version, transport="stream").state_dict()
     assert torch.equal(fetched["w"], weights["w"]) and torch.equal(fetched["b"], weights["b"])
 
@@ -251,15 +251,15 @@ def test_a_watch_that_does_not_ask_sees_only_commits(server, client, other_clien
     reader.join(20)
     stream.close()
     assert len(events) == 1 and isinstance(events[0], VersionEvent)
-    assert events[0].version == version and events[0].arriving == ""
+    assert events[0].version == version and events[0].incoming == ""
 
 
 def test_incoming_bytes_are_not_found_once_their_publish_ended(server, client, watcher):
     version = client.publish(weights_filled(3.0), model=MODEL, transport="bulk")
     announced = watcher.next()
-    assert isinstance(announced, Arriving)
+    assert isinstance(announced, IncomingEvent)
     committed = watcher.next()
-    assert committed.version == version and committed.arriving == announced.id
+    assert committed.version == version and committed.incoming == announced.id
     with pytest.raises(UploadNotFound, match="fetch the committed version"):
         client.fetch_incoming(announced, transport="stream", timeout=10)
     with pytest.raises(UploadNotFound):
@@ -273,12 +273,12 @@ def test_a_publish_cut_half_way_aborts_the_early_receive(server, other_client, w
     data = file_of(weights_filled(4.0))
     publish = HeldPublish(server.address, data, publish_over)
     announced = watcher.next()
-    assert isinstance(announced, Arriving) and not announced.failed
+    assert isinstance(announced, IncomingEvent) and not announced.failed
     receive = EarlyReceive(other_client, announced, receive_over)
     wait_until(lambda: receive.received >= 1 << 20, timeout=10, step=0.01)  # bytes flowing before the cut
     publish.cut()  # the upload's connection, or the Publish call, dropped half-way
     failed = watcher.next()
-    assert isinstance(failed, Arriving) and failed.id == announced.id and failed.failed
+    assert isinstance(failed, IncomingEvent) and failed.id == announced.id and failed.failed
     assert isinstance(receive.join(), PublishAborted)
     assert receive.received < len(data)
     assert other_client.latest(MODEL).version == 1
@@ -288,7 +288,7 @@ def test_a_publish_whose_digest_fails_is_announced_failed(server, client, watche
     with pytest.raises(RuntimeError, match="xxh3"):
         _publish_wrong_xxh3(server.address, file_of(weights_filled(6.0)))
     announced, failed = watcher.next(), watcher.next()
-    assert isinstance(announced, Arriving) and isinstance(failed, Arriving)
+    assert isinstance(announced, IncomingEvent) and isinstance(failed, IncomingEvent)
     assert failed.id == announced.id and failed.failed
     assert client.latest(MODEL).version == 1
 

@@ -17,7 +17,7 @@ from tests.integration.test_stalled_server import stopped
 from weightclient import WeightClient
 from weightclient.torchrl.grpc_updaters import GrpcLocalWeightUpdater
 from weightserver.process import ServerProcess
-from weightserver.protocol.version_info import Arriving
+from weightserver.protocol.version_info import IncomingEvent
 
 MODEL = "policy"
 
@@ -171,7 +171,7 @@ def test_a_relay_killed_during_a_followers_early_receive_leaves_the_version_to_t
             watcher = Watcher.subscribed(probe, held=1)  # a second follower of the relay, to see its bytes flow
             publish = HeldPublish(primary.address, file_of(published), "stream")  # half, then it waits
             announced = watcher.next()
-            assert isinstance(announced, Arriving)
+            assert isinstance(announced, IncomingEvent)
             receive = EarlyReceive(probe, announced, "bulk")
             # The relay passes the first half on as it lands; the updater's follower is receiving it.
             wait_until(lambda: receive.received >= 1 << 20, timeout=10)

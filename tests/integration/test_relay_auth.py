@@ -28,7 +28,7 @@ from weightserver.cli import build_parser, server_config
 from weightserver.config import ServerConfig
 from weightserver.process import ServerProcess
 from weightserver.protocol.errors import AuthenticationRequired
-from weightserver.protocol.version_info import Arriving, VersionEvent
+from weightserver.protocol.version_info import IncomingEvent, VersionEvent
 from weightserver.relay.relay import RELAY_HEALTH_SERVICE
 from weightserver.v1 import weights_pb2 as pb
 from weightserver.v1 import weights_pb2_grpc as pb_grpc
@@ -157,14 +157,14 @@ def test_a_relay_follows_a_primary_with_a_token_and_mutual_tls_byte_for_byte_and
                 primary.address, data, "stream", credentials=at_primary.credentials(), token=TOKENS["trainer"]
             )
             announced = watcher.next()
-            assert isinstance(announced, Arriving) and announced.byte_size == len(data)
+            assert isinstance(announced, IncomingEvent) and announced.byte_size == len(data)
             receive = EarlyReceive(collector, announced, "bulk")
             wait_until(lambda: receive.received >= 1 << 20, timeout=10)
             assert receive.received < len(data) and held(primary, MODEL) == 7
             version = publish.finish()
             committed = watcher.next()
             assert isinstance(committed, VersionEvent) and committed.version == version == 8
-            assert committed.arriving == announced.id  # the relay committed the bytes it received early
+            assert committed.incoming == announced.id  # the relay committed the bytes it received early
             early = receive.join()
             assert not isinstance(early, Exception), early
             assert bytes(early.data) == data

@@ -12,7 +12,7 @@ from waiting import wait_until
 from tests.integration.test_cut_through import EarlyReceive, HeldPublish, Watcher, file_of, weights_filled
 from tests.integration.test_relay import assert_same_versions, held
 from weightclient import WeightClient
-from weightserver.protocol.version_info import Arriving, VersionEvent
+from weightserver.protocol.version_info import IncomingEvent, VersionEvent
 
 MODEL = "policy"
 
@@ -37,7 +37,7 @@ def test_a_follower_two_relays_down_receives_a_publish_before_the_primary_commit
         data = file_of(weights_filled(2.5))
         publish = HeldPublish(primary.address, data, publish_over)  # half its bytes, then it waits
         announced = watcher.next()
-        assert isinstance(announced, Arriving) and announced.byte_size == len(data)
+        assert isinstance(announced, IncomingEvent) and announced.byte_size == len(data)
         receive = EarlyReceive(collector, announced, "bulk")
         # Bytes reach the leaf's follower through two relays while the primary has committed nothing.
         wait_until(lambda: receive.received >= 1 << 20, timeout=10)
@@ -45,7 +45,7 @@ def test_a_follower_two_relays_down_receives_a_publish_before_the_primary_commit
         version = publish.finish()
         committed = watcher.next()
         assert isinstance(committed, VersionEvent) and committed.version == version
-        assert committed.arriving == announced.id  # the leaf's commit names the bytes it passed on
+        assert committed.incoming == announced.id  # the leaf's commit names the bytes it passed on
         early = receive.join()
         assert not isinstance(early, Exception), early
         assert bytes(early.data) == data
@@ -60,12 +60,12 @@ def test_a_publish_cut_half_way_is_never_visible_at_any_depth(tree, publish_over
         watcher = Watcher.subscribed(collector, held=1)
         publish = HeldPublish(primary.address, file_of(weights_filled(3.5)), publish_over)
         announced = watcher.next()
-        assert isinstance(announced, Arriving)
+        assert isinstance(announced, IncomingEvent)
         receive = EarlyReceive(collector, announced, "bulk")
         wait_until(lambda: receive.received >= 1 << 20, timeout=10)
         publish.cut()
         failed = watcher.next()
-        assert isinstance(failed, Arriving) and failed.id == announced.id and failed.failed
+        assert isinstance(failed, IncomingEvent) and failed.id == announced.id and failed.failed
         assert not isinstance(receive.join(), bytes)
         # The next good publish still flows through the tree, and nothing of the cut one exists.
         with WeightClient(primary.address) as trainer:

@@ -142,12 +142,12 @@ class ModelSummary:
 @dataclass(frozen=True)
 class VersionEvent:
     """A Watch event: a version landed. `gap` is True when versions were missed for good.
-    `arriving`: on a watch of incoming publishes, the id of the announced bytes (`Arriving`)
+    `incoming`: on a watch of incoming publishes, the id of the announced bytes (`IncomingEvent`)
     that became this version, if they were announced."""
 
     info: VersionInfo
     gap: bool = False
-    arriving: str = ""
+    incoming: str = ""
 
     @property
     def version(self) -> int:
@@ -155,9 +155,9 @@ class VersionEvent:
 
 
 @dataclass(frozen=True)
-class Arriving:
+class IncomingEvent:
     """A Watch announcement (`watch(..., incoming=True)`): a publish's bytes began to arrive
-    at the server, so they can be fetched before the commit (`fetch_arriving`), and applied
+    at the server, so they can be fetched before the commit (`fetch_incoming`), and applied
     once a `VersionEvent` names `id` and they match its xxh3. `failed`: that publish failed;
     its bytes never become a version."""
 

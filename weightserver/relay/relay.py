@@ -28,7 +28,7 @@ from weightserver.protocol.channel import channel_credentials
 from weightserver.protocol.digests import xxh3_hex
 from weightserver.protocol.limits import MAX_CHUNK_BYTES
 from weightserver.protocol.names import validate_model_name
-from weightserver.protocol.version_info import Arriving, ModelSummary, VersionEvent, VersionInfo
+from weightserver.protocol.version_info import IncomingEvent, ModelSummary, VersionEvent, VersionInfo
 from weightserver.publish.incoming import IncomingPublish, IncomingPublishes
 from weightserver.storage.payloads import apply_delta
 from weightserver.storage.store import Upload, Version, VersionStore
@@ -326,12 +326,12 @@ class Relay:
             await BACKOFF.wait_async(attempt, wake=self._upstream_back)
             attempt += 1
 
-    async def _on_event(self, model: str, event: VersionEvent | Arriving) -> None:
-        if isinstance(event, Arriving):
+    async def _on_event(self, model: str, event: VersionEvent | IncomingEvent) -> None:
+        if isinstance(event, IncomingEvent):
             self._on_arriving(event)
             return
         number = event.version
-        incoming = self._incoming.pop(event.arriving, None) if event.arriving else None
+        incoming = self._incoming.pop(event.incoming, None) if event.incoming else None
         self._heard(model, max(number, self.upstream_latest.get(model, 0)))
         if event.gap:
             log.warning("relay of %r: versions before v%d went upstream before this relay fetched them", model, number)
@@ -378,7 +378,7 @@ class Relay:
         if not committed:
             raise errors.ServerUnavailable(f"the group commit of v{number} failed; {model!r} resubscribes")
 
-    def _on_arriving(self, announced: Arriving) -> None:
+    def _on_arriving(self, announced: IncomingEvent) -> None:
         """A publish's bytes arrive upstream (or, `failed`, never will): receive them, passing them on as they land."""
         if self.incoming is None:
             return
@@ -399,7 +399,7 @@ class Relay:
         task = asyncio.create_task(self._receive_incoming(announced, publish), name="weightserver-relay-incoming")
         self._incoming[announced.id] = _Incoming(publish, task)
 
-    async def _receive_incoming(self, announced: Arriving, publish: IncomingPublish) -> None:
+    async def _receive_incoming(self, announced: IncomingEvent, publish: IncomingPublish) -> None:
         """The bytes into `publish.buffer`, unchecked: kept only if the commit names and matches them."""
         assert self._client is not None
 
@@ -502,7 +502,7 @@ class Relay:
             log.info("relay %s upstream=%s", pairs, self.address, extra={"event": "relay", **fields})
 
 
-def _next_event(events: Iterator[VersionEvent | Arriving]) -> VersionEvent | Arriving | None:
+def _next_event(events: Iterator[VersionEvent | IncomingEvent]) -> VersionEvent | IncomingEvent | None:
     """The Watch's next event; None once it ended (its deadline passed: resubscribe)."""
     try:
         return next(events, None)

@@ -18,7 +18,7 @@ from weightclient.placement import Placement, checked_views
 from weightclient.transports import PayloadGone, TransportFailed
 from weightclient.transports.base import Progress
 from weightserver.protocol.errors import IntegrityError, InvalidRequest, PublishAborted
-from weightserver.protocol.version_info import Arriving, VersionInfo
+from weightserver.protocol.version_info import IncomingEvent, VersionInfo
 from weightserver.v1 import weights_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -156,7 +156,7 @@ class Fetching(Connection):
 
     def fetch_incoming(
         self,
-        incoming: Arriving,
+        incoming: IncomingEvent,
         *,
         transport: str = "auto",
         timeout: float | None = None,

@@ -16,7 +16,7 @@ import xxhash
 from weightclient.core.service_client import FetchedBytes, WeightServiceClient
 from weightclient.transports.base import receive_buffer
 from weightserver.protocol.errors import Cancelled, DeadlineExceeded, WeightServerError
-from weightserver.protocol.version_info import Arriving, VersionEvent
+from weightserver.protocol.version_info import IncomingEvent, VersionEvent
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ HASH_STRETCH = 1 << 20  # received bytes are hashed once this many more are in
 
 
 class CutThrough:
-    """Early receives for one model's follower (its Watch thread calls `arriving`, `committed`)."""
+    """Early receives for one model's follower (its Watch thread calls `incoming`, `committed`)."""
 
     def __init__(self, client: WeightServiceClient, *, transport: str = "auto", timeout: float = 30.0) -> None:
         self._client = client
@@ -39,7 +39,7 @@ class CutThrough:
         self._spare: memoryview | None = None  # a receive buffer handed back after its update was applied
         self._closed = False
 
-    def arriving(self, announced: Arriving) -> None:
+    def incoming(self, announced: IncomingEvent) -> None:
         if self._closed:
             return
         if announced.failed:
@@ -57,11 +57,11 @@ class CutThrough:
         return any(not future.done() for future in list(self._receiving.values()))
 
     def expects(self, event: VersionEvent) -> bool:
-        return bool(event.arriving) and event.arriving in self._receiving
+        return bool(event.incoming) and event.incoming in self._receiving
 
     def committed(self, event: VersionEvent) -> FetchedBytes | None:
         """The version `event` announces, from the bytes received early if they match."""
-        future = self._receiving.pop(event.arriving, None) if event.arriving else None
+        future = self._receiving.pop(event.incoming, None) if event.incoming else None
         if future is None:
             return None
         try:
@@ -86,7 +86,7 @@ class CutThrough:
         self._closed = True
         self._threads.shutdown(wait=False, cancel_futures=True)
 
-    def _receive(self, announced: Arriving) -> tuple[FetchedBytes, str]:
+    def _receive(self, announced: IncomingEvent) -> tuple[FetchedBytes, str]:
         """The bytes and their xxh3, hashed a stretch at a time as they land."""
         with self._lock:
             spare, self._spare = self._spare, None
@@ -193,8 +193,8 @@ class VersionFollower:
                     self._model, since=since, timeout=RENEW_SECONDS, incoming=cut_through is not None
                 ):
                     self._heard = time.monotonic()
-                    if isinstance(event, Arriving):
-                        cut_through.arriving(event)  # type: ignore[union-attr]
+                    if isinstance(event, IncomingEvent):
+                        cut_through.incoming(event)  # type: ignore[union-attr]
                         continue
                     settling = threading.Event() if cut_through is not None and cut_through.expects(event) else None
                     with self._lock:

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from weightclient.core.failover import Connection, map_rpc_errors
 from weightclient.core.retry import Deadline
 from weightserver.protocol.errors import InvalidRequest, ServerUnavailable
-from weightserver.protocol.version_info import Arriving, VersionEvent, VersionInfo
+from weightserver.protocol.version_info import IncomingEvent, VersionEvent, VersionInfo
 from weightserver.v1 import weights_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -23,8 +23,8 @@ class Watching(Connection):
         timeout: float | None = None,
         incoming: bool = False,
         on_subscribed: Callable[[dict[str, str]], None] | None = None,
-    ) -> Iterator[VersionEvent | Arriving]:
-        """An event per version committed after `since`; `incoming`: an `Arriving` per publish too.
+    ) -> Iterator[VersionEvent | IncomingEvent]:
+        """An event per version committed after `since`; `incoming`: an `IncomingEvent` per publish too.
         `on_subscribed(metadata)`: each subscription's initial metadata (a relay names its primary)."""
         if since < 0:
             raise InvalidRequest(f"since must be >= 0 (a version number, 0 for all retained), got {since}")
@@ -44,11 +44,11 @@ class Watching(Connection):
                         failures = 0
                         if not event.HasField("version"):
                             announced = event.incoming
-                            yield Arriving(model, announced.id, announced.byte_size, failed=announced.failed)
+                            yield IncomingEvent(model, announced.id, announced.byte_size, failed=announced.failed)
                             continue
                         cursor = max(cursor, event.version.version)
                         yield VersionEvent(
-                            VersionInfo.from_proto(event.version), gap=event.gap, arriving=event.incoming.id
+                            VersionInfo.from_proto(event.version), gap=event.gap, incoming=event.incoming.id
                         )
                 return
             except ServerUnavailable as exc:
