@@ -95,12 +95,10 @@ class BulkEndpoint:
         return ticket
 
     def _drop_expired(self) -> None:
+        """An upload's ticket goes unheard: its staged upload expires on its own."""
         now = time.monotonic()
         with self._lock:
-            for key in [k for k, p in self._tickets.items() if p.expires < now]:
-                expired = self._tickets.pop(key)
-                if expired.done is not None:
-                    expired.done(TimeoutError("the upload ticket expired unused"))
+            self._tickets = {ticket: p for ticket, p in self._tickets.items() if p.expires >= now}
 
     def close(self) -> None:
         """Stop accepting and drop every connection (a transfer in flight is cut)."""
@@ -173,8 +171,6 @@ class BulkEndpoint:
                     pending = self._tickets.pop(bytes(ticket), None)
                 if pending is None or pending.expires < time.monotonic():
                     log.warning("bulk: unknown or expired ticket from %s", peer)
-                    if pending is not None and pending.done is not None:
-                        pending.done(TimeoutError("the upload ticket expired before it was used"))
                     return
                 if not await self._transfer(loop, conn, peer, pending):
                     return  # where a failed transfer left the stream is unknown
