@@ -20,7 +20,6 @@ from weightserver.publish.call import PublishCall, Publishes
 from weightserver.publish.incoming import IncomingPublishes
 from weightserver.publish.priority import CommitsFirst
 from weightserver.publish.staged_uploads import StagedUploads
-from weightserver.service import negotiate
 from weightserver.service.auth import Principal, TokenTable
 from weightserver.service.calls import Undecodable, client_id_of, log_event, streaming, unary
 from weightserver.service.fetch import chosen_version, payload_for, sha256_of
@@ -217,23 +216,44 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
 
     @unary
     async def Negotiate(self, request: pb.NegotiateRequest, context: grpc.aio.ServicerContext) -> pb.NegotiateResponse:
+        """The first transport the caller accepts (in its order) that makes an offer, else the stream."""
+        answer = pb.NegotiateResponse(transport=pb.TRANSPORT_STREAM)
         if request.direction == pb.DIRECTION_PUBLISH:
-            caller = self._authorize_header(context, request.publish)
+            caller, header = self._authorize_header(context, request.publish), request.publish
             if self.relay is not None:
                 self.relay.refuse("Negotiate")
-            self.publishes.check(request.publish)
-            owner = caller.token_sha256 if caller is not None else None
-            return await negotiate.publish(self.transports, request, owner)
+            self.publishes.check(header)
+            # The stream stages nothing: asked first, it would wait for a default thread (casts hold them).
+            accept = [kind for kind in request.accept if kind != pb.TRANSPORT_STREAM] if header.total_bytes else []
+            owner = caller.token_sha256 if caller is not None else None  # the only one who may name the upload
+            for transport in filter(None, map(self.transports.get, accept)):
+                upload = await asyncio.to_thread(transport.stage, header, owner, answer.payload)
+                if upload is not None:
+                    answer.transport, answer.upload = transport.kind, upload.id
+                    answer.payload.byte_size = header.total_bytes
+                    break
+            return answer
         if request.direction != pb.DIRECTION_FETCH:
             raise InvalidRequest("Negotiate needs a direction: DIRECTION_FETCH or DIRECTION_PUBLISH")
         if request.fetch.WhichOneof("selector") == "incoming":
             announced = self.incoming.get(request.fetch.incoming, request.fetch.model)
-            return negotiate.incoming(self.transports, announced, request)
-        started = time.perf_counter()
-        record = chosen_version(self.store, request.fetch)
-        answer, transport, payload = await negotiate.fetch(self.transports, self.store, self.payloads, record, request)
-        if record is not None and transport is not None and payload is not None:
-            self._transferred("fetch", record, started, context, transport.name, sent=payload.byte_size)
+            for transport in filter(None, map(self.transports.get, request.accept)):
+                if transport.offer_incoming(announced, answer.payload):
+                    answer.transport, answer.payload.byte_size = transport.kind, announced.byte_size
+                    break
+            return answer
+        started, record = time.perf_counter(), chosen_version(self.store, request.fetch)
+        if record is None:
+            answer.up_to_date.latest_version = request.fetch.newer_than
+            return answer
+        answer.header.CopyFrom(version_message(record))
+        for transport in filter(None, map(self.transports.get, request.accept)):
+            payload, description = await payload_for(self.store, self.payloads, record, request.fetch)
+            if await transport.offer(record, payload, description):
+                answer.payload.CopyFrom(description)
+                answer.transport = transport.kind
+                self._transferred("fetch", record, started, context, transport.name, sent=payload.byte_size)
+                break
         return answer
 
     def _transferred(
@@ -248,12 +268,8 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         log_event(kind, context, **fields, duration_ms=round(seconds * 1e3, 3), **more)
 
     @streaming
-    async def Watch(
-        self, request: pb.WatchRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.VersionEvent]:
-        async with contextlib.aclosing(self.watches.watch(request, context)) as events:
-            async for event in events:
-                yield event
+    def Watch(self, request: pb.WatchRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.VersionEvent]:
+        return self.watches.watch(request, context)
 
 
 def _rewrite_header(shm: SharedMemoryFiles, model: str, version: int, sha256: Future[str]) -> None:
