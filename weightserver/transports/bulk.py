@@ -130,24 +130,21 @@ class BulkEndpoint:
                 with contextlib.suppress(OSError):
                     conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                 conn.close()
-                self._refuse(peer, open_now)
+                self.refused += 1
+                logged, when = self._refused_logged
+                if time.monotonic() - when >= REFUSED_LOG_SECONDS:
+                    log.warning(
+                        "bulk: %d connections open, the most --bulk-max-connections allows; reset %d new one(s) "
+                        "since the last warning (the latest from %s): those clients fetch over the gRPC stream",
+                        *(open_now, self.refused - logged, peer),
+                    )
+                    self._refused_logged = (self.refused, time.monotonic())
                 continue
             try:
                 target.start(self._serve_connection, conn, peer, target)
             except Exception:  # the loop is closing, or out of memory: drop this one, keep accepting
                 self._closed(conn, target)
                 log.exception("bulk: could not serve a connection from %s", peer)
-
-    def _refuse(self, peer: object, open_now: int) -> None:
-        self.refused += 1
-        logged, when = self._refused_logged
-        if time.monotonic() - when >= REFUSED_LOG_SECONDS:
-            log.warning(
-                "bulk: %d connections open, the most --bulk-max-connections allows; reset %d new one(s) since "
-                "the last warning (the latest from %s): those clients fetch over the gRPC stream",
-                *(open_now, self.refused - logged, peer),
-            )
-            self._refused_logged = (self.refused, time.monotonic())
 
     def _closed(self, conn: socket.socket, loop: _Loop) -> None:
         conn.close()
