@@ -179,19 +179,84 @@ class WeightServer:
         if config.bulk_port is not None and config.tls:
             log.info("bulk endpoint off: it is plain TCP and the server runs TLS (fetches use the TLS stream)")
         elif config.bulk_port is not None:
-            self.bulk = BulkEndpoint(config.host, config.bulk_port, max_connections=config.bulk_max_connections)
+            max_connections = config.bulk_max_connections
+            self.bulk = BulkEndpoint(config.host, config.bulk_port, max_connections=max_connections)
+            log.info("bulk endpoint on %s:%d (at most %d connections)", config.host, self.bulk.port, max_connections)
         if config.shm_dir is not None:
             shm_dir = server_shm_dir(config.port, None if config.shm_dir == "auto" else Path(config.shm_dir))
             self.shared_memory = SharedMemoryFiles(shm_dir) if shm_dir is not None else None
-        if self.shared_memory is not None and self.tokens is not None:
-            self.shared_memory.directory.chmod(0o700)  # tokens guard calls; permissions guard files
+        if self.shared_memory is not None:
+            log.info("shared-memory payloads in %s", self.shared_memory.directory)
+            if self.tokens is not None:
+                self.shared_memory.directory.chmod(0o700)  # tokens guard calls; permissions guard files
+        server = grpc.aio.server(
+            options=[*GRPC_OPTIONS, ("grpc.max_concurrent_streams", config.max_concurrent_streams)]
+        )
         try:
             if config.metrics_port is not None:
                 offered = {"bulk": self.bulk, "shm": self.shared_memory}
                 transports = ["stream", *(name for name, endpoint in offered.items() if endpoint is not None)]
                 self.metrics = ServerMetrics(transports=transports, relay=config.upstream is not None)
                 self.metrics_port = self.metrics.serve(config.host, config.metrics_port)
-            await self._serve_grpc(config)
+                log.info("metrics on http://%s:%d/metrics", url_host(config.host), self.metrics_port)
+            self.servicer = servicer = WeightServicer(
+                self.store,
+                config,
+                bulk=self.bulk,
+                shared_memory=self.shared_memory,
+                tokens=self.tokens,
+                metrics=self.metrics,
+            )
+            add_weight_service(servicer, server)
+            health = health_aio.HealthServicer()
+            health_pb2_grpc.add_HealthServicer_to_server(health, server)
+            if config.upstream is not None:  # before serving: no publish may slip in
+                from weightserver.relay.relay import Relay
+
+                self.relay = servicer.relay = Relay(
+                    self.store,
+                    config.upstream,
+                    models=config.upstream_models,
+                    poll_seconds=config.upstream_poll_seconds,
+                    metrics=self.metrics,
+                    health=health,
+                    incoming=servicer.incoming,
+                    link=self.upstream_link,
+                    on_removed=servicer.forget_removed,
+                )
+            services = (
+                SERVICE_NAME,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            )
+            reflection.enable_server_reflection(services, server)
+            if config.tls:
+                self.port = server.add_secure_port(config.address, server_credentials(config))
+            else:
+                self.port = server.add_insecure_port(config.address)
+            if self.port == 0:
+                raise OSError(f"could not bind {config.address}: is the port in use?")
+            await server.start()
+            for service in ("", SERVICE_NAME):
+                await health.set(service, health_pb2.HealthCheckResponse.SERVING)
+            if self.relay is not None:
+                await self.relay.start(client_id=f"relay@{socket.gethostname()}:{self.port}")
+            security = ("mutual TLS" if config.tls_client_ca else "TLS") if config.tls else "plaintext"
+            log.info(
+                "serving on %s:%d (%s%s; data dir: %s, keep %d, max model %d bytes)",
+                *(config.host, self.port, security, f", {len(self.tokens)} tokens" if self.tokens else ", no auth"),
+                *(config.data_dir or "none, versions kept in memory", config.keep, config.max_model_bytes),
+            )
+            self._ready.set()
+            await self._stop_requested.wait()
+            log.info("shutting down (grace %.1fs)", self._grace)
+            if self.relay is not None:
+                await self.relay.stop()
+            await health.enter_graceful_shutdown()
+            servicer.watches.end_all()
+            await server.stop(self._grace)
+            servicer.close()
+            log.info("stopped")
         finally:
             if self._owns_store:  # first: a sha256 it finishes may rewrite a shared-memory header
                 self.store.close()
@@ -199,74 +264,3 @@ class WeightServer:
             for endpoint in (self.bulk, self.shared_memory):
                 if endpoint is not None:
                     endpoint.close()
-
-    async def _serve_grpc(self, config: ServerConfig) -> None:
-        server = grpc.aio.server(
-            options=[*GRPC_OPTIONS, ("grpc.max_concurrent_streams", config.max_concurrent_streams)]
-        )
-        servicer = WeightServicer(
-            self.store,
-            config,
-            bulk=self.bulk,
-            shared_memory=self.shared_memory,
-            tokens=self.tokens,
-            metrics=self.metrics,
-        )
-        add_weight_service(servicer, server)
-        self.servicer = servicer
-        health = health_aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(health, server)
-        if config.upstream is not None:  # before serving: no publish may slip in
-            from weightserver.relay.relay import Relay
-
-            self.relay = servicer.relay = Relay(
-                self.store,
-                config.upstream,
-                models=config.upstream_models,
-                poll_seconds=config.upstream_poll_seconds,
-                metrics=self.metrics,
-                health=health,
-                incoming=servicer.incoming,
-                link=self.upstream_link,
-                on_removed=servicer.forget_removed,
-            )
-        services = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
-        reflection.enable_server_reflection(services, server)
-        if config.tls:
-            self.port = server.add_secure_port(config.address, server_credentials(config))
-        else:
-            self.port = server.add_insecure_port(config.address)
-        if self.port == 0:
-            raise OSError(f"could not bind {config.address}: is the port in use?")
-        if self.bulk is not None:
-            log.info(
-                "bulk endpoint on %s:%d (at most %d connections)",
-                config.host,
-                self.bulk.port,
-                config.bulk_max_connections,
-            )
-        if self.shared_memory is not None:
-            log.info("shared-memory payloads in %s", self.shared_memory.directory)
-        if self.metrics_port is not None:
-            log.info("metrics on http://%s:%d/metrics", url_host(config.host), self.metrics_port)
-        await server.start()
-        for service in ("", SERVICE_NAME):
-            await health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        if self.relay is not None:
-            await self.relay.start(client_id=f"relay@{socket.gethostname()}:{self.port}")
-        security = ("mutual TLS" if config.tls_client_ca else "TLS") if config.tls else "plaintext"
-        log.info(
-            "serving on %s:%d (%s%s; data dir: %s, keep %d, max model %d bytes)",
-            *(config.host, self.port, security, f", {len(self.tokens)} tokens" if self.tokens else ", no auth"),
-            *(config.data_dir or "none, versions kept in memory", config.keep, config.max_model_bytes),
-        )
-        self._ready.set()
-        await self._stop_requested.wait()
-        log.info("shutting down (grace %.1fs)", self._grace)
-        if self.relay is not None:
-            await self.relay.stop()
-        await health.enter_graceful_shutdown()
-        servicer.watches.end_all()
-        await server.stop(self._grace)
-        servicer.close()
-        log.info("stopped")

@@ -9,7 +9,6 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
 
 from weightserver.protocol.errors import DeadlineExceeded, IntegrityError, InvalidRequest, clipped_message, clipped_repr
 from weightserver.publish.incoming import IncomingPublishes
@@ -19,8 +18,6 @@ from weightserver.publish.staged_uploads import StagedUploads
 from weightserver.storage.store import Upload, Version, VersionStore
 from weightserver.transports.shared_memory import SharedMemoryFiles
 from weightserver.v1 import weights_pb2 as pb
-
-T = TypeVar("T")
 
 PUBLISH_THREADS = 4  # threads that verify and commit publishes (hash, parse, fsync)
 NO_HEADER = "a Publish stream must start with a header message (model, total_bytes, sha256)"
@@ -40,10 +37,11 @@ class Publishes:
     ) -> None:
         self.store, self.shared_memory, self.announcements = store, shared_memory, announcements
         self.staged, self.timeout = staged, timeout
-        self._threads = ThreadPoolExecutor(PUBLISH_THREADS, thread_name_prefix="weightserver-publish")
+        # Publish work never runs on asyncio's default threads: casts and deltas queue there.
+        self.threads = ThreadPoolExecutor(PUBLISH_THREADS, thread_name_prefix="weightserver-publish")
 
     def close(self) -> None:
-        self._threads.shutdown(wait=False, cancel_futures=True)
+        self.threads.shutdown(wait=False, cancel_futures=True)
 
     def check(self, header: pb.PublishHeader, first: pb.PublishHeader | None = None) -> None:
         """The store's checks of a header before its bytes; version and publish id are the `first`'s."""
@@ -56,12 +54,8 @@ class Publishes:
             publish_id=first.publish_id,
         )
 
-    async def in_thread(self, work: Callable[[], T]) -> T:
-        """`work` on the publish threads, never asyncio's default ones (casts and deltas queue there)."""
-        return await asyncio.get_running_loop().run_in_executor(self._threads, work)
-
     async def commit(self, uploads: list[Upload], models: list[IncomingModel]) -> list[Version]:
-        committing = asyncio.get_running_loop().run_in_executor(self._threads, self._commit, uploads, models)
+        committing = asyncio.get_running_loop().run_in_executor(self.threads, self._commit, uploads, models)
         try:
             return await asyncio.shield(committing)
         finally:
@@ -110,7 +104,8 @@ class PublishCall:
                 ) from None
             self.receive = time.perf_counter() - started
             sha256s = _declared_sha256s(models, commit)
-            digests = [await self.publishes.in_thread(m.finish) for m in models]
+            loop = asyncio.get_running_loop()
+            digests = [await loop.run_in_executor(self.publishes.threads, m.finish) for m in models]
             self.verify = time.perf_counter() - started - self.receive
             uploads = [m.as_upload(s, d) for m, s, d in zip(models, sha256s, digests, strict=True)]
             self.records = await self.publishes.commit(uploads, models)

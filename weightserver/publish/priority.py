@@ -54,13 +54,6 @@ class CommitsFirst:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._none.wait(), COMMIT_FIRST_SECONDS)
 
-    def _count(self, change: int) -> None:
-        self._holding += change
-        if self._holding:
-            self._none.clear()
-        else:
-            self._none.set()
-
     def _bucket(self, caller: str, now: float) -> _Bucket:
         bucket = self._buckets.get(caller)
         if bucket is None:
@@ -149,5 +142,9 @@ class PublishTurn:
 
     def _set_held(self, held: bool) -> None:
         if held != self._held:
-            self._held = held
-            self._owner._count(+1 if held else -1)
+            self._held, owner = held, self._owner
+            owner._holding += 1 if held else -1
+            if owner._holding:
+                owner._none.clear()
+            else:
+                owner._none.set()

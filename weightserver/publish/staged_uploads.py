@@ -23,16 +23,14 @@ MAX_STAGED_UPLOADS = 64  # set up and not yet named: each may hold a model's siz
 
 
 class StagedUploads:
-    def __init__(
-        self, header_limits: dict, *, max_uploads: int = MAX_STAGED_UPLOADS, incoming: IncomingPublishes | None = None
-    ) -> None:
+    def __init__(self, header_limits: dict, *, incoming: IncomingPublishes | None = None) -> None:
         self._header_limits = header_limits
         self._incoming = incoming
-        self._max = max_uploads
+        self._max = MAX_STAGED_UPLOADS
         self._lock = threading.Lock()
         self._uploads: dict[str, IncomingModel] = {}
-        self._sweeper: threading.Thread | None = None
         self._closed = threading.Event()
+        threading.Thread(target=self._sweep, name="weightserver-upload-sweeper", daemon=True).start()
 
     def create(
         self,
@@ -44,7 +42,6 @@ class StagedUploads:
         owner: bytes | None = None,
     ) -> IncomingModel:
         """An upload over `transport` into `new_file()` (None: memory) that only `owner` may name."""
-        self._expire()
         with self._lock:
             if len(self._uploads) >= self._max:
                 raise TooManyUploads(
@@ -59,13 +56,9 @@ class StagedUploads:
         upload.allocate(new_file())
         with self._lock:
             self._uploads[upload.id] = upload
-            if self._sweeper is None or not self._sweeper.is_alive():
-                self._sweeper = threading.Thread(target=self._sweep, name="weightserver-upload-sweeper", daemon=True)
-                self._sweeper.start()
         return upload
 
     def take(self, upload_id: str, model: str, total_bytes: int, *, owner: bytes | None = None) -> IncomingModel:
-        self._expire()
         with self._lock:
             upload = self._uploads.get(upload_id)
             claimed = upload is not None and upload.owner == owner
@@ -103,10 +96,6 @@ class StagedUploads:
     def _sweep(self) -> None:
         while not self._closed.wait(SWEEP_SECONDS):
             self._expire()
-            with self._lock:
-                if not self._uploads:
-                    self._sweeper = None
-                    return
 
     def _expire(self) -> None:
         since = time.monotonic() - UPLOAD_TTL_SECONDS

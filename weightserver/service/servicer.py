@@ -14,18 +14,17 @@ import grpc
 
 from weightserver.config import ServerConfig, clamp_chunk_bytes
 from weightserver.metrics import NoMetrics
-from weightserver.protocol.errors import InvalidRequest, PermissionDenied, WeightServerError
+from weightserver.protocol.digests import sha256_hex
+from weightserver.protocol.errors import InvalidRequest, PermissionDenied, WeightServerError, clipped_repr
 from weightserver.protocol.version_info import summary_message, version_message
 from weightserver.publish.call import PublishCall, Publishes
 from weightserver.publish.incoming import IncomingPublishes
 from weightserver.publish.priority import CommitsFirst
 from weightserver.publish.staged_uploads import StagedUploads
-from weightserver.service import negotiate
 from weightserver.service.auth import Principal, TokenTable
 from weightserver.service.calls import Undecodable, client_id_of, log_event, streaming, unary
-from weightserver.service.fetch import chosen_version, payload_for, sha256_of
 from weightserver.service.watch import Watches
-from weightserver.storage.payloads import PayloadCache
+from weightserver.storage.payloads import CAST_TARGETS, Payload, PayloadCache
 from weightserver.storage.store import Commit, Version, VersionStore
 from weightserver.transports.base import ServerTransport
 from weightserver.transports.bulk import BulkEndpoint, BulkTransport
@@ -199,15 +198,18 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
             ms = round((time.perf_counter() - started) * 1e3, 3)
             log_event("fetch_incoming", context, model=announced.model, bytes=announced.byte_size, duration_ms=ms)
             return
-        record = chosen_version(self.store, request)
+        record = self._chosen(request)
         if record is None:
             yield pb.FetchResponse(up_to_date=pb.UpToDate(latest_version=request.newer_than))
             return
         header = version_message(record)
-        if not header.sha256:  # published with only an xxh3: its sha256 is being computed
-            header.sha256 = await sha256_of(self.store, record)
+        if not header.sha256:  # published with only an xxh3: the store computes it (here, if the version went first)
+            try:
+                header.sha256 = await asyncio.wrap_future(self.store.sha256_of(record))
+            except WeightServerError:
+                header.sha256 = await asyncio.to_thread(sha256_hex, record.data)
         yield pb.FetchResponse(header=header)
-        payload, description = await payload_for(self.store, self.payloads, record, request)
+        payload, description = await self._payload_for(record, request)
         if request.base_version or request.dtype:
             yield pb.FetchResponse(payload=description)
         async with contextlib.aclosing(self.stream.send(payload.data, chunk_bytes)) as chunks:
@@ -217,24 +219,79 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
 
     @unary
     async def Negotiate(self, request: pb.NegotiateRequest, context: grpc.aio.ServicerContext) -> pb.NegotiateResponse:
+        """The first transport the caller accepts (in its order) that makes an offer, else the stream."""
+        answer = pb.NegotiateResponse(transport=pb.TRANSPORT_STREAM)
         if request.direction == pb.DIRECTION_PUBLISH:
-            caller = self._authorize_header(context, request.publish)
+            caller, header = self._authorize_header(context, request.publish), request.publish
             if self.relay is not None:
                 self.relay.refuse("Negotiate")
-            self.publishes.check(request.publish)
-            owner = caller.token_sha256 if caller is not None else None
-            return await negotiate.publish(self.transports, request, owner)
+            self.publishes.check(header)
+            # The stream stages nothing: asked first, it would wait for a default thread (casts hold them).
+            accept = [kind for kind in request.accept if kind != pb.TRANSPORT_STREAM] if header.total_bytes else []
+            owner = caller.token_sha256 if caller is not None else None  # the only one who may name the upload
+            for transport in filter(None, map(self.transports.get, accept)):
+                upload = await asyncio.to_thread(transport.stage, header, owner, answer.payload)
+                if upload is not None:
+                    answer.transport, answer.upload = transport.kind, upload.id
+                    answer.payload.byte_size = header.total_bytes
+                    break
+            return answer
         if request.direction != pb.DIRECTION_FETCH:
             raise InvalidRequest("Negotiate needs a direction: DIRECTION_FETCH or DIRECTION_PUBLISH")
         if request.fetch.WhichOneof("selector") == "incoming":
             announced = self.incoming.get(request.fetch.incoming, request.fetch.model)
-            return negotiate.incoming(self.transports, announced, request)
-        started = time.perf_counter()
-        record = chosen_version(self.store, request.fetch)
-        answer, transport, payload = await negotiate.fetch(self.transports, self.store, self.payloads, record, request)
-        if record is not None and transport is not None and payload is not None:
-            self._transferred("fetch", record, started, context, transport.name, sent=payload.byte_size)
+            for transport in filter(None, map(self.transports.get, request.accept)):
+                if transport.offer_incoming(announced, answer.payload):
+                    answer.transport, answer.payload.byte_size = transport.kind, announced.byte_size
+                    break
+            return answer
+        started, record = time.perf_counter(), self._chosen(request.fetch)
+        if record is None:
+            answer.up_to_date.latest_version = request.fetch.newer_than
+            return answer
+        answer.header.CopyFrom(version_message(record))
+        for transport in filter(None, map(self.transports.get, request.accept)):
+            payload, description = await self._payload_for(record, request.fetch)
+            if await transport.offer(record, payload, description):
+                answer.payload.CopyFrom(description)
+                answer.transport = transport.kind
+                self._transferred("fetch", record, started, context, transport.name, sent=payload.byte_size)
+                break
         return answer
+
+    def _chosen(self, request: pb.FetchRequest) -> Version | None:
+        """The version a fetch asks for; None when `newer_than` found nothing newer."""
+        if request.dtype and request.dtype not in CAST_TARGETS:
+            raise InvalidRequest(
+                f"cannot cast to {clipped_repr(request.dtype)}: choose one of {', '.join(CAST_TARGETS)} or ''"
+            )
+        selector = request.WhichOneof("selector")
+        if selector == "version":
+            if request.version == 0:
+                raise InvalidRequest("version must be >= 1 (leave it unset to fetch the latest)")
+            return self.store.get(request.model, request.version)
+        if selector == "newer_than":
+            return self.store.newer_than(request.model, request.newer_than)
+        return self.store.latest(request.model)
+
+    async def _payload_for(self, record: Version, request: pb.FetchRequest) -> tuple[Payload, pb.Payload]:
+        """What to send for `record` (the version itself, a delta or a cast) and its description."""
+        base = None
+        if request.base_version and request.base_version < record.version:
+            with contextlib.suppress(WeightServerError):  # evicted or deleted: the caller gets every tensor
+                base = self.store.get(record.model, request.base_version)
+        if base is None and not request.dtype:
+            payload = self.payloads.get(record)  # the version itself: nothing to build
+        else:
+            payload = await asyncio.to_thread(self.payloads.get, record, base, request.dtype)
+        description = pb.Payload(
+            byte_size=payload.byte_size,
+            xxh3=payload.xxh3,
+            base_version=payload.base_version,
+            dtype=payload.dtype,
+            base_xxh3=base.xxh3 if payload.base_version and base is not None else "",
+        )
+        return payload, description
 
     def _transferred(
         self, kind: str, record: Version, started: float, context: grpc.aio.ServicerContext, transport: str, **more: Any
@@ -248,12 +305,8 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         log_event(kind, context, **fields, duration_ms=round(seconds * 1e3, 3), **more)
 
     @streaming
-    async def Watch(
-        self, request: pb.WatchRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.VersionEvent]:
-        async with contextlib.aclosing(self.watches.watch(request, context)) as events:
-            async for event in events:
-                yield event
+    def Watch(self, request: pb.WatchRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.VersionEvent]:
+        return self.watches.watch(request, context)
 
 
 def _rewrite_header(shm: SharedMemoryFiles, model: str, version: int, sha256: Future[str]) -> None:

@@ -95,12 +95,10 @@ class BulkEndpoint:
         return ticket
 
     def _drop_expired(self) -> None:
+        """An upload's ticket goes unheard: its staged upload expires on its own."""
         now = time.monotonic()
         with self._lock:
-            for key in [k for k, p in self._tickets.items() if p.expires < now]:
-                expired = self._tickets.pop(key)
-                if expired.done is not None:
-                    expired.done(TimeoutError("the upload ticket expired unused"))
+            self._tickets = {ticket: p for ticket, p in self._tickets.items() if p.expires >= now}
 
     def close(self) -> None:
         """Stop accepting and drop every connection (a transfer in flight is cut)."""
@@ -132,24 +130,21 @@ class BulkEndpoint:
                 with contextlib.suppress(OSError):
                     conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                 conn.close()
-                self._refuse(peer, open_now)
+                self.refused += 1
+                logged, when = self._refused_logged
+                if time.monotonic() - when >= REFUSED_LOG_SECONDS:
+                    log.warning(
+                        "bulk: %d connections open, the most --bulk-max-connections allows; reset %d new one(s) "
+                        "since the last warning (the latest from %s): those clients fetch over the gRPC stream",
+                        *(open_now, self.refused - logged, peer),
+                    )
+                    self._refused_logged = (self.refused, time.monotonic())
                 continue
             try:
                 target.start(self._serve_connection, conn, peer, target)
             except Exception:  # the loop is closing, or out of memory: drop this one, keep accepting
                 self._closed(conn, target)
                 log.exception("bulk: could not serve a connection from %s", peer)
-
-    def _refuse(self, peer: object, open_now: int) -> None:
-        self.refused += 1
-        logged, when = self._refused_logged
-        if time.monotonic() - when >= REFUSED_LOG_SECONDS:
-            log.warning(
-                "bulk: %d connections open, the most --bulk-max-connections allows; reset %d new one(s) since "
-                "the last warning (the latest from %s): those clients fetch over the gRPC stream",
-                *(open_now, self.refused - logged, peer),
-            )
-            self._refused_logged = (self.refused, time.monotonic())
 
     def _closed(self, conn: socket.socket, loop: _Loop) -> None:
         conn.close()
@@ -173,8 +168,6 @@ class BulkEndpoint:
                     pending = self._tickets.pop(bytes(ticket), None)
                 if pending is None or pending.expires < time.monotonic():
                     log.warning("bulk: unknown or expired ticket from %s", peer)
-                    if pending is not None and pending.done is not None:
-                        pending.done(TimeoutError("the upload ticket expired before it was used"))
                     return
                 if not await self._transfer(loop, conn, peer, pending):
                     return  # where a failed transfer left the stream is unknown

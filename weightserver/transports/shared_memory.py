@@ -107,15 +107,12 @@ class SharedMemoryFiles:
         self._files: dict[tuple[str, int, int, str], Path] = {}
         self._warned = False  # about a full folder, once per server
 
-    def existing(self, key: tuple[str, int, int, str]) -> Path | None:
-        with self._lock:
-            return self._files.get(key)
-
-    def path_for(self, key: tuple[str, int, int, str], data: bytes | bytearray | memoryview) -> Path | None:
-        """The file of payload `key` (model, version, base, dtype), written once; None: no room."""
+    def path_for(self, key: tuple[str, int, int, str], data: bytes | bytearray | memoryview | None) -> Path | None:
+        """The file of payload `key` (model, version, base, dtype), written once from `data`; None: no
+        room, or (`data` None) not written yet."""
         with self._lock:
             path = self._files.get(key)
-            if path is not None and path.exists():
+            if data is None or (path is not None and path.exists()):
                 return path
             model, version, base, dtype = key
             suffix = (f"-delta{base}" if base else "") + (f"-{dtype}" if dtype else "")
@@ -296,7 +293,7 @@ class SharedMemoryTransport:
 
     async def offer(self, record: Version, payload: Payload, description: pb.Payload) -> bool:
         key = (record.model, record.version, payload.base_version, payload.dtype)
-        path = self.files.existing(key)
+        path = self.files.path_for(key, None)  # no thread when it is written already
         if path is None:
             path = await asyncio.to_thread(self.files.path_for, key, payload.data)
             if path is None:
