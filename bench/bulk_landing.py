@@ -57,6 +57,7 @@ def file_of(size: int) -> bytes:
 
 
 def _sender(port: int, size: int, tickets: Queue, seconds: Queue) -> None:
+    from weightclient.core.retry import NEVER
     from weightclient.transports.bulk import BulkTransport
     from weightserver.v1 import weights_pb2 as pb
 
@@ -65,7 +66,7 @@ def _sender(port: int, size: int, tickets: Queue, seconds: Queue) -> None:
     while (ticket := tickets.get()) is not None:
         payload = pb.Payload(byte_size=data.nbytes, bulk=pb.BulkTicket(port=port, ticket=ticket))
         start = time.perf_counter()
-        transport.upload(payload, [data], deadline=None, progress=None)
+        transport.upload(payload, [data], deadline=NEVER, progress=None)
         seconds.put(time.perf_counter() - start)
 
 
