@@ -367,8 +367,7 @@ def test_a_client_that_cannot_see_the_servers_shared_memory_publishes_over_bulk(
     # publisher set up ahead before it exited).
     from tests.integration.test_fast_paths import servicer_of
 
-    staged = servicer_of(server).staged._uploads.values()
-    assert [u.transport for u in staged if u.transport == "shm"] == ["shm"]
+    assert [t for t in servicer_of(server).staged.transports() if t == "shm"] == ["shm"]
 
 
 def test_the_transports_refuse_what_is_not_an_upload_file(tmp_path):

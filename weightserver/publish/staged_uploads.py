@@ -32,6 +32,11 @@ class StagedUploads:
         self._closed = threading.Event()
         threading.Thread(target=self._sweep, name="weightserver-upload-sweeper", daemon=True).start()
 
+    def transports(self) -> list[str]:
+        """The transport of each upload set up and not yet named (for operators and tests)."""
+        with self._lock:
+            return [upload.transport for upload in self._uploads.values()]
+
     def create(
         self,
         model: str,

@@ -84,6 +84,12 @@ class BulkEndpoint:
         with self._lock:
             return sum(loop.connections for loop in self._loops)
 
+    @property
+    def tickets(self) -> int:
+        """Tickets issued and not yet used or expired."""
+        with self._lock:
+            return len(self._tickets)
+
     def issue(self, data: bytes | bytearray | memoryview, label: str = "", **pending: Any) -> bytes:
         """A ticket that sends `data` once (with `landed`: as it lands); with `arrived` and `done`,
         one that receives an upload into `data` (`arrived` may raise to stop it)."""
