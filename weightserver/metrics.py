@@ -1,9 +1,5 @@
-"""Prometheus metrics of one server: what was published and fetched, by whom, and how fast.
-
-Each `ServerMetrics` has its own registry (several servers may share a process, as in tests),
-served at ``/metrics`` by `serve()`. `NoMetrics` takes the same calls and does nothing, so the
-servicer never checks whether metrics are on.
-"""
+"""Prometheus metrics of one server. Each `ServerMetrics` has its own registry (several servers may
+share a process); `NoMetrics` takes the same calls and does nothing, so callers never check."""
 
 from __future__ import annotations
 
@@ -38,8 +34,7 @@ log = logging.getLogger(__name__)
 
 # Seconds, from a small fetch on loopback to a multi-GiB publish over a slow link.
 DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-# Client ids with per-collector gauges; more are served, untracked, so a caller inventing ids
-# cannot grow the server's memory without bound.
+# Client ids with gauges at most: a caller inventing ids cannot grow the server's memory.
 MAX_TRACKED_CLIENTS = 10_000
 
 
@@ -91,10 +86,8 @@ class NoMetrics:
 
 
 class ServerMetrics(NoMetrics):
-    """One server's metrics (`weightserver_*`) in their own `CollectorRegistry`.
-
-    Each model gets its fetch series at zero for each of `transports`. A `relay` also gets the
-    `weightserver_relay_*` series, and its clients' lag counts from its upstream's latest."""
+    """One server's `weightserver_*` series; a `relay` also gets `weightserver_relay_*`, and its
+    clients' lag counts from its upstream's latest."""
 
     def __init__(
         self,
@@ -113,7 +106,6 @@ class ServerMetrics(NoMetrics):
         self._lock = threading.Lock()
         self._latest: dict[str, int] = {}
         self._upstream_latest: dict[str, int] = {}  # a relay's: what its clients' lag counts against
-        # model -> client id -> last version that client fetched
         self._client_versions: dict[str, dict[str, int]] = {}
         self._client_ids: set[str] = set()
         self._warned_client_cap = False
@@ -234,8 +226,7 @@ class ServerMetrics(NoMetrics):
             self.client_lag.labels(client_id, model).set(max(reference - version, 0))
 
     def _known(self, model: str) -> None:
-        """Create `model`'s series (but the per-client ones) at zero: a rate needs the zero before
-        the first increment."""
+        """Create `model`'s series at zero: a rate needs the zero before the first increment."""
         for metric in (
             self.versions_published,
             self.publish_bytes,
