@@ -1,10 +1,5 @@
-"""The `weightserver` console script (also `python -m weightserver`): `serve`, and the client
-commands publish, fetch, ls, watch, delete and pin.
-
-A composition root: it imports the client core (`WeightServiceClient`, which reads
-`WEIGHTSERVER_ADDRESS`, `WEIGHTSERVER_TOKEN` and `WEIGHTSERVER_TLS_*`). `WEIGHTSERVER_LOG_LEVEL`,
-`WEIGHTSERVER_LOG_FORMAT` and a relay's `WEIGHTSERVER_UPSTREAM_TOKEN` are read here only.
-"""
+"""The `weightserver` console script: `serve` and the client commands. A composition root: it
+imports the client core; `WEIGHTSERVER_LOG_*` and `WEIGHTSERVER_UPSTREAM_TOKEN` are read here only."""
 
 from __future__ import annotations
 
@@ -33,8 +28,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("weightserver")
 
-# A relay's token for its upstream when --upstream-token-file is not given: a secret kept out
-# of the process list (a Kubernetes Secret as an environment variable, say).
+# A relay's upstream token without --upstream-token-file: a secret kept out of the process list.
 UPSTREAM_TOKEN_ENV = "WEIGHTSERVER_UPSTREAM_TOKEN"
 CLIENT_COMMANDS = ("publish", "fetch", "ls", "watch", "delete", "pin")
 PROGRESS_MIN_BYTES = 8 * MiB
@@ -173,7 +167,6 @@ def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def _add_client_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     def command(name: str, help_text: str, handler: Handler, *, model: bool = True) -> argparse.ArgumentParser:
-        """A client command with the connection options, and --model unless `model` is False."""
         sub = commands.add_parser(name, help=help_text, description=help_text[0].upper() + help_text[1:] + ".")
         sub.set_defaults(handler=handler)
         sub.add_argument("--server", help="host:port (default: $WEIGHTSERVER_ADDRESS, else localhost:50051)")
@@ -218,10 +211,8 @@ def _add_client_commands(commands: argparse._SubParsersAction[argparse.ArgumentP
     pin.add_argument("--unpin", action="store_true", help="unpin instead")
 
 
-# ---------------------------------------------------------------------- serve
 def server_config(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> ServerConfig:
-    """The ServerConfig of parsed `serve` options (ValueError for a combination it refuses); a
-    relay's upstream token from --upstream-token-file, else $WEIGHTSERVER_UPSTREAM_TOKEN."""
+    """The ServerConfig of parsed `serve` options; ValueError for a combination it refuses."""
     options = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig) if hasattr(args, f.name)}
     options["bulk_port"] = None if args.no_bulk else args.bulk_port
     options["shm_dir"] = None if args.no_shm else (args.shm_dir or "auto")
@@ -262,7 +253,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---------------------------------------------------------------------- client commands
 def _client(args: argparse.Namespace) -> WeightServiceClient:
     token = args.token_file.read_text().strip() if args.token_file is not None else None
     return WeightServiceClient(
@@ -372,8 +362,7 @@ def _info_json(info: VersionInfo) -> dict[str, object]:
 
 
 class TransferProgress:
-    """A tqdm bar on `stream` (stderr) fed by ``progress(done, total)``, shown only on a terminal
-    and for transfers of at least `min_bytes`; `bar` is None while none is shown."""
+    """A tqdm bar fed by ``progress(done, total)``, shown only on a terminal for `min_bytes` or more."""
 
     def __init__(self, description: str, *, stream: TextIO | None = None, min_bytes: int = PROGRESS_MIN_BYTES) -> None:
         self.description = description
@@ -406,8 +395,7 @@ class TransferProgress:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The `weightserver` console script: set up logging (options, else the environment) and run
-    the command; its exit status, or 1 with a one-line message for an error a user can act on."""
+    """Run the command; its exit status, or 1 with a one-line message for an error a user can act on."""
     parser = build_parser()
     args = parser.parse_args(argv)
     level = args.log_level or os.environ.get("WEIGHTSERVER_LOG_LEVEL", "info")
