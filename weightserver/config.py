@@ -8,16 +8,14 @@ from pathlib import Path
 
 from weightserver.protocol import limits
 
-# Stream fetches sending chunks at once: one event loop serves every call, so a publish's chunks
-# take turns with this many (200 open fetchers starved publishes for seconds); on 2 cores 1-2
-# turns gave the fastest publishes under load and no less fetch throughput than 4-16.
+# Stream fetches sending at once: a publish's chunks take turns with them on the one event loop (200
+# open fetchers starved publishes for seconds); on 2 cores 1-2 was fastest, with no fetch loss vs 4-16.
 DEFAULT_MAX_STREAM_FETCHES = max(2, os.cpu_count() or 1)
 
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """How a weight server runs; every default works on one machine. Port 0 picks a free port
-    (read it back from `WeightServer.port`). The command line's `serve --help` says what each does."""
+    """How a weight server runs; every default works on one machine. `serve --help` says what each does."""
 
     host: str = "0.0.0.0"
     port: int = limits.DEFAULT_PORT
@@ -44,8 +42,7 @@ class ServerConfig:
     upstream: str | None = None
     upstream_models: tuple[str, ...] | None = None  # None: every model, including later ones
     upstream_poll_seconds: float = 2.0
-    # The bearer token a relay sends its upstream; never shown by repr() or logged.
-    upstream_token: str | None = field(default=None, repr=False)
+    upstream_token: str | None = field(default=None, repr=False)  # never shown by repr() or logged
     # TLS to the upstream: on with upstream_tls (the system's roots) or any of the files.
     upstream_tls: bool = False
     upstream_tls_ca: Path | None = None

@@ -1,9 +1,6 @@
-"""The safetensors file format, read and written without torch.
-
-An 8-byte little-endian header length N, N bytes of JSON mapping each tensor name to
-``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets into the data section; plus an
-optional ``"__metadata__"`` map of strings), then the data section.
-"""
+"""The safetensors format without torch: an 8-byte little-endian header length N, N bytes of JSON
+mapping each tensor name to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (into the data
+section; plus an optional ``"__metadata__"`` map of strings), then the data section."""
 
 from __future__ import annotations
 
@@ -175,9 +172,8 @@ def build_header(
     entries: Iterable[tuple[str, str, tuple[int, ...], int]],
     metadata: Mapping[str, str] | None = None,
 ) -> tuple[bytes, list[TensorEntry]]:
-    """The length prefix and JSON header framing `entries` (``(name, dtype, shape, nbytes)``, in
-    the order their bytes follow), and the placed entries. Padded to 8 bytes, as the safetensors
-    package does, so 8-byte dtypes stay aligned."""
+    """The length prefix and JSON header framing `entries` ``(name, dtype, shape, nbytes)``, and the
+    placed entries. Padded to 8 bytes, as the safetensors package does, so 8-byte dtypes stay aligned."""
     header: dict[str, object] = {}
     if metadata:
         header[METADATA_KEY] = dict(metadata)
