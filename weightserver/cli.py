@@ -113,43 +113,27 @@ def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     option("--grace", dest="grace_seconds", type=float, help="seconds calls get to finish on shutdown (default: 5)")
     option("--bulk-port", type=int, help="TCP port for bulk transfers, beside --port (default: a free one)")
     option("--no-bulk", action="store_true", help="serve fetches over gRPC streams only")
-    option(
-        "--bulk-max-connections",
-        type=int,
-        metavar="N",
-        help="bulk connections open at once; one more is closed and its client uses the stream (default: %(default)s)",
-    )
+    bulk = "bulk connections open at once; one more is closed, its client uses the stream (default: %(default)s)"
+    option("--bulk-max-connections", type=int, metavar="N", help=bulk)
     option("--shm-dir", type=Path, help="tmpfs for shared-memory files same-host clients read (default: /dev/shm)")
     option("--no-shm", action="store_true", help="never hand out shared-memory files")
-    option(
-        "--auth-tokens",
-        type=Path,
-        metavar="FILE",
-        help="require bearer tokens listed in FILE, one 'ROLE NAME TOKEN' per line; roles: reader "
-        "(fetch/watch/list), publisher (+ publish), admin (+ delete/pin); 'publisher:a,b' or 'admin:a,b' "
-        "may change only models a and b. Health checks need none",
+    tokens = (
+        "require bearer tokens listed in FILE, one 'ROLE NAME TOKEN' per line; roles: reader (fetch/watch/list), "
+        "publisher (+ publish), admin (+ delete/pin); 'publisher:a,b' may change only models a and b"
     )
+    option("--auth-tokens", type=Path, metavar="FILE", help=tokens)
     option("--tls-cert", type=Path, metavar="PEM", help="serve TLS with this certificate chain")
     option("--tls-key", type=Path, metavar="PEM", help="private key of --tls-cert")
     option("--tls-client-ca", type=Path, metavar="PEM", help="mutual TLS: accept only client certificates it signed")
     option("--max-concurrent-streams", type=int, help="calls one connection may have open (default: %(default)s)")
-    option(
-        "--max-stream-fetches",
-        type=int,
-        metavar="N",
-        help="stream fetches sending at once; the rest wait, so fetchers cannot starve publishes; raise it for "
-        "slow links (default: one per CPU, at least 2: %(default)s)",
-    )
+    fetches = "stream fetches sending at once; the rest wait, so publishes are not starved (default: %(default)s)"
+    option("--max-stream-fetches", type=int, metavar="N", help=fetches)
     timeout = "drop a publish stream that takes longer; 0 for no limit (default: %(default)s)"
     option("--publish-timeout", type=float, metavar="SECONDS", help=timeout)
     option("--metrics-port", type=int, metavar="PORT", help="serve Prometheus /metrics over HTTP, 0 for a free port")
     relay = serve.add_argument_group("relay", "Follow another server and serve its versions (default: a primary).")
-    relay.add_argument(
-        "--upstream",
-        metavar="ADDRESS",
-        help="host:port of a primary or relay to follow: its versions keep their numbers, metadata and digests; "
-        "publishes, deletes and pins are refused (FAILED_PRECONDITION naming the primary)",
-    )
+    upstream = "host:port of a primary or relay to follow; publishes, deletes and pins are refused here"
+    relay.add_argument("--upstream", metavar="ADDRESS", help=upstream)
     models = "follow only these models (default: every one, including later ones)"
     relay.add_argument("--models", dest="upstream_models", type=_model_list, metavar="A,B", help=models)
     poll = "how often to list the upstream's models: new ones, and whether it is up (default: %(default)s)"
@@ -172,7 +156,7 @@ def _add_client_commands(commands: argparse._SubParsersAction[argparse.ArgumentP
         sub.add_argument("--server", help="host:port (default: $WEIGHTSERVER_ADDRESS, else localhost:50051)")
         sub.add_argument("--token-file", type=Path, help="file of the bearer token (default: $WEIGHTSERVER_TOKEN)")
         sub.add_argument(
-            "--tls-ca", type=Path, metavar="PEM", help="use TLS trusting this CA (default: $WEIGHTSERVER_TLS_CA)"
+            "--tls-ca", type=Path, metavar="PEM", help="TLS trusting this CA (default: $WEIGHTSERVER_TLS_CA)"
         )
         sub.add_argument("--tls-cert", type=Path, metavar="PEM", help="client certificate (mutual TLS)")
         sub.add_argument("--tls-key", type=Path, metavar="PEM", help="private key of --tls-cert")
@@ -200,9 +184,7 @@ def _add_client_commands(commands: argparse._SubParsersAction[argparse.ArgumentP
     ls.add_argument("--json", action="store_true", help="print JSON")
 
     watch = command("watch", "print a line for every new version of a model until interrupted", cmd_watch)
-    watch.add_argument(
-        "--since", type=int, help="last version you know; retained later ones come first (default: latest)"
-    )
+    watch.add_argument("--since", type=int, help="last version you know; later ones come first (default: latest)")
     watch.add_argument("--json", action="store_true", help="print one JSON object per version")
 
     version(command("delete", "delete one version", cmd_delete), "version to delete", required=True)
