@@ -94,15 +94,11 @@ class ServerConfig:
         given = [name for name in ("upstream_token", "upstream_tls", *files) if getattr(self, name)]
         if given and self.upstream is None:
             raise ValueError(
-                f"{', '.join(given)} say how a relay dials its upstream: give upstream (--upstream ADDRESS) "
-                "too, or leave them out on a primary"
+                f"{', '.join(given)} are a relay's: give upstream (--upstream ADDRESS) too, or leave them out"
             )
         if (self.upstream_tls_cert is None) != (self.upstream_tls_key is None):
             given, missing = files[1:] if self.upstream_tls_key is None else files[:0:-1]
-            raise ValueError(
-                f"{given} without {missing}: the relay's client certificate (mutual TLS to its upstream) "
-                "needs its private key; give both --upstream-tls-cert and --upstream-tls-key, or neither"
-            )
+            raise ValueError(f"{given} without {missing}: a client certificate needs its key; give both or neither")
         if self.upstream_token is not None:
             token = self.upstream_token.strip()
             where = "upstream_token (--upstream-token-file, $WEIGHTSERVER_UPSTREAM_TOKEN)"

@@ -28,10 +28,7 @@ class ServerProcess:
         credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
         if credentials is None and any(a == "--tls-cert" or a.startswith("--tls-cert=") for a in args):
-            raise ValueError(
-                "a server started with --tls-cert serves TLS only: give ServerProcess(..., credentials="
-                "weightserver.protocol.channel.channel_credentials(tls_ca=...)) trusting its CA, to check it"
-            )
+            raise ValueError("a server started with --tls-cert serves TLS only: give credentials= trusting its CA")
         self.credentials = credentials
         self.args = list(args)
         self.prefix = list(prefix)

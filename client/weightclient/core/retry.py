@@ -1,5 +1,4 @@
-"""One deadline type and one retry policy for every caller. A `Deadline` is made once and handed
-down: a retry or refetch gets what is left. Waits double, with jitter (clients do not come back in step).
+"""One deadline (made once, handed down: a retry gets what is left) and one retry policy for every caller.
 
 >>> d = Deadline.after(None)
 >>> d.remaining() is None and not d.expired()
