@@ -93,8 +93,7 @@ def _add_log_options(parser: argparse.ArgumentParser, default: object) -> None:
         "--log-format",
         default=default,
         choices=LOG_FORMATS,
-        help="text: human-readable lines; json: one JSON object per line with time, level, logger, "
-        "message and the event's fields (default: $WEIGHTSERVER_LOG_FORMAT, else text)",
+        help="text lines, or json: one object per line with its fields (default: $WEIGHTSERVER_LOG_FORMAT, else text)",
     )
 
 

@@ -207,15 +207,8 @@ class ServerMetrics(NoMetrics):
 
     def _known(self, model: str) -> None:
         """Create `model`'s series at zero: a rate needs the zero before the first increment."""
-        for metric in (
-            self.versions_published,
-            self.publish_bytes,
-            self.publish_seconds,
-            self.active_watchers,
-            self.latest_version,
-            self.retained_versions,
-            self.retained_bytes,
-        ):
+        published = (self.versions_published, self.publish_bytes, self.publish_seconds, self.active_watchers)
+        for metric in (*published, self.latest_version, self.retained_versions, self.retained_bytes):
             metric.labels(model)
         for transport in self._transports:
             self.fetch_bytes.labels(model, transport)

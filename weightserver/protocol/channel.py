@@ -23,10 +23,7 @@ def channel_credentials(
     ca_name, cert_name, key_name = names
     if (tls_cert is None) != (tls_key is None):
         given, missing = (cert_name, key_name) if tls_key is None else (key_name, cert_name)
-        raise ValueError(
-            f"{given} without {missing}: a client certificate (mutual TLS) needs its private key; "
-            f"give both {cert_name} and {key_name} (PEM files), or neither"
-        )
+        raise ValueError(f"{given} without {missing}: a client certificate needs its private key; give both or neither")
     return grpc.ssl_channel_credentials(
         root_certificates=read_pem(tls_ca, ca_name),
         private_key=read_pem(tls_key, key_name),

@@ -13,16 +13,8 @@ from dataclasses import dataclass
 from weightserver.protocol.errors import InvalidSafetensors, clipped_repr
 
 # dtype name -> bytes per element, as the safetensors specification names them.
-DTYPE_SIZES: dict[str, int] = {
-    name: size
-    for size, names in (
-        (1, "BOOL U8 I8 F8_E5M2 F8_E4M3"),
-        (2, "I16 U16 F16 BF16"),
-        (4, "I32 U32 F32"),
-        (8, "I64 U64 F64"),
-    )
-    for name in names.split()
-}
+_DTYPES = {1: "BOOL U8 I8 F8_E5M2 F8_E4M3", 2: "I16 U16 F16 BF16", 4: "I32 U32 F32", 8: "I64 U64 F64"}
+DTYPE_SIZES: dict[str, int] = {name: size for size, names in _DTYPES.items() for name in names.split()}
 
 METADATA_KEY = "__metadata__"
 # The format's own limits (the safetensors package's); publishes have tighter ones (PUBLISH_MAX_*).
@@ -169,8 +161,7 @@ def _check_layout(entries: list[TensorEntry], data_len: int) -> None:
 
 
 def build_header(
-    entries: Iterable[tuple[str, str, tuple[int, ...], int]],
-    metadata: Mapping[str, str] | None = None,
+    entries: Iterable[tuple[str, str, tuple[int, ...], int]], metadata: Mapping[str, str] | None = None
 ) -> tuple[bytes, list[TensorEntry]]:
     """The length prefix and JSON header framing `entries` ``(name, dtype, shape, nbytes)``, and the
     placed entries. Padded to 8 bytes, as the safetensors package does, so 8-byte dtypes stay aligned."""
