@@ -198,20 +198,16 @@ def server_config(args: argparse.Namespace, environ: Mapping[str, str] = os.envi
     options["bulk_port"] = None if args.no_bulk else args.bulk_port
     options["shm_dir"] = None if args.no_shm else (args.shm_dir or "auto")
     options["publish_timeout"] = args.publish_timeout or None
-    options["upstream_token"] = _upstream_token(args, environ)
-    return ServerConfig(**options)
-
-
-def _upstream_token(args: argparse.Namespace, environ: Mapping[str, str]) -> str | None:
-    path = args.upstream_token_file
+    path, token = args.upstream_token_file, None
     if path is not None:
         try:
-            return path.read_text()
+            token = path.read_text()
         except OSError as exc:
             raise ValueError(f"--upstream-token-file {path}: {exc.strerror}") from None
-    if args.upstream is None:  # a primary's environment may hold it for other programs: not read
-        return None
-    return environ.get(UPSTREAM_TOKEN_ENV) or None
+    elif args.upstream is not None:  # a primary's environment may hold it for other programs: not read
+        token = environ.get(UPSTREAM_TOKEN_ENV) or None
+    options["upstream_token"] = token
+    return ServerConfig(**options)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
