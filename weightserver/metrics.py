@@ -223,9 +223,7 @@ class ServerMetrics(NoMetrics):
             return True
         if len(self._client_ids) >= self._max_tracked_clients:
             if not self._warned_client_cap:
-                log.warning(
-                    "metrics track %d client ids at most; %r gets no gauges", self._max_tracked_clients, client_id
-                )
+                log.warning("metrics track %d client ids at most; %r gets none", self._max_tracked_clients, client_id)
                 self._warned_client_cap = True
             return False
         self._client_ids.add(client_id)

@@ -18,8 +18,7 @@ def channel_credentials(
     *,
     names: tuple[str, str, str] = ("tls_ca", "tls_cert", "tls_key"),
 ) -> grpc.ChannelCredentials:
-    """TLS credentials trusting `tls_ca` (None: the system's roots), presenting `tls_cert`/`tls_key`
-    for mutual TLS; ValueError naming the option (`names`) for half a client certificate or no PEM."""
+    """TLS credentials trusting `tls_ca` (None: the system's roots); ValueError names the bad option."""
     ca_name, cert_name, key_name = names
     if (tls_cert is None) != (tls_key is None):
         given, missing = (cert_name, key_name) if tls_key is None else (key_name, cert_name)

@@ -66,17 +66,14 @@ def parse_header(
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
     max_tensors: int = DEFAULT_MAX_TENSORS,
 ) -> SafetensorsHeader:
-    """Parse and validate the header at the start of `data` (at least the prefix and the header)
-    of a `total_size`-byte file (default: ``len(data)``); InvalidSafetensors names the first problem."""
+    """Parse and validate the header at the start of `data`, of a `total_size`-byte file (default: all)."""
     view = memoryview(data)
     size = len(view) if total_size is None else total_size
     if size < 8 or len(view) < 8:
         raise InvalidSafetensors(f"file is {size} bytes; a safetensors file starts with an 8-byte header length")
     (header_len,) = _LEN.unpack_from(view, 0)
     if header_len > max_header_bytes:
-        raise InvalidSafetensors(
-            f"header is {header_len} bytes, over the limit of {max_header_bytes}; is this a safetensors file?"
-        )
+        raise InvalidSafetensors(f"header is {header_len} bytes, over the limit of {max_header_bytes}")
     if 8 + header_len > size:
         raise InvalidSafetensors(f"header length {header_len} runs past the end of the {size}-byte file")
     if len(view) < 8 + header_len:
@@ -155,9 +152,7 @@ def _check_layout(entries: list[TensorEntry], data_len: int) -> None:
             )
         position = entry.end
     if position != data_len:
-        raise InvalidSafetensors(
-            f"data section is {data_len} bytes but the tensors cover {position}; trailing bytes or a truncated header"
-        )
+        raise InvalidSafetensors(f"data section is {data_len} bytes but the tensors cover {position}: trailing bytes")
 
 
 def build_header(
