@@ -1,10 +1,5 @@
-"""The `weightserver` console script (also `python -m weightserver`): `serve`, and the client
-commands publish, fetch, ls, watch, delete and pin.
-
-A composition root: it imports the client core (`WeightServiceClient`, which reads
-`WEIGHTSERVER_ADDRESS`, `WEIGHTSERVER_TOKEN` and `WEIGHTSERVER_TLS_*`). `WEIGHTSERVER_LOG_LEVEL`,
-`WEIGHTSERVER_LOG_FORMAT` and a relay's `WEIGHTSERVER_UPSTREAM_TOKEN` are read here only.
-"""
+"""The `weightserver` console script: `serve` and the client commands. A composition root: it
+imports the client core; `WEIGHTSERVER_LOG_*` and `WEIGHTSERVER_UPSTREAM_TOKEN` are read here only."""
 
 from __future__ import annotations
 
@@ -33,8 +28,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("weightserver")
 
-# A relay's token for its upstream when --upstream-token-file is not given: a secret kept out
-# of the process list (a Kubernetes Secret as an environment variable, say).
+# A relay's upstream token without --upstream-token-file: a secret kept out of the process list.
 UPSTREAM_TOKEN_ENV = "WEIGHTSERVER_UPSTREAM_TOKEN"
 CLIENT_COMMANDS = ("publish", "fetch", "ls", "watch", "delete", "pin")
 PROGRESS_MIN_BYTES = 8 * MiB
@@ -99,8 +93,7 @@ def _add_log_options(parser: argparse.ArgumentParser, default: object) -> None:
         "--log-format",
         default=default,
         choices=LOG_FORMATS,
-        help="text: human-readable lines; json: one JSON object per line with time, level, logger, "
-        "message and the event's fields (default: $WEIGHTSERVER_LOG_FORMAT, else text)",
+        help="text lines, or json: one object per line with its fields (default: $WEIGHTSERVER_LOG_FORMAT, else text)",
     )
 
 
@@ -119,43 +112,27 @@ def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     option("--grace", dest="grace_seconds", type=float, help="seconds calls get to finish on shutdown (default: 5)")
     option("--bulk-port", type=int, help="TCP port for bulk transfers, beside --port (default: a free one)")
     option("--no-bulk", action="store_true", help="serve fetches over gRPC streams only")
-    option(
-        "--bulk-max-connections",
-        type=int,
-        metavar="N",
-        help="bulk connections open at once; one more is closed and its client uses the stream (default: %(default)s)",
-    )
+    bulk = "bulk connections open at once; one more is closed, its client uses the stream (default: %(default)s)"
+    option("--bulk-max-connections", type=int, metavar="N", help=bulk)
     option("--shm-dir", type=Path, help="tmpfs for shared-memory files same-host clients read (default: /dev/shm)")
     option("--no-shm", action="store_true", help="never hand out shared-memory files")
-    option(
-        "--auth-tokens",
-        type=Path,
-        metavar="FILE",
-        help="require bearer tokens listed in FILE, one 'ROLE NAME TOKEN' per line; roles: reader "
-        "(fetch/watch/list), publisher (+ publish), admin (+ delete/pin); 'publisher:a,b' or 'admin:a,b' "
-        "may change only models a and b. Health checks need none",
+    tokens = (
+        "require bearer tokens listed in FILE, one 'ROLE NAME TOKEN' per line; roles: reader (fetch/watch/list), "
+        "publisher (+ publish), admin (+ delete/pin); 'publisher:a,b' may change only models a and b"
     )
+    option("--auth-tokens", type=Path, metavar="FILE", help=tokens)
     option("--tls-cert", type=Path, metavar="PEM", help="serve TLS with this certificate chain")
     option("--tls-key", type=Path, metavar="PEM", help="private key of --tls-cert")
     option("--tls-client-ca", type=Path, metavar="PEM", help="mutual TLS: accept only client certificates it signed")
     option("--max-concurrent-streams", type=int, help="calls one connection may have open (default: %(default)s)")
-    option(
-        "--max-stream-fetches",
-        type=int,
-        metavar="N",
-        help="stream fetches sending at once; the rest wait, so fetchers cannot starve publishes; raise it for "
-        "slow links (default: one per CPU, at least 2: %(default)s)",
-    )
+    fetches = "stream fetches sending at once; the rest wait, so publishes are not starved (default: %(default)s)"
+    option("--max-stream-fetches", type=int, metavar="N", help=fetches)
     timeout = "drop a publish stream that takes longer; 0 for no limit (default: %(default)s)"
     option("--publish-timeout", type=float, metavar="SECONDS", help=timeout)
     option("--metrics-port", type=int, metavar="PORT", help="serve Prometheus /metrics over HTTP, 0 for a free port")
     relay = serve.add_argument_group("relay", "Follow another server and serve its versions (default: a primary).")
-    relay.add_argument(
-        "--upstream",
-        metavar="ADDRESS",
-        help="host:port of a primary or relay to follow: its versions keep their numbers, metadata and digests; "
-        "publishes, deletes and pins are refused (FAILED_PRECONDITION naming the primary)",
-    )
+    upstream = "host:port of a primary or relay to follow; publishes, deletes and pins are refused here"
+    relay.add_argument("--upstream", metavar="ADDRESS", help=upstream)
     models = "follow only these models (default: every one, including later ones)"
     relay.add_argument("--models", dest="upstream_models", type=_model_list, metavar="A,B", help=models)
     poll = "how often to list the upstream's models: new ones, and whether it is up (default: %(default)s)"
@@ -173,13 +150,12 @@ def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def _add_client_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     def command(name: str, help_text: str, handler: Handler, *, model: bool = True) -> argparse.ArgumentParser:
-        """A client command with the connection options, and --model unless `model` is False."""
         sub = commands.add_parser(name, help=help_text, description=help_text[0].upper() + help_text[1:] + ".")
         sub.set_defaults(handler=handler)
         sub.add_argument("--server", help="host:port (default: $WEIGHTSERVER_ADDRESS, else localhost:50051)")
         sub.add_argument("--token-file", type=Path, help="file of the bearer token (default: $WEIGHTSERVER_TOKEN)")
         sub.add_argument(
-            "--tls-ca", type=Path, metavar="PEM", help="use TLS trusting this CA (default: $WEIGHTSERVER_TLS_CA)"
+            "--tls-ca", type=Path, metavar="PEM", help="TLS trusting this CA (default: $WEIGHTSERVER_TLS_CA)"
         )
         sub.add_argument("--tls-cert", type=Path, metavar="PEM", help="client certificate (mutual TLS)")
         sub.add_argument("--tls-key", type=Path, metavar="PEM", help="private key of --tls-cert")
@@ -207,9 +183,7 @@ def _add_client_commands(commands: argparse._SubParsersAction[argparse.ArgumentP
     ls.add_argument("--json", action="store_true", help="print JSON")
 
     watch = command("watch", "print a line for every new version of a model until interrupted", cmd_watch)
-    watch.add_argument(
-        "--since", type=int, help="last version you know; retained later ones come first (default: latest)"
-    )
+    watch.add_argument("--since", type=int, help="last version you know; later ones come first (default: latest)")
     watch.add_argument("--json", action="store_true", help="print one JSON object per version")
 
     version(command("delete", "delete one version", cmd_delete), "version to delete", required=True)
@@ -218,28 +192,22 @@ def _add_client_commands(commands: argparse._SubParsersAction[argparse.ArgumentP
     pin.add_argument("--unpin", action="store_true", help="unpin instead")
 
 
-# ---------------------------------------------------------------------- serve
 def server_config(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> ServerConfig:
-    """The ServerConfig of parsed `serve` options (ValueError for a combination it refuses); a
-    relay's upstream token from --upstream-token-file, else $WEIGHTSERVER_UPSTREAM_TOKEN."""
+    """The ServerConfig of parsed `serve` options; ValueError for a combination it refuses."""
     options = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig) if hasattr(args, f.name)}
     options["bulk_port"] = None if args.no_bulk else args.bulk_port
     options["shm_dir"] = None if args.no_shm else (args.shm_dir or "auto")
     options["publish_timeout"] = args.publish_timeout or None
-    options["upstream_token"] = _upstream_token(args, environ)
-    return ServerConfig(**options)
-
-
-def _upstream_token(args: argparse.Namespace, environ: Mapping[str, str]) -> str | None:
-    path = args.upstream_token_file
+    path, token = args.upstream_token_file, None
     if path is not None:
         try:
-            return path.read_text()
+            token = path.read_text()
         except OSError as exc:
             raise ValueError(f"--upstream-token-file {path}: {exc.strerror}") from None
-    if args.upstream is None:  # a primary's environment may hold it for other programs: not read
-        return None
-    return environ.get(UPSTREAM_TOKEN_ENV) or None
+    elif args.upstream is not None:  # a primary's environment may hold it for other programs: not read
+        token = environ.get(UPSTREAM_TOKEN_ENV) or None
+    options["upstream_token"] = token
+    return ServerConfig(**options)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -262,7 +230,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---------------------------------------------------------------------- client commands
 def _client(args: argparse.Namespace) -> WeightServiceClient:
     token = args.token_file.read_text().strip() if args.token_file is not None else None
     return WeightServiceClient(
@@ -372,8 +339,7 @@ def _info_json(info: VersionInfo) -> dict[str, object]:
 
 
 class TransferProgress:
-    """A tqdm bar on `stream` (stderr) fed by ``progress(done, total)``, shown only on a terminal
-    and for transfers of at least `min_bytes`; `bar` is None while none is shown."""
+    """A tqdm bar fed by ``progress(done, total)``, shown only on a terminal for `min_bytes` or more."""
 
     def __init__(self, description: str, *, stream: TextIO | None = None, min_bytes: int = PROGRESS_MIN_BYTES) -> None:
         self.description = description
@@ -406,8 +372,7 @@ class TransferProgress:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The `weightserver` console script: set up logging (options, else the environment) and run
-    the command; its exit status, or 1 with a one-line message for an error a user can act on."""
+    """Run the command; its exit status, or 1 with a one-line message for an error a user can act on."""
     parser = build_parser()
     args = parser.parse_args(argv)
     level = args.log_level or os.environ.get("WEIGHTSERVER_LOG_LEVEL", "info")

@@ -8,16 +8,14 @@ from pathlib import Path
 
 from weightserver.protocol import limits
 
-# Stream fetches sending chunks at once: one event loop serves every call, so a publish's chunks
-# take turns with this many (200 open fetchers starved publishes for seconds); on 2 cores 1-2
-# turns gave the fastest publishes under load and no less fetch throughput than 4-16.
+# Stream fetches sending at once: a publish's chunks take turns with them on the one event loop (200
+# open fetchers starved publishes for seconds); on 2 cores 1-2 was fastest, with no fetch loss vs 4-16.
 DEFAULT_MAX_STREAM_FETCHES = max(2, os.cpu_count() or 1)
 
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """How a weight server runs; every default works on one machine. Port 0 picks a free port
-    (read it back from `WeightServer.port`). The command line's `serve --help` says what each does."""
+    """How a weight server runs; every default works on one machine. `serve --help` says what each does."""
 
     host: str = "0.0.0.0"
     port: int = limits.DEFAULT_PORT
@@ -44,8 +42,7 @@ class ServerConfig:
     upstream: str | None = None
     upstream_models: tuple[str, ...] | None = None  # None: every model, including later ones
     upstream_poll_seconds: float = 2.0
-    # The bearer token a relay sends its upstream; never shown by repr() or logged.
-    upstream_token: str | None = field(default=None, repr=False)
+    upstream_token: str | None = field(default=None, repr=False)  # never shown by repr() or logged
     # TLS to the upstream: on with upstream_tls (the system's roots) or any of the files.
     upstream_tls: bool = False
     upstream_tls_ca: Path | None = None
@@ -97,15 +94,11 @@ class ServerConfig:
         given = [name for name in ("upstream_token", "upstream_tls", *files) if getattr(self, name)]
         if given and self.upstream is None:
             raise ValueError(
-                f"{', '.join(given)} say how a relay dials its upstream: give upstream (--upstream ADDRESS) "
-                "too, or leave them out on a primary"
+                f"{', '.join(given)} are a relay's: give upstream (--upstream ADDRESS) too, or leave them out"
             )
         if (self.upstream_tls_cert is None) != (self.upstream_tls_key is None):
             given, missing = files[1:] if self.upstream_tls_key is None else files[:0:-1]
-            raise ValueError(
-                f"{given} without {missing}: the relay's client certificate (mutual TLS to its upstream) "
-                "needs its private key; give both --upstream-tls-cert and --upstream-tls-key, or neither"
-            )
+            raise ValueError(f"{given} without {missing}: a client certificate needs its key; give both or neither")
         if self.upstream_token is not None:
             token = self.upstream_token.strip()
             where = "upstream_token (--upstream-token-file, $WEIGHTSERVER_UPSTREAM_TOKEN)"

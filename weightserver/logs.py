@@ -1,6 +1,4 @@
-"""Log output of the command line: text lines, or one JSON object per line carrying every
-`extra=` field (model, version, bytes, duration_ms, peer, client_id...) for log pipelines.
-"""
+"""Log output of the command line: text lines, or JSON lines carrying every `extra=` field."""
 
 from __future__ import annotations
 
@@ -18,8 +16,7 @@ _STANDARD_ATTRIBUTES = frozenset(logging.LogRecord("", 0, "", 0, "", None, None)
 
 
 class JsonFormatter(logging.Formatter):
-    """A record as one JSON line: time (UTC, ISO 8601), level, logger, message, the extra
-    fields, and any traceback as `exception`."""
+    """A record as one JSON line: time (UTC), level, logger, message, extra fields, `exception`."""
 
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, object] = {
@@ -41,8 +38,7 @@ class JsonFormatter(logging.Formatter):
 
 
 def configure_logging(level: str = "info", log_format: str = "text", stream: TextIO | None = None) -> None:
-    """Log at `level` or above to `stream` (stderr) in `log_format`; like `logging.basicConfig`,
-    a root logger that has handlers already is left alone."""
+    """Log to `stream` (stderr); like `logging.basicConfig`, a root logger with handlers is left alone."""
     if log_format not in LOG_FORMATS:
         raise ValueError(f"log format must be one of {', '.join(LOG_FORMATS)}, got {log_format!r}")
     handler = logging.StreamHandler(stream or sys.stderr)

@@ -1,9 +1,5 @@
-"""Prometheus metrics of one server: what was published and fetched, by whom, and how fast.
-
-Each `ServerMetrics` has its own registry (several servers may share a process, as in tests),
-served at ``/metrics`` by `serve()`. `NoMetrics` takes the same calls and does nothing, so the
-servicer never checks whether metrics are on.
-"""
+"""Prometheus metrics of one server. Each `ServerMetrics` has its own registry (several servers may
+share a process); `NoMetrics` takes the same calls and does nothing, so callers never check."""
 
 from __future__ import annotations
 
@@ -38,8 +34,7 @@ log = logging.getLogger(__name__)
 
 # Seconds, from a small fetch on loopback to a multi-GiB publish over a slow link.
 DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-# Client ids with per-collector gauges; more are served, untracked, so a caller inventing ids
-# cannot grow the server's memory without bound.
+# Client ids with gauges at most: a caller inventing ids cannot grow the server's memory.
 MAX_TRACKED_CLIENTS = 10_000
 
 
@@ -91,10 +86,8 @@ class NoMetrics:
 
 
 class ServerMetrics(NoMetrics):
-    """One server's metrics (`weightserver_*`) in their own `CollectorRegistry`.
-
-    Each model gets its fetch series at zero for each of `transports`. A `relay` also gets the
-    `weightserver_relay_*` series, and its clients' lag counts from its upstream's latest."""
+    """One server's `weightserver_*` series; a `relay` also gets `weightserver_relay_*`, and its
+    clients' lag counts from its upstream's latest."""
 
     def __init__(
         self,
@@ -113,57 +106,36 @@ class ServerMetrics(NoMetrics):
         self._lock = threading.Lock()
         self._latest: dict[str, int] = {}
         self._upstream_latest: dict[str, int] = {}  # a relay's: what its clients' lag counts against
-        # model -> client id -> last version that client fetched
         self._client_versions: dict[str, dict[str, int]] = {}
         self._client_ids: set[str] = set()
         self._warned_client_cap = False
-        counter = functools.partial(Counter, registry=self.registry)
-        gauge = functools.partial(Gauge, registry=self.registry)
-        histogram = functools.partial(Histogram, buckets=DURATION_BUCKETS, registry=self.registry)
+        common = {"namespace": "weightserver", "registry": self.registry}
+        counter, gauge = functools.partial(Counter, **common), functools.partial(Gauge, **common)
+        histogram = functools.partial(Histogram, buckets=DURATION_BUCKETS, **common)
         model, by_transport, by_client = ["model"], ["model", "transport"], ["client_id", "model"]
-        self.versions_published = counter("weightserver_versions_published", "Versions committed.", model)
-        self.publish_bytes = counter("weightserver_publish_bytes", "Bytes of committed versions received.", model)
-        self.fetch_bytes = counter(
-            "weightserver_fetch_bytes", "Payload bytes served (shm, bulk: the payload handed out).", by_transport
-        )
-        self.publish_seconds = histogram(
-            "weightserver_publish_duration_seconds", "Committed publishes, from first message to commit.", model
-        )
-        self.fetch_seconds = histogram(
-            "weightserver_fetch_duration_seconds",
-            "Fetches (shm, bulk: until the file or ticket went out).",
-            by_transport,
-        )
-        self.active_watchers = gauge("weightserver_active_watchers", "Watch calls subscribed now.", model)
-        self.latest_version = gauge("weightserver_latest_version", "The newest retained version.", model)
-        self.retained_versions = gauge("weightserver_retained_versions", "Versions the server retains.", model)
-        self.retained_bytes = gauge("weightserver_retained_bytes", "Bytes of the versions retained.", model)
-        self.client_version = gauge(
-            "weightserver_client_last_fetched_version", "The last version each client id fetched.", by_client
-        )
-        self.client_lag = gauge(
-            "weightserver_client_version_lag", "The latest version minus the client's last fetched one.", by_client
-        )
+        self.versions_published = counter("versions_published", "Versions committed.", model)
+        self.publish_bytes = counter("publish_bytes", "Bytes of committed versions received.", model)
+        self.fetch_bytes = counter("fetch_bytes", "Payload bytes served (shm, bulk: handed out).", by_transport)
+        self.publish_seconds = histogram("publish_duration_seconds", "Publishes, first message to commit.", model)
+        self.fetch_seconds = histogram("fetch_duration_seconds", "Fetches (shm, bulk: until handed out).", by_transport)
+        self.active_watchers = gauge("active_watchers", "Watch calls subscribed now.", model)
+        self.latest_version = gauge("latest_version", "The newest retained version.", model)
+        self.retained_versions = gauge("retained_versions", "Versions the server retains.", model)
+        self.retained_bytes = gauge("retained_bytes", "Bytes of the versions retained.", model)
+        self.client_version = gauge("client_last_fetched_version", "Each client id's last fetch.", by_client)
+        self.client_lag = gauge("client_version_lag", "The latest version minus the client's last.", by_client)
         build = build_labels()
-        self.build_info = gauge(
-            "weightserver_build_info", "Always 1; the labels name the versions this server runs.", list(build)
-        )
+        self.build_info = gauge("build_info", "Always 1; the labels name the versions this server runs.", list(build))
         self.build_info.labels(**build).set(1)
         self.relay = relay
         if relay:
-            self.relay_upstream_up = gauge("weightserver_relay_upstream_up", "1 while the upstream answers, else 0.")
-            self.relay_upstream_refused = gauge(
-                "weightserver_relay_upstream_refused", "1 while the upstream refuses this relay's credentials."
-            )
-            self.relay_upstream_refusals = counter(
-                "weightserver_relay_upstream_refusals", "Calls the upstream refused for this relay's credentials."
-            )
-            self.relay_upstream_latest = gauge(
-                "weightserver_relay_upstream_latest_version", "The upstream's newest version, as last heard.", model
-            )
-            self.relay_fetch_bytes = counter(
-                "weightserver_relay_fetch_bytes", "Payload bytes fetched from the upstream.", ["model", "payload"]
-            )
+            self.relay_upstream_up = gauge("relay_upstream_up", "1 while the upstream answers, else 0.")
+            self.relay_upstream_refused = gauge("relay_upstream_refused", "1 while the upstream refuses this relay.")
+            self.relay_upstream_refusals = counter("relay_upstream_refusals", "Calls the upstream refused this relay.")
+            latest = "The upstream's newest version, as last heard."
+            self.relay_upstream_latest = gauge("relay_upstream_latest_version", latest, model)
+            payload = ["model", "payload"]
+            self.relay_fetch_bytes = counter("relay_fetch_bytes", "Payload bytes fetched from the upstream.", payload)
 
     def published(self, model: str, nbytes: int, seconds: float) -> None:
         self.versions_published.labels(model).inc()
@@ -234,17 +206,9 @@ class ServerMetrics(NoMetrics):
             self.client_lag.labels(client_id, model).set(max(reference - version, 0))
 
     def _known(self, model: str) -> None:
-        """Create `model`'s series (but the per-client ones) at zero: a rate needs the zero before
-        the first increment."""
-        for metric in (
-            self.versions_published,
-            self.publish_bytes,
-            self.publish_seconds,
-            self.active_watchers,
-            self.latest_version,
-            self.retained_versions,
-            self.retained_bytes,
-        ):
+        """Create `model`'s series at zero: a rate needs the zero before the first increment."""
+        published = (self.versions_published, self.publish_bytes, self.publish_seconds, self.active_watchers)
+        for metric in (*published, self.latest_version, self.retained_versions, self.retained_bytes):
             metric.labels(model)
         for transport in self._transports:
             self.fetch_bytes.labels(model, transport)
@@ -259,9 +223,7 @@ class ServerMetrics(NoMetrics):
             return True
         if len(self._client_ids) >= self._max_tracked_clients:
             if not self._warned_client_cap:
-                log.warning(
-                    "metrics track %d client ids at most; %r gets no gauges", self._max_tracked_clients, client_id
-                )
+                log.warning("metrics track %d client ids at most; %r gets none", self._max_tracked_clients, client_id)
                 self._warned_client_cap = True
             return False
         self._client_ids.add(client_id)

@@ -1,5 +1,4 @@
-"""ServerProcess: `weightserver serve` in a child process, for demos and tests that need a
-real standalone server (restarts, SIGKILL, a separate address space)."""
+"""`weightserver serve` in a child process, for demos and tests that need restarts or SIGKILL."""
 
 from __future__ import annotations
 
@@ -17,12 +16,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
 class ServerProcess:
-    """Runs ``python -m weightserver serve --host 127.0.0.1 --port PORT ARGS...``.
-
-    `port` 0 picks a free port once; a restart comes back on the same one. `start()` returns
-    once the health service says SERVING, checked with `credentials` for a ``--tls-cert`` server.
-    `prefix`: a command the server runs under, e.g. ``unshare --pid --fork``.
-    """
+    """``python -m weightserver serve ARGS`` on 127.0.0.1; `port` 0 picks a free port once, kept across
+    restarts. `start()` returns once the health service says SERVING; `prefix` wraps the command."""
 
     def __init__(
         self,
@@ -33,10 +28,7 @@ class ServerProcess:
         credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
         if credentials is None and any(a == "--tls-cert" or a.startswith("--tls-cert=") for a in args):
-            raise ValueError(
-                "a server started with --tls-cert serves TLS only: give ServerProcess(..., credentials="
-                "weightserver.protocol.channel.channel_credentials(tls_ca=...)) trusting its CA, to check it"
-            )
+            raise ValueError("a server started with --tls-cert serves TLS only: give credentials= trusting its CA")
         self.credentials = credentials
         self.args = list(args)
         self.prefix = list(prefix)
@@ -99,8 +91,7 @@ class ServerProcess:
 
 
 def wait_serving(address: str, deadline: float, credentials: grpc.ChannelCredentials | None = None) -> None:
-    """Poll the health service at `address` until it says SERVING; past `deadline`
-    (time.monotonic()), raise the last error."""
+    """Poll `address`'s health service until SERVING; past `deadline` (monotonic) raise the last error."""
     channel = grpc.insecure_channel(address) if credentials is None else grpc.secure_channel(address, credentials)
     with channel:
         stub = health_pb2_grpc.HealthStub(channel)

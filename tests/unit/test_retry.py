@@ -8,9 +8,6 @@ import time
 import pytest
 
 from weightclient.core.retry import NEVER, Deadline, RetryPolicy
-from weightserver.protocol.errors import InvalidRequest, ServerUnavailable
-
-FAST = RetryPolicy(first=0.01, longest=0.02, jitter=0.0)
 
 
 def test_delays_double_up_to_the_longest_within_their_jitter():
@@ -28,45 +25,6 @@ def test_a_deadline_carries_what_is_left():
     assert NEVER.remaining() is None and NEVER.within(3.0) == 3.0 and not NEVER.expired()
     time.sleep(0.16)
     assert deadline.expired() and deadline.remaining() == 0.0
-
-
-def test_a_call_is_retried_until_it_answers_each_time_with_the_same_deadline():
-    seen = []
-
-    def call(deadline: Deadline) -> str:
-        seen.append(deadline)
-        if len(seen) < 3:
-            raise ServerUnavailable("down")
-        return "ok"
-
-    deadline = Deadline.after(5.0)
-    assert FAST.call(call, deadline, "test") == "ok"
-    assert seen == [deadline] * 3
-
-
-def test_retrying_stops_before_the_deadline_would_pass():
-    calls = []
-
-    def call(deadline: Deadline):
-        calls.append(time.monotonic())
-        raise ServerUnavailable("down")
-
-    started = time.monotonic()
-    with pytest.raises(ServerUnavailable):
-        RetryPolicy(first=0.05, longest=0.05, jitter=0.0).call(call, Deadline.after(0.12), "test")
-    assert time.monotonic() - started < 0.12 and len(calls) == 3
-
-
-def test_what_is_not_retryable_is_raised_at_once():
-    calls = []
-
-    def call(deadline: Deadline):
-        calls.append(1)
-        raise InvalidRequest("no")
-
-    with pytest.raises(InvalidRequest):
-        FAST.call(call, NEVER, "test")
-    assert calls == [1]
 
 
 def test_a_wake_ends_an_async_wait():

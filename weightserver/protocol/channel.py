@@ -1,6 +1,4 @@
-"""Dialling a weight server: TLS channel credentials from PEM files and the bearer token, one
-way for the client and a relay's link to its upstream. Reads no environment: callers do.
-"""
+"""Dialling a weight server (client and relay alike): TLS credentials and the bearer token."""
 
 from __future__ import annotations
 
@@ -20,16 +18,11 @@ def channel_credentials(
     *,
     names: tuple[str, str, str] = ("tls_ca", "tls_cert", "tls_key"),
 ) -> grpc.ChannelCredentials:
-    """TLS credentials trusting `tls_ca` (None: the system's roots), presenting `tls_cert` and
-    `tls_key` for mutual TLS. ValueError naming the option (`names`) for half a client
-    certificate or a file that is not PEM; OSError for one that cannot be read."""
+    """TLS credentials trusting `tls_ca` (None: the system's roots); ValueError names the bad option."""
     ca_name, cert_name, key_name = names
     if (tls_cert is None) != (tls_key is None):
         given, missing = (cert_name, key_name) if tls_key is None else (key_name, cert_name)
-        raise ValueError(
-            f"{given} without {missing}: a client certificate (mutual TLS) needs its private key; "
-            f"give both {cert_name} and {key_name} (PEM files), or neither"
-        )
+        raise ValueError(f"{given} without {missing}: a client certificate needs its private key; give both or neither")
     return grpc.ssl_channel_credentials(
         root_certificates=read_pem(tls_ca, ca_name),
         private_key=read_pem(tls_key, key_name),

@@ -42,9 +42,8 @@ if TYPE_CHECKING:
 
 ERROR_METADATA_KEY = "weightserver-error"
 CLIENT_ID_METADATA_KEY = "weightserver-client-id"  # a client's name in the server's logs and metrics
-# A status message travels in the trailers, which clients cap (gRPC: 8 KiB; from 8 to 16 KiB
-# a random share of calls fail with RESOURCE_EXHAUSTED instead). Messages quote input cut to
-# CLIPPED_REPR_CHARS; the server cuts any message to MAX_STATUS_MESSAGE_BYTES (3 KiB encoded).
+# A status message travels in the trailers, which clients cap (gRPC: 8 KiB; from 8 to 16 KiB a
+# random share of calls fail with RESOURCE_EXHAUSTED): messages quote input cut, and are cut.
 CLIPPED_REPR_CHARS = 100
 MAX_STATUS_MESSAGE_BYTES = 1024
 

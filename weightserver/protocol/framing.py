@@ -1,9 +1,5 @@
-"""Pre-serialized chunk messages: the bytes of `FetchResponse{chunk}` and `PublishRequest{chunk}`.
-
-The generated classes copy a chunk twice; framing by hand copies once to send, never to receive.
-Both messages' `chunk` is a length-delimited oneof field, so one framing serves both; the tag
-comes from the descriptors (tests/unit/test_framing.py round-trips it).
-"""
+"""Pre-serialized `FetchResponse{chunk}` and `PublishRequest{chunk}` messages: the generated classes
+copy a chunk twice; framing by hand copies once to send, never to receive."""
 
 from __future__ import annotations
 
@@ -54,8 +50,7 @@ def chunk_message(parts: list[memoryview], tag: bytes = PUBLISH_CHUNK_TAG) -> by
 
 
 def chunk_of(raw: bytes, tag: bytes = FETCH_CHUNK_TAG) -> memoryview | None:
-    """The payload of a serialized `{chunk}` message as a view of `raw` (no copy), or None
-    when `raw` is any other message."""
+    """The payload of a serialized `{chunk}` message as a view of `raw`, or None for another message."""
     if not raw.startswith(tag):
         return None
     length = shift = 0
@@ -93,8 +88,7 @@ class Sink(Protocol):
 
 
 def receive_chunks(chunks: Iterable[object], into: memoryview | Sink, progress: Progress | None = None) -> None:
-    """The one chunk-receive loop: every chunk into `into` in order, `progress(received, total)`
-    after each. ValueError for a message that is no chunk, or more or fewer bytes than `into` takes."""
+    """Every chunk into `into` in order; ValueError for a non-chunk, or more or fewer bytes than fit."""
     received = 0
     for chunk in chunks:
         if not isinstance(chunk, memoryview):

@@ -21,14 +21,11 @@ CHANNEL_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 CLIENT_MESSAGE_BYTES = 4 * MiB  # what a gRPC client receives by default
-# A version's description (VersionInfo). A quarter of a client message, so that the replies
-# carrying several (a publish's, ListVersions with the default --keep 3) fit too.
+# A version's description: a quarter of a client message, so replies carrying several fit too.
 MAX_DESCRIPTION_BYTES = 1 * MiB
-# The descriptions of one reply, below CLIENT_MESSAGE_BYTES by its framing; a publish that
-# would make a Publish or ListVersions reply larger is refused.
+# The descriptions of one reply; a publish that would make a reply larger is refused.
 MAX_DESCRIPTIONS_PER_REPLY = CLIENT_MESSAGE_BYTES - 64 * KiB
 # A published header's limits, agreeing with MAX_DESCRIPTION_BYTES: a description takes >= 43
-# bytes per tensor (name, dtype, xxh3); the header's JSON at most about twice that, plus room
-# for the file's __metadata__.
+# bytes per tensor; the header's JSON at most about twice that, plus the file's __metadata__.
 PUBLISH_MAX_TENSORS = MAX_DESCRIPTION_BYTES // 43
 PUBLISH_MAX_HEADER_BYTES = 4 * MAX_DESCRIPTION_BYTES

@@ -1,9 +1,6 @@
-"""The safetensors file format, read and written without torch.
-
-An 8-byte little-endian header length N, N bytes of JSON mapping each tensor name to
-``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets into the data section; plus an
-optional ``"__metadata__"`` map of strings), then the data section.
-"""
+"""The safetensors format without torch: an 8-byte little-endian header length N, N bytes of JSON
+mapping each tensor name to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (into the data
+section; plus an optional ``"__metadata__"`` map of strings), then the data section."""
 
 from __future__ import annotations
 
@@ -16,16 +13,8 @@ from dataclasses import dataclass
 from weightserver.protocol.errors import InvalidSafetensors, clipped_repr
 
 # dtype name -> bytes per element, as the safetensors specification names them.
-DTYPE_SIZES: dict[str, int] = {
-    name: size
-    for size, names in (
-        (1, "BOOL U8 I8 F8_E5M2 F8_E4M3"),
-        (2, "I16 U16 F16 BF16"),
-        (4, "I32 U32 F32"),
-        (8, "I64 U64 F64"),
-    )
-    for name in names.split()
-}
+_DTYPES = {1: "BOOL U8 I8 F8_E5M2 F8_E4M3", 2: "I16 U16 F16 BF16", 4: "I32 U32 F32", 8: "I64 U64 F64"}
+DTYPE_SIZES: dict[str, int] = {name: size for size, names in _DTYPES.items() for name in names.split()}
 
 METADATA_KEY = "__metadata__"
 # The format's own limits (the safetensors package's); publishes have tighter ones (PUBLISH_MAX_*).
@@ -77,17 +66,14 @@ def parse_header(
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
     max_tensors: int = DEFAULT_MAX_TENSORS,
 ) -> SafetensorsHeader:
-    """Parse and validate the header at the start of `data` (at least the prefix and the header)
-    of a `total_size`-byte file (default: ``len(data)``); InvalidSafetensors names the first problem."""
+    """Parse and validate the header at the start of `data`, of a `total_size`-byte file (default: all)."""
     view = memoryview(data)
     size = len(view) if total_size is None else total_size
     if size < 8 or len(view) < 8:
         raise InvalidSafetensors(f"file is {size} bytes; a safetensors file starts with an 8-byte header length")
     (header_len,) = _LEN.unpack_from(view, 0)
     if header_len > max_header_bytes:
-        raise InvalidSafetensors(
-            f"header is {header_len} bytes, over the limit of {max_header_bytes}; is this a safetensors file?"
-        )
+        raise InvalidSafetensors(f"header is {header_len} bytes, over the limit of {max_header_bytes}")
     if 8 + header_len > size:
         raise InvalidSafetensors(f"header length {header_len} runs past the end of the {size}-byte file")
     if len(view) < 8 + header_len:
@@ -166,18 +152,14 @@ def _check_layout(entries: list[TensorEntry], data_len: int) -> None:
             )
         position = entry.end
     if position != data_len:
-        raise InvalidSafetensors(
-            f"data section is {data_len} bytes but the tensors cover {position}; trailing bytes or a truncated header"
-        )
+        raise InvalidSafetensors(f"data section is {data_len} bytes but the tensors cover {position}: trailing bytes")
 
 
 def build_header(
-    entries: Iterable[tuple[str, str, tuple[int, ...], int]],
-    metadata: Mapping[str, str] | None = None,
+    entries: Iterable[tuple[str, str, tuple[int, ...], int]], metadata: Mapping[str, str] | None = None
 ) -> tuple[bytes, list[TensorEntry]]:
-    """The length prefix and JSON header framing `entries` (``(name, dtype, shape, nbytes)``, in
-    the order their bytes follow), and the placed entries. Padded to 8 bytes, as the safetensors
-    package does, so 8-byte dtypes stay aligned."""
+    """The length prefix and JSON header framing `entries` ``(name, dtype, shape, nbytes)``, and the
+    placed entries. Padded to 8 bytes, as the safetensors package does, so 8-byte dtypes stay aligned."""
     header: dict[str, object] = {}
     if metadata:
         header[METADATA_KEY] = dict(metadata)

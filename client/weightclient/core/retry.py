@@ -1,5 +1,4 @@
-"""One deadline type and one retry policy for every caller. A `Deadline` is made once and handed
-down: a retry or refetch gets what is left. Waits double, with jitter (clients do not come back in step).
+"""One deadline (made once, handed down: a retry gets what is left) and one retry policy for every caller.
 
 >>> d = Deadline.after(None)
 >>> d.remaining() is None and not d.expired()
@@ -12,19 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import random
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
 
 from weightserver.protocol.errors import ServerUnavailable
-
-log = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -89,20 +81,6 @@ class RetryPolicy:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for((wake or asyncio.Event()).wait(), delay)
         return delay is not None
-
-    def call(self, call: Callable[[Deadline], T], deadline: Deadline, what: str) -> T:
-        """`call(deadline)`, retried on `retry_on` while the deadline allows (idempotent calls only)."""
-        attempt = 0
-        while True:
-            try:
-                return call(deadline)
-            except self.retry_on as exc:
-                if attempt == 0:
-                    left = "ever" if deadline.at is None else f"{deadline.remaining():.1f}s"
-                    log.warning("%s: %s; retrying for up to %s", what, type(exc).__name__, left)
-                if not self.wait(attempt, deadline):
-                    raise
-                attempt += 1
 
 
 DEFAULT_RETRY = RetryPolicy()
