@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +14,12 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from weightserver import ServerConfig, WeightServer
+
+# Ray rewrites a loopback address to the machine's outward one when a driver connects unless
+# this is 0 (its switch for clusters on one machine). It is read when ray is first imported, and
+# an integration test imports ray (through weightserver.relay.ray_relays) before the Ray tests
+# run: so it is set here, before any test module. The raylets a cluster starts inherit it.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
 @pytest.fixture

@@ -25,11 +25,7 @@ if importlib.util.find_spec("ray") is None:
     pytest.skip("ray is not installed: pip install -e '.[ray]'", allow_module_level=True)
 pytest.importorskip("torchrl", reason="torchrl is not installed: pip install -e '.[torchrl]'")
 
-# Ray rewrites a loopback address to the machine's outward one when a driver connects unless
-# this is 0 (its switch for clusters on one machine), read when ray is imported; the raylets the
-# cluster starts inherit it. Only ray reads it.
-os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-
+# tests/conftest.py sets RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before anything imports ray.
 import ray
 import torch
 import torchrl_models
