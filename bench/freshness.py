@@ -48,8 +48,9 @@ PUBLISH_GAP_SECONDS = IDLE_GAP_SECONDS  # idle before each publish, as a trainer
 
 
 def publish_transports() -> bool:
-    """Whether `WeightClient.publish` takes `transport=` (publish over bulk / shared memory)."""
-    return "transport" in inspect.signature(WeightClient.publish).parameters
+    """Whether `WeightClient.publish` takes `transport=` (publish over bulk / shared memory): it
+    passes its options on to `publish_group_bytes`."""
+    return "transport" in inspect.signature(WeightClient.publish_group_bytes).parameters
 
 
 def publish_kwargs(transport: str) -> dict[str, str]:

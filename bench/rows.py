@@ -124,8 +124,10 @@ def paired_repeats(ctx: Context, size: int) -> int:
 
 
 def fetch_parameters() -> dict[str, inspect.Parameter]:
-    """The parameters of `WeightClient.fetch` as it is now (feature detection)."""
-    return dict(inspect.signature(WeightClient.fetch).parameters)
+    """The parameters of `WeightClient.fetch` as it is now (feature detection), with those it
+    passes on to `fetch_bytes` through **options."""
+    own = {n: p for n, p in inspect.signature(WeightClient.fetch).parameters.items() if p.kind != p.VAR_KEYWORD}
+    return {**_fetch_bytes_parameters(), **own}
 
 
 def transport_kwargs(transport: str | None) -> dict[str, str]:
@@ -336,7 +338,7 @@ def publish_blocked(ctx: Context, size: int) -> list[Row]:
     # synchronous publish, which waits for the commit, is shown for reference only.
     synchronous.target, synchronous.passed = "none (reference for the async row)", None
     rows = [synchronous]
-    if "wait" in inspect.signature(WeightClient.publish).parameters:
+    if "wait" in inspect.signature(WeightClient.publish_group).parameters:
         rows += _publish_async_rows(ctx, weights, model, size, memcpy)
     ctx.drop(model)
     return rows
