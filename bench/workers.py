@@ -304,7 +304,7 @@ def freshness_collector(
             used = getattr(updater.last_fetch, "transport", None) or "stream"
             with torch.no_grad():
                 ends = [(float(p[0]), float(p[-1])) for p in policy.parameters()]
-            early = bool(getattr(updater.last_fetch, "early", False))
+            early = bool(getattr(updater.last_fetch, "incoming", False))
             results.put((index, updater.version, at, used, ends, early))
 
     def catch_up(version: int) -> None:
