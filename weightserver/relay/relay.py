@@ -347,7 +347,7 @@ class Relay:
         if len(members) > 1:
             await self._reach_group(model, members, number)
         else:
-            await self._relay([model], number, event.info.byte_size)
+            await self._relay([model], number)
 
     async def _reach_group(self, model: str, members: list[str], number: int) -> None:
         """The last of `members`' followers to reach group version `number` commits them together."""
@@ -431,28 +431,26 @@ class Relay:
             return False
         return incoming.publish.ended and incoming.publish.failure is None
 
-    async def _relay(self, models: list[str], number: int, size: int = 0) -> None:
-        """Fetch version `number` of `models` (each of about `size` bytes, if known) and commit them together."""
+    async def _relay(self, models: list[str], number: int) -> None:
+        """Fetch version `number` of `models` and commit them together."""
         started = time.perf_counter()
         fetched: list[_Fetched] = []
         for model in models:
             try:
-                fetched.append(await self._blocking(self._fetch, model, number, self._held(model), size))
+                fetched.append(await self._blocking(self._fetch, model, number, self._held(model)))
             except errors.NotFoundError as exc:  # evicted or deleted upstream since it was announced
                 log.warning("relay of %r v%d: gone upstream before it was fetched (%s)", model, number, exc)
                 self.store.missed(model, number)  # this relay's watchers are told of the gap
         if fetched:
             await self._commit(fetched, number, started)
 
-    def _fetch(self, model: str, number: int, base: Version | None, size: int) -> _Fetched:
+    def _fetch(self, model: str, number: int, base: Version | None) -> _Fetched:
         """Version `number` of `model` (in a thread), rebuilt from a delta against `base` if that matches its xxh3."""
         assert self._client is not None
-        # Anonymous memory, not the client's numpy buffer: its huge pages' compaction can triple a 256 MiB receive.
-        into = memoryview(mmap.mmap(-1, size)) if size else None
         fetch = functools.partial(self._client.fetch_bytes, model, version=number, timeout=FETCH_SECONDS, retry=False)
         discarded = 0
         if base is not None:
-            got = fetch(into=into, base_version=base.version, base_xxh3=base.xxh3)
+            got = fetch(base_version=base.version, base_xxh3=base.xxh3)
             assert got is not None  # an exact version is never "up to date"
             if not got.base_version:
                 return _Fetched(got.info, got.data, got.data.nbytes, delta=False)
@@ -462,7 +460,7 @@ class Relay:
                 return _Fetched(info, rebuilt, got.data.nbytes, delta=True)
             log.info("%s v%d: the delta against v%d did not rebuild it; fetching it whole", model, number, base.version)
             discarded = got.data.nbytes
-        got = fetch(into=into)
+        got = fetch()
         assert got is not None
         return _Fetched(got.info, got.data, discarded + got.data.nbytes, delta=False)
 

@@ -5,6 +5,7 @@ back along a `TransportChain` ("auto": shm, bulk, stream), where it rests for `r
 from __future__ import annotations
 
 import logging
+import mmap
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -138,9 +139,9 @@ class TransportChain:
 
 
 def receive_buffer(size: int, into: memoryview | None = None) -> memoryview:
-    """`into[:size]` if large enough, else a new buffer not zero-filled (that costs a receive)."""
+    """`into[:size]` if large enough, else fresh anonymous memory: pages are touched once, by the
+    receive. Not numpy's buffer: it asks for huge pages, whose compaction tripled a 256 MiB receive
+    on a busy host (0.6-1.4 s against 0.22-0.36 s)."""
     if into is not None and into.nbytes >= size and not into.readonly:
         return into.cast("B")[:size]
-    import numpy as np
-
-    return memoryview(np.empty(size, dtype=np.uint8))
+    return memoryview(mmap.mmap(-1, size)) if size else memoryview(bytearray())
