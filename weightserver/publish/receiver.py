@@ -10,14 +10,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import mmap
 import os
 import secrets
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
-from weightserver.protocol import version_info
+from weightserver.protocol import page_tables, version_info
 from weightserver.protocol.digests import BLOCK_BYTES, FileDigests, IncomingDigests
 from weightserver.protocol.errors import (
     IntegrityError,
@@ -95,7 +94,7 @@ class IncomingModel:
             raise OSError("no room in the shared-memory folder")
         size = self.total_bytes
         self.file = file
-        self.buffer = file.buffer if file is not None else memoryview(mmap.mmap(-1, size) if size else bytearray())
+        self.buffer = file.buffer if file is not None else page_tables.anonymous(size)
         self.digests = IncomingDigests(self.buffer, header_limits=self.header_limits)
         if self.transport == "stream" and (self.header.sha256 or not self.header.xxh3):
             self._sha256 = hashlib.sha256()  # else the store computes it after the commit
