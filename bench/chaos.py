@@ -36,8 +36,9 @@ round; `--seed` replays an order), each followed by recovery and a quiet spell:
 * rewrite-upload: a same-host writer (raw protocol, Negotiate for shared memory) that truncates
               or rewrites its upload file at a random moment: before `uploaded` (the publish
               must be refused, DATA_LOSS or INVALID_ARGUMENT, and commit nothing) or after the
-              commit, through the descriptor it kept (the version must still be served as
-              committed, on every transport, and the server must not die of it).
+              commit, through the descriptor it kept (the seal must refuse the change, the
+              version must still be served as committed, on every transport, and the server
+              must not die of it).
 
 With `delete` among the faults, the load also has a relay: a `weightserver serve --upstream`
 child of the server, polling it every `--relay-poll` s, with its own data dir.
@@ -1076,8 +1077,8 @@ class Chaos:
         return sum(f.counts.total for f in self.fetchers)
 
     def _rewrite_upload(self, record: FaultRecord) -> None:
-        """A same-host writer that changes its upload file before `uploaded` (refused, nothing
-        committed) or after the commit through the descriptor it kept (served as committed)."""
+        """A same-host writer that changes its upload before `uploaded` (refused, nothing committed)
+        or after the commit through the descriptor it kept (the seal refuses; served as committed)."""
         import grpc
         import torch
         import xxhash
@@ -1138,7 +1139,12 @@ class Chaos:
                     if when == "before":
                         state.fail("rewrite", "chaos", f"a publish whose upload was {how}d before `uploaded` committed")
                         return
-                    change(fd)  # after the commit, through the descriptor kept
+                    try:  # after the commit, through the descriptor kept: the seal refuses it
+                        change(fd)
+                    except PermissionError:
+                        record.details["after"] = "refused by the seal"
+                    else:
+                        state.fail("rewrite", "chaos", f"a committed upload could be {how}d through a kept descriptor")
                 finally:
                     os.close(fd)
             version = reply.version.version

@@ -1,10 +1,11 @@
 """The server owns a committed version's bytes (issue 29, items 1-3).
 
-A same-host publisher writes a model into a shared-memory file named by Negotiate; the server
-copies what it is told is written into a file of its own and verifies that copy. Here, over raw
-stubs and against a real server process (so that a SIGBUS shows as the process dying), the
-publisher's file is cut short, changed after the commit through a descriptor or mapping it kept,
-and changed between `written` and `uploaded`: the publish fails with DATA_LOSS or the server
+A same-host publisher writes a model into a memfd of the server's, named by Negotiate as
+/proc/<server pid>/fd/<n>; at `uploaded` the server seals it (no write, grow or shrink by anyone)
+and only then reads and hashes it. Here, over raw stubs and against a real server process (so
+that a SIGBUS shows as the process dying), the publisher's upload is cut short, changed after the
+commit through a descriptor it kept, kept mapped for writing across the commit, and changed
+between `written` and `uploaded`: the publish fails with a status that says why, or the server
 serves exactly the bytes whose digests it recorded, and it stays up.
 """
 
@@ -17,7 +18,6 @@ import os
 import queue
 import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -25,13 +25,9 @@ import pytest
 import torch
 import xxhash
 
-import weightserver.publish.receiver as receiver
-from tests.integration.test_publish_transports import SHM, file_of
+from tests.integration.test_publish_transports import SHM, file_of, identity_of, released
 from tests.waiting import wait_for
 from weightserver.process import ServerProcess
-from weightserver.protocol.errors import IntegrityError
-from weightserver.publish.staged_uploads import StagedUploads
-from weightserver.transports.shared_memory import SharedMemoryFiles
 from weightserver.v1 import weights_pb2 as pb
 from weightserver.v1 import weights_pb2_grpc as pb_grpc
 
@@ -110,6 +106,7 @@ def test_an_upload_file_cut_short_is_data_loss_not_a_crash(tmp_path, announced):
     with serving(tmp_path) as (server, stub):
         header, answer = shm_upload(stub, len(data))
         path = answer.payload.shared_memory.path
+        identity = identity_of(path)
         with open(path, "wb") as f:  # "wb" shortens the file to what is written
             f.write(data[: len(data) // 2])
         messages = [pb.PublishRequest(header=header)]
@@ -121,11 +118,11 @@ def test_an_upload_file_cut_short_is_data_loss_not_a_crash(tmp_path, announced):
         assert_up(server)
         assert caught.value.code() == grpc.StatusCode.DATA_LOSS, caught.value.details()
         assert "cut short" in caught.value.details()
-        assert not os.path.exists(path)  # the publisher's file goes with the publish
         # Nothing was committed, and the server takes the next publish.
         with pytest.raises(grpc.RpcError) as missing:
             stub.ListVersions(pb.ListVersionsRequest(model=MODEL), timeout=TIMEOUT)
         assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+        assert released(path, identity)  # the server let go of the upload with the publish
         header, answer = shm_upload(stub, len(data))
         with open(answer.payload.shared_memory.path, "r+b") as f:
             f.write(data)
@@ -138,15 +135,15 @@ def test_an_upload_file_cut_short_is_data_loss_not_a_crash(tmp_path, announced):
 
 
 # ---------------------------------------------------------------------- 2: changed after the commit
-@pytest.mark.parametrize("change", ["pwrite", "truncate", "mapping"])
+@pytest.mark.parametrize("change", ["pwrite", "truncate", "reopen"])
 def test_a_committed_version_cannot_be_changed_through_what_the_publisher_kept(tmp_path, change):
-    """The publisher keeps the descriptor (or a shared writable mapping) it wrote its file with,
-    and uses it after the commit: the version served stays the one committed."""
+    """The publisher keeps the descriptor it wrote with (or opens the path again) and, after the
+    commit, writes or truncates: the kernel refuses (the seal), and the version served stays the
+    one committed."""
     data, other = model_file(1.0), model_file(2.0)
     with serving(tmp_path) as (server, stub):
         header, answer = shm_upload(stub, len(data))
         fd = os.open(answer.payload.shared_memory.path, os.O_RDWR)
-        kept = mmap.mmap(fd, len(data))
         try:
             assert os.pwrite(fd, data, 0) == len(data)
             messages = [
@@ -154,29 +151,64 @@ def test_a_committed_version_cannot_be_changed_through_what_the_publisher_kept(t
                 *uploaded_and_commit(answer.upload, xxhash.xxh3_128_hexdigest(data)),
             ]
             assert stub.Publish(iter(messages), timeout=TIMEOUT).version.version == 1
-            if change == "pwrite":
-                assert os.pwrite(fd, other[-4096:], len(data) - 4096) == 4096
-            elif change == "truncate":
-                os.ftruncate(fd, 0)
-            else:
-                kept[len(data) - 4096 :] = other[-4096:]
+            with pytest.raises(PermissionError):
+                if change == "pwrite":
+                    os.pwrite(fd, other[-4096:], len(data) - 4096)
+                elif change == "truncate":
+                    os.ftruncate(fd, 0)
+                else:
+                    mmap.mmap(os.open(answer.payload.shared_memory.path, os.O_RDWR), len(data))
             assert_served(stub, 1, data)
             assert_up(server)
         finally:
-            kept.close()
             os.close(fd)
 
 
+def test_an_upload_still_mapped_for_writing_is_refused_not_committed(tmp_path):
+    """A publisher that keeps a writable mapping across `uploaded` could change the bytes after the
+    commit: the seal fails, the publish gets INVALID_ARGUMENT saying to unmap, and the next one,
+    unmapped, commits."""
+    data = model_file(1.0)
+    with serving(tmp_path) as (server, stub):
+        header, answer = shm_upload(stub, len(data))
+        fd = os.open(answer.payload.shared_memory.path, os.O_RDWR)
+        kept = mmap.mmap(fd, len(data))
+        os.close(fd)
+        try:
+            kept[:] = data
+            messages = [
+                pb.PublishRequest(header=header),
+                *uploaded_and_commit(answer.upload, xxhash.xxh3_128_hexdigest(data)),
+            ]
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.Publish(iter(messages), timeout=TIMEOUT)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value.details()
+            assert "unmap it" in caught.value.details()
+        finally:
+            kept.close()
+        assert_up(server)
+        header, answer = shm_upload(stub, len(data))
+        with open(answer.payload.shared_memory.path, "r+b") as f:
+            f.write(data)
+        messages = [
+            pb.PublishRequest(header=header),
+            *uploaded_and_commit(answer.upload, xxhash.xxh3_128_hexdigest(data)),
+        ]
+        assert stub.Publish(iter(messages), timeout=TIMEOUT).version.version == 1
+        assert_served(stub, 1, data)
+
+
 # ---------------------------------------------------------------------- 3: changed after `written`
-def test_what_the_server_verifies_is_what_it_serves(tmp_path):
-    """All of file A is announced as written, then the file is overwritten with B before
-    `uploaded` names A's xxh3. Once the announced bytes have landed at the server (a cut-through
-    fetch received them all), the version is A whatever the file holds, and served as A."""
+@pytest.mark.parametrize("declared", ["a", "b"])
+def test_what_the_server_verifies_is_what_it_serves(tmp_path, declared):
+    """All of file A is announced as written, then the upload is overwritten with B before
+    `uploaded`. The server reads nothing before its seal, so the version is what the upload holds
+    then: `uploaded` naming A's xxh3 is DATA_LOSS; naming B's commits B, served as B."""
     a, b = model_file(1.0), model_file(2.0)
     with serving(tmp_path) as (server, stub):
-        events = stub.Watch(pb.WatchRequest(model=MODEL, incoming=True), timeout=TIMEOUT)
         header, answer = shm_upload(stub, len(a))
-        with open(answer.payload.shared_memory.path, "r+b") as f:
+        path = answer.payload.shared_memory.path
+        with open(path, "r+b") as f:
             f.write(a)
         requests: queue.Queue[pb.PublishRequest | None] = queue.Queue()
         requests.put(pb.PublishRequest(header=header))
@@ -192,65 +224,21 @@ def test_what_the_server_verifies_is_what_it_serves(tmp_path):
         thread = threading.Thread(target=publish, daemon=True)
         thread.start()
         try:
-            event = next(events)
-            assert event.incoming.id and not event.HasField("version")
-            arrived = b"".join(
-                m.chunk
-                for m in stub.Fetch(pb.FetchRequest(model=MODEL, incoming=event.incoming.id), timeout=TIMEOUT)
-                if m.WhichOneof("kind") == "chunk"
-            )
-            assert arrived == a  # every announced byte has landed at the server
-            with open(answer.payload.shared_memory.path, "r+b") as f:
+            with open(path, "r+b") as f:
                 f.write(b)
-            for message in uploaded_and_commit(answer.upload, xxhash.xxh3_128_hexdigest(a)):
+            digest = xxhash.xxh3_128_hexdigest(a if declared == "a" else b)
+            for message in uploaded_and_commit(answer.upload, digest):
                 requests.put(message)
             requests.put(None)
             thread.join(TIMEOUT)
         finally:
             requests.put(None)
-            events.cancel()
         assert_up(server)
         (reply,) = replies
+        if declared == "a":
+            assert isinstance(reply, grpc.RpcError) and reply.code() == grpc.StatusCode.DATA_LOSS, reply
+            assert "xxh3" in reply.details()
+            return
         assert isinstance(reply, pb.PublishResponse), reply
-        assert reply.version.version == 1 and reply.version.xxh3 == xxhash.xxh3_128_hexdigest(a)
-        assert_served(stub, 1, a)
-
-
-# ---------------------------------------------------------------------- the copy itself
-@pytest.mark.parametrize("threads", [0, 3], ids=["inline", "threads"])
-def test_the_server_copies_the_writers_file_and_verifies_its_copy(tmp_path, monkeypatch, threads):
-    """Inline (two CPUs or fewer) or spread over copying threads: the upload's buffer ends up
-    holding the writer's bytes and the digests are of them; a file cut short is an
-    IntegrityError; the writer's file is removed either way."""
-    pool = ThreadPoolExecutor(threads) if threads else None
-    monkeypatch.setattr(receiver, "_copying", lambda: pool)
-    files, uploads = SharedMemoryFiles(tmp_path / "shm"), StagedUploads({})
-    data = model_file(1.0)  # several copy blocks
-    try:
-        whole = uploads.create(
-            MODEL, len(data), "shm", lambda: files.new_upload(MODEL, len(data), publisher_writes=True)
-        )
-        assert whole.file is not None and whole.file.source is not None
-        whole.file.source.path.write_bytes(data)
-        whole.written(len(data) // 3)
-        digests = whole.finish()
-        assert digests.xxh3 == xxhash.xxh3_128_hexdigest(data) and bytes(whole.buffer) == data
-        assert not whole.file.source.path.exists()
-        whole.discard()
-
-        short = uploads.create(
-            MODEL, len(data), "shm", lambda: files.new_upload(MODEL, len(data), publisher_writes=True)
-        )
-        assert short.file is not None and short.file.source is not None
-        short.file.source.path.write_bytes(data[: len(data) // 2])
-        short.written(len(data))
-        with pytest.raises(IntegrityError, match="cut short"):
-            short.finish()
-        assert not short.file.source.path.exists()
-        short.discard()
-        assert not list((tmp_path / "shm").rglob("*.tmp"))
-    finally:
-        uploads.close()
-        files.close()
-        if pool is not None:
-            pool.shutdown()
+        assert reply.version.version == 1 and reply.version.xxh3 == xxhash.xxh3_128_hexdigest(b)
+        assert_served(stub, 1, b)

@@ -251,11 +251,13 @@ def test_a_pinned_updater_reads_its_version_directly(server, client):
 
 
 def test_a_file_damaged_under_its_header_is_refused_everywhere(server, client):
-    """The version's file is the server's own memory: damage to it fails the direct read's
-    digests, and the server's stream refuses it too (IntegrityError), as without direct reads."""
-    client.publish(weights(1), model=MODEL)
+    """A version's file the server wrote itself (a publish over the stream) is its own memory:
+    damage to it (by root) fails the direct read's digests, and the server's stream refuses it too
+    (IntegrityError), as without direct reads. (A same-host publisher's file is sealed: see
+    test_byte_ownership.)"""
+    client.publish(weights(1), model=MODEL, transport="stream")
     learn(client)
-    client.publish(weights(2), model=MODEL)
+    client.publish(weights(2), model=MODEL, transport="stream")
     settled(server, 2)
     path = header_file(server, 2).with_suffix(".safetensors")
     os.chmod(path, 0o644)

@@ -5,6 +5,8 @@ of them ever makes a version visible."""
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import hashlib
 import os
 import socket
@@ -25,7 +27,6 @@ from tests.integration.test_fast_paths import assert_bit_exact, mixed_model
 from weightclient import WeightClient
 from weightclient import tensors as tensor_codec
 from weightclient.transports import BulkTransport, SharedMemoryTransport, TransportFailed
-from weightserver.transports.shared_memory import RECEIVING_FOLDER
 from weightserver.v1 import weights_pb2 as pb
 from weightserver.v1 import weights_pb2_grpc as pb_grpc
 
@@ -72,6 +73,19 @@ def assert_nothing_visible(client: WeightClient, before: int) -> None:
     assert [v.version for v in client.list_versions(MODEL)][-1] == before
 
 
+def identity_of(path: str) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
+
+
+def released(path: str, identity: tuple[int, int]) -> bool:
+    """An upload's /proc/<pid>/fd/<n> no longer names that memfd (the number may be reused)."""
+    try:
+        return identity_of(path) != identity
+    except FileNotFoundError:
+        return True
+
+
 def staged_count(server) -> int:
     from tests.integration.test_fast_paths import servicer_of
 
@@ -105,19 +119,26 @@ def test_a_group_publish_over_bulk_commits_once(server, client):
         assert list(client.describe(model).group) == ["policy", "critic"]
 
 
-def test_the_servers_copy_of_an_shm_upload_becomes_the_versions_file(server, client):
+def test_the_publishers_sealed_memfd_becomes_the_versions_file(server, client):
+    """The version's file is a link to the memfd the publisher wrote, sealed: no upload file is
+    left in the folder, nobody can write it, and it holds the version's bytes."""
     weights = mixed_model()
     version = client.publish(weights, model=MODEL, transport="shm")
-    wait_equal(
-        lambda: staged_count(server), 1, what="uploads staged"
-    )  # the next upload, set up ahead: its file is the only upload-*
-    files = sorted(p.name for p in (server.shared_memory.directory / MODEL).iterdir())
-    own = [f"{version:012d}.header", f"{version:012d}.safetensors"]
-    assert [f for f in files if not f.startswith("upload-")] == own
-    assert len(files) == 3  # this publish's upload file is gone; the server's copy is the version's
-    # Beside the next upload's file, the server's own copy it will receive into: nothing else.
-    assert len(list((server.shared_memory.directory / RECEIVING_FOLDER).iterdir())) == 1
-    assert (server.shared_memory.directory / MODEL / f"{version:012d}.safetensors").read_bytes() == file_of(weights)
+    wait_equal(lambda: staged_count(server), 1, what="uploads staged")  # the next upload, set up ahead
+    folder = server.shared_memory.directory / MODEL
+    assert sorted(p.name for p in folder.iterdir()) == [f"{version:012d}.header", f"{version:012d}.safetensors"]
+    own = folder / f"{version:012d}.safetensors"
+    assert os.readlink(own).startswith(f"/proc/{os.getpid()}/fd/")  # the server runs in this process
+    assert own.read_bytes() == file_of(weights)
+    fd = os.open(own, os.O_RDWR)  # as the server's user, or root: the file opens, its bytes do not change
+    try:
+        with pytest.raises(PermissionError):
+            os.pwrite(fd, b"x", 0)
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, 0)
+    finally:
+        os.close(fd)
+    assert own.read_bytes() == file_of(weights)
 
 
 def test_bulk_and_shm_publishes_of_a_large_model_are_bit_exact(server, client):
@@ -158,7 +179,7 @@ def test_a_raw_shm_upload_is_written_in_place_and_committed(server, client):
         f.write(data)
     header.sha256 = hashlib.sha256(data).hexdigest()
     assert publish_uploaded(server.address, header, answer.upload).version.version == 1
-    assert not os.path.exists(path)  # renamed to the version's file
+    assert os.readlink(server.shared_memory.directory / MODEL / f"{1:012d}.safetensors") == path  # the version's
     assert client.fetch_bytes(MODEL, transport="shm").data.tobytes() == data
 
 
@@ -188,6 +209,7 @@ def test_chunks_and_an_upload_for_one_model_are_refused(server):
     data = file_of(mixed_model())
     header = pb.PublishHeader(model=MODEL, total_bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
     answer = negotiate_publish(server.address, [SHM], header)
+    identity = identity_of(answer.payload.shared_memory.path)
     messages = [
         pb.PublishRequest(header=header),
         pb.PublishRequest(uploaded=pb.PublishUploaded(upload=answer.upload)),
@@ -197,7 +219,7 @@ def test_chunks_and_an_upload_for_one_model_are_refused(server):
     with grpc.insecure_channel(server.address) as channel, pytest.raises(grpc.RpcError) as caught:
         pb_grpc.WeightServiceStub(channel).Publish(iter(messages), timeout=30)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "one or the other" in caught.value.details()
-    assert not os.path.exists(answer.payload.shared_memory.path)  # the stream's upload went with it
+    assert released(answer.payload.shared_memory.path, identity)  # the stream's upload went with it
 
 
 def test_negotiate_checks_the_header_first(server, client):
@@ -251,11 +273,13 @@ def test_a_shm_upload_written_half_way_and_never_committed_is_never_visible(serv
     data = file_of(mixed_model(2))
     monkeypatch.setattr(staged_uploads, "UPLOAD_TTL_SECONDS", 1.0)
     answer = negotiate_publish(server.address, [SHM], pb.PublishHeader(model=MODEL, total_bytes=len(data)))
-    with open(answer.payload.shared_memory.path, "r+b") as f:
+    path = answer.payload.shared_memory.path
+    identity = identity_of(path)
+    with open(path, "r+b") as f:
         f.write(data[: len(data) // 2])  # the publisher dies here
     assert_nothing_visible(client, 1)
     # The sweeper drops it within about a second.
-    wait_until(lambda: not os.path.exists(answer.payload.shared_memory.path), what="the upload file removed")
+    wait_until(lambda: released(path, identity), what="the upload let go")
     assert staged_count(server) == 0
     assert_nothing_visible(client, 1)
 
@@ -264,12 +288,13 @@ def test_a_publish_stream_that_ends_without_commit_drops_its_upload(server, clie
     data = file_of(mixed_model())
     header = pb.PublishHeader(model=MODEL, total_bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
     answer = negotiate_publish(server.address, [SHM], header)
+    identity = identity_of(answer.payload.shared_memory.path)
     with open(answer.payload.shared_memory.path, "r+b") as f:
         f.write(data)
     with pytest.raises(grpc.RpcError) as caught:
         publish_uploaded(server.address, header, answer.upload, commit=False)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "without a commit" in caught.value.details()
-    assert not os.path.exists(answer.payload.shared_memory.path)
+    assert released(answer.payload.shared_memory.path, identity)
     assert not client.list_models()
 
 
@@ -341,8 +366,8 @@ def test_a_refused_bulk_port_falls_back_to_the_stream(make_server):
 
 
 def test_a_client_that_cannot_see_the_servers_shared_memory_publishes_over_bulk(server, tmp_path):
-    """A publisher in a mount namespace of its own (as in another container): the server's
-    upload file is not there, so it falls back to bulk TCP, and the version is bit-exact."""
+    """A publisher in mount and PID namespaces of its own (as in another container): the server's
+    upload is not there, so it falls back to bulk TCP, and the version is bit-exact."""
     if os.geteuid() != 0:
         pytest.skip("needs root for unshare --mount")
     script = textwrap.dedent(
@@ -356,7 +381,9 @@ def test_a_client_that_cannot_see_the_servers_shared_memory_publishes_over_bulk(
         """
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    command = ["unshare", "--mount", "sh", "-c", 'mount -t tmpfs tmpfs /dev/shm && exec "$0" -c "$1"']
+    # Its own /dev/shm and its own processes (/proc): the server's memfds cannot be opened by their path.
+    mounts = 'mount -t tmpfs tmpfs /dev/shm && exec "$0" -c "$1"'
+    command = ["unshare", "--mount", "--pid", "--fork", "--mount-proc", "sh", "-c", mounts]
     done = subprocess.run([*command, sys.executable, script], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["1", "False", "True"]
@@ -398,31 +425,49 @@ def test_errors_from_negotiate_reach_the_caller(server, client):
 
 
 # ---------------------------------------------------------------------- spare uploads
-def spare_path(server) -> str:
-    """The one upload file staged in the server's shared memory (the client's spare)."""
+def version_file(server, version: int) -> str:
+    return str(server.shared_memory.directory / MODEL / f"{version:012d}.safetensors")
+
+
+def memfds() -> set[tuple[int, int]]:
+    """The identities of the memfds of MODEL open in this process (where the server runs)."""
+    found = set()
+    for number in os.listdir(f"/proc/{os.getpid()}/fd"):
+        path = f"/proc/{os.getpid()}/fd/{number}"
+        with contextlib.suppress(OSError):
+            if os.readlink(path).startswith(f"/memfd:weightserver-{MODEL} "):
+                found.add(identity_of(path))
+    return found
+
+
+def spare(server, before: set[tuple[int, int]]) -> tuple[int, int]:
+    """The identity of the one upload staged (the client's spare): of the memfds opened since
+    `before` (earlier tests' may linger until collected), the one that is no version's file."""
     wait_equal(lambda: staged_count(server), 1, what="uploads staged")
-    (path,) = (server.shared_memory.directory / MODEL).glob("upload-*.tmp")
-    return str(path)
+    kept = {identity_of(p) for p in glob.glob(version_file(server, 0).replace("000000000000", "*"))}
+    (found,) = memfds() - before - kept
+    return found
 
 
 def test_the_next_publish_of_a_model_uses_the_upload_set_up_ahead(server, client):
-    weights = mixed_model(1)
+    weights, before = mixed_model(1), memfds()
     client.publish(weights, model=MODEL, transport="shm")
-    ahead = spare_path(server)
+    ahead = spare(server, before)
     weights = mixed_model(2)
     version = client.publish(weights, model=MODEL, transport="shm")
-    assert not os.path.exists(ahead)  # it became the version's file
+    assert identity_of(version_file(server, version)) == ahead  # it became the version's file
     assert_bit_exact(client.fetch(MODEL, version=version, transport="stream").state_dict(), weights)
-    assert spare_path(server) != ahead  # and the next one is set up
+    assert spare(server, before) != ahead  # and the next one is set up
 
 
 def test_a_spare_of_another_size_is_let_go_and_the_publish_negotiates(server, client):
+    before = memfds()
     client.publish(mixed_model(1), model=MODEL, transport="shm")
-    ahead = spare_path(server)
+    ahead = spare(server, before)
     bigger = {**mixed_model(2), "extra": torch.ones(1000)}
     version = client.publish(bigger, model=MODEL, transport="shm")
     assert_bit_exact(client.fetch(MODEL, version=version, transport="stream").state_dict(), bigger)
-    assert os.path.exists(ahead)  # unused: the server drops it when it expires
+    assert identity_of(version_file(server, version)) != ahead  # unused: the server drops it when it expires
 
 
 @pytest.mark.parametrize("transport", ["shm", "bulk"])

@@ -1,8 +1,8 @@
-"""A same-host publisher writes its shared-memory upload in place and says how far it has got
-(`PublishWritten`, issue 15): the server hashes those bytes while the rest are written, so the
-commit does not wait for a pass over the whole file. The digest then comes with `uploaded`.
-Every message out of order, and every way such a publish can stop half-way, is refused here
-over real gRPC: none ever makes a version visible or leaves its file behind."""
+"""A same-host publisher writes its shared-memory upload in place and may say how far it has got
+(`PublishWritten`, issue 15: progress; the server reads nothing before its seal at `uploaded`,
+issue 29). The digest then comes with `uploaded`. Every message out of order, and every way such
+a publish can stop half-way, is refused here over real gRPC: none ever makes a version visible
+or leaves its file behind."""
 
 from __future__ import annotations
 
@@ -22,12 +22,12 @@ from tests.integration.test_publish_transports import (
     SHM,
     assert_nothing_visible,
     file_of,
+    identity_of,
     negotiate_publish,
+    released,
 )
 from tests.waiting import wait_until
 from weightclient import WeightClient
-from weightserver.publish.staged_uploads import StagedUploads
-from weightserver.transports.shared_memory import SharedMemoryFiles
 from weightserver.v1 import weights_pb2 as pb
 from weightserver.v1 import weights_pb2_grpc as pb_grpc
 
@@ -69,29 +69,9 @@ def test_bytes_announced_as_written_are_verified_and_committed(server, client):
     ]
     reply = publish(server.address, messages)
     assert reply.version.version == 1 and reply.version.xxh3 == xxhash.xxh3_128_hexdigest(data)
-    assert not os.path.exists(answer.payload.shared_memory.path)  # renamed to the version's file
+    version_file = server.shared_memory.directory / MODEL / f"{1:012d}.safetensors"
+    assert os.readlink(version_file) == answer.payload.shared_memory.path  # the upload is the version's file
     assert client.fetch_bytes(MODEL, transport="stream").data.tobytes() == data
-
-
-def test_the_server_hashes_what_is_announced_before_the_writer_is_done(tmp_path):
-    """The hashing runs in the upload's own thread as `written` says, not at `finish`."""
-    files = SharedMemoryFiles(tmp_path / "shm")
-    uploads = StagedUploads({})
-    data = file_of(mixed_model())
-    upload = uploads.create(MODEL, len(data), "shm", lambda: files.new_upload(MODEL, len(data), publisher_writes=True))
-    try:
-        with open(upload.file.source.path, "r+b") as f:  # the publisher's file, not the server's
-            f.write(data[: len(data) // 2])
-            f.flush()
-            upload.written(len(data) // 2)
-            wait_until(lambda: upload.digests.hashed == len(data) // 2, timeout=10, step=0.005)
-            f.write(data[len(data) // 2 :])
-        digests = upload.finish()
-        assert digests.xxh3 == xxhash.xxh3_128_hexdigest(data)
-        assert set(digests.tensor_xxh3) == set(mixed_model())
-    finally:
-        upload.discard()
-        uploads.close()
 
 
 @pytest.mark.parametrize(
@@ -115,13 +95,14 @@ def test_written_out_of_order_is_refused_and_leaves_nothing(server, client, buil
     client.publish(mixed_model(1), model=MODEL, transport="stream")
     data = file_of(mixed_model(2))
     header, answer = staged_shm(server.address, data)
+    identity = identity_of(answer.payload.shared_memory.path)
     middle = build(answer.upload, len(data), xxhash.xxh3_128_hexdigest(data))
     messages = [pb.PublishRequest(header=header), *middle, pb.PublishRequest(commit=pb.PublishCommit())]
     with pytest.raises(grpc.RpcError) as caught:
         publish(server.address, messages)
     assert caught.value.code() == getattr(grpc.StatusCode, code) and text in caught.value.details()
     assert_nothing_visible(client, 1)
-    assert not os.path.exists(answer.payload.shared_memory.path)
+    assert released(answer.payload.shared_memory.path, identity)
 
 
 def test_an_xxh3_in_the_header_and_another_in_uploaded_is_data_loss(server, client):
@@ -155,6 +136,7 @@ def test_written_is_only_for_a_shared_memory_upload(server, client):
 def test_a_malformed_file_announced_as_written_is_refused(server, client):
     data = b"\xff" * 8 + b"x" * (4 << 20)  # a header length far past the end
     header, answer = staged_shm(server.address, data)
+    identity = identity_of(answer.payload.shared_memory.path)
     messages = [
         pb.PublishRequest(header=header),
         written(answer.upload, 1 << 20),
@@ -165,7 +147,7 @@ def test_a_malformed_file_announced_as_written_is_refused(server, client):
         publish(server.address, messages)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "header" in caught.value.details()
     assert not client.list_models()
-    assert not os.path.exists(answer.payload.shared_memory.path)
+    assert released(answer.payload.shared_memory.path, identity)
 
 
 @pytest.mark.parametrize("how", ["no-uploaded", "cancelled"])
@@ -175,6 +157,7 @@ def test_a_writer_that_stops_half_way_commits_nothing_and_leaves_no_file(server,
     header = pb.PublishHeader(model=MODEL, total_bytes=len(data))
     answer = negotiate_publish(server.address, [SHM], header)
     path = answer.payload.shared_memory.path
+    identity = identity_of(path)
 
     def messages() -> Iterator[pb.PublishRequest]:
         with open(path, "r+b") as f:
@@ -192,7 +175,7 @@ def test_a_writer_that_stops_half_way_commits_nothing_and_leaves_no_file(server,
         assert caught.value.code() == grpc.StatusCode.DATA_LOSS and "was cut short" in caught.value.details()
     else:
         assert caught.value.code() == grpc.StatusCode.UNKNOWN  # grpc's word for a request iterator that raised
-    wait_until(lambda: not os.path.exists(path), timeout=10, step=0.01)
+    wait_until(lambda: released(path, identity), timeout=10, step=0.01)
     assert_nothing_visible(client, 1)
 
 

@@ -8,16 +8,14 @@ over the bytes follows the transfer, and announced to cut-through watchers.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
-import os
 import secrets
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from weightserver.protocol import page_tables, version_info
-from weightserver.protocol.digests import BLOCK_BYTES, FileDigests, IncomingDigests
+from weightserver.protocol.digests import FileDigests, IncomingDigests
 from weightserver.protocol.errors import (
     IntegrityError,
     InvalidRequest,
@@ -27,18 +25,10 @@ from weightserver.protocol.errors import (
 )
 from weightserver.publish.incoming import IncomingPublish, IncomingPublishes
 from weightserver.storage.store import Upload, Version
-from weightserver.transports.shared_memory import SharedMemoryFiles, SharedMemoryUpload
+from weightserver.transports.shared_memory import PublisherMemory, SharedMemoryFiles, SharedMemoryUpload
 from weightserver.v1 import weights_pb2 as pb
 
 HASH_STRETCH = 1 << 20  # bytes are handed to the hashing thread this many at a time
-COPY_THREADS = 4  # copy same-host writers' blocks in, at most one CPU fewer than the machine has
-
-
-@functools.cache
-def _copying() -> ThreadPoolExecutor | None:
-    """The copying threads (pread lets go of the GIL); None on two CPUs or fewer."""
-    workers = min(COPY_THREADS, (os.cpu_count() or 1) - 1)
-    return ThreadPoolExecutor(workers, thread_name_prefix="weightserver-shm-upload-copy") if workers > 1 else None
 
 
 class IncomingModel:
@@ -65,11 +55,10 @@ class IncomingModel:
         self.header_limits = header_limits
         self.announcements = announcements
         self.announcement: IncomingPublish | None = None  # told to watchers with the first bytes
-        self.file: SharedMemoryUpload | None = None  # the buffer's file, removed unless committed
+        self.file: SharedMemoryUpload | PublisherMemory | None = None  # the buffer's file, removed unless committed
         self.buffer: memoryview | None = None
         self.digests: IncomingDigests | None = None
         self.received = 0  # bytes [0, received) are in (or, for a writer's, announced)
-        self.copied = 0  # a writer's bytes copied in
         self.complete = False  # a bulk transfer's end: every byte is in
         self.moved = False  # `uploaded` came: the staged upload holds every byte
         self.failure: BaseException | None = None  # why a bulk transfer stopped short
@@ -88,14 +77,15 @@ class IncomingModel:
     def total_bytes(self) -> int:
         return self.header.total_bytes
 
-    def allocate(self, file: SharedMemoryUpload | None) -> None:
-        """Receive into `file`, or None: anonymous memory."""
+    def allocate(self, file: SharedMemoryUpload | PublisherMemory | None) -> None:
+        """Receive into `file`, or None: anonymous memory (a publisher's memfd: hashed once sealed)."""
         if file is None and self.transport == "shm":
             raise OSError("no room in the shared-memory folder")
         size = self.total_bytes
         self.file = file
         self.buffer = file.buffer if file is not None else page_tables.anonymous(size)
-        self.digests = IncomingDigests(self.buffer, header_limits=self.header_limits)
+        if not isinstance(file, PublisherMemory):
+            self.digests = IncomingDigests(self.buffer, header_limits=self.header_limits)
         if self.transport == "stream" and (self.header.sha256 or not self.header.xxh3):
             self._sha256 = hashlib.sha256()  # else the store computes it after the commit
 
@@ -123,7 +113,8 @@ class IncomingModel:
             self._hashing_done()
 
     def written(self, end: int) -> None:
-        """A same-host writer's bytes [0, end) are written: copy and hash them meanwhile."""
+        """A same-host writer's bytes [0, end) are written: progress only, as nothing is read
+        before the seal (no cut-through: those bytes may still change)."""
         if self.transport != "shm":
             raise InvalidRequest(
                 f"model {self.model!r}: `written` is for a shared-memory upload; upload {self.id} is {self.transport}"
@@ -133,9 +124,7 @@ class IncomingModel:
                 f"model {self.model!r}: `written` says {end} bytes, after {self.received}, of {self.total_bytes}; "
                 "it must not go back or beyond the size"
             )
-        self.received = end
-        self._landed(end)
-        self._hash_to(end)
+        self.received, self.active = end, time.monotonic()
 
     def uploaded(self, message: pb.PublishUploaded) -> None:
         if message.xxh3:
@@ -162,13 +151,10 @@ class IncomingModel:
 
     def finish(self) -> FileDigests | None:
         """The digests once all bytes are in and hashed (None: the store checks them). Blocks."""
-        if self.transport == "shm":
-            try:
-                self._hash_to(self.total_bytes)
-                self._hashing_done()
-            finally:
-                if self.file is not None:
-                    self.file.remove_source()  # every byte is copied, or none will be
+        if isinstance(self.file, PublisherMemory):
+            self.buffer = self.file.seal(self.model)
+            self.digests = IncomingDigests(self.buffer, header_limits=self.header_limits)
+            self._hash(self.total_bytes)
         elif self.transport == "bulk" and not self.complete:
             if isinstance(self.failure, WeightServerError):
                 raise self.failure  # bytes that are no safetensors file: the check's own error
@@ -234,17 +220,17 @@ class IncomingModel:
         if self.announcement is None and self.announcements is not None and self.total_bytes:
             assert self.buffer is not None
             self.announcement = self.announcements.start(self.model, self.buffer)
-        if self.announcement is not None and self.transport != "shm":
-            self.announcement.advance(end)  # a writer's, once copied (`_copy`)
+        if self.announcement is not None:
+            self.announcement.advance(end)
 
     def _hash_to(self, end: int) -> None:
-        """Hash up to `end` (a writer's: copy first); raise what an earlier stretch raised, to stop early."""
+        """Hash up to `end`; raise what an earlier stretch raised, to stop early."""
         if self._hashed is not None and self._hashed.done():
             self._hashed.result()
         if self._hashing is None:
             self._hashing = ThreadPoolExecutor(1, thread_name_prefix=f"weightserver-{self.transport}-upload-hash")
         self._handed = end
-        self._hashed = self._hashing.submit(self._copy if self.transport == "shm" else self._hash, end)
+        self._hashed = self._hashing.submit(self._hash, end)
 
     def _hash(self, end: int) -> None:
         if self.digests is not None:
@@ -258,29 +244,6 @@ class IncomingModel:
             assert self.buffer is not None
             self._sha256.update(self.buffer[self._sha256_fed : end])
             self._sha256_fed = end
-
-    def _copy(self, end: int) -> None:
-        assert self.file is not None and self.file.source is not None and self.buffer is not None
-        source, buffer = self.file.source, self.buffer
-        blocks = [(start, min(end, start + BLOCK_BYTES)) for start in range(self.copied, end, BLOCK_BYTES)]
-        threads = _copying()
-        copies = [threads.submit(source.read_into, buffer, *block) for block in blocks] if threads else []
-        try:
-            for i, (start, stop) in enumerate(blocks):
-                got = copies[i].result() if copies else source.read_into(buffer, start, stop)
-                if got < stop - start:
-                    raise IntegrityError(
-                        f"model {self.model!r}: the shared-memory upload file holds {start + got} bytes, not the "
-                        f"{self.total_bytes} declared (it was cut short after Negotiate); publish again"
-                    )
-                self.copied = stop
-                self._hash(stop)
-        finally:
-            for copy in copies:  # none is left reading the file or writing the buffer
-                copy.cancel()
-            wait(copies)
-        if self.announcement is not None:
-            self.announcement.advance(end)
 
     def _hashing_done(self) -> None:
         if self._hashed is not None:

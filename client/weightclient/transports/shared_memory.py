@@ -1,6 +1,7 @@
 """Payload files in a same-host server's shared memory: a fetch maps one copy-on-write, or reads an
-exact version by its header file with no call (`read_directly`); a publish writes the upload file,
-hashing each block in cache (`pwrite`: one copy, no page faults; or a mapping set up ahead)."""
+exact version by its header file with no call (`read_directly`); a publish writes the server's
+upload memfd, hashing each block in cache (`pwrite`: one copy, no page faults; or a mapping set up
+ahead, unmapped before `uploaded`, as the server's seal requires)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from weightserver.v1 import weights_pb2 as pb
 
 MAX_HEADER_BYTES = 64 << 20  # far above any real manifest; a larger file is not one of ours
 WRITE_BLOCK = 256 << 10  # a publish writes, then hashes, this much at a time: the hash finds it in cache
-UPLOAD_FILE = re.compile(r"upload-[0-9a-f]+\.tmp")
+UPLOAD_MEMORY = re.compile(r"/proc/[0-9]+/fd/[0-9]+")  # a memfd of the server's, sealed once `uploaded`
 
 
 class SharedMemoryTransport(Transport):
@@ -79,17 +80,17 @@ class SharedMemoryTransport(Transport):
 
     @contextmanager
     def _upload_file(self, path: str, total: int, flags: int) -> Iterator[int]:
-        """The upload file, open: TransportFailed unless a regular file of `total` bytes, named as
-        the server names uploads (nothing else is written to), not a link."""
-        if not UPLOAD_FILE.fullmatch(os.path.basename(path)):
-            raise TransportFailed(f"{path} is not an upload file of {total} bytes")
+        """The upload, open: TransportFailed unless a server's memfd (named as the server names
+        uploads: nothing else is written to) of `total` bytes that is in no folder."""
+        if not UPLOAD_MEMORY.fullmatch(path):
+            raise TransportFailed(f"{path} is not an upload of {total} bytes")
         try:
-            fd = os.open(path, flags | os.O_NOFOLLOW)
+            fd = os.open(path, flags)
         except OSError as exc:
             raise TransportFailed(f"cannot open {path} for writing here ({exc})") from exc
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_size != total or st.st_nlink != 1:
+            if not stat.S_ISREG(st.st_mode) or st.st_size != total or st.st_nlink != 0:
                 raise TransportFailed(f"{path} is not an upload file of {total} bytes")
             yield fd
         except OSError as exc:
