@@ -17,7 +17,7 @@ import pytest
 import torch
 import xxhash
 
-from tests.integration.test_publish_transports import BULK, SHM, file_of, negotiate_publish, publish_uploaded
+from tests.integration.test_publish_transports import BULK, file_of, negotiate_publish, publish_uploaded
 from tests.waiting import wait_equal, wait_until
 from weightclient import WeightClient
 from weightclient.torchrl.grpc_updaters import GrpcLocalWeightUpdater
@@ -96,10 +96,11 @@ class EarlyReceive:
 
 
 class HeldPublish:
-    """A publish of `data` over "bulk", "stream" or "shm" (written in place, announced with
-    `written`) that sends half its bytes, then waits for `finish()` (the rest, then the
-    commit) or `cut()` (the connection or call dropped). `credentials` and `token`: for a
-    server with TLS and tokens (over "stream" only)."""
+    """A publish of `data` over "bulk" or "stream" that sends half its bytes, then waits for
+    `finish()` (the rest, then the commit) or `cut()` (the connection or call dropped). A
+    shared-memory publish is not announced before its commit (see
+    test_a_same_host_publish_is_not_announced_before_its_commit). `credentials` and `token`: for
+    a server with TLS and tokens (over "stream" only)."""
 
     def __init__(
         self,
@@ -137,7 +138,7 @@ class HeldPublish:
 
     def _run(self) -> None:
         try:
-            {"bulk": self._bulk, "stream": self._stream, "shm": self._shm}[self.over]()
+            {"bulk": self._bulk, "stream": self._stream}[self.over]()
         except BaseException as exc:
             self.error = exc
 
@@ -170,26 +171,6 @@ class HeldPublish:
 
         self._call(messages())
 
-    def _shm(self) -> None:
-        data, half = self.data, len(self.data) // 2
-        header = pb.PublishHeader(model=MODEL, total_bytes=len(data))  # its xxh3 comes with `uploaded`
-        answer = negotiate_publish(self.address, [SHM], header)
-
-        def messages() -> Iterator[object]:
-            with open(answer.payload.shared_memory.path, "r+b") as f:
-                f.write(data[:half])
-                f.flush()
-                yield pb.PublishRequest(header=header)
-                yield pb.PublishRequest(written=pb.PublishWritten(upload=answer.upload, end=half))
-                self._go.wait(30)
-                if not self._finish:
-                    raise RuntimeError("the trainer crashed")  # grpc cancels the call
-                f.write(data[half:])
-            yield pb.PublishRequest(uploaded=pb.PublishUploaded(upload=answer.upload, xxh3=self.xxh3))
-            yield pb.PublishRequest(commit=pb.PublishCommit())
-
-        self._call(messages())
-
     def _call(self, messages: Iterator[object]) -> None:
         if self.credentials is not None:
             channel = grpc.secure_channel(self.address, self.credentials)
@@ -205,7 +186,7 @@ class HeldPublish:
 
 
 # ---------------------------------------------------------------------- the happy paths
-@pytest.mark.parametrize("publish_over", ["bulk", "stream", "shm"])
+@pytest.mark.parametrize("publish_over", ["bulk", "stream"])
 @pytest.mark.parametrize("receive_over", ["bulk", "stream"])
 def test_incoming_bytes_received_early_are_the_committed_version(
     server, other_client, watcher, publish_over, receive_over
@@ -227,15 +208,14 @@ def test_incoming_bytes_received_early_are_the_committed_version(
     assert bytes(early.data) == data and committed.info.xxh3 == publish.xxh3
 
 
-def test_a_same_host_publish_is_announced_as_it_is_written(server, client, other_client, watcher):
-    """WeightClient writes a shared-memory upload in place and tells the server how far it has
-    got: watchers hear of the publish before its commit, and can receive it early."""
+def test_a_same_host_publish_is_not_announced_before_its_commit(server, client, other_client, watcher):
+    """A shared-memory publish's bytes can change until the server seals them at `uploaded`, and
+    the server reads none before: watchers hear of it only at its commit, which names no
+    incoming bytes, and fetch the version as usual."""
     weights = weights_filled(2.5)
     version = client.publish(weights, model=MODEL, transport="shm")
-    announced, committed = watcher.next(), watcher.next()
-    assert isinstance(announced, IncomingEvent) and announced.byte_size == len(file_of(weights))
-    assert isinstance(committed, VersionEvent) and committed.version == version
-    assert committed.incoming == announced.id
+    committed = watcher.next()
+    assert isinstance(committed, VersionEvent) and committed.version == version and committed.incoming == ""
     fetched = other_client.fetch(MODEL, version=version, transport="stream").state_dict()
     assert torch.equal(fetched["w"], weights["w"]) and torch.equal(fetched["b"], weights["b"])
 
@@ -267,7 +247,7 @@ def test_incoming_bytes_are_not_found_once_their_publish_ended(server, client, w
 
 
 # ---------------------------------------------------------------------- publishes that fail half-way
-@pytest.mark.parametrize("publish_over", ["bulk", "stream", "shm"])
+@pytest.mark.parametrize("publish_over", ["bulk", "stream"])
 @pytest.mark.parametrize("receive_over", ["bulk", "stream"])
 def test_a_publish_cut_half_way_aborts_the_early_receive(server, other_client, watcher, publish_over, receive_over):
     data = file_of(weights_filled(4.0))
@@ -358,7 +338,7 @@ def test_the_watching_updater_applies_versions_received_early(server, client, ma
     assert torch.equal(policy.w.detach(), weights["w"])
 
 
-@pytest.mark.parametrize("publish_over", ["bulk", "shm"])
+@pytest.mark.parametrize("publish_over", ["bulk", "stream"])
 def test_the_updater_never_applies_a_publish_cut_half_way(server, client, make_updater, caplog, publish_over):
     client.publish(weights_filled(0.0), model=MODEL, transport="stream")
     policy = Linear()

@@ -29,9 +29,6 @@ Buffer = bytes | bytearray | memoryview
 SPARE_NEGOTIATE_SECONDS = 10.0  # a spare upload's Negotiate, in the background
 SPARE_SECONDS = 45.0  # under the server's 60 s for an upload nobody named
 MAX_SPARE_BYTES = 1 << 30  # above, a second copy in the server's memory costs more (4 GiB ran 24 GiB out)
-# Bytes written in place between two words to the server: a sixteenth of the model, at least 4 MiB.
-ANNOUNCE_MIN_BYTES = 4 << 20
-ANNOUNCE_PARTS = 16
 
 
 @dataclass(frozen=True)
@@ -230,7 +227,7 @@ class Publishing(Connection):
     ) -> tuple[str, Transport | None]:
         """One model's bytes over the transport the server picks (a spare first): the upload's id
         and transport, or ("", None) for the stream. Written in place (`opened`), the header goes
-        first, then how far it got: _StartOver when it fails."""
+        first (the call is open while the bytes are written): _StartOver when it fails."""
         model, size = header.model, header.total_bytes
         spare = self._spares.take(model, size, order) if size else None
         if spare is not None and not spares:
@@ -248,9 +245,8 @@ class Publishing(Connection):
             call = opened() if transport.written_in_place and opened is not None else None
             if call is not None:
                 call.send(pb.PublishRequest(header=header))
-            told = progress if call is None else _announcing(call, upload, size, progress)
             try:
-                header.xxh3 = transport.upload(answer.payload, views, deadline=deadline, progress=told)
+                header.xxh3 = transport.upload(answer.payload, views, deadline=deadline, progress=progress)
             except TransportFailed as exc:
                 self.transports.failed(transport, exc)
                 if call is not None:
@@ -267,18 +263,3 @@ class Publishing(Connection):
         if "_spares" in self.__dict__:
             self._spares.close()
         super().close()
-
-
-def _announcing(call: OpenPublish, upload: str, size: int, progress: Progress | None) -> Progress:
-    """`progress` that also tells the server how far the bytes written in place got."""
-    step, announced = max(ANNOUNCE_MIN_BYTES, size // ANNOUNCE_PARTS), 0
-
-    def announce(done: int, total: int) -> None:
-        nonlocal announced
-        if announced + step <= done < total:
-            call.send(pb.PublishRequest(written=pb.PublishWritten(upload=upload, end=done)))
-            announced = done
-        if progress is not None:
-            progress(done, total)
-
-    return announce
