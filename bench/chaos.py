@@ -1668,8 +1668,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"chaos: {exc}", file=sys.stderr)
         return 2
     # The client logs a warning for every retry; under faults they are expected (and counted).
-    logging.getLogger("weightclient").setLevel(logging.ERROR)
-    return soak.run_from_command_line(lambda stop: run_chaos(config, interrupt=stop), format_summary, args.json)
+    # Restored after: a test that runs this in process must not silence the client for the next.
+    client_log = logging.getLogger("weightclient")
+    level = client_log.level
+    client_log.setLevel(logging.ERROR)
+    try:
+        return soak.run_from_command_line(lambda stop: run_chaos(config, interrupt=stop), format_summary, args.json)
+    finally:
+        client_log.setLevel(level)
 
 
 if __name__ == "__main__":

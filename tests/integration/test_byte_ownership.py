@@ -99,6 +99,16 @@ def uploaded_and_commit(upload: str, xxh3: str) -> list[pb.PublishRequest]:
     ]
 
 
+def publish_honestly(stub: pb_grpc.WeightServiceStub, data: bytes) -> None:
+    """`data` written into a new upload, which commits as v1 and is served as written."""
+    header, answer = shm_upload(stub, len(data))
+    with open(answer.payload.shared_memory.path, "r+b") as f:
+        f.write(data)
+    messages = [pb.PublishRequest(header=header), *uploaded_and_commit(answer.upload, xxhash.xxh3_128_hexdigest(data))]
+    assert stub.Publish(iter(messages), timeout=TIMEOUT).version.version == 1
+    assert_served(stub, 1, data)
+
+
 # ---------------------------------------------------------------------- 1: a file cut short
 @pytest.mark.parametrize("announced", [False, True], ids=["uploaded", "written-then-uploaded"])
 def test_an_upload_file_cut_short_is_data_loss_not_a_crash(tmp_path, announced):
@@ -123,15 +133,7 @@ def test_an_upload_file_cut_short_is_data_loss_not_a_crash(tmp_path, announced):
             stub.ListVersions(pb.ListVersionsRequest(model=MODEL), timeout=TIMEOUT)
         assert missing.value.code() == grpc.StatusCode.NOT_FOUND
         assert released(path, identity)  # the server let go of the upload with the publish
-        header, answer = shm_upload(stub, len(data))
-        with open(answer.payload.shared_memory.path, "r+b") as f:
-            f.write(data)
-        messages = [
-            pb.PublishRequest(header=header),
-            *uploaded_and_commit(answer.upload, xxhash.xxh3_128_hexdigest(data)),
-        ]
-        assert stub.Publish(iter(messages), timeout=TIMEOUT).version.version == 1
-        assert_served(stub, 1, data)
+        publish_honestly(stub, data)  # and the server takes the next publish
 
 
 # ---------------------------------------------------------------------- 2: changed after the commit
@@ -187,15 +189,7 @@ def test_an_upload_still_mapped_for_writing_is_refused_not_committed(tmp_path):
         finally:
             kept.close()
         assert_up(server)
-        header, answer = shm_upload(stub, len(data))
-        with open(answer.payload.shared_memory.path, "r+b") as f:
-            f.write(data)
-        messages = [
-            pb.PublishRequest(header=header),
-            *uploaded_and_commit(answer.upload, xxhash.xxh3_128_hexdigest(data)),
-        ]
-        assert stub.Publish(iter(messages), timeout=TIMEOUT).version.version == 1
-        assert_served(stub, 1, data)
+        publish_honestly(stub, data)  # and the server takes the next publish
 
 
 # ---------------------------------------------------------------------- 3: changed after `written`

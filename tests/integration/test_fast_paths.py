@@ -287,11 +287,12 @@ def test_corrupt_derived_shm_file_is_detected_and_streamed_instead(server, clien
 
 def test_a_version_whose_shm_file_is_damaged_is_never_served_wrong(server, client):
     """A version is received straight into its shared-memory file and served from that memory
-    (no second copy), so a process that writes into the file damages the version itself. The
-    file is read-only; if someone forces a write anyway, every transport reports it
-    (IntegrityError) instead of handing out wrong weights."""
+    (no second copy), so a process that writes into the file damages the version itself. A file
+    the server wrote (a publish over bulk or the stream) is read-only; if root forces a write
+    anyway, every transport reports it (IntegrityError) instead of handing out wrong weights. (A
+    same-host publisher's memfd is sealed: no write gets through, test_byte_ownership.)"""
     weights = mixed_model()
-    client.publish(weights, model=MODEL)
+    client.publish(weights, model=MODEL, transport="bulk")
     (path,) = payload_files(server)
     assert os.stat(path).st_mode & 0o777 == 0o444
     os.chmod(path, 0o644)

@@ -146,7 +146,7 @@ def test_updater_whose_fetch_fails_its_digests_keeps_its_version_and_recovers(se
 
     with torch.no_grad():
         trainer[0].weight.add_(1.0)
-    client.publish(trainer, model=MODEL)
+    client.publish(trainer, model=MODEL, transport="bulk")  # a file the server wrote: root can damage it
     path = server.shared_memory.directory / MODEL / f"{2:012d}.safetensors"
     os.chmod(path, 0o644)
     with open(path, "r+b") as f:
