@@ -159,7 +159,7 @@ def test_a_committed_version_cannot_be_changed_through_what_the_publisher_kept(t
                 elif change == "truncate":
                     os.ftruncate(fd, 0)
                 else:
-                    mmap.mmap(os.open(answer.payload.shared_memory.path, os.O_RDWR), len(data))
+                    mmap.mmap(os.open(f"/proc/self/fd/{fd}", os.O_RDWR), len(data))  # opened again, mapped
             assert_served(stub, 1, data)
             assert_up(server)
         finally:

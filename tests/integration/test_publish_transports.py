@@ -27,6 +27,7 @@ from tests.integration.test_fast_paths import assert_bit_exact, mixed_model
 from weightclient import WeightClient
 from weightclient import tensors as tensor_codec
 from weightclient.transports import BulkTransport, SharedMemoryTransport, TransportFailed
+from weightclient.transports.shared_memory import UPLOAD_MEMORY
 from weightserver.v1 import weights_pb2 as pb
 from weightserver.v1 import weights_pb2_grpc as pb_grpc
 
@@ -126,7 +127,8 @@ def test_the_publishers_sealed_memfd_becomes_the_versions_file(server, client):
     version = client.publish(weights, model=MODEL, transport="shm")
     wait_equal(lambda: staged_count(server), 1, what="uploads staged")  # the next upload, set up ahead
     folder = server.shared_memory.directory / MODEL
-    assert sorted(p.name for p in folder.iterdir()) == [f"{version:012d}.header", f"{version:012d}.safetensors"]
+    files = sorted(p.name for p in folder.iterdir() if not p.name.startswith("upload-"))  # beside the spare's link
+    assert files == [f"{version:012d}.header", f"{version:012d}.safetensors"]
     own = folder / f"{version:012d}.safetensors"
     assert os.readlink(own).startswith(f"/proc/{os.getpid()}/fd/")  # the server runs in this process
     assert own.read_bytes() == file_of(weights)
@@ -175,11 +177,13 @@ def test_a_raw_shm_upload_is_written_in_place_and_committed(server, client):
     assert answer.transport == SHM
     path = answer.payload.shared_memory.path
     assert os.path.getsize(path) == len(data)
+    identity = identity_of(path)
     with open(path, "r+b") as f:
         f.write(data)
     header.sha256 = hashlib.sha256(data).hexdigest()
     assert publish_uploaded(server.address, header, answer.upload).version.version == 1
-    assert os.readlink(server.shared_memory.directory / MODEL / f"{1:012d}.safetensors") == path  # the version's
+    assert not os.path.lexists(path)  # the upload's link went: the memfd is the version's file now
+    assert identity_of(server.shared_memory.directory / MODEL / f"{1:012d}.safetensors") == identity
     assert client.fetch_bytes(MODEL, transport="shm").data.tobytes() == data
 
 
@@ -282,6 +286,23 @@ def test_a_shm_upload_written_half_way_and_never_committed_is_never_visible(serv
     wait_until(lambda: released(path, identity), what="the upload let go")
     assert staged_count(server) == 0
     assert_nothing_visible(client, 1)
+
+
+def test_an_uploads_name_is_never_reused_though_its_descriptor_number_is(server, client, monkeypatch):
+    """A client keeps a spare upload's mapping by its name: were that /proc/<pid>/fd/<n>, an
+    upload let go and the next one set up would share it, and the next publish would write into
+    the old memfd (a full bench run committed zeros that way). Each upload is a link of its own."""
+    monkeypatch.setattr(staged_uploads, "UPLOAD_TTL_SECONDS", 0.5)
+    header = pb.PublishHeader(model=MODEL, total_bytes=1 << 20)
+    names, targets = set(), []
+    for _ in range(3):
+        path = negotiate_publish(server.address, [SHM], header).payload.shared_memory.path
+        names.add(path)
+        targets.append(os.readlink(path))
+        identity = identity_of(path)
+        wait_until(lambda p=path, i=identity: released(p, i), what="the upload let go")
+    assert len(names) == 3
+    assert all(UPLOAD_MEMORY.fullmatch(target) for target in targets)
 
 
 def test_a_publish_stream_that_ends_without_commit_drops_its_upload(server, client):

@@ -6,7 +6,6 @@ or leaves its file behind."""
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 
@@ -58,6 +57,7 @@ def staged_shm(address: str, data: bytes) -> tuple[pb.PublishHeader, pb.Negotiat
 def test_bytes_announced_as_written_are_verified_and_committed(server, client):
     data = file_of(mixed_model())
     header, answer = staged_shm(server.address, data)
+    identity = identity_of(answer.payload.shared_memory.path)
     third = len(data) // 3
     messages = [
         pb.PublishRequest(header=header),
@@ -70,7 +70,7 @@ def test_bytes_announced_as_written_are_verified_and_committed(server, client):
     reply = publish(server.address, messages)
     assert reply.version.version == 1 and reply.version.xxh3 == xxhash.xxh3_128_hexdigest(data)
     version_file = server.shared_memory.directory / MODEL / f"{1:012d}.safetensors"
-    assert os.readlink(version_file) == answer.payload.shared_memory.path  # the upload is the version's file
+    assert identity_of(version_file) == identity  # the upload is the version's file
     assert client.fetch_bytes(MODEL, transport="stream").data.tobytes() == data
 
 

@@ -133,10 +133,10 @@ class SharedMemoryFiles:
         """A file for a publish to receive into (None: no room); `publisher_writes`: a memfd the
         publisher writes."""
         try:
-            if publisher_writes:
-                return PublisherMemory(model, size)
             path = self.directory / model / f"upload-{secrets.token_hex(8)}.tmp"
             path.parent.mkdir(mode=FOLDER_MODE, parents=True, exist_ok=True)
+            if publisher_writes:
+                return PublisherMemory(path, model, size)
             return SharedMemoryUpload(path, size, populate=populate)
         except OSError as exc:
             self._cannot_write(f"a publish of {model!r}", size, exc, "it is received into memory instead")
@@ -241,22 +241,25 @@ class SharedMemoryUpload:
 
 
 class PublisherMemory:
-    """A same-host publisher's upload: a memfd of the server's, which the publisher opens as
-    /proc/<server pid>/fd/<n> (as the server's user, or root) and writes. The server reads none of
-    it until `seal`: from then on no process can write, grow or shrink it, so the bytes hashed are
-    the bytes served, and one cut short before is DATA_LOSS, not a SIGBUS. No copy: the seal costs
-    a syscall, where copying a 256 MiB publish into a file of the server's cost 70 ms."""
+    """A same-host publisher's upload: a memfd of the server's, which the publisher opens through
+    `path`, a link of its own name (an fd number is reused once closed) to /proc/<server pid>/fd/<n>
+    (as the server's user, or root), and writes. The server reads none of it until `seal`: from
+    then on no process can write, grow or shrink it, so the bytes hashed are the bytes served, and
+    one cut short before is DATA_LOSS, not a SIGBUS. No copy: the seal costs a syscall, where
+    copying a 256 MiB publish into a file of the server's cost 70 ms."""
 
-    def __init__(self, model: str, size: int) -> None:
+    def __init__(self, path: Path, model: str, size: int) -> None:
         self.size = size
         self._fd = os.memfd_create(f"weightserver-{model}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.fchmod(self._fd, 0o600)
             _reserve(self._fd, size)  # now, or the publisher's stores may be its SIGBUS
+            self.memory = f"/proc/{os.getpid()}/fd/{self._fd}"
+            os.symlink(self.memory, path)
         except OSError:
             os.close(self._fd)
             raise
-        self.path = Path(f"/proc/{os.getpid()}/fd/{self._fd}")
+        self.path = path
         self.buffer = memoryview(bytearray())  # the sealed bytes, mapped read-only by `seal`
         self._kept = False  # it became a version's file: `close` lets go of it
         self._lock = threading.Lock()
@@ -288,8 +291,9 @@ class PublisherMemory:
         """The version's file for same-host readers: a link to the memfd, valid while it is held."""
         link = path.with_name(path.name + ".tmp")
         link.unlink(missing_ok=True)
-        os.symlink(self.path, link)
+        os.symlink(self.memory, link)
         link.replace(path)
+        self.path.unlink(missing_ok=True)
         self._kept = True
 
     def abort(self) -> None:
@@ -298,6 +302,7 @@ class PublisherMemory:
 
     def close(self) -> None:
         """Let go of the memfd (a mapping of it stays valid)."""
+        self.path.unlink(missing_ok=True)  # first: nobody resolves the number once it can be reused
         with self._lock:
             if self._fd >= 0:
                 os.close(self._fd)

@@ -29,7 +29,8 @@ from weightserver.v1 import weights_pb2 as pb
 
 MAX_HEADER_BYTES = 64 << 20  # far above any real manifest; a larger file is not one of ours
 WRITE_BLOCK = 256 << 10  # a publish writes, then hashes, this much at a time: the hash finds it in cache
-UPLOAD_MEMORY = re.compile(r"/proc/[0-9]+/fd/[0-9]+")  # a memfd of the server's, sealed once `uploaded`
+UPLOAD_FILE = re.compile(r"upload-[0-9a-f]+\.tmp")  # a link to a memfd of the server's, sealed at `uploaded`
+UPLOAD_MEMORY = re.compile(r"/proc/[0-9]+/fd/[0-9]+")
 
 
 class SharedMemoryTransport(Transport):
@@ -80,16 +81,22 @@ class SharedMemoryTransport(Transport):
 
     @contextmanager
     def _upload_file(self, path: str, total: int, flags: int) -> Iterator[int]:
-        """The upload, open: TransportFailed unless a server's memfd (named as the server names
-        uploads: nothing else is written to) of `total` bytes that is in no folder."""
-        if not UPLOAD_MEMORY.fullmatch(path):
+        """The upload, open: TransportFailed unless named as the server names uploads (nothing else
+        is written to), a link to a server's memfd (in no folder) of `total` bytes."""
+        try:
+            memory = os.readlink(path) if UPLOAD_FILE.fullmatch(os.path.basename(path)) else ""
+        except OSError as exc:
+            raise TransportFailed(f"cannot open {path} for writing here ({exc})") from exc
+        if not UPLOAD_MEMORY.fullmatch(memory):
             raise TransportFailed(f"{path} is not an upload of {total} bytes")
         try:
-            fd = os.open(path, flags)
+            fd = os.open(memory, flags)
         except OSError as exc:
             raise TransportFailed(f"cannot open {path} for writing here ({exc})") from exc
         try:
             st = os.fstat(fd)
+            if os.stat(path).st_ino != st.st_ino:  # the link is removed before its number is reused
+                raise TransportFailed(f"{path} went while it was opened")
             if not stat.S_ISREG(st.st_mode) or st.st_size != total or st.st_nlink != 0:
                 raise TransportFailed(f"{path} is not an upload file of {total} bytes")
             yield fd
