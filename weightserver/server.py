@@ -43,6 +43,11 @@ GRPC_OPTIONS = [
     ("grpc.server.max_pending_requests", 20000),
     ("grpc.server.max_pending_requests_hard_limit", 40000),
 ]
+# gRPC logs a call cancelled before its handler ran (the server stopping as a Watch arrives) as
+# an ERROR: that is the stop, not a fault (a 10-minute chaos run's only "error").
+logging.getLogger("grpc._cython.cygrpc").addFilter(
+    lambda r: not r.exc_info or r.exc_info[0] is not asyncio.CancelledError
+)
 
 
 def add_weight_service(servicer: WeightServicer, server: grpc.aio.Server) -> None:

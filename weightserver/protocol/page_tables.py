@@ -16,11 +16,8 @@ _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 
 
 def anonymous(size: int) -> memoryview:
-    """`size` bytes of fresh private memory, touched first by whoever writes them. Private: mmap's
-    default for -1 is shared (shmem: filling 256 MiB took 200 ms against 140 ms). Not advised as
-    huge pages: where the hypervisor takes back free memory (free page reporting, as on the
-    machines this was measured on), huge pages come from that memory, and a 256 MiB receive
-    into them took 90 to 800 ms in a fresh process (bench/README.md)."""
+    """`size` bytes of fresh private memory (mmap's default for -1 is shared shmem: 200 ms to fill
+    256 MiB, against 140 ms), not advised as huge pages (README, Performance: 90 to 800 ms here)."""
     return memoryview(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)) if size else memoryview(bytearray())
 
 
