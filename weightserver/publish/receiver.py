@@ -184,7 +184,7 @@ class IncomingModel:
 
     def _sealed(self, file: PublisherMemory) -> FileDigests:
         """Seal a same-host writer's memfd and hash it: the tensors on another core while this one
-        hashes the file (29 ms against 40 ms for 256 MiB on two cores)."""
+        hashes the file (256 MiB mapped and hashed in 55 ms against 60 ms in one thread, here)."""
         self.buffer = file.seal(self.model)
         header = parse_header(self.buffer, self.total_bytes, **(self.header_limits or {}))
         tensors = _tensor_hashing().submit(tensor_digests, self.buffer, header)
