@@ -145,7 +145,6 @@ class SharedMemoryFiles:
     def adopt(self, key: tuple[str, int, int, str], upload: SharedMemoryUpload | PublisherMemory) -> None:
         model, version, _, _ = key
         path = self.directory / model / version_file_name(version)
-        path.parent.mkdir(mode=FOLDER_MODE, exist_ok=True)
         upload.keep_as(path)
         with self._lock:
             self._files[key] = path
@@ -254,8 +253,7 @@ class PublisherMemory:
         try:
             os.fchmod(self._fd, 0o600)
             _reserve(self._fd, size)  # now, or the publisher's stores may be its SIGBUS
-            self.memory = f"/proc/{os.getpid()}/fd/{self._fd}"
-            os.symlink(self.memory, path)
+            os.symlink(f"/proc/{os.getpid()}/fd/{self._fd}", path)
         except OSError:
             os.close(self._fd)
             raise
@@ -288,12 +286,8 @@ class PublisherMemory:
         return self.buffer
 
     def keep_as(self, path: Path) -> None:
-        """The version's file for same-host readers: a link to the memfd, valid while it is held."""
-        link = path.with_name(path.name + ".tmp")
-        link.unlink(missing_ok=True)
-        os.symlink(self.memory, link)
-        link.replace(path)
-        self.path.unlink(missing_ok=True)
+        """The upload's link becomes the version's file for same-host readers, valid while held."""
+        self.path = self.path.replace(path)
         self._kept = True
 
     def abort(self) -> None:
