@@ -139,7 +139,8 @@ class TransportChain:
 
 
 def receive_buffer(size: int, into: memoryview | None = None) -> memoryview:
-    """`into[:size]` if large enough, else fresh anonymous memory (`page_tables.anonymous`)."""
+    """`into[:size]` if large enough, else fresh anonymous memory in huge pages (kept for the next
+    fetch: `page_tables.anonymous`)."""
     if into is not None and into.nbytes >= size and not into.readonly:
         return into.cast("B")[:size]
-    return page_tables.anonymous(size)
+    return page_tables.anonymous(size, huge=True)
