@@ -2,7 +2,8 @@
 
 A same-host publisher writes a model into a memfd of the server's, named by Negotiate as
 /proc/<server pid>/fd/<n>; at `uploaded` the server seals it (no write, grow or shrink by anyone)
-and only then reads and hashes it. Here, over raw stubs and against a real server process (so
+and only then reads and hashes it, or (every digest declared at `uploaded`) commits it unread and
+checks the digests after the commit. Here, over raw stubs and against a real server process (so
 that a SIGBUS shows as the process dying), the publisher's upload is cut short, changed after the
 commit through a descriptor it kept, kept mapped for writing across the commit, and changed
 between `written` and `uploaded`: the publish fails with a status that says why, or the server
@@ -28,6 +29,7 @@ import xxhash
 from tests.integration.test_publish_transports import SHM, file_of, identity_of, released
 from tests.waiting import wait_for
 from weightserver.process import ServerProcess
+from weightserver.protocol.safetensors_format import parse_header
 from weightserver.v1 import weights_pb2 as pb
 from weightserver.v1 import weights_pb2_grpc as pb_grpc
 
@@ -236,3 +238,43 @@ def test_what_the_server_verifies_is_what_it_serves(tmp_path, declared):
         assert isinstance(reply, pb.PublishResponse), reply
         assert reply.version.version == 1 and reply.version.xxh3 == xxhash.xxh3_128_hexdigest(b)
         assert_served(stub, 1, b)
+
+
+# ---------------------------------------------------------------------- digests declared at `uploaded`
+def tensor_digests_of(data: bytes) -> dict[str, str]:
+    header = parse_header(data)
+    return {
+        t.name: xxhash.xxh3_128_hexdigest(data[header.data_start + t.begin : header.data_start + t.end])
+        for t in header.tensors
+    }
+
+
+@pytest.mark.parametrize("honest", [True, False], ids=["honest", "declares-another-files-digests"])
+def test_declared_digests_commit_unread_and_are_checked_after_the_commit(tmp_path, honest):
+    """`uploaded` with the file's and every tensor's xxh3: the sealed upload commits with them,
+    unread. The server checks them after the commit: a publisher that declared file A's digests
+    but wrote B gets B committed (its bytes were sealed), and within the sha256 pass the version's
+    digests become B's own, with an ERROR naming the version; an honest one's stay as declared."""
+    a, b = model_file(1.0), model_file(2.0)
+    with serving(tmp_path) as (server, stub):
+        header, answer = shm_upload(stub, len(b))
+        with open(answer.payload.shared_memory.path, "r+b") as f:
+            f.write(b)
+        declared = b if honest else a
+        done = pb.PublishUploaded(
+            upload=answer.upload, xxh3=xxhash.xxh3_128_hexdigest(declared), tensor_xxh3=tensor_digests_of(declared)
+        )
+        messages = [pb.PublishRequest(header=header), pb.PublishRequest(uploaded=done)]
+        reply = stub.Publish(iter([*messages, pb.PublishRequest(commit=pb.PublishCommit())]), timeout=TIMEOUT)
+        assert reply.version.xxh3 == xxhash.xxh3_128_hexdigest(declared), "committed with the digests declared"
+        assert {t.name: t.xxh3 for t in reply.version.tensors} == tensor_digests_of(declared)
+        assert_served(stub, 1, b)  # waits for the pass after the commit; the digests are then B's
+        described = stub.Describe(pb.DescribeRequest(model=MODEL, version=1), timeout=TIMEOUT)
+        assert {t.name: t.xxh3 for t in described.tensors} == tensor_digests_of(b)
+        assert_up(server)
+        complaint = "its publisher declared digests that do not match its bytes"
+        if honest:
+            assert complaint not in server.log()
+        else:
+            wait_for(lambda: complaint in server.log(), what="the ERROR about the declared digests")
+            assert "model 'policy' v1" in server.log()

@@ -40,6 +40,12 @@ class FileDigests:
     tensor_xxh3: dict[str, str] = field(repr=False)
     header: SafetensorsHeader = field(repr=False)
     sha256: str | None = None  # None: not computed
+    declared: bool = False  # the publisher's xxh3s, taken unread (a sealed same-host upload): checked later
+
+
+def rehashed(data: bytes | bytearray | memoryview, header: SafetensorsHeader) -> FileDigests:
+    """Every digest, sha256 included, of a file whose header is parsed."""
+    return FileDigests(xxh3_hex(data), tensor_digests(data, header), header, sha256_hex(data))
 
 
 class IncomingDigests:

@@ -1,9 +1,11 @@
 """The sha256 of versions committed with only an xxh3, hashed by one thread SHA256_DELAY_SECONDS
-after the commit (the moments after it belong to the followers applying it) or when a reader waits."""
+after the commit (the moments after it belong to the followers applying it) or when a reader waits.
+The same pass checks the xxh3s again: a same-host publisher's are committed as it declared them."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -11,7 +13,23 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from weightserver.protocol import digests, errors
 from weightserver.storage.index import ModelState, Version
 
+log = logging.getLogger(__name__)
+
 SHA256_DELAY_SECONDS = 0.5
+
+
+def checked(record: Version, found: digests.FileDigests) -> Version:
+    """`record` with its sha256; where its xxh3s differ from its bytes' (declared by a publisher that
+    got them wrong), an error logged and the bytes' own put in, which clients check from then on."""
+    wrong = sorted(name for name, digest in found.tensor_xxh3.items() if record.tensor_xxh3.get(name) != digest)
+    if found.xxh3 == record.xxh3 and not wrong:
+        return dataclasses.replace(record, sha256=found.sha256 or "")
+    log.error(
+        "model %r v%d: its publisher declared digests that do not match its bytes (file xxh3: %s, tensors: %s); "
+        "the bytes' own replace them. Its publisher wrote the bytes after hashing them, or has a bug",
+        *(record.model, record.version, "wrong" if found.xxh3 != record.xxh3 else "right", wrong[:5] or "right"),
+    )
+    return dataclasses.replace(record, sha256=found.sha256 or "", xxh3=found.xxh3, tensor_xxh3=found.tensor_xxh3)
 
 
 class Sha256Worker:
@@ -69,15 +87,15 @@ class Sha256Worker:
                 del self._pending[key]
                 future.set_exception(self._gone(model, version))
                 return
-        digest = digests.sha256_hex(record.data)
+        found = digests.rehashed(record.data, record.header)
         with state.commit_lock, self._lock:
             current = state.versions.get(version)
             if current is not None:  # else deleted or evicted while it was being hashed
-                state.versions[version] = dataclasses.replace(current, sha256=digest)
+                state.versions[version] = checked(current, found)
             del self._pending[key]
             if not self._pending:
                 self._hurry.clear()  # none left that a reader waits for
-        future.set_result(digest)
+        future.set_result(found.sha256 or "")
 
     def _gone(self, model: str, version: int) -> errors.WeightServerError:
         if self._closed:

@@ -22,6 +22,7 @@ from weightserver.protocol import digests, errors
 from weightserver.protocol.files import FILE_SUFFIX, version_file_name
 from weightserver.protocol.names import MODEL_NAME, PUBLISH_ID, validate_model_name
 from weightserver.protocol.safetensors_format import parse_header
+from weightserver.storage.hashing import checked
 from weightserver.storage.index import MAX_VERSION, ModelState, Version, ranges
 
 log = logging.getLogger(__name__)
@@ -47,12 +48,13 @@ class Disk:
         written: list[Path] = []
         try:
             with self.writes(), ThreadPoolExecutor(thread_name_prefix="weightserver-sha256") as pool:
-                hashing = {i: pool.submit(digests.sha256_hex, r.data) for i, r in enumerate(records) if not r.sha256}
+                missing = [(i, r) for i, r in enumerate(records) if not r.sha256]
+                hashing = {i: pool.submit(digests.rehashed, r.data, r.header) for i, r in missing}
                 for record in records:
                     (self.data_dir / record.model).mkdir(parents=True, exist_ok=True)
                     written.append(self.paths(record.model, record.version)[0])
                     atomic_write(written[-1], record.data)
-                records = [replace(r, sha256=hashing[i].result()) if i in hashing else r for i, r in enumerate(records)]
+                records = [checked(r, hashing[i].result()) if i in hashing else r for i, r in enumerate(records)]
                 for record in records:
                     written.append(self.paths(record.model, record.version)[1])
                     self.write_manifest(record)

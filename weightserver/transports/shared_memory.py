@@ -262,9 +262,10 @@ class PublisherMemory:
         self._kept = False  # it became a version's file: `close` lets go of it
         self._lock = threading.Lock()
 
-    def seal(self, model: str) -> memoryview:
-        """Seal it and map it read-only: InvalidRequest while the publisher still maps it writable,
-        IntegrityError if it is not the declared size."""
+    def seal(self, model: str, *, populate: bool = True) -> memoryview:
+        """Seal it and map it read-only (`populate`: every page now, for a hash that reads them all):
+        InvalidRequest while the publisher still maps it writable, IntegrityError if it is not the
+        declared size."""
         try:
             fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, SEALS)
         except OSError as exc:
@@ -281,7 +282,7 @@ class PublisherMemory:
                 "(it was cut short after Negotiate); publish again"
             )
         if size:  # page tables filled in one go: faulting them in as the hash reads cost as much again
-            flags = mmap.MAP_SHARED | mmap.MAP_POPULATE
+            flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
             self.buffer = memoryview(mmap.mmap(self._fd, size, flags=flags, prot=mmap.PROT_READ))
         return self.buffer
 

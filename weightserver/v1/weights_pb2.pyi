@@ -53,12 +53,21 @@ class PublishWritten(_message.Message):
     def __init__(self, upload: _Optional[str] = ..., end: _Optional[int] = ...) -> None: ...
 
 class PublishUploaded(_message.Message):
-    __slots__ = ("upload", "xxh3")
+    __slots__ = ("upload", "xxh3", "tensor_xxh3")
+    class TensorXxh3Entry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     UPLOAD_FIELD_NUMBER: _ClassVar[int]
     XXH3_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_XXH3_FIELD_NUMBER: _ClassVar[int]
     upload: str
     xxh3: str
-    def __init__(self, upload: _Optional[str] = ..., xxh3: _Optional[str] = ...) -> None: ...
+    tensor_xxh3: _containers.ScalarMap[str, str]
+    def __init__(self, upload: _Optional[str] = ..., xxh3: _Optional[str] = ..., tensor_xxh3: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class PublishCommit(_message.Message):
     __slots__ = ("sha256",)

@@ -246,15 +246,17 @@ class Publishing(Connection):
             if call is not None:
                 call.send(pb.PublishRequest(header=header))
             try:
-                header.xxh3 = transport.upload(answer.payload, views, deadline=deadline, progress=progress)
+                moved = transport.upload(answer.payload, views, deadline=deadline, progress=progress)
             except TransportFailed as exc:
                 self.transports.failed(transport, exc)
                 if call is not None:
                     raise _StartOver() from exc
                 order = [t for t in order if t is not transport]
                 continue
+            header.xxh3 = moved.xxh3
             if call is not None:
-                call.send(pb.PublishRequest(uploaded=pb.PublishUploaded(upload=upload, xxh3=header.xxh3)))
+                done = pb.PublishUploaded(upload=upload, xxh3=moved.xxh3, tensor_xxh3=moved.tensor_xxh3 or {})
+                call.send(pb.PublishRequest(uploaded=done))
             self.transports.worked(transport)
             return upload, transport
         return "", None

@@ -8,7 +8,7 @@ import logging
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 from weightclient.core.retry import NEVER, Deadline
 from weightclient.placement import PlacedReceiver
@@ -49,6 +49,14 @@ class Offer:
         return f"{self.info.model!r} v{self.info.version}"
 
 
+class Uploaded(NamedTuple):
+    """What an upload's writer hashed: the file's xxh3-128 and, where it hashed the bytes where
+    they landed (a same-host upload), each tensor's, which the server then commits as declared."""
+
+    xxh3: str
+    tensor_xxh3: Mapping[str, str] | None = None
+
+
 @dataclass(frozen=True)
 class OutgoingFile:
     header: pb.PublishHeader
@@ -73,8 +81,8 @@ class Transport(Protocol):
 
     def upload(
         self, payload: pb.Payload, parts: Sequence[memoryview], *, deadline: Deadline, progress: Progress | None
-    ) -> str:
-        """Move one model's file where Negotiate said; the xxh3-128 of the bytes moved."""
+    ) -> Uploaded:
+        """Move one model's file where Negotiate said; the digests of the bytes moved."""
         raise NotOffered(f"{self.name} carries no uploads")
 
     def prepare(self, payload: pb.Payload) -> None:

@@ -13,7 +13,7 @@ import xxhash
 
 from weightclient.core.retry import Deadline
 from weightclient.placement import PlacedReceiver
-from weightclient.transports.base import Offer, Progress, Transport, TransportFailed, receive_buffer
+from weightclient.transports.base import Offer, Progress, Transport, TransportFailed, Uploaded, receive_buffer
 from weightserver.protocol.errors import DeadlineExceeded
 from weightserver.v1 import weights_pb2 as pb
 
@@ -39,7 +39,7 @@ class BulkTransport(Transport):
 
     def upload(
         self, payload: pb.Payload, parts: Sequence[memoryview], *, deadline: Deadline, progress: Progress | None
-    ) -> str:
+    ) -> Uploaded:
         total = payload.byte_size
         if sum(part.nbytes for part in parts) != total:
             raise TransportFailed(f"the server expects {total} bytes, not {sum(p.nbytes for p in parts)}")
@@ -48,7 +48,7 @@ class BulkTransport(Transport):
         if ack != ACK:
             self.close()
             raise TransportFailed(f"the bulk port answered {bytes(ack)!r}, not its acknowledgement")
-        return hasher.hexdigest()
+        return Uploaded(hasher.hexdigest())
 
     def prepare(self, payload: pb.Payload) -> None:
         pass  # the server set the buffer up; the kept connection is ready

@@ -11,7 +11,7 @@ import xxhash
 
 from weightclient.core.retry import Deadline
 from weightclient.transports import TransportFailed
-from weightclient.transports.base import NotOffered, Offer, OutgoingFile, Progress, Transport, TransportChain
+from weightclient.transports.base import NotOffered, Offer, OutgoingFile, Progress, Transport, TransportChain, Uploaded
 from weightserver.protocol.errors import InvalidRequest, ModelNotFound, VersionNotFound
 from weightserver.protocol.version_info import VersionInfo
 from weightserver.v1 import weights_pb2 as pb
@@ -117,13 +117,13 @@ class MockTransport(Transport):
 
     def upload(
         self, payload: pb.Payload, parts: Sequence[memoryview], *, deadline: Deadline, progress: Progress | None
-    ) -> str:
+    ) -> Uploaded:
         if self.name == "stream":
             raise NotOffered("the stream carries a publish's bytes in the Publish call itself")
         self.server.called(f"{self.name}.upload")
         data = b"".join(parts)
         self.server.uploads[payload.bulk.ticket.decode()] = data
-        return xxhash.xxh3_128_hexdigest(data)
+        return Uploaded(xxhash.xxh3_128_hexdigest(data))
 
     def send(
         self, files: Sequence[OutgoingFile], *, deadline: Deadline, progress: Progress | None
