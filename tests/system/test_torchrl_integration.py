@@ -365,7 +365,9 @@ def assert_state_is(policy, expected: dict[str, torch.Tensor]) -> None:
 def test_a_maybe_map_weights_override_is_what_lands_on_every_transport(client: WeightClient, transport):
     """A GrpcLocalWeightUpdater subclass swapping two same-shaped heads, in a real Collector:
     the live policy holds the swapped weights bit for bit, for a whole version and for a
-    delta, whatever the transport."""
+    delta, whatever the transport. Over shared memory (here, the server's host, where "auto"
+    picks it) every version comes whole and lands zero-copy: each head's parameters become views
+    of the other head's tensors in the version's file."""
     trained, policy = make_two_head_policy(1), make_two_head_policy(0)
     swapper = SwapHeads(client, transport=transport)
     adapter = GrpcWeightSyncScheme(puller=swapper)
@@ -374,7 +376,9 @@ def test_a_maybe_map_weights_override_is_what_lands_on_every_transport(client: W
         assert client.publish(trained, model="policy") == 1
         collector.update_policy_weights_()
         assert adapter.version == 1
-        assert swapper.last_fetch.transport == ("shm" if transport == "auto" else transport)
+        mapped = transport in ("auto", "shm")
+        assert swapper.last_fetch.transport == ("shm" if mapped else transport)
+        assert swapper.zero_copy == mapped
         assert_state_is(policy, swapped_state(trained))
         batch = next(iter(collector))
         expected_policy = make_two_head_policy(9)
@@ -385,9 +389,15 @@ def test_a_maybe_map_weights_override_is_what_lands_on_every_transport(client: W
             trained.module.head_a.weight.add_(0.5)  # v2 differs in one tensor: a delta
         assert client.publish(trained, model="policy") == 2
         collector.update_policy_weights_()
-        assert swapper.given[-1] == ["module.head_a.weight"]  # the delta, before mapping
+        if mapped:  # the whole version, mapped: nothing to gain from a delta
+            assert swapper.given[-1] == swapper.given[0] and swapper.zero_copy
+        else:
+            assert swapper.given[-1] == ["module.head_a.weight"]  # the delta, before mapping
         assert adapter.version == 2
         assert_state_is(policy, swapped_state(trained))
+        batch = next(iter(collector))
+        expected_policy.load_state_dict(swapped_state(trained))
+        assert torch.allclose(batch["action"], actions_of(expected_policy, batch), atol=ATOL)
     finally:
         collector.shutdown()
 

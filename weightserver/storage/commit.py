@@ -88,6 +88,7 @@ class Checks:
             group=group,
             xxh3=xxh3,
             tensor_xxh3=found.tensor_xxh3 if found is not None else digests.tensor_digests(data, header),
+            declared=found is not None and found.declared,
         )
         if self.describe is None:
             return record

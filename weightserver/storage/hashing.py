@@ -9,6 +9,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 from weightserver.protocol import digests, errors
 from weightserver.storage.index import ModelState, Version
@@ -18,18 +19,22 @@ log = logging.getLogger(__name__)
 SHA256_DELAY_SECONDS = 0.5
 
 
-def checked(record: Version, found: digests.FileDigests) -> Version:
-    """`record` with its sha256; where its xxh3s differ from its bytes' (declared by a publisher that
-    got them wrong), an error logged and the bytes' own put in, which clients check from then on."""
+def after_commit(record: Version) -> dict[str, Any]:
+    """The fields the pass after the commit sets: the sha256, and where a publisher's declared xxh3s
+    (`record.declared`) differ from the bytes', an error logged and the bytes' own."""
+    if not record.declared:
+        return {"sha256": digests.sha256_hex(record.data)}
+    found = digests.rehashed(record.data, record.header)
+    fields = {"sha256": found.sha256 or "", "declared": False}
     wrong = sorted(name for name, digest in found.tensor_xxh3.items() if record.tensor_xxh3.get(name) != digest)
     if found.xxh3 == record.xxh3 and not wrong:
-        return dataclasses.replace(record, sha256=found.sha256 or "")
+        return fields
     log.error(
         "model %r v%d: its publisher declared digests that do not match its bytes (file xxh3: %s, tensors: %s); "
         "the bytes' own replace them. Its publisher wrote the bytes after hashing them, or has a bug",
         *(record.model, record.version, "wrong" if found.xxh3 != record.xxh3 else "right", wrong[:5] or "right"),
     )
-    return dataclasses.replace(record, sha256=found.sha256 or "", xxh3=found.xxh3, tensor_xxh3=found.tensor_xxh3)
+    return {**fields, "xxh3": found.xxh3, "tensor_xxh3": found.tensor_xxh3}
 
 
 class Sha256Worker:
@@ -87,15 +92,15 @@ class Sha256Worker:
                 del self._pending[key]
                 future.set_exception(self._gone(model, version))
                 return
-        found = digests.rehashed(record.data, record.header)
+        fields = after_commit(record)
         with state.commit_lock, self._lock:
             current = state.versions.get(version)
             if current is not None:  # else deleted or evicted while it was being hashed
-                state.versions[version] = checked(current, found)
+                state.versions[version] = dataclasses.replace(current, **fields)
             del self._pending[key]
             if not self._pending:
                 self._hurry.clear()  # none left that a reader waits for
-        future.set_result(found.sha256 or "")
+        future.set_result(fields["sha256"])
 
     def _gone(self, model: str, version: int) -> errors.WeightServerError:
         if self._closed:

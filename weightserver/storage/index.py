@@ -31,6 +31,7 @@ class Version:
     tensor_xxh3: Mapping[str, str] = field(default_factory=dict, repr=False)  # per tensor, by name
     description_bytes: int = 0  # its description as clients receive it, at most (0: not measured)
     publish_id: str = ""  # the idempotency key of the publish that committed it
+    declared: bool = False  # its xxh3s are its publisher's, unchecked until the sha256 pass
 
     @property
     def byte_size(self) -> int:

@@ -22,7 +22,7 @@ from weightserver.protocol import digests, errors
 from weightserver.protocol.files import FILE_SUFFIX, version_file_name
 from weightserver.protocol.names import MODEL_NAME, PUBLISH_ID, validate_model_name
 from weightserver.protocol.safetensors_format import parse_header
-from weightserver.storage.hashing import checked
+from weightserver.storage.hashing import after_commit
 from weightserver.storage.index import MAX_VERSION, ModelState, Version, ranges
 
 log = logging.getLogger(__name__)
@@ -49,12 +49,12 @@ class Disk:
         try:
             with self.writes(), ThreadPoolExecutor(thread_name_prefix="weightserver-sha256") as pool:
                 missing = [(i, r) for i, r in enumerate(records) if not r.sha256]
-                hashing = {i: pool.submit(digests.rehashed, r.data, r.header) for i, r in missing}
+                hashing = {i: pool.submit(after_commit, r) for i, r in missing}
                 for record in records:
                     (self.data_dir / record.model).mkdir(parents=True, exist_ok=True)
                     written.append(self.paths(record.model, record.version)[0])
                     atomic_write(written[-1], record.data)
-                records = [checked(r, hashing[i].result()) if i in hashing else r for i, r in enumerate(records)]
+                records = [replace(r, **hashing[i].result()) if i in hashing else r for i, r in enumerate(records)]
                 for record in records:
                     written.append(self.paths(record.model, record.version)[1])
                     self.write_manifest(record)

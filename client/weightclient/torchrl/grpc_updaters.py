@@ -22,7 +22,14 @@ from weightclient.core.retry import Deadline, RetryPolicy
 from weightclient.core.service_client import FetchStats
 from weightclient.core.version_follower import CutThrough, VersionFollower
 from weightclient.torchrl.key_mapping import IDENTITY, KeyMap, check_weights, map_keys
-from weightserver.protocol.errors import CursorOutOfRange, DeadlineExceeded, ModelNotFound, ServerUnavailable
+from weightserver.protocol.errors import (
+    CursorOutOfRange,
+    DeadlineExceeded,
+    ModelNotFound,
+    ServerUnavailable,
+    VersionEvicted,
+    VersionNotFound,
+)
 from weightserver.protocol.safetensors_format import parse_header
 from weightserver.protocol.version_info import VersionInfo
 
@@ -145,7 +152,8 @@ def weights_of(source: Weights) -> TensorDictBase:
 
 @dataclass(frozen=True)
 class Update:
-    """Weights to `apply`; `buffer` (which they may view) is lent until applied, before the next pull."""
+    """Weights to `apply`; `buffer` (which they may view) is lent until applied, before the next pull;
+    `mapping`: the version's file mapped copy-on-write (shared memory), which the policy may keep."""
 
     info: VersionInfo | None
     weights: TensorDictBase = field(repr=False)
@@ -153,6 +161,7 @@ class Update:
     stats: FetchStats | None = None
     buffer: memoryview | None = field(default=None, repr=False, compare=False)
     keyed_like_policy: bool = False
+    mapping: memoryview | None = field(default=None, repr=False, compare=False)
 
     @property
     def version(self) -> int | None:
@@ -167,8 +176,12 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         dtype: "BF16"/"F16": float32 tensors travel cast; the in-place copy casts them back.
         watch: fetch once the Watch stream announced a newer version, or every `watch_confirm_seconds`.
         incoming: with watch, receive a version while it is published; applied once its commit is
-            announced and the bytes match. Off with `dtype` or "shm" (announced at commit).
+            announced and the bytes match. Off with `dtype`, and on the server's host (below).
         update_timeout: the deadline of each call; past it the server counts as down.
+
+    On the server's host (a fetch went over shared memory) and with no `dtype`, it reads each
+    announced version's file directly, with no call and no delta, and applies it zero-copy: each
+    parameter that can becomes a copy-on-write view of the version's file (`zero_copy`).
 
     >>> updater = GrpcLocalWeightUpdater("localhost:50051", policy=policy)   # doctest: +SKIP
     >>> update = updater.pull()                                             # doctest: +SKIP
@@ -209,8 +222,10 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         self.update_timeout = float(update_timeout)
         self.version: int | None = None  # the version applied to the policy
         self.last_fetch: FetchStats | None = None
+        self.zero_copy = False  # the last apply made every parameter a view of the version's file
         self.applied: VersionInfo | None = None  # its description (the delta base); None for weights not pulled
         self._staging: memoryview | None = None  # receive buffer, lent to a pulled Update
+        self._applying: memoryview | None = None  # the mapped file of the update being applied
         self._follower: VersionFollower | None = None
         self._receiver: CutThrough | None = None  # the follower's receiver of incoming versions
         self._last_asked = 0.0  # when a fetch last got an answer (monotonic)
@@ -281,11 +296,20 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
             weights = TensorDict(tensor_codec.decode(parse_header(ready.data), ready.data), batch_size=[])
             return Update(ready.info, weights, stats=ready.stats, buffer=ready.data)
         target = {"newer_than": self.version or 0} if self.pinned_version is None else {"version": self.pinned_version}
+        same_host = self.same_host and not self.dtype  # (a cast is copied in: a delta still saves)
+        if same_host and self.pinned_version is None and (self.announced or 0) > (self.version or 0):
+            target = {"version": self.announced}  # its header file is read: no call
         options = {"dtype": self.dtype, "transport": self.transport, "into": self._staging, "retry": False}
-        options["base"] = self.applied if self.delta and self.version is not None else None
+        options["base"] = self.applied if self.delta and self.version is not None and not same_host else None
         began = time.monotonic()
         try:
-            result = self.client.fetch(self.model, timeout=self.update_timeout, **options, **target)
+            try:
+                result = self.client.fetch(self.model, timeout=self.update_timeout, **options, **target)
+            except (VersionNotFound, VersionEvicted):
+                if "newer_than" in target or self.pinned_version is not None:
+                    raise
+                target = {"newer_than": self.version or 0}  # gone already: the newest then
+                result = self.client.fetch(self.model, timeout=self.update_timeout, **options, **target)
         except CursorOutOfRange:  # this server (a relay, a failover address) is behind: never go back
             self._server_available(asked=True)
             return None
@@ -302,10 +326,13 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
             return None
         self.last_fetch = result.stats
         buffer, self._staging = self._staging, None  # lent to the update until it is applied
-        received = result.stats is not None and result.stats.transport != "shm"  # into a buffer of ours
-        if received and (buffer is None or result.data.nbytes > buffer.nbytes):
+        mapped = result.stats is not None and result.stats.transport == "shm"  # else into a buffer of ours
+        if not mapped and (buffer is None or result.data.nbytes > buffer.nbytes):
             buffer = result.data
-        return Update(result.info, result.weights, partial=result.partial, stats=result.stats, buffer=buffer)
+        mapping = result.data if mapped else None
+        return Update(
+            result.info, result.weights, partial=result.partial, stats=result.stats, buffer=buffer, mapping=mapping
+        )
 
     def apply(self, update: Update) -> None:
         """Write `update` through the hooks, checked first; a copy that fails midway leaves `version` None."""
@@ -321,6 +348,7 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
                     raise TypeError(f"{what} for the {source}; it must return the weights keyed like the local policy")
             cast = bool(self.dtype) and update.info is not None
             checked = check_weights(weights, local, source=source, partial=update.partial, allow_cast=cast)
+            self._applying, self.zero_copy = update.mapping, False
             try:
                 self._update_local_weights(local, checked)
             except BaseException:
@@ -329,6 +357,7 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
                 raise
             self.version, self.applied = update.version, update.info
         finally:
+            self._applying = None
             if update.stats is not None and update.stats.incoming and self._follower is not None:
                 self._follower.give_back(update.buffer)
             elif update.buffer is not None and (self._staging is None or update.buffer.nbytes > self._staging.nbytes):
@@ -361,9 +390,31 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         return None if server_weights is None else map_keys(server_weights, self.key_map)
 
     def _update_local_weights(self, local_weights: TensorDictBase, mapped_weights: TensorDictBase | None) -> None:
-        if mapped_weights is not None:  # in place: shared-memory and CUDA parameters stay valid
-            with torch.no_grad():
-                local_weights.flatten_keys(".").update_(mapped_weights)
+        """In place: a copy, so that shared-memory and CUDA parameters stay valid; each parameter that
+        can becomes a view of the version's file instead (`_swaps`): all of them, or none on failure."""
+        if mapped_weights is None:
+            return
+        with torch.no_grad():
+            local = local_weights.flatten_keys(".")
+            swaps = _swaps(local, mapped_weights, self._applying) if self._applying is not None else {}
+            copied = mapped_weights.exclude(*swaps) if swaps else mapped_weights
+            if not copied.is_empty():
+                local.update_(copied)
+            held: list[tuple[torch.Tensor, torch.Tensor]] = []
+            try:
+                for dst, src in swaps.values():
+                    held.append((dst, dst.detach()))  # the old storage, to put back
+                    dst.set_(src)
+            except BaseException:
+                for dst, old in reversed(held):
+                    dst.set_(old)
+                raise
+        self.zero_copy = bool(swaps) and copied.is_empty()
+
+    @property
+    def same_host(self) -> bool:
+        """Whether the last fetch read the server's shared memory (this is the server's host)."""
+        return self.last_fetch is not None and self.last_fetch.transport == "shm"
 
     def _nothing_announced(self) -> bool:
         """While watching: nothing newer was announced and the server was asked recently."""
@@ -371,7 +422,7 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
             return False
         if self._follower is None or not self._follower.running():  # first time, or a forked child
             self._receiver = None
-            if self.incoming and not self.dtype and self.transport != "shm":
+            if self.incoming and not self.dtype and self.transport != "shm" and not self.same_host:
                 self._receiver = CutThrough(self.client, transport=self.transport, timeout=self.update_timeout)
             self._follower = VersionFollower(self.client, self.model, since=self.version, cut_through=self._receiver)
         newest = self._follower.newest()
@@ -407,6 +458,33 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
             down = time.monotonic() - self._unavailable_since
             log.warning("weight server %s is back after %.1fs", self.client.address, down)
             self._unavailable_since, self._stalled = None, False
+
+
+def _swaps(
+    local: TensorDictBase, mapped: TensorDictBase, mapping: memoryview
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{key: (parameter, tensor)} for each mapped tensor that still views `mapping` (a hook that made
+    new tensors gets a copy) and a parameter it can replace: on the CPU, of its dtype and shape, the
+    whole of its own storage (not a view into another's) and not in shared memory (torchrl's
+    multi-process collectors keep the workers' parameters there, and one copy)."""
+    start = torch.frombuffer(mapping, dtype=torch.uint8).data_ptr() if mapping.nbytes else 0
+    end = start + mapping.nbytes
+    swaps = {}
+    for key, src in mapped.items():
+        dst = local.get(key, None)
+        if (
+            isinstance(dst, torch.Tensor)
+            and start <= src.data_ptr()
+            and src.data_ptr() + src.nbytes <= end
+            and src.is_contiguous()
+            and dst.device == src.device
+            and (dst.dtype, dst.shape) == (src.dtype, src.shape)
+            and dst.storage_offset() == 0
+            and dst.untyped_storage().nbytes() == dst.nbytes
+            and not dst.is_shared()
+        ):
+            swaps[key] = (dst, src)
+    return swaps
 
 
 class GrpcRemoteWeightUpdater(_LazyClient, RemoteWeightUpdaterBase):

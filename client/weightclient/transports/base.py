@@ -95,6 +95,11 @@ class Transport(Protocol):
     def receive(self, offer: Offer, *, into: Any, progress: Progress | None) -> memoryview:
         """The payload's bytes, unverified, in `into` when it is large enough."""
 
+    def sealed(self, data: memoryview) -> bool:
+        """Whether `data`, from `receive`, maps a file no process can change any more (the server's,
+        sealed before its commit): the version's bytes themselves, with nothing to check them against."""
+        return False
+
     def receive_placed(self, offer: Offer, views: Mapping[str, memoryview]) -> list[str]:
         """The version's file scattered into `views`, hashed as it lands: the tensors that fail."""
         receiver = PlacedReceiver(offer.info, views)

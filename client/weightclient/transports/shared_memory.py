@@ -6,11 +6,13 @@ the server commits as declared; else with `pwrite` (one copy, no page faults), t
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import re
 import stat
 import threading
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import ClassVar
@@ -43,6 +45,7 @@ class SharedMemoryTransport(Transport):
     def __init__(self) -> None:
         self._folders: dict[str, tuple[str, int]] = {}  # model -> (folder, owner), once a file was read
         self._prepared: dict[str, mmap.mmap] = {}  # upload path -> its mapping, page table filled
+        self._sealed: weakref.WeakSet[mmap.mmap] = weakref.WeakSet()  # mappings of sealed files
         self._lock = threading.Lock()
 
     def upload(
@@ -114,9 +117,15 @@ class SharedMemoryTransport(Transport):
         with self._opened(offer) as fd:
             data = memoryview(bytearray())  # mmap cannot map an empty file
             if size:
-                data = memoryview(mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE))
+                mapping = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_WRITE:
+                    self._sealed.add(mapping)
+                data = memoryview(mapping)
         self._learn(offer)
         return data
+
+    def sealed(self, data: memoryview) -> bool:
+        return data.obj in self._sealed
 
     def receive_placed(self, offer: Offer, views: Mapping[str, memoryview]) -> list[str]:
         with self._opened(offer) as fd:
