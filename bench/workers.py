@@ -278,7 +278,8 @@ def freshness_collector(
     Puts ("ready", index) once its policy holds a version and its updater follows the Watch
     stream, then for every version it applies (index, version, time.monotonic() right after
     the updater returned with it in the policy, transport used, [(p[0], p[-1]) of each
-    parameter], whether it was received before its commit (cut-through)). CLOCK_MONOTONIC is
+    parameter], whether it was received before its commit (cut-through), whether it was applied
+    zero-copy). CLOCK_MONOTONIC is
     one clock for every process on a Linux host, so the publisher compares these stamps with
     its own. Runs until `stop` is set.
     """
@@ -305,7 +306,7 @@ def freshness_collector(
             with torch.no_grad():
                 ends = [(float(p[0]), float(p[-1])) for p in policy.parameters()]
             early = bool(getattr(updater.last_fetch, "incoming", False))
-            results.put((index, updater.version, at, used, ends, early))
+            results.put((index, updater.version, at, used, ends, early, bool(getattr(updater, "zero_copy", False))))
 
     def catch_up(version: int) -> None:
         while (updater.version or 0) < version and not stop.is_set():
@@ -333,6 +334,81 @@ def freshness_collector(
     finally:
         wakeups.close()
         client.close()
+
+
+def freshness_multi_collector(
+    index: int, address: str, model: str, nbytes: int, stop: Any, results: Any, *_: Any
+) -> None:
+    """The collector of the `freshness_local_multi` row: torchrl's MultiSyncCollector with 2 worker
+    processes on PendulumEnv (the policy of bench/torchrl_sync.py, ~`nbytes` of parameters),
+    following `model` through `GrpcWeightSyncScheme(address, model=model, watch=True)`, defaults
+    otherwise. The workers' parameters are torchrl's shared buffers, so each version is copied
+    into them once, then both workers are told and acknowledge (the scheme is synchronous).
+
+    Woken by a Watch stream of its own, as `freshness_collector` is; reports as it does, with
+    time.monotonic() once `update_policy_weights_()` returned holding the version (both workers
+    acknowledged) and the ends of each shared parameter.
+    """
+    import warnings
+
+    import torch
+
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    from torchrl.collectors import MultiSyncCollector
+
+    from bench.torchrl_sync import make_env, make_policy
+    from weightclient.core.service_client import WeightServiceClient
+    from weightclient.torchrl.scheme import GrpcWeightSyncScheme
+    from weightserver.protocol.errors import DeadlineExceeded
+
+    torch.set_num_threads(1)
+    scheme = GrpcWeightSyncScheme(address, model=model, watch=True)
+    collector = MultiSyncCollector(
+        [make_env, make_env],
+        make_policy(nbytes),
+        frames_per_batch=8,
+        total_frames=-1,
+        weight_sync_schemes={"policy": scheme},
+        auto_register_policy_transforms=False,
+    )
+    wakeups = WeightServiceClient(address)
+    puller = scheme.puller
+    assert puller is not None
+
+    def update() -> None:
+        before = puller.version
+        collector.update_policy_weights_()
+        if puller.version != before:
+            at = time.monotonic()
+            with torch.no_grad():
+                shared = scheme.weights.flatten_keys(".")
+                ends = [(float(p.view(-1)[0]), float(p.view(-1)[-1])) for p in shared.values()]
+            stats = puller.last_fetch
+            used = getattr(stats, "transport", None) or "stream"
+            results.put((index, puller.version, at, used, ends, bool(stats and stats.incoming), puller.zero_copy))
+
+    try:
+        ready = False
+        while not stop.is_set():
+            try:
+                for event in wakeups.watch(model, since=puller.version or 0, timeout=1.0):
+                    while (puller.version or 0) < event.version and not stop.is_set():
+                        update()
+                        if (puller.version or 0) < event.version:
+                            time.sleep(0.0002)
+                    while not puller.following and not stop.is_set():  # the first time: start following
+                        update()
+                        time.sleep(0.001)
+                    if not ready and puller.following:
+                        results.put(("ready", index))
+                        ready = True
+                    if stop.is_set():
+                        break
+            except DeadlineExceeded:
+                pass
+    finally:
+        wakeups.close()
+        collector.shutdown()
 
 
 def tree_collectors(first: int, addresses: list[str], model: str, transport: str, stop: Any, results: Any) -> None:

@@ -165,7 +165,10 @@ def test_a_relay_killed_during_a_followers_early_receive_leaves_the_version_to_t
             WeightClient(f"{relay.address},{primary.address}") as client,
             WeightClient(relay.address) as probe,
         ):
-            updater = GrpcLocalWeightUpdater(client, model=MODEL, policy=policy, watch=True, update_timeout=2.0)
+            # bulk, as a collector on another host: on the relay's host "auto" maps its files (no cut-through)
+            updater = GrpcLocalWeightUpdater(
+                client, model=MODEL, policy=policy, watch=True, update_timeout=2.0, transport="bulk"
+            )
             wait_until(lambda: (update(), updater.announced == 1)[1])
             assert updater.incoming
             watcher = Watcher.subscribed(probe, held=1)  # a second follower of the relay, to see its bytes flow
