@@ -154,7 +154,7 @@ class Collectors:
             SPAWN.Process(
                 target=target,
                 args=(i, address, model, shapes, transport, self.stop, self.results, incoming),
-                daemon=True,
+                daemon=target is workers.freshness_collector,  # a daemon cannot start torchrl's workers
                 name=f"bench-collector-{i}",
             )
             for i in range(count)

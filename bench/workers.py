@@ -337,12 +337,12 @@ def freshness_collector(
 
 
 def freshness_multi_collector(
-    index: int, address: str, model: str, nbytes: int, stop: Any, results: Any, *_: Any
+    index: int, address: str, model: str, nbytes: int, transport: str, stop: Any, results: Any, *_: Any
 ) -> None:
     """The collector of the `freshness_local_multi` row: torchrl's MultiSyncCollector with 2 worker
     processes on PendulumEnv (the policy of bench/torchrl_sync.py, ~`nbytes` of parameters),
-    following `model` through `GrpcWeightSyncScheme(address, model=model, watch=True)`, defaults
-    otherwise. The workers' parameters are torchrl's shared buffers, so each version is copied
+    following `model` through `GrpcWeightSyncScheme(address, model=model, watch=True,
+    transport=transport)`, defaults otherwise. The workers' parameters are torchrl's shared buffers, so each version is copied
     into them once, then both workers are told and acknowledge (the scheme is synchronous).
 
     Woken by a Watch stream of its own, as `freshness_collector` is; reports as it does, with
@@ -362,7 +362,7 @@ def freshness_multi_collector(
     from weightserver.protocol.errors import DeadlineExceeded
 
     torch.set_num_threads(1)
-    scheme = GrpcWeightSyncScheme(address, model=model, watch=True)
+    scheme = GrpcWeightSyncScheme(address, model=model, watch=True, transport=transport)
     collector = MultiSyncCollector(
         [make_env, make_env],
         make_policy(nbytes),
