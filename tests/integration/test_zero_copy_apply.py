@@ -14,13 +14,13 @@ import gc
 
 import pytest
 import torch
+from mappings import version_mappings, views_a_version
 from waiting import wait_until
 
 from weightclient import WeightClient
 from weightclient.torchrl.grpc_updaters import GrpcLocalWeightUpdater
 
 MODEL = "policy"
-MEMFD = "memfd:weightserver-"  # how /proc/self/maps names a same-host publish's file
 
 
 def make_policy(seed: int) -> torch.nn.Module:
@@ -31,22 +31,6 @@ def make_policy(seed: int) -> torch.nn.Module:
 def same(a: torch.nn.Module, b: torch.nn.Module) -> bool:
     theirs = b.state_dict()
     return all(torch.equal(t, theirs[name]) for name, t in a.state_dict().items())
-
-
-def version_mappings() -> list[tuple[int, int]]:
-    """(start, end) of this process's private (copy-on-write: a collector's) mappings of same-host
-    publishes' files; the server in this process maps them shared."""
-    found = []
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            if MEMFD in line and line.split()[1].endswith("p"):
-                start, end = (int(x, 16) for x in line.split()[0].split("-"))
-                found.append((start, end))
-    return found
-
-
-def views_a_version(tensor: torch.Tensor) -> bool:
-    return any(start <= tensor.data_ptr() < end for start, end in version_mappings())
 
 
 def following(updater: GrpcLocalWeightUpdater, version: int) -> None:

@@ -15,6 +15,7 @@ import torch
 
 pytest.importorskip("torchrl", reason="torchrl is not installed: pip install -e '.[torchrl]'")
 
+from mappings import version_mappings, views_a_version
 from tensordict import TensorDict
 from torchrl.collectors import Collector, MultiAsyncCollector, MultiSyncCollector
 from torchrl.data import LazyTensorStorage, ReplayBuffer
@@ -93,6 +94,49 @@ def test_collector_pulls_through_our_scheme(client: WeightClient):
 
         collector.update_policy_weights_()  # up to date: version stays, nothing transferred
         assert next(batches)["next", "policy_version"].unique().tolist() == [1]
+    finally:
+        collector.shutdown()
+
+
+class FailsWhenTold(GrpcLocalWeightUpdater):
+    fail = False
+
+    def _maybe_map_weights(self, server_weights, local_weights):
+        if self.fail:
+            raise RuntimeError("a hook that fails")
+        return super()._maybe_map_weights(server_weights, local_weights)
+
+
+def test_a_collector_on_the_servers_host_applies_versions_zero_copy(client: WeightClient):
+    """The documented defaults in a real Collector on the server's host (issue 30): each version's
+    file is mapped and the policy's parameters become views of it; the collector acts on it; a
+    write into the policy stays the collector's own; the version before is let go; a hook that
+    fails leaves the policy whole on the version it held."""
+    policy = make_policy(0)
+    puller = FailsWhenTold(client.address, watch=True)
+    scheme = GrpcWeightSyncScheme(puller=puller)
+    collector = single_collector(policy, scheme)
+    try:
+        batches = iter(collector)
+        before = len(version_mappings())
+        for version, seed in ((1, 1), (2, 2), (3, 3)):
+            trained = make_policy(seed)
+            assert client.publish(trained, model="policy") == version
+            catch_up(collector, scheme, batches, version, trained)
+            assert puller.zero_copy and puller.last_fetch.transport == "shm"
+            assert all(views_a_version(p) for p in policy.parameters())
+            assert len(version_mappings()) == before + 1, "more than the version applied is mapped"
+        with torch.no_grad():
+            next(policy.parameters()).add_(1.0)  # the collector's own page copies
+        served = client.fetch("policy", version=3, transport="stream").weights  # checked against its digest
+        assert all(torch.equal(served[k], v) for k, v in trained.state_dict().items())
+        held = {name: p.data_ptr() for name, p in policy.named_parameters()}
+        puller.fail = True
+        assert client.publish(make_policy(4), model="policy") == 4
+        wait_until(lambda: puller.announced == 4, what="v4's announcement")
+        with pytest.raises(RuntimeError, match="a hook that fails"):
+            collector.update_policy_weights_()
+        assert scheme.version == 3 and {name: p.data_ptr() for name, p in policy.named_parameters()} == held
     finally:
         collector.shutdown()
 
