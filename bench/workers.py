@@ -289,7 +289,6 @@ def freshness_collector(
     from weightclient import WeightClient
     from weightclient.core.service_client import WeightServiceClient
     from weightclient.torchrl.grpc_updaters import GrpcLocalWeightUpdater
-    from weightserver.protocol.errors import DeadlineExceeded
 
     torch.set_num_threads(1)
     policy = policy_from_shapes(shapes, fill=-1.0)
@@ -308,32 +307,38 @@ def freshness_collector(
             early = bool(getattr(updater.last_fetch, "incoming", False))
             results.put((index, updater.version, at, used, ends, early, bool(getattr(updater, "zero_copy", False))))
 
-    def catch_up(version: int) -> None:
-        while (updater.version or 0) < version and not stop.is_set():
-            update()
-            if (updater.version or 0) < version:
-                time.sleep(0.0002)
-
-    ready = False
     try:
-        while not stop.is_set():
-            try:
-                # renewed every second so that `stop` is seen; replays anything newer than applied
-                for event in wakeups.watch(model, since=updater.version or 0, timeout=1.0):
-                    catch_up(event.version)
-                    while not updater.following and not stop.is_set():  # the first time: start following
-                        update()
-                        time.sleep(0.001)
-                    if not ready and updater.following:
-                        results.put(("ready", index))
-                        ready = True
-                    if stop.is_set():
-                        break
-            except DeadlineExceeded:
-                pass
+        _woken(index, wakeups, model, updater, update, stop, results)
     finally:
         wakeups.close()
         client.close()
+
+
+def _woken(index: int, wakeups: Any, model: str, updater: Any, update: Any, stop: Any, results: Any) -> None:
+    """Until `stop`: for each version `wakeups` announces, `update()` until `updater` holds it
+    (0.2 ms apart: its own follower may hear of it a little later); ("ready", index) once the
+    updater holds a version and follows the Watch stream."""
+    from weightserver.protocol.errors import DeadlineExceeded
+
+    ready = False
+    while not stop.is_set():
+        try:
+            # renewed every second so that `stop` is seen; replays anything newer than applied
+            for event in wakeups.watch(model, since=updater.version or 0, timeout=1.0):
+                while (updater.version or 0) < event.version and not stop.is_set():
+                    update()
+                    if (updater.version or 0) < event.version:
+                        time.sleep(0.0002)
+                while not updater.following and not stop.is_set():  # the first time: start following
+                    update()
+                    time.sleep(0.001)
+                if not ready and updater.following:
+                    results.put(("ready", index))
+                    ready = True
+                if stop.is_set():
+                    break
+        except DeadlineExceeded:
+            pass
 
 
 def freshness_multi_collector(
@@ -342,8 +347,9 @@ def freshness_multi_collector(
     """The collector of the `freshness_local_multi` row: torchrl's MultiSyncCollector with 2 worker
     processes on PendulumEnv (the policy of bench/torchrl_sync.py, ~`nbytes` of parameters),
     following `model` through `GrpcWeightSyncScheme(address, model=model, watch=True,
-    transport=transport)`, defaults otherwise. The workers' parameters are torchrl's shared buffers, so each version is copied
-    into them once, then both workers are told and acknowledge (the scheme is synchronous).
+    transport=transport)`, defaults otherwise. The workers' parameters are torchrl's shared
+    buffers, so each version is copied into them once, then both workers are told and
+    acknowledge (the scheme is synchronous).
 
     Woken by a Watch stream of its own, as `freshness_collector` is; reports as it does, with
     time.monotonic() once `update_policy_weights_()` returned holding the version (both workers
@@ -359,7 +365,6 @@ def freshness_multi_collector(
     from bench.torchrl_sync import make_env, make_policy
     from weightclient.core.service_client import WeightServiceClient
     from weightclient.torchrl.scheme import GrpcWeightSyncScheme
-    from weightserver.protocol.errors import DeadlineExceeded
 
     torch.set_num_threads(1)
     scheme = GrpcWeightSyncScheme(address, model=model, watch=True, transport=transport)
@@ -388,24 +393,7 @@ def freshness_multi_collector(
             results.put((index, puller.version, at, used, ends, bool(stats and stats.incoming), puller.zero_copy))
 
     try:
-        ready = False
-        while not stop.is_set():
-            try:
-                for event in wakeups.watch(model, since=puller.version or 0, timeout=1.0):
-                    while (puller.version or 0) < event.version and not stop.is_set():
-                        update()
-                        if (puller.version or 0) < event.version:
-                            time.sleep(0.0002)
-                    while not puller.following and not stop.is_set():  # the first time: start following
-                        update()
-                        time.sleep(0.001)
-                    if not ready and puller.following:
-                        results.put(("ready", index))
-                        ready = True
-                    if stop.is_set():
-                        break
-            except DeadlineExceeded:
-                pass
+        _woken(index, wakeups, model, puller, update, stop, results)
     finally:
         wakeups.close()
         collector.shutdown()
