@@ -94,14 +94,15 @@ class _Fetched:
     checked: bool = True  # its xxh3 was checked against the announced one (bytes received early are not)
 
     def upload(self, header_limits: dict[str, int]) -> Upload:
-        """Checked bytes bring their digests (the xxh3 matched: the tensors' are theirs); hashing 256 MiB
-        again cost 80% of a relay's time. The sha256 is hashed after the commit, as for any xxh3 publish."""
+        """Checked bytes bring their digests (the xxh3 matched, or the file was the upstream's sealed
+        memfd: the tensors' are theirs); hashing 256 MiB again cost 80% of a relay's time. They are
+        committed as declared: the pass after the commit checks them with the sha256."""
         info, found = self.info, None
         tensor_xxh3 = {t.name: t.xxh3 for t in info.tensors}
         if self.checked and info.xxh3 and all(tensor_xxh3.values()):
             header = parse_header(self.data, len(self.data), **header_limits)
             names = {t.name for t in header.tensors}
-            found = FileDigests(info.xxh3, tensor_xxh3, header) if names == tensor_xxh3.keys() else None
+            found = FileDigests(info.xxh3, tensor_xxh3, header, declared=True) if names == tensor_xxh3.keys() else None
         return Upload(info.model, self.data, None, info.byte_size, dict(info.metadata), digests=found, xxh3=info.xxh3)
 
 

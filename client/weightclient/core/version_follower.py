@@ -90,7 +90,7 @@ class CutThrough:
         """The bytes and their xxh3, hashed a stretch at a time as they land."""
         with self._lock:
             spare, self._spare = self._spare, None
-        into = receive_buffer(announced.byte_size, spare)
+        into = receive_buffer(announced.byte_size, spare, huge=True)  # kept: the spare of the next receive
         hasher, hashed = xxhash.xxh3_128(), 0
 
         def follow(received: int, total: int) -> None:

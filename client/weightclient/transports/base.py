@@ -151,9 +151,9 @@ class TransportChain:
         return False if self.resting(self.by_name[name]) else (name in self._worked) or None
 
 
-def receive_buffer(size: int, into: memoryview | None = None) -> memoryview:
-    """`into[:size]` if large enough, else fresh anonymous memory in huge pages (kept for the next
-    fetch: `page_tables.anonymous`)."""
+def receive_buffer(size: int, into: memoryview | None = None, *, huge: bool = False) -> memoryview:
+    """`into[:size]` if large enough, else fresh anonymous memory (`page_tables.anonymous`; `huge`:
+    for a buffer kept from fetch to fetch)."""
     if into is not None and into.nbytes >= size and not into.readonly:
         return into.cast("B")[:size]
-    return page_tables.anonymous(size, huge=True)
+    return page_tables.anonymous(size, huge=huge)
