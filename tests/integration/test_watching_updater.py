@@ -71,7 +71,9 @@ def test_updates_ask_the_server_only_once_a_newer_version_was_announced(make_ser
     with WeightClient(server.address) as trainer_client, WeightClient(server.address) as own:
         trainer_client.publish(make_policy(1), model=MODEL)
         policy = make_policy(0)
-        updater = GrpcLocalWeightUpdater(own, policy=policy, watch=watch, watch_confirm_seconds=60)
+        # bulk: the asking path (on the server's host "auto" reads an announced version's file with
+        # no call at all, test_zero_copy_apply.py)
+        updater = GrpcLocalWeightUpdater(own, policy=policy, watch=watch, watch_confirm_seconds=60, transport="bulk")
         updater()
         assert updater.version == 1 and same(policy, make_policy(1))
         updater()
