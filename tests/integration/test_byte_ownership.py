@@ -18,6 +18,7 @@ import mmap
 import os
 import queue
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -278,3 +279,35 @@ def test_declared_digests_commit_unread_and_are_checked_after_the_commit(tmp_pat
         else:
             wait_for(lambda: complaint in server.log(), what="the ERROR about the declared digests")
             assert "model 'policy' v1" in server.log()
+
+
+def test_a_large_upload_given_up_an_eighth_at_a_time_commits_whole(tmp_path, monkeypatch):
+    """From 64 MiB the client unmaps each eighth of its upload mapping once copied and hashed,
+    while it writes the rest (`page_tables.unmap`, counted here): the seal then finds no writable
+    mapping, the declared digests are the bytes' own (no ERROR from the check after the commit), and
+    a fetch over the stream, checked against them, gets every tensor back."""
+    from weightclient import WeightClient
+    from weightserver.protocol import page_tables
+
+    unmapped: list[int] = []
+    original = page_tables.unmap
+
+    def counted(mapping, start, end):
+        unmapped.append(end - start)
+        original(mapping, start, end)
+
+    monkeypatch.setattr(page_tables, "unmap", counted)
+    weights = {"a": torch.arange(10 << 20, dtype=torch.float32), "b": torch.full((9 << 20,), 2.5)}  # 76 MiB
+    with serving(tmp_path) as (server, stub), WeightClient(server.address) as client:
+        versions = [client.publish(weights, model=MODEL, transport="shm")]
+        while not unmapped and len(versions) < 6:  # the next publishes find the upload set up ahead
+            time.sleep(0.5)
+            versions.append(client.publish(weights, model=MODEL, transport="shm"))
+        assert unmapped and sum(unmapped) >= 5 * (76 << 20) // 8, unmapped
+        assert_up(server)
+        for version in versions:
+            fetched = client.fetch(MODEL, version=version, transport="stream")
+            assert all(torch.equal(fetched.weights[k], v) for k, v in weights.items())
+            wait_for(lambda v=version: stub.Describe(pb.DescribeRequest(model=MODEL, version=v)).sha256, what="sha256")
+        log = server.log()
+        assert "transport=shm" in log and "do not match its bytes" not in log

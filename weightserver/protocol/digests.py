@@ -63,6 +63,11 @@ class IncomingDigests:
         self._tensor_hashers: dict[str, xxhash.xxh3_128] = {}
         self._next = 0  # the first tensor not wholly hashed
 
+    @property
+    def parsed(self) -> bool:
+        """The header is in: the bytes before `hashed` are not read again."""
+        return self._header is not None
+
     def advance(self, end: int) -> None:
         """Hash bytes [hashed, end), a block at a time: the second digest finds it in cache."""
         while self.hashed < end:

@@ -2,7 +2,8 @@
 the bytes. `populate` fills a shared mapping's ahead of use (MADV_POPULATE_WRITE changes no byte,
 so it is safe while another process writes; through ctypes, which lets go of the GIL, where
 mmap.madvise holds it; kernels before 5.14 refuse it and the faults come with the bytes).
-`anonymous` is fresh memory to receive into."""
+`anonymous` is fresh memory to receive into. `unmap` gives up part of a shared mapping's pages
+early, off the GIL, so that tearing them down overlaps other work."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ import mmap
 MADV_POPULATE_WRITE = 23  # Linux 5.14
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+_libc.mmap.restype = ctypes.c_void_p
+MAP_FIXED, PROT_NONE = 0x10, 0x0  # (not in the mmap module)
 
 
 def anonymous(size: int, *, huge: bool = False) -> memoryview:
@@ -37,5 +41,19 @@ def populate(mapping: mmap.mmap) -> bool:
     anchor = ctypes.c_char.from_buffer(mapping)  # keeps the mapping open while it is in use
     try:
         return _libc.madvise(ctypes.addressof(anchor), len(mapping), MADV_POPULATE_WRITE) == 0
+    finally:
+        del anchor
+
+
+def unmap(mapping: mmap.mmap, start: int, end: int) -> None:
+    """Replace bytes [start, end) of `mapping` (page-aligned) with inaccessible anonymous memory: the
+    file's pages there are unmapped (the file keeps them) and, unlike a munmap, no hole is left that
+    another mapping could take before `mapping.close()`. Never touch that range afterwards."""
+    anchor = ctypes.c_char.from_buffer(mapping)
+    try:
+        at = ctypes.addressof(anchor) + start
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_FIXED
+        if _libc.mmap(at, end - start, PROT_NONE, flags, -1, 0) != at:
+            raise OSError(ctypes.get_errno(), "mmap(MAP_FIXED) over an upload's mapping failed")
     finally:
         del anchor
