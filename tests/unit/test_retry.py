@@ -36,3 +36,17 @@ def test_a_wake_ends_an_async_wait():
         return time.monotonic() - started
 
     assert asyncio.run(woken()) < 1.0
+
+
+def test_jitter_leaves_the_global_random_sequence_alone():
+    """A training script that seeds `random` gets the same sequence whatever retries ran meanwhile
+    (a background resubscription, a relay's backoff)."""
+    import random
+
+    random.seed(1234)
+    expected = [random.random() for _ in range(3)]
+    random.seed(1234)
+    policy = RetryPolicy(first=0.1, longest=5.0, jitter=0.5)
+    delays = [policy.delay(attempt) for attempt in range(20)]
+    assert [random.random() for _ in range(3)] == expected
+    assert len(set(delays)) > 1  # jittered all the same

@@ -18,6 +18,10 @@ from dataclasses import dataclass
 
 from weightserver.protocol.errors import ServerUnavailable
 
+# Jitter from a generator of its own: a retry in a background thread never draws from (or
+# reseeds the sequence of) the global `random` a training script seeds for reproducibility.
+_JITTER = random.Random()
+
 
 @dataclass(frozen=True)
 class Deadline:
@@ -56,7 +60,7 @@ class RetryPolicy:
 
     def delay(self, attempt: int) -> float:
         base = min(self.longest, self.first * 2 ** min(attempt, 62))
-        return base * (1.0 + self.jitter * (2.0 * random.random() - 1.0))
+        return base * (1.0 + self.jitter * (2.0 * _JITTER.random() - 1.0))
 
     @staticmethod
     def share(deadline: Deadline, addresses: int) -> Deadline:
