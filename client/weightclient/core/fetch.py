@@ -129,14 +129,12 @@ class Fetching(Connection):
                         problem = f"placed tensors {bad[:5]} do not match their digests" if bad else ""
                     else:
                         data = transport.receive(offer, into=into, progress=progress if last else None)
-                        digest, announced = "", offer.payload.xxh3
+                        problem = ""
                         if not transport.sealed(data):  # (a sealed file is the version: nothing to check)
-                            digest = xxhash.xxh3_128_hexdigest(data)
-                        problem = (
-                            f"xxh3 of the payload is {digest}, announced {announced}"
-                            if digest and digest != announced
-                            else ""
-                        )
+                            digest, announced = xxhash.xxh3_128_hexdigest(data), offer.payload.xxh3
+                            problem = (
+                                "" if digest == announced else f"xxh3 of the payload is {digest}, announced {announced}"
+                            )
                     if problem:
                         raise (IntegrityError if last else TransportFailed)(f"model {offer.label}: {problem}")
                 except PayloadGone as gone:
