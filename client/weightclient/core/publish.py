@@ -17,7 +17,6 @@ from weightclient.core.failover import Connection, map_rpc_errors
 from weightclient.core.retry import Deadline
 from weightclient.transports import OutgoingFile, Transport, TransportFailed
 from weightclient.transports.base import Progress
-from weightclient.transports.stream import OpenPublish
 from weightserver.protocol.digests import xxh3_hex
 from weightserver.protocol.errors import InvalidRequest, UploadNotFound
 from weightserver.protocol.version_info import VersionInfo
@@ -102,10 +101,6 @@ class SpareUploads:
                 other.transport.release(other.answer.payload)
 
 
-class _StartOver(Exception):
-    """Writing in place failed after the Publish call sent its header: publish again without."""
-
-
 class Publishing(Connection):
     @functools.cached_property
     def _spares(self) -> SpareUploads:
@@ -152,63 +147,30 @@ class Publishing(Connection):
             )
             outgoing.append(OutgoingFile(header, views))
         deadline = Deadline.after(timeout)
-        spares, in_place = True, True
-        while True:  # at most three attempts: each clears one of the two flags
-            try:
-                return self._publish_once(outgoing, transport, deadline, progress, spares, in_place)
-            except UploadNotFound:
-                if not spares:  # else the server forgot an upload set up ahead (it restarted)
-                    raise
-                log.info("the server forgot an upload set up ahead; publishing again without it")
-                spares = False
-            except _StartOver as exc:  # the cancelled call committed nothing
-                log.info("writing a publish in place failed (%s); publishing again", exc.__cause__)
-                in_place = False
+        try:
+            return self._publish_once(outgoing, transport, deadline, progress, spares=True)
+        except UploadNotFound:  # the server forgot an upload set up ahead (it restarted)
+            log.info("the server forgot an upload set up ahead; publishing again without it")
+            return self._publish_once(outgoing, transport, deadline, progress, spares=False)
 
     def _publish_once(
-        self,
-        files: list[OutgoingFile],
-        choice: str,
-        deadline: Deadline,
-        progress: Progress | None,
-        spares: bool,
-        in_place: bool,
+        self, files: list[OutgoingFile], choice: str, deadline: Deadline, progress: Progress | None, spares: bool
     ) -> list[VersionInfo]:
-        """One attempt. Writing in place opens the Publish call first: the server verifies meanwhile."""
+        """One attempt: each model's bytes over the transport the server picks, then one Publish
+        call that names the uploads (or carries the bytes)."""
         order, stream = self.transports.order(choice), self.transports.stream
         grand_total = sum(f.header.total_bytes for f in files)
         total = 0
         outgoing: list[OutgoingFile] = []
-        call: OpenPublish | None = None  # opened early, for a model written in place
-
-        def opened() -> OpenPublish:
-            nonlocal call
-            if call is None:
-                call = OpenPublish(stream, deadline)
-                for file in outgoing:
-                    call.send_file(file)
-            return call
-
         with map_rpc_errors(self.address):
-            try:
-                for header, views in ((f.header, f.parts) for f in files):
-                    counted = None if progress is None else lambda done, _, at=total: progress(at + done, grand_total)
-                    uploaded, carrier = self._upload(
-                        header, views, order, deadline, counted, spares, opened if in_place else None
-                    )
-                    if not uploaded:
-                        header.xxh3 = xxh3_hex(*views)
-                    file = OutgoingFile(header, views, uploaded, carrier)
-                    outgoing.append(file)
-                    written_in_place = in_place and carrier is not None and carrier.written_in_place
-                    if call is not None and not written_in_place:  # (that one sent its own messages)
-                        call.send_file(file)
-                    total += header.total_bytes
-                reply = stream.send(outgoing, deadline=deadline, progress=progress) if call is None else call.commit()
-            except BaseException:
-                if call is not None:
-                    call.cancel()
-                raise
+            for header, views in ((f.header, f.parts) for f in files):
+                counted = None if progress is None else lambda done, _, at=total: progress(at + done, grand_total)
+                file = self._upload(header, views, order, deadline, counted, spares)
+                if not file.uploaded:
+                    header.xxh3 = xxh3_hex(*views)
+                outgoing.append(file)
+                total += header.total_bytes
+            reply = stream.send(outgoing, deadline=deadline, progress=progress)
         # Set up each fast upload's successor now, not before: on few cores it slows the commit.
         for file in outgoing:
             if file.transport is not None:
@@ -223,11 +185,9 @@ class Publishing(Connection):
         deadline: Deadline,
         progress: Progress | None,
         spares: bool,
-        opened: Callable[[], OpenPublish] | None,
-    ) -> tuple[str, Transport | None]:
-        """One model's bytes over the transport the server picks (a spare first): the upload's id
-        and transport, or ("", None) for the stream. Written in place (`opened`), the header goes
-        first (the call is open while the bytes are written): _StartOver when it fails."""
+    ) -> OutgoingFile:
+        """One model's bytes over the transport the server picks (a spare first); over the stream,
+        none is named and the Publish call carries them."""
         model, size = header.model, header.total_bytes
         spare = self._spares.take(model, size, order) if size else None
         if spare is not None and not spares:
@@ -239,27 +199,19 @@ class Publishing(Connection):
                 accept = [t.kind for t in order]
                 negotiate = pb.NegotiateRequest(direction=pb.DIRECTION_PUBLISH, accept=accept, publish=header)
                 answer = self._stub.Negotiate(negotiate, timeout=deadline.remaining(), metadata=self._metadata)
-            transport, spare, upload = self.transports.by_kind[answer.transport], None, answer.upload
+            transport, spare = self.transports.by_kind[answer.transport], None
             if transport is self.transports.stream:
                 break
-            call = opened() if transport.written_in_place and opened is not None else None
-            if call is not None:
-                call.send(pb.PublishRequest(header=header))
             try:
                 moved = transport.upload(answer.payload, views, deadline=deadline, progress=progress)
             except TransportFailed as exc:
                 self.transports.failed(transport, exc)
-                if call is not None:
-                    raise _StartOver() from exc
                 order = [t for t in order if t is not transport]
                 continue
             header.xxh3 = moved.xxh3
-            if call is not None:
-                done = pb.PublishUploaded(upload=upload, xxh3=moved.xxh3, tensor_xxh3=moved.tensor_xxh3 or {})
-                call.send(pb.PublishRequest(uploaded=done))
             self.transports.worked(transport)
-            return upload, transport
-        return "", None
+            return OutgoingFile(header, views, answer.upload, transport, moved.tensor_xxh3)
+        return OutgoingFile(header, views)
 
     def close(self) -> None:
         if "_spares" in self.__dict__:

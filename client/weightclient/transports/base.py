@@ -61,15 +61,14 @@ class Uploaded(NamedTuple):
 class OutgoingFile:
     header: pb.PublishHeader
     parts: Sequence[memoryview]
-    uploaded: str = ""
+    uploaded: str = ""  # the upload that holds the bytes, else the Publish call carries them
     transport: Transport | None = None
+    tensor_xxh3: Mapping[str, str] | None = None  # declared with `uploaded` (Uploaded.tensor_xxh3)
 
 
 class Transport(Protocol):
     name: ClassVar[str]  # "stream", "bulk", "shm": what FetchStats.transport reports
     kind: ClassVar[int]  # its pb.Transport value
-    # A publish writes the server's upload front to back; `progress(n)`: bytes [0, n) are in for good.
-    written_in_place: ClassVar[bool] = False
 
     def offer(
         self, request: pb.FetchRequest, answer: pb.NegotiateResponse | None, deadline: Deadline, info: VersionInfo

@@ -41,7 +41,6 @@ UPLOAD_MEMORY = re.compile(r"/proc/[0-9]+/fd/[0-9]+")
 
 class SharedMemoryTransport(Transport):
     name: ClassVar[str] = "shm"
-    written_in_place: ClassVar[bool] = True
     kind: ClassVar[int] = pb.TRANSPORT_SHARED_MEMORY
 
     def __init__(self) -> None:

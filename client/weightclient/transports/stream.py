@@ -3,7 +3,6 @@ languages need. Chunks travel pre-framed (protocol.framing)."""
 
 from __future__ import annotations
 
-import queue
 from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
@@ -53,7 +52,10 @@ class StreamTransport(Transport):
         for file in files:
             yield pb.PublishRequest(header=file.header)
             if file.uploaded:
-                yield pb.PublishRequest(uploaded=pb.PublishUploaded(upload=file.uploaded))
+                done = pb.PublishUploaded(
+                    upload=file.uploaded, xxh3=file.header.xxh3, tensor_xxh3=file.tensor_xxh3 or {}
+                )
+                yield pb.PublishRequest(uploaded=done)
                 sent += file.header.total_bytes
                 continue
             pending: list[memoryview] = []
@@ -120,36 +122,6 @@ class StreamTransport(Transport):
         finally:
             offer.chunks.cancel()
         return target if isinstance(target, memoryview) else memoryview(b"")
-
-
-class OpenPublish:
-    """A Publish call sent message by message, for a publisher that writes in place (shared
-    memory) and tells the server how far it got. `cancel()`: the server commits nothing."""
-
-    def __init__(self, stream: StreamTransport, deadline: Deadline) -> None:
-        self._stream, self._queue = stream, queue.SimpleQueue()
-        self._future = stream._publish.future(
-            iter(self._queue.get, None), timeout=deadline.remaining(), metadata=stream._metadata
-        )
-
-    def send(self, *messages: pb.PublishRequest) -> None:
-        """Hand `messages` to the call; the call's error (RpcError) once the server has ended it."""
-        if self._future.done():
-            self._future.result()  # raises what ended it
-            raise IntegrityError("the server ended the Publish call before its commit")
-        for message in messages:
-            self._queue.put(message)
-
-    def send_file(self, file: OutgoingFile) -> None:
-        self.send(*self._stream._publish_messages([file], None, commit=False))
-
-    def commit(self) -> pb.PublishResponse:
-        self.send(pb.PublishRequest(commit=pb.PublishCommit()), None)
-        return self._future.result()
-
-    def cancel(self) -> None:
-        self._future.cancel()
-        self._queue.put(None)  # ends the request iterator gRPC reads in a thread of its own
 
 
 def _expect_end(stream: Iterator[Any], model: str) -> None:
