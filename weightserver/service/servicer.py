@@ -43,7 +43,6 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         store: VersionStore,
         config: ServerConfig,
         *,
-        payloads: PayloadCache | None = None,
         bulk: BulkEndpoint | None = None,
         shared_memory: SharedMemoryFiles | None = None,
         tokens: TokenTable | None = None,
@@ -52,7 +51,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         self.store = store
         self.tokens = tokens
         self.config = config
-        self.payloads = payloads or PayloadCache(config.payload_cache_bytes)
+        self.payloads = PayloadCache(config.payload_cache_bytes)
         self.metrics = metrics or NoMetrics()
         self.relay: Relay | None = None  # on a relay: refuses changes, names its primary to watchers
         self.commits_first = CommitsFirst()
