@@ -382,11 +382,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(level, log_format)
     try:
         return args.handler(args)
-    except WeightServerError as exc:
-        print(f"weightserver {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
-    except (OSError, ValueError) as exc:
-        print(f"weightserver {args.command}: {exc}", file=sys.stderr)
+    except (WeightServerError, OSError, ValueError) as exc:
+        kind = f"{type(exc).__name__}: " if isinstance(exc, WeightServerError) else ""
+        print(f"weightserver {args.command}: {kind}{exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -174,26 +174,22 @@ class ServerMetrics(NoMetrics):
             self._latest[model] = latest
             self._update_lags(model)
 
+    # The upstream_* and relayed calls come from a relay only: its metrics have relay=True.
     def upstream_latest(self, model: str, version: int) -> None:
-        if not self.relay:
-            return
         self.relay_upstream_latest.labels(model).set(version)
         with self._lock:
             self._upstream_latest[model] = version
             self._update_lags(model)
 
     def upstream_up(self, up: bool, *, refused: bool = False) -> None:
-        if self.relay:
-            self.relay_upstream_up.set(1 if up else 0)
-            self.relay_upstream_refused.set(1 if refused else 0)
+        self.relay_upstream_up.set(1 if up else 0)
+        self.relay_upstream_refused.set(1 if refused else 0)
 
     def upstream_refusal(self) -> None:
-        if self.relay:
-            self.relay_upstream_refusals.inc()
+        self.relay_upstream_refusals.inc()
 
     def relayed(self, model: str, nbytes: int, *, delta: bool) -> None:
-        if self.relay:
-            self.relay_fetch_bytes.labels(model, "delta" if delta else "whole").inc(nbytes)
+        self.relay_fetch_bytes.labels(model, "delta" if delta else "whole").inc(nbytes)
 
     def _reference(self, model: str) -> int:
         """What clients' lag counts from: the latest version, or a newer upstream's. Under the lock."""

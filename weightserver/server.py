@@ -218,15 +218,14 @@ class WeightServer:
             if config.upstream is not None:  # before serving: no publish may slip in
                 from weightserver.relay.relay import Relay
 
+                assert self.upstream_link is not None
                 self.relay = servicer.relay = Relay(
                     self.store,
-                    config.upstream,
-                    models=config.upstream_models,
-                    poll_seconds=config.upstream_poll_seconds,
+                    config,
+                    self.upstream_link,
                     metrics=self.metrics,
                     health=health,
                     incoming=servicer.incoming,
-                    link=self.upstream_link,
                     on_removed=servicer.forget_removed,
                 )
             services = (

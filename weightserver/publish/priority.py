@@ -115,15 +115,10 @@ class PublishTurn:
         bucket.level -= grant  # taken now, so that the caller's other publishes cannot too
         bucket.holding += 1
         self._waiting_since, self._granted = now, grant
-        self._expiry = loop.call_later(grant, self._expired)
+        self._expiry = loop.call_later(grant, self.chunk)  # its end: as a chunk, fetches go on
         self._set_held(True)
 
     uploaded = header
-
-    def _expired(self) -> None:
-        self._expiry = None
-        self._stop_waiting()
-        self._set_held(False)
 
     def _stop_waiting(self) -> None:
         """End the waiting hold, if one runs: what it took is spent, the rest goes back."""

@@ -107,37 +107,36 @@ class _Fetched:
 
 
 class Relay:
-    """Follows `upstream` into `store` on the running event loop. `models`: those to follow (None: all).
-    `incoming`: the server's publishes in progress, fed as bytes arrive (cut-through) so depth is cheap."""
+    """Follows `config.upstream` into `store` on the running event loop, over `link`. `incoming`: the
+    server's publishes in progress, fed as bytes arrive (cut-through) so depth is cheap."""
 
     def __init__(
         self,
         store: VersionStore,
-        upstream: str,
+        config: ServerConfig,
+        link: UpstreamLink,
         *,
-        models: Sequence[str] | None = None,
-        poll_seconds: float = 2.0,
-        metrics: NoMetrics | None = None,
-        health: health_aio.HealthServicer | None = None,
-        incoming: IncomingPublishes | None = None,
-        link: UpstreamLink | None = None,
-        on_removed: Callable[[str], None] | None = None,
+        metrics: NoMetrics,
+        health: health_aio.HealthServicer,
+        incoming: IncomingPublishes,
+        on_removed: Callable[[str], None],
     ) -> None:
+        assert config.upstream is not None
         self.store = store
         self.on_removed = on_removed  # called with the model after a version went (on the event loop)
-        self.link = link or UpstreamLink()
+        self.link = link
         self.incoming = incoming
         self._incoming: dict[str, _Incoming] = {}  # by the upstream's announcement id
-        self.address = upstream
+        self.address, models = config.upstream, config.upstream_models  # models to follow (None: all)
         self.models = None if models is None else frozenset(validate_model_name(m) for m in models)
-        self.poll_seconds = poll_seconds
-        self.metrics = metrics or NoMetrics()
+        self.poll_seconds = config.upstream_poll_seconds
+        self.metrics = metrics
         self.health = health
         self.upstream_up: bool | None = None  # None until the first call answered or failed
         self.upstream_refused = False  # the upstream refuses this relay's credentials (as last heard)
         self.upstream_error: str | None = None  # why the upstream is away or refuses, while it is
         self.upstream_latest: dict[str, int] = {}  # model -> the upstream's newest version, as last heard
-        self._client: WeightServiceClient | None = None
+        self._client: WeightServiceClient  # dialled by start()
         self._threads = ThreadPoolExecutor(64, thread_name_prefix="weightserver-relay")  # the client blocks
         self._upstream_primary: str | None = None  # named by the upstream's Watch when it is a relay
         self._tasks: dict[str, asyncio.Task[None]] = {}  # "" polls, each model's follows it
@@ -172,8 +171,7 @@ class Relay:
             self.address, timeout=CALL_SECONDS, chunk_bytes=MAX_CHUNK_BYTES, client_id=client_id, **options
         )
         self.metrics.upstream_up(False)
-        if self.health is not None:  # until the upstream first answers
-            await self.health.set(RELAY_HEALTH_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.health.set(RELAY_HEALTH_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)  # until it answers
         self._tasks[""] = asyncio.create_task(self._poll(), name="weightserver-relay-poll")
         for model in sorted(self.models or ()):
             self._follow(model)
@@ -189,8 +187,7 @@ class Relay:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if self._client is not None:
-            await asyncio.to_thread(self._client.close)  # ends its calls still running in threads
+        await asyncio.to_thread(self._client.close)  # ends its calls still running in threads
         self._threads.shutdown(wait=False, cancel_futures=True)
 
     async def _blocking(self, call: Callable[..., T], *args: object, **kwargs: object) -> T:
@@ -206,7 +203,6 @@ class Relay:
 
     async def _poll(self) -> None:
         """Every `poll_seconds` (longer while refused): follow new models, drop versions gone upstream, report."""
-        assert self._client is not None
         refusals = 0  # in a row
         while True:
             try:
@@ -255,13 +251,12 @@ class Relay:
             if self.link.tls:
                 advice = "if it is up, check its TLS: --upstream-tls-ca (its CA, the name dialled), --upstream-tls-cert"
             log.warning("upstream %s does not answer (%s): serving the versions held (%s)", self.address, error, advice)
-        if self.health is not None:  # last: a probe that sees it change finds the rest in place
-            status = health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
-            await self.health.set(RELAY_HEALTH_SERVICE, status)
+        # Last: a probe that sees it change finds the rest in place.
+        status = health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
+        await self.health.set(RELAY_HEALTH_SERVICE, status)
 
     async def _reconcile(self, summaries: Sequence[ModelSummary]) -> None:
         """Drop the versions held that the upstream no longer retains (as Describe confirms); relist on a change."""
-        assert self._client is not None
         listed = {s.model: (s.latest_version, s.version_count, s.retained_bytes) for s in summaries}
         for model in [info.model for info in self.store.models()]:
             summary, checked = listed.get(model), self._checked.pop(model, None)
@@ -284,8 +279,7 @@ class Relay:
                     why = "evicted" if isinstance(exc, errors.VersionEvicted) else "deleted"
                     with contextlib.suppress(errors.NotFoundError):  # else gone meanwhile (this relay's retention)
                         await asyncio.to_thread(self.store.delete, model, version, evicted=why == "evicted")
-                        if self.on_removed is not None:
-                            self.on_removed(model)
+                        self.on_removed(model)
                         log.info("relay of %r: v%d was %s upstream; no longer served here", model, version, why)
             if summary is not None:
                 self._checked[model] = (summary, frozenset(confirmed))
@@ -300,7 +294,6 @@ class Relay:
 
     async def _follower(self, model: str) -> None:
         """Watch `model` from the newest version held and relay each; after a failure, back off and resubscribe."""
-        assert self._client is not None
         attempt, failure = 0, ""
 
         def subscribed(metadata: dict[str, str]) -> None:
@@ -310,7 +303,7 @@ class Relay:
         while True:
             last, gap = self._held_version(model), False  # the newest version announced; some went upstream
             events = self._client.watch(
-                model, since=last, timeout=WATCH_SECONDS, incoming=self.incoming is not None, on_subscribed=subscribed
+                model, since=last, timeout=WATCH_SECONDS, incoming=True, on_subscribed=subscribed
             )
             try:
                 while (event := await self._blocking(_next_event, events)) is not None:
@@ -389,8 +382,6 @@ class Relay:
 
     def _on_arriving(self, announced: IncomingEvent) -> None:
         """A publish's bytes arrive upstream (or, `failed`, never will): receive them, passing them on as they land."""
-        if self.incoming is None:
-            return
         if announced.failed:
             incoming = self._incoming.pop(announced.id, None)
             if incoming is not None:
@@ -409,7 +400,6 @@ class Relay:
 
     async def _receive_incoming(self, announced: IncomingEvent, publish: IncomingPublish) -> None:
         """The bytes into `publish.buffer`, unchecked: kept only if the commit names and matches them."""
-        assert self._client is not None
 
         def progress(received: int, _: int) -> None:
             publish.advance(received)  # thread-safe
@@ -453,7 +443,6 @@ class Relay:
 
     def _fetch(self, model: str, number: int, base: Version | None) -> _Fetched:
         """Version `number` of `model` (in a thread), rebuilt from a delta against `base` if that matches its xxh3."""
-        assert self._client is not None
         fetch = functools.partial(self._client.fetch_bytes, model, version=number, timeout=FETCH_SECONDS, retry=False)
         discarded = 0
         if base is not None:
@@ -481,7 +470,7 @@ class Relay:
             uploads = [f.upload(self.store.header_limits) for f in fetched]
             with self.store.commit(uploads, version=number, created=fetched[0].info.created_ns / 1e9) as done:
                 for f, record in zip(fetched, done.versions, strict=True):
-                    if publish is not None and self.incoming is not None:  # this relay's events name the bytes
+                    if publish is not None:  # this relay's events name the bytes
                         self.incoming.committed(publish, record.model, record.version)
                     self.metrics.relayed(record.model, f.moved, delta=f.delta)
                     self.metrics.published(record.model, record.byte_size, time.perf_counter() - started)

@@ -43,7 +43,6 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         store: VersionStore,
         config: ServerConfig,
         *,
-        payloads: PayloadCache | None = None,
         bulk: BulkEndpoint | None = None,
         shared_memory: SharedMemoryFiles | None = None,
         tokens: TokenTable | None = None,
@@ -52,7 +51,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         self.store = store
         self.tokens = tokens
         self.config = config
-        self.payloads = payloads or PayloadCache(config.payload_cache_bytes)
+        self.payloads = PayloadCache(config.payload_cache_bytes)
         self.metrics = metrics or NoMetrics()
         self.relay: Relay | None = None  # on a relay: refuses changes, names its primary to watchers
         self.commits_first = CommitsFirst()
@@ -64,7 +63,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         )
         self.stream = StreamTransport(config.max_stream_fetches, self.commits_first)
         self.shared_memory = SharedMemoryTransport(shared_memory, self.staged, store) if shared_memory else None
-        offered = [self.stream, self.shared_memory, BulkTransport(bulk, self.staged, shared_memory) if bulk else None]
+        offered = [self.shared_memory, BulkTransport(bulk, self.staged, shared_memory) if bulk else None]
         self.transports: dict[int, ServerTransport] = {t.kind: t for t in offered if t is not None}
         store.subscribe(self._on_commit)
         for summary in store.models():  # versions loaded from a data dir
@@ -226,8 +225,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
             if self.relay is not None:
                 self.relay.refuse("Negotiate")
             self.publishes.check(header)
-            # The stream stages nothing: asked first, it would wait for a default thread (casts hold them).
-            accept = [kind for kind in request.accept if kind != pb.TRANSPORT_STREAM] if header.total_bytes else []
+            accept = request.accept if header.total_bytes else []  # the stream is no transport of these
             owner = caller.token_sha256 if caller is not None else None  # the only one who may name the upload
             for transport in filter(None, map(self.transports.get, accept)):
                 upload = await asyncio.to_thread(transport.stage, header, owner, answer.payload)

@@ -118,11 +118,8 @@ class BulkEndpoint:
             try:
                 conn, peer = await loop.sock_accept(self._socket)
             except Exception as exc:  # EMFILE, ENFILE, ENOBUFS: keep serving, warn once per run
-                log.log(
-                    logging.WARNING if pause == ACCEPT_RETRY_SECONDS[0] else logging.DEBUG,
-                    "bulk: accept failed (%s); retrying",
-                    exc,
-                )
+                level = logging.WARNING if pause == ACCEPT_RETRY_SECONDS[0] else logging.DEBUG
+                log.log(level, "bulk: accept failed (%s); retrying", exc)
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, ACCEPT_RETRY_SECONDS[1])
                 continue

@@ -13,10 +13,6 @@ from weightserver.protocol import framing
 from weightserver.protocol.errors import PublishAborted
 from weightserver.publish.incoming import IncomingPublish
 from weightserver.publish.priority import CommitsFirst
-from weightserver.publish.receiver import IncomingModel
-from weightserver.storage.payloads import Payload
-from weightserver.storage.store import Version
-from weightserver.v1 import weights_pb2 as pb
 
 SLOW_READER_SECONDS = 1.0  # a write pending this long gives the fetch's turn back
 # A fetch of a publish's bytes as they land gives up when none land for this long.
@@ -24,22 +20,11 @@ INCOMING_STALL_SECONDS = 60.0
 
 
 class StreamTransport:
-    """The fallback every server has: it makes no offer in Negotiate; Fetch sends the chunks."""
-
-    name, kind = "stream", pb.TRANSPORT_STREAM
+    """The fallback every server has: no transport of Negotiate's, the Fetch call sends the chunks."""
 
     def __init__(self, max_fetches: int, commits_first: CommitsFirst) -> None:
         self._turns = asyncio.Semaphore(max_fetches)
         self._commits_first = commits_first
-
-    async def offer(self, record: Version, payload: Payload, description: pb.Payload) -> bool:
-        return False
-
-    def offer_incoming(self, incoming: IncomingPublish, description: pb.Payload) -> bool:
-        return False
-
-    def stage(self, header: pb.PublishHeader, owner: bytes | None, description: pb.Payload) -> IncomingModel | None:
-        return None  # its bytes come as chunks of the Publish call
 
     def send(self, data: memoryview, chunk_bytes: int) -> AsyncIterator[bytes]:
         return self._in_turn(framing.chunk_messages(data, chunk_bytes))

@@ -42,9 +42,7 @@ class StreamTransport(Transport):
         messages = self._publish_messages(files, progress)
         return self._publish(messages, timeout=deadline.remaining(), metadata=self._metadata)
 
-    def _publish_messages(
-        self, files: Sequence[OutgoingFile], progress: Progress | None, *, commit: bool = True
-    ) -> Iterator[Any]:
+    def _publish_messages(self, files: Sequence[OutgoingFile], progress: Progress | None) -> Iterator[Any]:
         """Each header, then its parts re-cut into chunks (or the upload that moved them), then
         the commit; `progress` hears of each chunk once gRPC took it."""
         total = sum(f.header.total_bytes for f in files)
@@ -59,26 +57,20 @@ class StreamTransport(Transport):
                 sent += file.header.total_bytes
                 continue
             pending: list[memoryview] = []
-            pending_bytes = 0
+            room, left = self.chunk_bytes, file.header.total_bytes  # in this chunk; of this file
             for view in file.parts:
                 while view.nbytes:
-                    take = min(self.chunk_bytes - pending_bytes, view.nbytes)
+                    take = min(room, view.nbytes)
                     pending.append(view[:take])
-                    pending_bytes += take
-                    view = view[take:]
-                    if pending_bytes == self.chunk_bytes:
-                        yield framing.chunk_message(pending)
-                        sent += pending_bytes
-                        if progress is not None:
-                            progress(sent, total)
-                        pending, pending_bytes = [], 0
-            if pending:
-                yield framing.chunk_message(pending)
-                sent += pending_bytes
-                if progress is not None:
-                    progress(sent, total)
-        if commit:
-            yield pb.PublishRequest(commit=pb.PublishCommit())
+                    view, room, left = view[take:], room - take, left - take
+                    if room and left:
+                        continue
+                    yield framing.chunk_message(pending)
+                    sent += self.chunk_bytes - room
+                    if progress is not None:
+                        progress(sent, total)
+                    pending, room = [], self.chunk_bytes
+        yield pb.PublishRequest(commit=pb.PublishCommit())
 
     def offer(
         self, request: pb.FetchRequest, answer: pb.NegotiateResponse | None, deadline: Deadline, info: VersionInfo
