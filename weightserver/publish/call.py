@@ -54,24 +54,6 @@ class Publishes:
             publish_id=first.publish_id,
         )
 
-    async def commit(self, uploads: list[Upload], models: list[IncomingModel]) -> list[Version]:
-        committing = asyncio.get_running_loop().run_in_executor(self.threads, self._commit, uploads, models)
-        try:
-            return await asyncio.shield(committing)
-        finally:
-            # A call cancelled meanwhile leaves the commit running: it finishes with the uploads
-            # before they are let go, and a retry with the same publish id finds its version.
-            await asyncio.wait([committing])
-
-    def _commit(self, uploads: list[Upload], models: list[IncomingModel]) -> list[Version]:
-        """Each model adopts its version in the commit's first phase (durable, not yet visible)."""
-        first = models[0].header
-        with self.store.commit(uploads, version=first.version, publish_id=first.publish_id) as commit:
-            if not commit.replayed:
-                for model, record in zip(models, commit.versions, strict=True):
-                    model.adopt(record)
-        return list(commit.versions)
-
 
 class PublishCall:
     """One Publish call; `owner` may name only the uploads it set up. Phases: receive, verify, commit (s)."""
@@ -108,7 +90,7 @@ class PublishCall:
             digests = [await loop.run_in_executor(self.publishes.threads, m.finish) for m in models]
             self.verify = time.perf_counter() - started - self.receive
             uploads = [m.as_upload(s, d) for m, s, d in zip(models, sha256s, digests, strict=True)]
-            self.records = await self.publishes.commit(uploads, models)
+            self.records = await self._commit(uploads)
             self.commit = time.perf_counter() - started - self.receive - self.verify
             failure = "a repeat of a publish id committed before: its version was announced then"
         except BaseException as exc:
@@ -156,6 +138,25 @@ class PublishCall:
             )
         return commit
 
+    async def _commit(self, uploads: list[Upload]) -> list[Version]:
+        committing = asyncio.get_running_loop().run_in_executor(self.publishes.threads, self._commit_now, uploads)
+        try:
+            return await asyncio.shield(committing)
+        finally:
+            # A call cancelled meanwhile leaves the commit running: it finishes with the uploads
+            # before they are let go, and a retry with the same publish id finds its version.
+            await asyncio.wait([committing])
+
+    def _commit_now(self, uploads: list[Upload]) -> list[Version]:
+        """Each model's version is counted and adopted in the commit's first phase (durable, not yet visible)."""
+        first = self.models[0].header
+        with self.publishes.store.commit(uploads, version=first.version, publish_id=first.publish_id) as commit:
+            if not commit.replayed:
+                for model, record in zip(self.models, commit.versions, strict=True):
+                    self.counted(record)
+                    model.adopt(record)
+        return list(commit.versions)
+
     def _header(self, header: pb.PublishHeader) -> None:
         models, publishes = self.models, self.publishes
         if any(m.model == header.model for m in models):
@@ -165,11 +166,7 @@ class PublishCall:
             _check_group_header(models[0].header, header)
         publishes.check(header, models[0].header if models else None)
         limits, memory, announcements = publishes.store.header_limits, publishes.shared_memory, publishes.announcements
-        models.append(
-            IncomingModel(
-                header, shared_memory=memory, header_limits=limits, announcements=announcements, counted=self.counted
-            )
-        )
+        models.append(IncomingModel(header, shared_memory=memory, header_limits=limits, announcements=announcements))
 
     def _staged(self, upload: str, out_of_order: str) -> None:
         model = self.models[-1]
@@ -177,7 +174,7 @@ class PublishCall:
             if model.received:
                 raise InvalidRequest(f"model {model.model!r}: {BYTES_TWICE}")
             staged = self.publishes.staged.take(upload, model.model, model.total_bytes, owner=self.owner)
-            staged.header, staged.counted, staged.shared_memory = model.header, self.counted, model.shared_memory
+            staged.header = model.header
             self.models[-1] = staged
         elif upload != model.id or model.moved:
             raise InvalidRequest(f"model {model.model!r}: {out_of_order}")

@@ -7,12 +7,9 @@ over the bytes follows the transfer, and announced to cut-through watchers.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import hashlib
 import secrets
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from weightserver.protocol import page_tables, version_info
@@ -46,17 +43,15 @@ class IncomingModel:
         header: pb.PublishHeader,
         transport: str = "stream",
         *,
-        shared_memory: SharedMemoryFiles | None = None,
-        header_limits: dict[str, int] | None = None,
-        announcements: IncomingPublishes | None = None,
+        shared_memory: SharedMemoryFiles | None,
+        header_limits: dict[str, int],
+        announcements: IncomingPublishes,
         owner: bytes | None = None,
-        counted: Callable[[Version], None] | None = None,
     ) -> None:
         self.id = secrets.token_hex(16)
         self.header = header
         self.transport = transport
         self.owner = owner  # the token that may name a staged upload
-        self.counted = counted  # called in the commit, before any reader can see the version
         self.active = time.monotonic()  # when its bytes last moved (a staged upload expires after)
         self.shared_memory = shared_memory
         self.header_limits = header_limits
@@ -71,8 +66,6 @@ class IncomingModel:
         self.failure: BaseException | None = None  # why a bulk transfer stopped short
         self.committed = False  # whether these bytes became a version (not so for a repeat)
         self.declared_tensors: dict[str, str] = {}  # a same-host writer's tensor xxh3s (`uploaded`)
-        self._sha256: hashlib._Hash | None = None
-        self._sha256_fed = 0
         self._handed = 0  # bytes handed to the hashing thread
         self._hashing: ThreadPoolExecutor | None = None
         self._hashed: Future[None] | None = None
@@ -92,10 +85,9 @@ class IncomingModel:
         size = self.total_bytes
         self.file = file
         self.buffer = file.buffer if file is not None else page_tables.anonymous(size)
-        if not isinstance(file, PublisherMemory):
-            self.digests = IncomingDigests(self.buffer, header_limits=self.header_limits)
-        if self.transport == "stream" and (self.header.sha256 or not self.header.xxh3):
-            self._sha256 = hashlib.sha256()  # else the store computes it after the commit
+        if not isinstance(file, PublisherMemory):  # a stream's sha256 here, else the store's after the commit
+            sha256 = self.transport == "stream" and bool(self.header.sha256 or not self.header.xxh3)
+            self.digests = IncomingDigests(self.buffer, sha256=sha256, header_limits=self.header_limits)
 
     def add(self, chunk: bytes) -> None:
         if self.transport != "stream":
@@ -175,14 +167,11 @@ class IncomingModel:
         if self.digests is None:
             return None
         try:
-            digests = self.digests.finish()
+            return self.digests.finish()
         except InvalidSafetensors:
             if self.transport != "stream":
                 raise
             return None  # too short for a header: the store's check says so
-        if self._sha256 is not None:
-            digests = dataclasses.replace(digests, sha256=self._sha256.hexdigest())
-        return digests
 
     def _sealed(self, file: PublisherMemory) -> FileDigests:
         """Seal a same-host writer's memfd. With its xxh3 and every tensor's declared (hashed where the
@@ -191,7 +180,7 @@ class IncomingModel:
         this one hashes the file (256 MiB mapped and hashed in 55 ms against 60 ms in one thread)."""
         declared = self.declared_tensors if self.header.xxh3 else {}
         self.buffer = file.seal(self.model, populate=not declared)
-        header = parse_header(self.buffer, self.total_bytes, **(self.header_limits or {}))
+        header = parse_header(self.buffer, self.total_bytes, **self.header_limits)
         if declared and declared.keys() == {t.name for t in header.tensors}:
             return FileDigests(self.header.xxh3.lower(), declared, header, declared=True)
         tensors = _tensor_hashing().submit(tensor_digests, self.buffer, header)
@@ -213,9 +202,7 @@ class IncomingModel:
         """In the commit, once `record` is durable and before a reader can see it: a same-host
         reader finds the version's file and header in place."""
         self.committed = True
-        if self.counted is not None:
-            self.counted(record)
-        if self.announcement is not None and self.announcements is not None:
+        if self.announcement is not None:
             self.announcements.committed(self.announcement, record.model, record.version)
         if self.file is None:
             return
@@ -237,7 +224,7 @@ class IncomingModel:
 
     def _landed(self, end: int) -> None:
         self.active = time.monotonic()
-        if self.announcement is None and self.announcements is not None and self.total_bytes:
+        if self.announcement is None and self.total_bytes:
             assert self.buffer is not None
             self.announcement = self.announcements.start(self.model, self.buffer)
         if self.announcement is not None:
@@ -259,11 +246,7 @@ class IncomingModel:
             except InvalidSafetensors:
                 if self.transport != "stream":
                     raise
-                self.digests = self._sha256 = None
-        if self._sha256 is not None:
-            assert self.buffer is not None
-            self._sha256.update(self.buffer[self._sha256_fed : end])
-            self._sha256_fed = end
+                self.digests = None
 
     def _hashing_done(self) -> None:
         if self._hashed is not None:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from weightserver.protocol.errors import InvalidRequest, PermissionDenied, TooManyUploads, UploadNotFound, clipped_repr
 from weightserver.publish.incoming import IncomingPublishes
 from weightserver.publish.receiver import IncomingModel
-from weightserver.transports.shared_memory import SharedMemoryUpload
+from weightserver.transports.shared_memory import SharedMemoryFiles, SharedMemoryUpload
 from weightserver.v1 import weights_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -23,9 +23,12 @@ MAX_STAGED_UPLOADS = 64  # set up and not yet named: each may hold a model's siz
 
 
 class StagedUploads:
-    def __init__(self, header_limits: dict, *, incoming: IncomingPublishes | None = None) -> None:
+    def __init__(
+        self, header_limits: dict[str, int], incoming: IncomingPublishes, shared_memory: SharedMemoryFiles | None
+    ) -> None:
         self._header_limits = header_limits
         self._incoming = incoming
+        self._shared_memory = shared_memory
         self._max = MAX_STAGED_UPLOADS
         self._lock = threading.Lock()
         self._uploads: dict[str, IncomingModel] = {}
@@ -55,8 +58,9 @@ class StagedUploads:
                     f"{UPLOAD_TTL_SECONDS:.0f} s after Negotiate) or publish over the stream"
                 )
         header = pb.PublishHeader(model=model, total_bytes=total_bytes)
+        limits, announcements, memory = self._header_limits, self._incoming, self._shared_memory
         upload = IncomingModel(
-            header, transport, header_limits=self._header_limits, announcements=self._incoming, owner=owner
+            header, transport, shared_memory=memory, header_limits=limits, announcements=announcements, owner=owner
         )
         upload.allocate(new_file())
         with self._lock:

@@ -56,7 +56,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         self.relay: Relay | None = None  # on a relay: refuses changes, names its primary to watchers
         self.commits_first = CommitsFirst()
         self.incoming = IncomingPublishes()  # publishes whose bytes are arriving, for cut-through
-        self.staged = StagedUploads(store.header_limits, incoming=self.incoming)
+        self.staged = StagedUploads(store.header_limits, self.incoming, shared_memory)
         self.publishes = Publishes(store, shared_memory, self.incoming, self.staged, config.publish_timeout)
         self.watches = Watches(
             store, self.incoming, self.metrics, lambda: self.relay.watch_metadata() if self.relay else ()
