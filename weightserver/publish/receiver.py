@@ -24,7 +24,7 @@ from weightserver.protocol.errors import (
 from weightserver.protocol.safetensors_format import parse_header
 from weightserver.publish.incoming import IncomingPublish, IncomingPublishes
 from weightserver.storage.store import Upload, Version
-from weightserver.transports.shared_memory import PublisherMemory, SharedMemoryFiles, SharedMemoryUpload
+from weightserver.transports.shared_memory import PublisherMemory, SharedMemoryFiles, UploadFile
 from weightserver.v1 import weights_pb2 as pb
 
 HASH_STRETCH = 1 << 20  # bytes are handed to the hashing thread this many at a time
@@ -57,7 +57,7 @@ class IncomingModel:
         self.header_limits = header_limits
         self.announcements = announcements
         self.announcement: IncomingPublish | None = None  # told to watchers with the first bytes
-        self.file: SharedMemoryUpload | PublisherMemory | None = None  # the buffer's file, removed unless committed
+        self.file: UploadFile | None = None  # the buffer's file, removed unless committed
         self.buffer: memoryview | None = None
         self.digests: IncomingDigests | None = None
         self.received = 0  # bytes [0, received) are in (or, for a writer's, announced)
@@ -78,7 +78,7 @@ class IncomingModel:
     def total_bytes(self) -> int:
         return self.header.total_bytes
 
-    def allocate(self, file: SharedMemoryUpload | PublisherMemory | None) -> None:
+    def allocate(self, file: UploadFile | None) -> None:
         """Receive into `file`, or None: anonymous memory (a publisher's memfd: hashed once sealed)."""
         if file is None and self.transport == "shm":
             raise OSError("no room in the shared-memory folder")

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from weightserver.protocol.errors import InvalidRequest, PermissionDenied, TooManyUploads, UploadNotFound, clipped_repr
 from weightserver.publish.incoming import IncomingPublishes
 from weightserver.publish.receiver import IncomingModel
-from weightserver.transports.shared_memory import SharedMemoryFiles, SharedMemoryUpload
+from weightserver.transports.shared_memory import SharedMemoryFiles, UploadFile
 from weightserver.v1 import weights_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ class StagedUploads:
         model: str,
         total_bytes: int,
         transport: str,
-        new_file: Callable[[], SharedMemoryUpload | None],
+        new_file: Callable[[], UploadFile | None],
         *,
         owner: bytes | None = None,
     ) -> IncomingModel:

@@ -129,7 +129,7 @@ class SharedMemoryFiles:
 
     def new_upload(
         self, model: str, size: int, *, populate: bool = False, publisher_writes: bool = False
-    ) -> SharedMemoryUpload | PublisherMemory | None:
+    ) -> UploadFile | None:
         """A file for a publish to receive into (None: no room); `publisher_writes`: a memfd the
         publisher writes."""
         try:
@@ -142,7 +142,7 @@ class SharedMemoryFiles:
             self._cannot_write(f"a publish of {model!r}", size, exc, "it is received into memory instead")
             return None
 
-    def adopt(self, key: tuple[str, int, int, str], upload: SharedMemoryUpload | PublisherMemory) -> None:
+    def adopt(self, key: tuple[str, int, int, str], upload: UploadFile) -> None:
         model, version, _, _ = key
         path = self.directory / model / version_file_name(version)
         upload.keep_as(path)
@@ -209,13 +209,32 @@ class SharedMemoryFiles:
         )
 
 
-class SharedMemoryUpload:
+class UploadFile:
+    """A publish's file at `path`: `keep_as` makes it a version's file for same-host readers (a
+    memfd's link, valid while held); else `abort` removes it."""
+
+    path: Path
+    buffer: memoryview  # its bytes, mapped
+    _kept = False  # it became a version's file
+
+    def keep_as(self, path: Path) -> None:
+        self.path = self.path.replace(path)
+        self._kept = True
+
+    def abort(self) -> None:
+        if not self._kept:
+            self.close()
+
+    def close(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+class SharedMemoryUpload(UploadFile):
     """A publish's receive buffer in a file created read-only and written through its creating
     descriptor's mapping: no other process can change or cut it under the server."""
 
     def __init__(self, path: Path, size: int, *, populate: bool = False) -> None:
         self.path = path
-        self._kept = False  # it became a version's file
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o444)
             try:
@@ -225,21 +244,13 @@ class SharedMemoryUpload:
                 os.close(fd)
             if mapping is not None and populate:  # an upload set up before its bytes come
                 threading.Thread(target=page_tables.populate, args=(mapping,), name="weightserver-populate").start()
-            self.buffer: memoryview = memoryview(mapping) if mapping is not None else memoryview(bytearray())
+            self.buffer = memoryview(mapping) if mapping is not None else memoryview(bytearray())
         except OSError:
             path.unlink(missing_ok=True)
             raise
 
-    def keep_as(self, path: Path) -> None:
-        self.path.replace(path)
-        self._kept = True
 
-    def abort(self) -> None:
-        if not self._kept:
-            self.path.unlink(missing_ok=True)
-
-
-class PublisherMemory:
+class PublisherMemory(UploadFile):
     """A same-host publisher's upload: a memfd of the server's, which the publisher opens through
     `path`, a link of its own name (an fd number is reused once closed) to /proc/<server pid>/fd/<n>
     (as the server's user, or root), and writes. The server reads none of it until `seal`: from
@@ -259,7 +270,6 @@ class PublisherMemory:
             raise
         self.path = path
         self.buffer = memoryview(bytearray())  # the sealed bytes, mapped read-only by `seal`
-        self._kept = False  # it became a version's file: `close` lets go of it
         self._lock = threading.Lock()
 
     def seal(self, model: str, *, populate: bool = True) -> memoryview:
@@ -285,15 +295,6 @@ class PublisherMemory:
             flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
             self.buffer = memoryview(mmap.mmap(self._fd, size, flags=flags, prot=mmap.PROT_READ))
         return self.buffer
-
-    def keep_as(self, path: Path) -> None:
-        """The upload's link becomes the version's file for same-host readers, valid while held."""
-        self.path = self.path.replace(path)
-        self._kept = True
-
-    def abort(self) -> None:
-        if not self._kept:
-            self.close()
 
     def close(self) -> None:
         """Let go of the memfd (a mapping of it stays valid)."""
