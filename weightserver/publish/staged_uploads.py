@@ -7,12 +7,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 
 from weightserver.protocol.errors import InvalidRequest, PermissionDenied, TooManyUploads, UploadNotFound, clipped_repr
 from weightserver.publish.incoming import IncomingPublishes
 from weightserver.publish.receiver import IncomingModel
-from weightserver.transports.shared_memory import SharedMemoryFiles, UploadFile
+from weightserver.transports.shared_memory import SharedMemoryFiles
 from weightserver.v1 import weights_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -40,16 +39,9 @@ class StagedUploads:
         with self._lock:
             return [upload.transport for upload in self._uploads.values()]
 
-    def create(
-        self,
-        model: str,
-        total_bytes: int,
-        transport: str,
-        new_file: Callable[[], UploadFile | None],
-        *,
-        owner: bytes | None = None,
-    ) -> IncomingModel:
-        """An upload over `transport` into `new_file()` (None: memory) that only `owner` may name."""
+    def create(self, model: str, size: int, transport: str, *, owner: bytes | None = None) -> IncomingModel:
+        """An upload over `transport` ("bulk", "shm": into a memfd the publisher writes) that only
+        `owner` may name, received into shared memory where there is room (else memory)."""
         with self._lock:
             if len(self._uploads) >= self._max:
                 raise TooManyUploads(
@@ -57,12 +49,14 @@ class StagedUploads:
                     f"the most this server holds; finish or cancel those (they expire "
                     f"{UPLOAD_TTL_SECONDS:.0f} s after Negotiate) or publish over the stream"
                 )
-        header = pb.PublishHeader(model=model, total_bytes=total_bytes)
+        header = pb.PublishHeader(model=model, total_bytes=size)
         limits, announcements, memory = self._header_limits, self._incoming, self._shared_memory
         upload = IncomingModel(
             header, transport, shared_memory=memory, header_limits=limits, announcements=announcements, owner=owner
         )
-        upload.allocate(new_file())
+        writes = transport == "shm"  # the publisher writes a memfd of the server's
+        file = memory.new_upload(model, size, populate=True, publisher_writes=writes) if memory is not None else None
+        upload.allocate(file)
         with self._lock:
             self._uploads[upload.id] = upload
         return upload

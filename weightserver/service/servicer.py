@@ -63,7 +63,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         )
         self.stream = StreamTransport(config.max_stream_fetches, self.commits_first)
         self.shared_memory = SharedMemoryTransport(shared_memory, self.staged, store) if shared_memory else None
-        offered = [self.shared_memory, BulkTransport(bulk, self.staged, shared_memory) if bulk else None]
+        offered = [self.shared_memory, BulkTransport(bulk, self.staged) if bulk else None]
         self.transports: dict[int, ServerTransport] = {t.kind: t for t in offered if t is not None}
         store.subscribe(self._on_commit)
         for summary in store.models():  # versions loaded from a data dir

@@ -28,7 +28,6 @@ if TYPE_CHECKING:
     from weightserver.publish.staged_uploads import StagedUploads
     from weightserver.storage.payloads import Payload
     from weightserver.storage.store import Version
-    from weightserver.transports.shared_memory import SharedMemoryFiles
 
 log = logging.getLogger(__name__)
 
@@ -308,14 +307,13 @@ async def _send(
 
 
 class BulkTransport:
-    """Fetches and uploads over the bulk endpoint; uploads land in a shared-memory file if it can."""
+    """Fetches and uploads over the bulk endpoint; uploads land in a shared-memory file if there is room."""
 
     name, kind = "bulk", pb.TRANSPORT_BULK
 
-    def __init__(self, endpoint: BulkEndpoint, uploads: StagedUploads, shared_memory: SharedMemoryFiles | None) -> None:
+    def __init__(self, endpoint: BulkEndpoint, uploads: StagedUploads) -> None:
         self.endpoint = endpoint
         self.uploads = uploads
-        self.shared_memory = shared_memory
 
     async def offer(self, record: Version, payload: Payload, description: pb.Payload) -> bool:
         description.bulk.port = self.endpoint.port
@@ -329,10 +327,9 @@ class BulkTransport:
         return True
 
     def stage(self, header: pb.PublishHeader, owner: bytes | None, description: pb.Payload) -> IncomingModel | None:
-        memory, model, size = self.shared_memory, header.model, header.total_bytes
-        new_file = (lambda: memory.new_upload(model, size, populate=True)) if memory is not None else (lambda: None)
+        model = header.model
         try:
-            upload = self.uploads.create(model, size, "bulk", new_file, owner=owner)
+            upload = self.uploads.create(model, header.total_bytes, "bulk", owner=owner)
         except OSError:
             return None
         description.bulk.port = self.endpoint.port

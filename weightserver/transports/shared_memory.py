@@ -332,15 +332,8 @@ class SharedMemoryTransport:
         return False  # a same-host reader gets the committed version's file as fast
 
     def stage(self, header: pb.PublishHeader, owner: bytes | None, description: pb.Payload) -> IncomingModel | None:
-        model, size = header.model, header.total_bytes
         try:
-            upload = self.uploads.create(
-                model,
-                size,
-                "shm",
-                lambda: self.files.new_upload(model, size, populate=True, publisher_writes=True),
-                owner=owner,
-            )
+            upload = self.uploads.create(header.model, header.total_bytes, "shm", owner=owner)
         except OSError:
             return None
         assert isinstance(upload.file, PublisherMemory)
