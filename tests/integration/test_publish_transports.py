@@ -481,6 +481,25 @@ def test_the_next_publish_of_a_model_uses_the_upload_set_up_ahead(server, client
     assert spare(server, before) != ahead  # and the next one is set up
 
 
+def test_a_publish_takes_the_spare_still_being_set_up(server, client, monkeypatch):
+    """The next publish comes while the last one's spare is still being set up: it waits for that
+    spare rather than staging a second model-sized upload beside it."""
+    prepare = SharedMemoryTransport.prepare
+
+    def slow(self, payload):
+        time.sleep(0.5)
+        prepare(self, payload)
+
+    monkeypatch.setattr(SharedMemoryTransport, "prepare", slow)
+    before = memfds()
+    client.publish(mixed_model(1), model=MODEL, transport="shm")
+    ahead = spare(server, before)  # staged by the server, still being mapped by the client
+    weights = mixed_model(2)
+    version = client.publish(weights, model=MODEL, transport="shm")
+    assert identity_of(version_file(server, version)) == ahead
+    assert_bit_exact(client.fetch(MODEL, version=version, transport="stream").state_dict(), weights)
+
+
 def test_a_spare_of_another_size_is_let_go_and_the_publish_negotiates(server, client):
     before = memfds()
     client.publish(mixed_model(1), model=MODEL, transport="shm")

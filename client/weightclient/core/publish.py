@@ -3,14 +3,14 @@ next upload is set up meanwhile (`SpareUploads`: a page-table fill, about 0.3 ms
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from weightclient.core.failover import Connection, map_rpc_errors
@@ -44,10 +44,16 @@ class SpareUploads:
         self._negotiate = negotiate
         self._lock = threading.Lock()
         self._spares: dict[tuple[str, int], Spare] = {}
+        self._preparing: dict[tuple[str, int, int], Future[None]] = {}  # (model, kind, size): being set up
         self._closed = False
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="weightclient-spare-uploads")
 
-    def take(self, model: str, size: int, order: Sequence[Transport]) -> Spare | None:
+    def take(self, model: str, size: int, order: Sequence[Transport], deadline: Deadline) -> Spare | None:
+        """The spare for the first transport of `order` that has one; one still being set up is waited
+        for, within `deadline` (else this publish would stage a second model-sized upload)."""
+        with self._lock:
+            preparing = [self._preparing.get((model, t.kind, size)) for t in order]
+        futures.wait([f for f in preparing if f is not None], timeout=deadline.remaining())
         now = time.monotonic()
         stale: list[Spare] = []
         found = None
@@ -67,8 +73,19 @@ class SpareUploads:
     def refill(self, model: str, size: int, transport: Transport) -> None:
         if size > MAX_SPARE_BYTES:
             return
-        with contextlib.suppress(RuntimeError):  # closed meanwhile
-            self._thread.submit(self._prepare, model, size, transport)
+        key = (model, transport.kind, size)
+        try:
+            future = self._thread.submit(self._prepare, model, size, transport)
+        except RuntimeError:  # closed meanwhile
+            return
+        with self._lock:
+            self._preparing[key] = future
+        future.add_done_callback(lambda done: self._forget(key, done))  # (at once if done: not under the lock)
+
+    def _forget(self, key: tuple[str, int, int], future: Future[None]) -> None:
+        with self._lock:
+            if self._preparing.get(key) is future:
+                del self._preparing[key]
 
     def close(self) -> None:
         with self._lock:
@@ -189,7 +206,7 @@ class Publishing(Connection):
         """One model's bytes over the transport the server picks (a spare first); over the stream,
         none is named and the Publish call carries them."""
         model, size = header.model, header.total_bytes
-        spare = self._spares.take(model, size, order) if size else None
+        spare = self._spares.take(model, size, order, deadline) if size else None
         if spare is not None and not spares:
             spare.transport.release(spare.answer.payload)
             spare = None
