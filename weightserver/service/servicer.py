@@ -225,7 +225,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
             if self.relay is not None:
                 self.relay.refuse("Negotiate")
             self.publishes.check(header)
-            accept = request.accept if header.total_bytes else []  # the stream is no transport of these
+            accept = request.accept if header.total_bytes else []  # (the stream stages nothing: it is the default)
             owner = caller.token_sha256 if caller is not None else None  # the only one who may name the upload
             for transport in filter(None, map(self.transports.get, accept)):
                 upload = await asyncio.to_thread(transport.stage, header, owner, answer.payload)

@@ -9,8 +9,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from concurrent import futures
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from weightclient.core.failover import Connection, map_rpc_errors
@@ -53,7 +52,7 @@ class SpareUploads:
         for, within `deadline` (else this publish would stage a second model-sized upload)."""
         with self._lock:
             preparing = [self._preparing.get((model, t.kind, size)) for t in order]
-        futures.wait([f for f in preparing if f is not None], timeout=deadline.remaining())
+        wait([f for f in preparing if f is not None], timeout=deadline.remaining())
         now = time.monotonic()
         stale: list[Spare] = []
         found = None

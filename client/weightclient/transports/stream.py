@@ -50,9 +50,8 @@ class StreamTransport(Transport):
         for file in files:
             yield pb.PublishRequest(header=file.header)
             if file.uploaded:
-                done = pb.PublishUploaded(
-                    upload=file.uploaded, xxh3=file.header.xxh3, tensor_xxh3=file.tensor_xxh3 or {}
-                )
+                # (the file's xxh3 is in the header, which now follows the upload)
+                done = pb.PublishUploaded(upload=file.uploaded, tensor_xxh3=file.tensor_xxh3 or {})
                 yield pb.PublishRequest(uploaded=done)
                 sent += file.header.total_bytes
                 continue
