@@ -122,7 +122,9 @@ phase "restarted server holds v$final (weightserver ls, and metrics on port 9100
 DEMO_SECONDS=${TREE_DEMO_SECONDS:-60} "${TREE[@]}" up --no-color --exit-code-from trainer 2>&1 | tee "$LOGS/tree-up.log"
 final=$(ended "$LOGS/tree-summary.json" 4 shm "${TREE[@]}")
 for relay in relay-a relay-b; do
-    "${TREE[@]}" logs --no-color "$relay" | grep -q "relay model=policy version=$final " ||
+    # grep reads it all: `grep -q` stops at the first match, and under pipefail the writer's SIGPIPE
+    # then failed the check although the line was there.
+    "${TREE[@]}" logs --no-color "$relay" | grep -F "relay model=policy version=$final " >/dev/null ||
         { echo "run-stack: $relay did not relay v$final ($LOGS/tree-up.log)" >&2; exit 1; }
 done
 phase "tree ran: 4 collectors ended on v$final, fetched over their relay's shared memory, both relays relayed it"
