@@ -13,6 +13,7 @@ from weightclient import tensors as tensor_codec
 from weightclient.core.background import BackgroundPublisher, PublishFuture
 from weightclient.core.retry import Deadline
 from weightclient.core.service_client import FetchStats, WeightServiceClient
+from weightserver.protocol.deltas import apply_delta
 from weightserver.protocol.digests import xxh3_hex
 from weightserver.protocol.errors import IntegrityError, InvalidRequest, NotFoundError
 from weightserver.protocol.safetensors_format import parse_header
@@ -33,6 +34,7 @@ class FetchResult:
     partial: bool = False
     stats: FetchStats | None = None
     placed: bool = False  # `tensors` are the caller's own, filled in place (fetch(place=...))
+    changed: tuple[str, ...] | None = None  # rebuilt from a delta: the tensors that differ from the base
 
     @property
     def version(self) -> int:
@@ -142,11 +144,14 @@ class WeightClient(WeightServiceClient):
         place: Callable[[VersionInfo], Mapping[str, torch.Tensor] | None] | None = None,
         timeout: float | None = None,
         deadline: Deadline | None = None,
+        consume_base: bool = False,
         **options,
     ) -> FetchResult | None:
         """`fetch_bytes` decoded into tensors. `base`: a version held, so only changed tensors come
-        (a FetchResult gives a complete result, a number a partial one). `place` may return {name:
-        contiguous CPU tensor} to receive into; they may hold unverified bytes if it fails."""
+        (a FetchResult gives a complete result, rebuilt from the changed elements where that is
+        smaller; a number a partial one). `consume_base`: the result may be rebuilt in the base's own
+        bytes (writable), which it then holds. `place` may return {name: contiguous CPU tensor} to
+        receive into; they may hold unverified bytes if it fails."""
         if isinstance(base, FetchResult) and (base.partial or base.dtype or dtype):
             raise InvalidRequest(
                 "a delta against a FetchResult needs a complete result fetched without dtype, and no dtype now; "
@@ -169,6 +174,7 @@ class WeightClient(WeightServiceClient):
 
         base_xxh3 = base_info.xxh3 if base_info is not None else ""
         views = views_for if place is not None else None
+        held = base if isinstance(base, FetchResult) and not base.placed else None
         fetched = self.fetch_bytes(
             model,
             base_version=base_version,
@@ -176,12 +182,27 @@ class WeightClient(WeightServiceClient):
             deadline=deadline,
             base_xxh3=base_xxh3,
             place=views,
+            element_deltas=held is not None,
             **options,
         )
         if fetched is None:
             return None
         if fetched.placed:
             return FetchResult(fetched.info, targets, fetched.data, stats=fetched.stats, placed=True)
+        if held is not None and fetched.base_version:
+            rebuilt = apply_delta(
+                held.data, parse_header(held.data), fetched.info.tensors, fetched.info.byte_size, fetched.data,
+                in_place=consume_base,
+            )  # fmt: skip
+            if rebuilt is not None and xxh3_hex(rebuilt[0]) == fetched.info.xxh3:
+                info, data = fetched.info, rebuilt[0]
+                tensors = tensor_codec.decode(parse_header(data), data)
+                changed = tuple(rebuilt[1])
+                return FetchResult(info, tensors, data, fetched.base_version, stats=fetched.stats, changed=changed)
+            why = "its layout differs" if rebuilt is None else "its bytes changed since it was fetched"
+            log.info("the base of %s v%d: %s; fetching whole", model, fetched.info.version, why)
+            transport = options.get("transport", "auto")
+            return self.fetch(model, version=fetched.info.version, transport=transport, deadline=deadline)
         tensors = tensor_codec.decode(parse_header(fetched.data), fetched.data)
         partial = bool(fetched.base_version)
         if partial:

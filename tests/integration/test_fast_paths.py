@@ -482,8 +482,8 @@ def test_delta_when_nothing_changed_is_empty(client):
 
 
 def test_delta_base_checks_that_are_enforced(client):
-    """A partial or cast base is refused before anything is sent; a base that lacks a tensor
-    (or holds other bytes) is not merged: the version is fetched whole instead."""
+    """A partial or cast base is refused before anything is sent; a base whose tensor dict lacks a
+    tensor still holds the version's file, which the delta is rebuilt on."""
     v1 = layered_model(layers=4)
     client.publish(v1, model=MODEL)
     base = client.fetch(MODEL)
@@ -504,7 +504,7 @@ def test_delta_base_checks_that_are_enforced(client):
     v2_again = {name: t.clone() for name, t in v1.items()}
     v2_again["layer01.weight"] *= 2
     result = client.fetch(MODEL, version=2, base=lacking)
-    assert not result.partial and result.base_version == 0  # fetched whole
+    assert not result.partial and result.base_version == 1 and result.changed == ("layer01.weight",)
     assert_bit_exact(result.tensors, v2_again)
 
 
@@ -636,7 +636,7 @@ def test_derived_payloads_dropped_from_a_small_cache_are_rebuilt_identically(mak
         c.publish(weights, model=MODEL)
         payloads = servicer_of(srv).payloads
         first = {dtype: bytes(c.fetch(MODEL, dtype=dtype, transport="stream").data) for dtype in ("BF16", "F16")}
-        assert payloads.keys() == [(MODEL, 1, 0, "F16")]
+        assert payloads.keys() == [(MODEL, 1, 0, "F16", "")]
         for transport in ("stream", "shm", "bulk"):
             for dtype in ("BF16", "F16"):
                 assert bytes(c.fetch(MODEL, dtype=dtype, transport=transport).data) == first[dtype]
@@ -683,8 +683,9 @@ def address_of(view: memoryview) -> int:
 
 @pytest.mark.parametrize("transport", ["stream", "bulk"])
 def test_updater_applies_versions_bit_exactly_through_one_staging_buffer(server, client, transport):
-    """Every version (whole or delta) is received into one staging buffer, reused from update
-    to update, then copied into the live parameters through the updater's hooks. (Over shared
+    """Every version is received (whole) or rebuilt from a delta (on the version before) in one
+    staging buffer, reused from update to update, then copied into the live parameters through
+    the updater's hooks. (Over shared
     memory each version's file is mapped whole and applied zero-copy: test_zero_copy_apply.)"""
     trainer, policy = layered_policy(0), layered_policy(1)
     recording = RecordingClient(server.address)
@@ -703,7 +704,8 @@ def test_updater_applies_versions_bit_exactly_through_one_staging_buffer(server,
     client.publish(trainer, model=MODEL)
     updater()
     assert updater.version == 2
-    assert recording.results[-1].partial and sorted(recording.results[-1].tensors) == ["3.weight"]
+    second = recording.results[-1]  # the delta, rebuilt on the first version in the same buffer
+    assert not second.partial and second.base_version == 1 and second.changed == ("3.weight",)
     assert updater.last_fetch.wire_bytes * 10 <= full_bytes
     assert_bit_exact(policy.state_dict(), trainer.state_dict())
     assert address_of(recording.results[-1].data) == address_of(first.data)

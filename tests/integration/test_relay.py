@@ -29,11 +29,12 @@ from weightclient import (
 )
 from weightserver.metrics import ServerMetrics
 from weightserver.process import ServerProcess
+from weightserver.protocol.deltas import apply_delta
 from weightserver.protocol.errors import ERROR_METADATA_KEY
 from weightserver.protocol.safetensors_format import parse_header
 from weightserver.relay.relay import RELAY_HEALTH_SERVICE
 from weightserver.server import SERVICE_NAME, WeightServer
-from weightserver.storage.payloads import apply_delta, derive
+from weightserver.storage.payloads import derive
 from weightserver.storage.store import VersionStore
 from weightserver.v1 import weights_pb2 as pb
 from weightserver.v1 import weights_pb2_grpc as pb_grpc
@@ -189,7 +190,7 @@ def test_apply_delta_is_the_inverse_of_a_derived_delta():
     assert changed == {"head"}
     delta = derive(target.data, target.header, keep=lambda entry: entry.name in changed)
     layout = list(target.header.tensors)
-    assert apply_delta(base.data, base.header, layout, target.byte_size, delta) == bytes(target.data)
+    assert apply_delta(base.data, base.header, layout, target.byte_size, delta)[0] == bytes(target.data)
     # A target laid out otherwise cannot be rebuilt on this base.
     other = parse_header(save({"body": torch.zeros(3), "head": torch.zeros(8)}))
     assert apply_delta(base.data, base.header, list(other.tensors), target.byte_size, delta) is None

@@ -24,13 +24,13 @@ from weightserver.config import ServerConfig
 from weightserver.metrics import NoMetrics
 from weightserver.protocol import errors, page_tables
 from weightserver.protocol.channel import channel_credentials
+from weightserver.protocol.deltas import apply_delta
 from weightserver.protocol.digests import FileDigests, xxh3_hex
 from weightserver.protocol.limits import MAX_CHUNK_BYTES
 from weightserver.protocol.names import validate_model_name
 from weightserver.protocol.safetensors_format import parse_header
 from weightserver.protocol.version_info import IncomingEvent, ModelSummary, VersionEvent, VersionInfo
 from weightserver.publish.incoming import IncomingPublish, IncomingPublishes
-from weightserver.storage.payloads import apply_delta
 from weightserver.storage.store import Upload, Version, VersionStore
 
 log = logging.getLogger(__name__)
@@ -446,15 +446,25 @@ class Relay:
         fetch = functools.partial(self._client.fetch_bytes, model, version=number, timeout=FETCH_SECONDS, retry=False)
         discarded = 0
         if base is not None:
-            got = fetch(base_version=base.version, base_xxh3=base.xxh3)
+            got = fetch(base_version=base.version, base_xxh3=base.xxh3, element_deltas=True)
             assert got is not None  # an exact version is never "up to date"
             if not got.base_version:
                 return _Fetched(got.info, got.data, got.data.nbytes, delta=False)
             info = got.info
-            rebuilt = apply_delta(base.data, base.header, list(info.tensors), info.byte_size, got.data)
-            if rebuilt is not None and xxh3_hex(rebuilt) == info.xxh3:
-                return _Fetched(info, rebuilt, got.data.nbytes, delta=True)
-            log.info("%s v%d: the delta against v%d did not rebuild it; fetching it whole", model, number, base.version)
+            try:
+                rebuilt = apply_delta(base.data, base.header, list(info.tensors), info.byte_size, got.data)
+                why = "the layouts differ" if rebuilt is None else "its xxh3 differs"
+            except errors.IntegrityError as exc:
+                rebuilt, why = None, str(exc)
+            if rebuilt is not None and xxh3_hex(rebuilt[0]) == info.xxh3:
+                return _Fetched(info, rebuilt[0], got.data.nbytes, delta=True)
+            log.info(
+                "%s v%d: the delta against v%d did not rebuild it (%s); fetching whole",
+                model,
+                number,
+                base.version,
+                why,
+            )
             discarded = got.data.nbytes
         got = fetch()
         assert got is not None

@@ -14,6 +14,7 @@ import grpc
 
 from weightserver.config import ServerConfig, clamp_chunk_bytes
 from weightserver.metrics import NoMetrics
+from weightserver.protocol import deltas
 from weightserver.protocol.digests import sha256_hex
 from weightserver.protocol.errors import InvalidRequest, PermissionDenied, WeightServerError, clipped_repr
 from weightserver.protocol.version_info import summary_message, version_message
@@ -103,7 +104,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         self.metrics.retained(model, versions)
         files = self.shared_memory.files if self.shared_memory is not None else None
         keys = [*self.payloads.keys(), *(files.keys() if files is not None else ())]
-        derived = {v for m, version, base, _ in keys if m == model for v in (version, base) if v}
+        derived = {v for m, version, base, *_ in keys if m == model for v in (version, base) if v}
         for version in derived - {v.version for v in versions}:
             self.payloads.forget(model, version)
             if files is not None:
@@ -281,7 +282,8 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         if base is None and not request.dtype:
             payload = self.payloads.get(record)  # the version itself: nothing to build
         else:
-            payload = await asyncio.to_thread(self.payloads.get, record, base, request.dtype)
+            forms = tuple(form for form, wire in deltas.WIRE.items() if wire in request.element_deltas)
+            payload = await asyncio.to_thread(self.payloads.get, record, base, request.dtype, forms)
         description = pb.Payload(
             byte_size=payload.byte_size,
             xxh3=payload.xxh3,

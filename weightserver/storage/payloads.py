@@ -1,26 +1,24 @@
 """The safetensors file a fetch sends: the version, a delta (the tensors whose xxh3 differs from a
-base version's), a cast (float32 as bfloat16 or float16), or both; derived ones built once, cached."""
+base version's, whole or as element deltas), a cast (float32 as bfloat16 or float16), or both;
+derived ones built once, cached."""
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from weightserver.protocol import deltas
+from weightserver.protocol.deltas import ENCODING_KEY
 from weightserver.protocol.digests import xxh3_hex
-from weightserver.protocol.errors import InvalidSafetensors
-from weightserver.protocol.safetensors_format import (
-    DTYPE_SIZES,
-    SafetensorsHeader,
-    TensorEntry,
-    build_header,
-    parse_header,
-)
+from weightserver.protocol.safetensors_format import DTYPE_SIZES, SafetensorsHeader, TensorEntry, build_header
 
 CAST_TARGETS = ("BF16", "F16")
 CAST_BLOCK_VALUES = 1 << 22  # 16 MiB of float32 at a time: whole-tensor temporaries would cost several times its size
 Bytes = bytes | bytearray | memoryview
+PayloadKey = tuple[str, int, int, str, str]  # model, version, base version, dtype, element delta forms ("+"-joined)
 
 
 @dataclass(frozen=True)
@@ -31,10 +29,14 @@ class Payload:
     xxh3: str
     base_version: int = 0
     dtype: str = ""
+    forms: tuple[str, ...] = ()  # the element delta forms the caller decodes (its tensors may use them)
 
     @property
     def byte_size(self) -> int:
         return len(self.data)
+
+    def key(self, model: str, version: int) -> PayloadKey:
+        return model, version, self.base_version, self.dtype, "+".join(self.forms)
 
 
 def cast_f32(data: memoryview, dtype: str) -> memoryview:
@@ -59,49 +61,55 @@ def cast_f32(data: memoryview, dtype: str) -> memoryview:
 
 
 def derive(
-    data: Bytes, header: SafetensorsHeader, *, keep: Callable[[TensorEntry], bool] | None = None, dtype: str = ""
+    data: Bytes,
+    header: SafetensorsHeader,
+    *,
+    keep: Callable[[TensorEntry], bool] | None = None,
+    dtype: str = "",
+    base: tuple[Bytes, SafetensorsHeader] | None = None,
+    forms: tuple[str, ...] = (),
 ) -> bytes:
-    """A new safetensors file with the tensors `keep` selects, float32 ones cast to `dtype`."""
+    """A new safetensors file with the tensors `keep` selects, float32 ones cast to `dtype`, or each
+    written in the smallest of `forms` against the same tensor of `base` (data, header)."""
     view, start = memoryview(data), header.data_start
-    selected: list[tuple[TensorEntry, str, memoryview | bytes]] = []
+    bases = {t.name: t for t in base[1].tensors} if base is not None and forms and not dtype else {}
+    selected: list[tuple[str, str, tuple[int, ...], memoryview | bytes]] = []
+    encoded: dict[str, str] = {}
     for entry in header.tensors:
         if keep is not None and not keep(entry):
             continue
         raw = view[start + entry.begin : start + entry.end]
         if dtype and entry.dtype == "F32":
-            selected.append((entry, dtype, cast_f32(raw, dtype)))
-        else:
-            selected.append((entry, entry.dtype, raw))
+            selected.append((entry.name, dtype, entry.shape, cast_f32(raw, dtype)))
+            continue
+        was = bases.get(entry.name)
+        if was is not None:
+            old = memoryview(base[0])[base[1].data_start + was.begin : base[1].data_start + was.end]
+            form, raw = deltas.encode(old, raw, DTYPE_SIZES[entry.dtype], forms)
+            if form:
+                encoded[entry.name] = form
+                selected.append((entry.name, "U8", (len(raw),), raw))
+                continue
+        selected.append((entry.name, entry.dtype, entry.shape, raw))
     # Largest elements first keeps every tensor aligned, as in our own encoder.
-    selected.sort(key=lambda item: (-DTYPE_SIZES[item[1]], item[0].name))
-    prefix, _ = build_header((e.name, d, e.shape, len(raw)) for e, d, raw in selected)
-    return b"".join([prefix, *(raw for _, _, raw in selected)])
+    selected.sort(key=lambda item: (-DTYPE_SIZES[item[1]], item[0]))
+    metadata = {ENCODING_KEY: json.dumps(encoded, separators=(",", ":"))} if encoded else None
+    prefix, _ = build_header(((n, d, s, len(raw)) for n, d, s, raw in selected), metadata)
+    return b"".join([prefix, *(raw for *_, raw in selected)])
 
 
-def apply_delta(
-    base: Bytes, base_header: SafetensorsHeader, layout: Sequence[TensorEntry], byte_size: int, delta: Bytes
-) -> bytearray | None:
-    """The inverse of `derive(..., keep=changed)`: the base with `delta`'s tensors written over; None when
-    the target (`layout`, `byte_size`) is laid out otherwise. The caller checks the digest."""
-    if len(base) != byte_size or [_placement(t) for t in base_header.tensors] != [_placement(t) for t in layout]:
-        return None
-    try:
-        changed = parse_header(delta)
-    except InvalidSafetensors:
-        return None
-    places = {t.name: t for t in base_header.tensors}
-    rebuilt, source = bytearray(base), memoryview(delta)
-    for entry in changed.tensors:
-        place = places.get(entry.name)
-        if place is None or (entry.dtype, entry.shape, entry.nbytes) != (place.dtype, place.shape, place.nbytes):
-            return None
-        start, begin = base_header.data_start + place.begin, changed.data_start + entry.begin
-        rebuilt[start : start + place.nbytes] = source[begin : begin + entry.nbytes]
-    return rebuilt
-
-
-def _placement(entry: TensorEntry) -> tuple[str, str, tuple[int, ...], int, int]:
-    return entry.name, entry.dtype, tuple(entry.shape), entry.begin, entry.end
+def _any_worth(target, base, forms: tuple[str, ...], unchanged: set[str]) -> bool:
+    """Whether an element delta would likely shrink a changed tensor (sampled: see worth_encoding)."""
+    was = {t.name: t for t in base.header.tensors}
+    for entry in target.header.tensors:
+        if entry.name in unchanged:
+            continue
+        old = was[entry.name]
+        new_bytes = memoryview(target.data)[target.header.data_start + entry.begin :][: entry.nbytes]
+        old_bytes = memoryview(base.data)[base.header.data_start + old.begin :][: old.nbytes]
+        if deltas.worth_encoding(old_bytes, new_bytes, DTYPE_SIZES[entry.dtype], forms):
+            return True
+    return False
 
 
 class PayloadCache:
@@ -111,22 +119,25 @@ class PayloadCache:
     def __init__(self, max_bytes: int = 1 << 30) -> None:
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
-        self._entries: OrderedDict[tuple[str, int, int, str], Payload] = OrderedDict()
-        self._building: dict[tuple[str, int, int, str], threading.Event] = {}
+        self._entries: OrderedDict[PayloadKey, Payload] = OrderedDict()
+        self._building: dict[PayloadKey, threading.Event] = {}
         self.builds = 0  # how many payloads were derived (a cast happens once per version)
 
-    def get(self, target, base=None, dtype: str = "") -> Payload:
+    def get(self, target, base=None, dtype: str = "", forms: tuple[str, ...] = ()) -> Payload:
         """The payload for `target` (a store Version): a delta against `base` (a Version of the same
-        model, or None) and/or a cast to `dtype` (one of CAST_TARGETS: the servicer checks it)."""
+        model, or None), its changed tensors as element deltas in `forms` where that is smaller (not
+        with a cast), and/or a cast to `dtype` (one of CAST_TARGETS: the servicer checks it)."""
         # A delta needs the same tensor names, dtypes and shapes, and a tensor that did not change (by digest).
         layout = {(t.name, t.dtype, t.shape) for t in target.header.tensors}
         if base is None or layout != {(t.name, t.dtype, t.shape) for t in base.header.tensors}:
             base, unchanged = None, set()
         else:
             unchanged = {name for name, xxh3 in target.tensor_xxh3.items() if base.tensor_xxh3.get(name) == xxh3}
-        if not dtype and not unchanged:
-            return Payload(target.data, target.xxh3)  # no cast, and no delta or every tensor changed
-        key = (target.model, target.version, base.version if base is not None else 0, dtype)
+        worth = base is not None and not dtype and forms and _any_worth(target, base, forms, unchanged)
+        forms = tuple(sorted(forms)) if worth else ()
+        if not dtype and not unchanged and not forms:
+            return Payload(target.data, target.xxh3)  # no cast, and no delta or every element changed
+        key = (target.model, target.version, base.version if base is not None else 0, dtype, "+".join(forms))
         while True:
             with self._lock:
                 payload = self._entries.get(key)
@@ -139,8 +150,16 @@ class PayloadCache:
                     break
             waiter.wait()
         try:
-            data = derive(target.data, target.header, keep=lambda e: e.name not in unchanged, dtype=dtype)
-            payload = Payload(data, xxh3_hex(data), base.version if base is not None else 0, dtype)
+            source = (base.data, base.header) if base is not None else None
+            data = derive(
+                target.data,
+                target.header,
+                keep=lambda e: e.name not in unchanged,
+                dtype=dtype,
+                base=source,
+                forms=forms,
+            )
+            payload = Payload(data, xxh3_hex(data), base.version if base is not None else 0, dtype, forms)
             with self._lock:
                 self.builds += 1
                 self._entries[key] = payload
@@ -152,7 +171,7 @@ class PayloadCache:
             with self._lock:
                 self._building.pop(key).set()
 
-    def keys(self) -> list[tuple[str, int, int, str]]:
+    def keys(self) -> list[PayloadKey]:
         with self._lock:
             return list(self._entries)
 

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from weightserver.publish.incoming import IncomingPublish
     from weightserver.publish.receiver import IncomingModel
     from weightserver.publish.staged_uploads import StagedUploads
-    from weightserver.storage.payloads import Payload
+    from weightserver.storage.payloads import Payload, PayloadKey
     from weightserver.storage.store import Version, VersionStore
 
 log = logging.getLogger(__name__)
@@ -104,19 +104,19 @@ class SharedMemoryFiles:
         self._lock_fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         self._lock = threading.Lock()
-        self._files: dict[tuple[str, int, int, str], Path] = {}
-        self._memory: dict[tuple[str, int, int, str], PublisherMemory] = {}  # files that are memfds
+        self._files: dict[PayloadKey, Path] = {}
+        self._memory: dict[PayloadKey, PublisherMemory] = {}  # files that are memfds
         self._warned = False  # about a full folder, once per server
 
-    def path_for(self, key: tuple[str, int, int, str], data: bytes | bytearray | memoryview | None) -> Path | None:
-        """The file of payload `key` (model, version, base, dtype), written once from `data`; None: no
-        room, or (`data` None) not written yet."""
+    def path_for(self, key: PayloadKey, data: bytes | bytearray | memoryview | None) -> Path | None:
+        """The file of payload `key` (model, version, base, dtype, element delta forms), written once from
+        `data`; None: no room, or (`data` None) not written yet."""
         with self._lock:
             path = self._files.get(key)
             if data is None or (path is not None and path.exists()):
                 return path
-            model, version, base, dtype = key
-            suffix = (f"-delta{base}" if base else "") + (f"-{dtype}" if dtype else "")
+            model, version, base, dtype, forms = key
+            suffix = (f"-delta{base}" if base else "") + (f"-{dtype}" if dtype else "") + ("-elements" if forms else "")
             path = self.directory / model / version_file_name(version, suffix)
             try:
                 path.parent.mkdir(mode=FOLDER_MODE, exist_ok=True)
@@ -142,8 +142,8 @@ class SharedMemoryFiles:
             self._cannot_write(f"a publish of {model!r}", size, exc, "it is received into memory instead")
             return None
 
-    def adopt(self, key: tuple[str, int, int, str], upload: UploadFile) -> None:
-        model, version, _, _ = key
+    def adopt(self, key: PayloadKey, upload: UploadFile) -> None:
+        model, version, *_ = key
         path = self.directory / model / version_file_name(version)
         upload.keep_as(path)
         with self._lock:
@@ -155,7 +155,7 @@ class SharedMemoryFiles:
         """(Re)write `version`'s header file if its file is here; `header()` (None: gone) runs under
         the lock, so of two writers the later writes the later state."""
         with self._lock:
-            if (model, version, 0, "") not in self._files:
+            if (model, version, 0, "", "") not in self._files:
                 return
             content = header()
             if content is None:
@@ -165,7 +165,7 @@ class SharedMemoryFiles:
             except OSError as exc:
                 self._cannot_write(f"the header of {model!r} v{version}", len(content), exc, "clients ask the server")
 
-    def keys(self) -> list[tuple[str, int, int, str]]:
+    def keys(self) -> list[PayloadKey]:
         with self._lock:
             return list(self._files)
 
@@ -173,7 +173,7 @@ class SharedMemoryFiles:
         with self._lock:
             for key in [k for k in self._files if k[0] == model and version in (k[1], k[2])]:
                 path = self._files.pop(key)
-                if key[1:] == (version, 0, ""):  # a reader that finds the header finds the file
+                if key[1:] == (version, 0, "", ""):  # a reader that finds the header finds the file
                     path.with_name(header_file_name(version)).unlink(missing_ok=True)
                 path.unlink(missing_ok=True)
                 if key in self._memory:  # the version's mapping stays valid; readers' too
@@ -317,13 +317,13 @@ class SharedMemoryTransport:
         self.store = store
 
     async def offer(self, record: Version, payload: Payload, description: pb.Payload) -> bool:
-        key = (record.model, record.version, payload.base_version, payload.dtype)
+        key = payload.key(record.model, record.version)
         path = self.files.path_for(key, None)  # no thread when it is written already
         if path is None:
             path = await asyncio.to_thread(self.files.path_for, key, payload.data)
             if path is None:
                 return False  # the folder is full
-            if key[2:] == (0, ""):
+            if key[2:] == (0, "", ""):
                 await asyncio.to_thread(self.write_header, record.model, record.version)
         description.shared_memory.path = str(path)
         return True

@@ -10,6 +10,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ElementDelta(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ELEMENT_DELTA_UNSPECIFIED: _ClassVar[ElementDelta]
+    ELEMENT_DELTA_SPARSE: _ClassVar[ElementDelta]
+    ELEMENT_DELTA_BITMAP: _ClassVar[ElementDelta]
+
 class Transport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     TRANSPORT_UNSPECIFIED: _ClassVar[Transport]
@@ -22,6 +28,9 @@ class Direction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DIRECTION_UNSPECIFIED: _ClassVar[Direction]
     DIRECTION_FETCH: _ClassVar[Direction]
     DIRECTION_PUBLISH: _ClassVar[Direction]
+ELEMENT_DELTA_UNSPECIFIED: ElementDelta
+ELEMENT_DELTA_SPARSE: ElementDelta
+ELEMENT_DELTA_BITMAP: ElementDelta
 TRANSPORT_UNSPECIFIED: Transport
 TRANSPORT_STREAM: Transport
 TRANSPORT_BULK: Transport
@@ -172,13 +181,14 @@ class DescribeRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("model", "version", "newer_than", "incoming", "chunk_size", "base_version", "dtype")
+    __slots__ = ("model", "version", "newer_than", "incoming", "chunk_size", "base_version", "element_deltas", "dtype")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NEWER_THAN_FIELD_NUMBER: _ClassVar[int]
     INCOMING_FIELD_NUMBER: _ClassVar[int]
     CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ELEMENT_DELTAS_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
@@ -186,8 +196,9 @@ class FetchRequest(_message.Message):
     incoming: str
     chunk_size: int
     base_version: int
+    element_deltas: _containers.RepeatedScalarFieldContainer[ElementDelta]
     dtype: str
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., newer_than: _Optional[int] = ..., incoming: _Optional[str] = ..., chunk_size: _Optional[int] = ..., base_version: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., newer_than: _Optional[int] = ..., incoming: _Optional[str] = ..., chunk_size: _Optional[int] = ..., base_version: _Optional[int] = ..., element_deltas: _Optional[_Iterable[_Union[ElementDelta, str]]] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class FetchResponse(_message.Message):
     __slots__ = ("header", "chunk", "up_to_date", "payload")

@@ -17,6 +17,7 @@ from weightclient.core.retry import Deadline
 from weightclient.placement import Placement, checked_views
 from weightclient.transports import PayloadGone, TransportFailed
 from weightclient.transports.base import Progress
+from weightserver.protocol import deltas
 from weightserver.protocol.errors import IntegrityError, InvalidRequest, PublishAborted
 from weightserver.protocol.version_info import IncomingEvent, VersionInfo
 from weightserver.v1 import weights_pb2 as pb
@@ -69,14 +70,20 @@ class Fetching(Connection):
         retry: bool = True,
         progress: Progress | None = None,
         deadline: Deadline | None = None,
+        element_deltas: bool = False,
     ) -> FetchedBytes | None:
         """The latest version, exactly `version`, or the latest if newer than `newer_than` (else None).
         `base_version`: changed tensors only; `dtype`: float32 cast by the server; `base_xxh3`: the
-        caller's digest of the base (if the server's differs, the whole version is fetched)."""
+        caller's digest of the base (if the server's differs, the whole version is fetched);
+        `element_deltas`: the caller holds the base's bytes, so changed tensors may come as their
+        changed elements (rebuild with weightserver.protocol.deltas.apply_delta); such a delta is
+        never received into `into`, which may then be the base's own bytes."""
         if (version is not None and newer_than is not None) or (version or 1) < 1 or (newer_than or 0) < 0:
             raise InvalidRequest(f"give version >= 1 or newer_than >= 0, not {version=}, {newer_than=}")
         request = pb.FetchRequest(model=model, version=version, newer_than=newer_than, chunk_size=self.chunk_bytes)
         request.base_version, request.dtype = base_version, dtype  # (a None above leaves its field unset)
+        if element_deltas and base_version and not dtype:
+            request.element_deltas.extend(deltas.WIRE.values())
         deadline = deadline or Deadline.after(timeout)
         once = functools.partial(self._fetch_once, request, transport, into, place, progress)
         fetched = self._on_any_server(once, deadline, retry=retry)
@@ -128,7 +135,9 @@ class Fetching(Connection):
                         data, bad = memoryview(b""), transport.receive_placed(offer, views)
                         problem = f"placed tensors {bad[:5]} do not match their digests" if bad else ""
                     else:
-                        data = transport.receive(offer, into=into, progress=progress if last else None)
+                        # A delta the caller rebuilds on its base must not land in `into`, which may be that base.
+                        target = None if offer.payload.base_version and request.element_deltas else into
+                        data = transport.receive(offer, into=target, progress=progress if last else None)
                         problem = ""
                         if not transport.sealed(data):  # (a sealed file is the version: nothing to check)
                             digest, announced = xxhash.xxh3_128_hexdigest(data), offer.payload.xxh3

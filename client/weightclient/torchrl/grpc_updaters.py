@@ -13,11 +13,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
 from weightclient import tensors as tensor_codec
-from weightclient.client import WeightClient
+from weightclient.client import FetchResult, WeightClient
 from weightclient.core.retry import Deadline, RetryPolicy
 from weightclient.core.service_client import FetchStats
 from weightclient.core.version_follower import CutThrough, VersionFollower
@@ -188,7 +189,7 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
     >>> if update is not None: updater.apply(update)                        # doctest: +SKIP
     """
 
-    _not_pickled = ("_collector_wr", "_client", "_staging", "_follower", "_receiver")
+    _not_pickled = ("_collector_wr", "_client", "_staging", "_held", "_follower", "_receiver")
 
     def __init__(
         self,
@@ -225,6 +226,7 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         self.zero_copy = False  # the last apply made every parameter a view of the version's file
         self.applied: VersionInfo | None = None  # its description (the delta base); None for weights not pulled
         self._staging: memoryview | None = None  # receive buffer, lent to a pulled Update
+        self._held: FetchResult | None = None  # the version whose whole file `_staging` holds
         self._applying: memoryview | None = None  # the mapped file of the update being applied
         self._follower: VersionFollower | None = None
         self._receiver: CutThrough | None = None  # the follower's receiver of incoming versions
@@ -301,6 +303,9 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
             target = {"version": self.announced}  # its header file is read: no call
         options = {"dtype": self.dtype, "transport": self.transport, "into": self._staging, "retry": False}
         options["base"] = self.applied if self.delta and self.version is not None and not same_host else None
+        held, self._held = self._held, None  # the staging buffer is about to be reused
+        if options["base"] is not None and held is not None and held.version == self.version and not self.dtype:
+            options["base"], options["consume_base"] = held, True  # element deltas, rebuilt in the buffer
         began = time.monotonic()
         try:
             try:
@@ -330,9 +335,12 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         if not mapped and (buffer is None or result.data.nbytes > buffer.nbytes):
             buffer = result.data
         mapping = result.data if mapped else None
-        return Update(
-            result.info, result.weights, partial=result.partial, stats=result.stats, buffer=buffer, mapping=mapping
-        )
+        if not mapped and not result.partial and not result.dtype and _within(result.data, buffer):
+            self._held = result  # the staging buffer holds this version's file: the next delta's base
+        weights, partial = result.weights, result.partial
+        if result.changed is not None and result.base_version == self.version:  # the policy holds the rest
+            weights, partial = weights.select(*result.changed), True
+        return Update(result.info, weights, partial=partial, stats=result.stats, buffer=buffer, mapping=mapping)
 
     def apply(self, update: Update) -> None:
         """Write `update` through the hooks, checked first; a copy that fails midway leaves `version` None."""
@@ -458,6 +466,14 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
             down = time.monotonic() - self._unavailable_since
             log.warning("weight server %s is back after %.1fs", self.client.address, down)
             self._unavailable_since, self._stalled = None, False
+
+
+def _within(data: memoryview, buffer: memoryview | None) -> bool:
+    """Whether `data` lies in `buffer`'s memory (a fetch received or rebuilt it there)."""
+    if buffer is None or not data.nbytes:
+        return False
+    start, at = (np.frombuffer(view, dtype=np.uint8).ctypes.data for view in (buffer, data))
+    return start <= at and at + data.nbytes <= start + buffer.nbytes
 
 
 def _swaps(
