@@ -26,6 +26,7 @@ from weightclient.torchrl.key_mapping import IDENTITY, KeyMap, check_weights, ma
 from weightserver.protocol.errors import (
     CursorOutOfRange,
     DeadlineExceeded,
+    IntegrityError,
     ModelNotFound,
     ServerUnavailable,
     VersionEvicted,
@@ -325,6 +326,12 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
             return None
         except UNREACHABLE as exc:
             self._server_unavailable(exc, began)
+            return None
+        except IntegrityError as exc:
+            if not options.get("consume_base"):
+                raise
+            # Nothing was applied; without the held base the next pull asks for whole tensors.
+            log.warning("%s: refused a malformed delta on v%s (%s); the policy keeps it", self.model, self.version, exc)
             return None
         self._server_available(asked=True)
         if result is None:
