@@ -47,6 +47,7 @@ FRESHNESS_REMOTE_TARGET = 2.0  # x one raw TCP transfer
 # x torchrl MultiSyncCollector(2 workers) shared-memory sync, by size (issue 30; larger: as 256 MiB)
 FRESHNESS_LOCAL_TARGETS = {16 << 20: 1.5, 256 << 20: 1.2}
 FRESHNESS_8_TARGET = 1.5  # x freshness_remote
+RAW_FANOUT_TARGET = 1.3  # x raw_fanout, reported beside freshness_remote and freshness_8 (issue 31)
 # Untimed pause before each timed publish: a trainer trains between publishes, and what the
 # last publish left running in the background (the server's sha256 of it, the next upload
 # set up ahead) would otherwise share the cores with the one being timed.
@@ -344,7 +345,18 @@ def freshness_remote(ctx: Context, size: int) -> list[Row]:
     """Publish call -> 2 collector processes applied, over bulk, vs one raw TCP transfer."""
     row = _freshness_row(ctx, size, "freshness_remote", LOCAL_COLLECTORS, "bulk")
     ctx.baselines[("freshness_remote", size)] = row
-    return [compare(row, ctx.baseline("raw_tcp", size), "<=", FRESHNESS_REMOTE_TARGET, time_based=True)]
+    judged = compare(row, ctx.baseline("raw_tcp", size), "<=", FRESHNESS_REMOTE_TARGET, time_based=True)
+    _ratio_to_raw_fanout(ctx, judged)
+    return [judged]
+
+
+def _ratio_to_raw_fanout(ctx: Context, row: Row) -> None:
+    """Reported beside the row's judged ratio (issue 31): the ratio to `raw_fanout` on
+    loopback at the same size, the limit of the same topology (issue 31's target: <= 1.3x)."""
+    fanout = ctx.baseline("raw_fanout", row.size or 0)
+    if fanout is not None and row.median is not None:
+        row.extra["ratio_to_raw_fanout"] = ratio = row.median / (median_seconds(fanout) * 1e3)
+        row.note += f"; {ratio:.2f}x raw_fanout (loopback; issue 31 asks <= {RAW_FANOUT_TARGET:g}x)"
 
 
 def freshness_remote_no_cut_through(ctx: Context, size: int) -> list[Row]:
@@ -396,6 +408,7 @@ def freshness_8(ctx: Context, size: int) -> list[Row]:
     if raw is not None:
         row.extra["ratio_to_raw_tcp"] = row.median / (median_seconds(raw) * 1e3)
         row.note += f"; {row.extra['ratio_to_raw_tcp']:.2f}x one raw TCP transfer"
+    _ratio_to_raw_fanout(ctx, row)
     return rows
 
 
@@ -414,9 +427,9 @@ ROW_ORDER = list(SIZED_ROWS)
 NEEDS = {
     "publish_bulk": ["raw_tcp", "raw_tcp_after_idle"],
     "publish_shm": ["memcpy"],
-    "freshness_remote": ["raw_tcp"],
+    "freshness_remote": ["raw_tcp", "raw_fanout"],
     "freshness_remote_no_cut_through": ["raw_tcp"],
     "freshness_local": ["torchrl_shared_mem"],
     "freshness_local_multi": ["torchrl_shared_mem"],
-    "freshness_8": ["raw_tcp"],
+    "freshness_8": ["raw_tcp", "raw_fanout"],
 }
