@@ -121,7 +121,8 @@ class _Role:
         self.name = args[0]
         self.process = subprocess.Popen(command, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True, name=f"raw-fanout-{self.name}").start()
+        self._reader = threading.Thread(target=self._read, daemon=True, name=f"raw-fanout-{self.name}")
+        self._reader.start()
 
     def _read(self) -> None:
         assert self.process.stdout is not None
@@ -153,6 +154,9 @@ class _Role:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+        self._reader.join(5)
+        if self.process.stdout is not None:
+            self.process.stdout.close()
 
 
 def raw_fanout(
