@@ -8,8 +8,9 @@
 Prints a table (median of the repeats, min-max, unit, the baseline's median, the ratio, the
 target and PASS/FAIL) and writes every raw sample to JSON. Progress goes to stderr. Rows whose
 feature does not exist yet print "n/a (not implemented)". Baselines: memcpy, raw_tcp, raw_tcp_after_idle,
-gloo_broadcast, torchrl_shared_mem (see bench/baselines.py); rows: see bench/rows.py and
-bench/freshness.py (publish over bulk / shared memory, publish-to-collector freshness) and
+raw_fanout, gloo_broadcast, torchrl_shared_mem (see bench/baselines.py); rows: see bench/rows.py and
+bench/freshness.py (publish over bulk / shared memory, publish-to-collector freshness),
+bench/freshness_link.py (freshness over a shaped link between network namespaces, as root) and
 bench/fanout_tree.py (a primary, 4 relays, 32 collectors: freshness and the primary's egress).
 """
 
