@@ -6,6 +6,8 @@
 - raw_tcp_after_idle: the same, each transfer after IDLE_GAP_SECONDS of nothing, as the publish
   rows publish (a trainer trains between publishes). On the development machine a transfer
   after an idle second takes about twice as long as one right after another.
+- raw_fanout: the freshness rows' topology with raw sockets: a sender, a forwarding process
+  passing each MiB on as it arrives, 2 receivers `recv_into` a tensor (bench/raw_fanout.py).
 - gloo_broadcast: torch.distributed gloo broadcast of N bytes between 2 spawned processes
   (one pair per size), timed on the receiving rank after a barrier.
 - torchrl_shared_mem: TorchRL's own multiprocess weight sync (MultiSyncCollector, 2 workers,
@@ -31,6 +33,7 @@ from pathlib import Path
 
 from bench import workers
 from bench.common import WARMUP_ROUNDS, MiB, Row, gbps, log
+from bench.raw_fanout import raw_fanout  # noqa: F401 (one of the suite's baselines, by name)
 
 REPO = Path(__file__).resolve().parent.parent
 SPAWN = multiprocessing.get_context("spawn")

@@ -21,7 +21,10 @@ import queue
 import re
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -44,6 +47,7 @@ FRESHNESS_REMOTE_TARGET = 2.0  # x one raw TCP transfer
 # x torchrl MultiSyncCollector(2 workers) shared-memory sync, by size (issue 30; larger: as 256 MiB)
 FRESHNESS_LOCAL_TARGETS = {16 << 20: 1.5, 256 << 20: 1.2}
 FRESHNESS_8_TARGET = 1.5  # x freshness_remote
+RAW_FANOUT_TARGET = 1.3  # x raw_fanout, reported beside freshness_remote and freshness_8 (issue 31)
 # Untimed pause before each timed publish: a trainer trains between publishes, and what the
 # last publish left running in the background (the server's sha256 of it, the next upload
 # set up ahead) would otherwise share the cores with the one being timed.
@@ -63,7 +67,12 @@ def publish_kwargs(transport: str) -> dict[str, str]:
 def _server_publish_transports(ctx: Context, model: str) -> dict[int, str]:
     """{version: transport} of `model`'s publishes, from the server's log lines
     (`publish model=M version=V ... transport=T`): the path that actually carried each."""
-    found = re.findall(rf"publish model={re.escape(model)} version=(\d+) .*?transport=(\w+)", ctx.server.log())
+    return server_publish_transports(ctx.server.log(), model)
+
+
+def server_publish_transports(server_log: str, model: str) -> dict[int, str]:
+    """`_server_publish_transports` of a server log's text."""
+    found = re.findall(rf"publish model={re.escape(model)} version=(\d+) .*?transport=(\w+)", server_log)
     return {int(version): transport for version, transport in found}
 
 
@@ -134,7 +143,10 @@ class Collectors:
     """`count` collector processes (`workers.freshness_collector`), each following `model`
     with `GrpcLocalWeightUpdater(watch=True, transport=transport)` into a live policy of
     `shapes`. `start()` returns once each applied the model's current version and follows the
-    Watch stream; `applied(version)` waits for every collector to report that version."""
+    Watch stream; `applied(version)` waits for every collector to report that version.
+    `options`: more keyword arguments of each collector's updater (`freshness_collector`);
+    `spawn_in(i)`: a context collector i's process is started in (`Link.spawning_in`: its
+    network namespace)."""
 
     def __init__(
         self,
@@ -145,15 +157,19 @@ class Collectors:
         transport: str,
         incoming: bool = True,
         target: Callable[..., None] = workers.freshness_collector,
+        options: Mapping[str, Any] | None = None,
+        spawn_in: Callable[[int], AbstractContextManager[object]] | None = None,
     ) -> None:
         self.count = count
+        self.spawn_in = spawn_in
+        extra = (dict(options),) if options else ()
         self.stop = SPAWN.Event()
         self.results = SPAWN.Queue()
         self.reports: dict[int, dict[int, tuple[float, str, list[tuple[float, float]], bool, bool]]] = {}
         self.processes = [
             SPAWN.Process(
                 target=target,
-                args=(i, address, model, shapes, transport, self.stop, self.results, incoming),
+                args=(i, address, model, shapes, transport, self.stop, self.results, incoming, *extra),
                 daemon=target is workers.freshness_collector,  # a daemon cannot start torchrl's workers
                 name=f"bench-collector-{i}",
             )
@@ -161,8 +177,9 @@ class Collectors:
         ]
 
     def start(self, timeout: float = 300.0) -> Collectors:
-        for process in self.processes:
-            process.start()
+        for i, process in enumerate(self.processes):
+            with self.spawn_in(i) if self.spawn_in else nullcontext():
+                process.start()
         ready: set[int] = set()
         deadline = time.monotonic() + timeout
         while len(ready) < self.count:
@@ -211,6 +228,47 @@ class Collectors:
         self.close()
 
 
+@dataclass
+class TimedPublishes:
+    """What `timed_publishes` measured: per timed publish, freshness (call -> last collector
+    applied), how long `publish()` took and each collector's latency, in ms; over all of them
+    the transports that carried the fetches and how many applications held wrong weights,
+    were received before the commit (cut-through) and were applied zero-copy."""
+
+    samples: list[float] = field(default_factory=list)
+    publish_ms: list[float] = field(default_factory=list)
+    per_collector: list[list[float]] = field(default_factory=list)
+    used: set[str] = field(default_factory=set)
+    wrong: int = 0
+    early: int = 0
+    zero_copy: int = 0
+
+
+def timed_publishes(
+    group: Collectors, repeats: int, publish: Callable[[int], tuple[int, float, float, float | None]]
+) -> TimedPublishes:
+    """WARMUP_ROUNDS untimed, then `repeats` timed publishes, one at a time: `publish(i)`
+    returns (version, monotonic time of the publish call, time it returned, the value every
+    parameter's ends hold in that version or None: not checked); each waits until every
+    collector of `group` applied the version."""
+    timed = TimedPublishes()
+    for i in range(WARMUP_ROUNDS + repeats):
+        version, called, returned, value = publish(i)
+        applied = group.applied(version)
+        if i < WARMUP_ROUNDS:
+            continue
+        stamps = [applied[c][0] for c in range(group.count)]
+        timed.samples.append((max(stamps) - called) * 1e3)
+        timed.publish_ms.append((returned - called) * 1e3)
+        timed.per_collector.append([(at - called) * 1e3 for at in stamps])
+        for _, via, ends, before_commit, swapped in applied.values():
+            timed.used.add(via)
+            timed.wrong += value is not None and any(end != (value, value) for end in ends)
+            timed.early += before_commit
+            timed.zero_copy += swapped
+    return timed
+
+
 def _freshness_row(
     ctx: Context, size: int, name: str, collectors: int, transport: str, incoming: bool = True, multi: bool = False
 ) -> Row:
@@ -225,29 +283,21 @@ def _freshness_row(
     _mark(weights, -100.0)
     ctx.client.publish(weights, model=model, **kwargs)  # a version to start from
     log(f"{name} {format_size(size)}: starting {collectors} collector processes ({transport})")
-    samples, publish_ms, per_collector, used, wrong, early, zero_copy = [], [], [], set(), 0, 0, 0
     shapes = size if multi else weights.shapes()
     target = workers.freshness_multi_collector if multi else workers.freshness_collector
+
+    def publish(i: int) -> tuple[int, float, float, float]:
+        value = float(i)
+        _mark(weights, value)  # untimed
+        time.sleep(PUBLISH_GAP_SECONDS)
+        called = time.monotonic()
+        version = ctx.client.publish(weights, model=model, **kwargs)
+        return version, called, time.monotonic(), value
+
     with Collectors(collectors, ctx.address, model, shapes, transport, incoming, target) as group:
-        for i in range(WARMUP_ROUNDS + ctx.repeats):
-            value = float(i)
-            _mark(weights, value)  # untimed
-            time.sleep(PUBLISH_GAP_SECONDS)
-            called = time.monotonic()
-            version = ctx.client.publish(weights, model=model, **kwargs)
-            returned = time.monotonic()
-            applied = group.applied(version)
-            if i < WARMUP_ROUNDS:
-                continue
-            stamps = [applied[c][0] for c in range(collectors)]
-            samples.append((max(stamps) - called) * 1e3)
-            publish_ms.append((returned - called) * 1e3)
-            per_collector.append([(at - called) * 1e3 for at in stamps])
-            for _, via, ends, before_commit, swapped in applied.values():
-                used.add(via)
-                wrong += any(end != (value, value) for end in ends)
-                early += before_commit
-                zero_copy += swapped
+        timed = timed_publishes(group, ctx.repeats, publish)
+    samples, publish_ms, per_collector, used = timed.samples, timed.publish_ms, timed.per_collector, timed.used
+    wrong, early, zero_copy = timed.wrong, timed.early, timed.zero_copy
     ctx.drop(model)
     row = Row(name, size, "ms", samples)
     carried = set(_server_publish_transports(ctx, model).values())
@@ -295,7 +345,18 @@ def freshness_remote(ctx: Context, size: int) -> list[Row]:
     """Publish call -> 2 collector processes applied, over bulk, vs one raw TCP transfer."""
     row = _freshness_row(ctx, size, "freshness_remote", LOCAL_COLLECTORS, "bulk")
     ctx.baselines[("freshness_remote", size)] = row
-    return [compare(row, ctx.baseline("raw_tcp", size), "<=", FRESHNESS_REMOTE_TARGET, time_based=True)]
+    judged = compare(row, ctx.baseline("raw_tcp", size), "<=", FRESHNESS_REMOTE_TARGET, time_based=True)
+    _ratio_to_raw_fanout(ctx, judged)
+    return [judged]
+
+
+def _ratio_to_raw_fanout(ctx: Context, row: Row) -> None:
+    """Reported beside the row's judged ratio (issue 31): the ratio to `raw_fanout` on
+    loopback at the same size, the limit of the same topology (issue 31's target: <= 1.3x)."""
+    fanout = ctx.baseline("raw_fanout", row.size or 0)
+    if fanout is not None and row.median is not None:
+        row.extra["ratio_to_raw_fanout"] = ratio = row.median / (median_seconds(fanout) * 1e3)
+        row.note += f"; {ratio:.2f}x raw_fanout (loopback; issue 31 asks <= {RAW_FANOUT_TARGET:g}x)"
 
 
 def freshness_remote_no_cut_through(ctx: Context, size: int) -> list[Row]:
@@ -347,6 +408,7 @@ def freshness_8(ctx: Context, size: int) -> list[Row]:
     if raw is not None:
         row.extra["ratio_to_raw_tcp"] = row.median / (median_seconds(raw) * 1e3)
         row.note += f"; {row.extra['ratio_to_raw_tcp']:.2f}x one raw TCP transfer"
+    _ratio_to_raw_fanout(ctx, row)
     return rows
 
 
@@ -365,9 +427,9 @@ ROW_ORDER = list(SIZED_ROWS)
 NEEDS = {
     "publish_bulk": ["raw_tcp", "raw_tcp_after_idle"],
     "publish_shm": ["memcpy"],
-    "freshness_remote": ["raw_tcp"],
+    "freshness_remote": ["raw_tcp", "raw_fanout"],
     "freshness_remote_no_cut_through": ["raw_tcp"],
     "freshness_local": ["torchrl_shared_mem"],
     "freshness_local_multi": ["torchrl_shared_mem"],
-    "freshness_8": ["raw_tcp"],
+    "freshness_8": ["raw_tcp", "raw_fanout"],
 }

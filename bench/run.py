@@ -8,8 +8,9 @@
 Prints a table (median of the repeats, min-max, unit, the baseline's median, the ratio, the
 target and PASS/FAIL) and writes every raw sample to JSON. Progress goes to stderr. Rows whose
 feature does not exist yet print "n/a (not implemented)". Baselines: memcpy, raw_tcp, raw_tcp_after_idle,
-gloo_broadcast, torchrl_shared_mem (see bench/baselines.py); rows: see bench/rows.py and
-bench/freshness.py (publish over bulk / shared memory, publish-to-collector freshness) and
+raw_fanout, gloo_broadcast, torchrl_shared_mem (see bench/baselines.py); rows: see bench/rows.py and
+bench/freshness.py (publish over bulk / shared memory, publish-to-collector freshness),
+bench/freshness_link.py (freshness over a shaped link between network namespaces, as root) and
 bench/fanout_tree.py (a primary, 4 relays, 32 collectors: freshness and the primary's egress).
 """
 
@@ -34,7 +35,7 @@ if str(REPO) not in sys.path:
 # Module level stays standard library + bench.common: spawned children re-import this file.
 from bench.common import GiB, Row, cpu_busy, format_size, log, parse_size  # noqa: E402
 
-BASELINES = ["memcpy", "raw_tcp", "raw_tcp_after_idle", "gloo_broadcast", "torchrl_shared_mem"]
+BASELINES = ["memcpy", "raw_tcp", "raw_tcp_after_idle", "raw_fanout", "gloo_broadcast", "torchrl_shared_mem"]
 ALIASES = {
     "publish_blocked_async": "publish_blocked",
     "single_collector": "fanout_8",
@@ -45,17 +46,19 @@ ALIASES = {
     "fanout_tree_single": "fanout_tree",
     "fanout_tree_direct": "fanout_tree",
     "fanout_tree_egress": "fanout_tree",
+    **{name: "freshness_link" for name in ("raw_fanout_1gbit", "raw_fanout_10gbit")},
+    **{name: "freshness_link" for name in ("freshness_link_1gbit", "freshness_link_10gbit")},
 }
 
 
 def row_registry() -> tuple[list[str], dict[str, Callable[..., list[Row]]], dict[str, list[str]]]:
     """(every row in table order, the sized rows' functions, the baselines each row needs)
     of bench/rows.py and bench/freshness.py together, and bench/fanout_tree.py's row (servers of
-    its own, at 16 MiB whatever --sizes says)."""
-    from bench import fanout_tree, freshness, relay_follow, rows
+    its own, at 16 MiB whatever --sizes says), and bench/freshness_link.py's (a link of its own)."""
+    from bench import fanout_tree, freshness, freshness_link, relay_follow, rows
 
     return (
-        [*rows.ROW_ORDER, *freshness.ROW_ORDER, fanout_tree.ROW, relay_follow.ROW],
+        [*rows.ROW_ORDER, *freshness.ROW_ORDER, freshness_link.ROW, fanout_tree.ROW, relay_follow.ROW],
         {**rows.SIZED_ROWS, **freshness.SIZED_ROWS},
         {**rows.NEEDS, **freshness.NEEDS},
     )
@@ -138,7 +141,7 @@ def environment() -> dict[str, object]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from bench import baselines, fanout_tree, large, relay_follow, rows
+    from bench import baselines, fanout_tree, freshness_link, large, relay_follow, rows
     from weightclient import WeightClient
     from weightserver.process import ServerProcess
 
@@ -157,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     results: list[Row] = []
     measured: dict[tuple[str, int], Row] = {}
 
-    for name in ("memcpy", "raw_tcp", "raw_tcp_after_idle", "gloo_broadcast"):
+    for name in ("memcpy", "raw_tcp", "raw_tcp_after_idle", "raw_fanout", "gloo_broadcast"):
         if name in needed:
             for size in args.sizes:
                 for row in guarded(name, size, getattr(baselines, name), size, args.repeats):
@@ -187,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         results += guarded(
             "server_rss_16_fetchers", rows.RSS_SIZE, rows.server_rss_16_fetchers, args.repeats, args.transport
         )
+    if freshness_link.ROW in wanted:  # namespaces, a server and collectors of its own, per link rate
+        results += guarded(freshness_link.ROW, None, freshness_link.freshness_link, args.sizes, args.repeats)
     if fanout_tree.ROW in wanted:  # a primary, 4 relays and 32 collectors of its own
         results += guarded(fanout_tree.ROW, fanout_tree.SIZE, fanout_tree.fanout_tree, args.repeats, args.transport)
     if relay_follow.ROW in wanted:  # a primary and relays of its own, per transport
@@ -197,7 +202,16 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.perf_counter() - started
     order = {
         name: i
-        for i, name in enumerate([*BASELINES, "single_collector", *row_order, *fanout_tree.NAMES, *relay_follow.NAMES])
+        for i, name in enumerate(
+            [
+                *BASELINES,
+                "single_collector",
+                *row_order,
+                *freshness_link.names(),
+                *fanout_tree.NAMES,
+                *relay_follow.NAMES,
+            ]
+        )
     }
     results.sort(
         key=lambda r: (r.kind != "baseline", order.get(r.name, order.get(ALIASES.get(r.name, ""), 99)), r.size or 0)

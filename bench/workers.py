@@ -265,9 +265,11 @@ def freshness_collector(
     stop: Any,
     results: Any,
     incoming: bool = True,
+    updater_options: dict[str, Any] | None = None,
 ) -> None:
     """A collector for the freshness rows: a live policy kept current by
-    `GrpcLocalWeightUpdater(watch=True, transport=transport, incoming=incoming)`.
+    `GrpcLocalWeightUpdater(watch=True, transport=transport, incoming=incoming,
+    **updater_options)`.
 
     It sleeps until a version newer than the applied one is announced (a Watch stream of its
     own, the wake-up), then calls the updater until the policy holds it: the updater fetches
@@ -294,6 +296,7 @@ def freshness_collector(
     policy = policy_from_shapes(shapes, fill=-1.0)
     client, wakeups = WeightClient(address), WeightServiceClient(address)
     options = {"incoming": incoming} if incoming is not True else {}  # a client without it: default
+    options.update(updater_options or {})
     updater = GrpcLocalWeightUpdater(client, model=model, policy=policy, watch=True, transport=transport, **options)
 
     def update() -> None:
