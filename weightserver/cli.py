@@ -270,18 +270,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             versions = client.list_versions(args.model)
             records = [_info_json(v) for v in versions]
             headers = ["VERSION", "CREATED", "BYTES", "TENSORS", "PINNED", "SHA256", "METADATA"]
-            rows = [
-                [
-                    v.version,
-                    v.created.astimezone().strftime("%Y-%m-%d %H:%M:%S"),
-                    v.byte_size,
-                    len(v.tensors),
-                    "yes" if v.pinned else "",
-                    v.sha256[:16],
-                    " ".join(f"{k}={val}" for k, val in sorted(v.metadata.items())),
-                ]
-                for v in versions
-            ]
+            rows = [_version_row(v) for v in versions]
     if args.json:
         print(json.dumps(records, indent=1))
         return 0
@@ -290,6 +279,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for row in cells:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
     return 0
+
+
+def _version_row(v: VersionInfo) -> list[object]:
+    created = v.created.astimezone().strftime("%Y-%m-%d %H:%M:%S")
+    metadata = " ".join(f"{k}={val}" for k, val in sorted(v.metadata.items()))
+    return [v.version, created, v.byte_size, len(v.tensors), "yes" if v.pinned else "", v.sha256[:16], metadata]
 
 
 def cmd_watch(args: argparse.Namespace) -> int:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import SERVICE_NAME as HEALTH_SERVICE_NAME
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
@@ -56,12 +57,11 @@ def add_weight_service(servicer: WeightServicer, server: grpc.aio.Server) -> Non
     service, handlers = pb.DESCRIPTOR.services_by_name["WeightService"], {}
     for method in service.methods:
         streams = ("stream" if method.client_streaming else "unary", "stream" if method.server_streaming else "unary")
+        serialize = getattr(pb, method.output_type.name).SerializeToString
         handlers[method.name] = getattr(grpc, "{}_{}_rpc_method_handler".format(*streams))(
             getattr(servicer, method.name),
             request_deserializer=lenient(getattr(pb, method.input_type.name)),
-            response_serializer=framing.serialize
-            if method.name == "Fetch"
-            else getattr(pb, method.output_type.name).SerializeToString,
+            response_serializer=framing.serialize if method.name == "Fetch" else serialize,
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
 
@@ -228,12 +228,7 @@ class WeightServer:
                     incoming=servicer.incoming,
                     on_removed=servicer.forget_removed,
                 )
-            services = (
-                SERVICE_NAME,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                reflection.SERVICE_NAME,
-            )
-            reflection.enable_server_reflection(services, server)
+            reflection.enable_server_reflection((SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME), server)
             if config.tls:
                 self.port = server.add_secure_port(config.address, server_credentials(config))
             else:

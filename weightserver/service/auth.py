@@ -103,11 +103,8 @@ class TokenTable:
     def identify(self, token: str) -> Principal | None:
         """The token's principal, or None; every entry is compared, so timing reveals nothing."""
         digest = _digest(token)
-        found = None
-        for known, principal in self._entries:
-            if hmac.compare_digest(known, digest):
-                found = principal
-        return found
+        found = [principal for known, principal in self._entries if hmac.compare_digest(known, digest)]
+        return found[0] if found else None
 
     def authorize(
         self, metadata: Iterable[tuple[str, str | bytes]] | None, method: str, model: str | None = None

@@ -39,8 +39,7 @@ class Watches:
     ) -> AsyncIterator[pb.VersionEvent]:
         model = validate_model_name(request.model)
         loop = asyncio.get_running_loop()
-        # None: the server stops.
-        queue: asyncio.Queue[Version | IncomingPublish | None] = asyncio.Queue()
+        queue: asyncio.Queue[Version | IncomingPublish | None] = asyncio.Queue()  # None: the server stops
 
         def on_event(event: Version | IncomingPublish) -> None:
             if event.model == model:

@@ -119,8 +119,7 @@ class BackgroundPublisher(LatestOnlyWorker[_Job]):
         except BaseException as exc:  # handed to the caller through the futures
             log.error("background publish failed: %s", exc)
             version, error = None, exc
-        # Recycle first, so a caller woken by its future finds the buffer ready for reuse.
-        self._recycle(job.snapshot)
+        self._recycle(job.snapshot)  # first, so a caller woken by its future finds the buffer ready for reuse
         for future in job.futures:
             if error is not None:
                 future.set_exception(error)
