@@ -49,12 +49,10 @@ class IncomingModel:
         owner: bytes | None = None,
     ) -> None:
         self.id = secrets.token_hex(16)
-        self.header = header
-        self.transport = transport
+        self.header, self.transport = header, transport
         self.owner = owner  # the token that may name a staged upload
         self.active = time.monotonic()  # when its bytes last moved (a staged upload expires after)
-        self.shared_memory = shared_memory
-        self.header_limits = header_limits
+        self.shared_memory, self.header_limits = shared_memory, header_limits
         self.announcements = announcements
         self.announcement: IncomingPublish | None = None  # told to watchers with the first bytes
         self.file: UploadFile | None = None  # the buffer's file, removed unless committed

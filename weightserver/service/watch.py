@@ -28,9 +28,7 @@ class Watches:
         metrics: NoMetrics,
         metadata: Callable[[], Sequence[tuple[str, str]]],
     ) -> None:
-        self.store = store
-        self.announcements = announcements
-        self.metrics = metrics
+        self.store, self.announcements, self.metrics = store, announcements, metrics
         self.metadata = metadata  # the initial metadata (a relay names its primary)
         self._queues: set[asyncio.Queue[Version | IncomingPublish | None]] = set()
 

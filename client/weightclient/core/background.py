@@ -19,8 +19,7 @@ class LatestOnlyWorker(Generic[T]):
     """`work(item)` for the items `put`, in a thread started on the first put (again in a fork)."""
 
     def __init__(self, work: Callable[[T], object], thread_name: str) -> None:
-        self._work = work
-        self._thread_name = thread_name
+        self._work, self._thread_name = work, thread_name
         self._changed = threading.Condition()
         self._waiting: T | None = None
         self._busy = False
