@@ -4,6 +4,7 @@ imports the client core; `WEIGHTSERVER_LOG_*` and `WEIGHTSERVER_UPSTREAM_TOKEN` 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -333,13 +334,12 @@ def _info_json(info: VersionInfo) -> dict[str, object]:
     }
 
 
-class TransferProgress:
+class TransferProgress(contextlib.AbstractContextManager):
     """A tqdm bar fed by ``progress(done, total)``, shown only on a terminal for `min_bytes` or more."""
 
     def __init__(self, description: str, *, stream: TextIO | None = None, min_bytes: int = PROGRESS_MIN_BYTES) -> None:
-        self.description = description
+        self.description, self.min_bytes = description, min_bytes
         self.stream = stream or sys.stderr
-        self.min_bytes = min_bytes
         try:
             self.enabled = self.stream.isatty()
         except (AttributeError, ValueError):  # no isatty, or a closed stream
@@ -357,9 +357,6 @@ class TransferProgress:
         if done < self.bar.n or total != self.bar.total:
             self.bar.reset(total=total)  # the transfer started over
         self.bar.update(done - self.bar.n)
-
-    def __enter__(self) -> TransferProgress:
-        return self
 
     def __exit__(self, *exc_info: object) -> None:
         if self.bar is not None:

@@ -70,11 +70,8 @@ def server_credentials(config: ServerConfig) -> grpc.ServerCredentials:
     """TLS from the config's PEM files; a client CA makes it mutual TLS."""
     assert config.tls_cert is not None and config.tls_key is not None
     client_ca = config.tls_client_ca.read_bytes() if config.tls_client_ca is not None else None
-    return grpc.ssl_server_credentials(
-        [(config.tls_key.read_bytes(), config.tls_cert.read_bytes())],
-        root_certificates=client_ca,
-        require_client_auth=client_ca is not None,
-    )
+    pairs = [(config.tls_key.read_bytes(), config.tls_cert.read_bytes())]  # (private key, certificate chain)
+    return grpc.ssl_server_credentials(pairs, root_certificates=client_ca, require_client_auth=client_ca is not None)
 
 
 class WeightServer:

@@ -80,9 +80,8 @@ class IncomingModel:
         """Receive into `file`, or None: anonymous memory (a publisher's memfd: hashed once sealed)."""
         if file is None and self.transport == "shm":
             raise OSError("no room in the shared-memory folder")
-        size = self.total_bytes
         self.file = file
-        self.buffer = file.buffer if file is not None else page_tables.anonymous(size)
+        self.buffer = file.buffer if file is not None else page_tables.anonymous(self.total_bytes)
         if not isinstance(file, PublisherMemory):  # a stream's sha256 here, else the store's after the commit
             sha256 = self.transport == "stream" and bool(self.header.sha256 or not self.header.xxh3)
             self.digests = IncomingDigests(self.buffer, sha256=sha256, header_limits=self.header_limits)
