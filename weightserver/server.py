@@ -7,7 +7,6 @@ import logging
 import socket
 import threading
 from pathlib import Path
-from types import TracebackType
 from typing import TYPE_CHECKING
 
 import grpc
@@ -153,7 +152,7 @@ class WeightServer:
     def __enter__(self) -> WeightServer:
         return self.start()
 
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
     def _run(self) -> None:
