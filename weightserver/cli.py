@@ -4,6 +4,7 @@ imports the client core; `WEIGHTSERVER_LOG_*` and `WEIGHTSERVER_UPSTREAM_TOKEN` 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -270,18 +271,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             versions = client.list_versions(args.model)
             records = [_info_json(v) for v in versions]
             headers = ["VERSION", "CREATED", "BYTES", "TENSORS", "PINNED", "SHA256", "METADATA"]
-            rows = [
-                [
-                    v.version,
-                    v.created.astimezone().strftime("%Y-%m-%d %H:%M:%S"),
-                    v.byte_size,
-                    len(v.tensors),
-                    "yes" if v.pinned else "",
-                    v.sha256[:16],
-                    " ".join(f"{k}={val}" for k, val in sorted(v.metadata.items())),
-                ]
-                for v in versions
-            ]
+            rows = [_version_row(v) for v in versions]
     if args.json:
         print(json.dumps(records, indent=1))
         return 0
@@ -290,6 +280,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for row in cells:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
     return 0
+
+
+def _version_row(v: VersionInfo) -> list[object]:
+    created = v.created.astimezone().strftime("%Y-%m-%d %H:%M:%S")
+    metadata = " ".join(f"{k}={val}" for k, val in sorted(v.metadata.items()))
+    return [v.version, created, v.byte_size, len(v.tensors), "yes" if v.pinned else "", v.sha256[:16], metadata]
 
 
 def cmd_watch(args: argparse.Namespace) -> int:
@@ -338,13 +334,12 @@ def _info_json(info: VersionInfo) -> dict[str, object]:
     }
 
 
-class TransferProgress:
+class TransferProgress(contextlib.AbstractContextManager):
     """A tqdm bar fed by ``progress(done, total)``, shown only on a terminal for `min_bytes` or more."""
 
     def __init__(self, description: str, *, stream: TextIO | None = None, min_bytes: int = PROGRESS_MIN_BYTES) -> None:
-        self.description = description
+        self.description, self.min_bytes = description, min_bytes
         self.stream = stream or sys.stderr
-        self.min_bytes = min_bytes
         try:
             self.enabled = self.stream.isatty()
         except (AttributeError, ValueError):  # no isatty, or a closed stream
@@ -362,9 +357,6 @@ class TransferProgress:
         if done < self.bar.n or total != self.bar.total:
             self.bar.reset(total=total)  # the transfer started over
         self.bar.update(done - self.bar.n)
-
-    def __enter__(self) -> TransferProgress:
-        return self
 
     def __exit__(self, *exc_info: object) -> None:
         if self.bar is not None:

@@ -86,10 +86,7 @@ class ServerConfig:
             object.__setattr__(self, "upstream_models", tuple(self.upstream_models))
         if not self.upstream_poll_seconds > 0:
             raise ValueError(f"upstream_poll_seconds must be > 0, got {self.upstream_poll_seconds}")
-        self._check_upstream_link()
-
-    def _check_upstream_link(self) -> None:
-        """How a relay dials its upstream: settings that go together (never quoted: secrets)."""
+        # How a relay dials its upstream: settings that go together (never quoted: secrets).
         files = ("upstream_tls_ca", "upstream_tls_cert", "upstream_tls_key")
         given = [name for name in ("upstream_token", "upstream_tls", *files) if getattr(self, name)]
         if given and self.upstream is None:

@@ -25,9 +25,7 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
-        for key, value in record.__dict__.items():
-            if key not in _STANDARD_ATTRIBUTES and key not in entry:
-                entry[key] = value
+        entry |= {k: v for k, v in record.__dict__.items() if k not in _STANDARD_ATTRIBUTES and k not in entry}
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         elif record.exc_text:

@@ -34,8 +34,7 @@ log = logging.getLogger(__name__)
 
 # Seconds, from a small fetch on loopback to a multi-GiB publish over a slow link.
 DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-# Client ids with gauges at most: a caller inventing ids cannot grow the server's memory.
-MAX_TRACKED_CLIENTS = 10_000
+MAX_TRACKED_CLIENTS = 10_000  # client ids with gauges at most: a caller inventing ids cannot grow the server's memory
 
 
 def build_labels() -> dict[str, str]:
@@ -215,15 +214,13 @@ class ServerMetrics(NoMetrics):
 
     def _track(self, client_id: str) -> bool:
         """Whether `client_id` has (or now gets) per-client gauges; called under the lock."""
-        if client_id in self._client_ids:
+        if client_id in self._client_ids or len(self._client_ids) < self._max_tracked_clients:
+            self._client_ids.add(client_id)
             return True
-        if len(self._client_ids) >= self._max_tracked_clients:
-            if not self._warned_client_cap:
-                log.warning("metrics track %d client ids at most; %r gets none", self._max_tracked_clients, client_id)
-                self._warned_client_cap = True
-            return False
-        self._client_ids.add(client_id)
-        return True
+        if not self._warned_client_cap:
+            log.warning("metrics track %d client ids at most; %r gets none", self._max_tracked_clients, client_id)
+            self._warned_client_cap = True
+        return False
 
     def serve(self, host: str, port: int) -> int:
         """Serve /metrics over plain HTTP on host:port (0: a free port); return the bound port."""

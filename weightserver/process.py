@@ -29,10 +29,8 @@ class ServerProcess:
     ) -> None:
         if credentials is None and any(a == "--tls-cert" or a.startswith("--tls-cert=") for a in args):
             raise ValueError("a server started with --tls-cert serves TLS only: give credentials= trusting its CA")
-        self.credentials = credentials
-        self.args = list(args)
-        self.prefix = list(prefix)
-        self.port = port
+        self.credentials, self.port = credentials, port
+        self.args, self.prefix = list(args), list(prefix)
         self._workdir = Path(tempfile.mkdtemp(prefix="weightserver-proc-"))
         self.log_path = Path(log_path) if log_path else self._workdir / "server.log"
         self.process: subprocess.Popen[bytes] | None = None

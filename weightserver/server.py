@@ -7,11 +7,11 @@ import logging
 import socket
 import threading
 from pathlib import Path
-from types import TracebackType
 from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import SERVICE_NAME as HEALTH_SERVICE_NAME
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
@@ -56,12 +56,11 @@ def add_weight_service(servicer: WeightServicer, server: grpc.aio.Server) -> Non
     service, handlers = pb.DESCRIPTOR.services_by_name["WeightService"], {}
     for method in service.methods:
         streams = ("stream" if method.client_streaming else "unary", "stream" if method.server_streaming else "unary")
+        serialize = getattr(pb, method.output_type.name).SerializeToString
         handlers[method.name] = getattr(grpc, "{}_{}_rpc_method_handler".format(*streams))(
             getattr(servicer, method.name),
             request_deserializer=lenient(getattr(pb, method.input_type.name)),
-            response_serializer=framing.serialize
-            if method.name == "Fetch"
-            else getattr(pb, method.output_type.name).SerializeToString,
+            response_serializer=framing.serialize if method.name == "Fetch" else serialize,
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
 
@@ -70,11 +69,8 @@ def server_credentials(config: ServerConfig) -> grpc.ServerCredentials:
     """TLS from the config's PEM files; a client CA makes it mutual TLS."""
     assert config.tls_cert is not None and config.tls_key is not None
     client_ca = config.tls_client_ca.read_bytes() if config.tls_client_ca is not None else None
-    return grpc.ssl_server_credentials(
-        [(config.tls_key.read_bytes(), config.tls_cert.read_bytes())],
-        root_certificates=client_ca,
-        require_client_auth=client_ca is not None,
-    )
+    pairs = [(config.tls_key.read_bytes(), config.tls_cert.read_bytes())]  # (private key, certificate chain)
+    return grpc.ssl_server_credentials(pairs, root_certificates=client_ca, require_client_auth=client_ca is not None)
 
 
 class WeightServer:
@@ -156,7 +152,7 @@ class WeightServer:
     def __enter__(self) -> WeightServer:
         return self.start()
 
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
     def _run(self) -> None:
@@ -228,12 +224,7 @@ class WeightServer:
                     incoming=servicer.incoming,
                     on_removed=servicer.forget_removed,
                 )
-            services = (
-                SERVICE_NAME,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                reflection.SERVICE_NAME,
-            )
-            reflection.enable_server_reflection(services, server)
+            reflection.enable_server_reflection((SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME), server)
             if config.tls:
                 self.port = server.add_secure_port(config.address, server_credentials(config))
             else:

@@ -47,8 +47,7 @@ class PlacedReceiver:
     """A framing.Sink scattering a file into the views (the rest to scratch); `bad()`: failed ones."""
 
     def __init__(self, info: VersionInfo, views: Mapping[str, memoryview]) -> None:
-        self._info = info
-        self._views = views
+        self._info, self._views = info, views
         self._hashers = {name: xxhash.xxh3_128() for name in views}
         self._scratch = memoryview(bytearray(BLOCK_BYTES))
         self._prefix = memoryview(bytearray(PREFIX_BYTES))

@@ -66,12 +66,12 @@ def encode(weights: Weights, metadata: Mapping[str, str] | None = None) -> list[
 def snapshot(weights: Weights, metadata: Mapping[str, str] | None = None, into: memoryview | None = None) -> memoryview:
     """The file copied into one buffer (`into` if large enough) by torch's `copy_` (every core)."""
     prefix, prepared = _framed(weights, metadata, to_cpu=False)
-    buffer = receive_buffer(len(prefix) + sum(t.numel() * t.element_size() for _, t in prepared), into)
+    buffer = receive_buffer(len(prefix) + sum(t.nbytes for _, t in prepared), into)
     buffer[: len(prefix)] = prefix
     target = torch.frombuffer(buffer, dtype=torch.uint8)
     position = len(prefix)
     for _, tensor in prepared:
-        size = tensor.numel() * tensor.element_size()
+        size = tensor.nbytes
         if size:
             # As its own dtype: ~10% faster than bytes (the layout aligns each to its element size).
             target[position : position + size].view(tensor.dtype).copy_(tensor.reshape(-1))
@@ -96,9 +96,7 @@ def _framed(
         prepared.append((name, tensor.contiguous()))
     # Largest element size first (as safetensors does): each tensor starts aligned to its own.
     prepared.sort(key=lambda item: (-item[1].element_size(), item[0]))
-    layout = tuple(
-        (name, TORCH_TO_SAFETENSORS[t.dtype], tuple(t.shape), t.numel() * t.element_size()) for name, t in prepared
-    )
+    layout = tuple((name, TORCH_TO_SAFETENSORS[t.dtype], tuple(t.shape), t.nbytes) for name, t in prepared)
     try:
         prefix = _header(layout, tuple(metadata.items()) if metadata else ())
     except TypeError:  # unhashable metadata values: frame without the cache

@@ -21,8 +21,7 @@ class IncomingPublish:
 
     def __init__(self, model: str, buffer: memoryview, on_end: Callable[[IncomingPublish], None]) -> None:
         self.id = secrets.token_hex(16)
-        self.model = model
-        self.buffer = buffer
+        self.model, self.buffer = model, buffer
         self.byte_size = buffer.nbytes
         self.landed = 0
         self.failure: str | None = None  # why the publish failed; None while it may still commit

@@ -49,12 +49,10 @@ class IncomingModel:
         owner: bytes | None = None,
     ) -> None:
         self.id = secrets.token_hex(16)
-        self.header = header
-        self.transport = transport
+        self.header, self.transport = header, transport
         self.owner = owner  # the token that may name a staged upload
         self.active = time.monotonic()  # when its bytes last moved (a staged upload expires after)
-        self.shared_memory = shared_memory
-        self.header_limits = header_limits
+        self.shared_memory, self.header_limits = shared_memory, header_limits
         self.announcements = announcements
         self.announcement: IncomingPublish | None = None  # told to watchers with the first bytes
         self.file: UploadFile | None = None  # the buffer's file, removed unless committed
@@ -82,9 +80,8 @@ class IncomingModel:
         """Receive into `file`, or None: anonymous memory (a publisher's memfd: hashed once sealed)."""
         if file is None and self.transport == "shm":
             raise OSError("no room in the shared-memory folder")
-        size = self.total_bytes
         self.file = file
-        self.buffer = file.buffer if file is not None else page_tables.anonymous(size)
+        self.buffer = file.buffer if file is not None else page_tables.anonymous(self.total_bytes)
         if not isinstance(file, PublisherMemory):  # a stream's sha256 here, else the store's after the commit
             sha256 = self.transport == "stream" and bool(self.header.sha256 or not self.header.xxh3)
             self.digests = IncomingDigests(self.buffer, sha256=sha256, header_limits=self.header_limits)

@@ -25,9 +25,7 @@ class StagedUploads:
     def __init__(
         self, header_limits: dict[str, int], incoming: IncomingPublishes, shared_memory: SharedMemoryFiles | None
     ) -> None:
-        self._header_limits = header_limits
-        self._incoming = incoming
-        self._shared_memory = shared_memory
+        self._header_limits, self._incoming, self._shared_memory = header_limits, incoming, shared_memory
         self._max = MAX_STAGED_UPLOADS
         self._lock = threading.Lock()
         self._uploads: dict[str, IncomingModel] = {}

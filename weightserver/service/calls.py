@@ -43,7 +43,6 @@ class Undecodable:
 
 
 def lenient(message_class: Any) -> Callable[[bytes], Any]:
-
     def deserialize(data: bytes) -> Any:
         try:
             return message_class.FromString(data)

@@ -28,9 +28,7 @@ class Watches:
         metrics: NoMetrics,
         metadata: Callable[[], Sequence[tuple[str, str]]],
     ) -> None:
-        self.store = store
-        self.announcements = announcements
-        self.metrics = metrics
+        self.store, self.announcements, self.metrics = store, announcements, metrics
         self.metadata = metadata  # the initial metadata (a relay names its primary)
         self._queues: set[asyncio.Queue[Version | IncomingPublish | None]] = set()
 
@@ -39,8 +37,7 @@ class Watches:
     ) -> AsyncIterator[pb.VersionEvent]:
         model = validate_model_name(request.model)
         loop = asyncio.get_running_loop()
-        # None: the server stops.
-        queue: asyncio.Queue[Version | IncomingPublish | None] = asyncio.Queue()
+        queue: asyncio.Queue[Version | IncomingPublish | None] = asyncio.Queue()  # None: the server stops
 
         def on_event(event: Version | IncomingPublish) -> None:
             if event.model == model:

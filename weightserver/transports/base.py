@@ -18,12 +18,9 @@ class ServerTransport(Protocol):
 
     async def offer(self, record: Version, payload: Payload, description: pb.Payload) -> bool:
         """Describe in `description` where the caller takes `payload`; False: it cannot now."""
-        ...
 
     def offer_incoming(self, incoming: IncomingPublish, description: pb.Payload) -> bool:
         """The same for a publish's bytes as they land (cut-through)."""
-        ...
 
     def stage(self, header: pb.PublishHeader, owner: bytes | None, description: pb.Payload) -> IncomingModel | None:
         """Set up an upload of `header`'s bytes that only `owner` may name; None: no room. Blocks."""
-        ...

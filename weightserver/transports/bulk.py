@@ -312,8 +312,7 @@ class BulkTransport:
     name, kind = "bulk", pb.TRANSPORT_BULK
 
     def __init__(self, endpoint: BulkEndpoint, uploads: StagedUploads) -> None:
-        self.endpoint = endpoint
-        self.uploads = uploads
+        self.endpoint, self.uploads = endpoint, uploads
 
     async def offer(self, record: Version, payload: Payload, description: pb.Payload) -> bool:
         description.bulk.port = self.endpoint.port

@@ -7,7 +7,7 @@ not every open one; and each chunk waits while a publish goes first (`CommitsFir
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 
 from weightserver.protocol import framing
 from weightserver.protocol.errors import PublishAborted
@@ -15,8 +15,7 @@ from weightserver.publish.incoming import IncomingPublish
 from weightserver.publish.priority import CommitsFirst
 
 SLOW_READER_SECONDS = 1.0  # a write pending this long gives the fetch's turn back
-# A fetch of a publish's bytes as they land gives up when none land for this long.
-INCOMING_STALL_SECONDS = 60.0
+INCOMING_STALL_SECONDS = 60.0  # a fetch of a publish's bytes as they land gives up when none land for this long
 
 
 class StreamTransport:
@@ -26,8 +25,27 @@ class StreamTransport:
         self._turns = asyncio.Semaphore(max_fetches)
         self._commits_first = commits_first
 
-    def send(self, data: memoryview, chunk_bytes: int) -> AsyncIterator[bytes]:
-        return self._in_turn(framing.chunk_messages(data, chunk_bytes))
+    async def send(self, data: memoryview, chunk_bytes: int) -> AsyncIterator[bytes]:
+        turns, loop = self._turns, asyncio.get_running_loop()
+        await turns.acquire()
+        held = True
+
+        def give_back() -> None:
+            nonlocal held
+            if held:
+                held = False
+                turns.release()
+
+        try:
+            for message in framing.chunk_messages(data, chunk_bytes):
+                await self._commits_first.wait()
+                slow = loop.call_later(SLOW_READER_SECONDS, give_back)
+                try:
+                    yield message
+                finally:
+                    slow.cancel()
+        finally:
+            give_back()
 
     async def send_incoming(self, incoming: IncomingPublish, chunk_bytes: int) -> AsyncIterator[bytes]:
         """A publish's bytes as chunk messages as they land (cut-through)."""
@@ -43,25 +61,3 @@ class StreamTransport:
             for message in framing.chunk_messages(incoming.buffer[sent:landed], chunk_bytes):
                 yield message
             sent = landed
-
-    async def _in_turn(self, messages: Iterable[bytes]) -> AsyncIterator[bytes]:
-        turns, loop = self._turns, asyncio.get_running_loop()
-        await turns.acquire()
-        held = True
-
-        def give_back() -> None:
-            nonlocal held
-            if held:
-                held = False
-                turns.release()
-
-        try:
-            for message in messages:
-                await self._commits_first.wait()
-                slow = loop.call_later(SLOW_READER_SECONDS, give_back)
-                try:
-                    yield message
-                finally:
-                    slow.cancel()
-        finally:
-            give_back()

@@ -19,8 +19,7 @@ class LatestOnlyWorker(Generic[T]):
     """`work(item)` for the items `put`, in a thread started on the first put (again in a fork)."""
 
     def __init__(self, work: Callable[[T], object], thread_name: str) -> None:
-        self._work = work
-        self._thread_name = thread_name
+        self._work, self._thread_name = work, thread_name
         self._changed = threading.Condition()
         self._waiting: T | None = None
         self._busy = False
@@ -119,8 +118,7 @@ class BackgroundPublisher(LatestOnlyWorker[_Job]):
         except BaseException as exc:  # handed to the caller through the futures
             log.error("background publish failed: %s", exc)
             version, error = None, exc
-        # Recycle first, so a caller woken by its future finds the buffer ready for reuse.
-        self._recycle(job.snapshot)
+        self._recycle(job.snapshot)  # first, so a caller woken by its future finds the buffer ready for reuse
         for future in job.futures:
             if error is not None:
                 future.set_exception(error)

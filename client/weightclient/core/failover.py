@@ -7,7 +7,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -117,7 +117,7 @@ def host_of(address: str) -> str:
     return (target.rsplit(":", 1)[0] if ":" in target else target).strip("[]")
 
 
-class Connection:
+class Connection(AbstractContextManager):
     """The link in use among `address`es (default $WEIGHTSERVER_ADDRESS, then localhost:50051).
     `retry_seconds`: how long idempotent calls with no timeout retry while no server answers.
     `connect(address) -> ServerLink` replaces the network (transports.mock); TLS: `open_channel`."""
@@ -228,9 +228,6 @@ class Connection:
             links, self._retired = [self._link, *self._retired], []
         for link in links:
             link.close()
-
-    def __enter__(self):
-        return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()

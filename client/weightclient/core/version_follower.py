@@ -30,9 +30,7 @@ class CutThrough:
     """Early receives for one model's follower (its Watch thread calls `incoming`, `committed`)."""
 
     def __init__(self, client: WeightServiceClient, *, transport: str = "auto", timeout: float = 30.0) -> None:
-        self._client = client
-        self._transport = transport
-        self._timeout = timeout
+        self._client, self._transport, self._timeout = client, transport, timeout
         self._receiving: dict[str, Future[tuple[FetchedBytes, str]]] = {}
         self._threads = ThreadPoolExecutor(MAX_RECEIVING, thread_name_prefix="weightclient-cut-through")
         self._lock = threading.Lock()
@@ -119,9 +117,7 @@ class VersionFollower:
     def __init__(
         self, client: WeightServiceClient, model: str, since: int, cut_through: CutThrough | None = None
     ) -> None:
-        self._client = client
-        self._model = model
-        self._cursor = since
+        self._client, self._model, self._cursor = client, model, since
         self._cut_through = cut_through
         self._ready: FetchedBytes | None = None  # the newest version received early, not yet taken
         self._settling: threading.Event | None = None  # set once an announced version's early bytes are checked

@@ -61,10 +61,8 @@ class PublishWeights:
             publisher.policy_weights = self._mapped_weights
         elif policy_weights_getter is not None:
             publisher.policy_weights = policy_weights_getter
-        self.publisher = publisher
-        self.update_weights_interval = update_weights_interval
-        self.trainer = trainer
-        self.interval_unit = interval_unit
+        self.publisher, self.update_weights_interval = publisher, update_weights_interval
+        self.trainer, self.interval_unit = trainer, interval_unit
         self.counter = 0  # calls
         self.last_update_count = 0  # optimizer steps at the last publish
         self.published: list[int] = []
