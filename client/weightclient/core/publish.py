@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 Buffer = bytes | bytearray | memoryview
 SPARE_NEGOTIATE_SECONDS = 10.0  # a spare upload's Negotiate, in the background
 SPARE_SECONDS = 45.0  # under the server's 60 s for an upload nobody named
-MAX_SPARE_BYTES = 1 << 30  # above, a spare held in the server's memory costs more (4 GiB ran 24 GiB out)
+MAX_SPARE_BYTES = 2 << 30  # above, a spare held in the server's memory costs more (4 GiB ran 24 GiB out)
 
 
 @dataclass(frozen=True)
