@@ -44,6 +44,7 @@ ALIASES = {
     "publish_idle": "publish_under_fetch_load",
     "publish_under_niced_fetch_load": "publish_under_fetch_load",
     "fanout_tree_single": "fanout_tree",
+    "raw_fanout_8": "freshness_8",
     "fanout_tree_direct": "fanout_tree",
     "fanout_tree_egress": "fanout_tree",
     **{name: "freshness_link" for name in ("raw_fanout_1gbit", "raw_fanout_10gbit")},
