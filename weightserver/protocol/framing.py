@@ -53,8 +53,7 @@ def chunk_of(raw: bytes, tag: bytes = FETCH_CHUNK_TAG) -> memoryview | None:
     """The payload of a serialized `{chunk}` message as a view of `raw`, or None for another message."""
     if not raw.startswith(tag):
         return None
-    length = shift = 0
-    position = len(tag)
+    length, shift, position = 0, 0, len(tag)
     while position < len(raw):
         byte = raw[position]
         position += 1

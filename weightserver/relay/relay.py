@@ -122,16 +122,13 @@ class Relay:
         on_removed: Callable[[str], None],
     ) -> None:
         assert config.upstream is not None
-        self.store = store
+        self.store, self.link, self.incoming = store, link, incoming
         self.on_removed = on_removed  # called with the model after a version went (on the event loop)
-        self.link = link
-        self.incoming = incoming
         self._incoming: dict[str, _Incoming] = {}  # by the upstream's announcement id
         self.address, models = config.upstream, config.upstream_models  # models to follow (None: all)
         self.models = None if models is None else frozenset(validate_model_name(m) for m in models)
         self.poll_seconds = config.upstream_poll_seconds
-        self.metrics = metrics
-        self.health = health
+        self.metrics, self.health = metrics, health
         self.upstream_up: bool | None = None  # None until the first call answered or failed
         self.upstream_refused = False  # the upstream refuses this relay's credentials (as last heard)
         self.upstream_error: str | None = None  # why the upstream is away or refuses, while it is

@@ -49,9 +49,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         tokens: TokenTable | None = None,
         metrics: NoMetrics | None = None,
     ) -> None:
-        self.store = store
-        self.tokens = tokens
-        self.config = config
+        self.store, self.tokens, self.config = store, tokens, config
         self.payloads = PayloadCache(config.payload_cache_bytes)
         self.metrics = metrics or NoMetrics()
         self.relay: Relay | None = None  # on a relay: refuses changes, names its primary to watchers

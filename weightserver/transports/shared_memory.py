@@ -155,10 +155,7 @@ class SharedMemoryFiles:
         """(Re)write `version`'s header file if its file is here; `header()` (None: gone) runs under
         the lock, so of two writers the later writes the later state."""
         with self._lock:
-            if (model, version, 0, "", "") not in self._files:
-                return
-            content = header()
-            if content is None:
+            if (model, version, 0, "", "") not in self._files or (content := header()) is None:
                 return
             try:
                 _write_file(self.directory / model / header_file_name(version), content, 0o444)
@@ -218,8 +215,7 @@ class UploadFile:
     _kept = False  # it became a version's file
 
     def keep_as(self, path: Path) -> None:
-        self.path = self.path.replace(path)
-        self._kept = True
+        self.path, self._kept = self.path.replace(path), True
 
     def abort(self) -> None:
         if not self._kept:
@@ -312,9 +308,7 @@ class SharedMemoryTransport:
     name, kind = "shm", pb.TRANSPORT_SHARED_MEMORY
 
     def __init__(self, files: SharedMemoryFiles, uploads: StagedUploads, store: VersionStore) -> None:
-        self.files = files
-        self.uploads = uploads
-        self.store = store
+        self.files, self.uploads, self.store = files, uploads, store
 
     async def offer(self, record: Version, payload: Payload, description: pb.Payload) -> bool:
         key = payload.key(record.model, record.version)

@@ -211,17 +211,10 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         if not (isinstance(update_timeout, (int, float)) and update_timeout > 0):
             raise ValueError(f"update_timeout must be a number of seconds > 0, got {update_timeout!r}")
         self._set_client(client)
-        self.model = model
-        self.policy = policy
-        self.key_map = key_map
-        self.pinned_version = version
-        self.delta = delta
-        self.dtype = dtype
-        self.transport = transport
-        self.watch = watch
-        self.incoming = incoming
-        self.watch_confirm_seconds = watch_confirm_seconds
-        self.update_timeout = float(update_timeout)
+        self.model, self.policy, self.key_map = model, policy, key_map
+        self.pinned_version, self.delta, self.dtype = version, delta, dtype
+        self.transport, self.watch, self.incoming = transport, watch, incoming
+        self.watch_confirm_seconds, self.update_timeout = watch_confirm_seconds, float(update_timeout)
         self.version: int | None = None  # the version applied to the policy
         self.last_fetch: FetchStats | None = None
         self.zero_copy = False  # the last apply made every parameter a view of the version's file
@@ -530,15 +523,12 @@ class GrpcRemoteWeightUpdater(_LazyClient, RemoteWeightUpdaterBase):
         transport: str = "auto",
     ) -> None:
         self._set_client(client)
-        self.policy_weights = policy_weights
-        self.transport = transport
+        self.policy_weights, self.transport, self.metadata = policy_weights, transport, metadata
         self.models: dict[WorkerId, str] = dict(models) if isinstance(models, Mapping) else {m: m for m in models}
         if not self.models:
             raise ValueError("models must name at least one model")
-        self.max_interval = max(0, max_interval)
-        self.retries = retries
+        self.max_interval, self.retries = max(0, max_interval), retries
         self.retry = RetryPolicy(first=backoff, longest=math.inf, retry_on=UNREACHABLE)
-        self.metadata = metadata
         self._calls_since_update = dict.fromkeys(self.models, 0)
         self._building: dict[WorkerId, tuple[str, Weights]] = {}  # due workers, in `update_weights`
         self.version: int | None = None  # last version published
@@ -580,8 +570,7 @@ class GrpcRemoteWeightUpdater(_LazyClient, RemoteWeightUpdaterBase):
     def publish(self, weights_by_model: Mapping[str, Weights]) -> int:
         """Publish ``{model: weights}`` as one version, retried (with one publish id) while the server is down."""
         meta = self.metadata() if self.metadata else {}
-        publish_id = uuid.uuid4().hex
-        attempt = 0
+        publish_id, attempt = uuid.uuid4().hex, 0
         while True:
             try:
                 self.version = self.client.publish_group(

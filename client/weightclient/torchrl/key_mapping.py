@@ -36,9 +36,7 @@ class KeyMap:
             key = key[len(self.strip_prefix) :]
         if self.add_prefix:
             key = self.add_prefix + key
-        if self.fn is not None:
-            return self.fn(key)
-        return key
+        return self.fn(key) if self.fn is not None else key
 
     def apply(self, server: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Rename the keys of flat `server` weights; raises KeyError on a collision."""
@@ -92,8 +90,7 @@ def check_weights(
 ) -> TensorDict:
     """`weights` flat, if they match `local`; else a KeyError naming every mismatch and both key
     sets. `partial`: a delta may leave local keys out; `allow_cast`: float dtypes may differ."""
-    mapped = flat_weights(weights)
-    local_flat = flat_weights(local)
+    mapped, local_flat = flat_weights(weights), flat_weights(local)
     missing = [] if partial else sorted(set(local_flat) - set(mapped))
     unexpected = sorted(set(mapped) - set(local_flat))
     shapes, dtypes = [], []

@@ -92,11 +92,8 @@ class SharedMemoryTransport(Transport):
         is written to), a link to a server's memfd (in no folder) of `total` bytes."""
         try:
             memory = os.readlink(path) if UPLOAD_FILE.fullmatch(os.path.basename(path)) else ""
-        except OSError as exc:
-            raise TransportFailed(f"cannot open {path} for writing here ({exc})") from exc
-        if not UPLOAD_MEMORY.fullmatch(memory):
-            raise TransportFailed(f"{path} is not an upload of {total} bytes")
-        try:
+            if not UPLOAD_MEMORY.fullmatch(memory):
+                raise TransportFailed(f"{path} is not an upload of {total} bytes")
             fd = os.open(memory, flags)
         except OSError as exc:
             raise TransportFailed(f"cannot open {path} for writing here ({exc})") from exc
@@ -232,8 +229,7 @@ def _written_hashed(
 ) -> str:
     """`parts` written to `fd` a block at a time, each hashed once written (no page faults: the
     kernel writes tmpfs pages it allocates)."""
-    hasher = xxhash.xxh3_128()
-    offset = 0
+    hasher, offset = xxhash.xxh3_128(), 0
     for block in _blocks(parts, deadline, progress):
         written = 0
         while written < block.nbytes:  # a write may be short (a signal, or over 2 GiB)

@@ -22,8 +22,7 @@ class StreamTransport(Transport):
     kind: ClassVar[int] = pb.TRANSPORT_STREAM
 
     def __init__(self, channel: grpc.Channel, metadata: Any, chunk_bytes: int) -> None:
-        self.chunk_bytes = chunk_bytes
-        self._metadata = metadata
+        self.chunk_bytes, self._metadata = chunk_bytes, metadata
         self._fetch = channel.unary_stream(
             "/weightserver.v1.WeightService/Fetch",
             request_serializer=pb.FetchRequest.SerializeToString,
