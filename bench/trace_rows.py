@@ -53,15 +53,25 @@ def _words(tensor: torch.Tensor) -> np.ndarray:
     return flat.view(torch.uint8).numpy().view(f"<u{flat.element_size()}")
 
 
-def changed_elements(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> tuple[int, int, int]:
-    """(elements whose bytes differ, elements in all, tensors with any change)."""
+def changed_elements(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Elements whose bytes differ, elements in all, tensors with any change, and the bytes of the
+    changed tensors in each element delta form alone (`deltas.sizes`; unchanged tensors: 0 bytes)."""
     import numpy as np
 
-    changed = total = tensors = 0
+    from weightserver.protocol import deltas
+
+    out: dict[str, Any] = {"changed_elements": 0, "elements": 0, "changed_tensors": 0}
+    out |= {f"{form}_only_bytes": 0 for form in deltas.FORMS}
     for name, tensor in new.items():
         count = int(np.count_nonzero(_words(old[name]) != _words(tensor)))
-        changed, total, tensors = changed + count, total + tensor.numel(), tensors + (count > 0)
-    return changed, total, tensors
+        out["changed_elements"] += count
+        out["elements"] += tensor.numel()
+        out["changed_tensors"] += count > 0
+        if count:
+            for form, size in deltas.sizes(tensor.numel(), count, tensor.element_size()).items():
+                if form:
+                    out[f"{form}_only_bytes"] += size
+    return out
 
 
 def xor_zlib(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -174,15 +184,13 @@ def run_trace(trace: Iterable[dict[str, torch.Tensor]], model: str, transport: s
                 builds, rebuilds = list(timed.builds), list(timed.rebuilds)
                 exact &= _bit_exact(result, weights) and not (rebuilds and not result.base_version)
                 old = collector.fetch(model, version=version, base=previous_version, transport=transport)
-                changed, elements, tensors = changed_elements(previous, weights)
+                counts = changed_elements(previous, weights)
                 row = {
                     "version": version,
                     "delta_wire_bytes": result.stats.wire_bytes,
                     "rebuilt_from_delta": bool(result.base_version),
                     "tensor_delta_wire_bytes": old.stats.wire_bytes,
-                    "changed_elements": changed,
-                    "elements": elements,
-                    "changed_tensors": tensors,
+                    **counts,
                     "encode_cpu_s": sum(b["cpu_s"] for b in builds),
                     "encode_wall_s": sum(b["wall_s"] for b in builds),
                     "builds": builds,
@@ -197,7 +205,7 @@ def run_trace(trace: Iterable[dict[str, torch.Tensor]], model: str, transport: s
                 decode = "-" if row["decode_s"] is None else f"{1e3 * row['decode_s']:.1f} ms"
                 log(
                     f"{model} v{version}: {_mb(row['delta_wire_bytes'])} of {_mb(full_wire)}, "
-                    f"{100 * changed / elements:.2f}% changed, forms {_count(forms)}, "
+                    f"{100 * counts['changed_elements'] / counts['elements']:.2f}% changed, forms {_count(forms)}, "
                     f"encode {1e3 * row['encode_cpu_s']:.1f} ms, decode {decode}"
                 )
                 del old
@@ -238,6 +246,8 @@ def trace_rows(prefix: str, figures: dict[str, Any], target: float | None, what:
         f"against a full fetch of {_mb(full)} "
         f"(full / delta wire bytes); changed tensors sent as {encoded} (tensor-versions)"
     )
+    alone = {form: median(v[f"{form}_only_bytes"] for v in per) for form in ("sparse", "bitmap")}
+    delta.note += "; changed tensors in one form alone: " + ", ".join(f"{f} {_mb(b)}" for f, b in alone.items())
     if not figures["bit_exact"]:
         delta.note += "; WRONG WEIGHTS: a fetched version differs from the published one"
     if target is not None:
