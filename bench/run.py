@@ -11,7 +11,8 @@ feature does not exist yet print "n/a (not implemented)". Baselines: memcpy, raw
 raw_fanout, gloo_broadcast, torchrl_shared_mem (see bench/baselines.py); rows: see bench/rows.py and
 bench/freshness.py (publish over bulk / shared memory, publish-to-collector freshness),
 bench/freshness_link.py (freshness over a shaped link between network namespaces, as root) and
-bench/fanout_tree.py (a primary, 4 relays, 32 collectors: freshness and the primary's egress).
+bench/fanout_tree.py (a primary, 4 relays, 32 collectors: freshness and the primary's egress) and
+bench/trace_rows.py (element deltas of two training traces, bench/traces.py: --trace-versions).
 """
 
 from __future__ import annotations
