@@ -11,7 +11,8 @@ feature does not exist yet print "n/a (not implemented)". Baselines: memcpy, raw
 raw_fanout, gloo_broadcast, torchrl_shared_mem (see bench/baselines.py); rows: see bench/rows.py and
 bench/freshness.py (publish over bulk / shared memory, publish-to-collector freshness),
 bench/freshness_link.py (freshness over a shaped link between network namespaces, as root) and
-bench/fanout_tree.py (a primary, 4 relays, 32 collectors: freshness and the primary's egress).
+bench/fanout_tree.py (a primary, 4 relays, 32 collectors: freshness and the primary's egress) and
+bench/trace_rows.py (element deltas of two training traces, bench/traces.py: --trace-versions).
 """
 
 from __future__ import annotations
@@ -32,8 +33,10 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # `bench` is a package; spawned children inherit sys.path
 
-# Module level stays standard library + bench.common: spawned children re-import this file.
+# Module level stays standard library + bench.common (and bench.trace_rows, which imports only
+# those at module level): spawned children re-import this file.
 from bench.common import GiB, Row, cpu_busy, format_size, log, parse_size  # noqa: E402
+from bench.trace_rows import ALIASES as TRACE_ALIASES  # noqa: E402
 
 BASELINES = ["memcpy", "raw_tcp", "raw_tcp_after_idle", "raw_fanout", "gloo_broadcast", "torchrl_shared_mem"]
 ALIASES = {
@@ -49,17 +52,26 @@ ALIASES = {
     "fanout_tree_egress": "fanout_tree",
     **{name: "freshness_link" for name in ("raw_fanout_1gbit", "raw_fanout_10gbit")},
     **{name: "freshness_link" for name in ("freshness_link_1gbit", "freshness_link_10gbit")},
+    **TRACE_ALIASES,
 }
 
 
 def row_registry() -> tuple[list[str], dict[str, Callable[..., list[Row]]], dict[str, list[str]]]:
     """(every row in table order, the sized rows' functions, the baselines each row needs)
     of bench/rows.py and bench/freshness.py together, and bench/fanout_tree.py's row (servers of
-    its own, at 16 MiB whatever --sizes says), and bench/freshness_link.py's (a link of its own)."""
-    from bench import fanout_tree, freshness, freshness_link, relay_follow, rows
+    its own, at 16 MiB whatever --sizes says), and bench/freshness_link.py's (a link of its own), and
+    bench/trace_rows.py's (training traces, on a server in this process)."""
+    from bench import fanout_tree, freshness, freshness_link, relay_follow, rows, trace_rows
 
     return (
-        [*rows.ROW_ORDER, *freshness.ROW_ORDER, freshness_link.ROW, fanout_tree.ROW, relay_follow.ROW],
+        [
+            *rows.ROW_ORDER,
+            *freshness.ROW_ORDER,
+            freshness_link.ROW,
+            fanout_tree.ROW,
+            relay_follow.ROW,
+            *trace_rows.ROWS,
+        ],
         {**rows.SIZED_ROWS, **freshness.SIZED_ROWS},
         {**rows.NEEDS, **freshness.NEEDS},
     )
@@ -82,6 +94,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="transport= for the network rows (fetch_live_policy, fanout_8, delta/cast, memory rows) when the "
         "client has one: bulk (default: what 'auto' picks for a collector on another host), stream, auto, shm",
     )
+    parser.add_argument(
+        "--trace-versions",
+        type=int,
+        default=8,
+        help="versions of each training trace (trace_ddpg_delta, trace_lm_delta): the first, then one per "
+        "publish interval (default: %(default)s)",
+    )
     from bench.large import ROW as LARGE_ROW
 
     choices = [*BASELINES, *row_order, LARGE_ROW]
@@ -95,6 +114,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"unknown row(s) {', '.join(unknown)}; choose from {', '.join(choices)}")
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
+    if args.trace_versions < 2:
+        parser.error("--trace-versions must be >= 2 (a delta needs a previous version)")
     return args
 
 
@@ -142,7 +163,7 @@ def environment() -> dict[str, object]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from bench import baselines, fanout_tree, freshness_link, large, relay_follow, rows
+    from bench import baselines, fanout_tree, freshness_link, large, relay_follow, rows, trace_rows
     from weightclient import WeightClient
     from weightserver.process import ServerProcess
 
@@ -197,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
         results += guarded(fanout_tree.ROW, fanout_tree.SIZE, fanout_tree.fanout_tree, args.repeats, args.transport)
     if relay_follow.ROW in wanted:  # a primary and relays of its own, per transport
         results += guarded(relay_follow.ROW, relay_follow.SIZE, relay_follow.relay_follow, args.repeats)
+    for name, function in trace_rows.ROW_FUNCTIONS.items():  # a server of their own, in this process
+        if name in wanted:
+            results += guarded(name, None, function, args.trace_versions, args.transport)
     if large.ROW in wanted:  # last, on a server of its own: it needs the memory the others held
         results += guarded(large.ROW, large.TENSOR_BYTES, large.roundtrip_4gib, args.repeats)
 
@@ -211,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
                 *freshness_link.names(),
                 *fanout_tree.NAMES,
                 *relay_follow.NAMES,
+                *trace_rows.NAMES,
             ]
         )
     }
