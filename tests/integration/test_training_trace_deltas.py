@@ -5,12 +5,11 @@ than the whole model."""
 
 from __future__ import annotations
 
-import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
-from bench.traces import lm_trace
-
-pytest.importorskip("transformers", reason="transformers is not installed: pip install -e '.[dev]'")
+from bench.traces import LM_CONFIGS, lm_trace
+from weightclient.torchrl.grpc_updaters import GrpcLocalWeightUpdater
 
 MODEL = "trace-lm"
 
@@ -40,3 +39,20 @@ def test_bf16_training_steps_travel_as_element_deltas_and_rebuild_bit_exact(clie
         # A few percent of the elements change per step: their places and values, not the model.
         assert result.stats.wire_bytes < full / 5, (result.stats.wire_bytes, full)
         held, previous = result, weights
+
+
+def test_an_updater_keeps_a_transformers_policy_on_the_trace(client):
+    """The policy is the model itself: its rotary `inv_freq` buffers, which no state dict carries,
+    are not asked of the server; each step after the first comes as element deltas."""
+    policy = LlamaForCausalLM(LlamaConfig(**LM_CONFIGS["tiny"])).to(torch.bfloat16)
+    assert any("inv_freq" in name for name, _ in policy.named_buffers())
+    updater = GrpcLocalWeightUpdater(client, model=MODEL, policy=policy, transport="bulk", incoming=False)
+    full = None
+    for weights in lm_trace(4, config="tiny"):
+        client.publish(weights, model=MODEL)
+        updater()
+        full = full or updater.last_fetch.wire_bytes
+        assert updater.last_fetch.wire_bytes <= full
+        state = policy.state_dict()
+        assert all(raw(state[name]) == raw(tensor) for name, tensor in weights.items())
+    assert updater.version == 4 and updater.last_fetch.wire_bytes < full / 5

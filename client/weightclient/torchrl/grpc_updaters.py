@@ -145,8 +145,13 @@ class _LazyClient:
 
 
 def weights_of(source: Weights) -> TensorDictBase:
+    """Keyed as its state dict: a module's parameters and persistent buffers, not the buffers it
+    makes itself (a rotary embedding's `inv_freq` in a transformers model), which no state dict holds."""
     if isinstance(source, torch.nn.Module):
-        return TensorDict.from_module(source)
+        weights = TensorDict.from_module(source).flatten_keys(".")
+        kept = source.state_dict(keep_vars=True).keys()
+        transient = set(weights.keys()) - set(kept)  # (iterating a TensorDict walks its batch dimension)
+        return weights.exclude(*transient) if transient else weights
     if isinstance(source, TensorDictBase):
         return source
     return TensorDict(dict(source), batch_size=[])
