@@ -135,13 +135,15 @@ def link_trainer(
 
 
 class _Trainer:
-    """The `link_trainer` process, started in the link's "trainer" namespace."""
+    """The `link_trainer` process, started in the namespace of the link's host `where`."""
 
-    def __init__(self, link: link_harness.Link, workload: LinkWorkload, model: str, transport: str) -> None:
+    def __init__(
+        self, link: link_harness.Link, workload: LinkWorkload, model: str, transport: str, where: str = "trainer"
+    ) -> None:
         self.commands, self.results = SPAWN.Queue(), SPAWN.Queue()
         args = (link.address("server"), link.netns("server"), workload, model, transport, self.commands, self.results)
         self.process = SPAWN.Process(target=link_trainer, args=args, daemon=True, name="bench-link-trainer")
-        with link.spawning_in("trainer"):
+        with link.spawning_in(where):
             self.process.start()
 
     def reply(self, kind: str) -> tuple:
@@ -189,6 +191,7 @@ def freshness_on_link(
     collector: Callable[..., None] = workers.freshness_collector,
     transport: str = "bulk",
     name: str = ROW,
+    trainer_host: str = "trainer",
 ) -> Row:
     """Freshness in ms on `link` (hosts `HOSTS`): the trainer publishes `workload` (default
     `FlatWorkload(size)`) over `transport`, `COLLECTORS` collector processes (`collector`,
@@ -198,7 +201,7 @@ def freshness_on_link(
 
     workload = workload or FlatWorkload(size)
     model = f"{name}-{format_size(size)}"
-    trainer = _Trainer(link, workload, model, transport)
+    trainer = _Trainer(link, workload, model, transport, trainer_host)
     try:
         address = trainer.reply("ready")[1]
         log(f"{name} {format_size(size)}: server on {address}, starting {COLLECTORS} collectors ({transport})")
@@ -220,7 +223,8 @@ def freshness_on_link(
     row = Row(name, size, "ms", timed.samples)
     applications = COLLECTORS * repeats
     row.note = (
-        f"publish(transport={transport}) call in its namespace -> {COLLECTORS} collectors in theirs applied "
+        f"publish(transport={transport}) call in the {trainer_host}'s namespace -> {COLLECTORS} collectors in theirs "
+        "applied "
         f"({link.describe()}); fetched via {'/'.join(sorted(timed.used))}, {timed.early} of {applications} "
         f"received before the commit; published via {'/'.join(sorted(carried or {'unknown'}))}; publish() returned "
         f"after {statistics.median(timed.publish_ms):.1f} ms (median)"
@@ -259,3 +263,61 @@ def freshness_link(sizes: list[int], repeats: int, rates: tuple[str, ...] = RATE
                 row = freshness_on_link(link, size, repeats, name=f"{ROW}_{rate}")
                 rows += [base, compare(row, base, "<=", TARGET, time_based=True)]
     return rows
+
+
+class LMTraceWorkload:
+    """Trace (b) of `bench.traces`: a Llama (`config`, 134M parameters by default) trained with
+    AdamW on fp32 master weights at lr 1e-6; each step publishes its bf16 cast. `prepare` runs
+    the step (untimed); the collectors build the same model in bf16 (`shapes`)."""
+
+    def __init__(self, config: str = "llama-134m") -> None:
+        self.config = config
+        self._steps: Any = None
+        self._state: Any = None
+
+    def shapes(self) -> dict[str, str]:
+        return {"lm_config": self.config}
+
+    def prepare(self, step: int) -> None:
+        from bench.traces import lm_trace
+
+        if self._steps is None:
+            self._steps = lm_trace(1 << 30, config=self.config)  # as many steps as asked for
+        self._state = next(self._steps)
+        return None  # each collector's updater checks every version against its xxh3
+
+    def state(self) -> Mapping[str, torch.Tensor]:
+        return self._state
+
+
+LM_ROW = "freshness_link_lm"
+LM_RATE = "1gbit"
+LM_TARGET = 0.1  # deltas at least 10x fresher than whole versions (issue 31)
+
+
+def freshness_link_lm(repeats: int, config: str = "llama-134m") -> list[Row]:
+    """Trace (b) on a 1 Gb/s link: the trainer beside the server (its namespace), 2 collectors
+    behind the link; whole versions (`delta=False`, cut-through on) against element deltas
+    (`incoming=False`: a collector that received a version's bytes as they arrived could not
+    take a delta), judged: the deltas' freshness <= 0.1x the whole versions'."""
+    why = link_harness.available()
+    names = [f"{LM_ROW}_full", f"{LM_ROW}_delta"]
+    if why:
+        return [not_available(n, None, "ms", f"ratio <= {LM_TARGET:g}x", why) for n in names]
+    rows = []
+    with link_harness.Link(HOSTS, rate=LM_RATE, delay_ms=DELAY_MS) as link:
+        # 268 MB twice over 1 Gb/s takes 4.3 s: the default 5 s deadline of an update would be tight
+        choices = ({"delta": False}, {"incoming": False})
+        for name, options in zip(names, [{**o, "update_timeout": 30.0} for o in choices], strict=True):
+            workload = LMTraceWorkload(config)
+            rows.append(
+                freshness_on_link(
+                    link, 0, repeats, workload=workload, collector_options=options, name=name, trainer_host="server"
+                )
+            )
+    full, delta = rows
+    delta.baseline, delta.baseline_value = full.name, full.median
+    return [
+        full.judge(None, "<=", 1.0, "none (the baseline)"),
+        delta.judge(delta.median / full.median, "<=", LM_TARGET),
+    ]

@@ -52,6 +52,7 @@ ALIASES = {
     "fanout_tree_egress": "fanout_tree",
     **{name: "freshness_link" for name in ("raw_fanout_1gbit", "raw_fanout_10gbit")},
     **{name: "freshness_link" for name in ("freshness_link_1gbit", "freshness_link_10gbit")},
+    **{name: "freshness_link_lm" for name in ("freshness_link_lm_full", "freshness_link_lm_delta")},
     **TRACE_ALIASES,
 }
 
@@ -68,6 +69,7 @@ def row_registry() -> tuple[list[str], dict[str, Callable[..., list[Row]]], dict
             *rows.ROW_ORDER,
             *freshness.ROW_ORDER,
             freshness_link.ROW,
+            freshness_link.LM_ROW,
             fanout_tree.ROW,
             relay_follow.ROW,
             *trace_rows.ROWS,
@@ -214,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     if freshness_link.ROW in wanted:  # namespaces, a server and collectors of its own, per link rate
         results += guarded(freshness_link.ROW, None, freshness_link.freshness_link, args.sizes, args.repeats)
+    if freshness_link.LM_ROW in wanted:  # trace (b) on a 1 Gb/s link: whole versions against element deltas
+        results += guarded(freshness_link.LM_ROW, None, freshness_link.freshness_link_lm, args.repeats)
     if fanout_tree.ROW in wanted:  # a primary, 4 relays and 32 collectors of its own
         results += guarded(fanout_tree.ROW, fanout_tree.SIZE, fanout_tree.fanout_tree, args.repeats, args.transport)
     if relay_follow.ROW in wanted:  # a primary and relays of its own, per transport
@@ -233,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
                 "single_collector",
                 *row_order,
                 *freshness_link.names(),
+                f"{freshness_link.LM_ROW}_full",
+                f"{freshness_link.LM_ROW}_delta",
                 *fanout_tree.NAMES,
                 *relay_follow.NAMES,
                 *trace_rows.NAMES,

@@ -256,11 +256,21 @@ async def _stream_fetch_load(address: str, model: str, fetchers: int, connection
     results.put(records)
 
 
+def _lm_policy(config: str) -> Any:
+    """The collector's policy for a trace of `bench.traces.lm_trace`: the same Llama, in bf16."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from bench.traces import LM_CONFIGS
+
+    return LlamaForCausalLM(LlamaConfig(**LM_CONFIGS[config])).to(torch.bfloat16)
+
+
 def freshness_collector(
     index: int,
     address: str,
     model: str,
-    shapes: list[int],
+    shapes: list[int] | dict[str, str],
     transport: str,
     stop: Any,
     results: Any,
@@ -293,7 +303,7 @@ def freshness_collector(
     from weightclient.torchrl.grpc_updaters import GrpcLocalWeightUpdater
 
     torch.set_num_threads(1)
-    policy = policy_from_shapes(shapes, fill=-1.0)
+    policy = policy_from_shapes(shapes, fill=-1.0) if isinstance(shapes, list) else _lm_policy(shapes["lm_config"])
     client, wakeups = WeightClient(address), WeightServiceClient(address)
     options = {"incoming": incoming} if incoming is not True else {}  # a client without it: default
     options.update(updater_options or {})
@@ -306,7 +316,7 @@ def freshness_collector(
             at = time.monotonic()
             used = getattr(updater.last_fetch, "transport", None) or "stream"
             with torch.no_grad():
-                ends = [(float(p[0]), float(p[-1])) for p in policy.parameters()]
+                ends = [(float(p.view(-1)[0]), float(p.view(-1)[-1])) for p in policy.parameters()]
             early = bool(getattr(updater.last_fetch, "incoming", False))
             results.put((index, updater.version, at, used, ends, early, bool(getattr(updater, "zero_copy", False))))
 

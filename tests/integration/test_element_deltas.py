@@ -158,9 +158,15 @@ def test_a_corrupt_delta_is_refused_and_nothing_is_applied(server, client, monke
         updater()
     assert updater.version == 1 and "refused a malformed delta" in caplog.text
     assert_bit_exact(policy, v1)
-    updater()  # without the held base it asks for whole tensors, which no encoder touches
-    assert updater.version == 2
+    updater()  # without the held base it asks for the whole version, which no encoder touches
+    assert updater.version == 2 and updater.last_fetch.wire_bytes >= nbytes(v2)
     assert_bit_exact(policy, v2)
+    monkeypatch.undo()
+    v3 = step(v2, 0.01, seed=3)
+    client.publish(v3, model=MODEL)
+    updater()  # and holds it again: deltas are back
+    assert updater.version == 3 and updater.last_fetch.wire_bytes < nbytes(v3) // 10
+    assert_bit_exact(policy, v3)
 
 
 @pytest.mark.parametrize("transport", ["stream", "bulk"])
@@ -180,6 +186,7 @@ def test_an_updater_applies_element_deltas_in_place(server, client, transport):
         assert updater.version == seed + 1 and updater.last_fetch.transport == transport
         assert updater.last_fetch.wire_bytes < nbytes(weights) // 20
         assert_bit_exact(policy, weights)
+        assert updater.pull() is None  # up to date: the version held stays the next delta's base
 
 
 def held(server) -> int:

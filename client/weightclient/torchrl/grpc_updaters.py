@@ -303,8 +303,10 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         options = {"dtype": self.dtype, "transport": self.transport, "into": self._staging, "retry": False}
         options["base"] = self.applied if self.delta and self.version is not None and not same_host else None
         held, self._held = self._held, None  # the staging buffer is about to be reused
-        if options["base"] is not None and held is not None and held.version == self.version and not self.dtype:
-            options["base"], options["consume_base"] = held, True  # element deltas, rebuilt in the buffer
+        if options["base"] is not None and not self.dtype:  # element deltas, rebuilt in the buffer on the held
+            # version; without one, the whole version, to hold (a partial one would never lead back to deltas)
+            keep = held is not None and held.version == self.version
+            options["base"], options["consume_base"] = (held, True) if keep else (None, False)
         began = time.monotonic()
         try:
             try:
@@ -328,11 +330,12 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         except IntegrityError as exc:
             if not options.get("consume_base"):
                 raise
-            # Nothing was applied; without the held base the next pull asks for whole tensors.
+            # Nothing was applied; without the held base the next pull asks for the whole version.
             log.warning("%s: refused a malformed delta on v%s (%s); the policy keeps it", self.model, self.version, exc)
             return None
         self._server_available(asked=True)
         if result is None:
+            self._held = held  # up to date: nothing was received
             return None
         self.last_fetch = result.stats
         buffer, self._staging = self._staging, None  # lent to the update until it is applied
