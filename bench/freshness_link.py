@@ -120,7 +120,8 @@ def link_trainer(
     from weightclient import WeightClient
 
     torch.set_num_threads(1)
-    with NamespacedServer(host, netns, "--no-shm") as server, WeightClient(server.address) as client:
+    no_shm = () if transport == "shm" else ("--no-shm",)  # shared memory only for a trainer on the server's host
+    with NamespacedServer(host, netns, *no_shm) as server, WeightClient(server.address) as client:
         kwargs = publish_kwargs(transport)
         workload.prepare(-1)
         client.publish(workload.state(), model=model, **kwargs)
@@ -192,6 +193,7 @@ def freshness_on_link(
     transport: str = "bulk",
     name: str = ROW,
     trainer_host: str = "trainer",
+    publish_transport: str | None = None,
 ) -> Row:
     """Freshness in ms on `link` (hosts `HOSTS`): the trainer publishes `workload` (default
     `FlatWorkload(size)`) over `transport`, `COLLECTORS` collector processes (`collector`,
@@ -201,7 +203,8 @@ def freshness_on_link(
 
     workload = workload or FlatWorkload(size)
     model = f"{name}-{format_size(size)}"
-    trainer = _Trainer(link, workload, model, transport, trainer_host)
+    publish_transport = publish_transport or transport
+    trainer = _Trainer(link, workload, model, publish_transport, trainer_host)
     try:
         address = trainer.reply("ready")[1]
         log(f"{name} {format_size(size)}: server on {address}, starting {COLLECTORS} collectors ({transport})")
@@ -223,14 +226,14 @@ def freshness_on_link(
     row = Row(name, size, "ms", timed.samples)
     applications = COLLECTORS * repeats
     row.note = (
-        f"publish(transport={transport}) call in the {trainer_host}'s namespace -> {COLLECTORS} collectors in theirs "
-        "applied "
+        f"publish(transport={publish_transport}) call in the {trainer_host}'s namespace -> {COLLECTORS} collectors "
+        "in theirs applied "
         f"({link.describe()}); fetched via {'/'.join(sorted(timed.used))}, {timed.early} of {applications} "
         f"received before the commit; published via {'/'.join(sorted(carried or {'unknown'}))}; publish() returned "
         f"after {statistics.median(timed.publish_ms):.1f} ms (median)"
     )
-    if timed.used != {transport} or carried != {transport}:
-        row.note += f"; NOT all {transport}"
+    if timed.used != {transport} or carried != {publish_transport}:
+        row.note += f"; NOT all {transport} (fetches) and {publish_transport} (publishes)"
     if timed.wrong:
         row.note += f"; WRONG WEIGHTS in {timed.wrong} applications"
     row.extra = {
@@ -312,7 +315,14 @@ def freshness_link_lm(repeats: int, config: str = "llama-134m") -> list[Row]:
             workload = LMTraceWorkload(config)
             rows.append(
                 freshness_on_link(
-                    link, 0, repeats, workload=workload, collector_options=options, name=name, trainer_host="server"
+                    link,
+                    0,
+                    repeats,
+                    workload=workload,
+                    collector_options=options,
+                    name=name,
+                    trainer_host="server",
+                    publish_transport="shm",  # the trainer beside the server; the collectors fetch over bulk
                 )
             )
     full, delta = rows
