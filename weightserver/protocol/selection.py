@@ -62,11 +62,12 @@ class TensorRule:
 
     def __post_init__(self) -> None:
         if self.match not in MATCHES:
-            raise InvalidRequest(f"rule {clipped_repr(self.pattern)}: match must be one of {', '.join(MATCHES)}")
+            choices = ", ".join(MATCHES)
+            raise InvalidRequest(f"select: rule {clipped_repr(self.pattern)}: match must be one of {choices}")
         if (self.dim is None) != (self.shard is None and self.span is None) or (self.shard and self.span):
-            raise InvalidRequest(f"rule {self}: give a dim and one of shard or span, or neither (whole tensors)")
+            raise InvalidRequest(f"select: rule {self}: give a dim and one of shard or span, or neither (whole)")
         if self.shard is not None and not 0 <= self.shard[0] < self.shard[1]:
-            raise InvalidRequest(f"rule {self}: need world >= 1 and 0 <= rank < world")
+            raise InvalidRequest(f"select: rule {self}: need world >= 1 and 0 <= rank < world")
         object.__setattr__(self, "_regex", _glob(self.pattern) if self.match == "glob" else None)
 
     def __str__(self) -> str:
@@ -113,13 +114,13 @@ class TensorRule:
     def from_message(cls, rule: pb.TensorRule) -> TensorRule:
         match = rule.WhichOneof("match")
         if match is None:
-            raise InvalidRequest("a selection rule sets none of name, prefix or glob")
+            raise InvalidRequest("select: a rule sets none of name, prefix or glob")
         pattern = getattr(rule, match)
         if not rule.HasField("slice"):
             return cls(pattern, match)
         part = rule.slice.WhichOneof("part")
         if part is None:
-            raise InvalidRequest(f"the slice of {match} {clipped_repr(pattern)} sets neither shard nor range")
+            raise InvalidRequest(f"select: the slice of {match} {clipped_repr(pattern)} sets neither shard nor range")
         shard = (rule.slice.shard.rank, rule.slice.shard.world) if part == "shard" else None
         span = (rule.slice.range.start, rule.slice.range.stop) if part == "range" else None
         return cls(pattern, match, rule.slice.dim, shard, span)
