@@ -47,6 +47,9 @@ ALIASES = {
     "raw_fanout_8": "freshness_8",
     "fanout_tree_direct": "fanout_tree",
     "fanout_tree_egress": "fanout_tree",
+    "whole_fetch": "sharded_fetch",
+    "sharded_fetch_bytes": "sharded_fetch",
+    "sharded_fetch_alone": "sharded_fetch",
     **{name: "freshness_link" for name in ("raw_fanout_1gbit", "raw_fanout_10gbit")},
     **{name: "freshness_link" for name in ("freshness_link_1gbit", "freshness_link_10gbit")},
 }
@@ -54,13 +57,21 @@ ALIASES = {
 
 def row_registry() -> tuple[list[str], dict[str, Callable[..., list[Row]]], dict[str, list[str]]]:
     """(every row in table order, the sized rows' functions, the baselines each row needs)
-    of bench/rows.py and bench/freshness.py together, and bench/fanout_tree.py's row (servers of
-    its own, at 16 MiB whatever --sizes says), and bench/freshness_link.py's (a link of its own)."""
-    from bench import fanout_tree, freshness, freshness_link, relay_follow, rows
+    of bench/rows.py, bench/freshness.py and bench/sharded_fetch.py together, and
+    bench/fanout_tree.py's row (servers of its own, at 16 MiB whatever --sizes says), and
+    bench/freshness_link.py's (a link of its own)."""
+    from bench import fanout_tree, freshness, freshness_link, relay_follow, rows, sharded_fetch
 
     return (
-        [*rows.ROW_ORDER, *freshness.ROW_ORDER, freshness_link.ROW, fanout_tree.ROW, relay_follow.ROW],
-        {**rows.SIZED_ROWS, **freshness.SIZED_ROWS},
+        [
+            *rows.ROW_ORDER,
+            *freshness.ROW_ORDER,
+            sharded_fetch.ROW,
+            freshness_link.ROW,
+            fanout_tree.ROW,
+            relay_follow.ROW,
+        ],
+        {**rows.SIZED_ROWS, **freshness.SIZED_ROWS, **sharded_fetch.SIZED_ROWS},
         {**rows.NEEDS, **freshness.NEEDS},
     )
 
