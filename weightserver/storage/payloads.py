@@ -10,6 +10,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from weightserver.protocol import deltas
 from weightserver.protocol.deltas import ENCODING_KEY
@@ -44,17 +45,9 @@ class Selected:
     data: Bytes = field(repr=False)
     selection: SelectionManifest
 
-    @property
-    def header(self) -> SafetensorsHeader:
-        return self.selection.header
-
-    @property
-    def tensor_xxh3(self) -> Mapping[str, str]:
-        return self.selection.tensor_xxh3
-
-    @property
-    def xxh3(self) -> str:
-        return self.selection.xxh3
+    def __getattr__(self, name: str) -> Any:
+        """`header`, `tensor_xxh3` and `xxh3`, as a store Version has them: its selection file's."""
+        return getattr(self.selection, name)
 
 
 @dataclass(frozen=True)
