@@ -137,8 +137,8 @@ def test_a_selections_delta_is_against_the_same_selection_of_the_base(server, cl
 def test_a_client_that_selects_nothing_is_unaffected(server, client):
     v1 = llama()
     client.publish(v1, model=MODEL)
-    stub = pb_grpc.WeightServiceStub(grpc.insecure_channel(server.address))
-    messages = list(stub.Fetch(pb.FetchRequest(model=MODEL, version=1)))
+    with grpc.insecure_channel(server.address) as channel:
+        messages = list(pb_grpc.WeightServiceStub(channel).Fetch(pb.FetchRequest(model=MODEL, version=1)))
     assert [m.WhichOneof("kind") for m in messages[:2]] == ["header", "chunk"]  # no payload message
     data = b"".join(m.chunk for m in messages[1:])
     assert len(data) == messages[0].header.byte_size == server.store.get(MODEL, 1).byte_size
@@ -175,9 +175,9 @@ def test_a_bad_selection_is_invalid_argument_naming_it_and_nothing_is_sent(serve
     else:
         select = pb.Selection(rules=[pb.TensorRule(glob="*.q_proj.weight", slice=WIRE[case][0])])
     request = pb.FetchRequest(model=MODEL, select=select)
-    stub = pb_grpc.WeightServiceStub(grpc.insecure_channel(server.address))
-    received = []
-    with pytest.raises(grpc.RpcError) as error:
+    channel, received = grpc.insecure_channel(server.address), []
+    stub = pb_grpc.WeightServiceStub(channel)
+    with channel, pytest.raises(grpc.RpcError) as error:
         if rpc == "Fetch":
             received.extend(stub.Fetch(request))
         else:
@@ -208,7 +208,7 @@ def test_the_updater_applies_a_ranks_shards_in_a_buffer_of_their_size(server, cl
     policy = shard_policy(rank, world, v1)
     select = tensor_parallel(rank, world, LLAMA_PLAN)
     updater = GrpcLocalWeightUpdater(
-        server.address, model=MODEL, policy=policy, select=select, key_map=KeyMap(add_prefix="module."),
+        client, model=MODEL, policy=policy, select=select, key_map=KeyMap(add_prefix="module."),
         transport=transport, update_timeout=30,
     )  # fmt: skip
     client.publish(v1, model=MODEL)
