@@ -64,15 +64,20 @@ class FetchPool:
     def pids(self) -> list[int]:
         return [p.pid for p in self.processes if p.pid is not None]
 
-    def fetch_one(self, index: int, model: str, version: int, timeout: float = 300.0) -> tuple[int, int, int, int, str]:
-        """Worker `index` alone fetches once; returns (index, start_ns, end_ns, bytes, transport)."""
-        self.commands[index].put(("fetch", model, version, False))
+    def fetch_one(
+        self, index: int, model: str, version: int, timeout: float = 300.0, **kwargs: Any
+    ) -> tuple[int, int, int, int, str]:
+        """Worker `index` alone fetches once (`kwargs` added to its fetch's); returns (index, start_ns,
+        end_ns, bytes, transport)."""
+        self.commands[index].put(("fetch", model, version, False, kwargs))
         return self._collect(1, timeout)[0]
 
-    def fetch_all(self, model: str, version: int, timeout: float = 600.0) -> list[tuple[int, int, int, int, str]]:
-        """Every worker fetches at once (released together by the barrier)."""
-        for commands in self.commands:
-            commands.put(("fetch", model, version, True))
+    def fetch_all(
+        self, model: str, version: int, timeout: float = 600.0, each: list[dict[str, Any]] | None = None
+    ) -> list[tuple[int, int, int, int, str]]:
+        """Every worker fetches at once (released together by the barrier); worker i adds `each[i]`."""
+        for i, commands in enumerate(self.commands):
+            commands.put(("fetch", model, version, True, each[i] if each else {}))
         return self._collect(self.count, timeout)
 
     def _collect(self, count: int, timeout: float) -> list:

@@ -50,6 +50,9 @@ ALIASES = {
     "raw_fanout_8": "freshness_8",
     "fanout_tree_direct": "fanout_tree",
     "fanout_tree_egress": "fanout_tree",
+    "whole_fetch": "sharded_fetch",
+    "sharded_fetch_bytes": "sharded_fetch",
+    "sharded_fetch_alone": "sharded_fetch",
     **{name: "freshness_link" for name in ("raw_fanout_1gbit", "raw_fanout_10gbit")},
     **{name: "freshness_link" for name in ("freshness_link_1gbit", "freshness_link_10gbit")},
     **{name: "freshness_link_lm" for name in ("freshness_link_lm_full", "freshness_link_lm_delta")},
@@ -59,22 +62,24 @@ ALIASES = {
 
 def row_registry() -> tuple[list[str], dict[str, Callable[..., list[Row]]], dict[str, list[str]]]:
     """(every row in table order, the sized rows' functions, the baselines each row needs)
-    of bench/rows.py and bench/freshness.py together, and bench/fanout_tree.py's row (servers of
-    its own, at 16 MiB whatever --sizes says), and bench/freshness_link.py's (a link of its own), and
-    bench/trace_rows.py's (training traces, on a server in this process)."""
-    from bench import fanout_tree, freshness, freshness_link, relay_follow, rows, trace_rows
+    of bench/rows.py, bench/freshness.py and bench/sharded_fetch.py together, and
+    bench/fanout_tree.py's row (servers of its own, at 16 MiB whatever --sizes says), and
+    bench/freshness_link.py's (a link of its own), and bench/trace_rows.py's (training traces, on a
+    server in this process)."""
+    from bench import fanout_tree, freshness, freshness_link, relay_follow, rows, sharded_fetch, trace_rows
 
     return (
         [
             *rows.ROW_ORDER,
             *freshness.ROW_ORDER,
+            sharded_fetch.ROW,
             freshness_link.ROW,
             freshness_link.LM_ROW,
             fanout_tree.ROW,
             relay_follow.ROW,
             *trace_rows.ROWS,
         ],
-        {**rows.SIZED_ROWS, **freshness.SIZED_ROWS},
+        {**rows.SIZED_ROWS, **freshness.SIZED_ROWS, **sharded_fetch.SIZED_ROWS},
         {**rows.NEEDS, **freshness.NEEDS},
     )
 

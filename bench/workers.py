@@ -72,9 +72,9 @@ def fetch_worker(
     With `use_torch` it fetches through `WeightClient.fetch` (tensors viewing the received
     buffer, as a collector would get them); otherwise through the byte-level
     `WeightServiceClient.fetch_bytes` (no torch import, for the 16-fetcher memory row).
-    `fetch_kwargs` go to every fetch (e.g. transport=). Commands: ("fetch", model, version,
-    wait_for_barrier) or None to exit. Each fetch reports (index, start time_ns, end time_ns,
-    bytes received, transport used); times come from time.time_ns(), comparable across
+    `fetch_kwargs` go to every fetch (e.g. transport=), updated by a command's own. Commands:
+    ("fetch", model, version, wait_for_barrier, kwargs) or None to exit. Each fetch reports (index,
+    start time_ns, end time_ns, bytes received, transport used); times come from time.time_ns(), comparable across
     processes.
     """
     if use_torch:
@@ -91,11 +91,11 @@ def fetch_worker(
         client.latest(warm_model)  # connect the channel before anything is timed
     results.put(("ready", index))
     while (command := commands.get()) is not None:
-        _, model, version, synchronized = command
+        _, model, version, synchronized, kwargs = command
         if synchronized:
             barrier.wait()
         start = time.time_ns()
-        fetched = fetch(model, version=version, **fetch_kwargs)
+        fetched = fetch(model, version=version, **{**fetch_kwargs, **kwargs})
         end = time.time_ns()
         received = len(fetched.data)
         transport = getattr(getattr(fetched, "stats", None), "transport", None) or "stream"

@@ -33,12 +33,14 @@ from weightserver.protocol.errors import (
     VersionTooLarge,
     WeightServerError,
 )
+from weightserver.protocol.selection import LLAMA_PLAN, Selection, TensorRule, tensor_parallel
 from weightserver.protocol.version_info import IncomingEvent, ModelSummary, VersionEvent, VersionInfo
 
 if TYPE_CHECKING:
     from weightclient.client import FetchResult, WeightClient
 
 __all__ = [
+    "LLAMA_PLAN",
     "AuthenticationRequired",
     "Cancelled",
     "CursorOutOfRange",
@@ -59,8 +61,10 @@ __all__ = [
     "NotPrimary",
     "PermissionDenied",
     "PublishAborted",
+    "Selection",
     "ServerUnavailable",
     "StorageFull",
+    "TensorRule",
     "TooManyUploads",
     "UploadNotFound",
     "VersionConflict",
@@ -73,6 +77,7 @@ __all__ = [
     "WeightServerError",
     "WeightServiceClient",
     "default_address",
+    "tensor_parallel",
 ]
 
 

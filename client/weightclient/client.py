@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -17,6 +17,7 @@ from weightserver.protocol.deltas import apply_delta
 from weightserver.protocol.digests import xxh3_hex
 from weightserver.protocol.errors import IntegrityError, InvalidRequest, NotFoundError
 from weightserver.protocol.safetensors_format import parse_header
+from weightserver.protocol.selection import Selection
 from weightserver.protocol.version_info import TensorInfo, VersionInfo
 
 log = logging.getLogger(__name__)
@@ -24,7 +25,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class FetchResult:
-    """A fetched version; the tensors view `data`. `partial`: a delta's changed tensors only."""
+    """A fetched version; the tensors view `data`. `partial`: a delta's changed tensors only. With a
+    selection, `info` describes the selection's file (its tensors are the slices) under the version's number."""
 
     info: VersionInfo
     tensors: dict[str, torch.Tensor] = field(repr=False)
@@ -145,13 +147,16 @@ class WeightClient(WeightServiceClient):
         timeout: float | None = None,
         deadline: Deadline | None = None,
         consume_base: bool = False,
+        select: Selection | str | Iterable[str] | None = None,
         **options,
     ) -> FetchResult | None:
         """`fetch_bytes` decoded into tensors. `base`: a version held, so only changed tensors come
         (a FetchResult gives a complete result, rebuilt from the changed elements where that is
         smaller; a number a partial one). `consume_base`: the result may be rebuilt in the base's own
         bytes (writable), which it then holds. `place` may return {name: contiguous CPU tensor} to
-        receive into; they may hold unverified bytes if it fails."""
+        receive into; they may hold unverified bytes if it fails. `select`: only some tensors, or slices
+        of them (`weightclient.tensor_parallel(rank, world, plan)`: a tensor-parallel rank's shard);
+        glob patterns select whole tensors; a `base` must then be the same selection of its version."""
         if isinstance(base, FetchResult) and (base.partial or base.dtype or dtype):
             raise InvalidRequest(
                 "a delta against a FetchResult needs a complete result fetched without dtype, and no dtype now; "
@@ -183,6 +188,7 @@ class WeightClient(WeightServiceClient):
             base_xxh3=base_xxh3,
             place=views,
             element_deltas=held is not None,
+            select=select,
             **options,
         )
         if fetched is None:
@@ -202,7 +208,9 @@ class WeightClient(WeightServiceClient):
             why = "its layout differs" if rebuilt is None else "its bytes changed since it was fetched"
             log.info("the base of %s v%d: %s; fetching whole", model, fetched.info.version, why)
             transport = options.get("transport", "auto")
-            return self.fetch(model, version=fetched.info.version, transport=transport, deadline=deadline)
+            return self.fetch(
+                model, version=fetched.info.version, transport=transport, deadline=deadline, select=select
+            )
         tensors = tensor_codec.decode(parse_header(fetched.data), fetched.data)
         partial = bool(fetched.base_version)
         if partial:
@@ -214,7 +222,9 @@ class WeightClient(WeightServiceClient):
                         "the base of %s v%d changed since it was fetched; fetching whole", model, fetched.info.version
                     )
                     transport = options.get("transport", "auto")
-                    return self.fetch(model, version=fetched.info.version, transport=transport, deadline=deadline)
+                    return self.fetch(
+                        model, version=fetched.info.version, transport=transport, deadline=deadline, select=select
+                    )
                 tensors = {**unchanged, **tensors}
                 partial = False
         return FetchResult(

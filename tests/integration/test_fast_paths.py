@@ -636,7 +636,7 @@ def test_derived_payloads_dropped_from_a_small_cache_are_rebuilt_identically(mak
         c.publish(weights, model=MODEL)
         payloads = servicer_of(srv).payloads
         first = {dtype: bytes(c.fetch(MODEL, dtype=dtype, transport="stream").data) for dtype in ("BF16", "F16")}
-        assert payloads.keys() == [(MODEL, 1, 0, "F16", "")]
+        assert payloads.keys() == [(MODEL, 1, 0, "F16", "", "")]
         for transport in ("stream", "shm", "bulk"):
             for dtype in ("BF16", "F16"):
                 assert bytes(c.fetch(MODEL, dtype=dtype, transport=transport).data) == first[dtype]

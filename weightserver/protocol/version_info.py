@@ -6,8 +6,8 @@ reads it back as a `VersionInfo` (`VersionInfo.from_proto`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any, Protocol
 
@@ -40,11 +40,17 @@ class SummaryRecord(Protocol):
     retained_bytes: int
 
 
-def version_message(record: VersionRecord) -> pb.VersionInfo:
-    """The wire's VersionInfo of a server's record."""
-    created = Timestamp()
-    created.FromNanoseconds(int(record.created * 1e9))
-    tensors = [
+class SelectionRecord(Protocol):
+    """What a server keeps of a selection's file (the payload cache's SelectionManifest)."""
+
+    byte_size: int
+    xxh3: str
+    header: Any
+    tensor_xxh3: Mapping[str, str]
+
+
+def _tensor_messages(record: VersionRecord | SelectionRecord) -> list[pb.TensorInfo]:
+    return [
         pb.TensorInfo(
             name=t.name,
             dtype=t.dtype,
@@ -55,6 +61,18 @@ def version_message(record: VersionRecord) -> pb.VersionInfo:
         )
         for t in record.header.tensors
     ]
+
+
+def selection_message(record: SelectionRecord) -> pb.SelectionInfo:
+    """The wire's SelectionInfo of a selection's file."""
+    return pb.SelectionInfo(byte_size=record.byte_size, xxh3=record.xxh3, tensors=_tensor_messages(record))
+
+
+def version_message(record: VersionRecord) -> pb.VersionInfo:
+    """The wire's VersionInfo of a server's record."""
+    created = Timestamp()
+    created.FromNanoseconds(int(record.created * 1e9))
+    tensors = _tensor_messages(record)
     return pb.VersionInfo(
         model=record.model,
         version=record.version,
@@ -115,14 +133,23 @@ class VersionInfo:
             sha256=message.sha256,
             created=datetime.fromtimestamp(message.created.ToNanoseconds() / 1e9, tz=timezone.utc),
             metadata=dict(message.metadata),
-            tensors=tuple(
-                TensorInfo(t.name, t.dtype, tuple(t.shape), t.data_begin, t.data_end, t.xxh3) for t in message.tensors
-            ),
+            tensors=_tensors(message.tensors),
             pinned=message.pinned,
             group=tuple(message.group),
             xxh3=message.xxh3,
             created_ns=message.created.ToNanoseconds(),
         )
+
+    def selected(self, selection: pb.SelectionInfo) -> VersionInfo:
+        """This version seen through a selection: its number and metadata, the selection file's size,
+        digest and tensors (no sha256: the server computes none for a selection)."""
+        return replace(
+            self, byte_size=selection.byte_size, sha256="", xxh3=selection.xxh3, tensors=_tensors(selection.tensors)
+        )
+
+
+def _tensors(messages: Iterable[pb.TensorInfo]) -> tuple[TensorInfo, ...]:
+    return tuple(TensorInfo(t.name, t.dtype, tuple(t.shape), t.data_begin, t.data_end, t.xxh3) for t in messages)
 
 
 @dataclass(frozen=True)

@@ -204,7 +204,7 @@ class IncomingModel:
         if self.file is None:
             return
         assert self.shared_memory is not None
-        self.shared_memory.adopt((record.model, record.version, 0, "", ""), self.file)
+        self.shared_memory.adopt((record.model, record.version, 0, "", "", ""), self.file)
         message = version_info.version_message(record).SerializeToString()
         self.shared_memory.write_header(record.model, record.version, lambda: message)
 

@@ -17,7 +17,8 @@ from weightserver.metrics import NoMetrics
 from weightserver.protocol import deltas
 from weightserver.protocol.digests import sha256_hex
 from weightserver.protocol.errors import InvalidRequest, PermissionDenied, WeightServerError, clipped_repr
-from weightserver.protocol.version_info import summary_message, version_message
+from weightserver.protocol.selection import Resolved, Selection
+from weightserver.protocol.version_info import selection_message, summary_message, version_message
 from weightserver.publish.call import PublishCall, Publishes
 from weightserver.publish.incoming import IncomingPublishes
 from weightserver.publish.priority import CommitsFirst
@@ -200,15 +201,15 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         if record is None:
             yield pb.FetchResponse(up_to_date=pb.UpToDate(latest_version=request.newer_than))
             return
-        header = version_message(record)
+        selection, header = _resolved(record, request), version_message(record)  # (a bad selection: nothing sent)
         if not header.sha256:  # published with only an xxh3: the store computes it (here, if the version went first)
             try:
                 header.sha256 = await asyncio.wrap_future(self.store.sha256_of(record))
             except WeightServerError:
                 header.sha256 = await asyncio.to_thread(sha256_hex, record.data)
         yield pb.FetchResponse(header=header)
-        payload, description = await self._payload_for(record, request)
-        if request.base_version or request.dtype:
+        payload, description = await self._payload_for(record, request, selection)
+        if request.base_version or request.dtype or selection is not None:
             yield pb.FetchResponse(payload=description)
         async with contextlib.aclosing(self.stream.send(payload.data, chunk_bytes)) as chunks:
             async for message in chunks:
@@ -246,9 +247,10 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         if record is None:
             answer.up_to_date.latest_version = request.fetch.newer_than
             return answer
+        selection = _resolved(record, request.fetch)
         answer.header.CopyFrom(version_message(record))
         for transport in filter(None, map(self.transports.get, request.accept)):
-            payload, description = await self._payload_for(record, request.fetch)
+            payload, description = await self._payload_for(record, request.fetch, selection)
             if await transport.offer(record, payload, description):
                 answer.payload.CopyFrom(description)
                 answer.transport = transport.kind
@@ -271,24 +273,32 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
             return self.store.newer_than(request.model, request.newer_than)
         return self.store.latest(request.model)
 
-    async def _payload_for(self, record: Version, request: pb.FetchRequest) -> tuple[Payload, pb.Payload]:
-        """What to send for `record` (the version itself, a delta or a cast) and its description."""
-        base = None
+    async def _payload_for(
+        self, record: Version, request: pb.FetchRequest, selection: Resolved | None
+    ) -> tuple[Payload, pb.Payload]:
+        """What to send for `record` (the version itself or `selection` of it, a delta or a cast) and its
+        description."""
+        base = base_selection = None
         if request.base_version and request.base_version < record.version:
-            with contextlib.suppress(WeightServerError):  # evicted or deleted: the caller gets every tensor
+            # Evicted, deleted, or the selection does not fit it: the caller gets every tensor.
+            with contextlib.suppress(WeightServerError):
                 base = self.store.get(record.model, request.base_version)
-        if base is None and not request.dtype:
-            payload = self.payloads.get(record)  # the version itself: nothing to build
+                base_selection = _resolved(base, request)
+        if base is None and not request.dtype and (selection is None or not selection.key):
+            payload = self.payloads.get(record, selection=selection)  # the version itself: nothing to build
         else:
             forms = tuple(form for form, wire in deltas.WIRE.items() if wire in request.element_deltas)
-            payload = await asyncio.to_thread(self.payloads.get, record, base, request.dtype, forms)
+            build = functools.partial(self.payloads.get, selection=selection, base_selection=base_selection)
+            payload = await asyncio.to_thread(build, record, base, request.dtype, forms)
         description = pb.Payload(
             byte_size=payload.byte_size,
             xxh3=payload.xxh3,
             base_version=payload.base_version,
             dtype=payload.dtype,
-            base_xxh3=base.xxh3 if payload.base_version and base is not None else "",
+            base_xxh3=payload.base_xxh3,
         )
+        if selection is not None and payload.selection is not None:
+            description.selection.CopyFrom(selection_message(payload.selection))
         return payload, description
 
     def _transferred(
@@ -305,6 +315,11 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
     @streaming
     def Watch(self, request: pb.WatchRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.VersionEvent]:
         return self.watches.watch(request, context)
+
+
+def _resolved(record: Version, request: pb.FetchRequest) -> Resolved | None:
+    """The request's selection resolved on `record`; None without one. InvalidRequest if it does not fit."""
+    return Selection.from_message(request.select).resolve(record.header.tensors) if request.HasField("select") else None
 
 
 def _rewrite_header(shm: SharedMemoryFiles, model: str, version: int, sha256: Future[str]) -> None:

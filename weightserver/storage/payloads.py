@@ -1,24 +1,53 @@
-"""The safetensors file a fetch sends: the version, a delta (the tensors whose xxh3 differs from a
-base version's, whole or as element deltas), a cast (float32 as bfloat16 or float16), or both;
-derived ones built once, cached."""
+"""The safetensors file a fetch sends: the version or a selection of it (some tensors, or slices of
+them), a delta (the tensors whose xxh3 differs from a base version's, whole or as element deltas),
+a cast (float32 as bfloat16 or float16), or both; derived ones built once, cached."""
 
 from __future__ import annotations
 
 import json
+import math
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from weightserver.protocol import deltas
 from weightserver.protocol.deltas import ENCODING_KEY
-from weightserver.protocol.digests import xxh3_hex
+from weightserver.protocol.digests import tensor_digests, xxh3_hex
 from weightserver.protocol.safetensors_format import DTYPE_SIZES, SafetensorsHeader, TensorEntry, build_header
+from weightserver.protocol.selection import Cut, Resolved
 
 CAST_TARGETS = ("BF16", "F16")
 CAST_BLOCK_VALUES = 1 << 22  # 16 MiB of float32 at a time: whole-tensor temporaries would cost several times its size
 Bytes = bytes | bytearray | memoryview
-PayloadKey = tuple[str, int, int, str, str]  # model, version, base version, dtype, element delta forms ("+"-joined)
+# model, version, base version, dtype, element delta forms ("+"-joined), selection (Resolved.key)
+PayloadKey = tuple[str, int, int, str, str, str]
+
+
+@dataclass(frozen=True)
+class SelectionManifest:
+    """A selection's own file described as a version is (the proto's SelectionInfo); `key`: Resolved.key."""
+
+    key: str
+    byte_size: int
+    xxh3: str
+    header: SafetensorsHeader = field(repr=False)
+    tensor_xxh3: Mapping[str, str] = field(repr=False)
+
+
+@dataclass(frozen=True)
+class Selected:
+    """A version seen through a selection: its selection's file, which deltas and casts derive from."""
+
+    model: str
+    version: int
+    data: Bytes = field(repr=False)
+    selection: SelectionManifest
+
+    def __getattr__(self, name: str) -> Any:
+        """`header`, `tensor_xxh3` and `xxh3`, as a store Version has them: its selection file's."""
+        return getattr(self.selection, name)
 
 
 @dataclass(frozen=True)
@@ -30,13 +59,16 @@ class Payload:
     base_version: int = 0
     dtype: str = ""
     forms: tuple[str, ...] = ()  # the element delta forms the caller decodes (its tensors may use them)
+    selection: SelectionManifest | None = None  # the selection's file this payload is or derives from
+    base_xxh3: str = ""  # of the base's file (its selection's, with a selection) that a delta is against
 
     @property
     def byte_size(self) -> int:
         return len(self.data)
 
     def key(self, model: str, version: int) -> PayloadKey:
-        return model, version, self.base_version, self.dtype, "+".join(self.forms)
+        selection = self.selection.key if self.selection is not None else ""
+        return model, version, self.base_version, self.dtype, "+".join(self.forms), selection
 
 
 def cast_f32(data: memoryview, dtype: str) -> memoryview:
@@ -98,6 +130,33 @@ def derive(
     return b"".join([prefix, *(raw for *_, raw in selected)])
 
 
+def select_file(
+    data: Bytes, header: SafetensorsHeader, cuts: Mapping[str, Cut]
+) -> tuple[memoryview, SafetensorsHeader]:
+    """The selection's file (the proto's Selection) and its header: each tensor named in `cuts` whole
+    or cut. A cut with only dimensions of size 1 before it is one byte range; others are gathered.
+    Either is copied once, straight into the file."""
+    import numpy as np  # only servers that select pay for the import
+
+    view, start = memoryview(data), header.data_start
+    parts: list[tuple[str, str, tuple[int, ...], np.ndarray]] = []
+    for entry in (e for e in header.tensors if e.name in cuts):
+        raw = np.frombuffer(view[start + entry.begin : start + entry.end], np.uint8)
+        dim, low, high = cuts[entry.name] or (0, 0, entry.shape[0] if entry.shape else 1)
+        outer = math.prod(entry.shape[:dim])
+        row = math.prod(entry.shape[dim + 1 :]) * DTYPE_SIZES[entry.dtype]  # bytes per index along dim
+        shape = (*entry.shape[:dim], high - low, *entry.shape[dim + 1 :]) if entry.shape else ()
+        rows = raw.reshape(outer, raw.size // outer) if outer > 1 else raw[None, :]  # (a view: nothing copied yet)
+        parts.append((entry.name, entry.dtype, shape, rows[:, low * row : high * row]))
+    parts.sort(key=lambda item: (-DTYPE_SIZES[item[1]], item[0]))  # as `derive`: every tensor aligned
+    prefix, placed = build_header((name, dtype, shape, part.nbytes) for name, dtype, shape, part in parts)
+    out = np.empty(len(prefix) + sum(entry.nbytes for entry in placed), dtype=np.uint8)
+    out[: len(prefix)] = np.frombuffer(prefix, np.uint8)
+    for entry, (*_, part) in zip(placed, parts, strict=True):
+        out[len(prefix) + entry.begin : len(prefix) + entry.end].reshape(part.shape)[...] = part
+    return memoryview(out), SafetensorsHeader(tuple(placed), None, len(prefix))
+
+
 def _any_worth(target, base, forms: tuple[str, ...], unchanged: set[str]) -> bool:
     """Whether an element delta would likely shrink a changed tensor (sampled: see worth_encoding)."""
     was = {t.name: t for t in base.header.tensors}
@@ -123,10 +182,24 @@ class PayloadCache:
         self._building: dict[PayloadKey, threading.Event] = {}
         self.builds = 0  # how many payloads were derived (a cast happens once per version)
 
-    def get(self, target, base=None, dtype: str = "", forms: tuple[str, ...] = ()) -> Payload:
-        """The payload for `target` (a store Version): a delta against `base` (a Version of the same
-        model, or None), its changed tensors as element deltas in `forms` where that is smaller (not
-        with a cast), and/or a cast to `dtype` (one of CAST_TARGETS: the servicer checks it)."""
+    def get(
+        self,
+        target,
+        base=None,
+        dtype: str = "",
+        forms: tuple[str, ...] = (),
+        selection: Resolved | None = None,
+        base_selection: Resolved | None = None,
+    ) -> Payload:
+        """The payload for `target` (a store Version), or for its `selection` (then `base` through
+        `base_selection`, the same Selection resolved on it): a delta against `base` (a Version of the
+        same model, or None), its changed tensors as element deltas in `forms` where that is smaller
+        (not with a cast), and/or a cast to `dtype` (one of CAST_TARGETS: the servicer checks it)."""
+        manifest = None
+        if selection is not None:
+            target = self.selected(target, selection)
+            base = self.selected(base, base_selection) if base is not None and base_selection is not None else None
+            manifest = target.selection
         # A delta needs the same tensor names, dtypes and shapes, and a tensor that did not change (by digest).
         layout = {(t.name, t.dtype, t.shape) for t in target.header.tensors}
         if base is None or layout != {(t.name, t.dtype, t.shape) for t in base.header.tensors}:
@@ -136,8 +209,43 @@ class PayloadCache:
         worth = base is not None and not dtype and forms and _any_worth(target, base, forms, unchanged)
         forms = tuple(sorted(forms)) if worth else ()
         if not dtype and not unchanged and not forms:
-            return Payload(target.data, target.xxh3)  # no cast, and no delta or every element changed
-        key = (target.model, target.version, base.version if base is not None else 0, dtype, "+".join(forms))
+            return Payload(target.data, target.xxh3, selection=manifest)  # no cast; no delta, or every element changed
+        based = base.version if base is not None else 0
+        key = (target.model, target.version, based, dtype, "+".join(forms), manifest.key if manifest else "")
+
+        def build() -> Payload:
+            source = (base.data, base.header) if base is not None else None
+            data = derive(
+                target.data,
+                target.header,
+                keep=lambda e: e.name not in unchanged,
+                dtype=dtype,
+                base=source,
+                forms=forms,
+            )
+            base_xxh3 = base.xxh3 if base is not None else ""
+            return Payload(data, xxh3_hex(data), based, dtype, forms, manifest, base_xxh3)
+
+        return self._cached(key, build)
+
+    def selected(self, version, selection: Resolved) -> Selected:
+        """`version` (a store Version) through `selection`: its selection's file, built once."""
+        if not selection.key:  # every tensor whole: the version itself
+            manifest = SelectionManifest("", version.byte_size, version.xxh3, version.header, version.tensor_xxh3)
+            return Selected(version.model, version.version, version.data, manifest)
+
+        def build() -> Payload:
+            data, header = select_file(version.data, version.header, selection.cuts)
+            digests = tensor_digests(data, header)
+            manifest = SelectionManifest(selection.key, data.nbytes, xxh3_hex(data), header, digests)
+            return Payload(data, manifest.xxh3, selection=manifest)
+
+        payload = self._cached((version.model, version.version, 0, "", "", selection.key), build)
+        assert payload.selection is not None
+        return Selected(version.model, version.version, payload.data, payload.selection)
+
+    def _cached(self, key: PayloadKey, build: Callable[[], Payload]) -> Payload:
+        """The payload of `key`, built once (concurrent callers wait for that build), then cached."""
         while True:
             with self._lock:
                 payload = self._entries.get(key)
@@ -150,16 +258,7 @@ class PayloadCache:
                     break
             waiter.wait()
         try:
-            source = (base.data, base.header) if base is not None else None
-            data = derive(
-                target.data,
-                target.header,
-                keep=lambda e: e.name not in unchanged,
-                dtype=dtype,
-                base=source,
-                forms=forms,
-            )
-            payload = Payload(data, xxh3_hex(data), base.version if base is not None else 0, dtype, forms)
+            payload = build()
             with self._lock:
                 self.builds += 1
                 self._entries[key] = payload

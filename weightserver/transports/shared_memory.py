@@ -109,14 +109,15 @@ class SharedMemoryFiles:
         self._warned = False  # about a full folder, once per server
 
     def path_for(self, key: PayloadKey, data: bytes | bytearray | memoryview | None) -> Path | None:
-        """The file of payload `key` (model, version, base, dtype, element delta forms), written once from
-        `data`; None: no room, or (`data` None) not written yet."""
+        """The file of payload `key` (model, version, base, dtype, element delta forms, selection), written
+        once from `data`; None: no room, or (`data` None) not written yet."""
         with self._lock:
             path = self._files.get(key)
             if data is None or (path is not None and path.exists()):
                 return path
-            model, version, base, dtype, forms = key
-            suffix = (f"-delta{base}" if base else "") + (f"-{dtype}" if dtype else "") + ("-elements" if forms else "")
+            model, version, base, dtype, forms, selection = key
+            suffix = (f"-select{selection[:16]}" if selection else "") + (f"-delta{base}" if base else "")
+            suffix += (f"-{dtype}" if dtype else "") + ("-elements" if forms else "")
             path = self.directory / model / version_file_name(version, suffix)
             try:
                 path.parent.mkdir(mode=FOLDER_MODE, exist_ok=True)
@@ -155,7 +156,7 @@ class SharedMemoryFiles:
         """(Re)write `version`'s header file if its file is here; `header()` (None: gone) runs under
         the lock, so of two writers the later writes the later state."""
         with self._lock:
-            if (model, version, 0, "", "") not in self._files or (content := header()) is None:
+            if (model, version, 0, "", "", "") not in self._files or (content := header()) is None:
                 return
             try:
                 _write_file(self.directory / model / header_file_name(version), content, 0o444)
@@ -170,7 +171,7 @@ class SharedMemoryFiles:
         with self._lock:
             for key in [k for k in self._files if k[0] == model and version in (k[1], k[2])]:
                 path = self._files.pop(key)
-                if key[1:] == (version, 0, "", ""):  # a reader that finds the header finds the file
+                if key[1:] == (version, 0, "", "", ""):  # a reader that finds the header finds the file
                     path.with_name(header_file_name(version)).unlink(missing_ok=True)
                 path.unlink(missing_ok=True)
                 if key in self._memory:  # the version's mapping stays valid; readers' too
@@ -317,7 +318,7 @@ class SharedMemoryTransport:
             path = await asyncio.to_thread(self.files.path_for, key, payload.data)
             if path is None:
                 return False  # the folder is full
-            if key[2:] == (0, "", ""):
+            if key[2:] == (0, "", "", ""):
                 await asyncio.to_thread(self.write_header, record.model, record.version)
         description.shared_memory.path = str(path)
         return True

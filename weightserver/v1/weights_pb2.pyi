@@ -181,7 +181,7 @@ class DescribeRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("model", "version", "newer_than", "incoming", "chunk_size", "base_version", "element_deltas", "dtype")
+    __slots__ = ("model", "version", "newer_than", "incoming", "chunk_size", "base_version", "element_deltas", "dtype", "select")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NEWER_THAN_FIELD_NUMBER: _ClassVar[int]
@@ -190,6 +190,7 @@ class FetchRequest(_message.Message):
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     ELEMENT_DELTAS_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SELECT_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     newer_than: int
@@ -198,7 +199,64 @@ class FetchRequest(_message.Message):
     base_version: int
     element_deltas: _containers.RepeatedScalarFieldContainer[ElementDelta]
     dtype: str
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., newer_than: _Optional[int] = ..., incoming: _Optional[str] = ..., chunk_size: _Optional[int] = ..., base_version: _Optional[int] = ..., element_deltas: _Optional[_Iterable[_Union[ElementDelta, str]]] = ..., dtype: _Optional[str] = ...) -> None: ...
+    select: Selection
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., newer_than: _Optional[int] = ..., incoming: _Optional[str] = ..., chunk_size: _Optional[int] = ..., base_version: _Optional[int] = ..., element_deltas: _Optional[_Iterable[_Union[ElementDelta, str]]] = ..., dtype: _Optional[str] = ..., select: _Optional[_Union[Selection, _Mapping]] = ...) -> None: ...
+
+class Selection(_message.Message):
+    __slots__ = ("rules", "rest")
+    RULES_FIELD_NUMBER: _ClassVar[int]
+    REST_FIELD_NUMBER: _ClassVar[int]
+    rules: _containers.RepeatedCompositeFieldContainer[TensorRule]
+    rest: bool
+    def __init__(self, rules: _Optional[_Iterable[_Union[TensorRule, _Mapping]]] = ..., rest: _Optional[bool] = ...) -> None: ...
+
+class TensorRule(_message.Message):
+    __slots__ = ("name", "prefix", "glob", "slice")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    GLOB_FIELD_NUMBER: _ClassVar[int]
+    SLICE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    prefix: str
+    glob: str
+    slice: Slice
+    def __init__(self, name: _Optional[str] = ..., prefix: _Optional[str] = ..., glob: _Optional[str] = ..., slice: _Optional[_Union[Slice, _Mapping]] = ...) -> None: ...
+
+class Slice(_message.Message):
+    __slots__ = ("dim", "shard", "range")
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    RANGE_FIELD_NUMBER: _ClassVar[int]
+    dim: int
+    shard: Shard
+    range: Range
+    def __init__(self, dim: _Optional[int] = ..., shard: _Optional[_Union[Shard, _Mapping]] = ..., range: _Optional[_Union[Range, _Mapping]] = ...) -> None: ...
+
+class Shard(_message.Message):
+    __slots__ = ("rank", "world")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    world: int
+    def __init__(self, rank: _Optional[int] = ..., world: _Optional[int] = ...) -> None: ...
+
+class Range(_message.Message):
+    __slots__ = ("start", "stop")
+    START_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    stop: int
+    def __init__(self, start: _Optional[int] = ..., stop: _Optional[int] = ...) -> None: ...
+
+class SelectionInfo(_message.Message):
+    __slots__ = ("byte_size", "xxh3", "tensors")
+    BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    XXH3_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    byte_size: int
+    xxh3: str
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorInfo]
+    def __init__(self, byte_size: _Optional[int] = ..., xxh3: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ...) -> None: ...
 
 class FetchResponse(_message.Message):
     __slots__ = ("header", "chunk", "up_to_date", "payload")
@@ -239,7 +297,7 @@ class NegotiateResponse(_message.Message):
     def __init__(self, transport: _Optional[_Union[Transport, str]] = ..., up_to_date: _Optional[_Union[UpToDate, _Mapping]] = ..., header: _Optional[_Union[VersionInfo, _Mapping]] = ..., payload: _Optional[_Union[Payload, _Mapping]] = ..., upload: _Optional[str] = ...) -> None: ...
 
 class Payload(_message.Message):
-    __slots__ = ("byte_size", "xxh3", "base_version", "dtype", "shared_memory", "bulk", "base_xxh3")
+    __slots__ = ("byte_size", "xxh3", "base_version", "dtype", "shared_memory", "bulk", "base_xxh3", "selection")
     BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
     XXH3_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -247,6 +305,7 @@ class Payload(_message.Message):
     SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     BULK_FIELD_NUMBER: _ClassVar[int]
     BASE_XXH3_FIELD_NUMBER: _ClassVar[int]
+    SELECTION_FIELD_NUMBER: _ClassVar[int]
     byte_size: int
     xxh3: str
     base_version: int
@@ -254,7 +313,8 @@ class Payload(_message.Message):
     shared_memory: SharedMemoryFile
     bulk: BulkTicket
     base_xxh3: str
-    def __init__(self, byte_size: _Optional[int] = ..., xxh3: _Optional[str] = ..., base_version: _Optional[int] = ..., dtype: _Optional[str] = ..., shared_memory: _Optional[_Union[SharedMemoryFile, _Mapping]] = ..., bulk: _Optional[_Union[BulkTicket, _Mapping]] = ..., base_xxh3: _Optional[str] = ...) -> None: ...
+    selection: SelectionInfo
+    def __init__(self, byte_size: _Optional[int] = ..., xxh3: _Optional[str] = ..., base_version: _Optional[int] = ..., dtype: _Optional[str] = ..., shared_memory: _Optional[_Union[SharedMemoryFile, _Mapping]] = ..., bulk: _Optional[_Union[BulkTicket, _Mapping]] = ..., base_xxh3: _Optional[str] = ..., selection: _Optional[_Union[SelectionInfo, _Mapping]] = ...) -> None: ...
 
 class SharedMemoryFile(_message.Message):
     __slots__ = ("path",)

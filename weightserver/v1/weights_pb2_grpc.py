@@ -139,13 +139,14 @@ class WeightServiceServicer:
         manifest and digests; at most 1 MiB, see "Message sizes" above; its `sha256` is always
         set), then the safetensors bytes as `chunk`s of at most `chunk_size` bytes. With
         `newer_than` set and no newer version, the stream holds a single `up_to_date` message and
-        no bytes are sent. A request that sets base_version or dtype gets a `payload` message after
-        the header saying what the chunks are (a delta, a cast, or the version itself). Clients
-        that set neither see only header and chunks, and the chunks concatenated are the
+        no bytes are sent. A request that sets base_version, dtype or select gets a `payload` message
+        after the header saying what the chunks are (a delta, a cast, a selection, or the version
+        itself). Clients that set none of them see only header and chunks, and the chunks concatenated are the
         version's file byte for byte: `header.byte_size` bytes whose SHA-256 is `header.sha256`.
         This is the transport every client has; Negotiate offers faster ones.
         Errors: NOT_FOUND (unknown model or version), OUT_OF_RANGE (`newer_than` ahead of the
-        latest), INVALID_ARGUMENT (`version` set to 0, an unknown `dtype`, a bad model name).
+        latest), INVALID_ARGUMENT (`version` set to 0, an unknown `dtype`, a bad model name, a
+        `select` that does not fit the version: before the header, so nothing is sent).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

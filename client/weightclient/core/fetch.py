@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
@@ -16,9 +18,10 @@ from weightclient.core.failover import Connection, map_rpc_errors
 from weightclient.core.retry import Deadline
 from weightclient.placement import Placement, checked_views
 from weightclient.transports import PayloadGone, TransportFailed
-from weightclient.transports.base import Progress
+from weightclient.transports.base import Offer, Progress
 from weightserver.protocol import deltas
 from weightserver.protocol.errors import IntegrityError, InvalidRequest, PublishAborted
+from weightserver.protocol.selection import Selection
 from weightserver.protocol.version_info import IncomingEvent, VersionInfo
 from weightserver.v1 import weights_pb2 as pb
 
@@ -71,17 +74,23 @@ class Fetching(Connection):
         progress: Progress | None = None,
         deadline: Deadline | None = None,
         element_deltas: bool = False,
+        select: Selection | str | Iterable[str] | None = None,
     ) -> FetchedBytes | None:
         """The latest version, exactly `version`, or the latest if newer than `newer_than` (else None).
         `base_version`: changed tensors only; `dtype`: float32 cast by the server; `base_xxh3`: the
         caller's digest of the base (if the server's differs, the whole version is fetched);
         `element_deltas`: the caller holds the base's bytes, so changed tensors may come as their
         changed elements (rebuild with weightserver.protocol.deltas.apply_delta); such a delta is
-        never received into `into`, which may then be the base's own bytes."""
+        never received into `into`, which may then be the base's own bytes. `select`: only these
+        tensors or slices (a Selection, or glob patterns of whole tensors); then `info` describes the
+        selection's file (its size, digest and tensors) under the version's number, and a delta is
+        against the same selection of the base."""
         if (version is not None and newer_than is not None) or (version or 1) < 1 or (newer_than or 0) < 0:
             raise InvalidRequest(f"give version >= 1 or newer_than >= 0, not {version=}, {newer_than=}")
         request = pb.FetchRequest(model=model, version=version, newer_than=newer_than, chunk_size=self.chunk_bytes)
         request.base_version, request.dtype = base_version, dtype  # (a None above leaves its field unset)
+        if select is not None:
+            request.select.CopyFrom(Selection.of(select).message())
         if element_deltas and base_version and not dtype:
             request.element_deltas.extend(deltas.WIRE.values())
         deadline = deadline or Deadline.after(timeout)
@@ -90,6 +99,8 @@ class Fetching(Connection):
         if fetched is not None and fetched.base_version and base_xxh3 and fetched.base_xxh3 != base_xxh3:
             log.info("%s v%d on the server differs from the caller's; fetching it whole", model, base_version)
             whole = pb.FetchRequest(model=model, version=fetched.info.version, chunk_size=self.chunk_bytes, dtype=dtype)
+            if request.HasField("select"):
+                whole.select.CopyFrom(request.select)
             return self._fetch_once(whole, transport, into, None, progress, deadline)
         return fetched
 
@@ -107,6 +118,7 @@ class Fetching(Connection):
         started, order, asked = time.perf_counter(), self.transports.order(choice), request
         transport, offer = self._shm, None
         exact = request.WhichOneof("selector") == "version" and not request.base_version and not request.dtype
+        exact = exact and not request.HasField("select")  # a direct read is of the whole version
         if exact and self._shm in order:
             offer = self._shm.read_directly(request.model, request.version)
             if offer is None:
@@ -126,6 +138,7 @@ class Fetching(Connection):
                     offer = transport.offer(request, answer, deadline, None)
                     if offer is None:
                         return None
+                    offer = _selected(offer, request)
                     request = copy.deepcopy(asked)
                     request.version = offer.info.version  # the one named, whatever `asked` selected
                 last = transport is order[-1] and not direct
@@ -208,3 +221,12 @@ class Fetching(Connection):
     def close(self) -> None:
         self._reports.close()
         super().close()
+
+
+def _selected(offer: Offer, request: pb.FetchRequest) -> Offer:
+    """With a selection, `offer` described as the selection's file, which its bytes are checked against."""
+    if not request.HasField("select"):
+        return offer
+    if not offer.payload.HasField("selection"):
+        raise IntegrityError(f"model {offer.label}: the server sent no selection description (it predates selections)")
+    return dataclasses.replace(offer, info=offer.info.selected(offer.payload.selection))

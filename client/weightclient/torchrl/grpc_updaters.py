@@ -9,7 +9,7 @@ import math
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +33,7 @@ from weightserver.protocol.errors import (
     VersionNotFound,
 )
 from weightserver.protocol.safetensors_format import parse_header
+from weightserver.protocol.selection import Selection
 from weightserver.protocol.version_info import VersionInfo
 
 log = logging.getLogger(__name__)
@@ -183,7 +184,10 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         dtype: "BF16"/"F16": float32 tensors travel cast; the in-place copy casts them back.
         watch: fetch once the Watch stream announced a newer version, or every `watch_confirm_seconds`.
         incoming: with watch, receive a version while it is published; applied once its commit is
-            announced and the bytes match. Off with `dtype`, and on the server's host (below).
+            announced and the bytes match. Off with `dtype` or `select`, and on the server's host (below).
+        select: fetch only these tensors or slices (`weightclient.tensor_parallel(rank, world, plan)`:
+            a tensor-parallel rank's shard), for a policy that holds only them; `key_map` applies after.
+            Each update holds the whole selection of one version; `version` is that version.
         update_timeout: the deadline of each call; past it the server counts as down.
 
     On the server's host (a fetch went over shared memory) and with no `dtype`, it reads each
@@ -212,6 +216,7 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         watch_confirm_seconds: float = 1.0,
         update_timeout: float = DEFAULT_UPDATE_TIMEOUT,
         incoming: bool = True,
+        select: Selection | str | Iterable[str] | None = None,
     ) -> None:
         if not (isinstance(update_timeout, (int, float)) and update_timeout > 0):
             raise ValueError(f"update_timeout must be a number of seconds > 0, got {update_timeout!r}")
@@ -219,6 +224,7 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         self.model, self.policy, self.key_map = model, policy, key_map
         self.pinned_version, self.delta, self.dtype = version, delta, dtype
         self.transport, self.watch, self.incoming = transport, watch, incoming
+        self.select = Selection.of(select) if select is not None else None
         self.watch_confirm_seconds, self.update_timeout = watch_confirm_seconds, float(update_timeout)
         self.version: int | None = None  # the version applied to the policy
         self.last_fetch: FetchStats | None = None
@@ -301,6 +307,7 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         if same_host and self.pinned_version is None and (self.announced or 0) > (self.version or 0):
             target = {"version": self.announced}  # its header file is read: no call
         options = {"dtype": self.dtype, "transport": self.transport, "into": self._staging, "retry": False}
+        options["select"] = self.select
         options["base"] = self.applied if self.delta and self.version is not None and not same_host else None
         held, self._held = self._held, None  # the staging buffer is about to be reused
         if options["base"] is not None and not self.dtype:  # element deltas, rebuilt in the buffer on the held
@@ -438,7 +445,8 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
             return False
         if self._follower is None or not self._follower.running():  # first time, or a forked child
             self._receiver = None
-            if self.incoming and not self.dtype and self.transport != "shm" and not self.same_host:
+            whole = not self.dtype and self.select is None  # (incoming bytes are the whole version's file)
+            if self.incoming and whole and self.transport != "shm" and not self.same_host:
                 self._receiver = CutThrough(self.client, transport=self.transport, timeout=self.update_timeout)
             self._follower = VersionFollower(self.client, self.model, since=self.version, cut_through=self._receiver)
         newest = self._follower.newest()

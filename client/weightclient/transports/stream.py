@@ -88,7 +88,7 @@ class StreamTransport(Transport):
                 raise IntegrityError(f"model {request.model!r}: the fetch stream did not start with its head")
             info = VersionInfo.from_proto(first.header)
             payload = pb.Payload(byte_size=info.byte_size, xxh3=info.xxh3)
-            if request.base_version or request.dtype:
+            if request.base_version or request.dtype or request.HasField("select"):
                 second = next(stream, None)
                 if not isinstance(second, pb.FetchResponse) or not second.HasField("payload"):
                     raise IntegrityError(f"model {request.model!r}: expected a payload description after the header")
