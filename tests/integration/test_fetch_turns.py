@@ -102,11 +102,11 @@ def test_a_publish_commits_while_asyncio_default_threads_are_all_busy(make_serve
     entered, release = threading.Semaphore(0), threading.Event()
     original = PayloadCache.get
 
-    def held_get(self, target, base=None, dtype="", forms=()):
+    def held_get(self, target, base=None, dtype="", *args, **kwargs):
         if dtype:
             entered.release()
             release.wait(WAIT)
-        return original(self, target, base, dtype, forms)
+        return original(self, target, base, dtype, *args, **kwargs)
 
     monkeypatch.setattr(PayloadCache, "get", held_get)
     server = make_server(shm_dir=None, bulk_port=None)
