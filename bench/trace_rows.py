@@ -124,9 +124,9 @@ class _Timed:
     def __exit__(self, *exc: object) -> None:
         self._cache.get, self._module.apply_delta = self._get, self._apply
 
-    def _timed_get(self, target, base=None, dtype: str = "", forms: tuple[str, ...] = ()):
+    def _timed_get(self, target, base=None, dtype: str = "", forms: tuple[str, ...] = (), **more):
         wall, cpu = time.perf_counter(), time.thread_time()
-        payload = self._get(target, base, dtype, forms)
+        payload = self._get(target, base, dtype, forms, **more)
         cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
         self.builds.append({"base": base.version if base is not None else 0, "forms": tuple(forms), "cpu_s": cpu})
         self.builds[-1].update(wall_s=wall, payload_bytes=payload.byte_size, element_forms=list(payload.forms))
