@@ -9,6 +9,7 @@ import math
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +20,7 @@ from weightserver.protocol.safetensors_format import DTYPE_SIZES, SafetensorsHea
 from weightserver.protocol.selection import Cut, Resolved
 
 CAST_TARGETS = ("BF16", "F16")
+ENCODE_THREADS = 2
 CAST_BLOCK_VALUES = 1 << 22  # 16 MiB of float32 at a time: whole-tensor temporaries would cost several times its size
 Bytes = bytes | bytearray | memoryview
 # model, version, base version, dtype, element delta forms ("+"-joined), selection (Resolved.key)
@@ -105,24 +107,27 @@ def derive(
     written in the smallest of `forms` against the same tensor of `base` (data, header)."""
     view, start = memoryview(data), header.data_start
     bases = {t.name: t for t in base[1].tensors} if base is not None and forms and not dtype else {}
-    selected: list[tuple[str, str, tuple[int, ...], memoryview | bytes]] = []
-    encoded: dict[str, str] = {}
-    for entry in header.tensors:
-        if keep is not None and not keep(entry):
-            continue
+
+    def one(entry: TensorEntry) -> tuple[str, str, tuple[int, ...], memoryview | bytes, str]:
         raw = view[start + entry.begin : start + entry.end]
         if dtype and entry.dtype == "F32":
-            selected.append((entry.name, dtype, entry.shape, cast_f32(raw, dtype)))
-            continue
+            return entry.name, dtype, entry.shape, cast_f32(raw, dtype), ""
         was = bases.get(entry.name)
         if was is not None:
             old = memoryview(base[0])[base[1].data_start + was.begin : base[1].data_start + was.end]
             form, raw = deltas.encode(old, raw, DTYPE_SIZES[entry.dtype], forms)
             if form:
-                encoded[entry.name] = form
-                selected.append((entry.name, "U8", (len(raw),), raw))
-                continue
-        selected.append((entry.name, entry.dtype, entry.shape, raw))
+                return entry.name, "U8", (len(raw),), raw, form
+        return entry.name, entry.dtype, entry.shape, raw, ""
+
+    kept = [entry for entry in header.tensors if keep is None or keep(entry)]
+    if bases:  # numpy lets go of the GIL: tensors compared on both cores
+        with ThreadPoolExecutor(ENCODE_THREADS, thread_name_prefix="weightserver-delta") as pool:
+            built = list(pool.map(one, kept))
+    else:
+        built = [one(entry) for entry in kept]
+    encoded = {name: form for name, _, _, _, form in built if form}
+    selected = [item[:4] for item in built]
     # Largest elements first keeps every tensor aligned, as in our own encoder.
     selected.sort(key=lambda item: (-DTYPE_SIZES[item[1]], item[0]))
     metadata = {ENCODING_KEY: json.dumps(encoded, separators=(",", ":"))} if encoded else None
