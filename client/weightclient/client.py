@@ -196,13 +196,13 @@ class WeightClient(WeightServiceClient):
         if fetched.placed:
             return FetchResult(fetched.info, targets, fetched.data, stats=fetched.stats, placed=True)
         if held is not None and fetched.base_version:
+            layout = parse_header(held.data)  # the rebuilt file's too: apply_delta rebuilds only on the same layout
             rebuilt = apply_delta(
-                held.data, parse_header(held.data), fetched.info.tensors, fetched.info.byte_size, fetched.data,
-                in_place=consume_base,
-            )  # fmt: skip
+                held.data, layout, fetched.info.tensors, fetched.info.byte_size, fetched.data, in_place=consume_base
+            )
             if rebuilt is not None and xxh3_hex(rebuilt[0]) == fetched.info.xxh3:
                 info, data = fetched.info, rebuilt[0]
-                tensors = tensor_codec.decode(parse_header(data), data)
+                tensors = tensor_codec.decode(layout, data)
                 changed = tuple(rebuilt[1])
                 return FetchResult(info, tensors, data, fetched.base_version, stats=fetched.stats, changed=changed)
             why = "its layout differs" if rebuilt is None else "its bytes changed since it was fetched"
