@@ -23,8 +23,8 @@ class ServerConfig:
     keep: int = 3
     max_model_bytes: int = 16 * limits.GiB
     chunk_bytes: int = limits.DEFAULT_CHUNK_BYTES
-    max_header_bytes: int = limits.PUBLISH_MAX_HEADER_BYTES
-    max_tensors: int = limits.PUBLISH_MAX_TENSORS
+    max_header_bytes: int = limits.PUBLISH_MAX_HEADER_BYTES  # a published safetensors header's JSON, at most
+    max_tensors: int = limits.PUBLISH_MAX_TENSORS  # tensors one published version may list, at most
     grace_seconds: float = 5.0
     bulk_port: int | None = 0  # 0: a free port; None: no bulk transport
     bulk_max_connections: int = 256

@@ -81,7 +81,7 @@ def test_two_thousand_watchers_subscribing_at_once_all_get_in_and_hear_a_publish
 
     result = measure(2000)
     assert result.notified == 2000
-    # Measured ~10-20 kB each (see README); a generous bound that still catches a leak such as
+    # Measured ~10-20 kB each (see docs/guides/limits.md); a generous bound that still catches a leak such as
     # a per-watcher copy of a version or a thread per watcher (8 MiB of stack each).
     assert result.bytes_per_watcher < 200_000, result
 

@@ -1,4 +1,4 @@
-"""bench/bulk_landing.py, the profile the README's `publish_bulk` breakdown cites: its figures
+"""bench/bulk_landing.py, the profile docs/performance.md's `publish_bulk` breakdown cites: its figures
 are checked against the bytes that landed and against this test's own clock."""
 
 from __future__ import annotations

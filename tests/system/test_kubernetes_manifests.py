@@ -283,7 +283,7 @@ def test_probes_ask_the_grpc_health_service_on_the_grpc_port():
             assert probe["grpc"]["port"] == options.port, (name, kind)
             # "" (the whole server): SERVING while it serves, on a relay also while its upstream
             # is away. "weightserver.relay" (is the upstream answering?) must never restart or
-            # unready a relay: README, "Deployment on Kubernetes".
+            # unready a relay: docs/deployment/kubernetes.md, "What the probes check".
             assert probe["grpc"].get("service", "") == "", (name, kind)
 
 

@@ -42,7 +42,7 @@ ATOL = 1e-5  # worker processes run other thread counts: actions differ in the l
 
 
 def single_collector(policy, scheme, frames_per_batch=8, **kwargs) -> Collector:
-    """A single-process Collector pulling through `scheme`, as the README shows it."""
+    """A single-process Collector pulling through `scheme`, as docs/guides/torchrl.md shows it."""
     return Collector(
         make_env(),
         policy,
@@ -351,7 +351,7 @@ def test_trainer_publishes_and_collector_pulls(server, client: WeightClient, pub
 
 
 def test_the_documented_usage_draws_no_deprecation_warning(server, client: WeightClient):
-    """The README's collector (a GrpcWeightSyncScheme) and trainer hook (PublishWeights): no
+    """docs/guides/torchrl.md's collector (a GrpcWeightSyncScheme) and trainer hook (PublishWeights): no
     DeprecationWarning from torchrl or from us, recorded here whatever the pytest settings."""
     actor = make_policy(1)
     with warnings.catch_warnings(record=True) as caught:

@@ -22,7 +22,7 @@ MAP_FIXED, PROT_NONE = 0x10, 0x0  # (not in the mmap module)
 def anonymous(size: int, *, huge: bool = False) -> memoryview:
     """`size` bytes of fresh private memory (mmap's default for -1 is shared shmem: 200 ms to fill
     256 MiB, against 140 ms). `huge`: advised as huge pages, for memory kept and reused (a
-    follower's cut-through buffer): first touches cost more (README, Performance: 90 to 800 ms
+    follower's cut-through buffer): first touches cost more (docs/performance.md: 90 to 800 ms
     here; a relay's one-shot receive went 271 -> 631 ms), but a collector's 256 MiB of small pages
     made the server's page-table fill of the next upload 3 to 10 times slower (60 ms of system
     time, against 200 to 670 ms; freshness_remote 267 -> 301 ms)."""

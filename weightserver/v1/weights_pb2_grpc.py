@@ -201,7 +201,7 @@ class WeightServiceServicer:
     def DeleteVersion(self, request, context):
         """Deletes one version (also from --data-dir). Later versions keep their numbers and new
         versions still get numbers above every version ever committed. Relays drop it too, each
-        within its --upstream-poll interval (see README.md, "Relays").
+        within its --upstream-poll interval (see docs/guides/relays.md, "Deletes").
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
