@@ -1,12 +1,13 @@
 """Benchmark suite for weightserver: every row against a baseline measured in the same run.
 
     .venv/bin/python bench/run.py [--sizes 16MiB,256MiB] [--large] [--repeats 5]
-                                  [--json bench/results.json] [--only ROW,ROW]
+                                  [--json bench/results.json] [--only ROW,ROW] [--plots DIR | --no-plots]
 
 --large adds 1GiB to the sizes and the report-only 4 GiB round trip (bench/large.py).
 
 Prints a table (median of the repeats, min-max, unit, the baseline's median, the ratio, the
-target and PASS/FAIL) and writes every raw sample to JSON. Progress goes to stderr. Rows whose
+target and PASS/FAIL) and writes every raw sample to JSON, and the charts of that JSON
+(bench/plots.py: freshness, throughput, trace bytes) as PNGs beside it. Progress goes to stderr. Rows whose
 feature does not exist yet print "n/a (not implemented)". Baselines: memcpy, raw_tcp, raw_tcp_after_idle,
 raw_fanout, gloo_broadcast, torchrl_shared_mem (see bench/baselines.py); rows: see bench/rows.py and
 bench/freshness.py (publish over bulk / shared memory, publish-to-collector freshness),
@@ -96,6 +97,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per row and size (default: 5)")
     parser.add_argument("--json", type=Path, default=REPO / "bench" / "results.json", help="raw results file")
     parser.add_argument(
+        "--plots",
+        type=Path,
+        default=None,
+        help="folder for the PNG charts of the results (bench/plots.py; default: the --json file's folder)",
+    )
+    parser.add_argument("--no-plots", action="store_true", help="write no charts")
+    parser.add_argument(
         "--transport",
         default="bulk",
         help="transport= for the network rows (fetch_live_policy, fanout_8, delta/cast, memory rows) when the "
@@ -143,6 +151,19 @@ def guarded(name: str, size: int | None, fn: Callable[..., Row | list[Row]], *ar
         took = time.perf_counter() - started
         log(f"{row.name} {format_size(row.size) if row.size else ''}: {summary}{ratio} ({took:.1f}s)")
     return rows
+
+
+def write_plots(results: Path, out: Path) -> None:
+    """The charts of the results file (bench/plots.py) into `out`; without matplotlib, a line says
+    they were skipped and how to get them (the results file is written either way)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        log("charts skipped: matplotlib is not installed (pip install matplotlib, or pip install -e '.[dev]')")
+        return
+    from bench.plots import plot_files
+
+    plot_files([results], out)
 
 
 def environment() -> dict[str, object]:
@@ -277,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     write_json(args.json, results, meta)
     log(f"wrote {args.json}")
+    if not args.no_plots:
+        write_plots(args.json, args.plots or args.json.parent)
     return 1 if any(r.status == "error" for r in results) else 0
 
 

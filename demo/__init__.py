@@ -11,5 +11,7 @@
 * `demo.config`: every setting as a flag and an environment variable, with its default.
 * `demo.summary`, `demo.output`, `demo.lifecycle`, `demo.processes`, `demo.jsonfile`: the
   end-of-run summary, progress lines, signals, child processes, atomic JSON files.
+* `demo.plot`: the end-of-run PNG (episode reward, collector lag, freshness over time; matplotlib,
+  needed by the orchestrator only).
 * `demo.roundtrip`: the earlier publish / watch / fetch / restart walk-through.
 """

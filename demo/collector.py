@@ -51,7 +51,8 @@ class CollectorStats:
     applied_at: list[list[float]] = field(default_factory=list)
     fetched_bytes: int = 0
     transports: dict[str, int] = field(default_factory=dict)
-    lags: list[int] = field(default_factory=list)  # server latest - applied, after each batch
+    # [time.monotonic(), server latest - applied] after each batch (the summary's timeline)
+    lag_at: list[list[float]] = field(default_factory=list)
     episode_rewards: list[float] = field(default_factory=list)
     waited_seconds: float = 0.0  # waiting for the trainer to consume
 
@@ -70,14 +71,14 @@ class CollectorStats:
         self.frames += batch.numel()
         self.batches += 1
         if lag is not None:
-            self.lags.append(lag)
+            self.lag_at.append([round(time.monotonic(), 3), lag])
         done = batch["next", "done"].reshape(-1)
         self.episode_rewards += batch["next", "episode_reward"].reshape(-1)[done].tolist()
 
     def line(self) -> str:
         elapsed = time.monotonic() - self.started
         version = f"v{self.applied[-1]}" if self.applied else "no version yet"
-        lag = self.lags[-1] if self.lags else "-"
+        lag = self.lag_at[-1][1] if self.lag_at else "-"
         reward = f"{self.episode_rewards[-1]:.0f}" if self.episode_rewards else "-"
         return (
             f"{elapsed:5.0f}s  applied {version} (lag {lag}, {len(self.applied)} versions, "
@@ -86,6 +87,7 @@ class CollectorStats:
         )
 
     def report(self, reason: str) -> dict[str, Any]:
+        lags = [lag for _, lag in self.lag_at]
         return {
             "name": self.name,
             "frames": self.frames,
@@ -96,8 +98,9 @@ class CollectorStats:
             "applied_at": self.applied_at,
             "fetched_bytes": self.fetched_bytes,
             "transports": self.transports,
-            "max_lag": max(self.lags, default=None),
-            "mean_lag": sum(self.lags) / len(self.lags) if self.lags else None,
+            "max_lag": max(lags, default=None),
+            "mean_lag": sum(lags) / len(lags) if lags else None,
+            "lag_at": self.lag_at,
             "episodes": len(self.episode_rewards),
             "waited_seconds": round(self.waited_seconds, 2),
             "seconds": round(time.monotonic() - self.started, 2),

@@ -62,6 +62,14 @@ OPTIONS: dict[str, Option] = {
         Option("torch_threads", "DEMO_TORCH_THREADS", int, 1, "torch intra-op threads per process"),
         Option("collector_id", "DEMO_COLLECTOR_ID", str, None, "this collector's name (default: host name and pid)"),
         Option("summary_json", "DEMO_SUMMARY_JSON", str, None, "write the summary as JSON to this file"),
+        Option(
+            "plot",
+            "DEMO_PLOT",
+            str,
+            "auto",
+            "PNG of episode reward, collector lag and freshness over time, drawn at the end (needs matplotlib): "
+            "a file; auto: beside --summary-json (its name, .png), else demo.png here; none: no plot",
+        ),
         Option("port", "DEMO_SERVER_PORT", int, 0, "port of the server the demo starts (0: a free one)"),
         Option("data_dir", "DEMO_DATA_DIR", str, None, "--data-dir of the server the demo starts (default: memory)"),
     ]

@@ -5,8 +5,8 @@ and `--collectors` x `python -m demo.collector`, configured through the same env
 variables `docker/compose.yaml` sets. The trainer trains DDPG on PendulumEnv for `--seconds`,
 publishing its actor every `--publish-every` steps; the collectors pull each new version
 before every batch and send their experience back through a spool directory. At the end the
-trainer prints the summary; this process stops the server, checks every exit code and writes
-`--summary-json`. Ctrl-C stops everything cleanly.
+trainer prints the summary; this process stops the server, checks every exit code, writes
+`--summary-json` and draws the run (`--plot`, demo.plot). Ctrl-C stops everything cleanly.
 
     python -m demo --seconds 150
 """
@@ -75,6 +75,32 @@ def stop_all(children: list[Child], timeout: float) -> None:
             child.wait(5)
 
 
+def plot_path(args: Any) -> Path | None:
+    """`--plot`: a file; "auto": beside `--summary-json` (its name, .png), else demo.png here;
+    "none": no plot."""
+    if args.plot == "none":
+        return None
+    if args.plot != "auto":
+        return Path(args.plot)
+    return Path(args.summary_json).with_suffix(".png") if args.summary_json else Path("demo.png")
+
+
+def plot(summary: dict[str, Any], path: Path) -> None:
+    """Draw the run into `path`; without matplotlib (or a summary) one line says why not."""
+    if "timeline" not in summary:
+        say("demo", "plot skipped: the trainer wrote no summary")
+        return
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        say("demo", "plot skipped: matplotlib is not installed (pip install matplotlib)")
+        return
+    from demo.plot import write_plot
+
+    write_plot(summary, path)
+    say("demo", f"plot: episode reward, collector lag and freshness over time in {path}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = config.parse(argv, config.RUN_OPTIONS, "python -m demo", __doc__.splitlines()[0])
     # Ctrl-C (SIGINT) stops the demo cleanly even when it was started with SIGINT ignored, as a
@@ -106,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     summary.update({"exit_codes": codes, "outcome": outcome, "wall_seconds": round(time.monotonic() - started, 1)})
     if args.summary_json:
         write_json_atomic(Path(args.summary_json), summary)
+    to = plot_path(args)
+    if to is not None:
+        plot(summary, to)
     clean = all(code == 0 for code in codes.values())
     listed = ", ".join(f"{name} {code}" for name, code in codes.items())
     say("demo", f"exit codes: {listed}; wall time {summary['wall_seconds']:.0f}s")

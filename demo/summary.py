@@ -4,7 +4,7 @@ printed as lines and written as JSON (`--summary-json`)."""
 from __future__ import annotations
 
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 
@@ -45,6 +45,13 @@ def collector_totals(reports: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]
     }
 
 
+def refreshes(published_at: Mapping[int, float], report: Mapping[str, Any]) -> list[tuple[float, float]]:
+    """(applied at, publish call -> applied in ms) for every version the collector applied after
+    its first (its start-up catch-up), of those the trainer published (see `freshness`)."""
+    applied = report.get("applied_at", [])[1:]
+    return [(at, (at - published_at[int(v)]) * 1e3) for v, at in applied if int(v) in published_at]
+
+
 def freshness(published_at: Mapping[int, float], reports: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     """Publish call -> collector applied, in ms: for every version a collector applied after
     its first (the first is its start-up catch-up, not a refresh), that collector's
@@ -59,14 +66,33 @@ def freshness(published_at: Mapping[int, float], reports: Mapping[str, Mapping[s
             "samples": len(values),
         }
 
-    per_collector = {}
-    for name, report in reports.items():
-        applied = report.get("applied_at", [])[1:]
-        per_collector[name] = [
-            (at - published_at[int(version)]) * 1e3 for version, at in applied if int(version) in published_at
-        ]
+    per_collector = {name: [ms for _, ms in refreshes(published_at, r)] for name, r in reports.items()}
     every = [ms for values in per_collector.values() for ms in values]
     return {**stats(every), "per_collector": {name: stats(values) for name, values in per_collector.items()}}
+
+
+def timeline(
+    started: float,
+    episodes: Iterable[tuple[float, float]],
+    published_at: Mapping[int, float],
+    reports: Mapping[str, Mapping[str, Any]],
+) -> dict[str, Any]:
+    """What `python -m demo` plots (demo.plot), in seconds since the trainer started (`started`, a
+    `time.monotonic()` reading, the clock every process stamps with): `reward`, [s, reward] of
+    every episode (when the trainer took its batch); per collector `lag`, [s, versions behind the
+    server's latest] after each batch, and `freshness`, [s, ms from publish call to applied] of
+    each update after its first."""
+
+    def since(at: float) -> float:
+        return round(at - started, 2)
+
+    return {
+        "reward": [[since(at), round(reward, 1)] for at, reward in episodes],
+        "lag": {name: [[since(at), lag] for at, lag in r.get("lag_at", [])] for name, r in reports.items()},
+        "freshness": {
+            name: [[since(at), round(ms, 1)] for at, ms in refreshes(published_at, r)] for name, r in reports.items()
+        },
+    }
 
 
 def _num(value: float | None, digits: int) -> str:

@@ -9,7 +9,8 @@ collectors wait while the spool is full, so data and training stay in step.
 
 After `--seconds` (or SIGTERM/SIGINT) it publishes a final version, writes STOP, keeps
 consuming until every collector reported (or `--drain-timeout`), checks the spool is empty,
-prints the summary and writes it to `--summary-json`.
+prints the summary and writes it to `--summary-json` (with a timeline of episode rewards,
+collector lag and freshness, which `python -m demo` plots).
 
     python -m demo.trainer --server localhost:50051 --spool-dir /tmp/spool --seconds 150
 """
@@ -29,7 +30,7 @@ from demo.lifecycle import StopRequest, run_role
 from demo.models import make_actor, make_critic
 from demo.output import Every, quiet_torchrl, say
 from demo.spool import Spool
-from demo.summary import collector_totals, format_summary, freshness, reward_trend
+from demo.summary import collector_totals, format_summary, freshness, reward_trend, timeline
 
 
 class Learner:
@@ -71,6 +72,7 @@ class TrainerStats:
         self.batches = 0
         self.staleness: list[int] = []  # latest published - oldest version in a consumed batch
         self.episode_rewards: list[float] = []
+        self.episode_at: list[float] = []  # time.monotonic() when each episode's batch was taken
 
     def consumed(self, batch: Any, latest: int | None, first: int | None) -> None:
         self.frames += batch.numel()
@@ -79,7 +81,13 @@ class TrainerStats:
         if latest is not None and first is not None and oldest >= first:  # not random warm-up or older runs
             self.staleness.append(latest - oldest)
         done = batch["next", "done"].reshape(-1)
-        self.episode_rewards += batch["next", "episode_reward"].reshape(-1)[done].tolist()
+        rewards = batch["next", "episode_reward"].reshape(-1)[done].tolist()
+        self.episode_rewards += rewards
+        self.episode_at += [time.monotonic()] * len(rewards)
+
+    def episodes(self) -> list[tuple[float, float]]:
+        """(time the trainer took the batch, episode reward) of every episode that ended."""
+        return list(zip(self.episode_at, self.episode_rewards, strict=True))
 
     def staleness_summary(self) -> dict[str, float | None]:
         values = self.staleness
@@ -224,6 +232,7 @@ class Trainer:
             "collectors": reports,
             **collector_totals(reports),
             "freshness": freshness(self.published_at, reports),
+            "timeline": timeline(self.stats.started, self.stats.episodes(), self.published_at, reports),
             "reward": reward_trend(self.stats.episode_rewards),
             "spool_leftovers": leftovers,
             "spool_empty": not leftovers,

@@ -3,6 +3,7 @@ weight server, a DDPG trainer, two torchrl collectors, a spool directory), no mo
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import signal
@@ -12,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from images import png_problems
 
 pytest.importorskip("torchrl", reason="torchrl is not installed: pip install -e '.[torchrl]'")
 
@@ -97,6 +99,19 @@ def test_demo_trains_publishes_and_collectors_follow(tmp_path: Path):
     for needle in (*needles, "freshness (publish call -> collector applied, pulled before each batch): p50 "):
         assert needle in output, needle
     assert still_running(processes_using(tmp_path / "spool")) == []
+    # the timeline (seconds since the trainer started) and its plot beside the summary (--plot auto)
+    timeline = summary["timeline"]
+    assert len(timeline["reward"]) == summary["reward"]["episodes"]
+    assert sorted(timeline["lag"]) == sorted(timeline["freshness"]) == ["collector-0", "collector-1"]
+    for name, report in summary["collectors"].items():
+        assert len(timeline["lag"][name]) == len(report["lag_at"]) > 0
+        assert [ms for _, ms in timeline["freshness"][name]] and all(s >= 0 for s, _ in timeline["freshness"][name])
+    assert sum(len(points) for points in timeline["freshness"].values()) == fresh["samples"]
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert f"plot: episode reward, collector lag and freshness over time in {tmp_path / 'summary.png'}" in output
+        assert png_problems(tmp_path / "summary.png", width=1000, min_height=800) == []
+    else:
+        assert "plot skipped: matplotlib is not installed (pip install matplotlib)" in output
 
 
 @pytest.mark.slow
