@@ -135,7 +135,8 @@ def test_the_selection_file_holds_each_slice_bit_for_bit():
     }
     data, header = version(full)
     cuts = {"w3": (1, 2, 5), "h": (0, 7, 9), "ones": (1, 0, 2), "scalar": None, "empty": (1, 1, 3)}
-    out, out_header = select_file(data, header, cuts)
+    pieces, out_header = select_file(data, header, cuts)
+    out = memoryview(bytearray(b"".join(pieces.views)))
     assert parse_header(out) == out_header
     got = tensor_codec.decode(out_header, out)
     assert torch.equal(got["w3"], full["w3"][:, 2:5])
@@ -144,6 +145,26 @@ def test_the_selection_file_holds_each_slice_bit_for_bit():
     assert torch.equal(got["scalar"], full["scalar"]) and got["empty"].shape == (0, 2)
     names = [t.name for t in out_header.tensors]  # largest elements first, then by name
     assert names == ["ones", "scalar", "empty", "w3", "h"]
+    # A whole tensor and a cut whose leading dimensions are 1 are byte ranges of the version's file
+    # (views, nothing copied); the others were gathered: only those and the header are the file's own.
+    ranges = {name for name, piece in zip(names, pieces.views[1:], strict=True) if _views(piece, data)}
+    assert ranges == {"ones", "scalar", "h"}
+    gathered = out_header.data_start + sum(t.nbytes for t in out_header.tensors if t.name in {"w3", "empty"})
+    assert pieces.owned == gathered and pieces.nbytes == len(out)
+    for t in out_header.tensors:  # each tensor's bytes, read back through the pieces
+        assert bytes(pieces.span(out_header.data_start + t.begin, out_header.data_start + t.end)) == out[
+            out_header.data_start + t.begin : out_header.data_start + t.end
+        ]
+
+
+def _views(piece: memoryview, data: memoryview) -> bool:
+    """Whether `piece` lies inside `data`'s memory (a view of it, not a copy)."""
+    import numpy as np
+
+    if not piece.nbytes:
+        return False
+    start, base = np.frombuffer(piece, np.uint8).ctypes.data, np.frombuffer(data, np.uint8).ctypes.data
+    return base <= start and start + piece.nbytes <= base + data.nbytes
 
 
 class _Version:

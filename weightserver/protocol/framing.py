@@ -3,7 +3,7 @@ copy a chunk twice; framing by hand copies once to send, never to receive."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Protocol
 
 from google.protobuf.message import Message
@@ -35,13 +35,23 @@ PUBLISH_CHUNK_TAG = _chunk_tag(pb.PublishRequest)
 
 
 def chunk_messages(
-    data: bytes | bytearray | memoryview, chunk_bytes: int, tag: bytes = FETCH_CHUNK_TAG
+    data: bytes | bytearray | memoryview | Sequence[memoryview], chunk_bytes: int, tag: bytes = FETCH_CHUNK_TAG
 ) -> Iterator[bytes]:
-    """Serialized `{chunk}` messages over `data`, `chunk_bytes` at a time, one copy each."""
-    view = memoryview(data).cast("B")
-    for start in range(0, view.nbytes, chunk_bytes):
-        part = view[start : start + chunk_bytes]
-        yield b"".join((tag, _varint(part.nbytes), part))
+    """Serialized `{chunk}` messages over `data` (one buffer, or consecutive parts sent as one),
+    `chunk_bytes` at a time, one copy each."""
+    parts = data if isinstance(data, (list, tuple)) else [memoryview(data).cast("B")]
+    pending: list[memoryview] = []
+    room = chunk_bytes
+    for view in parts:
+        while view.nbytes:
+            take = min(room, view.nbytes)
+            pending.append(view[:take])
+            view, room = view[take:], room - take
+            if not room:
+                yield chunk_message(pending, tag)
+                pending, room = [], chunk_bytes
+    if pending:
+        yield chunk_message(pending, tag)
 
 
 def chunk_message(parts: list[memoryview], tag: bytes = PUBLISH_CHUNK_TAG) -> bytes:

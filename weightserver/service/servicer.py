@@ -211,7 +211,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         payload, description = await self._payload_for(record, request, selection)
         if request.base_version or request.dtype or selection is not None:
             yield pb.FetchResponse(payload=description)
-        async with contextlib.aclosing(self.stream.send(payload.data, chunk_bytes)) as chunks:
+        async with contextlib.aclosing(self.stream.send(payload.parts, chunk_bytes)) as chunks:
             async for message in chunks:
                 yield message
         self._transferred("fetch", record, started, context, "stream", sent=payload.byte_size)

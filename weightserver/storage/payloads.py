@@ -4,18 +4,20 @@ a cast (float32 as bfloat16 or float16), or both; derived ones built once, cache
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 import math
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from weightserver.protocol import deltas
 from weightserver.protocol.deltas import ENCODING_KEY
-from weightserver.protocol.digests import tensor_digests, xxh3_hex
+from weightserver.protocol.digests import xxh3_hex
 from weightserver.protocol.safetensors_format import DTYPE_SIZES, SafetensorsHeader, TensorEntry, build_header
 from weightserver.protocol.selection import Cut, Resolved
 
@@ -23,6 +25,38 @@ CAST_TARGETS = ("BF16", "F16")
 ENCODE_THREADS = 2
 CAST_BLOCK_VALUES = 1 << 22  # 16 MiB of float32 at a time: whole-tensor temporaries would cost several times its size
 Bytes = bytes | bytearray | memoryview
+
+
+class Pieces:
+    """A file as consecutive views, sent and written as they are, never joined: a selection's header,
+    then each tensor, a byte range of the version's file (whole, or a cut along its first dimension
+    that is not 1) or gathered. `owned`: the bytes made for it; the rest are the version's."""
+
+    def __init__(self, views: Sequence[memoryview], owned: int) -> None:
+        self.views, self.owned = tuple(views), owned
+        self._starts = list(itertools.accumulate((v.nbytes for v in self.views), initial=0))
+        self.nbytes = self._starts[-1]
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def span(self, begin: int, end: int) -> memoryview:
+        """Bytes [begin, end), which lie in one piece (as each tensor does)."""
+        i = bisect.bisect_right(self._starts, begin) - 1
+        view, at = self.views[i], begin - self._starts[i]
+        if end - begin > view.nbytes - at:
+            raise ValueError(f"bytes [{begin}, {end}) span pieces")
+        return view[at : at + end - begin]
+
+
+File = Bytes | Pieces
+
+
+def span(data: File, begin: int, end: int) -> memoryview:
+    """Bytes [begin, end) of a file, joined or in pieces."""
+    return data.span(begin, end) if isinstance(data, Pieces) else memoryview(data)[begin:end]
+
+
 # model, version, base version, dtype, element delta forms ("+"-joined), selection (Resolved.key)
 PayloadKey = tuple[str, int, int, str, str, str]
 
@@ -44,7 +78,7 @@ class Selected:
 
     model: str
     version: int
-    data: Bytes = field(repr=False)
+    data: File = field(repr=False)
     selection: SelectionManifest
 
     def __getattr__(self, name: str) -> Any:
@@ -56,7 +90,7 @@ class Selected:
 class Payload:
     """A safetensors file to send, and what it is relative to the version it came from."""
 
-    data: Bytes = field(repr=False)
+    data: File = field(repr=False)
     xxh3: str
     base_version: int = 0
     dtype: str = ""
@@ -67,6 +101,16 @@ class Payload:
     @property
     def byte_size(self) -> int:
         return len(self.data)
+
+    @property
+    def parts(self) -> tuple[memoryview, ...]:
+        """Its bytes as consecutive views, to send or write without joining them."""
+        return self.data.views if isinstance(self.data, Pieces) else (memoryview(self.data).cast("B"),)
+
+    @property
+    def held(self) -> int:
+        """The bytes it keeps in the cache: a selection's byte ranges are the version's."""
+        return self.data.owned if isinstance(self.data, Pieces) else len(self.data)
 
     def key(self, model: str, version: int) -> PayloadKey:
         selection = self.selection.key if self.selection is not None else ""
@@ -95,26 +139,26 @@ def cast_f32(data: memoryview, dtype: str) -> memoryview:
 
 
 def derive(
-    data: Bytes,
+    data: File,
     header: SafetensorsHeader,
     *,
     keep: Callable[[TensorEntry], bool] | None = None,
     dtype: str = "",
-    base: tuple[Bytes, SafetensorsHeader] | None = None,
+    base: tuple[File, SafetensorsHeader] | None = None,
     forms: tuple[str, ...] = (),
 ) -> bytes:
     """A new safetensors file with the tensors `keep` selects, float32 ones cast to `dtype`, or each
     written in the smallest of `forms` against the same tensor of `base` (data, header)."""
-    view, start = memoryview(data), header.data_start
+    start = header.data_start
     bases = {t.name: t for t in base[1].tensors} if base is not None and forms and not dtype else {}
 
     def one(entry: TensorEntry) -> tuple[str, str, tuple[int, ...], memoryview | bytes, str]:
-        raw = view[start + entry.begin : start + entry.end]
+        raw = span(data, start + entry.begin, start + entry.end)
         if dtype and entry.dtype == "F32":
             return entry.name, dtype, entry.shape, cast_f32(raw, dtype), ""
         was = bases.get(entry.name)
         if was is not None:
-            old = memoryview(base[0])[base[1].data_start + was.begin : base[1].data_start + was.end]
+            old = span(base[0], base[1].data_start + was.begin, base[1].data_start + was.end)
             form, raw = deltas.encode(old, raw, DTYPE_SIZES[entry.dtype], forms)
             if form:
                 return entry.name, "U8", (len(raw),), raw, form
@@ -135,12 +179,10 @@ def derive(
     return b"".join([prefix, *(raw for *_, raw in selected)])
 
 
-def select_file(
-    data: Bytes, header: SafetensorsHeader, cuts: Mapping[str, Cut]
-) -> tuple[memoryview, SafetensorsHeader]:
+def select_file(data: Bytes, header: SafetensorsHeader, cuts: Mapping[str, Cut]) -> tuple[Pieces, SafetensorsHeader]:
     """The selection's file (the proto's Selection) and its header: each tensor named in `cuts` whole
-    or cut. A cut with only dimensions of size 1 before it is one byte range; others are gathered.
-    Either is copied once, straight into the file."""
+    or cut. A whole tensor, or a cut with only dimensions of size 1 before it, is a byte range of
+    `data`, which the file's pieces view (nothing copied); other cuts are gathered, once."""
     import numpy as np  # only servers that select pay for the import
 
     view, start = memoryview(data), header.data_start
@@ -155,11 +197,13 @@ def select_file(
         parts.append((entry.name, entry.dtype, shape, rows[:, low * row : high * row]))
     parts.sort(key=lambda item: (-DTYPE_SIZES[item[1]], item[0]))  # as `derive`: every tensor aligned
     prefix, placed = build_header((name, dtype, shape, part.nbytes) for name, dtype, shape, part in parts)
-    out = np.empty(len(prefix) + sum(entry.nbytes for entry in placed), dtype=np.uint8)
-    out[: len(prefix)] = np.frombuffer(prefix, np.uint8)
-    for entry, (*_, part) in zip(placed, parts, strict=True):
-        out[len(prefix) + entry.begin : len(prefix) + entry.end].reshape(part.shape)[...] = part
-    return memoryview(out), SafetensorsHeader(tuple(placed), None, len(prefix))
+    pieces, owned = [memoryview(prefix)], len(prefix)
+    for *_, part in parts:
+        if not part.flags.c_contiguous:
+            part = np.ascontiguousarray(part)
+            owned += part.nbytes
+        pieces.append(memoryview(part.reshape(-1)))
+    return Pieces(pieces, owned), SafetensorsHeader(tuple(placed), None, len(prefix))
 
 
 def _any_worth(target, base, forms: tuple[str, ...], unchanged: set[str]) -> bool:
@@ -169,8 +213,11 @@ def _any_worth(target, base, forms: tuple[str, ...], unchanged: set[str]) -> boo
         if entry.name in unchanged:
             continue
         old = was[entry.name]
-        new_bytes = memoryview(target.data)[target.header.data_start + entry.begin :][: entry.nbytes]
-        old_bytes = memoryview(base.data)[base.header.data_start + old.begin :][: old.nbytes]
+        new_at, old_at = target.header.data_start + entry.begin, base.header.data_start + old.begin
+        new_bytes, old_bytes = (
+            span(target.data, new_at, new_at + entry.nbytes),
+            span(base.data, old_at, old_at + old.nbytes),
+        )
         if deltas.worth_encoding(old_bytes, new_bytes, DTYPE_SIZES[entry.dtype], forms):
             return True
     return False
@@ -241,8 +288,8 @@ class PayloadCache:
 
         def build() -> Payload:
             data, header = select_file(version.data, version.header, selection.cuts)
-            digests = tensor_digests(data, header)
-            manifest = SelectionManifest(selection.key, data.nbytes, xxh3_hex(data), header, digests)
+            digests = {t.name: xxh3_hex(piece) for t, piece in zip(header.tensors, data.views[1:], strict=True)}
+            manifest = SelectionManifest(selection.key, data.nbytes, xxh3_hex(*data.views), header, digests)
             return Payload(data, manifest.xxh3, selection=manifest)
 
         payload = self._cached((version.model, version.version, 0, "", "", selection.key), build)
@@ -267,9 +314,9 @@ class PayloadCache:
             with self._lock:
                 self.builds += 1
                 self._entries[key] = payload
-                total = sum(p.byte_size for p in self._entries.values())
+                total = sum(p.held for p in self._entries.values())
                 while total > self.max_bytes and len(self._entries) > 1:
-                    total -= self._entries.popitem(last=False)[1].byte_size
+                    total -= self._entries.popitem(last=False)[1].held
             return payload
         finally:
             with self._lock:

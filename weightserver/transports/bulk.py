@@ -48,7 +48,7 @@ LOOPS = min(8, os.cpu_count() or 1)  # a send's copy into the kernel costs its t
 
 @dataclass
 class _Pending:
-    data: memoryview
+    parts: tuple[memoryview, ...]  # sent one after the other; an upload is received into one
     label: str
     expires: float = 0.0
     arrived: Callable[[int], None] | None = None  # an upload: the first n bytes are in
@@ -89,13 +89,16 @@ class BulkEndpoint:
         with self._lock:
             return len(self._tickets)
 
-    def issue(self, data: bytes | bytearray | memoryview, label: str = "", **pending: Any) -> bytes:
-        """A ticket that sends `data` once (with `landed`: as it lands); with `arrived` and `done`,
-        one that receives an upload into `data` (`arrived` may raise to stop it)."""
+    def issue(
+        self, data: bytes | bytearray | memoryview | tuple[memoryview, ...], label: str = "", **pending: Any
+    ) -> bytes:
+        """A ticket that sends `data` (a buffer, or consecutive parts) once (with `landed`: as it lands);
+        with `arrived` and `done`, one that receives an upload into `data` (`arrived` may raise to stop it)."""
         ticket, expires = secrets.token_bytes(TICKET_BYTES), time.monotonic() + TICKET_TTL_SECONDS
         self._drop_expired()
         with self._lock:
-            self._tickets[ticket] = _Pending(memoryview(data).cast("B"), label, expires, **pending)
+            parts = data if isinstance(data, tuple) else (memoryview(data).cast("B"),)
+            self._tickets[ticket] = _Pending(parts, label, expires, **pending)
         self._loops[0].call_later(TICKET_TTL_SECONDS + 0.1, self._drop_expired)
         return ticket
 
@@ -183,9 +186,10 @@ class BulkEndpoint:
         started, done = time.perf_counter(), pending.done
         try:
             if done is not None:
-                await _receive(loop, conn, pending.data, pending.arrived)
+                await _receive(loop, conn, pending.parts[0], pending.arrived)
             else:
-                await _send(loop, conn, pending.data, pending.landed)
+                for part in pending.parts:
+                    await _send(loop, conn, part, pending.landed)
         except BaseException as exc:  # a reset, a stall, no safetensors file, a failed publish; cancelled
             if done is not None:
                 done(exc)
@@ -202,7 +206,8 @@ class BulkEndpoint:
                 log.warning("bulk: could not acknowledge the upload of %s to %s: %s", pending.label, peer, exc)
                 return False
         ms = (time.perf_counter() - started) * 1e3
-        log.debug("bulk: moved %s (%d bytes) with %s in %.1f ms", pending.label, pending.data.nbytes, peer, ms)
+        moved = sum(p.nbytes for p in pending.parts)
+        log.debug("bulk: moved %s (%d bytes) with %s in %.1f ms", pending.label, moved, peer, ms)
         return True
 
 
@@ -316,7 +321,7 @@ class BulkTransport:
 
     async def offer(self, record: Version, payload: Payload, description: pb.Payload) -> bool:
         description.bulk.port = self.endpoint.port
-        description.bulk.ticket = self.endpoint.issue(payload.data, f"{record.model} v{record.version}")
+        description.bulk.ticket = self.endpoint.issue(payload.parts, f"{record.model} v{record.version}")
         return True
 
     def offer_incoming(self, incoming: IncomingPublish, description: pb.Payload) -> bool:

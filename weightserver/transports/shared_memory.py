@@ -76,15 +76,17 @@ def _remove_abandoned(root: Path) -> None:
         log.info("leaving %d folder(s) without a lock file in %s (%s): of an older release", len(unlocked), root, names)
 
 
-def _write_file(path: Path, data: bytes | bytearray | memoryview, mode: int) -> None:
-    """Write `path` whole with `mode` (temp file + rename); OSError when there is no room."""
+def _write_file(path: Path, data: bytes | bytearray | memoryview | tuple[memoryview, ...], mode: int) -> None:
+    """Write `path` whole (`data`, or its consecutive parts) with `mode` (temp file + rename); OSError
+    when there is no room."""
     tmp = path.with_name(path.name + ".tmp")
     tmp.unlink(missing_ok=True)  # left by a crash, and read-only if it was a header's
+    parts = data if isinstance(data, tuple) else (memoryview(data),)
     try:
         with open(tmp, "wb") as f:
-            view = memoryview(data)
-            _reserve(f.fileno(), view.nbytes)
-            f.write(view)
+            _reserve(f.fileno(), sum(p.nbytes for p in parts))
+            for part in parts:
+                f.write(part)
         os.chmod(tmp, mode)
         tmp.replace(path)
     except OSError:
@@ -108,7 +110,7 @@ class SharedMemoryFiles:
         self._memory: dict[PayloadKey, PublisherMemory] = {}  # files that are memfds
         self._warned = False  # about a full folder, once per server
 
-    def path_for(self, key: PayloadKey, data: bytes | bytearray | memoryview | None) -> Path | None:
+    def path_for(self, key: PayloadKey, data: tuple[memoryview, ...] | None) -> Path | None:
         """The file of payload `key` (model, version, base, dtype, element delta forms, selection), written
         once from `data`; None: no room, or (`data` None) not written yet."""
         with self._lock:
@@ -123,7 +125,8 @@ class SharedMemoryFiles:
                 path.parent.mkdir(mode=FOLDER_MODE, exist_ok=True)
                 _write_file(path, data, 0o644)
             except OSError as exc:
-                self._cannot_write(f"{model!r} v{version}", len(data), exc, "this fetch uses bulk TCP or the stream")
+                size = sum(p.nbytes for p in data)
+                self._cannot_write(f"{model!r} v{version}", size, exc, "this fetch uses bulk TCP or the stream")
                 return None
             self._files[key] = path
             return path
@@ -315,7 +318,7 @@ class SharedMemoryTransport:
         key = payload.key(record.model, record.version)
         path = self.files.path_for(key, None)  # no thread when it is written already
         if path is None:
-            path = await asyncio.to_thread(self.files.path_for, key, payload.data)
+            path = await asyncio.to_thread(self.files.path_for, key, payload.parts)
             if path is None:
                 return False  # the folder is full
             if key[2:] == (0, "", "", ""):

@@ -7,7 +7,7 @@ not every open one; and each chunk waits while a publish goes first (`CommitsFir
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from weightserver.protocol import framing
 from weightserver.protocol.errors import PublishAborted
@@ -25,7 +25,8 @@ class StreamTransport:
         self._turns = asyncio.Semaphore(max_fetches)
         self._commits_first = commits_first
 
-    async def send(self, data: memoryview, chunk_bytes: int) -> AsyncIterator[bytes]:
+    async def send(self, parts: Sequence[memoryview], chunk_bytes: int) -> AsyncIterator[bytes]:
+        """A payload's consecutive `parts` (`Payload.parts`) as chunk messages."""
         turns, loop = self._turns, asyncio.get_running_loop()
         await turns.acquire()
         held = True
@@ -37,7 +38,7 @@ class StreamTransport:
                 turns.release()
 
         try:
-            for message in framing.chunk_messages(data, chunk_bytes):
+            for message in framing.chunk_messages(parts, chunk_bytes):
                 await self._commits_first.wait()
                 slow = loop.call_later(SLOW_READER_SECONDS, give_back)
                 try:

@@ -54,20 +54,12 @@ class StreamTransport(Transport):
                 yield pb.PublishRequest(uploaded=done)
                 sent += file.header.total_bytes
                 continue
-            pending: list[memoryview] = []
-            room, left = self.chunk_bytes, file.header.total_bytes  # in this chunk; of this file
-            for view in file.parts:
-                while view.nbytes:
-                    take = min(room, view.nbytes)
-                    pending.append(view[:take])
-                    view, room, left = view[take:], room - take, left - take
-                    if room and left:
-                        continue
-                    yield framing.chunk_message(pending)
-                    sent += self.chunk_bytes - room
-                    if progress is not None:
-                        progress(sent, total)
-                    pending, room = [], self.chunk_bytes
+            end = sent + file.header.total_bytes
+            for message in framing.chunk_messages(file.parts, self.chunk_bytes, framing.PUBLISH_CHUNK_TAG):
+                yield message
+                sent = min(sent + self.chunk_bytes, end)
+                if progress is not None:
+                    progress(sent, total)
         yield pb.PublishRequest(commit=pb.PublishCommit())
 
     def offer(
