@@ -29,8 +29,9 @@ Bytes = bytes | bytearray | memoryview
 
 class Pieces:
     """A file as consecutive views, sent and written as they are, never joined: a selection's header,
-    then each tensor, a byte range of the version's file (whole, or a cut along its first dimension
-    that is not 1) or gathered. `owned`: the bytes made for it; the rest are the version's."""
+    then each tensor, a byte range of the version's file (whole, or cut along a dimension with only
+    dimensions of size 1 before it) or gathered. `owned`: the bytes made for it; the rest are the
+    version's."""
 
     def __init__(self, views: Sequence[memoryview], owned: int) -> None:
         self.views, self.owned = tuple(views), owned
