@@ -52,6 +52,15 @@ RAW_FANOUT_TARGET = 1.3  # freshness_remote, freshness_8: x raw_fanout of the sa
 PUBLISH_GAP_SECONDS = IDLE_GAP_SECONDS  # idle before each publish, as a trainer trains
 
 
+def shared_memory_pages() -> str:
+    """Which pages a same-host upload gets on this host (the figures depend on it)."""
+    from weightserver.protocol.page_tables import SHMEM_HUGE_PAGES, shared_huge_pages
+
+    setting = shared_huge_pages()
+    pages = "2 MiB" if setting in ("advise", "within_size", "always", "force") else "4 KiB"
+    return f"shared memory in {pages} pages ({SHMEM_HUGE_PAGES.rsplit('/', 1)[-1]}={setting})"
+
+
 def publish_transports() -> bool:
     """Whether `WeightClient.publish` takes `transport=` (publish over bulk / shared memory): it
     passes its options on to `publish_group_bytes`."""
@@ -106,6 +115,8 @@ def _publish_row(ctx: Context, size: int, transport: str, name: str) -> tuple[Ro
     row = Row(name, size, "ms", [s * 1e3 for s in seconds])
     row.extra = {"seconds": seconds, "versions": versions, "server_transports": [carried.get(v) for v in versions]}
     row.note = f"publish(transport={transport}) until committed; carried by {'/'.join(sorted(used))} (server log)"
+    if transport == "shm":
+        row.note += f"; {shared_memory_pages()}"
     if used != {transport}:
         row.note += f"; NOT {transport}"
     return row, used
@@ -321,6 +332,8 @@ def _freshness_row(
         row.note += f"; publishes NOT {transport}"
     if transport == "auto" and (used != {"shm"} or carried != {"shm"}):
         row.note += "; the defaults did NOT take shared memory on the server's host"
+    if "shm" in used:
+        row.note += f"; {shared_memory_pages()}"
     if wrong:
         row.note += f"; WRONG WEIGHTS in {wrong} applications"
     row.extra = {

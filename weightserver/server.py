@@ -17,7 +17,7 @@ from grpc_reflection.v1alpha import reflection
 
 from weightserver.config import ServerConfig, url_host
 from weightserver.metrics import NoMetrics, ServerMetrics
-from weightserver.protocol import framing
+from weightserver.protocol import framing, page_tables
 from weightserver.protocol.limits import MAX_MESSAGE_BYTES
 from weightserver.protocol.version_info import description_bytes
 from weightserver.service.auth import TokenTable
@@ -188,6 +188,13 @@ class WeightServer:
             self.shared_memory = SharedMemoryFiles(shm_dir) if shm_dir is not None else None
         if self.shared_memory is not None:
             log.info("shared-memory payloads in %s", self.shared_memory.directory)
+            if page_tables.shared_huge_pages() in ("never", "deny"):
+                log.info(
+                    "shared memory gets 4 KiB pages on this host (%s: %s); as root, `echo advise > %s` "
+                    "lets same-host publishes use 2 MiB pages, which are faster to set up and to seal "
+                    "(docs/internals/shared-memory.md)",
+                    *(page_tables.SHMEM_HUGE_PAGES, page_tables.shared_huge_pages(), page_tables.SHMEM_HUGE_PAGES),
+                )
             if self.tokens is not None:
                 self.shared_memory.directory.chmod(0o700)  # tokens guard calls; permissions guard files
         server = grpc.aio.server(

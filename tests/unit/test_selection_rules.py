@@ -152,9 +152,10 @@ def test_the_selection_file_holds_each_slice_bit_for_bit():
     gathered = out_header.data_start + sum(t.nbytes for t in out_header.tensors if t.name in {"w3", "empty"})
     assert pieces.owned == gathered and pieces.nbytes == len(out)
     for t in out_header.tensors:  # each tensor's bytes, read back through the pieces
-        assert bytes(pieces.span(out_header.data_start + t.begin, out_header.data_start + t.end)) == out[
-            out_header.data_start + t.begin : out_header.data_start + t.end
-        ]
+        assert (
+            bytes(pieces.span(out_header.data_start + t.begin, out_header.data_start + t.end))
+            == out[out_header.data_start + t.begin : out_header.data_start + t.end]
+        )
 
 
 def _views(piece: memoryview, data: memoryview) -> bool:

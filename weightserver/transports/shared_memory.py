@@ -263,7 +263,7 @@ class PublisherMemory(UploadFile):
         self._fd = os.memfd_create(f"weightserver-{model}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.fchmod(self._fd, 0o600)
-            _reserve(self._fd, size)  # now, or the publisher's stores may be its SIGBUS
+            page_tables.reserve(self._fd, size)  # now, or the publisher's stores may be its SIGBUS
             os.symlink(f"/proc/{os.getpid()}/fd/{self._fd}", path)
         except OSError:
             os.close(self._fd)
