@@ -90,6 +90,25 @@ def test_round_trip_is_bit_exact(dtype, fraction):
     assert len(blob) == expected or (fraction > 0.3 and form == "")  # a dense change is not compared in full
 
 
+@pytest.mark.parametrize("elements", [1000, 2 * deltas.SAMPLE - 1, 64 * deltas.SAMPLE])
+def test_a_small_tensor_takes_any_saving_and_a_sampled_one_a_fifth(elements):
+    """80% of the elements changed: the bitmap saves 17% of the whole. A tensor the sample covers
+    whole (fewer than 2 x SAMPLE elements) is encoded for it; a larger one, sampled, is not compared
+    in full for less than a fifth."""
+    base = torch.arange(elements, dtype=torch.float32)
+    new = base.clone()
+    new[torch.arange(elements) % 5 != 0] += 1
+    form, blob = encode(raw(base), raw(new), 4)
+    saving = 1 - len(blob) / (4 * elements)
+    if elements < 2 * deltas.SAMPLE:
+        assert form == BITMAP and 0.16 < saving < 0.2
+        out = bytearray(raw(base))
+        apply(form, blob, memoryview(out), 4)
+        assert bytes(out) == raw(new)
+    else:
+        assert form == "" and blob == raw(new)
+
+
 def raw_view(tensor: torch.Tensor) -> torch.Tensor:
     words = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
     return tensor.view(-1).view(words[tensor.element_size()])
