@@ -5,6 +5,7 @@ ever reaches a policy."""
 
 from __future__ import annotations
 
+import logging
 import queue
 import socket
 import threading
@@ -189,8 +190,9 @@ class HeldPublish:
 @pytest.mark.parametrize("publish_over", ["bulk", "stream"])
 @pytest.mark.parametrize("receive_over", ["bulk", "stream"])
 def test_incoming_bytes_received_early_are_the_committed_version(
-    server, other_client, watcher, publish_over, receive_over
+    server, other_client, watcher, publish_over, receive_over, caplog
 ):
+    caplog.set_level(logging.INFO, logger="weightserver.service.servicer")
     data = file_of(weights_filled(1.5))
     publish = HeldPublish(server.address, data, publish_over)
     announced = watcher.next()
@@ -206,6 +208,8 @@ def test_incoming_bytes_received_early_are_the_committed_version(
     assert not isinstance(early, Exception), early
     assert early.stats.incoming and early.stats.transport == receive_over
     assert bytes(early.data) == data and committed.info.xxh3 == publish.xxh3
+    # The server's one record of a cut-through transfer, whatever carried it (a relay tree's egress).
+    assert f"fetch_incoming model={MODEL} bytes={len(data)} transport={receive_over}" in caplog.text
 
 
 def test_a_same_host_publish_is_not_announced_before_its_commit(server, client, other_client, watcher):

@@ -195,7 +195,8 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
                 async for message in chunks:
                     yield message
             ms = round((time.perf_counter() - started) * 1e3, 3)
-            log_event("fetch_incoming", context, model=announced.model, bytes=announced.byte_size, duration_ms=ms)
+            fields = {"model": announced.model, "bytes": announced.byte_size, "transport": "stream"}
+            log_event("fetch_incoming", context, **fields, duration_ms=ms)
             return
         record = self._chosen(request)
         if record is None:
@@ -241,6 +242,10 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
             for transport in filter(None, map(self.transports.get, request.accept)):
                 if transport.offer_incoming(announced, answer.payload):
                     answer.transport, answer.payload.byte_size = transport.kind, announced.byte_size
+                    # Logged as handed out (the bytes follow as they land): the one record of the
+                    # cut-through transfers on every transport (the metrics count versions).
+                    fields = {"model": announced.model, "bytes": announced.byte_size, "transport": transport.name}
+                    log_event("fetch_incoming", context, **fields)
                     break
             return answer
         started, record = time.perf_counter(), self._chosen(request.fetch)
