@@ -23,6 +23,7 @@ from weightserver.protocol.selection import Cut, Resolved
 
 CAST_TARGETS = ("BF16", "F16")
 ENCODE_THREADS = 2
+THREADED_DELTA_BYTES = 4 << 20  # below, starting the threads costs more than they save (the DDPG actor: 18 kB)
 CAST_BLOCK_VALUES = 1 << 22  # 16 MiB of float32 at a time: whole-tensor temporaries would cost several times its size
 Bytes = bytes | bytearray | memoryview
 
@@ -166,7 +167,7 @@ def derive(
         return entry.name, entry.dtype, entry.shape, raw, ""
 
     kept = [entry for entry in header.tensors if keep is None or keep(entry)]
-    if bases:  # numpy lets go of the GIL: tensors compared on both cores
+    if bases and sum(e.nbytes for e in kept) >= THREADED_DELTA_BYTES:  # numpy lets go of the GIL: both cores
         with ThreadPoolExecutor(ENCODE_THREADS, thread_name_prefix="weightserver-delta") as pool:
             built = list(pool.map(one, kept))
     else:
