@@ -31,6 +31,7 @@ class Watches:
         self.store, self.announcements, self.metrics = store, announcements, metrics
         self.metadata = metadata  # the initial metadata (a relay names its primary)
         self._queues: set[asyncio.Queue[Version | IncomingPublish | None]] = set()
+        self._ended = False  # the server is shutting down: a Watch that starts now ends at once
 
     async def watch(
         self, request: pb.WatchRequest, context: grpc.aio.ServicerContext
@@ -54,6 +55,8 @@ class Watches:
             unsubscribes.append(self.announcements.subscribe(on_event))
         self.metrics.watch_started(model)
         self._queues.add(queue)
+        if self._ended:  # (a call the server took after `end_all`: else it would hold the shutdown's grace)
+            queue.put_nowait(None)
         try:
             backlog, gap = self.store.versions_after(model, request.since)
             last = request.since
@@ -92,5 +95,6 @@ class Watches:
         return event
 
     def end_all(self) -> None:
+        self._ended = True
         for queue in self._queues:
             queue.put_nowait(None)
