@@ -54,10 +54,10 @@ PUBLISH_GAP_SECONDS = IDLE_GAP_SECONDS  # idle before each publish, as a trainer
 
 def shared_memory_pages() -> str:
     """Which pages a same-host upload gets on this host (the figures depend on it)."""
-    from weightserver.protocol.page_tables import SHMEM_HUGE_PAGES, shared_huge_pages
+    from weightserver.protocol.page_tables import HUGE_SETTINGS, SHMEM_HUGE_PAGES, shared_huge_pages
 
     setting = shared_huge_pages()
-    pages = "2 MiB" if setting in ("advise", "within_size", "always", "force") else "4 KiB"
+    pages = "2 MiB" if setting in HUGE_SETTINGS else "4 KiB"
     return f"shared memory in {pages} pages ({SHMEM_HUGE_PAGES.rsplit('/', 1)[-1]}={setting})"
 
 

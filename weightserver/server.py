@@ -188,12 +188,13 @@ class WeightServer:
             self.shared_memory = SharedMemoryFiles(shm_dir) if shm_dir is not None else None
         if self.shared_memory is not None:
             log.info("shared-memory payloads in %s", self.shared_memory.directory)
-            if page_tables.shared_huge_pages() in ("never", "deny"):
+            pages = page_tables.shared_huge_pages()
+            if pages is not None and pages not in page_tables.HUGE_SETTINGS:
                 log.info(
                     "shared memory gets 4 KiB pages on this host (%s: %s); as root, `echo advise > %s` "
                     "lets same-host publishes use 2 MiB pages, which are faster to set up and to seal "
                     "(docs/internals/shared-memory.md)",
-                    *(page_tables.SHMEM_HUGE_PAGES, page_tables.shared_huge_pages(), page_tables.SHMEM_HUGE_PAGES),
+                    *(page_tables.SHMEM_HUGE_PAGES, pages, page_tables.SHMEM_HUGE_PAGES),
                 )
             if self.tokens is not None:
                 self.shared_memory.directory.chmod(0o700)  # tokens guard calls; permissions guard files

@@ -15,6 +15,7 @@ import os
 
 MADV_POPULATE_WRITE = 23  # Linux 5.14
 SHMEM_HUGE_PAGES = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
+HUGE_SETTINGS = ("advise", "within_size", "always", "force")  # of SHMEM_HUGE_PAGES: the ones that give huge pages
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 _libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
