@@ -116,9 +116,7 @@ class WeightClient(WeightServiceClient):
 
     def flush(self, timeout: float | None = None) -> bool:
         deadline = Deadline.after(timeout)
-        if self._publisher is not None and not self._publisher.flush(timeout):
-            return False
-        return super().flush(deadline.remaining())
+        return (self._publisher is None or self._publisher.flush(timeout)) and super().flush(deadline.remaining())
 
     def close(self) -> None:
         if self._publisher is not None:

@@ -186,11 +186,7 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
     On the server's host (a fetch went over shared memory) and with no `dtype`, it reads each
     announced version's file directly, with no call and no delta, and applies it zero-copy: each
     parameter that can becomes a copy-on-write view of the version's file (`zero_copy`).
-
-    >>> updater = GrpcLocalWeightUpdater("localhost:50051", policy=policy)   # doctest: +SKIP
-    >>> update = updater.pull()                                             # doctest: +SKIP
-    >>> if update is not None: updater.apply(update)                        # doctest: +SKIP
-    """
+    `updater()` is `apply(pull())`; docs/guides/torchrl.md shows both steps."""
 
     _not_pickled = ("_collector_wr", "_client", "_staging", "_held", "_follower", "_receiver")
 
