@@ -66,14 +66,12 @@ def _placeable(tensor: torch.Tensor, entry: TensorInfo) -> bool:
 
 def _check_delta(info: VersionInfo, tensors: dict[str, torch.Tensor], dtype: str) -> None:
     expected = {t.name: t for t in info.tensors}
-    unknown = sorted(set(tensors) - set(expected))
-    if unknown:
+    if unknown := sorted(set(tensors) - set(expected)):
         raise IntegrityError(f"{info.model!r} v{info.version}: the delta carries unknown tensors {unknown}")
     if dtype:
         return
     for name, tensor in tensors.items():
-        digest = xxh3_hex(tensor_codec.tensor_bytes(tensor))
-        if expected[name].xxh3 and digest != expected[name].xxh3:
+        if expected[name].xxh3 and xxh3_hex(tensor_codec.tensor_bytes(tensor)) != expected[name].xxh3:
             raise IntegrityError(f"{info.model!r} v{info.version}: tensor {name!r} does not match its digest")
 
 
@@ -81,15 +79,10 @@ def _unchanged_from_base(
     base: FetchResult, info: VersionInfo, changed: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor] | None:
     """The base's tensors the delta did not carry; None if one is missing or changed since."""
-    unchanged = {}
-    for entry in info.tensors:
-        if entry.name in changed:
-            continue
-        tensor = base.tensors.get(entry.name)
-        if tensor is None or xxh3_hex(tensor_codec.tensor_bytes(tensor)) != entry.xxh3:
-            return None
-        unchanged[entry.name] = tensor
-    return unchanged
+    kept = [(entry, base.tensors.get(entry.name)) for entry in info.tensors if entry.name not in changed]
+    if any(tensor is None or xxh3_hex(tensor_codec.tensor_bytes(tensor)) != entry.xxh3 for entry, tensor in kept):
+        return None
+    return {entry.name: tensor for entry, tensor in kept}
 
 
 class WeightClient(WeightServiceClient):
@@ -113,7 +106,9 @@ class WeightClient(WeightServiceClient):
     ) -> int | PublishFuture:
         """Publish several models (``{"policy": actor, "critic": critic}``) under ONE version."""
         if not wait:
-            publisher = self._background()
+            if self._publisher is None:
+                self._publisher = BackgroundPublisher(lambda data, **o: self.publish_group_bytes(data, **o)[0].version)
+            publisher = self._publisher
             snapshot = {model: tensor_codec.snapshot(w, into=publisher.spare_buffer()) for model, w in weights.items()}
             return publisher.submit(snapshot, **options)
         encoded = {model: tensor_codec.encode(w) for model, w in weights.items()}
@@ -121,21 +116,12 @@ class WeightClient(WeightServiceClient):
 
     def flush(self, timeout: float | None = None) -> bool:
         deadline = Deadline.after(timeout)
-        if self._publisher is not None and not self._publisher.flush(timeout):
-            return False
-        return super().flush(deadline.remaining())
+        return (self._publisher is None or self._publisher.flush(timeout)) and super().flush(deadline.remaining())
 
     def close(self) -> None:
         if self._publisher is not None:
             self._publisher.close()
         super().close()
-
-    def _background(self) -> BackgroundPublisher:
-        if self._publisher is None:
-            self._publisher = BackgroundPublisher(
-                lambda snapshot, **o: self.publish_group_bytes(snapshot, **o)[0].version
-            )
-        return self._publisher
 
     def fetch(
         self,
@@ -168,7 +154,7 @@ class WeightClient(WeightServiceClient):
         targets: dict[str, torch.Tensor] = {}
 
         def views_for(info: VersionInfo) -> dict[str, memoryview] | None:
-            wanted = place(info) if place is not None else None
+            wanted = place(info)
             if not wanted:
                 return None
             layout = {t.name: t for t in info.tensors}
@@ -177,22 +163,27 @@ class WeightClient(WeightServiceClient):
             targets.update(wanted)
             return {name: tensor_codec.tensor_bytes(tensor.detach()) for name, tensor in wanted.items()}
 
-        base_xxh3 = base_info.xxh3 if base_info is not None else ""
-        views = views_for if place is not None else None
         held = base if isinstance(base, FetchResult) and not base.placed else None
         fetched = self.fetch_bytes(
             model,
             base_version=base_version,
             dtype=dtype or "",
             deadline=deadline,
-            base_xxh3=base_xxh3,
-            place=views,
+            base_xxh3=base_info.xxh3 if base_info is not None else "",
+            place=views_for if place is not None else None,
             element_deltas=held is not None,
             select=select,
             **options,
         )
         if fetched is None:
             return None
+
+        def refetch(why: str) -> FetchResult | None:
+            version = fetched.info.version
+            log.info("the base of %s v%d%s; fetching whole", model, version, why)
+            transport = options.get("transport", "auto")
+            return self.fetch(model, version=version, transport=transport, deadline=deadline, select=select)
+
         if fetched.placed:
             return FetchResult(fetched.info, targets, fetched.data, stats=fetched.stats, placed=True)
         if held is not None and fetched.base_version:
@@ -201,16 +192,12 @@ class WeightClient(WeightServiceClient):
                 held.data, layout, fetched.info.tensors, fetched.info.byte_size, fetched.data, in_place=consume_base
             )
             if rebuilt is not None and xxh3_hex(rebuilt[0]) == fetched.info.xxh3:
-                info, data = fetched.info, rebuilt[0]
+                data, changed = rebuilt
                 tensors = tensor_codec.decode(layout, data)
-                changed = tuple(rebuilt[1])
-                return FetchResult(info, tensors, data, fetched.base_version, stats=fetched.stats, changed=changed)
-            why = "its layout differs" if rebuilt is None else "its bytes changed since it was fetched"
-            log.info("the base of %s v%d: %s; fetching whole", model, fetched.info.version, why)
-            transport = options.get("transport", "auto")
-            return self.fetch(
-                model, version=fetched.info.version, transport=transport, deadline=deadline, select=select
-            )
+                return FetchResult(
+                    fetched.info, tensors, data, fetched.base_version, stats=fetched.stats, changed=tuple(changed)
+                )
+            return refetch(": its layout differs" if rebuilt is None else ": its bytes changed since it was fetched")
         tensors = tensor_codec.decode(parse_header(fetched.data), fetched.data)
         partial = bool(fetched.base_version)
         if partial:
@@ -218,23 +205,10 @@ class WeightClient(WeightServiceClient):
             if isinstance(base, FetchResult):
                 unchanged = _unchanged_from_base(base, fetched.info, tensors)
                 if unchanged is None:
-                    log.info(
-                        "the base of %s v%d changed since it was fetched; fetching whole", model, fetched.info.version
-                    )
-                    transport = options.get("transport", "auto")
-                    return self.fetch(
-                        model, version=fetched.info.version, transport=transport, deadline=deadline, select=select
-                    )
-                tensors = {**unchanged, **tensors}
-                partial = False
+                    return refetch(" changed since it was fetched")
+                tensors, partial = {**unchanged, **tensors}, False
         return FetchResult(
-            fetched.info,
-            tensors,
-            fetched.data,
-            base_version=fetched.base_version,
-            dtype=fetched.dtype,
-            partial=partial,
-            stats=fetched.stats,
+            fetched.info, tensors, fetched.data, fetched.base_version, fetched.dtype, partial, fetched.stats
         )
 
     def watch_weights(self, model: str = "policy", *, since: int = 0) -> Iterator[FetchResult]:

@@ -71,20 +71,18 @@ def snapshot(weights: Weights, metadata: Mapping[str, str] | None = None, into: 
     target = torch.frombuffer(buffer, dtype=torch.uint8)
     position = len(prefix)
     for _, tensor in prepared:
-        size = tensor.nbytes
-        if size:
+        if tensor.nbytes:
             # As its own dtype: ~10% faster than bytes (the layout aligns each to its element size).
-            target[position : position + size].view(tensor.dtype).copy_(tensor.reshape(-1))
-            position += size
+            target[position : position + tensor.nbytes].view(tensor.dtype).copy_(tensor.reshape(-1))
+            position += tensor.nbytes
     return buffer
 
 
 def _framed(
     weights: Weights, metadata: Mapping[str, str] | None, *, to_cpu: bool = True
 ) -> tuple[bytes, list[tuple[str, torch.Tensor]]]:
-    tensors = state_dict_of(weights)
     prepared: list[tuple[str, torch.Tensor]] = []
-    for name, tensor in tensors.items():
+    for name, tensor in state_dict_of(weights).items():
         if tensor.dtype not in TORCH_TO_SAFETENSORS:
             raise InvalidRequest(
                 f"key {name!r}: dtype {tensor.dtype} has no safetensors equivalent; "

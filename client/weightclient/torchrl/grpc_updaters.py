@@ -4,6 +4,7 @@ and over the weight server: `GrpcLocalWeightUpdater` pulls versions, `GrpcRemote
 from __future__ import annotations
 
 import abc
+import itertools
 import logging
 import math
 import time
@@ -23,15 +24,7 @@ from weightclient.core.retry import Deadline, RetryPolicy
 from weightclient.core.service_client import FetchStats
 from weightclient.core.version_follower import CutThrough, VersionFollower
 from weightclient.torchrl.key_mapping import IDENTITY, KeyMap, check_weights, map_keys
-from weightserver.protocol.errors import (
-    CursorOutOfRange,
-    DeadlineExceeded,
-    IntegrityError,
-    ModelNotFound,
-    ServerUnavailable,
-    VersionEvicted,
-    VersionNotFound,
-)
+from weightserver.protocol import errors
 from weightserver.protocol.safetensors_format import parse_header
 from weightserver.protocol.selection import Selection
 from weightserver.protocol.version_info import VersionInfo
@@ -40,7 +33,7 @@ log = logging.getLogger(__name__)
 
 WorkerId = int | str | torch.device
 Weights = torch.nn.Module | TensorDictBase | Mapping[str, torch.Tensor]
-UNREACHABLE = (ServerUnavailable, DeadlineExceeded)
+UNREACHABLE = (errors.ServerUnavailable, errors.DeadlineExceeded)
 # The deadline of each call an update makes: 5-10x a 256 MiB fetch over loopback.
 DEFAULT_UPDATE_TIMEOUT = 5.0
 # A server that was down is asked again after 0.1 s doubling to 5 s, and at least 4x what the failed
@@ -193,11 +186,7 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
     On the server's host (a fetch went over shared memory) and with no `dtype`, it reads each
     announced version's file directly, with no call and no delta, and applies it zero-copy: each
     parameter that can becomes a copy-on-write view of the version's file (`zero_copy`).
-
-    >>> updater = GrpcLocalWeightUpdater("localhost:50051", policy=policy)   # doctest: +SKIP
-    >>> update = updater.pull()                                             # doctest: +SKIP
-    >>> if update is not None: updater.apply(update)                        # doctest: +SKIP
-    """
+    `updater()` is `apply(pull())`; docs/guides/torchrl.md shows both steps."""
 
     _not_pickled = ("_collector_wr", "_client", "_staging", "_held", "_follower", "_receiver")
 
@@ -306,8 +295,7 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         same_host = self.same_host and not self.dtype  # (a cast is copied in: a delta still saves)
         if same_host and self.pinned_version is None and (self.announced or 0) > (self.version or 0):
             target = {"version": self.announced}  # its header file is read: no call
-        options = {"dtype": self.dtype, "transport": self.transport, "into": self._staging, "retry": False}
-        options["select"] = self.select
+        options = dict(dtype=self.dtype, transport=self.transport, into=self._staging, retry=False, select=self.select)
         options["base"] = self.applied if self.delta and self.version is not None and not same_host else None
         held, self._held = self._held, None  # the staging buffer is about to be reused
         if options["base"] is not None and not self.dtype:  # element deltas, rebuilt in the buffer on the held
@@ -318,15 +306,15 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         try:
             try:
                 result = self.client.fetch(self.model, timeout=self.update_timeout, **options, **target)
-            except (VersionNotFound, VersionEvicted):
+            except (errors.VersionNotFound, errors.VersionEvicted):
                 if "newer_than" in target or self.pinned_version is not None:
                     raise
                 target = {"newer_than": self.version or 0}  # gone already: the newest then
                 result = self.client.fetch(self.model, timeout=self.update_timeout, **options, **target)
-        except CursorOutOfRange:  # this server (a relay, a failover address) is behind: never go back
+        except errors.CursorOutOfRange:  # this server (a relay, a failover address) is behind: never go back
             self._server_available(asked=True)
             return None
-        except ModelNotFound:
+        except errors.ModelNotFound:
             if not self._waiting_logged:
                 log.info("no version of model %r on %s yet", self.model, self.client.address)
                 self._waiting_logged = True
@@ -334,7 +322,7 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         except UNREACHABLE as exc:
             self._server_unavailable(exc, began)
             return None
-        except IntegrityError as exc:
+        except errors.IntegrityError as exc:
             if not options.get("consume_base"):
                 raise
             # Nothing was applied; without the held base the next pull asks for the whole version.
@@ -400,9 +388,7 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         return self.pull()
 
     def _get_local_weights(self) -> TensorDictBase:
-        policy = self.policy
-        if policy is None and self.collector is not None:
-            policy = getattr(self.collector, "policy", None)
+        policy = self.policy if self.policy is not None else getattr(self.collector, "policy", None)
         if policy is None:
             raise RuntimeError("GrpcLocalWeightUpdater has no policy: pass policy= or register a collector")
         return weights_of(policy)
@@ -463,7 +449,7 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
     def _server_unavailable(self, error: Exception, began: float) -> None:
         """A call begun at `began` failed: keep the weights, warn once per outage, back off."""
         now = time.monotonic()
-        self._stalled = isinstance(error, DeadlineExceeded)
+        self._stalled = isinstance(error, errors.DeadlineExceeded)
         if self._unavailable_since is None:
             self._unavailable_since, self._failures = now, 0
             held = f"v{self.version}" if self.version is not None else "its initial weights"
@@ -579,15 +565,14 @@ class GrpcRemoteWeightUpdater(_LazyClient, RemoteWeightUpdaterBase):
         if not due:
             return None
         version = self.publish(dict(due.values()))
-        for worker in due:
-            self._calls_since_update[worker] = 0
+        self._calls_since_update.update(dict.fromkeys(due, 0))
         return version
 
     def publish(self, weights_by_model: Mapping[str, Weights]) -> int:
         """Publish ``{model: weights}`` as one version, retried (with one publish id) while the server is down."""
         meta = self.metadata() if self.metadata else {}
-        publish_id, attempt = uuid.uuid4().hex, 0
-        while True:
+        publish_id = uuid.uuid4().hex
+        for attempt in itertools.count():
             try:
                 self.version = self.client.publish_group(
                     dict(weights_by_model), metadata=meta, publish_id=publish_id, transport=self.transport
@@ -599,4 +584,3 @@ class GrpcRemoteWeightUpdater(_LazyClient, RemoteWeightUpdaterBase):
                 models = ", ".join(weights_by_model)
                 log.warning("publish of %s failed (%s); retry %d/%d", models, exc, attempt + 1, self.retries)
                 self.retry.wait(attempt)
-                attempt += 1

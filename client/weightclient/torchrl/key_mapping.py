@@ -46,8 +46,7 @@ class KeyMap:
         origin = dict(self.rename)  # local key -> server key
         renamed = set(self.rename.values())
         for server_key in server:
-            local_key = None if server_key in renamed else self.map_key(server_key)
-            if local_key is None:
+            if server_key in renamed or (local_key := self.map_key(server_key)) is None:
                 continue
             if local_key in origin:
                 raise KeyError(f"server keys {origin[local_key]!r} and {server_key!r} both map to {local_key!r}")
@@ -75,8 +74,7 @@ def map_keys(
     server: TensorDictBase | Mapping[str, torch.Tensor], key_map: KeyMap | Callable[[str], str | None] = IDENTITY
 ) -> TensorDict:
     """`server` weights renamed by `key_map` (flat, dotted keys); unchecked (see `check_weights`)."""
-    if not isinstance(key_map, KeyMap):
-        key_map = KeyMap(fn=key_map)
+    key_map = key_map if isinstance(key_map, KeyMap) else KeyMap(fn=key_map)
     return TensorDict(key_map.apply(flat_weights(server)), batch_size=[])
 
 

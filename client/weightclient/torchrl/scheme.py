@@ -11,7 +11,7 @@ from torchrl.envs.llm.transforms.policy_version import PolicyVersion
 from torchrl.weight_update import SharedMemWeightSyncScheme
 
 from weightclient.client import WeightClient
-from weightclient.torchrl.grpc_updaters import GrpcLocalWeightUpdater, Update, weights_of
+from weightclient.torchrl.grpc_updaters import GrpcLocalWeightUpdater, Update
 
 with warnings.catch_warnings():
     # torchrl.collectors defines WeightUpdaterBase subclasses, which warn.
@@ -95,10 +95,10 @@ class GrpcWeightSyncScheme(SharedMemWeightSyncScheme):
         if update is None and not self._in_process:
             return  # up to date: the workers keep what they have
         self.puller.policy = self.context.policy if self._in_process else self.weights
-        if update is not None:
-            if not isinstance(update, Update):
-                update = Update(None, weights_of(update), keyed_like_policy=True)
+        if isinstance(update, Update):
             self.puller.apply(update)
+        elif update is not None:
+            self.puller.load(update)
         version = self.puller.version
         if self._in_process:
             tracker = getattr(self.context, "policy_version_tracker", None)
