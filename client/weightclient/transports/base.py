@@ -111,8 +111,7 @@ REST_SECONDS = 60.0
 
 class TransportChain:
     def __init__(self, fast: Sequence[Transport], stream: Transport, *, rest_seconds: float = REST_SECONDS) -> None:
-        self.fast = list(fast)
-        self.stream, self.rest_seconds = stream, rest_seconds
+        self.fast, self.stream, self.rest_seconds = list(fast), stream, rest_seconds
         self.by_name: dict[str, Transport] = {t.name: t for t in (*self.fast, stream)}
         self.by_kind: dict[int, Transport] = {t.kind: t for t in (*self.fast, stream)}
         self._failed_at: dict[str, float] = {}

@@ -32,8 +32,7 @@ class BulkTransport(Transport):
     kind: ClassVar[int] = pb.TRANSPORT_BULK
 
     def __init__(self, host: str) -> None:
-        self.host = host
-        self._lock = threading.Lock()
+        self.host, self._lock = host, threading.Lock()
         self._socket: socket.socket | None = None
         self.port: int | None = None  # the server's bulk port this client last connected to
 
@@ -104,12 +103,9 @@ class BulkTransport(Transport):
                                 sent += block.nbytes
                                 if progress is not None:
                                     progress(sent, total)
-                        received = 0
+                        received, placed = 0, isinstance(into, PlacedReceiver)
                         while received < into.nbytes:
-                            if isinstance(into, memoryview):
-                                view = into[received : received + SOCKET_BUFFER]
-                            else:
-                                view = into.target(SOCKET_BUFFER)
+                            view = into.target(SOCKET_BUFFER) if placed else into[received : received + SOCKET_BUFFER]
                             started = received > 0 or bool(parts)  # (the ACK follows the upload's bytes)
                             limit = STALL_TIMEOUT if started else FIRST_BYTE_TIMEOUT
                             wait = _wait(limit, deadline)
@@ -125,7 +121,7 @@ class BulkTransport(Transport):
                                 if not started:
                                     raise EOFError("the bulk connection was closed")
                                 raise OSError("bulk connection closed part-way through a transfer")
-                            if not isinstance(into, memoryview):
+                            if placed:
                                 into.advance(n)
                             received += n
                             if progress is not None and not parts:

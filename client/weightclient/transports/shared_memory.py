@@ -15,7 +15,7 @@ import threading
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import ClassVar
 
 import xxhash
@@ -60,12 +60,8 @@ class SharedMemoryTransport(Transport):
         with self._lock:
             mapping = self._prepared.pop(path, None)
         if mapping is not None:
-            target = memoryview(mapping)
-            try:
+            with mapping, memoryview(mapping) as target:
                 return _copied_hashed(target, mapping, parts, deadline, progress)
-            finally:
-                target.release()
-                mapping.close()
         with self._upload_file(path, total, os.O_WRONLY) as fd:
             return Uploaded(_written_hashed(fd, parts, total, deadline, progress))
 
@@ -138,7 +134,9 @@ class SharedMemoryTransport(Transport):
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError as exc:
-            raise self._unreadable(path, exc) from exc
+            if not os.path.exists(path) and os.path.isdir(os.path.dirname(path)):  # evicted: ask again
+                raise PayloadGone(f"{path} was removed before it could be read") from exc
+            raise TransportFailed(f"cannot open {path} here ({exc})") from exc
         try:
             if os.fstat(fd).st_size != size:
                 raise TransportFailed(f"{path} is not {size} bytes long")
@@ -160,17 +158,9 @@ class SharedMemoryTransport(Transport):
         )
 
     def _learn(self, offer: Offer) -> None:
-        if offer.whole_version:
-            folder = _trusted_folder(offer.payload.shared_memory.path, offer.info.version)
-            if folder is not None:
-                self._folders[offer.info.model] = folder
-
-    @staticmethod
-    def _unreadable(path: str, exc: Exception) -> TransportFailed:
-        """PayloadGone when the file left a folder this client sees (evicted), else TransportFailed."""
-        if not os.path.exists(path) and os.path.isdir(os.path.dirname(path)):
-            return PayloadGone(f"{path} was removed before it could be read")
-        return TransportFailed(f"cannot open {path} here ({exc})")
+        folder = _trusted_folder(offer.payload.shared_memory.path, offer.info.version) if offer.whole_version else None
+        if folder is not None:
+            self._folders[offer.info.model] = folder
 
 
 def _blocks(parts: Sequence[memoryview], deadline: Deadline, progress: Progress | None) -> Iterator[memoryview]:
@@ -198,10 +188,8 @@ def _copied_hashed(
     (publish() 68, 75 ms against 55, 52 ms, alternating; at 16 MiB it cost 0.5-1 ms)."""
     found: IncomingDigests | None = IncomingDigests(target)
     window = -(-target.nbytes // 8 // mmap.PAGESIZE) * mmap.PAGESIZE if target.nbytes >= UNMAP_FROM else 0
-    given_up = 0  # bytes [0, given_up) are unmapped
-    unmapping = ThreadPoolExecutor(1, thread_name_prefix="weightclient-unmap") if window else None
-    try:
-        offset = 0
+    given_up = offset = 0  # bytes [0, given_up) are unmapped
+    with ThreadPoolExecutor(1, thread_name_prefix="weightclient-unmap") if window else nullcontext() as unmapping:
         for block in _blocks(parts, deadline, None):
             target[offset : offset + block.nbytes] = block
             offset += block.nbytes
@@ -215,9 +203,6 @@ def _copied_hashed(
                 given_up += window
             if progress is not None:
                 progress(offset, target.nbytes)
-    finally:
-        if unmapping is not None:
-            unmapping.shutdown(wait=True)
     if found is None:
         return Uploaded(xxh3_hex(target))  # (nothing was unmapped: `found` fails at the header)
     digests = found.finish()
@@ -273,20 +258,14 @@ def _read_header(folder: str, owner: int, model: str, version: int) -> pb.Versio
     """`version`'s header as the server wrote it; None when absent or untrusted."""
     try:
         fd = os.open(os.path.join(folder, header_file_name(version)), os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError:
-        return None
-    try:
-        st = os.fstat(fd)
-        trusted = stat.S_ISREG(st.st_mode) and st.st_uid == owner and not st.st_mode & 0o022
-        if not trusted or st.st_size > MAX_HEADER_BYTES:
-            return None
-        content = os.pread(fd, st.st_size, 0)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    try:
-        info = pb.VersionInfo.FromString(content)
-    except DecodeError:
+        try:
+            st = os.fstat(fd)
+            trusted = stat.S_ISREG(st.st_mode) and st.st_uid == owner and not st.st_mode & 0o022
+            if not trusted or st.st_size > MAX_HEADER_BYTES:
+                return None
+            info = pb.VersionInfo.FromString(os.pread(fd, st.st_size, 0))
+        finally:
+            os.close(fd)
+    except (OSError, DecodeError):
         return None
     return info if info.model == model and info.version == version and info.xxh3 else None

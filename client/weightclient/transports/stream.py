@@ -72,7 +72,8 @@ class StreamTransport(Transport):
             first = next(stream, None)
             kind = first.WhichOneof("kind") if isinstance(first, pb.FetchResponse) else None
             if kind == "up_to_date" and not request.incoming:
-                _expect_end(stream, request.model)
+                for _ in stream:  # read to its end: cancelling it races with the server's OK and logs an error
+                    raise IntegrityError(f"model {request.model!r}: the server sent more than the fetch expects")
                 return None
             if kind == "payload" and request.incoming:
                 return Offer(info, first.payload, chunks=stream, deadline=deadline)
@@ -104,9 +105,3 @@ class StreamTransport(Transport):
         finally:
             offer.chunks.cancel()
         return target if isinstance(target, memoryview) else memoryview(b"")
-
-
-def _expect_end(stream: Iterator[Any], model: str) -> None:
-    """Read a Fetch stream to its end: cancelling it races with the server's OK and logs an error."""
-    for _ in stream:
-        raise IntegrityError(f"model {model!r}: the server sent more than the fetch expects")
