@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from weightclient.core.failover import Connection, map_rpc_errors
 from weightclient.core.retry import Deadline
 from weightclient.transports import OutgoingFile, Transport, TransportFailed
-from weightclient.transports.base import Progress
+from weightclient.transports.base import Parts, Progress
 from weightserver.protocol.digests import xxh3_hex
 from weightserver.protocol.errors import InvalidRequest, UploadNotFound
 from weightserver.protocol.version_info import VersionInfo
@@ -184,7 +184,7 @@ class Publishing(Connection):
     def _upload(
         self,
         header: pb.PublishHeader,
-        views: Sequence[memoryview],
+        views: Parts,
         order: list[Transport],
         deadline: Deadline,
         progress: Progress | None,

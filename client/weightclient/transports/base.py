@@ -20,6 +20,8 @@ from weightserver.v1 import weights_pb2 as pb
 
 log = logging.getLogger(__name__)
 
+Parts = Sequence[memoryview]  # one model's file, as consecutive parts (not joined)
+
 
 class TransportFailed(Exception):
     """This transport cannot carry the payload here: the caller falls back to the next."""
@@ -60,7 +62,7 @@ class Uploaded(NamedTuple):
 @dataclass(frozen=True)
 class OutgoingFile:
     header: pb.PublishHeader
-    parts: Sequence[memoryview]
+    parts: Parts
     uploaded: str = ""  # the upload that holds the bytes, else the Publish call carries them
     transport: Transport | None = None
     tensor_xxh3: Mapping[str, str] | None = None  # declared with `uploaded` (Uploaded.tensor_xxh3)
@@ -78,9 +80,7 @@ class Transport(Protocol):
         version = VersionInfo.from_proto(answer.header) if answer.HasField("header") else info
         return Offer(version, answer.payload, deadline=deadline)
 
-    def upload(
-        self, payload: pb.Payload, parts: Sequence[memoryview], *, deadline: Deadline, progress: Progress | None
-    ) -> Uploaded:
+    def upload(self, payload: pb.Payload, parts: Parts, *, deadline: Deadline, progress: Progress | None) -> Uploaded:
         """Move one model's file where Negotiate said; the digests of the bytes moved."""
         raise NotOffered(f"{self.name} carries no uploads")
 

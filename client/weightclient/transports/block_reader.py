@@ -82,9 +82,7 @@ class _SharedRead:
 
     def _settle(self) -> None:
         """Claim what is left, then wait for the helper's read in flight (the fd may close next)."""
-        for i in self.claims:
-            if i >= len(self.blocks):
-                break
+        for i in itertools.takewhile(lambda i: i < len(self.blocks), self.claims):
             self.done[i] = True
         for i in range(len(self.blocks)):
             self._wait_for(i)

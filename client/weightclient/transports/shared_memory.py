@@ -13,7 +13,7 @@ import re
 import stat
 import threading
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 from typing import ClassVar
@@ -23,7 +23,7 @@ from google.protobuf.message import DecodeError
 
 from weightclient.core.retry import Deadline
 from weightclient.placement import BLOCK_BYTES, PREFIX_BYTES, layout, mismatched
-from weightclient.transports.base import Offer, PayloadGone, Progress, Transport, TransportFailed, Uploaded
+from weightclient.transports.base import Offer, Parts, PayloadGone, Progress, Transport, TransportFailed, Uploaded
 from weightclient.transports.block_reader import read_blocks
 from weightserver.protocol import page_tables
 from weightserver.protocol.digests import IncomingDigests, xxh3_hex
@@ -49,9 +49,7 @@ class SharedMemoryTransport(Transport):
         self._sealed: weakref.WeakSet[mmap.mmap] = weakref.WeakSet()  # mappings of sealed files
         self._lock = threading.Lock()
 
-    def upload(
-        self, payload: pb.Payload, parts: Sequence[memoryview], *, deadline: Deadline, progress: Progress | None
-    ) -> Uploaded:
+    def upload(self, payload: pb.Payload, parts: Parts, *, deadline: Deadline, progress: Progress | None) -> Uploaded:
         """Write `parts` into the upload file: through a prepared mapping (unmapped before the commit),
         hashing each block, file and tensors, where it landed; else with `pwrite`, the file's xxh3 only."""
         path, total = payload.shared_memory.path, payload.byte_size
@@ -163,7 +161,7 @@ class SharedMemoryTransport(Transport):
             self._folders[offer.info.model] = folder
 
 
-def _blocks(parts: Sequence[memoryview], deadline: Deadline, progress: Progress | None) -> Iterator[memoryview]:
+def _blocks(parts: Parts, deadline: Deadline, progress: Progress | None) -> Iterator[memoryview]:
     """`parts` cut into WRITE_BLOCK blocks; `progress` hears of each once the caller moved it."""
     total, done = sum(p.nbytes for p in parts), 0
     for part in parts:
@@ -178,7 +176,7 @@ def _blocks(parts: Sequence[memoryview], deadline: Deadline, progress: Progress 
 
 
 def _copied_hashed(
-    target: memoryview, mapping: mmap.mmap, parts: Sequence[memoryview], deadline: Deadline, progress: Progress | None
+    target: memoryview, mapping: mmap.mmap, parts: Parts, deadline: Deadline, progress: Progress | None
 ) -> Uploaded:
     """`parts` copied into the mapping `target`, each block hashed there while in cache: the digests
     describe the bytes the server seals (256 MiB: 35 ms here, a memcpy 24 ms of it; a hashing thread
@@ -209,9 +207,7 @@ def _copied_hashed(
     return Uploaded(digests.xxh3, digests.tensor_xxh3)
 
 
-def _written_hashed(
-    fd: int, parts: Sequence[memoryview], total: int, deadline: Deadline, progress: Progress | None
-) -> str:
+def _written_hashed(fd: int, parts: Parts, total: int, deadline: Deadline, progress: Progress | None) -> str:
     """`parts` written to `fd` a block at a time, each hashed once written (no page faults: the
     kernel writes tmpfs pages it allocates)."""
     hasher, offset = xxhash.xxh3_128(), 0
