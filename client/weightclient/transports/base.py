@@ -21,6 +21,8 @@ from weightserver.v1 import weights_pb2 as pb
 log = logging.getLogger(__name__)
 
 Parts = Sequence[memoryview]  # one model's file, as consecutive parts (not joined)
+Into = memoryview | PlacedReceiver | None  # where a receive lands: a buffer (else a fresh one), or placed in tensors
+Answer = pb.NegotiateResponse | None  # Negotiate's; None where the stream's Fetch is asked directly
 
 
 class TransportFailed(Exception):
@@ -72,9 +74,7 @@ class Transport(Protocol):
     name: ClassVar[str]  # "stream", "bulk", "shm": what FetchStats.transport reports
     kind: ClassVar[int]  # its pb.Transport value
 
-    def offer(
-        self, request: pb.FetchRequest, answer: pb.NegotiateResponse | None, deadline: Deadline, info: VersionInfo
-    ) -> Offer | None:
+    def offer(self, request: pb.FetchRequest, answer: Answer, deadline: Deadline, info: VersionInfo) -> Offer | None:
         """The payload `answer` describes; `info` stands in for a version not committed yet."""
         assert answer is not None, "a fast transport is only ever picked by Negotiate"
         version = VersionInfo.from_proto(answer.header) if answer.HasField("header") else info
