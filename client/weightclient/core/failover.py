@@ -103,14 +103,6 @@ class ServerLink:
             self.channel.close()
 
 
-def parse_addresses(address: str | Sequence[str]) -> list[str]:
-    parts = address.split(",") if isinstance(address, str) else list(address)
-    addresses = [part.strip() for part in parts if part.strip()]
-    if not addresses:
-        raise ValueError(f"no server address in {address!r}")
-    return addresses
-
-
 def host_of(address: str) -> str:
     """'localhost:50051' -> 'localhost', '[::1]:5' -> '::1'."""
     target = address.split("///", 1)[-1]
@@ -138,7 +130,10 @@ class Connection(AbstractContextManager):
         tls_cert: PathLike | None = None,
         tls_key: PathLike | None = None,
     ) -> None:
-        self.addresses = parse_addresses(address or default_address())
+        address = address or default_address()
+        self.addresses = [a.strip() for a in (address.split(",") if isinstance(address, str) else address) if a.strip()]
+        if not self.addresses:
+            raise ValueError(f"no server address in {address!r}")
         self.timeout, self.chunk_bytes, self.retry_seconds, self.retry = timeout, chunk_bytes, retry_seconds, retry
         self._metadata = call_metadata(token, client_id)
         self._shm = SharedMemoryTransport()

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from weightclient.core.failover import Connection, map_rpc_errors
 from weightclient.core.retry import Deadline
 from weightclient.transports import OutgoingFile, Transport, TransportFailed
-from weightclient.transports.base import Progress
+from weightclient.transports.base import Parts, Progress
 from weightserver.protocol.digests import xxh3_hex
 from weightserver.protocol.errors import InvalidRequest, UploadNotFound
 from weightserver.protocol.version_info import VersionInfo
@@ -53,19 +53,15 @@ class SpareUploads:
         with self._lock:
             preparing = [self._preparing.get((model, t.kind, size)) for t in order]
         wait([f for f in preparing if f is not None], timeout=deadline.remaining())
-        now = time.monotonic()
-        stale: list[Spare] = []
-        found = None
+        now, stale, found = time.monotonic(), [], None
         with self._lock:
             for transport in order:
                 spare = self._spares.pop((model, transport.kind), None)
-                if spare is None:
-                    continue
-                if spare.expires > now and spare.answer.payload.byte_size == size:
+                if spare is not None and spare.expires > now and spare.answer.payload.byte_size == size:
                     found = spare
                     break
                 stale.append(spare)
-        for spare in stale:
+        for spare in filter(None, stale):
             spare.transport.release(spare.answer.payload)
         return found
 
@@ -107,14 +103,11 @@ class SpareUploads:
             return
         spare = Spare(transport, answer, time.monotonic() + SPARE_SECONDS)
         with self._lock:
-            unused = [self._spares.pop((model, transport.kind), None)]
-            if self._closed:
-                unused.append(spare)
-            else:
+            unused = spare if self._closed else self._spares.get((model, transport.kind))
+            if not self._closed:
                 self._spares[(model, transport.kind)] = spare
-        for other in unused:
-            if other is not None:
-                other.transport.release(other.answer.payload)
+        if unused is not None:
+            unused.transport.release(unused.answer.payload)
 
 
 class Publishing(Connection):
@@ -152,15 +145,10 @@ class Publishing(Connection):
         outgoing = []
         for i, (model, parts) in enumerate(files.items()):
             views = [memoryview(p).cast("B") for p in ([parts] if isinstance(parts, Buffer) else parts)]
-            header = pb.PublishHeader(
-                model=model,
-                version=version if i == 0 else 0,
-                metadata=meta,
-                total_bytes=sum(v.nbytes for v in views),
-                sha256=(sha256s or {}).get(model) or "",
-                pin=pin,
-                publish_id=publish_id if i == 0 else "",
-            )
+            header = pb.PublishHeader(model=model, metadata=meta, total_bytes=sum(v.nbytes for v in views), pin=pin)
+            header.sha256 = (sha256s or {}).get(model) or ""
+            if i == 0:  # the version and the publish id go with the first model
+                header.version, header.publish_id = version, publish_id
             outgoing.append(OutgoingFile(header, views))
         deadline = Deadline.after(timeout)
         try:
@@ -196,7 +184,7 @@ class Publishing(Connection):
     def _upload(
         self,
         header: pb.PublishHeader,
-        views: Sequence[memoryview],
+        views: Parts,
         order: list[Transport],
         deadline: Deadline,
         progress: Progress | None,

@@ -1,11 +1,4 @@
-"""One deadline (made once, handed down: a retry gets what is left) and one retry policy for every caller.
-
->>> d = Deadline.after(None)
->>> d.remaining() is None and not d.expired()
-True
->>> RetryPolicy(first=0.1, longest=0.4, jitter=0.0).delay(5)
-0.4
-"""
+"""One deadline (made once, handed down: a retry gets what is left) and one retry policy for every caller."""
 
 from __future__ import annotations
 

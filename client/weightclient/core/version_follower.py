@@ -181,12 +181,11 @@ class VersionFollower:
 
     def _run(self) -> None:
         while not self._stopped.is_set():
-            # From just before the cursor: the server replays its version, marking the stream open.
-            since = max(0, self._cursor - 1)
             cut_through = self._cut_through
             try:
+                # From just before the cursor: the server replays its version, marking the stream open.
                 for event in self._client.watch(
-                    self._model, since=since, timeout=RENEW_SECONDS, incoming=cut_through is not None
+                    self._model, since=max(0, self._cursor - 1), timeout=RENEW_SECONDS, incoming=cut_through is not None
                 ):
                     self._heard = time.monotonic()
                     if isinstance(event, IncomingEvent):

@@ -42,14 +42,13 @@ class Watching(Connection):
                             on_subscribed(metadata)
                     for event in stream:
                         failures = 0
-                        if not event.HasField("version"):
+                        if event.HasField("version"):
+                            cursor = max(cursor, event.version.version)
+                            info = VersionInfo.from_proto(event.version)
+                            yield VersionEvent(info, gap=event.gap, incoming=event.incoming.id)
+                        else:
                             announced = event.incoming
                             yield IncomingEvent(model, announced.id, announced.byte_size, failed=announced.failed)
-                            continue
-                        cursor = max(cursor, event.version.version)
-                        yield VersionEvent(
-                            VersionInfo.from_proto(event.version), gap=event.gap, incoming=event.incoming.id
-                        )
                 return
             except ServerUnavailable as exc:
                 if failures == 0:

@@ -20,6 +20,10 @@ from weightserver.v1 import weights_pb2 as pb
 
 log = logging.getLogger(__name__)
 
+Parts = Sequence[memoryview]  # one model's file, as consecutive parts (not joined)
+Into = memoryview | PlacedReceiver | None  # where a receive lands: a buffer (else a fresh one), or placed in tensors
+Answer = pb.NegotiateResponse | None  # Negotiate's; None where the stream's Fetch is asked directly
+
 
 class TransportFailed(Exception):
     """This transport cannot carry the payload here: the caller falls back to the next."""
@@ -60,7 +64,7 @@ class Uploaded(NamedTuple):
 @dataclass(frozen=True)
 class OutgoingFile:
     header: pb.PublishHeader
-    parts: Sequence[memoryview]
+    parts: Parts
     uploaded: str = ""  # the upload that holds the bytes, else the Publish call carries them
     transport: Transport | None = None
     tensor_xxh3: Mapping[str, str] | None = None  # declared with `uploaded` (Uploaded.tensor_xxh3)
@@ -70,17 +74,13 @@ class Transport(Protocol):
     name: ClassVar[str]  # "stream", "bulk", "shm": what FetchStats.transport reports
     kind: ClassVar[int]  # its pb.Transport value
 
-    def offer(
-        self, request: pb.FetchRequest, answer: pb.NegotiateResponse | None, deadline: Deadline, info: VersionInfo
-    ) -> Offer | None:
+    def offer(self, request: pb.FetchRequest, answer: Answer, deadline: Deadline, info: VersionInfo) -> Offer | None:
         """The payload `answer` describes; `info` stands in for a version not committed yet."""
         assert answer is not None, "a fast transport is only ever picked by Negotiate"
         version = VersionInfo.from_proto(answer.header) if answer.HasField("header") else info
         return Offer(version, answer.payload, deadline=deadline)
 
-    def upload(
-        self, payload: pb.Payload, parts: Sequence[memoryview], *, deadline: Deadline, progress: Progress | None
-    ) -> Uploaded:
+    def upload(self, payload: pb.Payload, parts: Parts, *, deadline: Deadline, progress: Progress | None) -> Uploaded:
         """Move one model's file where Negotiate said; the digests of the bytes moved."""
         raise NotOffered(f"{self.name} carries no uploads")
 
@@ -111,8 +111,7 @@ REST_SECONDS = 60.0
 
 class TransportChain:
     def __init__(self, fast: Sequence[Transport], stream: Transport, *, rest_seconds: float = REST_SECONDS) -> None:
-        self.fast = list(fast)
-        self.stream, self.rest_seconds = stream, rest_seconds
+        self.fast, self.stream, self.rest_seconds = list(fast), stream, rest_seconds
         self.by_name: dict[str, Transport] = {t.name: t for t in (*self.fast, stream)}
         self.by_kind: dict[int, Transport] = {t.kind: t for t in (*self.fast, stream)}
         self._failed_at: dict[str, float] = {}

@@ -82,19 +82,14 @@ class _SharedRead:
 
     def _settle(self) -> None:
         """Claim what is left, then wait for the helper's read in flight (the fd may close next)."""
-        for i in self.claims:
-            if i >= len(self.blocks):
-                break
+        for i in itertools.takewhile(lambda i: i < len(self.blocks), self.claims):
             self.done[i] = True
         for i in range(len(self.blocks)):
             self._wait_for(i)
 
 
 def _usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # (Linux only)
 
 
 @functools.cache

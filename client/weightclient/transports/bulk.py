@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Sequence
 from typing import ClassVar
 
 import xxhash
 
 from weightclient.core.retry import Deadline
 from weightclient.placement import PlacedReceiver
-from weightclient.transports.base import Offer, Progress, Transport, TransportFailed, Uploaded, receive_buffer
+from weightclient.transports.base import Offer, Parts, Progress, Transport, TransportFailed, Uploaded, receive_buffer
 from weightserver.protocol.errors import DeadlineExceeded
 from weightserver.v1 import weights_pb2 as pb
 
@@ -32,23 +31,20 @@ class BulkTransport(Transport):
     kind: ClassVar[int] = pb.TRANSPORT_BULK
 
     def __init__(self, host: str) -> None:
-        self.host = host
-        self._lock = threading.Lock()
+        self.host, self._lock = host, threading.Lock()
         self._socket: socket.socket | None = None
         self.port: int | None = None  # the server's bulk port this client last connected to
 
-    def upload(
-        self, payload: pb.Payload, parts: Sequence[memoryview], *, deadline: Deadline, progress: Progress | None
-    ) -> Uploaded:
+    def upload(self, payload: pb.Payload, parts: Parts, *, deadline: Deadline, progress: Progress | None) -> Uploaded:
         total = payload.byte_size
         if sum(part.nbytes for part in parts) != total:
             raise TransportFailed(f"the server expects {total} bytes, not {sum(p.nbytes for p in parts)}")
-        hasher, ack = xxhash.xxh3_128(), memoryview(bytearray(1))
-        self._transfer(payload.bulk, "an upload", deadline, ack, parts=parts, hasher=hasher, progress=progress)
+        ack = memoryview(bytearray(1))
+        xxh3 = self._transfer(payload.bulk, "an upload", deadline, ack, parts=parts, progress=progress)
         if ack != ACK:
             self.close()
             raise TransportFailed(f"the bulk port answered {bytes(ack)!r}, not its acknowledgement")
-        return Uploaded(hasher.hexdigest())
+        return Uploaded(xxh3)
 
     def prepare(self, payload: pb.Payload) -> None:
         pass  # the server set the buffer up; the kept connection is ready
@@ -75,11 +71,10 @@ class BulkTransport(Transport):
         deadline: Deadline,
         into: memoryview | PlacedReceiver,
         *,
-        parts: Sequence[memoryview] = (),
-        hasher: xxhash.xxh3_128 | None = None,
+        parts: Parts = (),
         progress: Progress | None = None,
-    ) -> None:
-        """Send the ticket, then `parts` (each block hashed just before it goes), then receive
+    ) -> str:
+        """Send the ticket, then `parts` (each block hashed just before it goes: their xxh3), then receive
         `into`. A kept connection the server closed (EOF before the first byte): tried once afresh."""
         with self._lock:
             try:
@@ -92,24 +87,19 @@ class BulkTransport(Transport):
                     try:
                         conn.settimeout(_wait(CONNECT_TIMEOUT, deadline))
                         conn.sendall(bulk.ticket)
-                        sent, total = 0, sum(p.nbytes for p in parts)
-                        if hasher is not None:
-                            hasher.reset()
+                        sent, total, hasher = 0, sum(p.nbytes for p in parts), xxhash.xxh3_128()
                         for part in parts:
                             for start in range(0, part.nbytes, SEND_BLOCK):
                                 block = part[start : start + SEND_BLOCK]
-                                hasher.update(block)  # type: ignore[union-attr]
+                                hasher.update(block)
                                 conn.settimeout(_wait(STALL_TIMEOUT, deadline))
                                 conn.sendall(block)
                                 sent += block.nbytes
                                 if progress is not None:
                                     progress(sent, total)
-                        received = 0
+                        received, placed = 0, isinstance(into, PlacedReceiver)
                         while received < into.nbytes:
-                            if isinstance(into, memoryview):
-                                view = into[received : received + SOCKET_BUFFER]
-                            else:
-                                view = into.target(SOCKET_BUFFER)
+                            view = into.target(SOCKET_BUFFER) if placed else into[received : received + SOCKET_BUFFER]
                             started = received > 0 or bool(parts)  # (the ACK follows the upload's bytes)
                             limit = STALL_TIMEOUT if started else FIRST_BYTE_TIMEOUT
                             wait = _wait(limit, deadline)
@@ -125,12 +115,12 @@ class BulkTransport(Transport):
                                 if not started:
                                     raise EOFError("the bulk connection was closed")
                                 raise OSError("bulk connection closed part-way through a transfer")
-                            if not isinstance(into, memoryview):
+                            if placed:
                                 into.advance(n)
                             received += n
                             if progress is not None and not parts:
                                 progress(received, into.nbytes)
-                        return
+                        return hasher.hexdigest()
                     except (ConnectionError, EOFError):
                         self._close()
                         if fresh:

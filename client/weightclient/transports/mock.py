@@ -10,8 +10,8 @@ from typing import Any
 import xxhash
 
 from weightclient.core.retry import Deadline
-from weightclient.transports import TransportFailed
-from weightclient.transports.base import NotOffered, Offer, OutgoingFile, Progress, Transport, TransportChain, Uploaded
+from weightclient.transports import NotOffered, Offer, OutgoingFile, Transport, TransportChain, TransportFailed
+from weightclient.transports.base import Answer, Parts, Progress, Uploaded
 from weightserver.protocol.errors import InvalidRequest, ModelNotFound, VersionNotFound
 from weightserver.protocol.version_info import VersionInfo
 from weightserver.v1 import weights_pb2 as pb
@@ -90,9 +90,7 @@ class MockTransport(Transport):
     def __init__(self, server: MockServer, name: str) -> None:
         self.server, self.name, self.kind = server, name, KINDS[name]
 
-    def offer(
-        self, request: pb.FetchRequest, answer: pb.NegotiateResponse | None, deadline: Deadline, info: VersionInfo
-    ) -> Offer | None:
+    def offer(self, request: pb.FetchRequest, answer: Answer, deadline: Deadline, info: VersionInfo) -> Offer | None:
         if self.name != "stream":
             return super().offer(request, answer, deadline, info)
         self.server.called("Fetch")
@@ -115,9 +113,7 @@ class MockTransport(Transport):
     def receive_placed(self, offer: Offer, views: Mapping[str, memoryview]) -> list[str]:
         raise TransportFailed("the mock transports do not place tensors")
 
-    def upload(
-        self, payload: pb.Payload, parts: Sequence[memoryview], *, deadline: Deadline, progress: Progress | None
-    ) -> Uploaded:
+    def upload(self, payload: pb.Payload, parts: Parts, *, deadline: Deadline, progress: Progress | None) -> Uploaded:
         if self.name == "stream":
             raise NotOffered("the stream carries a publish's bytes in the Publish call itself")
         self.server.called(f"{self.name}.upload")

@@ -13,9 +13,9 @@ import re
 import stat
 import threading
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import ClassVar
 
 import xxhash
@@ -23,7 +23,7 @@ from google.protobuf.message import DecodeError
 
 from weightclient.core.retry import Deadline
 from weightclient.placement import BLOCK_BYTES, PREFIX_BYTES, layout, mismatched
-from weightclient.transports.base import Offer, PayloadGone, Progress, Transport, TransportFailed, Uploaded
+from weightclient.transports.base import Offer, Parts, PayloadGone, Progress, Transport, TransportFailed, Uploaded
 from weightclient.transports.block_reader import read_blocks
 from weightserver.protocol import page_tables
 from weightserver.protocol.digests import IncomingDigests, xxh3_hex
@@ -49,9 +49,7 @@ class SharedMemoryTransport(Transport):
         self._sealed: weakref.WeakSet[mmap.mmap] = weakref.WeakSet()  # mappings of sealed files
         self._lock = threading.Lock()
 
-    def upload(
-        self, payload: pb.Payload, parts: Sequence[memoryview], *, deadline: Deadline, progress: Progress | None
-    ) -> Uploaded:
+    def upload(self, payload: pb.Payload, parts: Parts, *, deadline: Deadline, progress: Progress | None) -> Uploaded:
         """Write `parts` into the upload file: through a prepared mapping (unmapped before the commit),
         hashing each block, file and tensors, where it landed; else with `pwrite`, the file's xxh3 only."""
         path, total = payload.shared_memory.path, payload.byte_size
@@ -60,12 +58,8 @@ class SharedMemoryTransport(Transport):
         with self._lock:
             mapping = self._prepared.pop(path, None)
         if mapping is not None:
-            target = memoryview(mapping)
-            try:
+            with mapping, memoryview(mapping) as target:
                 return _copied_hashed(target, mapping, parts, deadline, progress)
-            finally:
-                target.release()
-                mapping.close()
         with self._upload_file(path, total, os.O_WRONLY) as fd:
             return Uploaded(_written_hashed(fd, parts, total, deadline, progress))
 
@@ -138,7 +132,9 @@ class SharedMemoryTransport(Transport):
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError as exc:
-            raise self._unreadable(path, exc) from exc
+            if not os.path.exists(path) and os.path.isdir(os.path.dirname(path)):  # evicted: ask again
+                raise PayloadGone(f"{path} was removed before it could be read") from exc
+            raise TransportFailed(f"cannot open {path} here ({exc})") from exc
         try:
             if os.fstat(fd).st_size != size:
                 raise TransportFailed(f"{path} is not {size} bytes long")
@@ -160,20 +156,12 @@ class SharedMemoryTransport(Transport):
         )
 
     def _learn(self, offer: Offer) -> None:
-        if offer.whole_version:
-            folder = _trusted_folder(offer.payload.shared_memory.path, offer.info.version)
-            if folder is not None:
-                self._folders[offer.info.model] = folder
-
-    @staticmethod
-    def _unreadable(path: str, exc: Exception) -> TransportFailed:
-        """PayloadGone when the file left a folder this client sees (evicted), else TransportFailed."""
-        if not os.path.exists(path) and os.path.isdir(os.path.dirname(path)):
-            return PayloadGone(f"{path} was removed before it could be read")
-        return TransportFailed(f"cannot open {path} here ({exc})")
+        folder = _trusted_folder(offer.payload.shared_memory.path, offer.info.version) if offer.whole_version else None
+        if folder is not None:
+            self._folders[offer.info.model] = folder
 
 
-def _blocks(parts: Sequence[memoryview], deadline: Deadline, progress: Progress | None) -> Iterator[memoryview]:
+def _blocks(parts: Parts, deadline: Deadline, progress: Progress | None) -> Iterator[memoryview]:
     """`parts` cut into WRITE_BLOCK blocks; `progress` hears of each once the caller moved it."""
     total, done = sum(p.nbytes for p in parts), 0
     for part in parts:
@@ -188,7 +176,7 @@ def _blocks(parts: Sequence[memoryview], deadline: Deadline, progress: Progress 
 
 
 def _copied_hashed(
-    target: memoryview, mapping: mmap.mmap, parts: Sequence[memoryview], deadline: Deadline, progress: Progress | None
+    target: memoryview, mapping: mmap.mmap, parts: Parts, deadline: Deadline, progress: Progress | None
 ) -> Uploaded:
     """`parts` copied into the mapping `target`, each block hashed there while in cache: the digests
     describe the bytes the server seals (256 MiB: 35 ms here, a memcpy 24 ms of it; a hashing thread
@@ -198,10 +186,8 @@ def _copied_hashed(
     (publish() 68, 75 ms against 55, 52 ms, alternating; at 16 MiB it cost 0.5-1 ms)."""
     found: IncomingDigests | None = IncomingDigests(target)
     window = -(-target.nbytes // 8 // mmap.PAGESIZE) * mmap.PAGESIZE if target.nbytes >= UNMAP_FROM else 0
-    given_up = 0  # bytes [0, given_up) are unmapped
-    unmapping = ThreadPoolExecutor(1, thread_name_prefix="weightclient-unmap") if window else None
-    try:
-        offset = 0
+    given_up = offset = 0  # bytes [0, given_up) are unmapped
+    with ThreadPoolExecutor(1, thread_name_prefix="weightclient-unmap") if window else nullcontext() as unmapping:
         for block in _blocks(parts, deadline, None):
             target[offset : offset + block.nbytes] = block
             offset += block.nbytes
@@ -215,18 +201,13 @@ def _copied_hashed(
                 given_up += window
             if progress is not None:
                 progress(offset, target.nbytes)
-    finally:
-        if unmapping is not None:
-            unmapping.shutdown(wait=True)
     if found is None:
         return Uploaded(xxh3_hex(target))  # (nothing was unmapped: `found` fails at the header)
     digests = found.finish()
     return Uploaded(digests.xxh3, digests.tensor_xxh3)
 
 
-def _written_hashed(
-    fd: int, parts: Sequence[memoryview], total: int, deadline: Deadline, progress: Progress | None
-) -> str:
+def _written_hashed(fd: int, parts: Parts, total: int, deadline: Deadline, progress: Progress | None) -> str:
     """`parts` written to `fd` a block at a time, each hashed once written (no page faults: the
     kernel writes tmpfs pages it allocates)."""
     hasher, offset = xxhash.xxh3_128(), 0
@@ -273,20 +254,14 @@ def _read_header(folder: str, owner: int, model: str, version: int) -> pb.Versio
     """`version`'s header as the server wrote it; None when absent or untrusted."""
     try:
         fd = os.open(os.path.join(folder, header_file_name(version)), os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError:
-        return None
-    try:
-        st = os.fstat(fd)
-        trusted = stat.S_ISREG(st.st_mode) and st.st_uid == owner and not st.st_mode & 0o022
-        if not trusted or st.st_size > MAX_HEADER_BYTES:
-            return None
-        content = os.pread(fd, st.st_size, 0)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    try:
-        info = pb.VersionInfo.FromString(content)
-    except DecodeError:
+        try:
+            st = os.fstat(fd)
+            trusted = stat.S_ISREG(st.st_mode) and st.st_uid == owner and not st.st_mode & 0o022
+            if not trusted or st.st_size > MAX_HEADER_BYTES:
+                return None
+            info = pb.VersionInfo.FromString(os.pread(fd, st.st_size, 0))
+        finally:
+            os.close(fd)
+    except (OSError, DecodeError):
         return None
     return info if info.model == model and info.version == version and info.xxh3 else None

@@ -10,7 +10,7 @@ import grpc
 
 from weightclient.core.retry import Deadline
 from weightclient.placement import PlacedReceiver
-from weightclient.transports.base import Offer, OutgoingFile, Progress, Transport, receive_buffer
+from weightclient.transports.base import Answer, Into, Offer, OutgoingFile, Progress, Transport, receive_buffer
 from weightserver.protocol import framing
 from weightserver.protocol.errors import IntegrityError
 from weightserver.protocol.version_info import VersionInfo
@@ -62,9 +62,7 @@ class StreamTransport(Transport):
                     progress(sent, total)
         yield pb.PublishRequest(commit=pb.PublishCommit())
 
-    def offer(
-        self, request: pb.FetchRequest, answer: pb.NegotiateResponse | None, deadline: Deadline, info: VersionInfo
-    ) -> Offer | None:
+    def offer(self, request: pb.FetchRequest, answer: Answer, deadline: Deadline, info: VersionInfo) -> Offer | None:
         """Start a Fetch and read its head: the header (then a payload for a delta or cast), or for
         incoming bytes only the payload, under `info`. None when up to date."""
         stream = self._fetch(request, timeout=deadline.remaining(), metadata=self._metadata)
@@ -72,7 +70,8 @@ class StreamTransport(Transport):
             first = next(stream, None)
             kind = first.WhichOneof("kind") if isinstance(first, pb.FetchResponse) else None
             if kind == "up_to_date" and not request.incoming:
-                _expect_end(stream, request.model)
+                for _ in stream:  # read to its end: cancelling it races with the server's OK and logs an error
+                    raise IntegrityError(f"model {request.model!r}: the server sent more than the fetch expects")
                 return None
             if kind == "payload" and request.incoming:
                 return Offer(info, first.payload, chunks=stream, deadline=deadline)
@@ -90,9 +89,7 @@ class StreamTransport(Transport):
             raise
         return Offer(info, payload, chunks=stream, deadline=deadline)
 
-    def receive(
-        self, offer: Offer, *, into: memoryview | PlacedReceiver | None, progress: Progress | None
-    ) -> memoryview:
+    def receive(self, offer: Offer, *, into: Into, progress: Progress | None) -> memoryview:
         assert offer.chunks is not None, "a stream offer comes from StreamTransport.offer"
         target = into if isinstance(into, PlacedReceiver) else receive_buffer(offer.payload.byte_size, into)
         try:
@@ -104,9 +101,3 @@ class StreamTransport(Transport):
         finally:
             offer.chunks.cancel()
         return target if isinstance(target, memoryview) else memoryview(b"")
-
-
-def _expect_end(stream: Iterator[Any], model: str) -> None:
-    """Read a Fetch stream to its end: cancelling it races with the server's OK and logs an error."""
-    for _ in stream:
-        raise IntegrityError(f"model {model!r}: the server sent more than the fetch expects")
