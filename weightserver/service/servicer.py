@@ -111,8 +111,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
 
     @unary
     async def Publish(self, request_iterator: AsyncIterator[pb.PublishRequest], context: Context) -> pb.PublishResponse:
-        started = time.perf_counter()
-        caller = self.authorize(context, "Publish")
+        started, caller = time.perf_counter(), self.authorize(context, "Publish")
         owner = caller.token_sha256 if caller is not None else None
         # Whose bucket of waiting hold the publish draws on: its token's, or its host's.
         bucket = f"token {owner.hex()}" if owner is not None else "peer " + context.peer().rpartition(":")[0]
