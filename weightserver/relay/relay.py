@@ -135,7 +135,7 @@ class Relay:
         self.upstream_latest: dict[str, int] = {}  # model -> the upstream's newest version, as last heard
         self._client: WeightServiceClient  # dialled by start()
         self._threads = ThreadPoolExecutor(64, thread_name_prefix="weightserver-relay")  # the client blocks
-        self._upstream_primary: str | None = None  # named by the upstream's Watch when it is a relay
+        self.primary = self.address  # the primary's address: the upstream's own primary when it is a relay
         self._tasks: dict[str, asyncio.Task[None]] = {}  # "" polls, each model's follows it
         self._groups: dict[int, _GroupCommit] = {}
         self._upstream_back = asyncio.Event()  # set (and replaced) when the upstream answers again
@@ -145,11 +145,6 @@ class Relay:
     @property
     def followed(self) -> list[str]:
         return sorted(name for name in self._tasks if name)
-
-    @property
-    def primary(self) -> str:
-        """The address of the primary: the upstream's own primary when it is a relay."""
-        return self._upstream_primary or self.address
 
     def watch_metadata(self) -> tuple[tuple[str, str], ...]:
         """Initial metadata of the Watch calls this relay serves: the primary, for relays below."""
@@ -191,9 +186,6 @@ class Relay:
         """`call` (the client's, which blocks) in this relay's threads."""
         return await asyncio.get_running_loop().run_in_executor(self._threads, functools.partial(call, *args, **kwargs))
 
-    def _follows(self, model: str) -> bool:
-        return self.models is None or model in self.models
-
     def _follow(self, model: str) -> None:
         if model not in self._tasks:
             self._tasks[model] = asyncio.create_task(self._follower(model), name=f"weightserver-relay-{model}")
@@ -211,7 +203,7 @@ class Relay:
             else:
                 await self._report(None)
                 for summary in summaries:
-                    if self._follows(summary.model):
+                    if self.models is None or summary.model in self.models:
                         self._heard(summary.model, summary.latest_version)
                         self._follow(summary.model)
                 try:
@@ -295,7 +287,7 @@ class Relay:
 
         def subscribed(metadata: dict[str, str]) -> None:
             nonlocal attempt
-            attempt, self._upstream_primary = 0, metadata.get(PRIMARY_METADATA_KEY) or None
+            attempt, self.primary = 0, metadata.get(PRIMARY_METADATA_KEY) or self.address
 
         while True:
             last, gap = self._held_version(model), False  # the newest version announced; some went upstream
@@ -338,7 +330,7 @@ class Relay:
             if incoming is not None:
                 incoming.publish.fail("this relay holds that version already")
             return  # committed already, with its group
-        members = [m for m in event.info.group if self._follows(m)]
+        members = [m for m in event.info.group if self.models is None or m in self.models]
         if incoming is not None:
             if len(members) <= 1 and await self._relay_incoming(event.info, incoming):
                 return
@@ -455,13 +447,8 @@ class Relay:
                 rebuilt, why = None, str(exc)
             if rebuilt is not None and xxh3_hex(rebuilt[0]) == info.xxh3:
                 return _Fetched(info, rebuilt[0], got.data.nbytes, delta=True)
-            log.info(
-                "%s v%d: the delta against v%d did not rebuild it (%s); fetching whole",
-                model,
-                number,
-                base.version,
-                why,
-            )
+            message = "%s v%d: the delta against v%d did not rebuild it (%s); fetching whole"
+            log.info(message, model, number, base.version, why)
             discarded = got.data.nbytes
         got = fetch()
         assert got is not None

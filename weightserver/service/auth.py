@@ -46,9 +46,6 @@ class Principal:
     models: frozenset[str] | None = None
     token_sha256: bytes = field(default=b"", repr=False, compare=False)
 
-    def may(self, role: str) -> bool:
-        return ROLES.index(self.role) >= ROLES.index(role)
-
 
 class TokenTable:
     """The tokens a server accepts, held as sha256 digests."""
@@ -80,10 +77,8 @@ class TokenTable:
         """Parse a token file; errors name the line, never the token."""
         entries = []
         for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
-            line = line.split("#", 1)[0].strip()
-            if not line:
+            if not (fields := line.split("#", 1)[0].split()):
                 continue
-            fields = line.split()
             if len(fields) != 3:
                 raise InvalidRequest(f"{path}:{number}: expected 'ROLE NAME TOKEN', got {len(fields)} fields")
             entries.append((fields[0], fields[1], fields[2]))
@@ -120,7 +115,7 @@ class TokenTable:
         if principal is None:
             raise AuthenticationRequired("unknown token: check it against the server's --auth-tokens file")
         needed = REQUIRED_ROLE.get(method, "admin")
-        if not principal.may(needed):
+        if ROLES.index(principal.role) < ROLES.index(needed):
             raise PermissionDenied(
                 f"{method} needs the {needed!r} role; the token of {principal.name!r} has {principal.role!r}"
             )

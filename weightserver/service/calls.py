@@ -24,6 +24,7 @@ from weightserver.protocol.errors import (
 F = TypeVar("F", bound=Callable[..., Any])
 # The servicer's logger, the name operators and tests filter publish and fetch lines on.
 log = logging.getLogger("weightserver.service.servicer")
+Context = grpc.aio.ServicerContext
 CHANGES = ("Publish", "DeleteVersion", "PinVersion")  # refused by a relay, naming its primary
 
 
@@ -52,7 +53,7 @@ def lenient(message_class: Any) -> Callable[[bytes], Any]:
     return deserialize
 
 
-async def abort(context: grpc.aio.ServicerContext, error: BaseException) -> None:
+async def abort(context: Context, error: BaseException) -> None:
     if isinstance(error, WeightServerError):
         code, name, message = status_code_for(error), type(error).__name__, str(error)
     else:
@@ -63,7 +64,7 @@ async def abort(context: grpc.aio.ServicerContext, error: BaseException) -> None
     await context.abort(code, clipped_message(message), trailing_metadata=((ERROR_METADATA_KEY, name),))
 
 
-def _admit(servicer: Any, request: Any, context: grpc.aio.ServicerContext, method: str) -> None:
+def _admit(servicer: Any, request: Any, context: Context, method: str) -> None:
     # The model a call changes counts for model-scoped tokens; a Publish's headers are checked as they come.
     servicer.authorize(context, method, getattr(request, "model", None))
     if isinstance(request, Undecodable):
@@ -76,7 +77,7 @@ def unary(method: F) -> F:
     """Admit a unary call (token, decoding, relay); end it with the status of what it raises."""
 
     @functools.wraps(method)
-    async def handler(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def handler(self: Any, request: Any, context: Context) -> Any:
         try:
             _admit(self, request, context, method.__name__)
             return await method(self, request, context)
@@ -90,7 +91,7 @@ def streaming(method: F) -> F:
     """The same for a server-streaming call, closed as soon as the call ends."""
 
     @functools.wraps(method)
-    async def handler(self: Any, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+    async def handler(self: Any, request: Any, context: Context) -> AsyncIterator[Any]:
         try:
             _admit(self, request, context, method.__name__)
             async with contextlib.aclosing(method(self, request, context)) as messages:
@@ -102,7 +103,7 @@ def streaming(method: F) -> F:
     return handler  # type: ignore[return-value]
 
 
-def log_event(event: str, context: grpc.aio.ServicerContext, **fields: object) -> None:
+def log_event(event: str, context: Context, **fields: object) -> None:
     """Log `event` with `fields`; the record carries them, `peer` and `client_id` for --log-format json."""
     peer, client_id = context.peer(), client_id_of(context)
     pairs = " ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in fields.items())
@@ -110,5 +111,5 @@ def log_event(event: str, context: grpc.aio.ServicerContext, **fields: object) -
     log.info("%s %s peer=%s client=%s", event, pairs, peer, client_id or "-", extra=extra)
 
 
-def client_id_of(context: grpc.aio.ServicerContext) -> str | None:
+def client_id_of(context: Context) -> str | None:
     return next((str(v) for k, v in context.invocation_metadata() or () if k == CLIENT_ID_METADATA_KEY), None)

@@ -10,8 +10,6 @@ from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-import grpc
-
 from weightserver.config import ServerConfig, clamp_chunk_bytes
 from weightserver.metrics import NoMetrics
 from weightserver.protocol import deltas
@@ -24,7 +22,7 @@ from weightserver.publish.incoming import IncomingPublishes
 from weightserver.publish.priority import CommitsFirst
 from weightserver.publish.staged_uploads import StagedUploads
 from weightserver.service.auth import Principal, TokenTable
-from weightserver.service.calls import Undecodable, client_id_of, log_event, streaming, unary
+from weightserver.service.calls import Context, Undecodable, client_id_of, log_event, streaming, unary
 from weightserver.service.watch import Watches
 from weightserver.storage.payloads import CAST_TARGETS, Payload, PayloadCache
 from weightserver.storage.store import Commit, Version, VersionStore
@@ -37,6 +35,8 @@ from weightserver.v1 import weights_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
     from weightserver.relay.relay import Relay
+
+_DESCRIBED = ("byte_size", "xxh3", "base_version", "dtype", "base_xxh3")  # a payload's fields in its pb.Payload
 
 
 class WeightServicer(pb_grpc.WeightServiceServicer):
@@ -73,10 +73,10 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         self.publishes.close()
         self.staged.close()
 
-    def authorize(self, context: grpc.aio.ServicerContext, method: str, model: str | None = None) -> Principal | None:
+    def authorize(self, context: Context, method: str, model: str | None = None) -> Principal | None:
         return self.tokens.authorize(context.invocation_metadata(), method, model) if self.tokens else None
 
-    def _authorize_header(self, context: grpc.aio.ServicerContext, header: pb.PublishHeader) -> Principal | None:
+    def _authorize_header(self, context: Context, header: pb.PublishHeader) -> Principal | None:
         principal = self.authorize(context, "Publish", header.model)
         try:
             if header.pin:
@@ -110,11 +110,8 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
                 files.forget(model, version)
 
     @unary
-    async def Publish(
-        self, request_iterator: AsyncIterator[pb.PublishRequest], context: grpc.aio.ServicerContext
-    ) -> pb.PublishResponse:
-        started = time.perf_counter()
-        caller = self.authorize(context, "Publish")
+    async def Publish(self, request_iterator: AsyncIterator[pb.PublishRequest], context: Context) -> pb.PublishResponse:
+        started, caller = time.perf_counter(), self.authorize(context, "Publish")
         owner = caller.token_sha256 if caller is not None else None
         # Whose bucket of waiting hold the publish draws on: its token's, or its host's.
         bucket = f"token {owner.hex()}" if owner is not None else "peer " + context.peer().rpartition(":")[0]
@@ -135,7 +132,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         return pb.PublishResponse(version=infos[0], versions=infos)
 
     async def _checked_headers(
-        self, messages: AsyncIterator[pb.PublishRequest], context: grpc.aio.ServicerContext
+        self, messages: AsyncIterator[pb.PublishRequest], context: Context
     ) -> AsyncIterator[pb.PublishRequest]:
         async for message in messages:
             if isinstance(message, Undecodable):
@@ -145,37 +142,31 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
             yield message
 
     @unary
-    async def GetLatest(self, request: pb.GetLatestRequest, context: grpc.aio.ServicerContext) -> pb.VersionInfo:
+    async def GetLatest(self, request: pb.GetLatestRequest, context: Context) -> pb.VersionInfo:
         return version_message(self.store.latest(request.model))
 
     @unary
-    async def Describe(self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext) -> pb.VersionInfo:
+    async def Describe(self, request: pb.DescribeRequest, context: Context) -> pb.VersionInfo:
         record = self.store.get(request.model, request.version) if request.version else self.store.latest(request.model)
         return version_message(record)
 
     @unary
-    async def ListModels(
-        self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
-    ) -> pb.ListModelsResponse:
+    async def ListModels(self, request: pb.ListModelsRequest, context: Context) -> pb.ListModelsResponse:
         return pb.ListModelsResponse(models=[summary_message(m) for m in self.store.models()])
 
     @unary
-    async def ListVersions(
-        self, request: pb.ListVersionsRequest, context: grpc.aio.ServicerContext
-    ) -> pb.ListVersionsResponse:
+    async def ListVersions(self, request: pb.ListVersionsRequest, context: Context) -> pb.ListVersionsResponse:
         return pb.ListVersionsResponse(versions=[version_message(v) for v in self.store.versions(request.model)])
 
     @unary
-    async def DeleteVersion(
-        self, request: pb.DeleteVersionRequest, context: grpc.aio.ServicerContext
-    ) -> pb.DeleteVersionResponse:
+    async def DeleteVersion(self, request: pb.DeleteVersionRequest, context: Context) -> pb.DeleteVersionResponse:
         record = await asyncio.to_thread(self.store.delete, request.model, request.version)
         self.forget_removed(record.model)
         log_event("delete", context, model=record.model, version=record.version)
         return pb.DeleteVersionResponse(deleted=version_message(record))
 
     @unary
-    async def PinVersion(self, request: pb.PinVersionRequest, context: grpc.aio.ServicerContext) -> pb.VersionInfo:
+    async def PinVersion(self, request: pb.PinVersionRequest, context: Context) -> pb.VersionInfo:
         record = await asyncio.to_thread(self.store.set_pinned, request.model, request.version, request.pinned)
         self.forget_removed(record.model)
         if self.shared_memory is not None:
@@ -184,9 +175,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         return version_message(record)
 
     @streaming
-    async def Fetch(
-        self, request: pb.FetchRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.FetchResponse | bytes]:
+    async def Fetch(self, request: pb.FetchRequest, context: Context) -> AsyncIterator[pb.FetchResponse | bytes]:
         started, chunk_bytes = time.perf_counter(), clamp_chunk_bytes(request.chunk_size, self.config.chunk_bytes)
         if request.WhichOneof("selector") == "incoming":  # a publish's bytes as they land
             announced = self.incoming.get(request.incoming, request.model)
@@ -218,7 +207,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         self._transferred("fetch", record, started, context, "stream", sent=payload.byte_size)
 
     @unary
-    async def Negotiate(self, request: pb.NegotiateRequest, context: grpc.aio.ServicerContext) -> pb.NegotiateResponse:
+    async def Negotiate(self, request: pb.NegotiateRequest, context: Context) -> pb.NegotiateResponse:
         """The first transport the caller accepts (in its order) that makes an offer, else the stream."""
         answer = pb.NegotiateResponse(transport=pb.TRANSPORT_STREAM)
         if request.direction == pb.DIRECTION_PUBLISH:
@@ -281,8 +270,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
     async def _payload_for(
         self, record: Version, request: pb.FetchRequest, selection: Resolved | None
     ) -> tuple[Payload, pb.Payload]:
-        """What to send for `record` (the version itself or `selection` of it, a delta or a cast) and its
-        description."""
+        """What to send for `record` (itself or `selection` of it, as a delta or a cast), and its description."""
         base = base_selection = None
         if request.base_version and request.base_version < record.version:
             # Evicted, deleted, or the selection does not fit it: the caller gets every tensor.
@@ -295,19 +283,13 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
             forms = tuple(form for form, wire in deltas.WIRE.items() if wire in request.element_deltas)
             build = functools.partial(self.payloads.get, selection=selection, base_selection=base_selection)
             payload = await asyncio.to_thread(build, record, base, request.dtype, forms)
-        description = pb.Payload(
-            byte_size=payload.byte_size,
-            xxh3=payload.xxh3,
-            base_version=payload.base_version,
-            dtype=payload.dtype,
-            base_xxh3=payload.base_xxh3,
-        )
+        description = pb.Payload(**{name: getattr(payload, name) for name in _DESCRIBED})
         if selection is not None and payload.selection is not None:
             description.selection.CopyFrom(selection_message(payload.selection))
         return payload, description
 
     def _transferred(
-        self, kind: str, record: Version, started: float, context: grpc.aio.ServicerContext, transport: str, **more: Any
+        self, kind: str, record: Version, started: float, context: Context, transport: str, **more: Any
     ) -> None:
         """Log a finished publish or fetch and count a fetch (a publish is counted in its commit)."""
         seconds, nbytes = time.perf_counter() - started, more.pop("sent", record.byte_size)
@@ -318,7 +300,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         log_event(kind, context, **fields, duration_ms=round(seconds * 1e3, 3), **more)
 
     @streaming
-    def Watch(self, request: pb.WatchRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.VersionEvent]:
+    def Watch(self, request: pb.WatchRequest, context: Context) -> AsyncIterator[pb.VersionEvent]:
         return self.watches.watch(request, context)
 
 

@@ -5,37 +5,30 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable, Sequence
-
-import grpc
+from dataclasses import dataclass, field
 
 from weightserver.metrics import NoMetrics
 from weightserver.protocol.errors import ServerUnavailable
 from weightserver.protocol.names import validate_model_name
 from weightserver.protocol.version_info import version_message
 from weightserver.publish.incoming import IncomingPublish, IncomingPublishes
-from weightserver.service.calls import log_event
+from weightserver.service.calls import Context, log_event
 from weightserver.storage.store import Commit, Version, VersionStore
 from weightserver.v1 import weights_pb2 as pb
 
 
+@dataclass(eq=False)
 class Watches:
     """The open Watch calls, ended with UNAVAILABLE at shutdown so that watchers resubscribe."""
 
-    def __init__(
-        self,
-        store: VersionStore,
-        announcements: IncomingPublishes,
-        metrics: NoMetrics,
-        metadata: Callable[[], Sequence[tuple[str, str]]],
-    ) -> None:
-        self.store, self.announcements, self.metrics = store, announcements, metrics
-        self.metadata = metadata  # the initial metadata (a relay names its primary)
-        self._queues: set[asyncio.Queue[Version | IncomingPublish | None]] = set()
-        self._ended = False  # the server is shutting down: a Watch that starts now ends at once
+    store: VersionStore
+    announcements: IncomingPublishes
+    metrics: NoMetrics
+    metadata: Callable[[], Sequence[tuple[str, str]]]  # the initial metadata (a relay names its primary)
+    _queues: set[asyncio.Queue[Version | IncomingPublish | None]] = field(default_factory=set, init=False)
+    _ended: bool = field(default=False, init=False)  # the server is shutting down: a Watch that starts now ends at once
 
-    async def watch(
-        self, request: pb.WatchRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.VersionEvent]:
+    async def watch(self, request: pb.WatchRequest, context: Context) -> AsyncIterator[pb.VersionEvent]:
         model = validate_model_name(request.model)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Version | IncomingPublish | None] = asyncio.Queue()  # None: the server stops

@@ -157,7 +157,6 @@ class BulkEndpoint:
             loop.connections -= 1
 
     async def _serve_connection(self, conn: socket.socket, peer: object, owner: _Loop) -> None:
-        loop = asyncio.get_running_loop()
         try:
             conn.setblocking(False)
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
@@ -166,7 +165,7 @@ class BulkEndpoint:
             while True:
                 pending = None  # not held while idle: its version may be evicted meanwhile
                 try:
-                    await _receive(loop, conn, memoryview(ticket), None, stall=wait)
+                    await _receive(conn, memoryview(ticket), None, stall=wait)
                 except (OSError, EOFError, TimeoutError):
                     return  # the client closed its connection, or sent no ticket in time
                 with self._lock:
@@ -174,22 +173,20 @@ class BulkEndpoint:
                 if pending is None or pending.expires < time.monotonic():
                     log.warning("bulk: unknown or expired ticket from %s", peer)
                     return
-                if not await self._transfer(loop, conn, peer, pending):
+                if not await self._transfer(conn, peer, pending):
                     return  # where a failed transfer left the stream is unknown
                 wait = IDLE_CONNECTION_SECONDS
         finally:
             self._closed(conn, owner)
 
-    async def _transfer(
-        self, loop: asyncio.AbstractEventLoop, conn: socket.socket, peer: object, pending: _Pending
-    ) -> bool:
+    async def _transfer(self, conn: socket.socket, peer: object, pending: _Pending) -> bool:
         started, done = time.perf_counter(), pending.done
         try:
             if done is not None:
-                await _receive(loop, conn, pending.parts[0], pending.arrived)
+                await _receive(conn, pending.parts[0], pending.arrived)
             else:
                 for part in pending.parts:
-                    await _send(loop, conn, part, pending.landed)
+                    await _send(conn, part, pending.landed)
         except BaseException as exc:  # a reset, a stall, no safetensors file, a failed publish; cancelled
             if done is not None:
                 done(exc)
@@ -201,7 +198,7 @@ class BulkEndpoint:
         if done is not None:
             done(None)  # before the ACK: the publisher's next call may name the upload at once
             try:
-                await loop.sock_sendall(conn, ACK)
+                await asyncio.get_running_loop().sock_sendall(conn, ACK)
             except OSError as exc:
                 log.warning("bulk: could not acknowledge the upload of %s to %s: %s", pending.label, peer, exc)
                 return False
@@ -222,7 +219,12 @@ class _Loop:
         self._thread.start()
 
     def start(self, function: Callable[..., Coroutine[Any, Any, None]], *args: object) -> None:
-        self._loop.call_soon_threadsafe(self._create_task, function, args)
+        def create_task() -> None:
+            task = self._loop.create_task(function(*args))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+        self._loop.call_soon_threadsafe(create_task)
 
     def call_later(self, seconds: float, function: Callable[[], None]) -> None:
         with contextlib.suppress(RuntimeError):
@@ -246,21 +248,12 @@ class _Loop:
         if not self._thread.is_alive():
             self._loop.close()
 
-    def _create_task(self, function: Callable[..., Coroutine[Any, Any, None]], args: tuple[object, ...]) -> None:
-        task = self._loop.create_task(function(*args))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
 
 async def _receive(
-    loop: asyncio.AbstractEventLoop,
-    conn: socket.socket,
-    into: memoryview,
-    arrived: Callable[[int], None] | None,
-    stall: float = SEND_STALL_SECONDS,
+    conn: socket.socket, into: memoryview, arrived: Callable[[int], None] | None, stall: float = SEND_STALL_SECONDS
 ) -> None:
     """Fill `into`, telling `arrived` of every HASH_STRETCH more; EOFError or TimeoutError."""
-    readable = asyncio.Event()
+    loop, readable = asyncio.get_running_loop(), asyncio.Event()
     loop.add_reader(conn, readable.set)
     try:
         received = told = 0
@@ -284,14 +277,9 @@ async def _receive(
         loop.remove_reader(conn)
 
 
-async def _send(
-    loop: asyncio.AbstractEventLoop,
-    conn: socket.socket,
-    data: memoryview,
-    landed: Callable[[int, float], Awaitable[int]] | None,
-) -> None:
+async def _send(conn: socket.socket, data: memoryview, landed: Callable[[int, float], Awaitable[int]] | None) -> None:
     """Send `data`, each part once `landed` says it is in place; TimeoutError on a stalled reader."""
-    writable = asyncio.Event()
+    loop, writable = asyncio.get_running_loop(), asyncio.Event()
     loop.add_writer(conn, writable.set)  # for the whole transfer: no epoll_ctl per wait
     try:
         sent = 0
@@ -320,23 +308,22 @@ class BulkTransport:
         self.endpoint, self.uploads = endpoint, uploads
 
     async def offer(self, record: Version, payload: Payload, description: pb.Payload) -> bool:
-        description.bulk.port = self.endpoint.port
-        description.bulk.ticket = self.endpoint.issue(payload.parts, f"{record.model} v{record.version}")
-        return True
+        return self._describe(description, payload.parts, f"{record.model} v{record.version}")
 
     def offer_incoming(self, incoming: IncomingPublish, description: pb.Payload) -> bool:
-        description.bulk.port = self.endpoint.port
         label = f"{incoming.model!r} (incoming)"
-        description.bulk.ticket = self.endpoint.issue(incoming.buffer, label, landed=incoming.landed_beyond)
-        return True
+        return self._describe(description, incoming.buffer, label, landed=incoming.landed_beyond)
 
     def stage(self, header: pb.PublishHeader, owner: bytes | None, description: pb.Payload) -> IncomingModel | None:
-        model = header.model
         try:
-            upload = self.uploads.create(model, header.total_bytes, "bulk", owner=owner)
+            upload = self.uploads.create(header.model, header.total_bytes, "bulk", owner=owner)
         except OSError:
             return None
-        description.bulk.port = self.endpoint.port
-        ticket = self.endpoint.issue(upload.buffer, repr(model), arrived=upload.arrived, done=upload.transferred)
-        description.bulk.ticket = ticket
+        self._describe(description, upload.buffer, repr(header.model), arrived=upload.arrived, done=upload.transferred)
         return upload
+
+    def _describe(self, description: pb.Payload, *data_label: Any, **pending: Any) -> bool:
+        """A ticket (`BulkEndpoint.issue`'s arguments), in `description` with the port to hand it to."""
+        description.bulk.port = self.endpoint.port
+        description.bulk.ticket = self.endpoint.issue(*data_label, **pending)
+        return True

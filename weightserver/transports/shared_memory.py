@@ -62,13 +62,10 @@ def _remove_abandoned(root: Path) -> None:
         except OSError:
             continue  # another user's, or not a folder: not ours to judge
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            continue  # its server is running
-        try:
-            log.info("removing %s, left by a server that is gone", folder)
-            shutil.rmtree(folder, ignore_errors=True)
+            with contextlib.suppress(OSError):  # locked: its server is running
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                log.info("removing %s, left by a server that is gone", folder)
+                shutil.rmtree(folder, ignore_errors=True)
         finally:
             os.close(fd)
     if unlocked:
@@ -77,14 +74,14 @@ def _remove_abandoned(root: Path) -> None:
 
 
 def _write_file(path: Path, data: bytes | bytearray | memoryview | tuple[memoryview, ...], mode: int) -> None:
-    """Write `path` whole (`data`, or its consecutive parts) with `mode` (temp file + rename); OSError
-    when there is no room."""
+    """Write `path` whole (`data`, or its consecutive parts) with `mode` (temp file + rename); OSError: no room."""
     tmp = path.with_name(path.name + ".tmp")
     tmp.unlink(missing_ok=True)  # left by a crash, and read-only if it was a header's
     parts = data if isinstance(data, tuple) else (memoryview(data),)
     try:
         with open(tmp, "wb") as f:
-            _reserve(f.fileno(), sum(p.nbytes for p in parts))
+            if size := sum(p.nbytes for p in parts):
+                os.posix_fallocate(f.fileno(), 0, size)
             for part in parts:
                 f.write(part)
         os.chmod(tmp, mode)
@@ -92,11 +89,6 @@ def _write_file(path: Path, data: bytes | bytearray | memoryview | tuple[memoryv
     except OSError:
         tmp.unlink(missing_ok=True)
         raise
-
-
-def _reserve(fd: int, size: int) -> None:
-    if size:
-        os.posix_fallocate(fd, 0, size)
 
 
 class SharedMemoryFiles:
@@ -134,8 +126,7 @@ class SharedMemoryFiles:
     def new_upload(
         self, model: str, size: int, *, populate: bool = False, publisher_writes: bool = False
     ) -> UploadFile | None:
-        """A file for a publish to receive into (None: no room); `publisher_writes`: a memfd the
-        publisher writes."""
+        """A file for a publish to receive into (None: no room); `publisher_writes`: a memfd the publisher writes."""
         try:
             path = self.directory / model / f"upload-{secrets.token_hex(8)}.tmp"
             path.parent.mkdir(mode=FOLDER_MODE, parents=True, exist_ok=True)
@@ -238,7 +229,8 @@ class SharedMemoryUpload(UploadFile):
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o444)
             try:
-                _reserve(fd, size)
+                if size:
+                    os.posix_fallocate(fd, 0, size)
                 mapping = mmap.mmap(fd, size) if size else None
             finally:
                 os.close(fd)
