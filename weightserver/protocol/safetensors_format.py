@@ -91,15 +91,12 @@ def parse_header(
         raise InvalidSafetensors(f"header lists {tensor_count} tensors, over the limit of {max_tensors} tensors")
 
     metadata = obj.pop(METADATA_KEY, None)
-    if metadata is not None and (
-        not isinstance(metadata, dict)
-        or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
-    ):
+    # (JSON's keys are strings)
+    if metadata is not None and not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
         raise InvalidSafetensors(f"{METADATA_KEY!r} must map strings to strings")
 
-    entries = [_parse_entry(name, spec) for name, spec in obj.items()]
+    entries = sorted((_parse_entry(name, spec) for name, spec in obj.items()), key=lambda e: (e.begin, e.end))
     _check_layout(entries, size - 8 - header_len)
-    entries.sort(key=lambda e: (e.begin, e.end))
     return SafetensorsHeader(tuple(entries), metadata, 8 + header_len)
 
 
@@ -137,9 +134,9 @@ def _is_uint(value: object) -> bool:
 
 
 def _check_layout(entries: list[TensorEntry], data_len: int) -> None:
-    """Tensors must tile the data section exactly: in bounds, no overlap, no gap, no tail."""
+    """Tensors (sorted by offset) must tile the data section exactly: in bounds, no overlap, no gap, no tail."""
     position = 0
-    for entry in sorted(entries, key=lambda e: (e.begin, e.end)):
+    for entry in entries:
         if entry.end > data_len or entry.begin != position:
             offsets = f"tensor {clipped_repr(entry.name)}: data_offsets [{entry.begin}, {entry.end}]"
             if entry.end > data_len:

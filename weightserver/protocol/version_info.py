@@ -17,20 +17,25 @@ from weightserver.protocol.safetensors_format import TensorEntry
 from weightserver.v1 import weights_pb2 as pb
 
 
-class VersionRecord(Protocol):
+class SelectionRecord(Protocol):
+    """What a server keeps of a selection's file (the payload cache's SelectionManifest)."""
+
+    byte_size: int
+    xxh3: str
+    header: Any  # its safetensors header: `.tensors`, each a TensorEntry
+    tensor_xxh3: Mapping[str, str]
+
+
+class VersionRecord(SelectionRecord, Protocol):
     """What a server keeps of a version that its description is built from (the store's record)."""
 
     model: str
     version: int
-    byte_size: int
     sha256: str
     created: float  # seconds since the epoch
     metadata: Mapping[str, str]
-    header: Any  # its safetensors header: `.tensors`, each a TensorEntry
-    tensor_xxh3: Mapping[str, str]
     pinned: bool
     group: tuple[str, ...]
-    xxh3: str
 
 
 class SummaryRecord(Protocol):
@@ -38,15 +43,6 @@ class SummaryRecord(Protocol):
     latest_version: int
     version_count: int
     retained_bytes: int
-
-
-class SelectionRecord(Protocol):
-    """What a server keeps of a selection's file (the payload cache's SelectionManifest)."""
-
-    byte_size: int
-    xxh3: str
-    header: Any
-    tensor_xxh3: Mapping[str, str]
 
 
 def _tensor_messages(record: VersionRecord | SelectionRecord) -> list[pb.TensorInfo]:
@@ -72,7 +68,6 @@ def version_message(record: VersionRecord) -> pb.VersionInfo:
     """The wire's VersionInfo of a server's record."""
     created = Timestamp()
     created.FromNanoseconds(int(record.created * 1e9))
-    tensors = _tensor_messages(record)
     return pb.VersionInfo(
         model=record.model,
         version=record.version,
@@ -80,7 +75,7 @@ def version_message(record: VersionRecord) -> pb.VersionInfo:
         sha256=record.sha256,
         created=created,
         metadata=dict(record.metadata),
-        tensors=tensors,
+        tensors=_tensor_messages(record),
         pinned=record.pinned,
         group=list(record.group),
         xxh3=record.xxh3,
