@@ -157,9 +157,7 @@ def build_header(
 ) -> tuple[bytes, list[TensorEntry]]:
     """The length prefix and JSON header framing `entries` ``(name, dtype, shape, nbytes)``, and the
     placed entries. Padded to 8 bytes, as the safetensors package does, so 8-byte dtypes stay aligned."""
-    header: dict[str, object] = {}
-    if metadata:
-        header[METADATA_KEY] = dict(metadata)
+    header: dict[str, object] = {METADATA_KEY: dict(metadata)} if metadata else {}
     placed = []
     position = 0
     for name, dtype, shape, nbytes in entries:

@@ -1,8 +1,5 @@
-"""A version's description: the one conversion between weights.proto's VersionInfo and Python.
-
-The server builds the message from its record's plain fields (`version_message`); the client
-reads it back as a `VersionInfo` (`VersionInfo.from_proto`).
-"""
+"""A version's description: the one conversion between weights.proto's VersionInfo and Python. The
+server builds the message from its record (`version_message`); a client reads it back (`VersionInfo.from_proto`)."""
 
 from __future__ import annotations
 
