@@ -108,13 +108,11 @@ def _parse_entry(name: str, spec: object) -> TensorEntry:
         raise InvalidSafetensors(f"{tensor}: expected an object with dtype, shape, data_offsets")
     if missing := {"dtype", "shape", "data_offsets"} - spec.keys():
         raise InvalidSafetensors(f"{tensor}: missing {', '.join(sorted(missing))}")
-    dtype = spec["dtype"]
+    dtype, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
     if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
         raise InvalidSafetensors(f"{tensor}: unknown dtype {clipped_repr(dtype)}; known: {', '.join(DTYPE_SIZES)}")
-    shape = spec["shape"]
     if not isinstance(shape, list) or not all(_is_uint(d) for d in shape):
         raise InvalidSafetensors(f"{tensor}: shape must be a list of non-negative integers, got {clipped_repr(shape)}")
-    offsets = spec["data_offsets"]
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_uint(o) for o in offsets)):
         raise InvalidSafetensors(f"{tensor}: data_offsets must be [begin, end], got {clipped_repr(offsets)}")
     begin, end = offsets

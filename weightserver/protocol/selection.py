@@ -79,8 +79,7 @@ class TensorRule:
         return name.startswith(self.pattern) if self.match == "prefix" else name == self.pattern
 
     def cut(self, entry: TensorEntry) -> Cut:
-        """This rule's part of `entry` (normalised: a slice of a whole dimension is None); InvalidRequest
-        when it does not fit."""
+        """This rule's part of `entry` (a slice of a whole dimension: None); InvalidRequest if it does not fit."""
         if self.dim is None:
             return None
         what = f"rule {self} on tensor {clipped_repr(entry.name)} of shape {list(entry.shape)}"
