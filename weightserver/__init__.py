@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -22,8 +23,6 @@ _EXPORTS = {
 
 def __getattr__(name: str) -> Any:
     # Loaded on first use: importing weightserver.storage.store must not pull in grpc.
-    if name in _EXPORTS:
-        import importlib
-
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'weightserver' has no attribute {name!r}")
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'weightserver' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

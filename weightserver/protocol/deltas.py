@@ -4,16 +4,11 @@ tensor's changed elements, in the smaller of two forms), and the rebuild of the 
 A bf16 cast of fp32 master weights changes in a few percent of its elements per optimizer step,
 so a delta that carries whole changed tensors saves nothing in training; one that carries the
 changed elements does. Elements are compared as raw bytes (so -0.0, NaN payloads and every
-dtype alike), all little-endian; `s` is the element size, `n` the element count:
-
-- ``sparse``: the elements in blocks of 65,536; u32 count[ceil(n / 65536)] (changed elements per
-  block), then u16 offset[k] (each changed element's index within its block, ascending per block,
-  blocks in order), then the k new elements' bytes (k * s) in the same order.
-- ``bitmap``: u8 bits[ceil(n / 8)] (element 8i + j changed iff bit j, least significant first, of
-  byte i is set; bits past n are 0), then the k changed elements' new bytes in index order.
-
-`encode` picks the smallest of these and the whole tensor (ties go to the whole tensor), from
-the count of changed elements alone. The proto's ElementDelta documents the same layout.
+dtype alike). The proto's ElementDelta lays out the two forms byte for byte (little-endian):
+``sparse``, u32 counts of changed elements per block of 65,536, their u16 offsets in the block,
+their new bytes; ``bitmap``, a bit per element (least significant first), the changed ones' new
+bytes. `encode` picks the smallest of these and the whole tensor (ties go to the whole tensor),
+from the count of changed elements alone.
 """
 
 from __future__ import annotations
@@ -47,15 +42,6 @@ def _words(data: Bytes, itemsize: int) -> np.ndarray:
     return np.frombuffer(data, dtype=_WORDS[itemsize])
 
 
-def changed_elements(base: Bytes, new: Bytes, itemsize: int) -> np.ndarray:
-    """Indices (ascending, int64) of the elements whose bytes differ."""
-    import numpy as np
-
-    old, now = _words(base, itemsize), _words(new, itemsize)
-    parts = [np.flatnonzero(old[i : i + CHUNK] != now[i : i + CHUNK]) + i for i in range(0, now.size, CHUNK)]
-    return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
-
-
 def sizes(n: int, k: int, itemsize: int) -> dict[str, int]:
     """Bytes of each form for `k` of `n` elements changed ("" is the whole tensor)."""
     return {"": n * itemsize, SPARSE: 4 * -(-n // BLOCK) + (2 + itemsize) * k, BITMAP: -(-n // 8) + itemsize * k}
@@ -84,12 +70,14 @@ def encode(base: Bytes, new: Bytes, itemsize: int, forms: tuple[str, ...] = FORM
         raise ValueError(f"base and new must be the same whole number of {itemsize}-byte elements")
     if not worth_encoding(base, new, itemsize, forms):
         return "", new
-    n, index = len(new) // itemsize, changed_elements(base, new, itemsize)
+    old, now, n = _words(base, itemsize), _words(new, itemsize), len(new) // itemsize
+    parts = [np.flatnonzero(old[i : i + CHUNK] != now[i : i + CHUNK]) + i for i in range(0, n, CHUNK)]
+    index = np.concatenate(parts)  # the changed elements, ascending (n > 0: worth_encoding declines 0)
     cost = {form: size for form, size in sizes(n, index.size, itemsize).items() if not form or form in forms}
     form = min(cost, key=lambda f: (cost[f], f != ""))
     if not form:
         return "", new
-    values = _words(new, itemsize)[index].tobytes()
+    values = now[index].tobytes()
     if form == SPARSE:
         counts = np.bincount(index >> 16, minlength=-(-n // BLOCK)).astype("<u4")
         return form, b"".join([counts.tobytes(), (index & (BLOCK - 1)).astype("<u2").tobytes(), values])

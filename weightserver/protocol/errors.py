@@ -196,10 +196,8 @@ def status_code_for(error: WeightServerError) -> grpc.StatusCode:
     """The status code of `error`'s class (or of its nearest listed base class)."""
     import grpc
 
-    for cls in type(error).__mro__:
-        if cls in STATUS_CODES:
-            return grpc.StatusCode[STATUS_CODES[cls]]  # type: ignore[index]
-    return grpc.StatusCode.INTERNAL
+    name = next((STATUS_CODES[cls] for cls in type(error).__mro__ if cls in STATUS_CODES), "INTERNAL")
+    return grpc.StatusCode[name]  # type: ignore[index]
 
 
 def error_from_status(code: grpc.StatusCode, message: str, error_name: str | None = None) -> WeightServerError:

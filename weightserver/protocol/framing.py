@@ -14,11 +14,6 @@ _LENGTH_DELIMITED = 2
 Progress = Callable[[int, int], None]  # (bytes so far, total bytes)
 
 
-def _chunk_tag(message: type[Message]) -> bytes:
-    number = message.DESCRIPTOR.fields_by_name["chunk"].number
-    return _varint(number << 3 | _LENGTH_DELIMITED)
-
-
 def _varint(value: int) -> bytes:
     out = bytearray()
     while True:
@@ -30,8 +25,8 @@ def _varint(value: int) -> bytes:
         out.append(byte | 0x80)
 
 
-FETCH_CHUNK_TAG = _chunk_tag(pb.FetchResponse)
-PUBLISH_CHUNK_TAG = _chunk_tag(pb.PublishRequest)
+FETCH_CHUNK_TAG = _varint(pb.FetchResponse.DESCRIPTOR.fields_by_name["chunk"].number << 3 | _LENGTH_DELIMITED)
+PUBLISH_CHUNK_TAG = _varint(pb.PublishRequest.DESCRIPTOR.fields_by_name["chunk"].number << 3 | _LENGTH_DELIMITED)
 
 
 def chunk_messages(

@@ -91,15 +91,12 @@ def parse_header(
         raise InvalidSafetensors(f"header lists {tensor_count} tensors, over the limit of {max_tensors} tensors")
 
     metadata = obj.pop(METADATA_KEY, None)
-    if metadata is not None and (
-        not isinstance(metadata, dict)
-        or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
-    ):
+    # (JSON's keys are strings)
+    if metadata is not None and not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
         raise InvalidSafetensors(f"{METADATA_KEY!r} must map strings to strings")
 
-    entries = [_parse_entry(name, spec) for name, spec in obj.items()]
+    entries = sorted((_parse_entry(name, spec) for name, spec in obj.items()), key=lambda e: (e.begin, e.end))
     _check_layout(entries, size - 8 - header_len)
-    entries.sort(key=lambda e: (e.begin, e.end))
     return SafetensorsHeader(tuple(entries), metadata, 8 + header_len)
 
 
@@ -111,13 +108,11 @@ def _parse_entry(name: str, spec: object) -> TensorEntry:
         raise InvalidSafetensors(f"{tensor}: expected an object with dtype, shape, data_offsets")
     if missing := {"dtype", "shape", "data_offsets"} - spec.keys():
         raise InvalidSafetensors(f"{tensor}: missing {', '.join(sorted(missing))}")
-    dtype = spec["dtype"]
+    dtype, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
     if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
         raise InvalidSafetensors(f"{tensor}: unknown dtype {clipped_repr(dtype)}; known: {', '.join(DTYPE_SIZES)}")
-    shape = spec["shape"]
     if not isinstance(shape, list) or not all(_is_uint(d) for d in shape):
         raise InvalidSafetensors(f"{tensor}: shape must be a list of non-negative integers, got {clipped_repr(shape)}")
-    offsets = spec["data_offsets"]
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_uint(o) for o in offsets)):
         raise InvalidSafetensors(f"{tensor}: data_offsets must be [begin, end], got {clipped_repr(offsets)}")
     begin, end = offsets
@@ -137,9 +132,9 @@ def _is_uint(value: object) -> bool:
 
 
 def _check_layout(entries: list[TensorEntry], data_len: int) -> None:
-    """Tensors must tile the data section exactly: in bounds, no overlap, no gap, no tail."""
+    """Tensors (sorted by offset) must tile the data section exactly: in bounds, no overlap, no gap, no tail."""
     position = 0
-    for entry in sorted(entries, key=lambda e: (e.begin, e.end)):
+    for entry in entries:
         if entry.end > data_len or entry.begin != position:
             offsets = f"tensor {clipped_repr(entry.name)}: data_offsets [{entry.begin}, {entry.end}]"
             if entry.end > data_len:
@@ -160,9 +155,7 @@ def build_header(
 ) -> tuple[bytes, list[TensorEntry]]:
     """The length prefix and JSON header framing `entries` ``(name, dtype, shape, nbytes)``, and the
     placed entries. Padded to 8 bytes, as the safetensors package does, so 8-byte dtypes stay aligned."""
-    header: dict[str, object] = {}
-    if metadata:
-        header[METADATA_KEY] = dict(metadata)
+    header: dict[str, object] = {METADATA_KEY: dict(metadata)} if metadata else {}
     placed = []
     position = 0
     for name, dtype, shape, nbytes in entries:

@@ -25,13 +25,8 @@ Cut = tuple[int, int, int] | None  # (dim, start, stop) of a tensor; None: the w
 # Tensor-parallel layout of Llama-style models (transformers' names): column-parallel projections
 # and the vocabulary along 0, row-parallel ones along 1; norms are left to `rest` (whole).
 LLAMA_PLAN: Mapping[str, int] = {
-    "*.q_proj.weight": 0,
-    "*.k_proj.weight": 0,
-    "*.v_proj.weight": 0,
-    "*.gate_proj.weight": 0,
-    "*.up_proj.weight": 0,
-    "*.o_proj.weight": 1,
-    "*.down_proj.weight": 1,
+    **{f"*.{name}_proj.weight": 0 for name in ("q", "k", "v", "gate", "up")},
+    **{f"*.{name}_proj.weight": 1 for name in ("o", "down")},
     "*.embed_tokens.weight": 0,
     "lm_head.weight": 0,
 }
@@ -84,8 +79,7 @@ class TensorRule:
         return name.startswith(self.pattern) if self.match == "prefix" else name == self.pattern
 
     def cut(self, entry: TensorEntry) -> Cut:
-        """This rule's part of `entry` (normalised: a slice of a whole dimension is None); InvalidRequest
-        when it does not fit."""
+        """This rule's part of `entry` (a slice of a whole dimension: None); InvalidRequest if it does not fit."""
         if self.dim is None:
             return None
         what = f"rule {self} on tensor {clipped_repr(entry.name)} of shape {list(entry.shape)}"

@@ -1,8 +1,5 @@
-"""A version's description: the one conversion between weights.proto's VersionInfo and Python.
-
-The server builds the message from its record's plain fields (`version_message`); the client
-reads it back as a `VersionInfo` (`VersionInfo.from_proto`).
-"""
+"""A version's description: the one conversion between weights.proto's VersionInfo and Python. The
+server builds the message from its record (`version_message`); a client reads it back (`VersionInfo.from_proto`)."""
 
 from __future__ import annotations
 
@@ -16,28 +13,9 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from weightserver.protocol.safetensors_format import TensorEntry
 from weightserver.v1 import weights_pb2 as pb
 
-
-class VersionRecord(Protocol):
-    """What a server keeps of a version that its description is built from (the store's record)."""
-
-    model: str
-    version: int
-    byte_size: int
-    sha256: str
-    created: float  # seconds since the epoch
-    metadata: Mapping[str, str]
-    header: Any  # its safetensors header: `.tensors`, each a TensorEntry
-    tensor_xxh3: Mapping[str, str]
-    pinned: bool
-    group: tuple[str, ...]
-    xxh3: str
-
-
-class SummaryRecord(Protocol):
-    model: str
-    latest_version: int
-    version_count: int
-    retained_bytes: int
+# Fields copied as they are between a record, the wire's message and VersionInfo (or ModelSummary).
+_COPIED = ("model", "version", "byte_size", "sha256", "pinned", "xxh3")
+_SUMMARY = ("model", "latest_version", "version_count", "retained_bytes")
 
 
 class SelectionRecord(Protocol):
@@ -45,8 +23,27 @@ class SelectionRecord(Protocol):
 
     byte_size: int
     xxh3: str
-    header: Any
+    header: Any  # its safetensors header: `.tensors`, each a TensorEntry
     tensor_xxh3: Mapping[str, str]
+
+
+class VersionRecord(SelectionRecord, Protocol):
+    """What a server keeps of a version that its description is built from (the store's record)."""
+
+    model: str
+    version: int
+    sha256: str
+    created: float  # seconds since the epoch
+    metadata: Mapping[str, str]
+    pinned: bool
+    group: tuple[str, ...]
+
+
+class SummaryRecord(Protocol):
+    model: str
+    latest_version: int
+    version_count: int
+    retained_bytes: int
 
 
 def _tensor_messages(record: VersionRecord | SelectionRecord) -> list[pb.TensorInfo]:
@@ -72,18 +69,12 @@ def version_message(record: VersionRecord) -> pb.VersionInfo:
     """The wire's VersionInfo of a server's record."""
     created = Timestamp()
     created.FromNanoseconds(int(record.created * 1e9))
-    tensors = _tensor_messages(record)
     return pb.VersionInfo(
-        model=record.model,
-        version=record.version,
-        byte_size=record.byte_size,
-        sha256=record.sha256,
+        **{name: getattr(record, name) for name in _COPIED},
         created=created,
         metadata=dict(record.metadata),
-        tensors=tensors,
-        pinned=record.pinned,
+        tensors=_tensor_messages(record),
         group=list(record.group),
-        xxh3=record.xxh3,
     )
 
 
@@ -93,12 +84,7 @@ def description_bytes(record: VersionRecord) -> int:
 
 
 def summary_message(info: SummaryRecord) -> pb.ModelSummary:
-    return pb.ModelSummary(
-        model=info.model,
-        latest_version=info.latest_version,
-        version_count=info.version_count,
-        retained_bytes=info.retained_bytes,
-    )
+    return pb.ModelSummary(**{name: getattr(info, name) for name in _SUMMARY})
 
 
 @dataclass(frozen=True)
@@ -126,18 +112,14 @@ class VersionInfo:
 
     @classmethod
     def from_proto(cls, message: pb.VersionInfo) -> VersionInfo:
+        created_ns = message.created.ToNanoseconds()
         return cls(
-            model=message.model,
-            version=message.version,
-            byte_size=message.byte_size,
-            sha256=message.sha256,
-            created=datetime.fromtimestamp(message.created.ToNanoseconds() / 1e9, tz=timezone.utc),
+            **{name: getattr(message, name) for name in _COPIED},
+            created=datetime.fromtimestamp(created_ns / 1e9, tz=timezone.utc),
             metadata=dict(message.metadata),
             tensors=_tensors(message.tensors),
-            pinned=message.pinned,
             group=tuple(message.group),
-            xxh3=message.xxh3,
-            created_ns=message.created.ToNanoseconds(),
+            created_ns=created_ns,
         )
 
     def selected(self, selection: pb.SelectionInfo) -> VersionInfo:
