@@ -96,16 +96,11 @@ class StagedUploads:
 
     def _sweep(self) -> None:
         while not self._closed.wait(SWEEP_SECONDS):
-            self._expire()
-
-    def _expire(self) -> None:
-        since = time.monotonic() - UPLOAD_TTL_SECONDS
-        with self._lock:
-            expired = [u for u in self._uploads.values() if u.active < since]
-            for upload in expired:
-                del self._uploads[upload.id]
-        for upload in expired:
-            log.info(
-                "upload %s of %r (%s) expired unused; its bytes are dropped", upload.id, upload.model, upload.transport
-            )
-            upload.discard()
+            since = time.monotonic() - UPLOAD_TTL_SECONDS
+            with self._lock:
+                expired = [self._uploads.pop(u.id) for u in list(self._uploads.values()) if u.active < since]
+            for gone in expired:
+                log.info(
+                    "upload %s of %r (%s) expired unused; its bytes are dropped", gone.id, gone.model, gone.transport
+                )
+                gone.discard()

@@ -58,6 +58,7 @@ class Sha256Worker:
             self._hash((record.model, record.version), record.created)
 
     def sha256_of(self, record: Version, *, hurry: bool = True) -> Future[str]:
+        """`record`'s sha256, once hashed (`hurry`: now, else after a delay); VersionNotFound if it went first."""
         with self._lock:
             pending = self._pending.get((record.model, record.version))
             if pending is not None and not record.sha256:

@@ -140,8 +140,7 @@ class Disk:
         for model, state in models.items():
             for number, record in list(state.versions.items()):
                 for partner in record.group:
-                    other = models.get(partner)
-                    held = other.versions if other else {}
+                    held = models[partner].versions if partner in models else {}
                     torn = (model, number, partner)
                     if partner != model and number not in held and number > max(held, default=0):
                         log.error("skipping %s v%d: its group with %s did not complete before a crash", *torn)
