@@ -96,9 +96,8 @@ class ServerMetrics(NoMetrics):
         relay: bool = False,
     ) -> None:
         self.registry = CollectorRegistry()
-        ProcessCollector(registry=self.registry)
-        PlatformCollector(registry=self.registry)
-        GCCollector(registry=self.registry)
+        for collector in (ProcessCollector, PlatformCollector, GCCollector):
+            collector(registry=self.registry)
         self._transports = tuple(transports)
         self._http: tuple[WSGIServer, threading.Thread] | None = None
         self._max_tracked_clients = max_tracked_clients

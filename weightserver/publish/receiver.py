@@ -102,10 +102,19 @@ class IncomingModel:
     def arrived(self, end: int) -> None:
         """Bytes [0, end) are in: hash them while the next arrive (a bulk transfer waits at its end,
         so that a malformed header stops it before its acknowledgement)."""
-        self.received = end
-        self._landed(end)
+        self.received, self.active = end, time.monotonic()
+        if self.announcement is None and self.total_bytes:
+            assert self.buffer is not None
+            self.announcement = self.announcements.start(self.model, self.buffer)
+        if self.announcement is not None:
+            self.announcement.advance(end)
         if end - self._handed >= HASH_STRETCH or end == self.total_bytes:
-            self._hash_to(end)
+            if self._hashed is not None and self._hashed.done():
+                self._hashed.result()  # what an earlier stretch raised stops the transfer early
+            if self._hashing is None:
+                self._hashing = ThreadPoolExecutor(1, thread_name_prefix=f"weightserver-{self.transport}-upload-hash")
+            self._handed = end
+            self._hashed = self._hashing.submit(self._hash, end)
         if end == self.total_bytes and self.transport == "bulk":
             self._hashing_done()
 
@@ -218,23 +227,6 @@ class IncomingModel:
             self.announcement.fail(why)  # followers that took bytes early drop them
         if self.file is not None and self.file.path.exists():
             self.file.abort()
-
-    def _landed(self, end: int) -> None:
-        self.active = time.monotonic()
-        if self.announcement is None and self.total_bytes:
-            assert self.buffer is not None
-            self.announcement = self.announcements.start(self.model, self.buffer)
-        if self.announcement is not None:
-            self.announcement.advance(end)
-
-    def _hash_to(self, end: int) -> None:
-        """Hash up to `end`; raise what an earlier stretch raised, to stop early."""
-        if self._hashed is not None and self._hashed.done():
-            self._hashed.result()
-        if self._hashing is None:
-            self._hashing = ThreadPoolExecutor(1, thread_name_prefix=f"weightserver-{self.transport}-upload-hash")
-        self._handed = end
-        self._hashed = self._hashing.submit(self._hash, end)
 
     def _hash(self, end: int) -> None:
         if self.digests is not None:

@@ -175,9 +175,8 @@ def derive(
     else:
         built = [one(entry) for entry in kept]
     encoded = {name: form for name, _, _, _, form in built if form}
-    selected = [item[:4] for item in built]
     # Largest elements first keeps every tensor aligned, as in our own encoder.
-    selected.sort(key=lambda item: (-DTYPE_SIZES[item[1]], item[0]))
+    selected = sorted((item[:4] for item in built), key=lambda item: (-DTYPE_SIZES[item[1]], item[0]))
     metadata = {ENCODING_KEY: json.dumps(encoded, separators=(",", ":"))} if encoded else None
     prefix, _ = build_header(((n, d, s, len(raw)) for n, d, s, raw in selected), metadata)
     return b"".join([prefix, *(raw for *_, raw in selected)])
