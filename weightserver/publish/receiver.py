@@ -2,8 +2,7 @@
 
 The bytes land in a buffer of the declared size (a shared-memory file when there is room, then
 served from there); each stretch is hashed in the model's own thread as it lands, so no pass
-over the bytes follows the transfer, and announced to cut-through watchers.
-"""
+over the bytes follows the transfer, and announced to cut-through watchers."""
 
 from __future__ import annotations
 

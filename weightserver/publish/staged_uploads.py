@@ -1,6 +1,5 @@
 """StagedUploads: uploads Negotiate set up (bulk, shm) under a random id only their caller's token
-may name, until a Publish names them; a claim that does not match leaves it to its owner.
-"""
+may name, until a Publish names them; a claim that does not match leaves it to its owner."""
 
 from __future__ import annotations
 
