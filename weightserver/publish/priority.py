@@ -119,18 +119,16 @@ class PublishTurn:
 
     def _stop_waiting(self) -> None:
         """End the waiting hold, if one runs: what it took is spent, the rest goes back."""
-        if self._expiry is not None:
-            self._expiry.cancel()
-            self._expiry = None
-        if self._waiting_since is None:
+        if self._expiry is None or self._waiting_since is None:  # (both are set, or neither)
             return
+        self._expiry.cancel()
         now = asyncio.get_running_loop().time()
         used = min(now - self._waiting_since, self._granted)
         self._spent += used
         bucket = self._owner._bucket(self._caller, now)
         bucket.level = min(COMMIT_FIRST_SECONDS, bucket.level + self._granted - used)
         bucket.holding -= 1
-        self._waiting_since, self._granted = None, 0.0
+        self._waiting_since, self._granted, self._expiry = None, 0.0, None
 
     def _set_held(self, held: bool) -> None:
         if held != self._held:
