@@ -108,7 +108,6 @@ class ServerConfig:
 
     @property
     def upstream_uses_tls(self) -> bool:
-        """A relay dials its upstream over TLS."""
         return self.upstream_tls or any((self.upstream_tls_ca, self.upstream_tls_cert, self.upstream_tls_key))
 
     @property

@@ -63,8 +63,7 @@ class StagedUploads:
             upload = self._uploads.get(upload_id)
             claimed = upload is not None and upload.owner == owner
             if claimed and (upload.model, upload.total_bytes) == (model, total_bytes):
-                del self._uploads[upload_id]
-                return upload
+                return self._uploads.pop(upload_id)
         if upload is None:
             raise UploadNotFound(
                 f"model {model!r}: upload {clipped_repr(upload_id)} is unknown, used already or expired (uploads "

@@ -48,8 +48,7 @@ class Disk:
         written: list[Path] = []
         try:
             with self.writes(), ThreadPoolExecutor(thread_name_prefix="weightserver-sha256") as pool:
-                missing = [(i, r) for i, r in enumerate(records) if not r.sha256]
-                hashing = {i: pool.submit(after_commit, r) for i, r in missing}
+                hashing = {i: pool.submit(after_commit, r) for i, r in enumerate(records) if not r.sha256}
                 for record in records:
                     (self.data_dir / record.model).mkdir(parents=True, exist_ok=True)
                     written.append(self.paths(record.model, record.version)[0])
