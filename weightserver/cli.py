@@ -84,18 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_log_options(parser: argparse.ArgumentParser, default: object) -> None:
-    parser.add_argument(
-        "--log-level",
-        default=default,
-        choices=["debug", "info", "warning", "error"],
-        help="log verbosity (default: $WEIGHTSERVER_LOG_LEVEL, else info)",
-    )
-    parser.add_argument(
-        "--log-format",
-        default=default,
-        choices=LOG_FORMATS,
-        help="text lines, or json: one object per line with its fields (default: $WEIGHTSERVER_LOG_FORMAT, else text)",
-    )
+    levels, level = ["debug", "info", "warning", "error"], "log verbosity (default: $WEIGHTSERVER_LOG_LEVEL, else info)"
+    parser.add_argument("--log-level", default=default, choices=levels, help=level)
+    formats = "text lines, or json: one object per line with its fields (default: $WEIGHTSERVER_LOG_FORMAT, else text)"
+    parser.add_argument("--log-format", default=default, choices=LOG_FORMATS, help=formats)
 
 
 def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -153,15 +145,14 @@ def _add_client_commands(commands: argparse._SubParsersAction[argparse.ArgumentP
     def command(name: str, help_text: str, handler: Handler, *, model: bool = True) -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=help_text, description=help_text[0].upper() + help_text[1:] + ".")
         sub.set_defaults(handler=handler)
-        sub.add_argument("--server", help="host:port (default: $WEIGHTSERVER_ADDRESS, else localhost:50051)")
-        sub.add_argument("--token-file", type=Path, help="file of the bearer token (default: $WEIGHTSERVER_TOKEN)")
-        sub.add_argument(
-            "--tls-ca", type=Path, metavar="PEM", help="TLS trusting this CA (default: $WEIGHTSERVER_TLS_CA)"
-        )
-        sub.add_argument("--tls-cert", type=Path, metavar="PEM", help="client certificate (mutual TLS)")
-        sub.add_argument("--tls-key", type=Path, metavar="PEM", help="private key of --tls-cert")
+        option = sub.add_argument
+        option("--server", help="host:port (default: $WEIGHTSERVER_ADDRESS, else localhost:50051)")
+        option("--token-file", type=Path, help="file of the bearer token (default: $WEIGHTSERVER_TOKEN)")
+        option("--tls-ca", type=Path, metavar="PEM", help="TLS trusting this CA (default: $WEIGHTSERVER_TLS_CA)")
+        option("--tls-cert", type=Path, metavar="PEM", help="client certificate (mutual TLS)")
+        option("--tls-key", type=Path, metavar="PEM", help="private key of --tls-cert")
         if model:
-            sub.add_argument("--model", required=True, help="model name, e.g. policy")
+            option("--model", required=True, help="model name, e.g. policy")
         return sub
 
     def version(sub: argparse.ArgumentParser, help_text: str, **kwargs: object) -> None:
@@ -322,16 +313,9 @@ def cmd_pin(args: argparse.Namespace) -> int:
 
 
 def _info_json(info: VersionInfo) -> dict[str, object]:
-    return {
-        "model": info.model,
-        "version": info.version,
-        "byte_size": info.byte_size,
-        "sha256": info.sha256,
-        "created": info.created.isoformat(),
-        "metadata": info.metadata,
-        "pinned": info.pinned,
-        "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in info.tensors],
-    }
+    fields = {k: getattr(info, k) for k in ("model", "version", "byte_size", "sha256", "created", "metadata", "pinned")}
+    tensors = [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in info.tensors]
+    return {**fields, "created": info.created.isoformat(), "tensors": tensors}
 
 
 class TransferProgress(contextlib.AbstractContextManager):

@@ -54,16 +54,13 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 65535:
                 raise ValueError(f"{name} must be in 0-65535{'' if name == 'port' else ' or None'}, got {value}")
-        for name in ("keep", "bulk_max_connections", "max_concurrent_streams", "max_stream_fetches"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_model_bytes < 8:
-            raise ValueError(f"max_model_bytes must be >= 8, got {self.max_model_bytes}")
+        least = {"keep": 1, "bulk_max_connections": 1, "max_concurrent_streams": 1, "max_stream_fetches": 1}
+        for name, low in {**least, "max_model_bytes": 8, "grace_seconds": 0}.items():
+            if getattr(self, name) < low:
+                raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
         low, high = limits.MIN_CHUNK_BYTES, limits.MAX_CHUNK_BYTES
         if not low <= self.chunk_bytes <= high:
             raise ValueError(f"chunk_bytes must be in [{low}, {high}], got {self.chunk_bytes}")
-        if self.grace_seconds < 0:
-            raise ValueError(f"grace_seconds must be >= 0, got {self.grace_seconds}")
         if self.shm_dir not in (None, "auto"):
             object.__setattr__(self, "shm_dir", Path(self.shm_dir))
         paths = ("data_dir", "auth_tokens", "tls_cert", "tls_key", "tls_client_ca")
@@ -111,7 +108,6 @@ class ServerConfig:
 
     @property
     def upstream_uses_tls(self) -> bool:
-        """A relay dials its upstream over TLS."""
         return self.upstream_tls or any((self.upstream_tls_ca, self.upstream_tls_cert, self.upstream_tls_key))
 
     @property

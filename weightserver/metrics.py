@@ -96,9 +96,8 @@ class ServerMetrics(NoMetrics):
         relay: bool = False,
     ) -> None:
         self.registry = CollectorRegistry()
-        ProcessCollector(registry=self.registry)
-        PlatformCollector(registry=self.registry)
-        GCCollector(registry=self.registry)
+        for collector in (ProcessCollector, PlatformCollector, GCCollector):
+            collector(registry=self.registry)
         self._transports = tuple(transports)
         self._http: tuple[WSGIServer, threading.Thread] | None = None
         self._max_tracked_clients = max_tracked_clients
@@ -146,10 +145,8 @@ class ServerMetrics(NoMetrics):
     ) -> None:
         self.fetch_bytes.labels(model, transport).inc(nbytes)
         self.fetch_seconds.labels(model, transport).observe(seconds)
-        if client_id is None:
-            return
         with self._lock:
-            if not self._track(client_id):
+            if client_id is None or not self._track(client_id):
                 return
             self._client_versions.setdefault(model, {})[client_id] = version
             latest = max(self._reference(model), version)
@@ -226,9 +223,8 @@ class ServerMetrics(NoMetrics):
         """Serve /metrics over plain HTTP on host:port (0: a free port); return the bound port."""
         if self._http is not None:
             raise RuntimeError("metrics already served")
-        httpd, thread = start_http_server(port, addr=host, registry=self.registry)
-        self._http = (httpd, thread)
-        return httpd.server_port
+        self._http = start_http_server(port, addr=host, registry=self.registry)
+        return self._http[0].server_port
 
     def close(self) -> None:
         if self._http is None:

@@ -198,9 +198,8 @@ class WeightServer:
                 )
             if self.tokens is not None:
                 self.shared_memory.directory.chmod(0o700)  # tokens guard calls; permissions guard files
-        server = grpc.aio.server(
-            options=[*GRPC_OPTIONS, ("grpc.max_concurrent_streams", config.max_concurrent_streams)]
-        )
+        options = [*GRPC_OPTIONS, ("grpc.max_concurrent_streams", config.max_concurrent_streams)]
+        server = grpc.aio.server(options=options)
         try:
             if config.metrics_port is not None:
                 offered = {"bulk": self.bulk, "shm": self.shared_memory}

@@ -1,7 +1,6 @@
 """A Publish call: per model a header, then chunks or a staged upload's id, then one commit message.
 
-Commits run in threads of their own, so that no backlog of casts and deltas queues before them.
-"""
+Commits run in threads of their own, so that no backlog of casts and deltas queues before them."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Incoming publishes (cut-through): a watcher fetches a publish's bytes while they arrive and
-applies them once the commit event names them and the xxh3 matches, so a failed one never is.
-"""
+applies them once the commit event names them and the xxh3 matches, so a failed one never is."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 COMMIT_FIRST_SECONDS) before its next chunk, so the version every collector waits for does not
 queue behind their chunks on the loop. A publish holds from its commit message to its end, and
 after a header or `uploaded` while budgets last (per publish, and per caller refilling at
-CALLER_REFILL s/s, so a stalling or reopening publisher gains nothing); never while chunks arrive.
-"""
+CALLER_REFILL s/s, so a stalling or reopening publisher gains nothing); never while chunks arrive."""
 
 from __future__ import annotations
 
@@ -91,16 +90,14 @@ class PublishTurn:
             self._stop_waiting()
             self._set_held(False)
 
-    def bytes_in(self) -> None:
-        """The commit message: hold until `release()`."""
+    def bytes_in(self, committing: bool = True) -> None:
+        """The commit message: hold until `release()`, which ends it."""
         self._stop_waiting()
-        self._committing = True
-        self._set_held(True)
+        self._committing = committing
+        self._set_held(committing)
 
     def release(self) -> None:
-        self._stop_waiting()
-        self._committing = False
-        self._set_held(False)
+        self.bytes_in(committing=False)
 
     def header(self) -> None:
         """A header or `uploaded`: hold for as long as the budgets allow, from now."""
@@ -122,24 +119,19 @@ class PublishTurn:
 
     def _stop_waiting(self) -> None:
         """End the waiting hold, if one runs: what it took is spent, the rest goes back."""
-        if self._expiry is not None:
-            self._expiry.cancel()
-            self._expiry = None
-        if self._waiting_since is None:
+        if self._expiry is None or self._waiting_since is None:  # (both are set, or neither)
             return
+        self._expiry.cancel()
         now = asyncio.get_running_loop().time()
         used = min(now - self._waiting_since, self._granted)
         self._spent += used
         bucket = self._owner._bucket(self._caller, now)
         bucket.level = min(COMMIT_FIRST_SECONDS, bucket.level + self._granted - used)
         bucket.holding -= 1
-        self._waiting_since, self._granted = None, 0.0
+        self._waiting_since, self._granted, self._expiry = None, 0.0, None
 
     def _set_held(self, held: bool) -> None:
         if held != self._held:
             self._held, owner = held, self._owner
             owner._holding += 1 if held else -1
-            if owner._holding:
-                owner._none.clear()
-            else:
-                owner._none.set()
+            (owner._none.clear if owner._holding else owner._none.set)()

@@ -2,8 +2,7 @@
 
 The bytes land in a buffer of the declared size (a shared-memory file when there is room, then
 served from there); each stretch is hashed in the model's own thread as it lands, so no pass
-over the bytes follows the transfer, and announced to cut-through watchers.
-"""
+over the bytes follows the transfer, and announced to cut-through watchers."""
 
 from __future__ import annotations
 
@@ -11,6 +10,7 @@ import functools
 import secrets
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import KW_ONLY, dataclass, field
 
 from weightserver.protocol import page_tables, version_info
 from weightserver.protocol.digests import FileDigests, IncomingDigests, tensor_digests, xxh3_hex
@@ -35,38 +35,32 @@ def _tensor_hashing() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(2, thread_name_prefix="weightserver-tensor-hash")  # xxhash lets go of the GIL
 
 
+@dataclass(eq=False, repr=False)  # compared and shown as an object: it holds a buffer
 class IncomingModel:
     """One model's bytes on their way into a publish, over "stream", "bulk" or "shm"."""
 
-    def __init__(
-        self,
-        header: pb.PublishHeader,
-        transport: str = "stream",
-        *,
-        shared_memory: SharedMemoryFiles | None,
-        header_limits: dict[str, int],
-        announcements: IncomingPublishes,
-        owner: bytes | None = None,
-    ) -> None:
-        self.id = secrets.token_hex(16)
-        self.header, self.transport = header, transport
-        self.owner = owner  # the token that may name a staged upload
-        self.active = time.monotonic()  # when its bytes last moved (a staged upload expires after)
-        self.shared_memory, self.header_limits = shared_memory, header_limits
-        self.announcements = announcements
-        self.announcement: IncomingPublish | None = None  # told to watchers with the first bytes
-        self.file: UploadFile | None = None  # the buffer's file, removed unless committed
-        self.buffer: memoryview | None = None
-        self.digests: IncomingDigests | None = None
-        self.received = 0  # bytes [0, received) are in (or, for a writer's, announced)
-        self.complete = False  # a bulk transfer's end: every byte is in
-        self.moved = False  # `uploaded` came: the staged upload holds every byte
-        self.failure: BaseException | None = None  # why a bulk transfer stopped short
-        self.committed = False  # whether these bytes became a version (not so for a repeat)
-        self.declared_tensors: dict[str, str] = {}  # a same-host writer's tensor xxh3s (`uploaded`)
-        self._handed = 0  # bytes handed to the hashing thread
-        self._hashing: ThreadPoolExecutor | None = None
-        self._hashed: Future[None] | None = None
+    header: pb.PublishHeader
+    transport: str = "stream"
+    _: KW_ONLY
+    shared_memory: SharedMemoryFiles | None
+    header_limits: dict[str, int]
+    announcements: IncomingPublishes
+    owner: bytes | None = None  # the token that may name a staged upload
+    id: str = field(default_factory=lambda: secrets.token_hex(16))
+    active: float = field(default_factory=time.monotonic)  # when its bytes last moved (a staged upload expires after)
+    announcement: IncomingPublish | None = None  # told to watchers with the first bytes
+    file: UploadFile | None = None  # the buffer's file, removed unless committed
+    buffer: memoryview | None = None
+    digests: IncomingDigests | None = None
+    received: int = 0  # bytes [0, received) are in (or, for a writer's, announced)
+    complete: bool = False  # a bulk transfer's end: every byte is in
+    moved: bool = False  # `uploaded` came: the staged upload holds every byte
+    failure: BaseException | None = None  # why a bulk transfer stopped short
+    committed: bool = False  # whether these bytes became a version (not so for a repeat)
+    declared_tensors: dict[str, str] = field(default_factory=dict)  # a same-host writer's tensor xxh3s (`uploaded`)
+    _handed: int = 0  # bytes handed to the hashing thread
+    _hashing: ThreadPoolExecutor | None = None
+    _hashed: Future[None] | None = None
 
     @property
     def model(self) -> str:
@@ -102,10 +96,19 @@ class IncomingModel:
     def arrived(self, end: int) -> None:
         """Bytes [0, end) are in: hash them while the next arrive (a bulk transfer waits at its end,
         so that a malformed header stops it before its acknowledgement)."""
-        self.received = end
-        self._landed(end)
+        self.received, self.active = end, time.monotonic()
+        if self.announcement is None and self.total_bytes:
+            assert self.buffer is not None
+            self.announcement = self.announcements.start(self.model, self.buffer)
+        if self.announcement is not None:
+            self.announcement.advance(end)
         if end - self._handed >= HASH_STRETCH or end == self.total_bytes:
-            self._hash_to(end)
+            if self._hashed is not None and self._hashed.done():
+                self._hashed.result()  # what an earlier stretch raised stops the transfer early
+            if self._hashing is None:
+                self._hashing = ThreadPoolExecutor(1, thread_name_prefix=f"weightserver-{self.transport}-upload-hash")
+            self._handed = end
+            self._hashed = self._hashing.submit(self._hash, end)
         if end == self.total_bytes and self.transport == "bulk":
             self._hashing_done()
 
@@ -218,23 +221,6 @@ class IncomingModel:
             self.announcement.fail(why)  # followers that took bytes early drop them
         if self.file is not None and self.file.path.exists():
             self.file.abort()
-
-    def _landed(self, end: int) -> None:
-        self.active = time.monotonic()
-        if self.announcement is None and self.total_bytes:
-            assert self.buffer is not None
-            self.announcement = self.announcements.start(self.model, self.buffer)
-        if self.announcement is not None:
-            self.announcement.advance(end)
-
-    def _hash_to(self, end: int) -> None:
-        """Hash up to `end`; raise what an earlier stretch raised, to stop early."""
-        if self._hashed is not None and self._hashed.done():
-            self._hashed.result()
-        if self._hashing is None:
-            self._hashing = ThreadPoolExecutor(1, thread_name_prefix=f"weightserver-{self.transport}-upload-hash")
-        self._handed = end
-        self._hashed = self._hashing.submit(self._hash, end)
 
     def _hash(self, end: int) -> None:
         if self.digests is not None:

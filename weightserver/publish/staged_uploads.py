@@ -1,6 +1,5 @@
 """StagedUploads: uploads Negotiate set up (bulk, shm) under a random id only their caller's token
-may name, until a Publish names them; a claim that does not match leaves it to its owner.
-"""
+may name, until a Publish names them; a claim that does not match leaves it to its owner."""
 
 from __future__ import annotations
 
@@ -64,8 +63,7 @@ class StagedUploads:
             upload = self._uploads.get(upload_id)
             claimed = upload is not None and upload.owner == owner
             if claimed and (upload.model, upload.total_bytes) == (model, total_bytes):
-                del self._uploads[upload_id]
-                return upload
+                return self._uploads.pop(upload_id)
         if upload is None:
             raise UploadNotFound(
                 f"model {model!r}: upload {clipped_repr(upload_id)} is unknown, used already or expired (uploads "
@@ -96,16 +94,11 @@ class StagedUploads:
 
     def _sweep(self) -> None:
         while not self._closed.wait(SWEEP_SECONDS):
-            self._expire()
-
-    def _expire(self) -> None:
-        since = time.monotonic() - UPLOAD_TTL_SECONDS
-        with self._lock:
-            expired = [u for u in self._uploads.values() if u.active < since]
-            for upload in expired:
-                del self._uploads[upload.id]
-        for upload in expired:
-            log.info(
-                "upload %s of %r (%s) expired unused; its bytes are dropped", upload.id, upload.model, upload.transport
-            )
-            upload.discard()
+            since = time.monotonic() - UPLOAD_TTL_SECONDS
+            with self._lock:
+                expired = [self._uploads.pop(u.id) for u in list(self._uploads.values()) if u.active < since]
+            for gone in expired:
+                log.info(
+                    "upload %s of %r (%s) expired unused; its bytes are dropped", gone.id, gone.model, gone.transport
+                )
+                gone.discard()

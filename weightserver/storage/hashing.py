@@ -58,6 +58,7 @@ class Sha256Worker:
             self._hash((record.model, record.version), record.created)
 
     def sha256_of(self, record: Version, *, hurry: bool = True) -> Future[str]:
+        """`record`'s sha256, once hashed (`hurry`: now, else after a delay); VersionNotFound if it went first."""
         with self._lock:
             pending = self._pending.get((record.model, record.version))
             if pending is not None and not record.sha256:
@@ -86,18 +87,16 @@ class Sha256Worker:
         state = self._models[model]
         self._hurry.wait(max(0.0, created + SHA256_DELAY_SECONDS - time.time()))
         with self._lock:
-            future = self._pending[key]
             record = state.versions.get(version)
             if self._closed or record is None:
-                del self._pending[key]
-                future.set_exception(self._gone(model, version))
+                self._pending.pop(key).set_exception(self._gone(model, version))
                 return
         fields = after_commit(record)
         with state.commit_lock, self._lock:
             current = state.versions.get(version)
             if current is not None:  # else deleted or evicted while it was being hashed
                 state.versions[version] = dataclasses.replace(current, **fields)
-            del self._pending[key]
+            future = self._pending.pop(key)
             if not self._pending:
                 self._hurry.clear()  # none left that a reader waits for
         future.set_result(fields["sha256"])

@@ -83,9 +83,8 @@ class VersionIndex:
     def get(self, model: str, version: int) -> Version:
         with self._lock:
             state = self._retained(model)
-            record = state.versions.get(version)
-            if record is not None:
-                return record
+            if version in state.versions:
+                return state.versions[version]
             retained = list(state.versions)
             if version in state.deleted:
                 raise VersionNotFound(

@@ -59,6 +59,10 @@ def span(data: File, begin: int, end: int) -> memoryview:
     return data.span(begin, end) if isinstance(data, Pieces) else memoryview(data)[begin:end]
 
 
+def tensor_span(data: File, header: SafetensorsHeader, entry: TensorEntry) -> memoryview:
+    return span(data, header.data_start + entry.begin, header.data_start + entry.end)
+
+
 # model, version, base version, dtype, element delta forms ("+"-joined), selection (Resolved.key)
 PayloadKey = tuple[str, int, int, str, str, str]
 
@@ -151,17 +155,15 @@ def derive(
 ) -> bytes:
     """A new safetensors file with the tensors `keep` selects, float32 ones cast to `dtype`, or each
     written in the smallest of `forms` against the same tensor of `base` (data, header)."""
-    start = header.data_start
     bases = {t.name: t for t in base[1].tensors} if base is not None and forms and not dtype else {}
 
     def one(entry: TensorEntry) -> tuple[str, str, tuple[int, ...], memoryview | bytes, str]:
-        raw = span(data, start + entry.begin, start + entry.end)
+        raw = tensor_span(data, header, entry)
         if dtype and entry.dtype == "F32":
             return entry.name, dtype, entry.shape, cast_f32(raw, dtype), ""
         was = bases.get(entry.name)
         if was is not None:
-            old = span(base[0], base[1].data_start + was.begin, base[1].data_start + was.end)
-            form, raw = deltas.encode(old, raw, DTYPE_SIZES[entry.dtype], forms)
+            form, raw = deltas.encode(tensor_span(*base, was), raw, DTYPE_SIZES[entry.dtype], forms)
             if form:
                 return entry.name, "U8", (len(raw),), raw, form
         return entry.name, entry.dtype, entry.shape, raw, ""
@@ -173,9 +175,8 @@ def derive(
     else:
         built = [one(entry) for entry in kept]
     encoded = {name: form for name, _, _, _, form in built if form}
-    selected = [item[:4] for item in built]
     # Largest elements first keeps every tensor aligned, as in our own encoder.
-    selected.sort(key=lambda item: (-DTYPE_SIZES[item[1]], item[0]))
+    selected = sorted((item[:4] for item in built), key=lambda item: (-DTYPE_SIZES[item[1]], item[0]))
     metadata = {ENCODING_KEY: json.dumps(encoded, separators=(",", ":"))} if encoded else None
     prefix, _ = build_header(((n, d, s, len(raw)) for n, d, s, raw in selected), metadata)
     return b"".join([prefix, *(raw for *_, raw in selected)])
@@ -187,10 +188,9 @@ def select_file(data: Bytes, header: SafetensorsHeader, cuts: Mapping[str, Cut])
     `data`, which the file's pieces view (nothing copied); other cuts are gathered, once."""
     import numpy as np  # only servers that select pay for the import
 
-    view, start = memoryview(data), header.data_start
     parts: list[tuple[str, str, tuple[int, ...], np.ndarray]] = []
     for entry in (e for e in header.tensors if e.name in cuts):
-        raw = np.frombuffer(view[start + entry.begin : start + entry.end], np.uint8)
+        raw = np.frombuffer(tensor_span(data, header, entry), np.uint8)
         dim, low, high = cuts[entry.name] or (0, 0, entry.shape[0] if entry.shape else 1)
         outer = math.prod(entry.shape[:dim])
         row = math.prod(entry.shape[dim + 1 :]) * DTYPE_SIZES[entry.dtype]  # bytes per index along dim
@@ -211,16 +211,9 @@ def select_file(data: Bytes, header: SafetensorsHeader, cuts: Mapping[str, Cut])
 def _any_worth(target, base, forms: tuple[str, ...], unchanged: set[str]) -> bool:
     """Whether an element delta would likely shrink a changed tensor (sampled: see worth_encoding)."""
     was = {t.name: t for t in base.header.tensors}
-    for entry in target.header.tensors:
-        if entry.name in unchanged:
-            continue
-        old = was[entry.name]
-        new_at, old_at = target.header.data_start + entry.begin, base.header.data_start + old.begin
-        new_bytes, old_bytes = (
-            span(target.data, new_at, new_at + entry.nbytes),
-            span(base.data, old_at, old_at + old.nbytes),
-        )
-        if deltas.worth_encoding(old_bytes, new_bytes, DTYPE_SIZES[entry.dtype], forms):
+    for entry in (e for e in target.header.tensors if e.name not in unchanged):
+        old, new = tensor_span(base.data, base.header, was[entry.name]), tensor_span(target.data, target.header, entry)
+        if deltas.worth_encoding(old, new, DTYPE_SIZES[entry.dtype], forms):
             return True
     return False
 
@@ -268,17 +261,11 @@ class PayloadCache:
         key = (target.model, target.version, based, dtype, "+".join(forms), manifest.key if manifest else "")
 
         def build() -> Payload:
-            source = (base.data, base.header) if base is not None else None
+            old = (base.data, base.header) if base is not None else None
             data = derive(
-                target.data,
-                target.header,
-                keep=lambda e: e.name not in unchanged,
-                dtype=dtype,
-                base=source,
-                forms=forms,
+                target.data, target.header, keep=lambda e: e.name not in unchanged, dtype=dtype, base=old, forms=forms
             )
-            base_xxh3 = base.xxh3 if base is not None else ""
-            return Payload(data, xxh3_hex(data), based, dtype, forms, manifest, base_xxh3)
+            return Payload(data, xxh3_hex(data), based, dtype, forms, manifest, base.xxh3 if base is not None else "")
 
         return self._cached(key, build)
 

@@ -48,8 +48,7 @@ class Disk:
         written: list[Path] = []
         try:
             with self.writes(), ThreadPoolExecutor(thread_name_prefix="weightserver-sha256") as pool:
-                missing = [(i, r) for i, r in enumerate(records) if not r.sha256]
-                hashing = {i: pool.submit(after_commit, r) for i, r in missing}
+                hashing = {i: pool.submit(after_commit, r) for i, r in enumerate(records) if not r.sha256}
                 for record in records:
                     (self.data_dir / record.model).mkdir(parents=True, exist_ok=True)
                     written.append(self.paths(record.model, record.version)[0])
@@ -140,8 +139,7 @@ class Disk:
         for model, state in models.items():
             for number, record in list(state.versions.items()):
                 for partner in record.group:
-                    other = models.get(partner)
-                    held = other.versions if other else {}
+                    held = models[partner].versions if partner in models else {}
                     torn = (model, number, partner)
                     if partner != model and number not in held and number > max(held, default=0):
                         log.error("skipping %s v%d: its group with %s did not complete before a crash", *torn)

@@ -9,7 +9,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +55,7 @@ class VersionStore(VersionIndex):
         self._checks = Checks(max_model_bytes, self.header_limits, describe)
         self._publish_ids = PublishIds(self._models)
         self._sha256 = Sha256Worker(self._lock, self._models)
+        self.sha256_of = self._sha256.sha256_of  # `record`'s sha256 as a Future, once hashed
         self._releasing = ThreadPoolExecutor(1, thread_name_prefix="weightserver-release")  # no thread until used
         self._listeners: list[Callable[[Commit], None]] = []
         self._disk = Disk(Path(data_dir), describe) if data_dir is not None else None
@@ -176,9 +177,8 @@ class VersionStore(VersionIndex):
             self._listeners.append(listener)
 
         def unsubscribe() -> None:
-            with self._lock:
-                if listener in self._listeners:
-                    self._listeners.remove(listener)
+            with self._lock, contextlib.suppress(ValueError):
+                self._listeners.remove(listener)
 
         return unsubscribe
 
@@ -212,10 +212,6 @@ class VersionStore(VersionIndex):
                 evicted = state.evict(self.keep)
         self._remove_files(evicted)
         return updated
-
-    def sha256_of(self, record: Version, *, hurry: bool = True) -> Future[str]:
-        """`record`'s sha256, once hashed (`hurry`: now, else after a delay); VersionNotFound if it went first."""
-        return self._sha256.sha256_of(record, hurry=hurry)
 
     def _remove_files(self, records: list[Version]) -> None:  # after the commit locks are released
         if self._disk is not None:
