@@ -136,7 +136,11 @@ def cast_f32(data: memoryview, dtype: str) -> memoryview:
                 out[start : start + block.size] = block
             continue
         bits = block.view("<u4")
-        rounded = (bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16
+        rounded = bits >> 16  # then in place: one temporary per block (each operator would make one)
+        rounded &= 1
+        rounded += 0x7FFF
+        rounded += bits
+        rounded >>= 16
         nan = np.isnan(block)
         if nan.any():  # rounding could carry a NaN's payload into infinity: keep it a quiet NaN
             rounded[nan] = ((bits[nan] >> 16) & 0x8000) | 0x7FC0
