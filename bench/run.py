@@ -54,6 +54,8 @@ ALIASES = {
     "whole_fetch": "sharded_fetch",
     "sharded_fetch_bytes": "sharded_fetch",
     "sharded_fetch_alone": "sharded_fetch",
+    "whole_fetch_alone": "sharded_fetch",
+    "sharded_fetch_vs_alone": "sharded_fetch",
     **{name: "freshness_link" for name in ("raw_fanout_1gbit", "raw_fanout_10gbit")},
     **{name: "freshness_link" for name in ("freshness_link_1gbit", "freshness_link_10gbit")},
     **{name: "freshness_link_lm" for name in ("freshness_link_lm_full", "freshness_link_lm_delta")},
