@@ -229,9 +229,14 @@ def run(args: Any, stop: StopRequest) -> int:
         return 0 if stop else 1
     session.write_report(name, stats.report(reason))
     # Stay until the trainer consumed everything (compose stops all services when it exits).
-    wait_until = time.monotonic() + (10 if stop else args.drain_timeout + 30)
+    signalled = bool(stop)
+    wait_until = time.monotonic() + (10 if signalled else args.drain_timeout + 30)
     while not session.finished() and time.monotonic() < wait_until and still_current(spool, session):
-        time.sleep(0.2)
+        if signalled:
+            time.sleep(0.2)
+        elif stop.wait(0.2):  # stopped while it waits: leave now (a stop kills it 10 s after the signal)
+            reason = stop.signal_name or "signal"
+            break
     final = f"v{stats.applied[-1]}" if stats.applied else "none"
     say(name, f"done ({reason}): {stats.frames} frames, final version {final}")
     return 0

@@ -12,6 +12,7 @@ dependency's HEALTHCHECK as compose does. The Dockerfile's CMD and HEALTHCHECK r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -142,10 +143,14 @@ def exec_form(arguments: str) -> list[str]:
     return command
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(count: int) -> list[str]:
+    """`count` distinct free loopback ports: all held until all are chosen (a port released at
+    once can come back from the next bind; two services were once given the same one)."""
+    with contextlib.ExitStack() as held:
+        sockets = [held.enter_context(socket.socket()) for _ in range(count)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [str(s.getsockname()[1]) for s in sockets]
 
 
 class Loopback:
@@ -155,11 +160,10 @@ class Loopback:
 
     def __init__(self, compose: Mapping[str, Any], tmp_path: Path) -> None:
         self.services = compose["services"]
-        self.ports = {
-            (name, str(port).split(":")[-1]): str(free_port())
-            for name, service in self.services.items()
-            for port in service.get("expose", [])
-        }
+        exposed = [
+            (name, str(port).split(":")[-1]) for name, s in self.services.items() for port in s.get("expose", [])
+        ]
+        self.ports = dict(zip(exposed, free_ports(len(exposed)), strict=True))
         self.volumes = {name: tmp_path / "volumes" / name for name in compose.get("volumes", {})}
         for path in self.volumes.values():
             path.mkdir(parents=True)
@@ -255,10 +259,17 @@ def running(
             ]
         yield started
     finally:
+        # Every process is stopped even when one does not stop in time (that one is killed and its
+        # failure raised after): a raise part-way once left the servers running after the test.
+        late = []
         for processes in reversed(list(started.values())):
             for process in processes:
-                if process.poll() is None:
+                try:
                     stop(process)
+                except subprocess.TimeoutExpired as exc:
+                    late.append(exc)
+        if late:
+            raise late[0]
 
 
 def logs(tmp_path: Path) -> str:

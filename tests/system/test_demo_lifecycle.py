@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+from waiting import wait_until
+
 REPO = Path(__file__).resolve().parents[2]
 # A demo role whose work is done at once, with a teardown as slow as torch's can be on a busy
 # machine: its __del__ runs while the interpreter shuts down.
@@ -48,6 +50,30 @@ def test_sigterm_after_the_work_is_done_leaves_exit_code_0(tmp_path: Path):
             time.sleep(0.5)  # into the slow teardown
             process.send_signal(signal.SIGTERM)
             assert process.wait(timeout=30) == 0
+        finally:
+            if process.poll() is None:
+                process.kill()
+
+
+def test_a_collector_waiting_for_the_trainer_leaves_at_a_sigterm(tmp_path: Path, server):
+    """After its report a collector waits for the trainer to consume its batches (compose stops
+    every service once the trainer exits), for up to the drain timeout + 30 s. A SIGTERM in that
+    wait ends it at once with exit code 0: it once slept on, and a stop killed it 15 s later."""
+    from demo.spool import Spool
+
+    session = Spool(tmp_path).open_session()
+    env = {key: value for key, value in os.environ.items() if key != "DEMO_PARENT_PID"}
+    command = [sys.executable, "-m", "demo.collector", "--spool-dir", str(tmp_path), "--server", server.address]
+    with subprocess.Popen([*command, "--collector-id", "c0"], cwd=REPO, env=env, stdout=subprocess.PIPE) as process:
+        try:
+            wait_until(lambda: session.pending() > 0, timeout=60)  # it joined and collects
+            session.stop(None)
+            wait_until(lambda: "c0" in session.reports(), timeout=60)  # now waiting for the trainer
+            time.sleep(0.5)
+            process.send_signal(signal.SIGTERM)
+            started = time.monotonic()
+            assert process.wait(timeout=30) == 0
+            assert time.monotonic() - started < 5
         finally:
             if process.poll() is None:
                 process.kill()
