@@ -84,10 +84,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_log_options(parser: argparse.ArgumentParser, default: object) -> None:
-    levels, level = ["debug", "info", "warning", "error"], "log verbosity (default: $WEIGHTSERVER_LOG_LEVEL, else info)"
-    parser.add_argument("--log-level", default=default, choices=levels, help=level)
-    formats = "text lines, or json: one object per line with its fields (default: $WEIGHTSERVER_LOG_FORMAT, else text)"
-    parser.add_argument("--log-format", default=default, choices=LOG_FORMATS, help=formats)
+    parser.add_argument(
+        "--log-level",
+        default=default,
+        choices=["debug", "info", "warning", "error"],
+        help="log verbosity (default: $WEIGHTSERVER_LOG_LEVEL, else info)",
+    )
+    parser.add_argument(
+        "--log-format",
+        default=default,
+        choices=LOG_FORMATS,
+        help="text lines, or json: one object per line with its fields (default: $WEIGHTSERVER_LOG_FORMAT, else text)",
+    )
 
 
 def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -313,9 +321,16 @@ def cmd_pin(args: argparse.Namespace) -> int:
 
 
 def _info_json(info: VersionInfo) -> dict[str, object]:
-    fields = {k: getattr(info, k) for k in ("model", "version", "byte_size", "sha256", "created", "metadata", "pinned")}
-    tensors = [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in info.tensors]
-    return {**fields, "created": info.created.isoformat(), "tensors": tensors}
+    return {
+        "model": info.model,
+        "version": info.version,
+        "byte_size": info.byte_size,
+        "sha256": info.sha256,
+        "created": info.created.isoformat(),
+        "metadata": info.metadata,
+        "pinned": info.pinned,
+        "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in info.tensors],
+    }
 
 
 class TransferProgress(contextlib.AbstractContextManager):

@@ -26,8 +26,10 @@ class JsonFormatter(logging.Formatter):
             "message": record.getMessage(),
         }
         entry |= {k: v for k, v in record.__dict__.items() if k not in _STANDARD_ATTRIBUTES and k not in entry}
-        if record.exc_info or record.exc_text:
-            entry["exception"] = self.formatException(record.exc_info) if record.exc_info else record.exc_text
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        elif record.exc_text:
+            entry["exception"] = record.exc_text
         if record.stack_info:
             entry["stack"] = self.formatStack(record.stack_info)
         return json.dumps(entry, default=str)

@@ -208,7 +208,13 @@ class WeightClient(WeightServiceClient):
                     return refetch(" changed since it was fetched")
                 tensors, partial = {**unchanged, **tensors}, False
         return FetchResult(
-            fetched.info, tensors, fetched.data, fetched.base_version, fetched.dtype, partial, fetched.stats
+            fetched.info,
+            tensors,
+            fetched.data,
+            base_version=fetched.base_version,
+            dtype=fetched.dtype,
+            partial=partial,
+            stats=fetched.stats,
         )
 
     def watch_weights(self, model: str = "policy", *, since: int = 0) -> Iterator[FetchResult]:

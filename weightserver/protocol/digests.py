@@ -88,9 +88,12 @@ class IncomingDigests:
             raise ValueError(f"{self.hashed} of {self.buffer.nbytes} bytes hashed")
         if self._header is None:
             self._parse(self.hashed)  # sets it, or raises for a file too short to hold one
-        tensors = {name: hasher.hexdigest() for name, hasher in self._tensor_hashers.items()}
-        sha256 = self._sha256.hexdigest() if self._sha256 is not None else None
-        return FileDigests(self._xxh3.hexdigest(), tensors, self._header, sha256)
+        return FileDigests(
+            xxh3=self._xxh3.hexdigest(),
+            tensor_xxh3={name: hasher.hexdigest() for name, hasher in self._tensor_hashers.items()},
+            header=self._header,
+            sha256=self._sha256.hexdigest() if self._sha256 is not None else None,
+        )
 
     def _parse(self, end: int) -> None:
         """Parse the header once it is all in (or the file ends); hash the tensor bytes already here."""

@@ -25,8 +25,13 @@ Cut = tuple[int, int, int] | None  # (dim, start, stop) of a tensor; None: the w
 # Tensor-parallel layout of Llama-style models (transformers' names): column-parallel projections
 # and the vocabulary along 0, row-parallel ones along 1; norms are left to `rest` (whole).
 LLAMA_PLAN: Mapping[str, int] = {
-    **{f"*.{name}_proj.weight": 0 for name in ("q", "k", "v", "gate", "up")},
-    **{f"*.{name}_proj.weight": 1 for name in ("o", "down")},
+    "*.q_proj.weight": 0,
+    "*.k_proj.weight": 0,
+    "*.v_proj.weight": 0,
+    "*.gate_proj.weight": 0,
+    "*.up_proj.weight": 0,
+    "*.o_proj.weight": 1,
+    "*.down_proj.weight": 1,
     "*.embed_tokens.weight": 0,
     "lm_head.weight": 0,
 }

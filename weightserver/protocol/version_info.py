@@ -13,10 +13,6 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from weightserver.protocol.safetensors_format import TensorEntry
 from weightserver.v1 import weights_pb2 as pb
 
-# Fields copied as they are between a record, the wire's message and VersionInfo (or ModelSummary).
-_COPIED = ("model", "version", "byte_size", "sha256", "pinned", "xxh3")
-_SUMMARY = ("model", "latest_version", "version_count", "retained_bytes")
-
 
 class SelectionRecord(Protocol):
     """What a server keeps of a selection's file (the payload cache's SelectionManifest)."""
@@ -70,11 +66,16 @@ def version_message(record: VersionRecord) -> pb.VersionInfo:
     created = Timestamp()
     created.FromNanoseconds(int(record.created * 1e9))
     return pb.VersionInfo(
-        **{name: getattr(record, name) for name in _COPIED},
+        model=record.model,
+        version=record.version,
+        byte_size=record.byte_size,
+        sha256=record.sha256,
         created=created,
         metadata=dict(record.metadata),
         tensors=_tensor_messages(record),
+        pinned=record.pinned,
         group=list(record.group),
+        xxh3=record.xxh3,
     )
 
 
@@ -84,7 +85,12 @@ def description_bytes(record: VersionRecord) -> int:
 
 
 def summary_message(info: SummaryRecord) -> pb.ModelSummary:
-    return pb.ModelSummary(**{name: getattr(info, name) for name in _SUMMARY})
+    return pb.ModelSummary(
+        model=info.model,
+        latest_version=info.latest_version,
+        version_count=info.version_count,
+        retained_bytes=info.retained_bytes,
+    )
 
 
 @dataclass(frozen=True)
@@ -114,11 +120,16 @@ class VersionInfo:
     def from_proto(cls, message: pb.VersionInfo) -> VersionInfo:
         created_ns = message.created.ToNanoseconds()
         return cls(
-            **{name: getattr(message, name) for name in _COPIED},
+            model=message.model,
+            version=message.version,
+            byte_size=message.byte_size,
+            sha256=message.sha256,
             created=datetime.fromtimestamp(created_ns / 1e9, tz=timezone.utc),
             metadata=dict(message.metadata),
             tensors=_tensors(message.tensors),
+            pinned=message.pinned,
             group=tuple(message.group),
+            xxh3=message.xxh3,
             created_ns=created_ns,
         )
 

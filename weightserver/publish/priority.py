@@ -90,14 +90,16 @@ class PublishTurn:
             self._stop_waiting()
             self._set_held(False)
 
-    def bytes_in(self, committing: bool = True) -> None:
-        """The commit message: hold until `release()`, which ends it."""
+    def bytes_in(self) -> None:
+        """The commit message: hold until `release()`."""
         self._stop_waiting()
-        self._committing = committing
-        self._set_held(committing)
+        self._committing = True
+        self._set_held(True)
 
     def release(self) -> None:
-        self.bytes_in(committing=False)
+        self._stop_waiting()
+        self._committing = False
+        self._set_held(False)
 
     def header(self) -> None:
         """A header or `uploaded`: hold for as long as the budgets allow, from now."""
@@ -134,4 +136,7 @@ class PublishTurn:
         if held != self._held:
             self._held, owner = held, self._owner
             owner._holding += 1 if held else -1
-            (owner._none.clear if owner._holding else owner._none.set)()
+            if owner._holding:
+                owner._none.clear()
+            else:
+                owner._none.set()

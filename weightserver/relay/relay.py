@@ -186,6 +186,9 @@ class Relay:
         """`call` (the client's, which blocks) in this relay's threads."""
         return await asyncio.get_running_loop().run_in_executor(self._threads, functools.partial(call, *args, **kwargs))
 
+    def _follows(self, model: str) -> bool:
+        return self.models is None or model in self.models
+
     def _follow(self, model: str) -> None:
         if model not in self._tasks:
             self._tasks[model] = asyncio.create_task(self._follower(model), name=f"weightserver-relay-{model}")
@@ -203,7 +206,7 @@ class Relay:
             else:
                 await self._report(None)
                 for summary in summaries:
-                    if self.models is None or summary.model in self.models:
+                    if self._follows(summary.model):
                         self._heard(summary.model, summary.latest_version)
                         self._follow(summary.model)
                 try:
@@ -330,7 +333,7 @@ class Relay:
             if incoming is not None:
                 incoming.publish.fail("this relay holds that version already")
             return  # committed already, with its group
-        members = [m for m in event.info.group if self.models is None or m in self.models]
+        members = [m for m in event.info.group if self._follows(m)]
         if incoming is not None:
             if len(members) <= 1 and await self._relay_incoming(event.info, incoming):
                 return

@@ -151,11 +151,11 @@ class Fetching(Connection):
                         # A delta the caller rebuilds on its base must not land in `into`, which may be that base.
                         target = None if offer.payload.base_version and request.element_deltas else into
                         data = transport.receive(offer, into=target, progress=progress if last else None)
-                        announced = offer.payload.xxh3  # a sealed file is the version: nothing to check
-                        digest = announced if transport.sealed(data) else xxhash.xxh3_128_hexdigest(data)
-                        problem = (
-                            f"xxh3 of the payload is {digest}, announced {announced}" if digest != announced else ""
-                        )
+                        problem = ""
+                        if not transport.sealed(data):  # (a sealed file is the version: nothing to check)
+                            digest, announced = xxhash.xxh3_128_hexdigest(data), offer.payload.xxh3
+                            if digest != announced:
+                                problem = f"xxh3 of the payload is {digest}, announced {announced}"
                     if problem:
                         raise (IntegrityError if last else TransportFailed)(f"model {offer.label}: {problem}")
                 except PayloadGone as gone:

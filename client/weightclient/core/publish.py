@@ -57,11 +57,13 @@ class SpareUploads:
         with self._lock:
             for transport in order:
                 spare = self._spares.pop((model, transport.kind), None)
-                if spare is not None and spare.expires > now and spare.answer.payload.byte_size == size:
+                if spare is None:
+                    continue
+                if spare.expires > now and spare.answer.payload.byte_size == size:
                     found = spare
                     break
                 stale.append(spare)
-        for spare in filter(None, stale):
+        for spare in stale:
             spare.transport.release(spare.answer.payload)
         return found
 
@@ -145,10 +147,16 @@ class Publishing(Connection):
         outgoing = []
         for i, (model, parts) in enumerate(files.items()):
             views = [memoryview(p).cast("B") for p in ([parts] if isinstance(parts, Buffer) else parts)]
-            header = pb.PublishHeader(model=model, metadata=meta, total_bytes=sum(v.nbytes for v in views), pin=pin)
-            header.sha256 = (sha256s or {}).get(model) or ""
-            if i == 0:  # the version and the publish id go with the first model
-                header.version, header.publish_id = version, publish_id
+            first = i == 0  # the version and the publish id go with the first model
+            header = pb.PublishHeader(
+                model=model,
+                version=version if first else 0,
+                metadata=meta,
+                total_bytes=sum(v.nbytes for v in views),
+                sha256=(sha256s or {}).get(model) or "",
+                pin=pin,
+                publish_id=publish_id if first else "",
+            )
             outgoing.append(OutgoingFile(header, views))
         deadline = Deadline.after(timeout)
         try:

@@ -31,7 +31,8 @@ class BulkTransport(Transport):
     kind: ClassVar[int] = pb.TRANSPORT_BULK
 
     def __init__(self, host: str) -> None:
-        self.host, self._lock = host, threading.Lock()
+        self.host = host
+        self._lock = threading.Lock()
         self._socket: socket.socket | None = None
         self.port: int | None = None  # the server's bulk port this client last connected to
 
