@@ -30,6 +30,7 @@ WIRE = {SPARSE: pb.ELEMENT_DELTA_SPARSE, BITMAP: pb.ELEMENT_DELTA_BITMAP}  # Fet
 BLOCK = 1 << 16  # elements per sparse block: an offset fits a u16
 CHUNK = 1 << 22  # elements compared at a time: bounds the temporaries of a large tensor
 SAMPLE = 4096  # elements `worth_encoding` compares
+WINDOW = 1 << 18  # elements `apply` writes at a time (a multiple of BLOCK and of 8)
 _WORDS = {1: "<u1", 2: "<u2", 4: "<u4", 8: "<u8"}
 ENCODING_KEY = "weightserver.element_delta"  # a delta payload's metadata: JSON {tensor name: form}
 
@@ -88,10 +89,11 @@ def encode(base: Bytes, new: Bytes, itemsize: int, forms: tuple[str, ...] = FORM
 
 def apply(form: str, delta: Bytes, out: memoryview, itemsize: int, what: str = "tensor") -> int:
     """Write `delta`'s elements into `out` (the base tensor's bytes, writable): how many changed.
-    Malformed input raises IntegrityError naming `what` and writes nothing."""
+    Malformed input raises IntegrityError naming `what` and writes nothing. The elements are
+    written WINDOW at a time, so the temporaries stay a few MiB whatever the tensor's size."""
     import numpy as np
 
-    n, delta = len(out) // itemsize, memoryview(delta).cast("B")
+    n, delta, words = len(out) // itemsize, memoryview(delta).cast("B"), _words(out, itemsize)
     if form == SPARSE:
         blocks = -(-n // BLOCK)
         rest = len(delta) - 4 * blocks
@@ -99,29 +101,42 @@ def apply(form: str, delta: Bytes, out: memoryview, itemsize: int, what: str = "
             raise IntegrityError(f"{what}: a sparse delta of {len(delta)} bytes is truncated or padded")
         k = rest // (2 + itemsize)
         counts = np.frombuffer(delta, dtype="<u4", count=blocks)
-        if int(counts.sum(dtype=np.int64)) != k:
+        ends = np.cumsum(counts, dtype=np.int64)  # where each block's elements end
+        if (int(ends[-1]) if blocks else 0) != k:
             raise IntegrityError(f"{what}: a sparse delta's block counts sum to {counts.sum()}, not its {k} elements")
         offsets = np.frombuffer(delta, dtype="<u2", count=k, offset=4 * blocks)
-        index = np.repeat(np.arange(blocks, dtype=np.int64) * BLOCK, counts) + offsets
         values = np.frombuffer(delta, dtype=_WORDS[itemsize], count=k, offset=4 * blocks + 2 * k)
-    elif form == BITMAP:
+        last = offsets[k - int(counts[-1]) :] if blocks else offsets[:0]  # only the last block can pass n
+        if last.size and (blocks - 1) * BLOCK + int(last.max()) >= n:
+            raise IntegrityError(
+                f"{what}: a delta names element {(blocks - 1) * BLOCK + int(last.max())} of a tensor of {n}"
+            )
+        step = WINDOW // BLOCK
+        for first in range(0, blocks, step):
+            stop = min(first + step, blocks)
+            lo, hi = int(ends[first - 1]) if first else 0, int(ends[stop - 1])
+            starts = np.arange(first, stop, dtype=np.int64) * BLOCK
+            words[np.repeat(starts, counts[first:stop]) + offsets[lo:hi]] = values[lo:hi]
+        return k
+    if form == BITMAP:
         bitmap = -(-n // 8)
         if len(delta) < bitmap:
             raise IntegrityError(f"{what}: a bitmap delta of {len(delta)} bytes is shorter than its {bitmap}-byte map")
-        bits = np.unpackbits(np.frombuffer(delta, dtype=np.uint8, count=bitmap), bitorder="little")
-        if bits[n:].any():
+        bits = np.frombuffer(delta, dtype=np.uint8, count=bitmap)
+        if n % 8 and int(bits[-1]) >> (n % 8):
             raise IntegrityError(f"{what}: a bitmap delta marks elements past the tensor's {n}")
-        index = np.flatnonzero(bits[:n])
-        if len(delta) - bitmap != index.size * itemsize:
+        k = int(np.bitwise_count(bits).sum(dtype=np.int64))
+        if len(delta) - bitmap != k * itemsize:
             carried = len(delta) - bitmap
-            raise IntegrityError(f"{what}: a bitmap delta marks {index.size} elements but carries {carried} bytes")
-        values = np.frombuffer(delta, dtype=_WORDS[itemsize], offset=bitmap)
-    else:
-        raise IntegrityError(f"{what}: unknown element delta form {form!r}; known: {', '.join(FORMS)}")
-    if index.size and int(index.max()) >= n:
-        raise IntegrityError(f"{what}: a delta names element {int(index.max())} of a tensor of {n}")
-    _words(out, itemsize)[index] = values
-    return int(index.size)
+            raise IntegrityError(f"{what}: a bitmap delta marks {k} elements but carries {carried} bytes")
+        values, done = np.frombuffer(delta, dtype=_WORDS[itemsize], offset=bitmap), 0
+        for start in range(0, n, WINDOW):
+            index = np.flatnonzero(np.unpackbits(bits[start // 8 : (start + WINDOW) // 8], bitorder="little"))
+            index += start
+            words[index] = values[done : done + index.size]
+            done += index.size
+        return k
+    raise IntegrityError(f"{what}: unknown element delta form {form!r}; known: {', '.join(FORMS)}")
 
 
 def apply_delta(
