@@ -97,3 +97,19 @@ def test_a_refetch_for_a_changed_base_gets_what_is_left_of_the_deadline(silence)
     spent = timed_out(lambda: client.fetch(MODEL, version=2, base=base, transport="stream", timeout=TIMEOUT))
     assert handler.seen == 1
     assert spent < TIMEOUT + SLACK, f"fetch(timeout={TIMEOUT}) took {spent:.2f}s"
+
+
+@pytest.mark.parametrize("method", ["fetch_bytes", "fetch"])
+def test_a_fetch_that_gives_no_timeout_has_the_clients(make_server, method):
+    """`WeightClient(timeout=...)` is the deadline of a fetch that gives none. It was
+    `retry_seconds` (30 s by default) instead: a 4 GiB stream fetch on a client made with
+    timeout=540 (tests/integration/test_large_model.py) failed at 30 s. Here the client's
+    timeout is the longer of the two, so the old deadline shows as a failure at 1 s."""
+    server = make_server()
+    with WeightClient(server.address) as trainer:
+        trainer.publish(weights(1), model=MODEL, transport="stream")
+    with proxy_to(server.port) as proxy, WeightClient(proxy.address, timeout=TIMEOUT, retry_seconds=1.0) as client:
+        assert client.fetch_bytes(MODEL, version=1, transport="stream") is not None  # the channel up
+        proxy.drop_replies()
+        spent = timed_out(lambda: getattr(client, method)(MODEL, version=1, transport="stream"))
+    assert TIMEOUT - SLACK < spent < TIMEOUT + SLACK, f"{method}() on WeightClient(timeout={TIMEOUT}) took {spent:.2f}s"

@@ -111,7 +111,9 @@ def host_of(address: str) -> str:
 
 class Connection(AbstractContextManager):
     """The link in use among `address`es (default $WEIGHTSERVER_ADDRESS, then localhost:50051).
-    `retry_seconds`: how long idempotent calls with no timeout retry while no server answers.
+    `timeout`: the deadline of each call and fetch that gives none (a publish has none unless
+    given: the server's --publish-timeout bounds it). `retry_seconds`: how long idempotent calls
+    with no timeout at all (`timeout=None`) retry while no server answers.
     `connect(address) -> ServerLink` replaces the network (transports.mock); TLS: `open_channel`."""
 
     def __init__(
