@@ -101,8 +101,8 @@ def large() -> Iterator[LargeModel]:
     server = WeightServer(ServerConfig(host="127.0.0.1", port=0, keep=1)).start()
     try:
         # Each call's deadline sits under the test's own 600 s: these tests check a >4 GiB file's
-        # bytes, not speed (bench/large.py times it). A 4 GiB stream fetch takes about 26 s alone
-        # here, but passed 120 s in 2 of 4 full CI runs, when this VM served fresh pages slowly.
+        # bytes, not speed (bench/large.py times it). A 4 GiB stream fetch takes 20-30 s here; a
+        # fetch that gives no timeout has this one (until bb20184 it had retry_seconds, 30 s).
         with WeightClient(server.address, timeout=540) as client:
             module = torch.nn.Module()
             module.weight = torch.nn.Parameter(torch.empty(ELEMENTS), requires_grad=False)
