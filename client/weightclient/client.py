@@ -148,7 +148,7 @@ class WeightClient(WeightServiceClient):
                 "a delta against a FetchResult needs a complete result fetched without dtype, and no dtype now; "
                 "pass base=<version number> for a partial result instead"
             )
-        deadline = deadline or Deadline.after(self.timeout if timeout is None else timeout)  # a refetch: what is left
+        deadline = deadline or self._deadline(timeout)  # a refetch gets what is left of it
         base_info = base.info if isinstance(base, FetchResult) else base if isinstance(base, VersionInfo) else None
         base_version = base_info.version if base_info is not None else int(base or 0)
         targets: dict[str, torch.Tensor] = {}

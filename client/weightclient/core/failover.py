@@ -193,8 +193,12 @@ class Connection(AbstractContextManager):
             with map_rpc_errors(self.address):
                 return getattr(self._stub, method)(request, timeout=deadline.remaining(), metadata=self._metadata)
 
-        deadline = Deadline.after(self.timeout if timeout is None else timeout)
+        deadline = self._deadline(timeout)
         return once(deadline) if change else self._on_any_server(once, deadline, retry=retry)
+
+    def _deadline(self, timeout: float | None) -> Deadline:
+        """A call's deadline: its own `timeout`, else the client's."""
+        return Deadline.after(self.timeout if timeout is None else timeout)
 
     def _on_any_server(self, call: Callable[[Deadline], T], deadline: Deadline, *, retry: bool) -> T:
         """`call(deadline)`, moving on from a server that is down (at once the first time); without

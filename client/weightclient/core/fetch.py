@@ -93,7 +93,7 @@ class Fetching(Connection):
             request.select.CopyFrom(Selection.of(select).message())
         if element_deltas and base_version and not dtype:
             request.element_deltas.extend(deltas.WIRE.values())
-        deadline = deadline or Deadline.after(self.timeout if timeout is None else timeout)
+        deadline = deadline or self._deadline(timeout)
         once = functools.partial(self._fetch_once, request, transport, into, place, progress)
         fetched = self._on_any_server(once, deadline, retry=retry)
         if fetched is not None and fetched.base_version and base_xxh3 and fetched.base_xxh3 != base_xxh3:
@@ -188,7 +188,7 @@ class Fetching(Connection):
     ) -> FetchedBytes:
         """The bytes of a publish still arriving, over bulk when `transport` allows. UNVERIFIED:
         apply them only once the commit event names `incoming.id` and they match its xxh3."""
-        started, deadline = time.perf_counter(), Deadline.after(self.timeout if timeout is None else timeout)
+        started, deadline = time.perf_counter(), self._deadline(timeout)
         request = pb.FetchRequest(model=incoming.model, incoming=incoming.id, chunk_size=self.chunk_bytes)
         placeholder = VersionInfo(incoming.model, 0, incoming.byte_size, "", datetime.now(timezone.utc))
         carrier, answer = self.transports.stream, None
