@@ -83,11 +83,16 @@ class Dial:
         return grpc.secure_channel(self.address, credentials)
 
     def describe(self, version: int) -> pb.VersionInfo:
-        """The server's description of `version` as the proto carries it (every field)."""
+        """The server's description of `version` as the proto carries it (every field), once it has
+        the sha256 it computes after the commit ("" until then; a relay may get there first)."""
         metadata = (("authorization", f"Bearer {self.token}"),) if self.token else None
-        with self.channel() as channel:
-            request = pb.DescribeRequest(model=MODEL, version=version)
-            return pb_grpc.WeightServiceStub(channel).Describe(request, timeout=5, metadata=metadata)
+        request = pb.DescribeRequest(model=MODEL, version=version)
+
+        def described() -> pb.VersionInfo:
+            with self.channel() as channel:
+                return pb_grpc.WeightServiceStub(channel).Describe(request, timeout=5, metadata=metadata)
+
+        return wait_for(described, lambda info: info.sha256 != "", what=f"the sha256 of v{version} on {self.address}")
 
     def fetched(self, version: int) -> bytes:
         with self.client() as client:

@@ -55,7 +55,9 @@ def test_a_stalled_publisher_shows_in_the_receive_phase_only() -> None:
         call(messages(), timeout=30)
         elapsed_ms = (time.perf_counter() - started) * 1e3
     (record,) = logged.records
-    assert 300 <= record.receive_ms <= record.duration_ms <= elapsed_ms
+    # (the header's message also sets the call up, so it can land a few ms after the client's sleep
+    # began, while the chunk after it lands at once: the server sees 299.2 ms at times)
+    assert 290 <= record.receive_ms <= record.duration_ms <= elapsed_ms
     assert record.verify_ms < 250 and record.commit_ms < 250
 
 
