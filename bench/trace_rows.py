@@ -14,9 +14,11 @@ changed elements where that is smaller (`FetchRequest.element_deltas`). Per vers
 - the server's cost of building the payload: `PayloadCache.get` (derive: the sampled worth check,
   `deltas.encode` per changed tensor, the file's xxh3), wrapped on the server's own cache and timed
   on its worker thread (`time.thread_time`: CPU; wall time in the JSON);
-- the collector's rebuild: the client's `apply_delta` call (wrapped: copy of the base + the changed
-  elements written) plus the xxh3 of the rebuilt file, timed again on the same bytes (the client's
-  own check); against XOR + zlib's decode (decompress, XOR onto the base, xxh3 of the tensors);
+- the collector's rebuild: CPU time in `deltas.Rebuild` (wrapped: the copy of the base, then as the
+  payload arrives its hashing and the changed elements written; the bytes of whole tensors land in
+  place from the socket, uncounted) plus the xxh3 of the rebuilt file, timed again on the same bytes
+  (the client's own check); against XOR + zlib's decode (decompress, XOR onto the base, xxh3 of the
+  tensors);
 - every fetched version compared byte for byte with the published tensors.
 
 `--repeats` does not apply: the samples are the trace's versions (`--trace-versions`).
@@ -107,22 +109,49 @@ def _bit_exact(result: Any, weights: dict[str, torch.Tensor]) -> bool:
 
 
 class _Timed:
-    """Wraps the server's `PayloadCache.get` and the client's `apply_delta` while a trace runs."""
+    """Wraps the server's `PayloadCache.get` and the client's `deltas.Rebuild` while a trace runs."""
 
     def __init__(self, server: Any) -> None:
-        import weightclient.client as client_module
+        from weightserver.protocol.deltas import Rebuild
 
         self.builds: list[dict[str, Any]] = []
-        self.rebuilds: list[dict[str, Any]] = []
-        self._cache, self._module = server.servicer.payloads, client_module
-        self._get, self._apply = self._cache.get, client_module.apply_delta
+        self._rebuilding: list[tuple[Rebuild, list[float]]] = []  # each rebuild, and its CPU seconds
+        self._cache, self._class = server.servicer.payloads, Rebuild
+        self._get, self._on, self._advance = self._cache.get, Rebuild.on, Rebuild.advance
+        self._descriptor = Rebuild.__dict__["on"]  # (the classmethod itself, put back on exit)
 
     def __enter__(self) -> _Timed:
-        self._cache.get, self._module.apply_delta = self._timed_get, self._timed_apply
+        timed = self
+
+        def advance(rebuild, n: int) -> None:
+            started = time.thread_time()
+            timed._advance(rebuild, n)
+            next(cpu for r, cpu in timed._rebuilding if r is rebuild)[0] += time.thread_time() - started
+
+        self._cache.get, self._class.on = self._timed_get, staticmethod(self._timed_on)
+        self._class.advance = advance
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._cache.get, self._module.apply_delta = self._get, self._apply
+        self._cache.get, self._class.on, self._class.advance = self._get, self._descriptor, self._advance
+
+    @property
+    def rebuilds(self) -> list[dict[str, Any]]:
+        """Per rebuild since `clear`: its CPU seconds, the xxh3 of the file it rebuilt, timed again."""
+        from weightserver.protocol.digests import xxh3_hex
+
+        out = []
+        for rebuild, (cpu_s,) in self._rebuilding:
+            started = time.thread_time()
+            xxh3_hex(rebuild.rebuilt)  # as the client checks it next
+            whole = [name for name in rebuild.changed if name not in rebuild.forms]
+            out.append({"apply_s": cpu_s, "xxh3_s": time.thread_time() - started, "forms": rebuild.forms})
+            out[-1]["whole"] = whole
+        return out
+
+    def clear(self) -> None:
+        self.builds.clear()
+        self._rebuilding.clear()
 
     def _timed_get(self, target, base=None, dtype: str = "", forms: tuple[str, ...] = (), **more):
         wall, cpu = time.perf_counter(), time.thread_time()
@@ -132,24 +161,12 @@ class _Timed:
         self.builds[-1].update(wall_s=wall, payload_bytes=payload.byte_size, element_forms=list(payload.forms))
         return payload
 
-    def _timed_apply(self, base, base_header, layout, byte_size, delta, *, in_place: bool = False):
-        import json
-
-        from weightserver.protocol.deltas import ENCODING_KEY
-        from weightserver.protocol.digests import xxh3_hex
-        from weightserver.protocol.safetensors_format import parse_header
-
+    def _timed_on(self, *args: Any, **kwargs: Any) -> Any:
         started = time.thread_time()
-        rebuilt = self._apply(base, base_header, layout, byte_size, delta, in_place=in_place)
-        apply_s, started = time.thread_time() - started, time.thread_time()
-        if rebuilt is not None:
-            xxh3_hex(rebuilt[0])  # as the client checks it next
-        header = parse_header(delta)
-        forms = json.loads((header.metadata or {}).get(ENCODING_KEY, "{}"))
-        whole = [t.name for t in header.tensors if t.name not in forms]
-        self.rebuilds.append({"apply_s": apply_s, "xxh3_s": time.thread_time() - started, "forms": forms})
-        self.rebuilds[-1]["whole"] = whole
-        return rebuilt
+        rebuild = self._on(*args, **kwargs)
+        if rebuild is not None:
+            self._rebuilding.append((rebuild, [time.thread_time() - started]))
+        return rebuild
 
 
 def run_trace(trace: Iterable[dict[str, torch.Tensor]], model: str, transport: str = "bulk") -> dict[str, Any]:
@@ -177,7 +194,7 @@ def run_trace(trace: Iterable[dict[str, torch.Tensor]], model: str, transport: s
             for weights in versions:
                 trained_s = time.perf_counter() - produced
                 version = trainer.publish(weights, model=model)
-                timed.builds.clear(), timed.rebuilds.clear()
+                timed.clear()
                 started = time.perf_counter()
                 result = collector.fetch(model, version=version, base=held, transport=transport)
                 fetch_s = time.perf_counter() - started
@@ -272,7 +289,7 @@ def trace_rows(prefix: str, figures: dict[str, Any], target: float | None, what:
     _against(encode, "xor+zlib", [1e3 * v["xor_zlib"]["encode_s"] for v in per])
     decodes = [1e3 * v["decode_s"] for v in per if v["decode_s"] is not None]
     decode = Row(f"{prefix}_decode", None, "ms", decodes)
-    decode.note = "collector CPU rebuilding: apply_delta (base copied, elements written) + xxh3 of the file"
+    decode.note = "collector CPU rebuilding as the delta arrives (base copied, elements written) + xxh3 of the file"
     if not decodes:
         decode.status, decode.note = "n/a", "no version came as a delta (whole: nothing to rebuild)"
     else:

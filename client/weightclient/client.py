@@ -13,7 +13,6 @@ from weightclient import tensors as tensor_codec
 from weightclient.core.background import BackgroundPublisher, PublishFuture
 from weightclient.core.retry import Deadline
 from weightclient.core.service_client import FetchStats, WeightServiceClient
-from weightserver.protocol.deltas import apply_delta
 from weightserver.protocol.digests import xxh3_hex
 from weightserver.protocol.errors import IntegrityError, InvalidRequest, NotFoundError
 from weightserver.protocol.safetensors_format import parse_header
@@ -171,7 +170,8 @@ class WeightClient(WeightServiceClient):
             deadline=deadline,
             base_xxh3=base_info.xxh3 if base_info is not None else "",
             place=views_for if place is not None else None,
-            element_deltas=held is not None,
+            base_bytes=held.data if held is not None else None,
+            consume_base=consume_base,
             select=select,
             **options,
         )
@@ -186,18 +186,15 @@ class WeightClient(WeightServiceClient):
 
         if fetched.placed:
             return FetchResult(fetched.info, targets, fetched.data, stats=fetched.stats, placed=True)
-        if held is not None and fetched.base_version:
-            layout = parse_header(held.data)  # the rebuilt file's too: apply_delta rebuilds only on the same layout
-            rebuilt = apply_delta(
-                held.data, layout, fetched.info.tensors, fetched.info.byte_size, fetched.data, in_place=consume_base
+        if fetched.changed is not None:  # rebuilt on the held base as the delta arrived
+            if xxh3_hex(fetched.data) != fetched.info.xxh3:
+                return refetch(": its bytes changed since it was fetched")
+            tensors = tensor_codec.decode(parse_header(fetched.data), fetched.data)
+            return FetchResult(
+                fetched.info, tensors, fetched.data, fetched.base_version, stats=fetched.stats, changed=fetched.changed
             )
-            if rebuilt is not None and xxh3_hex(rebuilt[0]) == fetched.info.xxh3:
-                data, changed = rebuilt
-                tensors = tensor_codec.decode(layout, data)
-                return FetchResult(
-                    fetched.info, tensors, data, fetched.base_version, stats=fetched.stats, changed=tuple(changed)
-                )
-            return refetch(": its layout differs" if rebuilt is None else ": its bytes changed since it was fetched")
+        if held is not None and fetched.base_version:
+            return refetch(": its layout differs")
         tensors = tensor_codec.decode(parse_header(fetched.data), fetched.data)
         partial = bool(fetched.base_version)
         if partial:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from weightserver.protocol import deltas
+from weightserver.protocol import deltas, framing
 from weightserver.protocol.deltas import BITMAP, ENCODING_KEY, SPARSE, apply, apply_delta, encode
 from weightserver.protocol.errors import IntegrityError
 from weightserver.protocol.safetensors_format import build_header, parse_header
@@ -206,6 +206,48 @@ def test_a_payload_rebuilds_the_version_and_names_its_encoded_tensors():
     assert {(t.name, t.dtype) for t in payload.tensors} == {("w", "U8"), ("i", "I64")}  # `i` changed everywhere: whole
     rebuilt, names = apply_delta(base.data, base.header, list(target.header.tensors), target.byte_size, data)
     assert bytes(rebuilt) == bytes(target.data) and sorted(names) == ["i", "w"]
+
+
+@pytest.mark.parametrize("piece", [1, 7, 4096, 1 << 20])
+def test_a_payload_fed_in_pieces_rebuilds_in_place_as_it_arrives(piece):
+    """The sink a transport receives into: any cut of the payload rebuilds the version in the base's
+    own bytes, bit for bit, with the payload's xxh3 (its memory: test_element_deltas.py)."""
+    import xxhash
+
+    generator = torch.Generator().manual_seed(1)
+    first = {f"w{i}": torch.randn(3000 + i, generator=generator) for i in range(4)}
+    second = {name: t.clone() for name, t in first.items()}
+    second["w0"][::50] += 1  # an element delta
+    second["w1"] += 1  # whole
+    second["w3"][7] += 1
+    base, target = versions(first, second)
+    keep, forms = (lambda e: e.name != "w2"), (SPARSE, BITMAP)
+    data = derive(target.data, target.header, keep=keep, base=(base.data, base.header), forms=forms)
+    rebuilt = bytearray(base.data)
+    layout = list(target.header.tensors)
+    rebuild = deltas.Rebuild.on(rebuilt, base.header, layout, target.byte_size, len(data), in_place=True)
+    for start in range(0, len(data), piece):
+        chunk = memoryview(data)[start : start + piece]
+        while chunk.nbytes:
+            view = rebuild.target(chunk.nbytes)
+            view[:] = chunk[: view.nbytes]
+            rebuild.advance(view.nbytes)
+            chunk = chunk[view.nbytes :]
+    assert not rebuild.problem and rebuild.xxh3() == xxhash.xxh3_128_hexdigest(data)
+    assert bytes(rebuilt) == bytes(target.data) and rebuild.rebuilt.obj is rebuilt  # in place
+    assert sorted(rebuild.changed) == ["w0", "w1", "w3"] and set(rebuild.forms) == {"w0", "w3"}
+
+
+def test_a_malformed_payload_is_hashed_to_its_end_so_a_bad_delta_is_told_from_a_bad_transfer():
+    import xxhash
+
+    (base,) = versions({"w": torch.ones(4)})
+    payload = malformed_payload([("ghost", "F32", (2,), bytes(8)), ("w", "F32", (4,), bytes(16))])
+    rebuild = deltas.Rebuild.on(base.data, base.header, list(base.header.tensors), base.byte_size, len(payload))
+    framing.receive_chunks([memoryview(payload)], rebuild)
+    assert "'ghost' of the delta is not in the version" in rebuild.problem
+    assert rebuild.xxh3() == xxhash.xxh3_128_hexdigest(payload)  # the bytes sent: the delta is bad
+    assert bytes(rebuild.rebuilt) == bytes(base.data)  # a copy, and nothing written
 
 
 def malformed_payload(entries, metadata=None) -> bytes:

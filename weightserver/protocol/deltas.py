@@ -13,10 +13,16 @@ from the count of changed elements alone.
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
+import xxhash
+
+from weightserver.protocol import framing
+from weightserver.protocol.digests import PREFIX_BYTES
 from weightserver.protocol.errors import IntegrityError, InvalidSafetensors
 from weightserver.protocol.safetensors_format import DTYPE_SIZES, SafetensorsHeader, TensorEntry, parse_header
 from weightserver.v1 import weights_pb2 as pb
@@ -139,6 +145,135 @@ def apply(form: str, delta: Bytes, out: memoryview, itemsize: int, what: str = "
     raise IntegrityError(f"{what}: unknown element delta form {form!r}; known: {', '.join(FORMS)}")
 
 
+class _Region(NamedTuple):
+    size: int
+    into: memoryview | None = None  # where the bytes land; else held in a buffer for `then`, or only hashed
+    then: Callable[[memoryview], None] | None = None  # given the held bytes once they are all in
+
+
+class Rebuild:
+    """A framing.Sink that rebuilds a version in `rebuilt` (the base's file, writable) as its delta
+    payload arrives: a tensor carried whole lands in its place, an element delta is held (one
+    tensor's at a time) and applied once it is in. So a delta needs no buffer of its own, nor a
+    pass after the transfer. `xxh3()` is the payload's digest and `changed` names its tensors. A
+    malformed payload sets `problem` and the rest is only hashed (whether the bytes are the ones
+    sent tells a bad transfer from a bad delta); `rebuilt` is then spoilt."""
+
+    def __init__(self, rebuilt: memoryview, base_header: SafetensorsHeader, nbytes: int) -> None:
+        self.rebuilt, self.nbytes, self.problem = rebuilt, nbytes, ""
+        self.changed: list[str] = []
+        self.forms: dict[str, str] = {}  # the changed tensors that came as element deltas, and their forms
+        self._base, self._hasher = base_header, xxhash.xxh3_128()
+        self._scratch = memoryview(bytearray(min(nbytes, 1 << 16)))
+        self._regions: deque[_Region] = deque()
+        self._held: memoryview | None = None  # the current region's bytes, when it holds them
+        self._filled = self._received = 0
+        self._push(_Region(min(nbytes, PREFIX_BYTES), then=self._check_prefix))
+
+    @classmethod
+    def on(
+        cls,
+        base: Bytes,
+        base_header: SafetensorsHeader,
+        layout: Sequence[TensorEntry],
+        byte_size: int,
+        nbytes: int,
+        *,
+        in_place: bool = False,
+    ) -> Rebuild | None:
+        """The rebuild of the version laid out as `layout` in `byte_size` bytes from an `nbytes` delta
+        on `base` (in `base` itself with `in_place`, else in a copy); None if `base` is laid out otherwise."""
+        if len(base) != byte_size or [_placement(t) for t in base_header.tensors] != [_placement(t) for t in layout]:
+            return None
+        return cls(memoryview(base).cast("B") if in_place else memoryview(bytearray(base)), base_header, nbytes)
+
+    def xxh3(self) -> str:
+        return self._hasher.hexdigest()
+
+    def target(self, most: int) -> memoryview:
+        if not self._regions:
+            raise ValueError(f"more than the delta's {self.nbytes} bytes")
+        region = self._regions[0]
+        if region.into is None and region.then is not None and self._held is None:
+            self._held = memoryview(bytearray(region.size))
+        return self._landing(region)[: min(most, region.size - self._filled)]
+
+    def advance(self, n: int) -> None:
+        region = self._regions[0]
+        if self._filled + n > region.size:
+            raise ValueError(f"{n} bytes do not fit the delta's layout")
+        self._hasher.update(self._landing(region)[:n])
+        self._filled += n
+        self._received += n
+        if self._filled == region.size:
+            self._regions.popleft()
+            held, self._held, self._filled = self._held, None, 0
+            if region.then is not None and not self.problem:
+                region.then(held if held is not None else memoryview(b""))
+
+    def _landing(self, region: _Region) -> memoryview:
+        """Where the current region's next bytes land."""
+        if region.into is not None:
+            return region.into[self._filled :]
+        return self._held[self._filled :] if self._held is not None else self._scratch
+
+    def _push(self, region: _Region) -> None:
+        if region.size:
+            self._regions.append(region)
+        elif region.then is not None:
+            region.then(memoryview(b""))
+
+    def _fail(self, problem: str) -> None:
+        """The rest of the payload only hashed."""
+        self.problem, self._held, self._filled = problem, None, 0
+        self._regions.clear()
+        self._push(_Region(self.nbytes - self._received))
+
+    def _check_prefix(self, prefix: memoryview) -> None:
+        try:
+            parse_header(prefix, self.nbytes)
+        except InvalidSafetensors as exc:
+            return self._fail(f"the delta is not a valid safetensors file: {exc}")
+        except ValueError:  # (the header itself is still to come)
+            pass
+        self._push(_Region(int.from_bytes(prefix, "little"), then=lambda header: self._plan(bytes(prefix) + header)))
+
+    def _plan(self, head: bytes) -> None:
+        """The header is in: each of its tensors a region, whole into its place or held to apply."""
+        try:
+            changed = parse_header(head, self.nbytes)
+            encoded = json.loads((changed.metadata or {}).get(ENCODING_KEY, "{}"))
+        except (InvalidSafetensors, ValueError) as exc:
+            return self._fail(f"the delta is not a valid safetensors file: {exc}")
+        if not isinstance(encoded, dict):
+            return self._fail(f"the delta's {ENCODING_KEY!r} metadata is not a JSON object")
+        places = {t.name: t for t in self._base.tensors}
+        for entry in changed.tensors:  # (in file order, tiling the rest of the payload)
+            place, what = places.get(entry.name), f"tensor {entry.name!r} of the delta"
+            if place is None:
+                return self._fail(f"{what} is not in the version")
+            given, expected = f"{entry.dtype}{list(entry.shape)}", f"{place.dtype}{list(place.shape)}"
+            start = self._base.data_start + place.begin
+            out = self.rebuilt[start : start + place.nbytes]
+            if entry.name in encoded:
+                if entry.dtype != "U8" or len(entry.shape) != 1:
+                    return self._fail(f"{what} is an element delta, so U8 of one dimension, not {given}")
+                self.forms[entry.name] = form = encoded[entry.name]
+                write = functools.partial(self._apply, form, out, DTYPE_SIZES[place.dtype], what)
+                self._push(_Region(entry.nbytes, then=write))
+            elif given != expected:
+                return self._fail(f"{what} is {given}; the version's is {expected}")
+            else:
+                self._push(_Region(entry.nbytes, into=out))
+            self.changed.append(entry.name)
+
+    def _apply(self, form: str, out: memoryview, itemsize: int, what: str, delta: memoryview) -> None:
+        try:
+            apply(form, delta, out, itemsize, what)
+        except IntegrityError as exc:
+            self._fail(str(exc))
+
+
 def apply_delta(
     base: Bytes,
     base_header: SafetensorsHeader,
@@ -152,33 +287,13 @@ def apply_delta(
     `base` itself with `in_place`), and their names; None when the target (`layout`, `byte_size`) is
     laid out otherwise. A malformed delta raises IntegrityError (in place: the base is then spoilt).
     The caller checks the digests."""
-    if len(base) != byte_size or [_placement(t) for t in base_header.tensors] != [_placement(t) for t in layout]:
+    rebuild = Rebuild.on(base, base_header, layout, byte_size, len(delta), in_place=in_place)
+    if rebuild is None:
         return None
-    try:
-        changed = parse_header(delta)
-        encoded = json.loads((changed.metadata or {}).get(ENCODING_KEY, "{}"))
-    except (InvalidSafetensors, ValueError) as exc:
-        raise IntegrityError(f"the delta is not a valid safetensors file: {exc}") from None
-    if not isinstance(encoded, dict):
-        raise IntegrityError(f"the delta's {ENCODING_KEY!r} metadata is not a JSON object")
-    places = {t.name: t for t in base_header.tensors}
-    rebuilt, source = memoryview(base if in_place else bytearray(base)), memoryview(delta)
-    for entry in changed.tensors:
-        place, what = places.get(entry.name), f"tensor {entry.name!r} of the delta"
-        if place is None:
-            raise IntegrityError(f"{what} is not in the version")
-        given, expected = f"{entry.dtype}{list(entry.shape)}", f"{place.dtype}{list(place.shape)}"
-        start, bytes_ = base_header.data_start + place.begin, source[changed.data_start + entry.begin :][: entry.nbytes]
-        if entry.name in encoded:
-            if entry.dtype != "U8" or len(entry.shape) != 1:
-                raise IntegrityError(f"{what} is an element delta, so U8 of one dimension, not {given}")
-            size = DTYPE_SIZES[place.dtype]
-            apply(encoded[entry.name], bytes_, rebuilt[start : start + place.nbytes], size, what)
-        elif given != expected:
-            raise IntegrityError(f"{what} is {given}; the version's is {expected}")
-        else:
-            rebuilt[start : start + place.nbytes] = bytes_
-    return rebuilt, [t.name for t in changed.tensors]
+    framing.receive_chunks([memoryview(delta).cast("B")], rebuild)
+    if rebuild.problem:
+        raise IntegrityError(rebuild.problem)
+    return rebuild.rebuilt, rebuild.changed
 
 
 def _placement(entry: TensorEntry) -> tuple[str, str, tuple[int, ...], int, int]:

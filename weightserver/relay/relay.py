@@ -24,7 +24,6 @@ from weightserver.config import ServerConfig
 from weightserver.metrics import NoMetrics
 from weightserver.protocol import errors, page_tables
 from weightserver.protocol.channel import channel_credentials
-from weightserver.protocol.deltas import apply_delta
 from weightserver.protocol.digests import FileDigests, xxh3_hex
 from weightserver.protocol.limits import MAX_CHUNK_BYTES
 from weightserver.protocol.names import validate_model_name
@@ -438,21 +437,20 @@ class Relay:
         fetch = functools.partial(self._client.fetch_bytes, model, version=number, timeout=FETCH_SECONDS, retry=False)
         discarded = 0
         if base is not None:
-            got = fetch(base_version=base.version, base_xxh3=base.xxh3, element_deltas=True)
-            assert got is not None  # an exact version is never "up to date"
-            if not got.base_version:
-                return _Fetched(got.info, got.data, got.data.nbytes, delta=False)
-            info = got.info
-            try:
-                rebuilt = apply_delta(base.data, base.header, list(info.tensors), info.byte_size, got.data)
-                why = "the layouts differ" if rebuilt is None else "its xxh3 differs"
+            try:  # (rebuilt on a copy of the base as it arrives)
+                got = fetch(base_version=base.version, base_xxh3=base.xxh3, base_bytes=base.data)
+                assert got is not None  # an exact version is never "up to date"
+                if not got.base_version:
+                    return _Fetched(got.info, got.data, got.data.nbytes, delta=False)
+                sent = got.stats.wire_bytes if got.stats is not None else got.data.nbytes
+                if got.changed is not None and xxh3_hex(got.data) == got.info.xxh3:
+                    return _Fetched(got.info, got.data, sent, delta=True)
+                why = "the layouts differ" if got.changed is None else "its xxh3 differs"
             except errors.IntegrityError as exc:
-                rebuilt, why = None, str(exc)
-            if rebuilt is not None and xxh3_hex(rebuilt[0]) == info.xxh3:
-                return _Fetched(info, rebuilt[0], got.data.nbytes, delta=True)
+                sent, why = 0, str(exc)
             message = "%s v%d: the delta against v%d did not rebuild it (%s); fetching whole"
             log.info(message, model, number, base.version, why)
-            discarded = got.data.nbytes
+            discarded = sent
         got = fetch()
         assert got is not None
         return _Fetched(got.info, got.data, discarded + got.data.nbytes, delta=False)

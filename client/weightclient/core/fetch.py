@@ -7,7 +7,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
@@ -20,7 +20,9 @@ from weightclient.placement import Placement, checked_views
 from weightclient.transports import PayloadGone, TransportFailed
 from weightclient.transports.base import Offer, Progress
 from weightserver.protocol import deltas
+from weightserver.protocol.deltas import Bytes
 from weightserver.protocol.errors import IntegrityError, InvalidRequest, PublishAborted
+from weightserver.protocol.safetensors_format import parse_header
 from weightserver.protocol.selection import Selection
 from weightserver.protocol.version_info import IncomingEvent, VersionInfo
 from weightserver.v1 import weights_pb2 as pb
@@ -50,6 +52,7 @@ class FetchedBytes:
     stats: FetchStats | None = None
     base_xxh3: str = ""  # the server's digest of the base version (deltas only)
     placed: bool = False  # the tensors went straight into the caller's views; `data` is empty
+    changed: tuple[str, ...] | None = None  # a delta rebuilt on the base's bytes: `data` is the version
 
 
 class Fetching(Connection):
@@ -73,15 +76,17 @@ class Fetching(Connection):
         retry: bool = True,
         progress: Progress | None = None,
         deadline: Deadline | None = None,
-        element_deltas: bool = False,
+        base_bytes: Bytes | None = None,
+        consume_base: bool = False,
         select: Selection | str | Iterable[str] | None = None,
     ) -> FetchedBytes | None:
         """The latest version, exactly `version`, or the latest if newer than `newer_than` (else None).
         `base_version`: changed tensors only; `dtype`: float32 cast by the server; `base_xxh3`: the
         caller's digest of the base (if the server's differs, the whole version is fetched);
-        `element_deltas`: the caller holds the base's bytes, so changed tensors may come as their
-        changed elements (rebuild with weightserver.protocol.deltas.apply_delta); such a delta is
-        never received into `into`, which may then be the base's own bytes. `select`: only these
+        `base_bytes`: the base's file, which the caller holds, so changed tensors may come as their
+        changed elements; a delta is then rebuilt on a copy of it (in it with `consume_base`) as it
+        arrives, and `data` is the version, unverified, with `changed` naming the tensors the delta
+        carried (one on a base laid out otherwise comes as it is). `select`: only these
         tensors or slices (a Selection, or glob patterns of whole tensors); then `info` describes the
         selection's file (its size, digest and tensors) under the version's number, and a delta is
         against the same selection of the base."""
@@ -91,17 +96,26 @@ class Fetching(Connection):
         request.base_version, request.dtype = base_version, dtype  # (a None above leaves its field unset)
         if select is not None:
             request.select.CopyFrom(Selection.of(select).message())
-        if element_deltas and base_version and not dtype:
+        rebuild_on = None
+        if base_bytes is not None and base_version and not dtype:
             request.element_deltas.extend(deltas.WIRE.values())
+            header = parse_header(base_bytes)
+
+            def rebuild_on(offer: Offer) -> deltas.Rebuild | None:
+                info, size = offer.info, offer.payload.byte_size
+                if base_xxh3 and offer.payload.base_xxh3 != base_xxh3:
+                    return None  # a delta on another base: fetched whole next, below
+                return deltas.Rebuild.on(base_bytes, header, info.tensors, info.byte_size, size, in_place=consume_base)
+
         deadline = deadline or self._deadline(timeout)
-        once = functools.partial(self._fetch_once, request, transport, into, place, progress)
+        once = functools.partial(self._fetch_once, request, transport, into, place, progress, rebuild_on)
         fetched = self._on_any_server(once, deadline, retry=retry)
         if fetched is not None and fetched.base_version and base_xxh3 and fetched.base_xxh3 != base_xxh3:
             log.info("%s v%d on the server differs from the caller's; fetching it whole", model, base_version)
             whole = pb.FetchRequest(model=model, version=fetched.info.version, chunk_size=self.chunk_bytes, dtype=dtype)
             if request.HasField("select"):
                 whole.select.CopyFrom(request.select)
-            return self._fetch_once(whole, transport, into, None, progress, deadline)
+            return self._fetch_once(whole, transport, into, None, progress, None, deadline)
         return fetched
 
     def _fetch_once(
@@ -111,10 +125,12 @@ class Fetching(Connection):
         into: memoryview | None,
         place: Placement | None,
         progress: Progress | None,
+        rebuild_on: Callable[[Offer], deltas.Rebuild | None] | None,
         deadline: Deadline,
     ) -> FetchedBytes | None:
         """A direct read, else the transport the server picks, falling back to the stream for the
-        version named. Bad bytes from the last transport are IntegrityError."""
+        version named. Bad bytes from the last transport are IntegrityError, and so is a delta that
+        arrived as sent but does not rebuild."""
         started, order, asked = time.perf_counter(), self.transports.order(choice), request
         transport, offer = self._shm, None
         exact = request.WhichOneof("selector") == "version" and not request.base_version and not request.dtype
@@ -143,13 +159,22 @@ class Fetching(Connection):
                     request.version = offer.info.version  # the one named, whatever `asked` selected
                 last = transport is order[-1] and not direct
                 views = checked_views(place, offer.info) if place is not None and offer.whole_version else None
+                delta = bool(offer.payload.base_version)
+                rebuild = rebuild_on(offer) if rebuild_on is not None and delta else None
                 try:
                     if views is not None:
                         data, bad = memoryview(b""), transport.receive_placed(offer, views)
                         problem = f"placed tensors {bad[:5]} do not match their digests" if bad else ""
+                    elif rebuild is not None:
+                        data = transport.receive(offer, into=rebuild, progress=progress if last else None)
+                        digest, announced = rebuild.xxh3(), offer.payload.xxh3
+                        problem = f"xxh3 of the delta is {digest}, announced {announced}" if digest != announced else ""
+                        if rebuild.problem and not problem:
+                            raise IntegrityError(f"model {offer.label}: {rebuild.problem}")
+                        data = rebuild.rebuilt
                     else:
-                        # A delta the caller rebuilds on its base must not land in `into`, which may be that base.
-                        target = None if offer.payload.base_version and request.element_deltas else into
+                        # A delta on a base laid out otherwise must not land in `into`, which may be that base.
+                        target = None if delta and request.element_deltas else into
                         data = transport.receive(offer, into=target, progress=progress if last else None)
                         problem = ""
                         if not transport.sealed(data):  # (a sealed file is the version: nothing to check)
@@ -171,8 +196,9 @@ class Fetching(Connection):
                         self._reports.put(request)
                     p = offer.payload
                     stats = FetchStats(transport.name, p.byte_size, time.perf_counter() - started, direct)
+                    changed = tuple(rebuild.changed) if rebuild is not None else None
                     return FetchedBytes(
-                        offer.info, data, p.base_version, p.dtype, stats, p.base_xxh3, views is not None
+                        offer.info, data, p.base_version, p.dtype, stats, p.base_xxh3, views is not None, changed
                     )
                 order = [t for t in order if not self.transports.resting(t)] if direct else order[-1:]
                 offer, direct = None, False

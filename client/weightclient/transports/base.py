@@ -14,14 +14,14 @@ from weightclient.core.retry import NEVER, Deadline
 from weightclient.placement import PlacedReceiver
 from weightserver.protocol import page_tables
 from weightserver.protocol.errors import InvalidRequest
-from weightserver.protocol.framing import Progress
+from weightserver.protocol.framing import Progress, Sink, receive_chunks
 from weightserver.protocol.version_info import VersionInfo
 from weightserver.v1 import weights_pb2 as pb
 
 log = logging.getLogger(__name__)
 
 Parts = Sequence[memoryview]  # one model's file, as consecutive parts (not joined)
-Into = memoryview | PlacedReceiver | None  # where a receive lands: a buffer (else a fresh one), or placed in tensors
+Into = memoryview | Sink | None  # where a receive lands: a buffer (else a fresh one), or a Sink (placed, rebuilt)
 Answer = pb.NegotiateResponse | None  # Negotiate's; None where the stream's Fetch is asked directly
 
 
@@ -91,8 +91,9 @@ class Transport(Protocol):
     def release(self, payload: pb.Payload) -> None:
         """Let go of what `prepare` held."""
 
-    def receive(self, offer: Offer, *, into: Any, progress: Progress | None) -> memoryview:
-        """The payload's bytes, unverified, in `into` when it is large enough."""
+    def receive(self, offer: Offer, *, into: Into, progress: Progress | None) -> memoryview:
+        """The payload's bytes, unverified, in `into` when it is a buffer large enough; through `into`
+        when it is a Sink (then nothing is returned)."""
 
     def sealed(self, data: memoryview) -> bool:
         """Whether `data`, from `receive`, maps a file no process can change any more (the server's,
@@ -146,6 +147,14 @@ class TransportChain:
 
     def usable(self, name: str) -> bool | None:
         return False if self.resting(self.by_name[name]) else (name in self._worked) or None
+
+
+def into_sink(data: memoryview, into: Into) -> memoryview:
+    """`data` (a payload a transport holds whole, bytes), or passed through `into` when that is a Sink."""
+    if into is None or isinstance(into, memoryview):
+        return data
+    receive_chunks([data], into)
+    return memoryview(b"")
 
 
 def receive_buffer(size: int, into: memoryview | None = None, *, huge: bool = False) -> memoryview:

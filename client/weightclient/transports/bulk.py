@@ -11,9 +11,9 @@ from typing import ClassVar
 import xxhash
 
 from weightclient.core.retry import Deadline
-from weightclient.placement import PlacedReceiver
 from weightclient.transports.base import Offer, Parts, Progress, Transport, TransportFailed, Uploaded, receive_buffer
 from weightserver.protocol.errors import DeadlineExceeded
+from weightserver.protocol.framing import Sink
 from weightserver.v1 import weights_pb2 as pb
 
 CONNECT_TIMEOUT = 2.0
@@ -50,10 +50,9 @@ class BulkTransport(Transport):
     def prepare(self, payload: pb.Payload) -> None:
         pass  # the server set the buffer up; the kept connection is ready
 
-    def receive(
-        self, offer: Offer, *, into: memoryview | PlacedReceiver | None, progress: Progress | None
-    ) -> memoryview:
-        target = into if isinstance(into, PlacedReceiver) else receive_buffer(offer.payload.byte_size, into)
+    def receive(self, offer: Offer, *, into: memoryview | Sink | None, progress: Progress | None) -> memoryview:
+        sink = into is not None and not isinstance(into, memoryview)
+        target = into if sink else receive_buffer(offer.payload.byte_size, into)
         self._transfer(offer.payload.bulk, offer.label, offer.deadline, target, progress=progress)
         return target if isinstance(target, memoryview) else memoryview(b"")
 
@@ -70,7 +69,7 @@ class BulkTransport(Transport):
         bulk: pb.BulkTicket,
         label: str,
         deadline: Deadline,
-        into: memoryview | PlacedReceiver,
+        into: memoryview | Sink,
         *,
         parts: Parts = (),
         progress: Progress | None = None,
@@ -98,9 +97,9 @@ class BulkTransport(Transport):
                                 sent += block.nbytes
                                 if progress is not None:
                                     progress(sent, total)
-                        received, placed = 0, isinstance(into, PlacedReceiver)
+                        received, sink = 0, not isinstance(into, memoryview)
                         while received < into.nbytes:
-                            view = into.target(SOCKET_BUFFER) if placed else into[received : received + SOCKET_BUFFER]
+                            view = into.target(SOCKET_BUFFER) if sink else into[received : received + SOCKET_BUFFER]
                             started = received > 0 or bool(parts)  # (the ACK follows the upload's bytes)
                             limit = STALL_TIMEOUT if started else FIRST_BYTE_TIMEOUT
                             wait = _wait(limit, deadline)
@@ -116,7 +115,7 @@ class BulkTransport(Transport):
                                 if not started:
                                     raise EOFError("the bulk connection was closed")
                                 raise OSError("bulk connection closed part-way through a transfer")
-                            if placed:
+                            if sink:
                                 into.advance(n)
                             received += n
                             if progress is not None and not parts:

@@ -11,7 +11,7 @@ import xxhash
 
 from weightclient.core.retry import Deadline
 from weightclient.transports import NotOffered, Offer, OutgoingFile, Transport, TransportChain, TransportFailed
-from weightclient.transports.base import Answer, Parts, Progress, Uploaded
+from weightclient.transports.base import Answer, Into, Parts, Progress, Uploaded, into_sink
 from weightserver.protocol.errors import InvalidRequest, ModelNotFound, VersionNotFound
 from weightserver.protocol.version_info import VersionInfo
 from weightserver.v1 import weights_pb2 as pb
@@ -100,7 +100,7 @@ class MockTransport(Transport):
         payload = pb.Payload(byte_size=found[0].byte_size, xxh3=found[0].xxh3)
         return Offer(VersionInfo.from_proto(found[0]), payload, chunks=iter([memoryview(found[1])]), deadline=deadline)
 
-    def receive(self, offer: Offer, *, into: memoryview | None, progress: Progress | None) -> memoryview:
+    def receive(self, offer: Offer, *, into: Into, progress: Progress | None) -> memoryview:
         self.server.called(f"{self.name}.receive")
         found = self.server.find(pb.FetchRequest(model=offer.info.model, version=offer.info.version))
         data = bytearray(found[1])  # type: ignore[index]
@@ -108,7 +108,7 @@ class MockTransport(Transport):
             data[0] ^= 0xFF
         if progress is not None:
             progress(len(data), len(data))
-        return memoryview(data)
+        return into_sink(memoryview(data), into)
 
     def receive_placed(self, offer: Offer, views: Mapping[str, memoryview]) -> list[str]:
         raise TransportFailed("the mock transports do not place tensors")

@@ -23,6 +23,7 @@ from google.protobuf.message import DecodeError
 
 from weightclient.core.retry import Deadline
 from weightclient.placement import BLOCK_BYTES, PREFIX_BYTES, layout, mismatched
+from weightclient.transports import base
 from weightclient.transports.base import Offer, Parts, PayloadGone, Progress, Transport, TransportFailed, Uploaded
 from weightclient.transports.block_reader import read_blocks
 from weightserver.protocol import page_tables
@@ -103,16 +104,21 @@ class SharedMemoryTransport(Transport):
         finally:
             os.close(fd)
 
-    def receive(self, offer: Offer, *, into: memoryview | None, progress: Progress | None) -> memoryview:
-        """The file mapped copy-on-write: no copy, writes stay private, valid after removal."""
-        size = offer.payload.byte_size
+    def receive(self, offer: Offer, *, into: base.Into, progress: Progress | None) -> memoryview:
+        """The file mapped copy-on-write: no copy, writes stay private, valid after removal (a Sink
+        `into` reads it from the mapping, which then goes)."""
+        size, sink = offer.payload.byte_size, into is not None and not isinstance(into, memoryview)
         with self._opened(offer) as fd:
             data = memoryview(bytearray())  # mmap cannot map an empty file
             if size:
                 mapping = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-                if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_WRITE:
-                    self._sealed.add(mapping)
-                data = memoryview(mapping)
+                if sink:
+                    with mapping, memoryview(mapping) as view:
+                        data = base.into_sink(view, into)
+                else:
+                    if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_WRITE:
+                        self._sealed.add(mapping)
+                    data = memoryview(mapping)
         self._learn(offer)
         return data
 

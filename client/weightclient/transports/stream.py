@@ -9,7 +9,6 @@ from typing import Any, ClassVar
 import grpc
 
 from weightclient.core.retry import Deadline
-from weightclient.placement import PlacedReceiver
 from weightclient.transports.base import Answer, Into, Offer, OutgoingFile, Progress, Transport, receive_buffer
 from weightserver.protocol import framing
 from weightserver.protocol.errors import IntegrityError
@@ -91,7 +90,8 @@ class StreamTransport(Transport):
 
     def receive(self, offer: Offer, *, into: Into, progress: Progress | None) -> memoryview:
         assert offer.chunks is not None, "a stream offer comes from StreamTransport.offer"
-        target = into if isinstance(into, PlacedReceiver) else receive_buffer(offer.payload.byte_size, into)
+        sink = into is not None and not isinstance(into, memoryview)
+        target = into if sink else receive_buffer(offer.payload.byte_size, into)
         try:
             framing.receive_chunks(offer.chunks, target, progress)
         except ValueError as exc:
