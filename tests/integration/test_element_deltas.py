@@ -242,8 +242,10 @@ def test_a_delta_lands_in_the_held_version_as_it_arrives(server, client, transpo
             assert child.wait(timeout=120) == 0
     delta = 6 * v1["w0"].nbytes
     assert version == 2 and delta <= wire_bytes < delta + (1 << 20)  # the changed tensors, whole
-    # Measured: bulk +0-1 MiB, the stream +2-3 MiB (gRPC's read-ahead); holding the delta was +96 MiB.
-    assert added < 0.25 * delta, f"the delta's pull added {added >> 20} MiB to the peak for a {delta >> 20} MiB delta"
+    # Measured: bulk +0-1 MiB; the stream +2-3 MiB alone and +31 MiB once in a full run (gRPC's read-ahead
+    # and what glibc keeps of it: test_selection.py); holding the delta whole added 93-95 MiB.
+    bound = 0.1 if transport == "bulk" else 0.5
+    assert added < bound * delta, f"the delta's pull added {added >> 20} MiB to the peak for a {delta >> 20} MiB delta"
 
 
 def held(server) -> int:
