@@ -385,9 +385,12 @@ def test_dockerfile_copies_what_exists_and_installs_cpu_torch():
             for source in sources:
                 assert (REPO / source).exists(), f"COPY {source}: not in the repository"
                 copied.append(source.rstrip("/"))
-    assert "demo" in copied and workdir == "/app"  # `python -m demo.trainer` runs from /app
     ignore = (REPO / ".dockerignore").read_text().split()
-    assert all(f"!{source}" in ignore or f"!{source}/" in ignore for source in copied), "excluded from the context"
+    context = [entry[1:].rstrip("/") for entry in ignore if entry.startswith("!")]  # `*` and these only
+    assert all(source in context for source in copied if source != "."), "excluded from the context"
+    in_image = {path for source in copied for path in (context if source == "." else [source])}
+    assert {"demo", "weightserver", "client", "pyproject.toml"} <= in_image  # (`COPY . ./`: the context)
+    assert workdir == "/app"  # `python -m demo.trainer` runs from /app
 
     extras = metadata("weightserver").get_all("Provides-Extra") or []
     [pin] = re.findall(r"^torch==(\S+)$", (REPO / "constraints.txt").read_text(), re.MULTILINE)
