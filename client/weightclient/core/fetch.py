@@ -99,10 +99,9 @@ class Fetching(Connection):
         rebuild_on = None
         if base_bytes is not None and base_version and not dtype:
             request.element_deltas.extend(deltas.WIRE.values())
-            header = parse_header(base_bytes)
 
-            def rebuild_on(offer: Offer) -> deltas.Rebuild | None:
-                info, size = offer.info, offer.payload.byte_size
+            def rebuild_on(offer: Offer) -> deltas.Rebuild | None:  # (only for an offer of a delta)
+                info, size, header = offer.info, offer.payload.byte_size, parse_header(base_bytes)
                 if base_xxh3 and offer.payload.base_xxh3 != base_xxh3:
                     return None  # a delta on another base: fetched whole next, below
                 return deltas.Rebuild.on(base_bytes, header, info.tensors, info.byte_size, size, in_place=consume_base)

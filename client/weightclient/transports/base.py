@@ -149,9 +149,13 @@ class TransportChain:
         return False if self.resting(self.by_name[name]) else (name in self._worked) or None
 
 
+def is_sink(into: Into) -> bool:
+    return into is not None and not isinstance(into, memoryview)
+
+
 def into_sink(data: memoryview, into: Into) -> memoryview:
     """`data` (a payload a transport holds whole, bytes), or passed through `into` when that is a Sink."""
-    if into is None or isinstance(into, memoryview):
+    if not is_sink(into):
         return data
     receive_chunks([data], into)
     return memoryview(b"")

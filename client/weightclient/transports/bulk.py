@@ -11,6 +11,7 @@ from typing import ClassVar
 import xxhash
 
 from weightclient.core.retry import Deadline
+from weightclient.transports import base
 from weightclient.transports.base import Offer, Parts, Progress, Transport, TransportFailed, Uploaded, receive_buffer
 from weightserver.protocol.errors import DeadlineExceeded
 from weightserver.protocol.framing import Sink
@@ -51,8 +52,7 @@ class BulkTransport(Transport):
         pass  # the server set the buffer up; the kept connection is ready
 
     def receive(self, offer: Offer, *, into: memoryview | Sink | None, progress: Progress | None) -> memoryview:
-        sink = into is not None and not isinstance(into, memoryview)
-        target = into if sink else receive_buffer(offer.payload.byte_size, into)
+        target = into if base.is_sink(into) else receive_buffer(offer.payload.byte_size, into)
         self._transfer(offer.payload.bulk, offer.label, offer.deadline, target, progress=progress)
         return target if isinstance(target, memoryview) else memoryview(b"")
 
@@ -97,7 +97,7 @@ class BulkTransport(Transport):
                                 sent += block.nbytes
                                 if progress is not None:
                                     progress(sent, total)
-                        received, sink = 0, not isinstance(into, memoryview)
+                        received, sink = 0, base.is_sink(into)
                         while received < into.nbytes:
                             view = into.target(SOCKET_BUFFER) if sink else into[received : received + SOCKET_BUFFER]
                             started = received > 0 or bool(parts)  # (the ACK follows the upload's bytes)

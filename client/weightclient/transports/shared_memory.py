@@ -107,7 +107,7 @@ class SharedMemoryTransport(Transport):
     def receive(self, offer: Offer, *, into: base.Into, progress: Progress | None) -> memoryview:
         """The file mapped copy-on-write: no copy, writes stay private, valid after removal (a Sink
         `into` reads it from the mapping, which then goes)."""
-        size, sink = offer.payload.byte_size, into is not None and not isinstance(into, memoryview)
+        size, sink = offer.payload.byte_size, base.is_sink(into)
         with self._opened(offer) as fd:
             data = memoryview(bytearray())  # mmap cannot map an empty file
             if size:

@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 import grpc
 
 from weightclient.core.retry import Deadline
-from weightclient.transports.base import Answer, Into, Offer, OutgoingFile, Progress, Transport, receive_buffer
+from weightclient.transports.base import Answer, Into, Offer, OutgoingFile, Progress, Transport, is_sink, receive_buffer
 from weightserver.protocol import framing
 from weightserver.protocol.errors import IntegrityError
 from weightserver.protocol.version_info import VersionInfo
@@ -90,8 +90,7 @@ class StreamTransport(Transport):
 
     def receive(self, offer: Offer, *, into: Into, progress: Progress | None) -> memoryview:
         assert offer.chunks is not None, "a stream offer comes from StreamTransport.offer"
-        sink = into is not None and not isinstance(into, memoryview)
-        target = into if sink else receive_buffer(offer.payload.byte_size, into)
+        target = into if is_sink(into) else receive_buffer(offer.payload.byte_size, into)
         try:
             framing.receive_chunks(offer.chunks, target, progress)
         except ValueError as exc:
