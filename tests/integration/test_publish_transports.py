@@ -500,6 +500,33 @@ def test_a_publish_takes_the_spare_still_being_set_up(server, client, monkeypatc
     assert_bit_exact(client.fetch(MODEL, version=version, transport="stream").state_dict(), weights)
 
 
+def test_a_child_forked_while_the_publisher_maps_its_upload_does_not_hold_the_seal(server, client, monkeypatch):
+    """A process forked by the publisher (a collector, a data loader) while it maps its upload would
+    inherit a writable mapping, and the seal would be refused for as long as the child lives: the
+    mapping is not inherited (MADV_DONTFORK), so the publish commits."""
+    prepare, children = SharedMemoryTransport.prepare, []
+
+    def prepare_then_fork(self, payload):
+        prepare(self, payload)
+        pid = os.fork()
+        if pid == 0:  # the child: only what is safe after a fork of a threaded process
+            time.sleep(2)
+            os._exit(0)
+        children.append(pid)
+
+    monkeypatch.setattr(SharedMemoryTransport, "prepare", prepare_then_fork)
+    try:
+        client.publish(mixed_model(1), model=MODEL, transport="shm")
+        wait_until(lambda: children, what="the spare mapped, and a child forked")
+        weights = mixed_model(2)
+        version = client.publish(weights, model=MODEL, transport="shm")  # into the mapped spare
+        assert_bit_exact(client.fetch(MODEL, version=version, transport="stream").state_dict(), weights)
+        assert os.waitpid(children[0], os.WNOHANG) == (0, 0)  # the child still lived through the seal
+    finally:
+        for pid in children:
+            os.waitpid(pid, 0)
+
+
 def test_a_spare_of_another_size_is_let_go_and_the_publish_negotiates(server, client):
     before = memfds()
     client.publish(mixed_model(1), model=MODEL, transport="shm")

@@ -16,6 +16,7 @@ import os
 import secrets
 import shutil
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -268,15 +269,22 @@ class PublisherMemory(UploadFile):
         """Seal it and map it read-only (`populate`: every page now, for a hash that reads them all):
         InvalidRequest while the publisher still maps it writable, IntegrityError if it is not the
         declared size."""
-        try:
-            fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, SEALS)
-        except OSError as exc:
-            if exc.errno != errno.EBUSY:
-                raise
-            raise InvalidRequest(
-                f"model {model!r}: the publisher still maps its shared-memory upload for writing; unmap it "
-                "(close the mapping) before `uploaded`, so that nothing can change the bytes once committed"
-            ) from None
+        # EBUSY may be transient too: a page still referenced past the kernel's own ~150 ms wait
+        # (a loaded host scanning pages), as a full suite once met; so up to 0.75 s more
+        for wait in (0.05, 0.1, 0.2, 0.4, None):
+            try:
+                fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, SEALS)
+                break
+            except OSError as exc:
+                if exc.errno != errno.EBUSY:
+                    raise
+                if wait is None:
+                    raise InvalidRequest(
+                        f"model {model!r}: the publisher still maps its shared-memory upload for writing; "
+                        "unmap it (close the mapping) before `uploaded`, so that nothing can change the "
+                        "bytes once committed"
+                    ) from None
+                time.sleep(wait)
         size = os.fstat(self._fd).st_size
         if size != self.size:
             raise IntegrityError(

@@ -69,6 +69,7 @@ class SharedMemoryTransport(Transport):
         path, total = payload.shared_memory.path, payload.byte_size
         with self._upload_file(path, total, os.O_RDWR) as fd:
             mapping = mmap.mmap(fd, total)
+        mapping.madvise(mmap.MADV_DONTFORK)  # a child forked meanwhile would hold it writable: no seal
         page_tables.populate(mapping)  # before Linux 5.14 it does nothing: the copy takes the faults
         with self._lock:
             old, self._prepared[path] = self._prepared.get(path), mapping
