@@ -89,7 +89,6 @@ class IncomingModel:
         end = self.received + len(chunk)
         if end > self.total_bytes:
             raise IntegrityError(f"model {self.model!r}: publisher declared {self.total_bytes} bytes but sent more")
-        assert self.buffer is not None
         self.buffer[self.received : end] = chunk
         self.arrived(end)
 
@@ -174,10 +173,9 @@ class IncomingModel:
             return None  # too short for a header: the store's check says so
 
     def _sealed(self, file: PublisherMemory) -> FileDigests:
-        """Seal a same-host writer's memfd. With its xxh3 and every tensor's declared (hashed where the
-        bytes landed), commit with those: checked after the commit (`storage.hashing`), where a second
-        pass here cost 32-41 ms of a 256 MiB publish. Else hash it: the tensors on another core while
-        this one hashes the file (256 MiB mapped and hashed in 55 ms against 60 ms in one thread)."""
+        """Seal a same-host writer's memfd. With its xxh3 and every tensor's declared, commit with those
+        (checked after the commit, `storage.hashing`: a pass here cost 32-41 ms of a 256 MiB publish);
+        else hash it, the tensors on another core while this one hashes the file."""
         declared = self.declared_tensors if self.header.xxh3 else {}
         self.buffer = file.seal(self.model, populate=not declared)
         header = parse_header(self.buffer, self.total_bytes, **self.header_limits)

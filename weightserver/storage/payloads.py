@@ -54,13 +54,10 @@ class Pieces:
 File = Bytes | Pieces
 
 
-def span(data: File, begin: int, end: int) -> memoryview:
-    """Bytes [begin, end) of a file, joined or in pieces."""
-    return data.span(begin, end) if isinstance(data, Pieces) else memoryview(data)[begin:end]
-
-
 def tensor_span(data: File, header: SafetensorsHeader, entry: TensorEntry) -> memoryview:
-    return span(data, header.data_start + entry.begin, header.data_start + entry.end)
+    """`entry`'s bytes in a file, joined or in pieces."""
+    begin, end = header.data_start + entry.begin, header.data_start + entry.end
+    return data.span(begin, end) if isinstance(data, Pieces) else memoryview(data)[begin:end]
 
 
 # model, version, base version, dtype, element delta forms ("+"-joined), selection (Resolved.key)

@@ -23,10 +23,7 @@ from weightserver.storage.persistence import Disk
 __all__ = ["MAX_VERSION", "Commit", "ModelInfo", "Upload", "Version", "VersionStore"]
 
 log = logging.getLogger(__name__)
-# An evicted version's memory is let go this long after the commit. At 256 MiB, with the release
-# right away, the reply took 3.9-4.3 ms in the worst of 8 publishes (0.6-0.9 ms delayed) and
-# publish() took 59-65 ms at p50 (55-57 ms delayed).
-RELEASE_DELAY_SECONDS = 0.25
+RELEASE_DELAY_SECONDS = 0.25  # an evicted version's memory is let go this long after the commit (see `commit`)
 
 
 class VersionStore(VersionIndex):
@@ -164,10 +161,8 @@ class VersionStore(VersionIndex):
             if not record.sha256:
                 self._sha256.hash_later(record)
         self._remove_files(list(event.evicted))
-        # `evicted` now holds the last references to the versions evicted, and is cleared in a thread
-        # of its own (freeing 256 MiB, unmapping it and giving back its pages, took 40-50 ms of the
-        # publish), RELEASE_DELAY_SECONDS later: that core is first wanted by the reply and by the
-        # collectors applying the version.
+        # `evicted` holds the last references to the evicted versions: it is cleared in a thread of its own
+        # (freeing 256 MiB took 40-50 ms) and later, as the reply and the collectors' applies come first.
         del event
         self._releasing.submit(_release, time.monotonic() + RELEASE_DELAY_SECONDS, evicted)
 
