@@ -36,7 +36,6 @@ class Publishes:
     ) -> None:
         self.store, self.shared_memory, self.announcements = store, shared_memory, announcements
         self.staged, self.timeout = staged, timeout
-        # Publish work never runs on asyncio's default threads: casts and deltas queue there.
         self.threads = ThreadPoolExecutor(PUBLISH_THREADS, thread_name_prefix="weightserver-publish")
 
     def close(self) -> None:

@@ -30,9 +30,7 @@ Bytes = bytes | bytearray | memoryview
 
 class Pieces:
     """A file as consecutive views, sent and written as they are, never joined: a selection's header,
-    then each tensor, a byte range of the version's file (whole, or cut along a dimension with only
-    dimensions of size 1 before it) or gathered. `owned`: the bytes made for it; the rest are the
-    version's."""
+    then each tensor (see `select_file`). `owned`: the bytes made for it; the rest are the version's."""
 
     def __init__(self, views: Sequence[memoryview], owned: int) -> None:
         self.views, self.owned = tuple(views), owned
