@@ -217,7 +217,6 @@ class WeightServer:
             if config.upstream is not None:  # before serving: no publish may slip in
                 from weightserver.relay.relay import Relay
 
-                assert self.upstream_link is not None
                 self.relay = servicer.relay = Relay(
                     self.store,
                     config,
