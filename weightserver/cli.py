@@ -198,15 +198,14 @@ def server_config(args: argparse.Namespace, environ: Mapping[str, str] = os.envi
     options["bulk_port"] = None if args.no_bulk else args.bulk_port
     options["shm_dir"] = None if args.no_shm else (args.shm_dir or "auto")
     options["publish_timeout"] = args.publish_timeout or None
-    path, token = args.upstream_token_file, None
+    path = args.upstream_token_file
     if path is not None:
         try:
-            token = path.read_text()
+            options["upstream_token"] = path.read_text()
         except OSError as exc:
             raise ValueError(f"--upstream-token-file {path}: {exc.strerror}") from None
     elif args.upstream is not None:  # a primary's environment may hold it for other programs: not read
-        token = environ.get(UPSTREAM_TOKEN_ENV) or None
-    options["upstream_token"] = token
+        options["upstream_token"] = environ.get(UPSTREAM_TOKEN_ENV) or None
     return ServerConfig(**options)
 
 

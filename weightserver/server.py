@@ -6,7 +6,6 @@ import asyncio
 import logging
 import socket
 import threading
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
@@ -43,8 +42,7 @@ GRPC_OPTIONS = [
     ("grpc.server.max_pending_requests", 20000),
     ("grpc.server.max_pending_requests_hard_limit", 40000),
 ]
-# gRPC logs a call cancelled before its handler ran (the server stopping as a Watch arrives) as
-# an ERROR: that is the stop, not a fault (a 10-minute chaos run's only "error").
+# gRPC logs a call cancelled before its handler ran (the server stopping as a Watch arrives) as an ERROR: not a fault.
 logging.getLogger("grpc._cython.cygrpc").addFilter(
     lambda r: not r.exc_info or r.exc_info[0] is not asyncio.CancelledError
 )
@@ -142,8 +140,7 @@ class WeightServer:
         self._grace = self._grace if grace is None else grace
         self._loop.call_soon_threadsafe(self._stop_requested.set)
         self._stopped.wait()
-        if self._thread is not None:
-            self._thread.join()
+        self._thread.join()  # set before the loop is
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the server has stopped; False if `timeout` passed first."""
@@ -183,10 +180,9 @@ class WeightServer:
             max_connections = config.bulk_max_connections
             self.bulk = BulkEndpoint(config.host, config.bulk_port, max_connections=max_connections)
             log.info("bulk endpoint on %s:%d (at most %d connections)", config.host, self.bulk.port, max_connections)
-        if config.shm_dir is not None:
-            shm_dir = server_shm_dir(config.port, None if config.shm_dir == "auto" else Path(config.shm_dir))
-            self.shared_memory = SharedMemoryFiles(shm_dir) if shm_dir is not None else None
-        if self.shared_memory is not None:
+        shm_dir = server_shm_dir(config.port, config.shm_dir) if config.shm_dir is not None else None
+        if shm_dir is not None:
+            self.shared_memory = SharedMemoryFiles(shm_dir)
             log.info("shared-memory payloads in %s", self.shared_memory.directory)
             pages = page_tables.shared_huge_pages()
             if pages is not None and pages not in page_tables.HUGE_SETTINGS:
@@ -221,7 +217,6 @@ class WeightServer:
             if config.upstream is not None:  # before serving: no publish may slip in
                 from weightserver.relay.relay import Relay
 
-                assert self.upstream_link is not None
                 self.relay = servicer.relay = Relay(
                     self.store,
                     config,

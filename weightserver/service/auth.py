@@ -51,8 +51,7 @@ class TokenTable:
     """The tokens a server accepts, held as sha256 digests."""
 
     def __init__(self, entries: Iterable[tuple[str, str, str]]) -> None:
-        self._entries: list[tuple[bytes, Principal]] = []
-        seen: set[bytes] = set()
+        self._entries: dict[bytes, Principal] = {}  # by the token's digest
         for scoped_role, name, token in entries:
             role, scoped, scope = scoped_role.partition(":")
             if role not in ROLES:
@@ -65,10 +64,9 @@ class TokenTable:
             if len(token) < MIN_TOKEN_CHARS:
                 raise InvalidRequest(f"token {name!r} is shorter than {MIN_TOKEN_CHARS} characters")
             digest = _digest(token)
-            if digest in seen:
+            if digest in self._entries:
                 raise InvalidRequest(f"token {name!r} repeats another entry's token")
-            seen.add(digest)
-            self._entries.append((digest, Principal(name, role, models, token_sha256=digest)))
+            self._entries[digest] = Principal(name, role, models, token_sha256=digest)
         if not self._entries:
             raise InvalidRequest("the token file lists no tokens")
 
@@ -93,7 +91,7 @@ class TokenTable:
     def identify(self, token: str) -> Principal | None:
         """The token's principal, or None; every entry is compared, so timing reveals nothing."""
         digest = _digest(token)
-        found = [principal for known, principal in self._entries if hmac.compare_digest(known, digest)]
+        found = [principal for known, principal in self._entries.items() if hmac.compare_digest(known, digest)]
         return found[0] if found else None
 
     def authorize(

@@ -73,8 +73,8 @@ class BulkEndpoint:
         self.max_connections = max_connections
         self._tickets: dict[bytes, _Pending] = {}
         self._lock = threading.Lock()  # guards the tickets and each loop's connection count
-        self.refused = 0  # connections reset at once because `max_connections` were open
-        self._refused_logged = (0, -REFUSED_LOG_SECONDS)  # (refused, when) at the last warning
+        self._refused = 0  # connections reset at once (`max_connections` were open) since the last warning
+        self._refused_logged = -REFUSED_LOG_SECONDS  # when that warning was
         self._loops = [_Loop(f"weightserver-bulk-{i}") for i in range(LOOPS)]
         self._loops[0].start(self._accept_loop)
 
@@ -95,7 +95,6 @@ class BulkEndpoint:
         """A ticket that sends `data` (a buffer, or consecutive parts) once (with `landed`: as it lands);
         with `arrived` and `done`, one that receives an upload into `data` (`arrived` may raise to stop it)."""
         ticket, expires = secrets.token_bytes(TICKET_BYTES), time.monotonic() + TICKET_TTL_SECONDS
-        self._drop_expired()
         with self._lock:
             parts = data if isinstance(data, tuple) else (memoryview(data).cast("B"),)
             self._tickets[ticket] = _Pending(parts, label, expires, **pending)
@@ -135,15 +134,14 @@ class BulkEndpoint:
                 with contextlib.suppress(OSError):
                     conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                 conn.close()
-                self.refused += 1
-                logged, when = self._refused_logged
-                if time.monotonic() - when >= REFUSED_LOG_SECONDS:
+                self._refused += 1
+                if time.monotonic() - self._refused_logged >= REFUSED_LOG_SECONDS:
                     log.warning(
                         "bulk: %d connections open, the most --bulk-max-connections allows; reset %d new one(s) "
                         "since the last warning (the latest from %s): those clients fetch over the gRPC stream",
-                        *(open_now, self.refused - logged, peer),
+                        *(open_now, self._refused, peer),
                     )
-                    self._refused_logged = (self.refused, time.monotonic())
+                    self._refused, self._refused_logged = 0, time.monotonic()
                 continue
             try:
                 target.start(self._serve_connection, conn, peer, target)

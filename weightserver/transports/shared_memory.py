@@ -40,9 +40,9 @@ LOCK_FILE = ".lock"  # flocked by its server for life (a model name cannot start
 SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
-def server_shm_dir(port: int, root: Path | None = None) -> Path | None:
-    """This server's own directory under `root` (default /dev/shm); None: shared memory off."""
-    root = Path("/dev/shm") if root is None else Path(root)
+def server_shm_dir(port: int, root: Path | str = "auto") -> Path | None:
+    """This server's own directory under `root` ("auto": /dev/shm); None: shared memory off."""
+    root = Path("/dev/shm" if root == "auto" else root)
     if not root.is_dir():
         log.warning("shared-memory directory %s does not exist; same-host fetches will stream", root)
         return None
@@ -269,8 +269,7 @@ class PublisherMemory(UploadFile):
         """Seal it and map it read-only (`populate`: every page now, for a hash that reads them all):
         InvalidRequest while the publisher still maps it writable, IntegrityError if it is not the
         declared size."""
-        # EBUSY may be transient too: a page still referenced past the kernel's own ~150 ms wait
-        # (a loaded host scanning pages), as a full suite once met; so up to 0.75 s more
+        # EBUSY may also be a page still referenced past the kernel's own ~150 ms wait: up to 0.75 s more
         for wait in (0.05, 0.1, 0.2, 0.4, None):
             try:
                 fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, SEALS)
