@@ -127,8 +127,7 @@ def apply(form: str, delta: Bytes, out: memoryview, itemsize: int, what: str = "
         if n % 8 and int(bits[-1]) >> (n % 8):
             raise IntegrityError(f"{what}: a bitmap delta marks elements past the tensor's {n}")
         k = int(np.bitwise_count(bits).sum(dtype=np.int64))
-        if len(delta) - bitmap != k * itemsize:
-            carried = len(delta) - bitmap
+        if (carried := len(delta) - bitmap) != k * itemsize:
             raise IntegrityError(f"{what}: a bitmap delta marks {k} elements but carries {carried} bytes")
         values, done = np.frombuffer(delta, dtype=_WORDS[itemsize], offset=bitmap), 0
         for start in range(0, n, WINDOW):
