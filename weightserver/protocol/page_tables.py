@@ -22,9 +22,9 @@ MAP_FIXED, PROT_NONE = 0x10, 0x0  # (not in the mmap module)
 
 def anonymous(size: int, *, huge: bool = False) -> memoryview:
     """`size` bytes of fresh private memory to receive into (mmap's default for -1 is shared shmem,
-    which fills 40% slower). `huge`: advised as huge pages, for memory kept and reused (a follower's cut-through
-    buffer): first touches cost more, but a collector's small pages made the server's page-table
-    fill of the next upload 3 to 10 times slower (docs/performance.md)."""
+    which fills 40% slower). `huge`: advised as huge pages, for memory kept and reused (a
+    follower's cut-through buffer): first touches cost more, but a collector's small pages made
+    the server's page-table fill of the next upload 3 to 10 times slower (docs/performance.md)."""
     if not size:
         return memoryview(bytearray())
     memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
