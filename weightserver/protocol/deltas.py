@@ -4,11 +4,8 @@ tensor's changed elements, in the smaller of two forms), and the rebuild of the 
 A bf16 cast of fp32 master weights changes in a few percent of its elements per optimizer step,
 so a delta that carries whole changed tensors saves nothing in training; one that carries the
 changed elements does. Elements are compared as raw bytes (so -0.0, NaN payloads and every
-dtype alike). The proto's ElementDelta lays out the two forms byte for byte (little-endian):
-``sparse``, u32 counts of changed elements per block of 65,536, their u16 offsets in the block,
-their new bytes; ``bitmap``, a bit per element (least significant first), the changed ones' new
-bytes. `encode` picks the smallest of these and the whole tensor (ties go to the whole tensor),
-from the count of changed elements alone.
+dtype alike). The proto's ElementDelta lays out the two forms, ``sparse`` and ``bitmap``, byte
+for byte.
 """
 
 from __future__ import annotations
@@ -113,10 +110,8 @@ def apply(form: str, delta: Bytes, out: memoryview, itemsize: int, what: str = "
         offsets = np.frombuffer(delta, dtype="<u2", count=k, offset=4 * blocks)
         values = np.frombuffer(delta, dtype=_WORDS[itemsize], count=k, offset=4 * blocks + 2 * k)
         last = offsets[k - int(counts[-1]) :] if blocks else offsets[:0]  # only the last block can pass n
-        if last.size and (blocks - 1) * BLOCK + int(last.max()) >= n:
-            raise IntegrityError(
-                f"{what}: a delta names element {(blocks - 1) * BLOCK + int(last.max())} of a tensor of {n}"
-            )
+        if last.size and (top := (blocks - 1) * BLOCK + int(last.max())) >= n:
+            raise IntegrityError(f"{what}: a delta names element {top} of a tensor of {n}")
         step = WINDOW // BLOCK
         for first in range(0, blocks, step):
             stop = min(first + step, blocks)
@@ -132,8 +127,7 @@ def apply(form: str, delta: Bytes, out: memoryview, itemsize: int, what: str = "
         if n % 8 and int(bits[-1]) >> (n % 8):
             raise IntegrityError(f"{what}: a bitmap delta marks elements past the tensor's {n}")
         k = int(np.bitwise_count(bits).sum(dtype=np.int64))
-        if len(delta) - bitmap != k * itemsize:
-            carried = len(delta) - bitmap
+        if (carried := len(delta) - bitmap) != k * itemsize:
             raise IntegrityError(f"{what}: a bitmap delta marks {k} elements but carries {carried} bytes")
         values, done = np.frombuffer(delta, dtype=_WORDS[itemsize], offset=bitmap), 0
         for start in range(0, n, WINDOW):

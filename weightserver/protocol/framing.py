@@ -16,13 +16,11 @@ Progress = Callable[[int, int], None]  # (bytes so far, total bytes)
 
 def _varint(value: int) -> bytes:
     out = bytearray()
-    while True:
-        byte = value & 0x7F
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
         value >>= 7
-        if not value:
-            out.append(byte)
-            return bytes(out)
-        out.append(byte | 0x80)
+    out.append(value)
+    return bytes(out)
 
 
 FETCH_CHUNK_TAG = _varint(pb.FetchResponse.DESCRIPTOR.fields_by_name["chunk"].number << 3 | _LENGTH_DELIMITED)

@@ -1,10 +1,7 @@
 """Page tables: first touches fault, about 0.25 ms per MiB of small pages, as much as copying
 the bytes. `populate` fills a shared mapping's ahead of use (MADV_POPULATE_WRITE changes no byte,
 so it is safe while another process writes; through ctypes, which lets go of the GIL, where
-mmap.madvise holds it; kernels before 5.14 refuse it and the faults come with the bytes), in huge
-pages where the host lets shared memory have them (`shared_huge_pages`).
-`anonymous` is fresh memory to receive into. `unmap` gives up part of a shared mapping's pages
-early, off the GIL, so that tearing them down overlaps other work."""
+mmap.madvise holds it; kernels before 5.14 refuse it and the faults come with the bytes)."""
 
 from __future__ import annotations
 
@@ -24,12 +21,10 @@ MAP_FIXED, PROT_NONE = 0x10, 0x0  # (not in the mmap module)
 
 
 def anonymous(size: int, *, huge: bool = False) -> memoryview:
-    """`size` bytes of fresh private memory (mmap's default for -1 is shared shmem: 200 ms to fill
-    256 MiB, against 140 ms). `huge`: advised as huge pages, for memory kept and reused (a
-    follower's cut-through buffer): first touches cost more (docs/performance.md: 90 to 800 ms
-    here; a relay's one-shot receive went 271 -> 631 ms), but a collector's 256 MiB of small pages
-    made the server's page-table fill of the next upload 3 to 10 times slower (60 ms of system
-    time, against 200 to 670 ms; freshness_remote 267 -> 301 ms)."""
+    """`size` bytes of fresh private memory to receive into (mmap's default for -1 is shared shmem,
+    which fills 40% slower). `huge`: advised as huge pages, for memory kept and reused (a
+    follower's cut-through buffer): first touches cost more, but a collector's small pages made
+    the server's page-table fill of the next upload 3 to 10 times slower (docs/performance.md)."""
     if not size:
         return memoryview(bytearray())
     memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
@@ -40,9 +35,8 @@ def anonymous(size: int, *, huge: bool = False) -> memoryview:
 
 def populate(mapping: mmap.mmap) -> bool:
     """Map every page of the writable shared `mapping` now; whether the kernel did. Advised as huge
-    pages first: where the host allows them (`shared_huge_pages`), 256 MiB fill in 10 ms instead of
-    155, and unmap (which the seal of an upload waits for) in 0.1 ms instead of 21; elsewhere the
-    advice changes nothing."""
+    pages first: where the host allows them (`shared_huge_pages`), the fill is 15 times faster and the
+    unmap (which the seal of an upload waits for) 200 times; elsewhere the advice changes nothing."""
     if not len(mapping):
         return True
     anchor = ctypes.c_char.from_buffer(mapping)  # keeps the mapping open while it is in use
@@ -80,9 +74,10 @@ def shared_huge_pages() -> str | None:
 
 
 def unmap(mapping: mmap.mmap, start: int, end: int) -> None:
-    """Replace bytes [start, end) of `mapping` (page-aligned) with inaccessible anonymous memory: the
-    file's pages there are unmapped (the file keeps them) and, unlike a munmap, no hole is left that
-    another mapping could take before `mapping.close()`. Never touch that range afterwards."""
+    """Replace bytes [start, end) of `mapping` (page-aligned) with inaccessible anonymous memory, off
+    the GIL, so tearing the file's pages down (the file keeps them) overlaps other work; unlike a
+    munmap, it leaves no hole that another mapping could take before `mapping.close()`. Never touch
+    that range afterwards."""
     anchor = ctypes.c_char.from_buffer(mapping)
     try:
         at = ctypes.addressof(anchor) + start

@@ -435,7 +435,7 @@ class Relay:
     def _fetch(self, model: str, number: int, base: Version | None) -> _Fetched:
         """Version `number` of `model` (in a thread), rebuilt from a delta against `base` if that matches its xxh3."""
         fetch = functools.partial(self._client.fetch_bytes, model, version=number, timeout=FETCH_SECONDS, retry=False)
-        discarded = 0
+        sent = 0  # a delta's payload bytes
         if base is not None:
             try:  # (rebuilt on a copy of the base as it arrives)
                 got = fetch(base_version=base.version, base_xxh3=base.xxh3, base_bytes=base.data)
@@ -447,13 +447,12 @@ class Relay:
                     return _Fetched(got.info, got.data, sent, delta=True)
                 why = "the layouts differ" if got.changed is None else "its xxh3 differs"
             except errors.IntegrityError as exc:
-                sent, why = 0, str(exc)
+                why = str(exc)
             message = "%s v%d: the delta against v%d did not rebuild it (%s); fetching whole"
             log.info(message, model, number, base.version, why)
-            discarded = sent
         got = fetch()
         assert got is not None
-        return _Fetched(got.info, got.data, discarded + got.data.nbytes, delta=False)
+        return _Fetched(got.info, got.data, sent + got.data.nbytes, delta=False)
 
     async def _commit(
         self, fetched: list[_Fetched], number: int, started: float, publish: IncomingPublish | None = None
