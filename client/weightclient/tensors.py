@@ -88,9 +88,7 @@ def _framed(
                 f"key {name!r}: dtype {tensor.dtype} has no safetensors equivalent; "
                 f"supported: {', '.join(str(d) for d in TORCH_TO_SAFETENSORS)}"
             )
-        tensor = tensor.detach()
-        if to_cpu and tensor.device.type != "cpu":
-            tensor = tensor.cpu()
+        tensor = tensor.detach().cpu() if to_cpu else tensor.detach()  # (cpu() of a CPU tensor is itself)
         prepared.append((name, tensor.contiguous()))
     # Largest element size first (as safetensors does): each tensor starts aligned to its own.
     prepared.sort(key=lambda item: (-item[1].element_size(), item[0]))

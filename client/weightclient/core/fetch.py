@@ -81,15 +81,13 @@ class Fetching(Connection):
         select: Selection | str | Iterable[str] | None = None,
     ) -> FetchedBytes | None:
         """The latest version, exactly `version`, or the latest if newer than `newer_than` (else None).
-        `base_version`: changed tensors only; `dtype`: float32 cast by the server; `base_xxh3`: the
-        caller's digest of the base (if the server's differs, the whole version is fetched);
-        `base_bytes`: the base's file, which the caller holds, so changed tensors may come as their
-        changed elements; a delta is then rebuilt on a copy of it (in it with `consume_base`) as it
-        arrives, and `data` is the version, unverified, with `changed` naming the tensors the delta
-        carried (one on a base laid out otherwise comes as it is). `select`: only these
-        tensors or slices (a Selection, or glob patterns of whole tensors); then `info` describes the
-        selection's file (its size, digest and tensors) under the version's number, and a delta is
-        against the same selection of the base."""
+        `base_version`: changed tensors only; `dtype`: float32 cast by the server; `base_xxh3`: the caller's digest
+        of the base (if the server's differs, the whole version is fetched); `base_bytes`: the base's file, which the
+        caller holds, so changed tensors may come as their changed elements; a delta is then rebuilt on a copy of it
+        (in it with `consume_base`) as it arrives, and `data` is the version, unverified, with `changed` naming the
+        tensors the delta carried (one on a base laid out otherwise comes as it is). `select`: only these tensors or
+        slices (a Selection, or glob patterns of whole tensors); then `info` describes the selection's file (its
+        size, digest and tensors) under the version's number, and a delta is against the same selection of the base."""
         if (version is not None and newer_than is not None) or (version or 1) < 1 or (newer_than or 0) < 0:
             raise InvalidRequest(f"give version >= 1 or newer_than >= 0, not {version=}, {newer_than=}")
         request = pb.FetchRequest(model=model, version=version, newer_than=newer_than, chunk_size=self.chunk_bytes)
@@ -144,9 +142,7 @@ class Fetching(Connection):
                 if offer is None:
                     answer = None
                     if len(order) > 1:
-                        accept = [t.kind for t in order]
-                        negotiate = pb.NegotiateRequest(direction=pb.DIRECTION_FETCH, accept=accept, fetch=request)
-                        answer = self._stub.Negotiate(negotiate, timeout=deadline.remaining(), metadata=self._metadata)
+                        answer = self._negotiate(deadline.remaining(), [t.kind for t in order], fetch=request)
                         if answer.HasField("up_to_date"):
                             return None
                     transport = next(t for t in order if answer is None or t.kind == answer.transport)
@@ -219,9 +215,7 @@ class Fetching(Connection):
         carrier, answer = self.transports.stream, None
         with map_rpc_errors(self.address):
             if self.transports.by_name.get("bulk") in self.transports.order(transport):
-                accept = [pb.TRANSPORT_BULK, pb.TRANSPORT_STREAM]
-                negotiate = pb.NegotiateRequest(direction=pb.DIRECTION_FETCH, accept=accept, fetch=request)
-                answer = self._stub.Negotiate(negotiate, timeout=deadline.remaining(), metadata=self._metadata)
+                answer = self._negotiate(deadline.remaining(), [pb.TRANSPORT_BULK, pb.TRANSPORT_STREAM], fetch=request)
                 if answer.transport == pb.TRANSPORT_BULK:
                     carrier = self._link.incoming_bulk
             offer = carrier.offer(request, answer, deadline, placeholder)
@@ -235,9 +229,7 @@ class Fetching(Connection):
 
     def _report(self, request: pb.FetchRequest) -> None:
         """Tell the server of a direct read (for its metrics)."""
-        accept = [pb.TRANSPORT_SHARED_MEMORY]
-        negotiate = pb.NegotiateRequest(direction=pb.DIRECTION_FETCH, accept=accept, fetch=request)
-        self._stub.Negotiate(negotiate, timeout=self.timeout, metadata=self._metadata)
+        self._negotiate(self.timeout, [pb.TRANSPORT_SHARED_MEMORY], fetch=request)
 
     def flush(self, timeout: float | None = None) -> bool:
         return self._reports.flush(timeout)
