@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 from tensordict import TensorDictBase
@@ -112,7 +111,7 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
 def decode(header: SafetensorsHeader, buffer: bytearray | memoryview) -> dict[str, torch.Tensor]:
     """Tensors viewing `buffer` (no copy where aligned), as `header` lists them."""
-    result: dict[str, Any] = {}
+    result: dict[str, torch.Tensor] = {}
     for entry in header.tensors:
         dtype = SAFETENSORS_TO_TORCH.get(entry.dtype)
         if dtype is None:

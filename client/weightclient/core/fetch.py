@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
 import functools
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 
 import xxhash
@@ -20,7 +19,6 @@ from weightclient.placement import Placement, checked_views
 from weightclient.transports import PayloadGone, TransportFailed
 from weightclient.transports.base import Offer, Progress
 from weightserver.protocol import deltas
-from weightserver.protocol.deltas import Bytes
 from weightserver.protocol.errors import IntegrityError, InvalidRequest, PublishAborted
 from weightserver.protocol.safetensors_format import parse_header
 from weightserver.protocol.selection import Selection
@@ -76,7 +74,7 @@ class Fetching(Connection):
         retry: bool = True,
         progress: Progress | None = None,
         deadline: Deadline | None = None,
-        base_bytes: Bytes | None = None,
+        base_bytes: deltas.Bytes | None = None,
         consume_base: bool = False,
         select: Selection | str | Iterable[str] | None = None,
     ) -> FetchedBytes | None:
@@ -245,4 +243,4 @@ def _selected(offer: Offer, request: pb.FetchRequest) -> Offer:
         return offer
     if not offer.payload.HasField("selection"):
         raise IntegrityError(f"model {offer.label}: the server sent no selection description (it predates selections)")
-    return dataclasses.replace(offer, info=offer.info.selected(offer.payload.selection))
+    return replace(offer, info=offer.info.selected(offer.payload.selection))
