@@ -135,13 +135,12 @@ class WeightClient(WeightServiceClient):
         select: Selection | str | Iterable[str] | None = None,
         **options,
     ) -> FetchResult | None:
-        """`fetch_bytes` decoded into tensors. `base`: a version held, so only changed tensors come
-        (a FetchResult gives a complete result, rebuilt from the changed elements where that is
-        smaller; a number a partial one). `consume_base`: the result may be rebuilt in the base's own
-        bytes (writable), which it then holds. `place` may return {name: contiguous CPU tensor} to
-        receive into; they may hold unverified bytes if it fails. `select`: only some tensors, or slices
-        of them (`weightclient.tensor_parallel(rank, world, plan)`: a tensor-parallel rank's shard);
-        glob patterns select whole tensors; a `base` must then be the same selection of its version."""
+        """`fetch_bytes` decoded into tensors. `base`: a version held, so only changed tensors come (a
+        FetchResult gives a complete result, rebuilt from the changed elements where that is smaller; a number a
+        partial one). `consume_base`: the result may be rebuilt in the base's own bytes (writable), which it then
+        holds. `place` may return {name: contiguous CPU tensor} to receive into; they may hold unverified bytes if it
+        fails. `select`: only some tensors, or slices of them (`weightclient.tensor_parallel(rank, world, plan)`: a
+        tensor-parallel rank's shard); glob patterns select whole tensors; a `base` must then be the same selection."""
         if isinstance(base, FetchResult) and (base.partial or base.dtype or dtype):
             raise InvalidRequest(
                 "a delta against a FetchResult needs a complete result fetched without dtype, and no dtype now; "
@@ -153,9 +152,7 @@ class WeightClient(WeightServiceClient):
         targets: dict[str, torch.Tensor] = {}
 
         def views_for(info: VersionInfo) -> dict[str, memoryview] | None:
-            wanted = place(info)
-            if not wanted:
-                return None
+            wanted = place(info) or {}  # (checked_views declines an empty placement)
             layout = {t.name: t for t in info.tensors}
             if not all(name in layout and _placeable(tensor, layout[name]) for name, tensor in wanted.items()):
                 return None
@@ -186,17 +183,13 @@ class WeightClient(WeightServiceClient):
 
         if fetched.placed:
             return FetchResult(fetched.info, targets, fetched.data, stats=fetched.stats, placed=True)
-        if fetched.changed is not None:  # rebuilt on the held base as the delta arrived
-            if xxh3_hex(fetched.data) != fetched.info.xxh3:
-                return refetch(": its bytes changed since it was fetched")
-            tensors = tensor_codec.decode(parse_header(fetched.data), fetched.data)
-            return FetchResult(
-                fetched.info, tensors, fetched.data, fetched.base_version, stats=fetched.stats, changed=fetched.changed
-            )
-        if held is not None and fetched.base_version:
+        rebuilt = fetched.changed is not None  # on the held base, as the delta arrived
+        if rebuilt and xxh3_hex(fetched.data) != fetched.info.xxh3:
+            return refetch(": its bytes changed since it was fetched")
+        if held is not None and fetched.base_version and not rebuilt:
             return refetch(": its layout differs")
         tensors = tensor_codec.decode(parse_header(fetched.data), fetched.data)
-        partial = bool(fetched.base_version)
+        partial = bool(fetched.base_version) and not rebuilt
         if partial:
             _check_delta(fetched.info, tensors, fetched.dtype)
             if isinstance(base, FetchResult):
@@ -212,6 +205,7 @@ class WeightClient(WeightServiceClient):
             dtype=fetched.dtype,
             partial=partial,
             stats=fetched.stats,
+            changed=fetched.changed,
         )
 
     def watch_weights(self, model: str = "policy", *, since: int = 0) -> Iterator[FetchResult]:

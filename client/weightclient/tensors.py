@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 from tensordict import TensorDictBase
@@ -88,9 +87,7 @@ def _framed(
                 f"key {name!r}: dtype {tensor.dtype} has no safetensors equivalent; "
                 f"supported: {', '.join(str(d) for d in TORCH_TO_SAFETENSORS)}"
             )
-        tensor = tensor.detach()
-        if to_cpu and tensor.device.type != "cpu":
-            tensor = tensor.cpu()
+        tensor = tensor.detach().cpu() if to_cpu else tensor.detach()  # (cpu() of a CPU tensor is itself)
         prepared.append((name, tensor.contiguous()))
     # Largest element size first (as safetensors does): each tensor starts aligned to its own.
     prepared.sort(key=lambda item: (-item[1].element_size(), item[0]))
@@ -114,7 +111,7 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
 def decode(header: SafetensorsHeader, buffer: bytearray | memoryview) -> dict[str, torch.Tensor]:
     """Tensors viewing `buffer` (no copy where aligned), as `header` lists them."""
-    result: dict[str, Any] = {}
+    result: dict[str, torch.Tensor] = {}
     for entry in header.tensors:
         dtype = SAFETENSORS_TO_TORCH.get(entry.dtype)
         if dtype is None:

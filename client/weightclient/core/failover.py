@@ -15,7 +15,7 @@ import grpc
 
 from weightclient.core.retry import DEFAULT_RETRY, Deadline, RetryPolicy
 from weightclient.transports import BulkTransport, SharedMemoryTransport, StreamTransport, TransportChain
-from weightserver.protocol.channel import bearer_metadata, channel_credentials
+from weightserver.protocol.channel import PathLike, bearer_metadata, channel_credentials
 from weightserver.protocol.errors import (
     CLIENT_ID_METADATA_KEY,
     ERROR_METADATA_KEY,
@@ -25,12 +25,12 @@ from weightserver.protocol.errors import (
     error_from_status,
 )
 from weightserver.protocol.limits import CHANNEL_OPTIONS, DEFAULT_CHUNK_BYTES, DEFAULT_PORT
+from weightserver.v1 import weights_pb2 as pb
 from weightserver.v1 import weights_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-PathLike = str | os.PathLike[str]
 ADDRESS_ENV = "WEIGHTSERVER_ADDRESS"
 TOKEN_ENV = "WEIGHTSERVER_TOKEN"
 TLS_CA_ENV = "WEIGHTSERVER_TLS_CA"
@@ -110,11 +110,10 @@ def host_of(address: str) -> str:
 
 
 class Connection(AbstractContextManager):
-    """The link in use among `address`es (default $WEIGHTSERVER_ADDRESS, then localhost:50051).
-    `timeout`: the deadline of each call and fetch that gives none (a publish has none unless
-    given: the server's --publish-timeout bounds it). `retry_seconds`: how long idempotent calls
-    with no timeout at all (`timeout=None`) retry while no server answers.
-    `connect(address) -> ServerLink` replaces the network (transports.mock); TLS: `open_channel`."""
+    """The link in use among `address`es (default $WEIGHTSERVER_ADDRESS, then localhost:50051). `timeout`: the
+    deadline of each call and fetch that gives none (a publish has none unless given: the server's --publish-timeout
+    bounds it). `retry_seconds`: how long idempotent calls with no timeout at all (`timeout=None`) retry while no
+    server answers. `connect(address) -> ServerLink` replaces the network (transports.mock); TLS: `open_channel`."""
 
     def __init__(
         self,
@@ -184,6 +183,12 @@ class Connection(AbstractContextManager):
         log.warning("server %s is down or stalled (%s); moving to %s", failed, why, self._link.address)
         return True
 
+    def _negotiate(self, timeout: float | None, accept: list[int], **asked: Any) -> pb.NegotiateResponse:
+        """A Negotiate call for `fetch=` a pb.FetchRequest or `publish=` a pb.PublishHeader."""
+        direction = pb.DIRECTION_FETCH if "fetch" in asked else pb.DIRECTION_PUBLISH
+        request = pb.NegotiateRequest(direction=direction, accept=accept, **asked)
+        return self._stub.Negotiate(request, timeout=timeout, metadata=self._metadata)
+
     def _call(
         self, method: str, request: object, *, retry: bool = True, timeout: float | None = None, change: bool = False
     ) -> Any:
@@ -202,15 +207,17 @@ class Connection(AbstractContextManager):
 
     def _on_any_server(self, call: Callable[[Deadline], T], deadline: Deadline, *, retry: bool) -> T:
         """`call(deadline)`, moving on from a server that is down (at once the first time); without
-        `retry`, the first address gets its share of the deadline and one more the rest."""
+        `retry`, the first address gets half the deadline (a stalled one leaves the next some) and one more the rest."""
         if retry and deadline.at is None:
             deadline = Deadline.after(self.retry_seconds)
         errors = self.retry.retry_on if retry else (ServerUnavailable, DeadlineExceeded)
+        left = deadline.remaining()
+        first = deadline if retry or left is None or len(self.addresses) == 1 else Deadline.after(left / 2)
         attempt = 0
         while True:
             address = self.address
             try:
-                return call(deadline if retry or attempt else self.retry.share(deadline, min(2, len(self.addresses))))
+                return call(first if attempt == 0 else deadline)
             except errors as exc:
                 if not retry:
                     if attempt or deadline.expired() or not self._move_on(address, exc):

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
 import functools
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 
 import xxhash
@@ -20,7 +19,6 @@ from weightclient.placement import Placement, checked_views
 from weightclient.transports import PayloadGone, TransportFailed
 from weightclient.transports.base import Offer, Progress
 from weightserver.protocol import deltas
-from weightserver.protocol.deltas import Bytes
 from weightserver.protocol.errors import IntegrityError, InvalidRequest, PublishAborted
 from weightserver.protocol.safetensors_format import parse_header
 from weightserver.protocol.selection import Selection
@@ -76,20 +74,18 @@ class Fetching(Connection):
         retry: bool = True,
         progress: Progress | None = None,
         deadline: Deadline | None = None,
-        base_bytes: Bytes | None = None,
+        base_bytes: deltas.Bytes | None = None,
         consume_base: bool = False,
         select: Selection | str | Iterable[str] | None = None,
     ) -> FetchedBytes | None:
         """The latest version, exactly `version`, or the latest if newer than `newer_than` (else None).
-        `base_version`: changed tensors only; `dtype`: float32 cast by the server; `base_xxh3`: the
-        caller's digest of the base (if the server's differs, the whole version is fetched);
-        `base_bytes`: the base's file, which the caller holds, so changed tensors may come as their
-        changed elements; a delta is then rebuilt on a copy of it (in it with `consume_base`) as it
-        arrives, and `data` is the version, unverified, with `changed` naming the tensors the delta
-        carried (one on a base laid out otherwise comes as it is). `select`: only these
-        tensors or slices (a Selection, or glob patterns of whole tensors); then `info` describes the
-        selection's file (its size, digest and tensors) under the version's number, and a delta is
-        against the same selection of the base."""
+        `base_version`: changed tensors only; `dtype`: float32 cast by the server; `base_xxh3`: the caller's digest
+        of the base (if the server's differs, the whole version is fetched); `base_bytes`: the base's file, which the
+        caller holds, so changed tensors may come as their changed elements; a delta is then rebuilt on a copy of it
+        (in it with `consume_base`) as it arrives, and `data` is the version, unverified, with `changed` naming the
+        tensors the delta carried (one on a base laid out otherwise comes as it is). `select`: only these tensors or
+        slices (a Selection, or glob patterns of whole tensors); then `info` describes the selection's file (its
+        size, digest and tensors) under the version's number, and a delta is against the same selection of the base."""
         if (version is not None and newer_than is not None) or (version or 1) < 1 or (newer_than or 0) < 0:
             raise InvalidRequest(f"give version >= 1 or newer_than >= 0, not {version=}, {newer_than=}")
         request = pb.FetchRequest(model=model, version=version, newer_than=newer_than, chunk_size=self.chunk_bytes)
@@ -144,9 +140,7 @@ class Fetching(Connection):
                 if offer is None:
                     answer = None
                     if len(order) > 1:
-                        accept = [t.kind for t in order]
-                        negotiate = pb.NegotiateRequest(direction=pb.DIRECTION_FETCH, accept=accept, fetch=request)
-                        answer = self._stub.Negotiate(negotiate, timeout=deadline.remaining(), metadata=self._metadata)
+                        answer = self._negotiate(deadline.remaining(), [t.kind for t in order], fetch=request)
                         if answer.HasField("up_to_date"):
                             return None
                     transport = next(t for t in order if answer is None or t.kind == answer.transport)
@@ -219,9 +213,7 @@ class Fetching(Connection):
         carrier, answer = self.transports.stream, None
         with map_rpc_errors(self.address):
             if self.transports.by_name.get("bulk") in self.transports.order(transport):
-                accept = [pb.TRANSPORT_BULK, pb.TRANSPORT_STREAM]
-                negotiate = pb.NegotiateRequest(direction=pb.DIRECTION_FETCH, accept=accept, fetch=request)
-                answer = self._stub.Negotiate(negotiate, timeout=deadline.remaining(), metadata=self._metadata)
+                answer = self._negotiate(deadline.remaining(), [pb.TRANSPORT_BULK, pb.TRANSPORT_STREAM], fetch=request)
                 if answer.transport == pb.TRANSPORT_BULK:
                     carrier = self._link.incoming_bulk
             offer = carrier.offer(request, answer, deadline, placeholder)
@@ -235,9 +227,7 @@ class Fetching(Connection):
 
     def _report(self, request: pb.FetchRequest) -> None:
         """Tell the server of a direct read (for its metrics)."""
-        accept = [pb.TRANSPORT_SHARED_MEMORY]
-        negotiate = pb.NegotiateRequest(direction=pb.DIRECTION_FETCH, accept=accept, fetch=request)
-        self._stub.Negotiate(negotiate, timeout=self.timeout, metadata=self._metadata)
+        self._negotiate(self.timeout, [pb.TRANSPORT_SHARED_MEMORY], fetch=request)
 
     def flush(self, timeout: float | None = None) -> bool:
         return self._reports.flush(timeout)
@@ -253,4 +243,4 @@ def _selected(offer: Offer, request: pb.FetchRequest) -> Offer:
         return offer
     if not offer.payload.HasField("selection"):
         raise IntegrityError(f"model {offer.label}: the server sent no selection description (it predates selections)")
-    return dataclasses.replace(offer, info=offer.info.selected(offer.payload.selection))
+    return replace(offer, info=offer.info.selected(offer.payload.selection))

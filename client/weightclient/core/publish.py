@@ -39,7 +39,7 @@ class Spare:
 class SpareUploads:
     """At most one upload set up ahead per model and transport."""
 
-    def __init__(self, negotiate: Callable[[pb.NegotiateRequest], pb.NegotiateResponse]) -> None:
+    def __init__(self, negotiate: Callable[..., pb.NegotiateResponse]) -> None:
         self._negotiate = negotiate
         self._lock = threading.Lock()
         self._spares: dict[tuple[str, int], Spare] = {}
@@ -94,9 +94,8 @@ class SpareUploads:
 
     def _prepare(self, model: str, size: int, transport: Transport) -> None:
         header = pb.PublishHeader(model=model, total_bytes=size)
-        request = pb.NegotiateRequest(direction=pb.DIRECTION_PUBLISH, accept=[transport.kind], publish=header)
         try:
-            answer = self._negotiate(request)
+            answer = self._negotiate(SPARE_NEGOTIATE_SECONDS, [transport.kind], publish=header)
             if answer.transport != transport.kind:
                 return
             transport.prepare(answer.payload)
@@ -115,9 +114,7 @@ class SpareUploads:
 class Publishing(Connection):
     @functools.cached_property
     def _spares(self) -> SpareUploads:
-        return SpareUploads(
-            lambda request: self._stub.Negotiate(request, timeout=SPARE_NEGOTIATE_SECONDS, metadata=self._metadata)
-        )
+        return SpareUploads(self._negotiate)
 
     def publish_bytes(
         self, model: str, parts: Buffer | Sequence[Buffer], *, sha256: str | None = None, **options
@@ -145,19 +142,18 @@ class Publishing(Connection):
         publish_id = uuid.uuid4().hex if publish_id is None else publish_id
         meta = {str(k): str(v) for k, v in (metadata or {}).items()}
         outgoing = []
-        for i, (model, parts) in enumerate(files.items()):
+        for model, parts in files.items():
             views = [memoryview(p).cast("B") for p in ([parts] if isinstance(parts, Buffer) else parts)]
-            first = i == 0  # the version and the publish id go with the first model
             header = pb.PublishHeader(
                 model=model,
-                version=version if first else 0,
                 metadata=meta,
                 total_bytes=sum(v.nbytes for v in views),
                 sha256=(sha256s or {}).get(model) or "",
                 pin=pin,
-                publish_id=publish_id if first else "",
             )
             outgoing.append(OutgoingFile(header, views))
+        first = outgoing[0].header  # the version and the publish id go with the first model
+        first.version, first.publish_id = version, publish_id
         deadline = Deadline.after(timeout)
         try:
             return self._publish_once(outgoing, transport, deadline, progress, spares=True)
@@ -208,9 +204,7 @@ class Publishing(Connection):
         while len(order) > 1 and size:
             answer = spare.answer if spare is not None else None
             if answer is None:
-                accept = [t.kind for t in order]
-                negotiate = pb.NegotiateRequest(direction=pb.DIRECTION_PUBLISH, accept=accept, publish=header)
-                answer = self._stub.Negotiate(negotiate, timeout=deadline.remaining(), metadata=self._metadata)
+                answer = self._negotiate(deadline.remaining(), [t.kind for t in order], publish=header)
             transport, spare = self.transports.by_kind[answer.transport], None
             if transport is self.transports.stream:
                 break

@@ -55,12 +55,6 @@ class RetryPolicy:
         base = min(self.longest, self.first * 2 ** min(attempt, 62))
         return base * (1.0 + self.jitter * (2.0 * _JITTER.random() - 1.0))
 
-    @staticmethod
-    def share(deadline: Deadline, addresses: int) -> Deadline:
-        """One address's share of what is left: a stalled first server leaves the next some."""
-        left = deadline.remaining()
-        return deadline if left is None or addresses <= 1 else Deadline.after(left / addresses)
-
     def _delay_within(self, attempt: int, deadline: Deadline) -> float | None:
         delay, left = self.delay(attempt), deadline.remaining()
         return None if left is not None and delay >= left else delay

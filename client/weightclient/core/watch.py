@@ -56,8 +56,7 @@ class Watching(Connection):
                     log.warning("watch of %r at %s interrupted after v%d; resubscribing", model, address, cursor)
                 if outage.expired():
                     raise
-                moved = self._move_on(address, exc)
-                if not (moved and failures == 0) and not self.retry.wait(failures, outage):
+                if not (self._move_on(address, exc) and failures == 0) and not self.retry.wait(failures, outage):
                     raise
                 failures += 1
             finally:
