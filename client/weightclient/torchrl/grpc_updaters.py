@@ -349,14 +349,12 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         """Write `update` through the hooks, checked first; a copy that fails midway leaves `version` None."""
         try:
             local = self._get_local_weights()
-            weights = update.weights
             given = "weights passed to " + ("load" if update.keyed_like_policy else "update_weights")
             source = f"server weights of {self.model!r} v{update.version}" if update.info is not None else given
-            if not update.keyed_like_policy:
-                weights = self._maybe_map_weights(weights, local)
-                if not isinstance(weights, (TensorDictBase, Mapping)):
-                    what = f"{type(self).__name__}._maybe_map_weights returned {type(weights).__name__}"
-                    raise TypeError(f"{what} for the {source}; it must return the weights keyed like the local policy")
+            weights = update.weights if update.keyed_like_policy else self._maybe_map_weights(update.weights, local)
+            if not isinstance(weights, (TensorDictBase, Mapping)):
+                what = f"{type(self).__name__}._maybe_map_weights returned {type(weights).__name__}"
+                raise TypeError(f"{what} for the {source}; it must return the weights keyed like the local policy")
             cast = bool(self.dtype) and update.info is not None
             checked = check_weights(weights, local, source=source, partial=update.partial, allow_cast=cast)
             self._applying, self.zero_copy = update.mapping, False

@@ -1,6 +1,5 @@
-"""Reading a file's blocks on two cores while the caller hashes them in file order: `preadv`
-releases the GIL, xxh3 does not, so a helper thread reads too (16 MiB lands about 1.4x faster
-on 2 cores, bench fetch_shm_vs_gloo)."""
+"""Reading a file's blocks on two cores while the caller hashes them in file order: `preadv` releases
+the GIL, xxh3 does not, so a helper thread reads too (16 MiB lands about 1.4x faster on 2 cores)."""
 
 from __future__ import annotations
 

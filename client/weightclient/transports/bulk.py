@@ -87,16 +87,11 @@ class BulkTransport(Transport):
                     try:
                         conn.settimeout(_wait(CONNECT_TIMEOUT, deadline))
                         conn.sendall(bulk.ticket)
-                        sent, total, hasher = 0, sum(p.nbytes for p in parts), xxhash.xxh3_128()
-                        for part in parts:
-                            for start in range(0, part.nbytes, SEND_BLOCK):
-                                block = part[start : start + SEND_BLOCK]
-                                hasher.update(block)
-                                conn.settimeout(_wait(STALL_TIMEOUT, deadline))
-                                conn.sendall(block)
-                                sent += block.nbytes
-                                if progress is not None:
-                                    progress(sent, total)
+                        hasher = xxhash.xxh3_128()
+                        for block in base.blocks(parts, SEND_BLOCK, progress):
+                            hasher.update(block)
+                            conn.settimeout(_wait(STALL_TIMEOUT, deadline))
+                            conn.sendall(block)
                         received, sink = 0, base.is_sink(into)
                         while received < into.nbytes:
                             view = into.target(SOCKET_BUFFER) if sink else into[received : received + SOCKET_BUFFER]

@@ -1,8 +1,5 @@
 """Payload files in a same-host server's shared memory: a fetch maps one copy-on-write, or reads an
-exact version by its header file with no call (`read_directly`); a publish writes the server's
-upload memfd, hashing each block in cache: through a mapping set up ahead (unmapped before
-`uploaded`, as the server's seal requires), the file and each tensor where the bytes landed, which
-the server commits as declared; else with `pwrite` (one copy, no page faults), the file."""
+exact version by its header file with no call (`read_directly`); a publish writes the server's upload memfd."""
 
 from __future__ import annotations
 
@@ -28,7 +25,7 @@ from weightclient.transports.base import Offer, Parts, PayloadGone, Progress, Tr
 from weightclient.transports.block_reader import read_blocks
 from weightserver.protocol import page_tables
 from weightserver.protocol.digests import IncomingDigests, xxh3_hex
-from weightserver.protocol.errors import DeadlineExceeded, InvalidSafetensors
+from weightserver.protocol.errors import InvalidSafetensors
 from weightserver.protocol.files import header_file_name, version_file_name
 from weightserver.protocol.version_info import VersionInfo
 from weightserver.v1 import weights_pb2 as pb
@@ -168,34 +165,17 @@ class SharedMemoryTransport(Transport):
             self._folders[offer.info.model] = folder
 
 
-def _blocks(parts: Parts, deadline: Deadline, progress: Progress | None) -> Iterator[memoryview]:
-    """`parts` cut into WRITE_BLOCK blocks; `progress` hears of each once the caller moved it."""
-    total, done = sum(p.nbytes for p in parts), 0
-    for part in parts:
-        for start in range(0, part.nbytes, WRITE_BLOCK):
-            if deadline.expired():
-                raise DeadlineExceeded(f"writing the upload took longer than the call's timeout ({done} bytes in)")
-            block = part[start : start + WRITE_BLOCK]
-            yield block
-            done += block.nbytes
-            if progress is not None:
-                progress(done, total)
-
-
 def _copied_hashed(
     target: memoryview, mapping: mmap.mmap, parts: Parts, deadline: Deadline, progress: Progress | None
 ) -> Uploaded:
     """`parts` copied into the mapping `target`, each block hashed there while in cache: the digests
-    describe the bytes the server seals (256 MiB: 35 ms here, a memcpy 24 ms of it; a hashing thread
-    beside took longer, and so did torch's two-thread copy once the server wanted a core too). From
-    UNMAP_FROM, each eighth once hashed is unmapped in a thread meanwhile (`page_tables.unmap`):
-    tearing down 256 MiB of page tables after the copy took 19 ms, and the seal waits for it
-    (publish() 68, 75 ms against 55, 52 ms, alternating; at 16 MiB it cost 0.5-1 ms)."""
+    describe the bytes the server seals. From UNMAP_FROM, each eighth once hashed is unmapped in a
+    thread meanwhile (`page_tables.unmap`): the seal waits for the page tables' teardown (19 ms at 256 MiB)."""
     found: IncomingDigests | None = IncomingDigests(target)
     window = -(-target.nbytes // 8 // mmap.PAGESIZE) * mmap.PAGESIZE if target.nbytes >= UNMAP_FROM else 0
     given_up = offset = 0  # bytes [0, given_up) are unmapped
     with ThreadPoolExecutor(1, thread_name_prefix="weightclient-unmap") if window else nullcontext() as unmapping:
-        for block in _blocks(parts, deadline, None):
+        for block in base.blocks(parts, WRITE_BLOCK, None, deadline):
             target[offset : offset + block.nbytes] = block
             offset += block.nbytes
             if found is not None:
@@ -218,7 +198,7 @@ def _written_hashed(fd: int, parts: Parts, total: int, deadline: Deadline, progr
     """`parts` written to `fd` a block at a time, each hashed once written (no page faults: the
     kernel writes tmpfs pages it allocates)."""
     hasher, offset = xxhash.xxh3_128(), 0
-    for block in _blocks(parts, deadline, progress):
+    for block in base.blocks(parts, WRITE_BLOCK, progress, deadline):
         written = 0
         while written < block.nbytes:  # a write may be short (a signal, or over 2 GiB)
             written += os.pwrite(fd, block[written:], offset + written)
