@@ -6,7 +6,8 @@ from collections.abc import Callable, Mapping
 
 import xxhash
 
-from weightserver.protocol.digests import BLOCK_BYTES, PREFIX_BYTES
+from weightserver.protocol.digests import PREFIX_BYTES
+from weightserver.protocol.framing import Region, Regions
 from weightserver.protocol.version_info import VersionInfo
 
 Placement = Callable[[VersionInfo], Mapping[str, memoryview] | None]
@@ -43,52 +44,21 @@ def layout(info: VersionInfo, views: Mapping[str, memoryview], header_bytes: int
     return [(size, name) for size, name in regions if size]
 
 
-class PlacedReceiver:
-    """A framing.Sink scattering a file into the views (the rest to scratch); `bad()`: failed ones."""
+class PlacedReceiver(Regions):
+    """A framing.Sink scattering a file into the views (the rest dropped), each hashed as it lands;
+    `bad()`: the ones that fail."""
 
     def __init__(self, info: VersionInfo, views: Mapping[str, memoryview]) -> None:
         self._info, self._views = info, views
         self._hashers = {name: xxhash.xxh3_128() for name in views}
-        self._scratch = memoryview(bytearray(BLOCK_BYTES))
-        self._prefix = memoryview(bytearray(PREFIX_BYTES))
-        self._regions: list[tuple[int, str | None]] = []  # the rest of the file, reversed
-        self._region: memoryview | None = self._prefix  # the region being filled: a view, or None for scratch
-        self._name: str | None = None
-        self._left = PREFIX_BYTES  # bytes still to come in this region
-        self._remaining = self.nbytes = info.byte_size
-
-    @property
-    def done(self) -> bool:
-        return self._remaining == 0
-
-    def target(self, most: int = BLOCK_BYTES) -> memoryview:
-        size = min(most, self._left, BLOCK_BYTES)
-        if self._region is None:
-            return self._scratch[:size]
-        start = self._region.nbytes - self._left
-        return self._region[start : start + size]
-
-    def advance(self, n: int) -> None:
-        if n > self._left or n > self._remaining:
-            raise ValueError(f"{n} bytes do not fit the version's layout")
-        if self._name is not None:
-            start = self._region.nbytes - self._left
-            self._hashers[self._name].update(self._region[start : start + n])
-        self._left -= n
-        self._remaining -= n
-        while not self._left and not self.done:
-            self._next_region()
+        super().__init__(info.byte_size, Region(PREFIX_BYTES, then=self._plan))
 
     def bad(self) -> list[str]:
         return mismatched(self._info, self._hashers)
 
-    def _next_region(self) -> None:
-        if self._region is self._prefix:
-            self._regions = layout(self._info, self._views, int.from_bytes(self._prefix, "little"))[::-1]
-        if not self._regions:
-            raise ValueError(f"the layout ends before the version's {self._info.byte_size} bytes")
-        self._left, self._name = self._regions.pop()
-        self._region = self._views[self._name] if self._name is not None else None
+    def _plan(self, prefix: memoryview) -> None:
+        for size, name in layout(self._info, self._views, int.from_bytes(prefix, "little")):
+            self._push(Region(size, self._views.get(name), hasher=self._hashers.get(name)))
 
 
 def mismatched(info: VersionInfo, hashers: Mapping[str, xxhash.xxh3_128]) -> list[str]:

@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import functools
 import json
-from collections import deque
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import xxhash
 
 from weightserver.protocol import framing
 from weightserver.protocol.digests import PREFIX_BYTES
 from weightserver.protocol.errors import IntegrityError, InvalidSafetensors
+from weightserver.protocol.framing import Region
 from weightserver.protocol.safetensors_format import DTYPE_SIZES, SafetensorsHeader, TensorEntry, parse_header
 from weightserver.v1 import weights_pb2 as pb
 
@@ -139,13 +139,7 @@ def apply(form: str, delta: Bytes, out: memoryview, itemsize: int, what: str = "
     raise IntegrityError(f"{what}: unknown element delta form {form!r}; known: {', '.join(FORMS)}")
 
 
-class _Region(NamedTuple):
-    size: int
-    into: memoryview | None = None  # where the bytes land; else held in a buffer for `then`, or only hashed
-    then: Callable[[memoryview], None] | None = None  # given the held bytes once they are all in
-
-
-class Rebuild:
+class Rebuild(framing.Regions):
     """A framing.Sink that rebuilds a version in `rebuilt` (the base's file, writable) as its delta
     payload arrives: a tensor carried whole lands in its place, an element delta is held (one
     tensor's at a time) and applied once it is in. So a delta needs no buffer of its own, nor a
@@ -154,15 +148,11 @@ class Rebuild:
     sent tells a bad transfer from a bad delta); `rebuilt` is then spoilt."""
 
     def __init__(self, rebuilt: memoryview, base_header: SafetensorsHeader, nbytes: int) -> None:
-        self.rebuilt, self.nbytes, self.problem = rebuilt, nbytes, ""
+        self.rebuilt, self.problem = rebuilt, ""
         self.changed: list[str] = []
         self.forms: dict[str, str] = {}  # the changed tensors that came as element deltas, and their forms
         self._base, self._hasher = base_header, xxhash.xxh3_128()
-        self._scratch = memoryview(bytearray(min(nbytes, 1 << 16)))
-        self._regions: deque[_Region] = deque()
-        self._held: memoryview | None = None  # the current region's bytes, when it holds them
-        self._filled = self._received = 0
-        self._push(_Region(min(nbytes, PREFIX_BYTES), then=self._check_prefix))
+        super().__init__(nbytes, Region(min(nbytes, PREFIX_BYTES), then=self._check_prefix))
 
     @classmethod
     def on(
@@ -184,44 +174,14 @@ class Rebuild:
     def xxh3(self) -> str:
         return self._hasher.hexdigest()
 
-    def target(self, most: int) -> memoryview:
-        if not self._regions:
-            raise ValueError(f"more than the delta's {self.nbytes} bytes")
-        region = self._regions[0]
-        if region.into is None and region.then is not None and self._held is None:
-            self._held = memoryview(bytearray(region.size))
-        return self._landing(region)[: min(most, region.size - self._filled)]
-
-    def advance(self, n: int) -> None:
-        region = self._regions[0]
-        if self._filled + n > region.size:
-            raise ValueError(f"{n} bytes do not fit the delta's layout")
-        self._hasher.update(self._landing(region)[:n])
-        self._filled += n
-        self._received += n
-        if self._filled == region.size:
-            self._regions.popleft()
-            held, self._held, self._filled = self._held, None, 0
-            if region.then is not None and not self.problem:
-                region.then(held if held is not None else memoryview(b""))
-
-    def _landing(self, region: _Region) -> memoryview:
-        """Where the current region's next bytes land."""
-        if region.into is not None:
-            return region.into[self._filled :]
-        return self._held[self._filled :] if self._held is not None else self._scratch
-
-    def _push(self, region: _Region) -> None:
-        if region.size:
-            self._regions.append(region)
-        elif region.then is not None:
-            region.then(memoryview(b""))
+    def _push(self, region: Region) -> None:
+        super()._push(region._replace(hasher=self._hasher))  # the payload's digest: every byte
 
     def _fail(self, problem: str) -> None:
         """The rest of the payload only hashed."""
         self.problem, self._held, self._filled = problem, None, 0
         self._regions.clear()
-        self._push(_Region(self.nbytes - self._received))
+        self._push(Region(self.nbytes - self._received))
 
     def _check_prefix(self, prefix: memoryview) -> None:
         try:
@@ -230,7 +190,7 @@ class Rebuild:
             return self._fail(f"the delta is not a valid safetensors file: {exc}")
         except ValueError:  # (the header itself is still to come)
             pass
-        self._push(_Region(int.from_bytes(prefix, "little"), then=lambda header: self._plan(bytes(prefix) + header)))
+        self._push(Region(int.from_bytes(prefix, "little"), then=lambda header: self._plan(bytes(prefix) + header)))
 
     def _plan(self, head: bytes) -> None:
         """The header is in: each of its tensors a region, whole into its place or held to apply."""
@@ -254,11 +214,11 @@ class Rebuild:
                     return self._fail(f"{what} is an element delta, so U8 of one dimension, not {given}")
                 self.forms[entry.name] = form = encoded[entry.name]
                 write = functools.partial(self._apply, form, out, DTYPE_SIZES[place.dtype], what)
-                self._push(_Region(entry.nbytes, then=write))
+                self._push(Region(entry.nbytes, then=write))
             elif given != expected:
                 return self._fail(f"{what} is {given}; the version's is {expected}")
             else:
-                self._push(_Region(entry.nbytes, into=out))
+                self._push(Region(entry.nbytes, into=out))
             self.changed.append(entry.name)
 
     def _apply(self, form: str, out: memoryview, itemsize: int, what: str, delta: memoryview) -> None:

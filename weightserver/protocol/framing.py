@@ -3,11 +3,14 @@ copy a chunk twice; framing by hand copies once to send, never to receive."""
 
 from __future__ import annotations
 
+import functools
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Protocol
+from typing import Any, NamedTuple, Protocol
 
 from google.protobuf.message import Message
 
+from weightserver.protocol.digests import BLOCK_BYTES
 from weightserver.v1 import weights_pb2 as pb
 
 _LENGTH_DELIMITED = 2
@@ -87,6 +90,68 @@ class Sink(Protocol):
     def target(self, most: int) -> memoryview: ...
 
     def advance(self, n: int) -> None: ...
+
+
+class Region(NamedTuple):
+    size: int
+    into: memoryview | None = None  # where the bytes land; else held in a buffer for `then`, or dropped
+    then: Callable[[memoryview], None] | None = None  # given the held bytes once they are all in
+    hasher: Any = None  # fed the bytes as they land (an xxhash hasher)
+
+
+class Regions:
+    """A Sink over a file as a queue of regions, planned as it arrives (a region's `then` may push
+    the ones after it: a header, then the tensors it lays out). At most a block lands at a time, so
+    it is hashed while in cache."""
+
+    def __init__(self, nbytes: int, first: Region) -> None:
+        self.nbytes = nbytes
+        self._regions: deque[Region] = deque()
+        self._held: memoryview | None = None  # the current region's bytes, when it holds them
+        self._filled = self._received = 0
+        self._push(first)
+
+    @property
+    def done(self) -> bool:
+        return self._received == self.nbytes
+
+    def target(self, most: int = BLOCK_BYTES) -> memoryview:
+        if not self._regions:
+            raise ValueError(f"more than the {self.nbytes} bytes laid out")
+        region = self._regions[0]
+        if region.into is None and region.then is not None and self._held is None:
+            self._held = memoryview(bytearray(region.size))
+        return self._landing(region)[: min(most, region.size - self._filled, BLOCK_BYTES)]
+
+    def advance(self, n: int) -> None:
+        region = self._regions[0]
+        if self._filled + n > region.size:
+            raise ValueError(f"{n} bytes do not fit the layout")
+        if region.hasher is not None:
+            region.hasher.update(self._landing(region)[:n])
+        self._filled += n
+        self._received += n
+        if self._filled == region.size:
+            self._regions.popleft()
+            held, self._held, self._filled = self._held, None, 0
+            if region.then is not None:
+                region.then(held if held is not None else memoryview(b""))
+
+    @functools.cached_property
+    def _scratch(self) -> memoryview:
+        return memoryview(bytearray(min(self.nbytes, BLOCK_BYTES)))
+
+    def _landing(self, region: Region) -> memoryview:
+        """Where the current region's next bytes land."""
+        if region.into is not None:
+            return region.into[self._filled :]
+        return self._held[self._filled :] if self._held is not None else self._scratch
+
+    def _push(self, region: Region) -> None:
+        if region.size:
+            self._regions.append(region)
+        elif region.then is not None:
+            region.then(memoryview(b""))
 
 
 def receive_chunks(chunks: Iterable[object], into: memoryview | Sink, progress: Progress | None = None) -> None:

@@ -19,12 +19,12 @@ import xxhash
 from google.protobuf.message import DecodeError
 
 from weightclient.core.retry import Deadline
-from weightclient.placement import BLOCK_BYTES, PREFIX_BYTES, layout, mismatched
+from weightclient.placement import layout, mismatched
 from weightclient.transports import base
 from weightclient.transports.base import Offer, Parts, PayloadGone, Progress, Transport, TransportFailed, Uploaded
 from weightclient.transports.block_reader import read_blocks
 from weightserver.protocol import page_tables
-from weightserver.protocol.digests import IncomingDigests, xxh3_hex
+from weightserver.protocol.digests import BLOCK_BYTES, PREFIX_BYTES, IncomingDigests, xxh3_hex
 from weightserver.protocol.errors import InvalidSafetensors
 from weightserver.protocol.files import header_file_name, version_file_name
 from weightserver.protocol.version_info import VersionInfo
