@@ -92,6 +92,25 @@ def test_changed_elements_travel_and_rebuild_bit_exact_over_every_transport(serv
     assert_bit_exact(fourth.tensors, v4)
 
 
+def test_on_the_servers_host_the_default_maps_the_version_rather_than_rebuild_a_delta(server, client):
+    """A delta saves bytes that are copied; on the server's host a version's file is mapped, not
+    copied, and a rebuild would copy the base. So there "auto" reads the version whole (and says so),
+    a transport named still gets the delta, and both are bit-exact."""
+    v1 = first_version()
+    v2 = step(v1, 0.01, seed=1)
+    client.publish(v1, model=MODEL)
+    base = client.fetch(MODEL, version=1)
+    assert base.stats.transport == "shm"  # this is the server's host
+    client.publish(v2, model=MODEL)
+    whole = client.fetch(MODEL, version=2, base=base, consume_base=True)
+    assert whole.stats.transport == "shm" and whole.base_version == 0 and whole.changed is None
+    assert_bit_exact(whole.tensors, v2)
+    assert_bit_exact(base.tensors, v1)  # not consumed: nothing was rebuilt in it
+    delta = client.fetch(MODEL, version=2, base=base, transport="bulk")
+    assert delta.base_version == 1 and delta.stats.wire_bytes < nbytes(v2) // 10
+    assert_bit_exact(delta.tensors, v2)
+
+
 def test_a_caller_that_declares_no_forms_gets_whole_tensors(server, client):
     """What a Node or C++ client sees: base_version without element_deltas is today's delta."""
     v1 = first_version()
@@ -154,7 +173,7 @@ def test_a_corrupt_delta_is_refused_and_nothing_is_applied(server, client, monke
 
     base = client.fetch(MODEL, version=1)
     with pytest.raises(IntegrityError, match="truncated"):
-        client.fetch(MODEL, version=2, base=base)
+        client.fetch(MODEL, version=2, base=base, transport="bulk")  # (on this host "auto" maps v2 whole)
     assert_bit_exact(base.tensors, v1)  # not rebuilt in place: the caller's base is untouched
 
     with caplog.at_level(logging.WARNING):
@@ -270,6 +289,6 @@ def test_a_relay_fetches_and_serves_element_deltas(make_server):
             "weightserver_relay_fetch_bytes_total", {"model": MODEL, "payload": "delta"}
         )
         assert 0 < moved < nbytes(v2) // 10  # the relay's own fetch was an element delta
-        result = collector.fetch(MODEL, version=2, base=base)  # and it serves one from its copy
+        result = collector.fetch(MODEL, version=2, base=base, transport="bulk")  # and serves one from its copy
         assert result.base_version == 1 and result.stats.wire_bytes < nbytes(v2) // 10
         assert_bit_exact(result.tensors, v2)
