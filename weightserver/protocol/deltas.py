@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import xxhash
 
-from weightserver.protocol import framing
+from weightserver.protocol import framing, page_tables
 from weightserver.protocol.digests import PREFIX_BYTES
 from weightserver.protocol.errors import IntegrityError, InvalidSafetensors
 from weightserver.protocol.framing import Region
@@ -169,7 +169,11 @@ class Rebuild(framing.Regions):
         on `base` (in `base` itself with `in_place`, else in a copy); None if `base` is laid out otherwise."""
         if len(base) != byte_size or [_placement(t) for t in base_header.tensors] != [_placement(t) for t in layout]:
             return None
-        return cls(memoryview(base).cast("B") if in_place else memoryview(bytearray(base)), base_header, nbytes)
+        source = memoryview(base).cast("B")
+        if not in_place:  # (a memoryview copy into fresh pages: bytearray(base) took 290 ms at 256 MiB, this 160)
+            source, copy = page_tables.anonymous(byte_size), source
+            source[:] = copy
+        return cls(source, base_header, nbytes)
 
     def xxh3(self) -> str:
         return self._hasher.hexdigest()
