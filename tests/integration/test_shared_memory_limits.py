@@ -167,3 +167,21 @@ def test_a_folder_without_a_lock_file_is_left_alone(tmp_path):
         assert legacy.exists()
         assert (legacy / MODEL / f"{1:012d}.safetensors").exists()
     assert "without a lock file" in server.log() and legacy.name in server.log()
+
+
+def test_an_upload_asked_for_as_the_server_stops_is_declined_quietly(tmp_path, caplog):
+    """A publisher setting up its next upload while the server stops: the folder is gone, so no
+    upload and no warning about writing a publish; the folder is not made again (it was, and left
+    behind)."""
+    from weightserver.transports.shared_memory import SharedMemoryFiles
+
+    files = SharedMemoryFiles(tmp_path / "weightserver-test")
+    before = files.new_upload("policy", 4096, publisher_writes=True)
+    assert before is not None  # (open: it works)
+    before.close()
+    files.close()
+    with caplog.at_level("DEBUG", logger="weightserver"):
+        assert files.new_upload("policy", 4096, publisher_writes=True) is None
+        assert files.new_upload("policy", 4096) is None
+    assert not (tmp_path / "weightserver-test").exists()
+    assert "cannot write" not in caplog.text

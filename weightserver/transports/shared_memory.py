@@ -102,6 +102,7 @@ class SharedMemoryFiles:
         self._files: dict[PayloadKey, Path] = {}
         self._memory: dict[PayloadKey, PublisherMemory] = {}  # files that are memfds
         self._warned = False  # about a full folder, once per server
+        self._closed = False
 
     def path_for(self, key: PayloadKey, data: tuple[memoryview, ...] | None) -> Path | None:
         """The file of payload `key` (model, version, base, dtype, element delta forms, selection), written
@@ -127,7 +128,10 @@ class SharedMemoryFiles:
     def new_upload(
         self, model: str, size: int, *, populate: bool = False, publisher_writes: bool = False
     ) -> UploadFile | None:
-        """A file for a publish to receive into (None: no room); `publisher_writes`: a memfd the publisher writes."""
+        """A file for a publish to receive into (None: no room, or the server is stopping); `publisher_writes`:
+        a memfd the publisher writes."""
+        if self._closed:
+            return None
         try:
             path = self.directory / model / f"upload-{secrets.token_hex(8)}.tmp"
             path.parent.mkdir(mode=FOLDER_MODE, parents=True, exist_ok=True)
@@ -135,7 +139,8 @@ class SharedMemoryFiles:
                 return PublisherMemory(path, model, size)
             return SharedMemoryUpload(path, size, populate=populate)
         except OSError as exc:
-            self._cannot_write(f"a publish of {model!r}", size, exc, "it is received into memory instead")
+            if not self._closed:  # (else the folder went as the server stops: nothing to say)
+                self._cannot_write(f"a publish of {model!r}", size, exc, "it is received into memory instead")
             return None
 
     def adopt(self, key: PayloadKey, upload: UploadFile) -> None:
@@ -173,6 +178,7 @@ class SharedMemoryFiles:
                     self._memory.pop(key).close()
 
     def close(self) -> None:
+        self._closed = True
         shutil.rmtree(self.directory, ignore_errors=True)
         with self._lock:
             for memory in self._memory.values():
