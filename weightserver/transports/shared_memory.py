@@ -134,7 +134,7 @@ class SharedMemoryFiles:
             return None
         try:
             path = self.directory / model / f"upload-{secrets.token_hex(8)}.tmp"
-            path.parent.mkdir(mode=FOLDER_MODE, parents=True, exist_ok=True)
+            path.parent.mkdir(mode=FOLDER_MODE, exist_ok=True)  # (not the server's folder: gone once it stops)
             if publisher_writes:
                 return PublisherMemory(path, model, size)
             return SharedMemoryUpload(path, size, populate=populate)
