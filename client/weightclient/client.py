@@ -136,11 +136,12 @@ class WeightClient(WeightServiceClient):
         **options,
     ) -> FetchResult | None:
         """`fetch_bytes` decoded into tensors. `base`: a version held, so only changed tensors come (a
-        FetchResult gives a complete result, rebuilt from the changed elements where that is smaller; a number a
-        partial one). `consume_base`: the result may be rebuilt in the base's own bytes (writable), which it then
-        holds. `place` may return {name: contiguous CPU tensor} to receive into; they may hold unverified bytes if it
-        fails. `select`: only some tensors, or slices of them (`weightclient.tensor_parallel(rank, world, plan)`: a
-        tensor-parallel rank's shard); glob patterns select whole tensors; a `base` must then be the same selection."""
+        FetchResult gives a complete result, rebuilt from the changed elements where that is smaller, except on the
+        server's host, where "auto" maps the version whole; a number a partial one). `consume_base`: the result may
+        be rebuilt in the base's own bytes (writable), which it then holds. `place` may return {name: contiguous CPU
+        tensor} to receive into; they may hold unverified bytes if it fails. `select`: only some tensors, or slices
+        of them (`weightclient.tensor_parallel(rank, world, plan)`: a tensor-parallel rank's shard); glob patterns
+        select whole tensors; a `base` must then be the same selection."""
         if isinstance(base, FetchResult) and (base.partial or base.dtype or dtype):
             raise InvalidRequest(
                 "a delta against a FetchResult needs a complete result fetched without dtype, and no dtype now; "
