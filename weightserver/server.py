@@ -140,7 +140,7 @@ class WeightServer:
         self._grace = self._grace if grace is None else grace
         self._loop.call_soon_threadsafe(self._stop_requested.set)
         self._stopped.wait()
-        self._thread.join()  # set before the loop is
+        self._thread.join()  # (set: start() made it before the loop existed)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the server has stopped; False if `timeout` passed first."""
