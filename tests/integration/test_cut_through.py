@@ -369,3 +369,65 @@ def test_the_updater_never_applies_a_publish_cut_half_way(server, client, make_u
     version = client.publish(weights, model=MODEL, transport="bulk", publish_id=uuid.uuid4().hex)
     catch_up(updater, version)
     assert torch.equal(policy.w.detach(), weights["w"])
+
+
+def publish_early(address: str, updater: GrpcLocalWeightUpdater, value: float) -> int:
+    """weights_filled(value) published over bulk, held half-way while `updater` is called: its
+    follower surely receives the version early."""
+    publish = HeldPublish(address, file_of(weights_filled(value)), "bulk")
+    for _ in range(30):
+        updater()
+        time.sleep(0.01)
+    version = publish.finish()
+    assert version is not None, publish.error
+    return version
+
+
+def test_a_version_received_early_becomes_the_policy_without_a_copy(server, client, make_updater):
+    """Zero-copy apply off the server's host: the parameters become views of the bytes received
+    early (once verified), and the buffer they leave is the next receive's, so two buffers serve
+    every version; one that a tensor kept from an older version still views is never written again."""
+    client.publish(weights_filled(0.0), model=MODEL, transport="stream")
+    policy = Linear()
+    updater = make_updater(server.address, policy, "bulk")
+    catch_up(updater, 1)
+    wait_until(lambda: (updater(), updater.following)[1], timeout=10, step=0.01)
+    homes = set()
+    for value in (1.0, 2.0, 3.0, 4.0):
+        catch_up(updater, publish_early(server.address, updater, value))
+        assert updater.last_fetch.incoming and updater.zero_copy
+        assert torch.equal(policy.w.detach(), torch.full((SIZE,), value)) and torch.equal(policy.b, torch.arange(5))
+        homes.add(policy.w.data_ptr())
+    assert len(homes) == 2, f"{len(homes)} buffers for 4 versions: each lands in the one its predecessor left"
+    kept = policy.w.detach()  # a view of the last version's buffer, kept past the swap away from it
+    for value in (5.0, 6.0, 7.0):
+        catch_up(updater, publish_early(server.address, updater, value))
+        assert updater.zero_copy and policy.w.data_ptr() != kept.data_ptr()
+        assert torch.equal(policy.w.detach(), torch.full((SIZE,), value))
+    assert torch.equal(kept, torch.full((SIZE,), 4.0))
+
+
+@pytest.mark.parametrize("transport", ["bulk", "shm"])
+def test_keep_storage_copies_every_version_into_the_parameters_own_memory(server, client, transport):
+    """keep_storage=True, for code that holds views of the parameters: each version is copied into
+    their own memory, off the server's host (received early) and on it (shared memory)."""
+    client.publish(weights_filled(0.0), model=MODEL, transport="stream")
+    policy = Linear()
+    home = policy.w.data_ptr()
+    updater = GrpcLocalWeightUpdater(
+        server.address, model=MODEL, policy=policy, watch=True, transport=transport, keep_storage=True
+    )
+    try:
+        catch_up(updater, 1)
+        wait_until(lambda: (updater(), updater.following)[1], timeout=10, step=0.01)
+        for value in (1.0, 2.0):
+            catch_up(updater, publish_early(server.address, updater, value))
+            assert updater.last_fetch.transport == transport and not updater.zero_copy
+            assert (
+                updater.last_fetch.incoming == (transport == "bulk")
+                and policy.w.data_ptr() == home
+                and torch.equal(policy.w.detach(), torch.full((SIZE,), value))
+            )
+    finally:
+        updater.close()
+        updater.client.close()

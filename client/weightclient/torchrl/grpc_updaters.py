@@ -182,13 +182,17 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
             a tensor-parallel rank's shard), for a policy that holds only them; `key_map` applies after.
             Each update holds the whole selection of one version; `version` is that version.
         update_timeout: the deadline of each call; past it the server counts as down.
+        keep_storage: copy every version into the parameters' own memory, never swap their storage
+            (for code that holds views of them: torchrl's Collector keeps `policy_weights`).
 
     On the server's host (a fetch went over shared memory) and with no `dtype`, it reads each
     announced version's file directly, with no call and no delta, and applies it zero-copy: each
-    parameter that can becomes a copy-on-write view of the version's file (`zero_copy`).
+    parameter that can becomes a copy-on-write view of the version's file (`zero_copy`). Elsewhere
+    a version received early (cut-through) is applied zero-copy too: parameters become views of
+    its verified receive buffer, and the buffer they leave receives the next version.
     `updater()` is `apply(pull())`; docs/guides/torchrl.md shows both steps."""
 
-    _not_pickled = ("_collector_wr", "_client", "_staging", "_held", "_follower", "_receiver")
+    _not_pickled = ("_collector_wr", "_client", "_staging", "_held", "_follower", "_receiver", "_lending", "_viewed")
 
     def __init__(
         self,
@@ -206,13 +210,14 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         update_timeout: float = DEFAULT_UPDATE_TIMEOUT,
         incoming: bool = True,
         select: Selection | str | Iterable[str] | None = None,
+        keep_storage: bool = False,
     ) -> None:
         if not (isinstance(update_timeout, (int, float)) and update_timeout > 0):
             raise ValueError(f"update_timeout must be a number of seconds > 0, got {update_timeout!r}")
         self._set_client(client)
         self.model, self.policy, self.key_map = model, policy, key_map
         self.pinned_version, self.delta, self.dtype = version, delta, dtype
-        self.transport, self.watch, self.incoming = transport, watch, incoming
+        self.transport, self.watch, self.incoming, self.keep_storage = transport, watch, incoming, keep_storage
         self.select = Selection.of(select) if select is not None else None
         self.watch_confirm_seconds, self.update_timeout = watch_confirm_seconds, float(update_timeout)
         self.version: int | None = None  # the version applied to the policy
@@ -222,6 +227,10 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         self._staging: memoryview | None = None  # receive buffer, lent to a pulled Update
         self._held: FetchResult | None = None  # the version whose whole file `_staging` holds
         self._applying: memoryview | None = None  # the mapped file of the update being applied
+        self._swapped = False  # the last apply made parameters views of it
+        # (buffer, a weak reference its tensors' owner): a pulled cut-through update's, then the one parameters view
+        self._lending: tuple[memoryview, weakref.ref] | None = None
+        self._viewed: tuple[memoryview, weakref.ref] | None = None
         self._follower: VersionFollower | None = None
         self._receiver: CutThrough | None = None  # the follower's receiver of incoming versions
         self._last_asked = 0.0  # when a fetch last got an answer (monotonic)
@@ -289,8 +298,10 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         if ready is not None:  # an incoming version, received while published; its commit just announced
             self._server_available(asked=True)
             self.last_fetch = ready.stats
-            weights = TensorDict(tensor_codec.decode(parse_header(ready.data), ready.data), batch_size=[])
-            return Update(ready.info, weights, stats=ready.stats, buffer=ready.data)
+            views = np.frombuffer(ready.data, dtype=np.uint8)  # each tensor holds it: gone once none views the buffer
+            self._lending = (ready.data, weakref.ref(views))
+            weights = TensorDict(tensor_codec.decode(parse_header(ready.data), views), batch_size=[])
+            return Update(ready.info, weights, stats=ready.stats, buffer=ready.data, mapping=ready.data)
         target = {"newer_than": self.version or 0} if self.pinned_version is None else {"version": self.pinned_version}
         same_host = self.same_host and not self.dtype  # (a cast is copied in: a delta still saves)
         if same_host and self.pinned_version is None and (self.announced or 0) > (self.version or 0):
@@ -357,7 +368,8 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
                 raise TypeError(f"{what} for the {source}; it must return the weights keyed like the local policy")
             cast = bool(self.dtype) and update.info is not None
             checked = check_weights(weights, local, source=source, partial=update.partial, allow_cast=cast)
-            self._applying, self.zero_copy = update.mapping, False
+            self._applying = None if self.keep_storage else update.mapping
+            self.zero_copy = self._swapped = False
             try:
                 self._update_local_weights(local, checked)
             except BaseException:
@@ -367,8 +379,14 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
             self.version, self.applied = update.version, update.info
         finally:
             self._applying = None
+            lending, self._lending = self._lending, None
             if update.stats is not None and update.stats.incoming and self._follower is not None:
-                self._follower.give_back(update.buffer)
+                if self._swapped and lending is not None and lending[0] is update.buffer:
+                    # The parameters view this buffer now; the one they viewed before is free once no tensor does.
+                    freed, self._viewed = self._viewed, lending
+                    self._follower.give_back(freed[0] if freed is not None and freed[1]() is None else None)
+                else:
+                    self._follower.give_back(update.buffer)
             elif update.buffer is not None and (self._staging is None or update.buffer.nbytes > self._staging.nbytes):
                 self._staging = update.buffer
 
@@ -416,7 +434,7 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
                 for dst, old in reversed(held):
                     dst.set_(old)
                 raise
-        self.zero_copy = bool(swaps) and copied.is_empty()
+        self.zero_copy, self._swapped = bool(swaps) and copied.is_empty(), bool(swaps)
 
     @property
     def same_host(self) -> bool:
