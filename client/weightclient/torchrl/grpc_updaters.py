@@ -154,7 +154,8 @@ def weights_of(source: Weights) -> TensorDictBase:
 @dataclass(frozen=True)
 class Update:
     """Weights to `apply`; `buffer` (which they may view) is lent until applied, before the next pull;
-    `mapping`: the version's file mapped copy-on-write (shared memory), which the policy may keep."""
+    `mapping`: memory the policy may keep: the version's file mapped copy-on-write (shared memory), or
+    the buffer a version received early lies in."""
 
     info: VersionInfo | None
     weights: TensorDictBase = field(repr=False)
