@@ -155,7 +155,8 @@ def weights_of(source: Weights) -> TensorDictBase:
 class Update:
     """Weights to `apply`; `buffer` (which they may view) is lent until applied, before the next pull;
     `mapping`: memory the policy may keep: the version's file mapped copy-on-write (shared memory), or
-    the buffer a version received early lies in."""
+    the buffer a version received early lies in; `views`: then a weak reference to the array each of
+    its tensors holds, dead once no tensor views that buffer."""
 
     info: VersionInfo | None
     weights: TensorDictBase = field(repr=False)
@@ -164,6 +165,7 @@ class Update:
     buffer: memoryview | None = field(default=None, repr=False, compare=False)
     keyed_like_policy: bool = False
     mapping: memoryview | None = field(default=None, repr=False, compare=False)
+    views: weakref.ref | None = field(default=None, repr=False, compare=False)
 
     @property
     def version(self) -> int | None:
@@ -193,7 +195,7 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
     its verified receive buffer, and the buffer they leave receives the next version.
     `updater()` is `apply(pull())`; docs/guides/torchrl.md shows both steps."""
 
-    _not_pickled = ("_collector_wr", "_client", "_staging", "_held", "_follower", "_receiver", "_lending", "_viewed")
+    _not_pickled = ("_collector_wr", "_client", "_staging", "_held", "_follower", "_receiver", "_viewed")
 
     def __init__(
         self,
@@ -229,9 +231,7 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         self._held: FetchResult | None = None  # the version whose whole file `_staging` holds
         self._applying: memoryview | None = None  # the mapped file of the update being applied
         self._swapped = False  # the last apply made parameters views of it
-        # (buffer, a weak reference its tensors' owner): a pulled cut-through update's, then the one parameters view
-        self._lending: tuple[memoryview, weakref.ref] | None = None
-        self._viewed: tuple[memoryview, weakref.ref] | None = None
+        self._viewed: tuple[memoryview, weakref.ref | None] | None = None  # the received buffer they view, `views`
         self._follower: VersionFollower | None = None
         self._receiver: CutThrough | None = None  # the follower's receiver of incoming versions
         self._last_asked = 0.0  # when a fetch last got an answer (monotonic)
@@ -300,9 +300,9 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
             self._server_available(asked=True)
             self.last_fetch = ready.stats
             views = np.frombuffer(ready.data, dtype=np.uint8)  # each tensor holds it: gone once none views the buffer
-            self._lending = (ready.data, weakref.ref(views))
             weights = TensorDict(tensor_codec.decode(parse_header(ready.data), views), batch_size=[])
-            return Update(ready.info, weights, stats=ready.stats, buffer=ready.data, mapping=ready.data)
+            held = dict(buffer=ready.data, mapping=ready.data, views=weakref.ref(views))
+            return Update(ready.info, weights, stats=ready.stats, **held)
         target = {"newer_than": self.version or 0} if self.pinned_version is None else {"version": self.pinned_version}
         same_host = self.same_host and not self.dtype  # (a cast is copied in: a delta still saves)
         if same_host and self.pinned_version is None and (self.announced or 0) > (self.version or 0):
@@ -380,12 +380,11 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
             self.version, self.applied = update.version, update.info
         finally:
             self._applying = None
-            lending, self._lending = self._lending, None
             if update.stats is not None and update.stats.incoming and self._follower is not None:
-                if self._swapped and lending is not None and lending[0] is update.buffer:
-                    # The parameters view this buffer now; the one they viewed before is free once no tensor does.
-                    freed, self._viewed = self._viewed, lending
-                    self._follower.give_back(freed[0] if freed is not None and freed[1]() is None else None)
+                if self._swapped:  # the parameters view its buffer: the one they viewed is free once no tensor does
+                    freed, self._viewed = self._viewed, (update.buffer, update.views)
+                    free = freed is not None and freed[1] is not None and freed[1]() is None
+                    self._follower.give_back(freed[0] if free else None)
                 else:
                     self._follower.give_back(update.buffer)
             elif update.buffer is not None and (self._staging is None or update.buffer.nbytes > self._staging.nbytes):
