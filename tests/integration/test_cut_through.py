@@ -321,6 +321,18 @@ def catch_up(updater: GrpcLocalWeightUpdater, version: int, seconds: float = 20.
     wait_equal(lambda: (updater(), updater.version)[1], version, timeout=seconds, what="the updater's version")
 
 
+def publish_early(address: str, updater: GrpcLocalWeightUpdater, value: float, over: str = "bulk") -> int:
+    """weights_filled(value) published `over` bulk or the stream, held half-way while `updater` is
+    called: its follower surely receives the version early."""
+    publish = HeldPublish(address, file_of(weights_filled(value)), over)
+    for _ in range(30):
+        updater()
+        time.sleep(0.01)
+    version = publish.finish()
+    assert version is not None, publish.error
+    return version
+
+
 @pytest.mark.parametrize("transport", ["bulk", "stream"])
 def test_the_watching_updater_applies_versions_received_early(server, client, make_updater, transport):
     client.publish(weights_filled(0.0), model=MODEL, transport="stream")
@@ -330,11 +342,7 @@ def test_the_watching_updater_applies_versions_received_early(server, client, ma
     wait_until(lambda: (updater(), updater.following)[1], timeout=10, step=0.01)  # its Watch stream is open
     for value in (1.0, 2.0):  # held half-way until the follower is receiving: surely early
         weights = weights_filled(value)
-        publish = HeldPublish(server.address, file_of(weights), transport)
-        for _ in range(30):
-            updater()
-            time.sleep(0.01)
-        catch_up(updater, publish.finish())
+        catch_up(updater, publish_early(server.address, updater, value, over=transport))
         assert torch.equal(policy.w.detach(), weights["w"]) and torch.equal(policy.b, weights["b"])
         assert updater.last_fetch.incoming and updater.last_fetch.transport == transport
     weights = weights_filled(3.0)  # and a publish as a trainer makes it
@@ -369,18 +377,6 @@ def test_the_updater_never_applies_a_publish_cut_half_way(server, client, make_u
     version = client.publish(weights, model=MODEL, transport="bulk", publish_id=uuid.uuid4().hex)
     catch_up(updater, version)
     assert torch.equal(policy.w.detach(), weights["w"])
-
-
-def publish_early(address: str, updater: GrpcLocalWeightUpdater, value: float) -> int:
-    """weights_filled(value) published over bulk, held half-way while `updater` is called: its
-    follower surely receives the version early."""
-    publish = HeldPublish(address, file_of(weights_filled(value)), "bulk")
-    for _ in range(30):
-        updater()
-        time.sleep(0.01)
-    version = publish.finish()
-    assert version is not None, publish.error
-    return version
 
 
 def test_a_version_received_early_becomes_the_policy_without_a_copy(server, client, make_updater):

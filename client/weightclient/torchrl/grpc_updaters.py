@@ -301,8 +301,9 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
             self.last_fetch = ready.stats
             views = np.frombuffer(ready.data, dtype=np.uint8)  # each tensor holds it: gone once none views the buffer
             weights = TensorDict(tensor_codec.decode(parse_header(ready.data), views), batch_size=[])
-            held = dict(buffer=ready.data, mapping=ready.data, views=weakref.ref(views))
-            return Update(ready.info, weights, stats=ready.stats, **held)
+            return Update(
+                ready.info, weights, stats=ready.stats, buffer=ready.data, mapping=ready.data, views=weakref.ref(views)
+            )
         target = {"newer_than": self.version or 0} if self.pinned_version is None else {"version": self.pinned_version}
         same_host = self.same_host and not self.dtype  # (a cast is copied in: a delta still saves)
         if same_host and self.pinned_version is None and (self.announced or 0) > (self.version or 0):
