@@ -17,10 +17,11 @@ harness made, under names carrying a per-run prefix (`wslink-<pid>-<n>-`; interf
 hex>-<n hex>`...). Teardown (`close()`, idempotent) kills every process left in those
 namespaces and deletes them, which destroys the veths and their qdiscs with them. It runs on
 leaving the `with` block whatever ends it (an exception, a failure half way through setting
-up, Ctrl-C), on SIGTERM (turned into SystemExit while a Link is open, so the block unwinds)
-and at interpreter exit (atexit) for a Link never closed. SIGKILL cannot be caught: the
-leftovers of a killed run are found with `leftovers(prefix)`, and `python -m bench.link
---clean` deletes every `wslink-` namespace.
+up), on SIGINT and SIGTERM (each turned into SystemExit while a Link is open, so the block
+unwinds: also in a process started with SIGINT ignored, as a shell's background job or a
+pytest-xdist worker's child is, where Ctrl-C would raise no KeyboardInterrupt) and at interpreter
+exit (atexit) for a Link never closed. SIGKILL cannot be caught: the leftovers of a killed run
+are found with `leftovers(prefix)`, and `python -m bench.link --clean` deletes every `wslink-` namespace.
 
 Needs root and `ip netns` (iproute2). Processes run inside a namespace through `ip netns exec
 NAME ...` (`exec_prefix`), multiprocessing children through `spawning_in(host)`, which makes
@@ -52,7 +53,8 @@ _SCALE = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}
 _runs = itertools.count()
 _open: set[Link] = set()
 _lock = threading.Lock()
-_previous_sigterm: object = None
+_previous_handlers: dict[int, object] = {}  # signal -> its handler before the first Link opened
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class LinkError(RuntimeError):
@@ -275,25 +277,24 @@ def leftovers(prefix: str = NAMESPACE_PREFIX, tag: str = "wl") -> dict[str, list
 
 
 # ---------------------------------------------------------------------- signals, atexit
-def _on_sigterm(signum: int, frame: object) -> None:
+def _on_signal(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)  # unwinds the `with` blocks: their teardown runs
 
 
 def _register(link: Link) -> None:
-    global _previous_sigterm
     with _lock:
         if not _open and threading.current_thread() is threading.main_thread():
-            _previous_sigterm = signal.signal(signal.SIGTERM, _on_sigterm)
+            _previous_handlers.update((signum, signal.signal(signum, _on_signal)) for signum in _SIGNALS)
         _open.add(link)
 
 
 def _unregister(link: Link) -> None:
-    global _previous_sigterm
     with _lock:
         _open.discard(link)
-        if not _open and _previous_sigterm is not None and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, _previous_sigterm)  # type: ignore[arg-type]
-            _previous_sigterm = None
+        if not _open and _previous_handlers and threading.current_thread() is threading.main_thread():
+            for signum, handler in _previous_handlers.items():
+                signal.signal(signum, handler)  # type: ignore[arg-type]
+            _previous_handlers.clear()
 
 
 @atexit.register

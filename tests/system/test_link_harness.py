@@ -82,13 +82,25 @@ def test_a_failure_while_setting_up_tears_down_what_was_made(monkeypatch: pytest
     _nothing_left(link.prefix, link.tag)
 
 
+# bench.link's command line, as `python -m bench.link` runs it, in a process started with SIGINT
+# ignored (as a shell's background job is): Ctrl-C raises no KeyboardInterrupt there.
+SIGINT_IGNORED = (
+    "import runpy, signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+    "runpy.run_module('bench.link', run_name='__main__')"
+)
+
+
 @pytest.mark.timeout(40)
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_tears_the_link_down(signum: int) -> None:
+@pytest.mark.parametrize(
+    ("signum", "ignored"),
+    [(signal.SIGTERM, False), (signal.SIGINT, False), (signal.SIGINT, True)],
+    ids=["SIGTERM", "SIGINT", "SIGINT, ignored when it started"],
+)
+def test_a_signal_tears_the_link_down(signum: int, ignored: bool) -> None:
     """`python -m bench.link --hold 30` (a link, a process sleeping in a namespace) signalled
     once ready: it exits at once, and its namespaces, veths and qdiscs are gone."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, "-m", "bench.link", "--hold", "30"]
+    command = [sys.executable, *(["-c", SIGINT_IGNORED] if ignored else ["-m", "bench.link"]), "--hold", "30"]
     with subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as run:
         assert run.stdout is not None and run.stderr is not None
         _, prefix, _, tag = run.stdout.readline().split()
