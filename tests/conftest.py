@@ -15,6 +15,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from weightserver import ServerConfig, WeightServer
 
+pytest_plugins = ["alone"]  # tests/alone.py: a test marked alone runs while no other does
+
 # Ray rewrites a loopback address to the machine's outward one when a driver connects unless
 # this is 0 (its switch for clusters on one machine). It is read when ray is first imported, and
 # an integration test imports ray (through weightserver.relay.ray_relays) before the Ray tests

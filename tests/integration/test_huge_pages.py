@@ -21,6 +21,8 @@ import torch
 from weightclient import WeightClient
 from weightserver.protocol import page_tables
 
+pytestmark = pytest.mark.alone  # the kernel's setting and host-wide counters: no other test runs meanwhile
+
 MiB = 1 << 20
 
 
