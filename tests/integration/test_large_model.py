@@ -36,10 +36,9 @@ from weightserver import ServerConfig, WeightServer
 from weightserver.v1 import weights_pb2 as pb
 from weightserver.v1 import weights_pb2_grpc as pb_grpc
 
-# One worker runs this module (scripts/test.sh runs 2), so its 4 GiB model is published once; and
-# each test runs alone, since at its peak it needs most of the host's memory: beside another
-# test's few GiB, a 24 GiB machine ran out of memory.
-pytestmark = [pytest.mark.xdist_group("large_model"), pytest.mark.alone]
+# Each test runs alone (scripts/test.sh runs 2 workers): at its peak it needs most of the host's
+# memory, and beside another test's few GiB a 24 GiB machine ran out.
+pytestmark = pytest.mark.alone
 
 GiB = 1 << 30
 MODEL = "large"

@@ -22,8 +22,6 @@ from waiting import wait_until
 
 from weightserver import WeightServer
 
-pytestmark = pytest.mark.xdist_group("cpp_client")  # one worker builds client/cpp, once
-
 ROOT = Path(__file__).resolve().parents[2]
 CPP = ROOT / "client" / "cpp"
 BUILD = CPP / "build"

@@ -25,8 +25,6 @@ from waiting import wait_until
 
 from weightclient import WeightClient
 
-pytestmark = pytest.mark.xdist_group("node_client")  # one worker runs `npm ci` in client/node, once
-
 NODE_DIR = Path(__file__).resolve().parents[2] / "client" / "node"
 TOKEN = "r" * 8 + "eader-token-1234"
 PUBLISH_TOKEN = "p" * 8 + "ublish-token-123"

@@ -38,8 +38,7 @@ from weightclient.torchrl.ray_collectors import start_node_collectors
 from weightserver.process import ServerProcess
 from weightserver.relay.ray_relays import RelayPlacement, node_relay_address, place_relays
 
-# One worker runs this module (scripts/test.sh runs 2): one Ray cluster at a time.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240), pytest.mark.xdist_group("ray_deployment")]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 NODES = 3
 NODE_ARGS = {
