@@ -13,7 +13,10 @@ MAX_CHUNK_BYTES = 3 * MiB  # stays well below gRPC's 4 MiB default message limit
 MAX_MESSAGE_BYTES = 8 * MiB  # a chunk plus framing, with room to spare
 # A channel to a server: messages as large as the server's, and a reconnect within a second of a
 # restart (gRPC's default backoff grows to two minutes: a collector on old weights that long).
+# Subchannels of its own: from the process-wide pool, a new client to a server restarted at the
+# same address took over an older client's connection in backoff and failed at once, refused.
 CHANNEL_OPTIONS = [
+    ("grpc.use_local_subchannel_pool", 1),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.initial_reconnect_backoff_ms", 100),
