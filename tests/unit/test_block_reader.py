@@ -54,11 +54,15 @@ def test_every_block_lands_with_the_files_bytes_in_order(tmp_path, monkeypatch, 
     helper_reads: list[int] = []
     if cpus == 2:  # a slow helper: the caller runs out of blocks to claim and must wait for its reads
         pread = block_reader.pread_exactly
+        helper_started = threading.Event()
 
         def slow_in_helper(fd: int, view: memoryview, offset: int) -> None:
             if threading.current_thread().name.startswith("weightclient-read"):
+                helper_started.set()
                 time.sleep(0.01)
                 helper_reads.append(offset)
+            else:  # on a busy machine the caller could claim every block before the helper starts
+                helper_started.wait(timeout=5)
             pread(fd, view, offset)
 
         monkeypatch.setattr(block_reader, "pread_exactly", slow_in_helper)
