@@ -21,12 +21,12 @@ import contextlib
 import fcntl
 import os
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
 import pytest
+from waiting import wait_until
 
 WAIT = 1200.0  # s: longer than any one test's run (test_large_model.py allows 600 s)
 
@@ -41,15 +41,15 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def _flock(file: IO, operation: int, what: str) -> None:
     """flock(file, operation), polled so that a lock a stray process holds fails the run, not hangs it."""
-    deadline = time.monotonic() + WAIT
-    while True:
+
+    def taken() -> bool:
         try:
             fcntl.flock(file, operation | fcntl.LOCK_NB)
-            return
         except BlockingIOError:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"waited {WAIT:.0f}s for {what}; `fuser -v {file.name}` names its holder") from None
-            time.sleep(0.01)
+            return False
+        return True
+
+    wait_until(taken, timeout=WAIT, step=0.01, what=f"{what} (`fuser -v {file.name}` names its holder)")
 
 
 @contextlib.contextmanager

@@ -18,7 +18,6 @@ from tests.system.test_torchrl_integration import ATOL, catch_up, single_collect
 from weightclient import WeightClient
 from weightclient.torchrl.grpc_updaters import GrpcLocalWeightUpdater
 from weightclient.torchrl.scheme import GrpcWeightSyncScheme
-from weightserver import ServerConfig, WeightServer
 from weightserver.process import ServerProcess
 from weightserver.protocol.errors import DeadlineExceeded, ServerUnavailable
 
@@ -165,20 +164,16 @@ def test_collector_keeps_collecting_while_the_server_is_down_and_reaches_the_lat
             scheme.puller.client.close()
 
 
-def test_a_new_client_reaches_a_server_restarted_at_the_same_address_while_an_old_client_is_open():
+def test_a_new_client_reaches_a_server_restarted_at_the_same_address_while_an_old_client_is_open(make_server):
     """gRPC shares connections between a process's channels by default: a new client then took
     over the old client's connection to the stopped server, in backoff, and its first call was
     refused at once. Each client's channel has connections of its own."""
-    first = WeightServer(ServerConfig(host="127.0.0.1", port=0)).start()
-    port = first.port
+    first, weights = make_server(), {"w": torch.ones(4)}
     with WeightClient(first.address) as old:
-        old.publish({"w": torch.ones(4)}, model="m", transport="stream")
+        old.publish(weights, model="m", transport="stream")
         first.stop(grace=0)
         with pytest.raises((ServerUnavailable, DeadlineExceeded)):  # its connection now backs off
-            old.publish({"w": torch.ones(4)}, model="m", transport="stream", timeout=1)
-        restarted = WeightServer(ServerConfig(host="127.0.0.1", port=port)).start()
-        try:
-            with WeightClient(restarted.address) as new:
-                assert new.publish({"w": torch.ones(4)}, model="m", transport="stream") == 1
-        finally:
-            restarted.stop(grace=0)
+            old.publish(weights, model="m", transport="stream", timeout=1)
+        restarted = make_server(port=first.port)
+        with WeightClient(restarted.address) as new:
+            assert new.publish(weights, model="m", transport="stream") == 1
