@@ -40,7 +40,7 @@ OPTIONS: dict[str, Option] = {
     for o in [
         Option("server", "WEIGHTSERVER_ADDRESS", str, "localhost:50051", "weight server address, host:port"),
         Option("model", "DEMO_MODEL", str, "policy", "model name the policy is published under"),
-        Option("seconds", "DEMO_SECONDS", float, 120.0, "how long the trainer trains before the demo winds down"),
+        Option("seconds", "DEMO_SECONDS", float, 120.0, "seconds of training (from the first batch)"),
         Option("spool_dir", "DEMO_SPOOL_DIR", str, None, "directory the collectors' batches travel through"),
         Option("collectors", "DEMO_COLLECTORS", int, 2, "collector processes (the trainer waits for their reports)"),
         Option("frames_per_batch", "DEMO_FRAMES_PER_BATCH", int, 100, "frames per collector batch"),
@@ -57,7 +57,7 @@ OPTIONS: dict[str, Option] = {
         Option("noise", "DEMO_NOISE", float, 0.2, "std of the Gaussian exploration noise (actions lie in [-2, 2])"),
         Option("seed", "DEMO_SEED", int, 0, "seed of the trainer; collectors add their own offset"),
         Option("spool_max_batches", "DEMO_SPOOL_MAX_BATCHES", int, 2, "collectors wait while this many are pending"),
-        Option("drain_timeout", "DEMO_DRAIN_TIMEOUT", float, 60.0, "seconds the trainer waits for collector reports"),
+        Option("drain_timeout", "DEMO_DRAIN_TIMEOUT", float, 60.0, "trainer: wait for a first batch, and reports"),
         Option("progress_seconds", "DEMO_PROGRESS_SECONDS", float, 5.0, "seconds between progress lines"),
         Option("torch_threads", "DEMO_TORCH_THREADS", int, 1, "torch intra-op threads per process"),
         Option("collector_id", "DEMO_COLLECTOR_ID", str, None, "this collector's name (default: host name and pid)"),

@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         outcome = "failure"
         try:
             children = start_children(args, address, spool_dir, summary_path)
-            outcome = supervise(children, args.seconds + args.drain_timeout + 120)
+            outcome = supervise(children, args.seconds + 2 * args.drain_timeout + 120)  # first batch, training, reports
         finally:
             stop_all(children, args.drain_timeout + 15)
             server_code = server.stop(15)

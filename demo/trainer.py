@@ -7,7 +7,9 @@ at start so that collectors have a version from the first batch on. The trainer 
 batch from the spool whenever it has done `--updates-per-frame` steps per frame taken so far;
 collectors wait while the spool is full, so data and training stay in step.
 
-After `--seconds` (or SIGTERM/SIGINT) it publishes a final version, writes STOP, keeps
+`--seconds` count from the first batch it takes: collectors that take long to start (8 containers
+on a small machine) leave the training time as it is; with no batch in `--drain-timeout` the
+trainer gives up. After them (or SIGTERM/SIGINT) it publishes a final version, writes STOP, keeps
 consuming until every collector reported (or `--drain-timeout`), checks the spool is empty,
 prints the summary and writes it to `--summary-json` (with a timeline of episode rewards,
 collector lag and freshness, which `python -m demo` plots).
@@ -149,19 +151,38 @@ class Trainer:
         self.publisher.client.list_models()  # waits while the server is unavailable (client retries, 30 s)
         self.first_version = self.publish(now=True)  # collectors get a version of this run from their first batch
 
+    def first_batch(self) -> float | None:
+        """Take the collectors' first batch: when it was taken, or None after `--drain-timeout`
+        without one (or a stop). The training clock starts here, not at the trainer's start."""
+        until = time.monotonic() + self.args.drain_timeout
+        while not self.stop:
+            ready = self.session.ready()
+            if ready:
+                self.consume(ready[0])
+                return time.monotonic()
+            if time.monotonic() >= until:
+                waited = f"{self.args.drain_timeout:.0f}s (--drain-timeout)"
+                say("trainer", f"no collector sent a batch in {waited}: winding down")
+                return None
+            self.stop.wait(0.01)
+        return None
+
     def consume(self, path: Path) -> None:
         batch = self.session.take(path)
         self.stats.consumed(batch, self.publisher.version, self.first_version)
         self.learner.add(batch)
 
     def train(self) -> float:
-        """Train until `--seconds` have passed or a stop is requested; returns the seconds trained.
+        """Train until `--seconds` have passed since the first batch, or a stop is requested;
+        returns the seconds trained (0 when no batch came within `--drain-timeout`).
 
         A spool batch is taken whenever the learner is "hungry" (it has done
         `--updates-per-frame` steps per frame taken since the warm-up), so the collectors, which
         wait while the spool is full, produce only as fast as the trainer learns."""
         args, learner, stats = self.args, self.learner, self.stats
-        started = time.monotonic()
+        started = self.first_batch()
+        if started is None:
+            return 0.0
         progress = Every(args.progress_seconds)
         while not self.stop and time.monotonic() < started + args.seconds:
             warming = len(learner.buffer) < args.warmup_frames

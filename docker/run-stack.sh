@@ -5,9 +5,9 @@
 # container exited 0, that both collectors ended on the trainer's final version, that the server
 # logged and served metrics, and that the versions survive a server restart in the weights
 # volume. Then the two-level tree, docker/compose.tree.yaml (a primary, 2 relays, 2 collectors
-# on each), for TREE_DEMO_SECONDS (default 60: its 8 containers take longer to start on a small
-# machine): every container exits 0, and all 4 collectors end on the final version, having
-# fetched over their relay's shared memory. `down -v` at the end, also on failure; a dockerd it
+# on each), for DEMO_SECONDS too (the trainer's clock starts at its first batch, however long
+# the containers take to start): every container exits 0, and all 4 collectors end on the final
+# version, having fetched over their relay's shared memory. `down -v` at the end, also on failure; a dockerd it
 # started is stopped, the images stay (later runs reuse their layers). Logs go to $STACK_LOGS
 # (default /tmp/weightserver-stack).
 set -euo pipefail
@@ -119,7 +119,7 @@ phase "restarted server holds v$final (weightserver ls, and metrics on port 9100
 "${COMPOSE[@]}" down -v --remove-orphans >/dev/null 2>&1
 
 "${TREE[@]}" down -v --remove-orphans >/dev/null 2>&1  # volumes of an earlier run
-DEMO_SECONDS=${TREE_DEMO_SECONDS:-60} "${TREE[@]}" up --no-color --exit-code-from trainer 2>&1 | tee "$LOGS/tree-up.log"
+"${TREE[@]}" up --no-color --exit-code-from trainer 2>&1 | tee "$LOGS/tree-up.log"
 final=$(ended "$LOGS/tree-summary.json" 4 shm "${TREE[@]}")
 for relay in relay-a relay-b; do
     # grep reads it all: `grep -q` stops at the first match, and under pipefail the writer's SIGPIPE

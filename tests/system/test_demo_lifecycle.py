@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -9,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -77,3 +79,57 @@ def test_a_collector_waiting_for_the_trainer_leaves_at_a_sigterm(tmp_path: Path,
         finally:
             if process.poll() is None:
                 process.kill()
+
+
+TINY_TRAINER = [
+    *("--warmup-frames", "200", "--publish-every", "25", "--batch-size", "64", "--progress-seconds", "1"),
+    *("--collectors", "1"),
+]
+TINY_COLLECTOR = ["--frames-per-batch", "50", "--random-frames", "100", "--progress-seconds", "1"]
+
+
+def demo_role(role: str, tmp_path: Path, server, *flags: str) -> list[str]:
+    common = ("--spool-dir", str(tmp_path / "spool"), "--server", server.address, "--seconds", "3")
+    return [sys.executable, "-m", f"demo.{role}", *common, *flags]
+
+
+@pytest.mark.slow
+def test_the_trainers_seconds_count_from_its_first_batch(tmp_path: Path, server):
+    """Collectors that start late (8 containers on a small machine take 30 s) do not take the
+    trainer's training time: it trains `--seconds` from the first batch it takes. Its clock
+    once started with it, so a trainer of 3 s whose collector came 6 s later had already
+    stopped, and the collector never joined."""
+    env = {key: value for key, value in os.environ.items() if key != "DEMO_PARENT_PID"}
+    summary = tmp_path / "summary.json"
+    trainer_command = demo_role("trainer", tmp_path, server, *TINY_TRAINER, "--drain-timeout", "60")
+    collector_command = demo_role("collector", tmp_path, server, *TINY_COLLECTOR, "--collector-id", "late")
+    with subprocess.Popen(
+        [*trainer_command, "--summary-json", str(summary)], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True
+    ) as trainer:
+        try:
+            time.sleep(6)  # twice its --seconds: still waiting for a batch
+            assert trainer.poll() is None
+            with subprocess.Popen(collector_command, cwd=REPO, env=env, stdout=subprocess.DEVNULL) as collector:
+                try:
+                    assert trainer.wait(timeout=120) == 0, trainer.stdout.read()[-3000:]
+                    assert collector.wait(timeout=60) == 0
+                finally:
+                    if collector.poll() is None:
+                        collector.kill()
+        finally:
+            if trainer.poll() is None:
+                trainer.kill()
+    result = json.loads(summary.read_text())
+    assert 3 <= result["train_seconds"] < 10, result["train_seconds"]
+    assert result["updates"] > 0 and result["collectors"]["late"]["final_version"] == result["final_version"]
+
+
+def test_a_trainer_with_no_batch_within_its_drain_timeout_gives_up(tmp_path: Path, server):
+    env = {key: value for key, value in os.environ.items() if key != "DEMO_PARENT_PID"}
+    command = demo_role("trainer", tmp_path, server, *TINY_TRAINER, "--drain-timeout", "2")
+    started = time.monotonic()
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stdout[-3000:]  # no collector reported
+    assert "no collector sent a batch in 2s (--drain-timeout): winding down" in result.stdout
+    assert "trained 0 s: 0 optimisation steps" in result.stdout
+    assert time.monotonic() - started < 60
