@@ -12,7 +12,8 @@
   (one pair per size), timed on the receiving rank after a barrier.
 - torchrl_shared_mem: TorchRL's own multiprocess weight sync (MultiSyncCollector, 2 workers,
   default SharedMemWeightSyncScheme), in a subprocess; see bench/torchrl_sync.py for what is
-  timed.
+  timed. Each update after IDLE_GAP_SECONDS of idle, as the freshness rows publish; the same
+  updates back to back are kept in `extra["hot_seconds"]`, and the rows report that ratio too.
 
 Each returns a `Row` whose samples are GB/s (10^9 B/s) per repeat, raw seconds in
 `extra["seconds"]`.
@@ -174,7 +175,8 @@ class GlooPair:
 
 
 def torchrl_shared_mem(sizes: list[int], repeats: int) -> list[Row]:
-    """TorchRL MultiSyncCollector weight sync, one subprocess for all sizes (see torchrl_sync.py)."""
+    """TorchRL MultiSyncCollector weight sync, one subprocess for all sizes (see torchrl_sync.py): each
+    update after IDLE_GAP_SECONDS of idle, and (`extra["hot_seconds"]`) back to back."""
     command = [
         sys.executable,
         "-m",
@@ -183,6 +185,8 @@ def torchrl_shared_mem(sizes: list[int], repeats: int) -> list[Row]:
         ",".join(str(s) for s in sizes),
         "--repeats",
         str(repeats),
+        "--idle",
+        str(IDLE_GAP_SECONDS),
     ]
     env = {**os.environ, "PYTHONWARNINGS": "ignore:Creating:DeprecationWarning"}
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
@@ -197,7 +201,8 @@ def torchrl_shared_mem(sizes: list[int], repeats: int) -> list[Row]:
             "torchrl_shared_mem",
             entry["param_bytes"],  # GB/s from the bytes actually moved (N + 4)
             entry["seconds"],
-            note="MultiSyncCollector(2 workers).update_policy_weights_(TD)",
+            note=f"MultiSyncCollector(2 workers).update_policy_weights_(TD), each after {IDLE_GAP_SECONDS:g} s idle; "
+            f"back to back: {statistics.median(entry['hot_seconds']) * 1e3:.2f} ms",
             **{k: v for k, v in entry.items() if k not in ("seconds", "nbytes")},
         )
         row.size = entry["nbytes"]

@@ -1,0 +1,24 @@
+"""bench's `torchrl_shared_mem` baseline: torchrl's own MultiSyncCollector weight sync, measured for
+real, each update after the same idle as the freshness rows' publishes, and back to back beside."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torchrl", reason="torchrl is not installed: pip install -e '.[torchrl]'")
+
+from bench import baselines
+
+
+def test_each_update_follows_the_freshness_rows_idle_and_the_back_to_back_series_is_kept(monkeypatch):
+    monkeypatch.setattr(baselines, "IDLE_GAP_SECONDS", 0.25)
+    (row,) = baselines.torchrl_shared_mem([1 << 16], repeats=3)
+
+    assert row.name == "torchrl_shared_mem" and row.size == 1 << 16
+    assert row.extra["idle_seconds"] == 0.25
+    assert len(row.extra["seconds"]) == len(row.extra["hot_seconds"]) == 3
+    assert row.extra["seconds"] != row.extra["hot_seconds"]  # two series, not one reported twice
+    assert row.extra["verified_shared_buffer"], "the workers' shared buffer does not hold the last update"
+    assert "each after 0.25 s idle" in row.note and "back to back" in row.note
+    # the judged samples are the after-idle series (GB/s of the bytes actually moved)
+    assert row.samples == pytest.approx([row.extra["param_bytes"] / s / 1e9 for s in row.extra["seconds"]])
