@@ -1,6 +1,8 @@
 """Baselines, measured in the same run and at the same sizes as the rows compared to them.
 
 - memcpy: torch `dst.copy_(src)` into a preallocated tensor, pages warmed first.
+- memcpy_after_idle: the same, each copy after IDLE_GAP_SECONDS of idle, as the publish rows
+  publish; `publish_shm` reports its ratio to it beside the judged one.
 - raw_tcp: a separate sender process `sendall(memoryview)` of N bytes over loopback TCP; this
   process `recv_into` a preallocated buffer. Timed from the 1-byte 'go' to the last byte.
 - raw_tcp_after_idle: the same, each transfer after IDLE_GAP_SECONDS of nothing, as the publish
@@ -53,29 +55,40 @@ def median_seconds(row: Row) -> float:
     return statistics.median(row.extra["seconds"])
 
 
-def memcpy(nbytes: int, repeats: int) -> Row:
-    """torch `dst.copy_(src)` of `nbytes` (float32) into a preallocated, warmed tensor.
+def memcpy(nbytes: int, repeats: int, *, idle: float = 0.0) -> Row:
+    """torch `dst.copy_(src)` of `nbytes` (float32) into a preallocated, warmed tensor; `idle`
+    seconds of nothing before each sample.
 
-    Below 256 MiB a sample copies k distinct src/dst pairs (k * nbytes = 256 MiB, larger than
-    the 32 MiB L3, so each copy starts cold as a one-off copy would) and divides by k: one
-    preemption on a shared 2-core machine then does not decide a sub-millisecond sample.
+    Back to back, below 256 MiB a sample copies k distinct src/dst pairs (k * nbytes = 256 MiB,
+    larger than the 32 MiB L3, so each copy starts cold as a one-off copy would) and divides by k:
+    one preemption on a shared 2-core machine then does not decide a sub-millisecond sample.
+    After idle, one pair: the idle leaves it cold.
     """
     import torch
 
     pairs = [
         (torch.full((nbytes // 4,), 1.5), torch.zeros(nbytes // 4))
-        for _ in range(max(1, MEMCPY_SAMPLE_BYTES // nbytes))
+        for _ in range(1 if idle else max(1, MEMCPY_SAMPLE_BYTES // nbytes))
     ]
     for src, dst in pairs:
         dst.copy_(src)
     seconds = []
     for _ in range(repeats):
+        time.sleep(idle)
         start = time.perf_counter()
         for src, dst in pairs:
             dst.copy_(src)
         seconds.append((time.perf_counter() - start) / len(pairs))
     note = f"torch copy_, {torch.get_num_threads()} threads, {len(pairs)} buffer pair(s) per sample"
     return throughput_row("memcpy", nbytes, seconds, note=note, pairs_per_sample=len(pairs))
+
+
+def memcpy_after_idle(nbytes: int, repeats: int) -> Row:
+    """`memcpy`, each copy after IDLE_GAP_SECONDS of idle."""
+    row = memcpy(nbytes, repeats, idle=IDLE_GAP_SECONDS)
+    row.name = "memcpy_after_idle"
+    row.note += f", each after {IDLE_GAP_SECONDS:g} s idle"
+    return row
 
 
 IDLE_GAP_SECONDS = 1.0  # before each publish of the publish rows, and each raw_tcp_after_idle transfer

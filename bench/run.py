@@ -8,8 +8,8 @@
 Prints a table (median of the repeats, min-max, unit, the baseline's median, the ratio, the
 target and PASS/FAIL) and writes every raw sample to JSON, and the charts of that JSON
 (bench/plots.py: freshness, throughput, trace bytes) as PNGs beside it. Progress goes to stderr. Rows whose
-feature does not exist yet print "n/a (not implemented)". Baselines: memcpy, raw_tcp, raw_tcp_after_idle,
-raw_fanout, gloo_broadcast, torchrl_shared_mem (see bench/baselines.py); rows: see bench/rows.py and
+feature does not exist yet print "n/a (not implemented)". Baselines: memcpy, memcpy_after_idle, raw_tcp,
+raw_tcp_after_idle, raw_fanout, gloo_broadcast, torchrl_shared_mem (see bench/baselines.py); rows: see bench/rows.py and
 bench/freshness.py (publish over bulk / shared memory, publish-to-collector freshness),
 bench/freshness_link.py (freshness over a shaped link between network namespaces, as root) and
 bench/fanout_tree.py (a primary, 4 relays, 32 collectors: freshness and the primary's egress) and
@@ -39,7 +39,15 @@ if str(REPO) not in sys.path:
 from bench.common import GiB, Row, cpu_busy, format_size, log, parse_size  # noqa: E402
 from bench.trace_rows import ALIASES as TRACE_ALIASES  # noqa: E402
 
-BASELINES = ["memcpy", "raw_tcp", "raw_tcp_after_idle", "raw_fanout", "gloo_broadcast", "torchrl_shared_mem"]
+BASELINES = [
+    "memcpy",
+    "memcpy_after_idle",
+    "raw_tcp",
+    "raw_tcp_after_idle",
+    "raw_fanout",
+    "gloo_broadcast",
+    "torchrl_shared_mem",
+]
 ALIASES = {
     "publish_blocked_async": "publish_blocked",
     "single_collector": "fanout_8",
@@ -212,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     results: list[Row] = []
     measured: dict[tuple[str, int], Row] = {}
 
-    for name in ("memcpy", "raw_tcp", "raw_tcp_after_idle", "raw_fanout", "gloo_broadcast"):
+    for name in (b for b in BASELINES if b != "torchrl_shared_mem"):  # (one subprocess for every size: below)
         if name in needed:
             for size in args.sizes:
                 for row in guarded(name, size, getattr(baselines, name), size, args.repeats):
