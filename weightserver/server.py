@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import sys
 import threading
-from typing import TYPE_CHECKING
+import traceback
+from typing import TYPE_CHECKING, Any
 
 import grpc
+from grpc._cython import cygrpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import SERVICE_NAME as HEALTH_SERVICE_NAME
 from grpc_health.v1.health import aio as health_aio
@@ -46,6 +49,23 @@ GRPC_OPTIONS = [
 logging.getLogger("grpc._cython.cygrpc").addFilter(
     lambda r: not r.exc_info or r.exc_info[0] is not asyncio.CancelledError
 )
+
+
+class _QuietCancellations:
+    """`traceback` as gRPC's Cython module sees it: gRPC (1.85) also prints that cancellation's traceback
+    to stderr beside the log record; this prints every other traceback as `traceback` does."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(traceback, name)
+
+    @staticmethod
+    def print_exc(*args: Any, **kwargs: Any) -> None:
+        if not isinstance(sys.exc_info()[1], asyncio.CancelledError):
+            traceback.print_exc(*args, **kwargs)
+
+
+if getattr(cygrpc, "traceback", None) is traceback:  # a module global, looked up at each call
+    cygrpc.traceback = _QuietCancellations()
 
 
 def add_weight_service(servicer: WeightServicer, server: grpc.aio.Server) -> None:
