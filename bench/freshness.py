@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from bench import workers
-from bench.baselines import IDLE_GAP_SECONDS, median_seconds
+from bench.baselines import IDLE_GAP_SECONDS
 from bench.common import WARMUP_ROUNDS, Row, format_size, log, not_available
 from bench.models import FlatPolicy
 from bench.rows import Context, compare
@@ -45,6 +45,7 @@ PUBLISH_BULK_TARGET = 1.3  # x one raw TCP transfer
 PUBLISH_SHM_TARGET = 2.0  # x one memcpy
 # x torchrl MultiSyncCollector(2 workers) shared-memory sync, by size (issue 30; larger: as 256 MiB)
 FRESHNESS_LOCAL_TARGETS = {16 << 20: 1.5, 256 << 20: 1.2}
+BACK_TO_BACK = "torchrl's scheme back to back (no idle)"  # beside the judged ratio, both after idle
 RAW_FANOUT_TARGET = 1.3  # freshness_remote, freshness_8: x raw_fanout of the same topology (issue 31)
 # Untimed pause before each timed publish: a trainer trains between publishes, and what the
 # last publish left running in the background (the server's sha256 of it, the next upload
@@ -361,10 +362,14 @@ def freshness_remote(ctx: Context, size: int) -> list[Row]:
     return [compare(row, ctx.baseline("raw_fanout", size), "<=", RAW_FANOUT_TARGET, time_based=True)]
 
 
-def _ratio_to(row: Row, name: str, base: Row | None, what: str) -> None:
-    """Reported beside the judged ratio: `row`'s ratio to `base` (a baseline row, or a row in ms)."""
-    if base is not None and row.median is not None and base.median:
-        milliseconds = median_seconds(base) * 1e3 if "seconds" in base.extra else base.median
+def _ratio_to(row: Row, name: str, base: Row | None, what: str, series: str = "seconds") -> None:
+    """Reported beside the judged ratio: `row`'s ratio to `base`, the median of its raw durations
+    `extra[series]` (a baseline row), else its median (a row in ms)."""
+    if base is None or row.median is None or not base.median:
+        return
+    durations = base.extra.get(series)
+    milliseconds = statistics.median(durations) * 1e3 if durations else base.median if base.unit == "ms" else None
+    if milliseconds:
         row.extra[f"ratio_to_{name}"] = ratio = row.median / milliseconds
         row.note += f"; {ratio:.2f}x {what}"
 
@@ -387,17 +392,8 @@ def freshness_local(ctx: Context, size: int) -> list[Row]:
     sync (`torchrl_shared_mem`, which also waits for both workers' acknowledgement)."""
     row = _freshness_row(ctx, size, "freshness_local", LOCAL_COLLECTORS, "auto")
     target = FRESHNESS_LOCAL_TARGETS.get(size, FRESHNESS_LOCAL_TARGETS[max(FRESHNESS_LOCAL_TARGETS)])
-    _ratio_to_hot_torchrl(row, ctx.baseline("torchrl_shared_mem", size))
+    _ratio_to(row, "torchrl_back_to_back", ctx.baseline("torchrl_shared_mem", size), BACK_TO_BACK, "hot_seconds")
     return [compare(row, ctx.baseline("torchrl_shared_mem", size), "<=", target, time_based=True)]
-
-
-def _ratio_to_hot_torchrl(row: Row, base: Row | None) -> None:
-    """Reported beside the judged ratio (both sides after the same idle): the ratio to torchrl's
-    updates back to back, which no idle slowed."""
-    hot = base.extra.get("hot_seconds") if base is not None else None
-    if hot and row.median is not None:
-        row.extra["ratio_to_torchrl_back_to_back"] = ratio = row.median / (statistics.median(hot) * 1e3)
-        row.note += f"; {ratio:.2f}x torchrl's scheme back to back ({statistics.median(hot) * 1e3:.2f} ms, no idle)"
 
 
 def freshness_local_multi(ctx: Context, size: int) -> list[Row]:
@@ -405,7 +401,7 @@ def freshness_local_multi(ctx: Context, size: int) -> list[Row]:
     torchrl's own scheme in the same collector (`torchrl_shared_mem`). Reported: its workers keep
     their parameters in torchrl's shared buffers, so each version is copied once."""
     row = _freshness_row(ctx, size, "freshness_local_multi", 1, "auto", multi=True)
-    _ratio_to_hot_torchrl(row, ctx.baseline("torchrl_shared_mem", size))
+    _ratio_to(row, "torchrl_back_to_back", ctx.baseline("torchrl_shared_mem", size), BACK_TO_BACK, "hot_seconds")
     judged = compare(row, ctx.baseline("torchrl_shared_mem", size), "<=", 1.0, time_based=True)
     judged.target, judged.passed = "none (reported)", None
     return [judged]
