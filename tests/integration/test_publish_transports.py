@@ -151,6 +151,68 @@ def test_bulk_and_shm_publishes_of_a_large_model_are_bit_exact(server, client):
         assert_bit_exact(client.fetch(MODEL, version=version, transport="stream").state_dict(), weights)
 
 
+def test_a_large_shm_upload_written_by_two_threads_declares_its_bytes_digests(server, client, monkeypatch):
+    """From 64 MiB two threads copy a shared-memory upload's blocks into the mapped upload the last
+    publish set up ahead, and each block is hashed in file order, whichever thread copied it. A model
+    of odd-sized tensors, the main thread held back at each hash so that the helper takes blocks too:
+    the xxh3s declared at `uploaded` (file and every tensor) are those of the bytes, and the version
+    comes back bit-exact."""
+    from weightclient.transports.shared_memory import UNMAP_FROM
+    from weightserver.protocol.digests import IncomingDigests
+    from weightserver.protocol.safetensors_format import parse_header
+
+    hashed_by: set[str] = set()
+    advance, upload = IncomingDigests.advance, SharedMemoryTransport.upload
+    declared = []
+
+    def held(self, end):
+        hashed_by.add(threading.current_thread().name)
+        if threading.current_thread() is threading.main_thread():
+            time.sleep(0.002)
+        advance(self, end)
+
+    def recorded(self, *args, **kwargs):
+        declared.append(upload(self, *args, **kwargs))
+        return declared[-1]
+
+    gen = torch.Generator().manual_seed(3)
+    weights = {**mixed_model(4), **{f"odd{i}": torch.randn(1_000_003 + 7919 * i, generator=gen) for i in range(17)}}
+    client.publish(weights, model=MODEL, transport="shm")  # (written with pwrite: it sets the next upload up)
+    monkeypatch.setattr(IncomingDigests, "advance", held)
+    monkeypatch.setattr(SharedMemoryTransport, "upload", recorded)
+    weights["odd3"].add_(1)
+    data = file_of(weights)
+    assert len(data) >= UNMAP_FROM
+    version = client.publish(weights, model=MODEL, transport="shm")
+    assert_bit_exact(client.fetch(MODEL, version=version, transport="stream").state_dict(), weights)
+    assert "MainThread" in hashed_by and any(name.startswith("weightclient-copy") for name in hashed_by), hashed_by
+    header = parse_header(data, len(data))
+    view = memoryview(data)[header.data_start :]
+    assert len(declared) == 1 and declared[0].xxh3 == xxhash.xxh3_128_hexdigest(data)
+    assert declared[0].tensor_xxh3 == {t.name: xxhash.xxh3_128_hexdigest(view[t.begin : t.end]) for t in header.tensors}
+
+
+def test_a_shm_upload_past_its_deadline_stops_both_writing_threads(server, client, monkeypatch):
+    """The deadline is checked before each block: whichever of the two writing threads finds it
+    spent, the publish fails with DeadlineExceeded soon after, the other thread stops at its next
+    turn, and nothing becomes visible; the next publish commits."""
+    from weightclient import DeadlineExceeded
+    from weightserver.protocol.digests import IncomingDigests
+
+    advance = IncomingDigests.advance
+    monkeypatch.setattr(IncomingDigests, "advance", lambda self, end: (time.sleep(0.05), advance(self, end)))
+    weights = {"w": torch.randn(17 << 20)}  # 68 MiB: two threads, about 4 s of held hashes
+    before = client.publish(weights, model=MODEL, transport="shm")  # (sets the next upload up)
+    started = time.monotonic()
+    with pytest.raises(DeadlineExceeded, match="writing the upload took longer"):
+        client.publish(weights, model=MODEL, transport="shm", timeout=1.5)
+    assert time.monotonic() - started < 2.5
+    wait_until(lambda: not any(t.name.startswith("weightclient-copy") for t in threading.enumerate()), what="no writer")
+    assert_nothing_visible(client, before)
+    monkeypatch.setattr(IncomingDigests, "advance", advance)
+    assert client.publish(weights, model=MODEL, transport="shm") == before + 1
+
+
 # ---------------------------------------------------------------------- the contract, by hand
 def test_a_raw_bulk_upload_is_acknowledged_and_committed_by_a_publish_stream(server, client):
     """What a client in another language does: Negotiate, send ticket + bytes, read the ACK,

@@ -12,7 +12,7 @@ import threading
 import weakref
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import ClassVar
 
 import xxhash
@@ -25,14 +25,15 @@ from weightclient.transports.base import Offer, Parts, PayloadGone, Progress, Tr
 from weightclient.transports.block_reader import read_blocks
 from weightserver.protocol import page_tables
 from weightserver.protocol.digests import BLOCK_BYTES, PREFIX_BYTES, IncomingDigests, xxh3_hex
-from weightserver.protocol.errors import InvalidSafetensors
+from weightserver.protocol.errors import DeadlineExceeded, InvalidSafetensors
 from weightserver.protocol.files import header_file_name, version_file_name
 from weightserver.protocol.version_info import VersionInfo
 from weightserver.v1 import weights_pb2 as pb
 
 MAX_HEADER_BYTES = 64 << 20  # far above any real manifest; a larger file is not one of ours
 WRITE_BLOCK = 1 << 20  # a publish writes, then hashes, this much at a time: the hash finds it in cache
-UNMAP_FROM = 64 << 20  # an upload this large is unmapped an eighth at a time while it is written
+UNMAP_FROM = 64 << 20  # an upload this large is written by two threads and unmapped an eighth at a time
+COPY_STEP = 256 << 10  # one thread copies, then hashes, this much at a time: the hash finds it in L2
 UPLOAD_FILE = re.compile(r"upload-[0-9a-f]+\.tmp")  # a link to a memfd of the server's, sealed at `uploaded`
 UPLOAD_MEMORY = re.compile(r"/proc/[0-9]+/fd/[0-9]+")
 
@@ -168,30 +169,105 @@ class SharedMemoryTransport(Transport):
 def _copied_hashed(
     target: memoryview, mapping: mmap.mmap, parts: Parts, deadline: Deadline, progress: Progress | None
 ) -> Uploaded:
-    """`parts` copied into the mapping `target`, each block hashed there while in cache: the digests
-    describe the bytes the server seals. From UNMAP_FROM, each eighth once hashed is unmapped in a
-    thread meanwhile (`page_tables.unmap`): the seal waits for the page tables' teardown (19 ms at 256 MiB)."""
-    found: IncomingDigests | None = IncomingDigests(target)
-    window = -(-target.nbytes // 8 // mmap.PAGESIZE) * mmap.PAGESIZE if target.nbytes >= UNMAP_FROM else 0
-    given_up = offset = 0  # bytes [0, given_up) are unmapped
-    with ThreadPoolExecutor(1, thread_name_prefix="weightclient-unmap") if window else nullcontext() as unmapping:
-        for block in base.blocks(parts, WRITE_BLOCK, None, deadline):
-            target[offset : offset + block.nbytes] = block
-            offset += block.nbytes
-            if found is not None:
-                try:
-                    found.advance(offset)
-                except InvalidSafetensors:
-                    found = None  # not a safetensors file: the server says so, with its own error
-            if unmapping and found is not None and found.parsed and offset - given_up >= 2 * window:
-                unmapping.submit(page_tables.unmap, mapping, given_up, given_up + window)
-                given_up += window
-            if progress is not None:
-                progress(offset, target.nbytes)
+    """`parts` copied into the mapping `target` a block at a time, each block hashed there, file and
+    tensors, in file order while in cache: the digests describe the bytes the server seals. From
+    UNMAP_FROM, two threads copy (one copies at 6 GB/s here, two at 12), and each eighth once hashed
+    is unmapped by the thread that hashed its end (`page_tables.unmap`) while the other goes on: the
+    seal waits for the page tables' teardown (11-19 ms at 256 MiB)."""
+    write = _UploadWrite(target, mapping, parts, deadline, progress)
+    if not write.window:
+        write.blocks()
+    else:
+        with ThreadPoolExecutor(1, thread_name_prefix="weightclient-copy") as helper:
+            other = helper.submit(write.blocks)
+            write.blocks()
+            other.result()
+    found = write.found
     if found is None:
         return Uploaded(xxh3_hex(target))  # (nothing was unmapped: `found` fails at the header)
     digests = found.finish()
     return Uploaded(digests.xxh3, digests.tensor_xxh3)
+
+
+class _UploadWrite:
+    """One upload's copy, by one or more threads: each takes the next block, copies it with the GIL
+    let go, then hashes and reports it in its turn (file order); a thread that fails stops the others."""
+
+    def __init__(
+        self, target: memoryview, mapping: mmap.mmap, parts: Parts, deadline: Deadline, progress: Progress | None
+    ) -> None:
+        self.target, self.mapping, self.deadline, self.progress = target, mapping, deadline, progress
+        self.found: IncomingDigests | None = IncomingDigests(target)
+        self.jobs: list[tuple[int, memoryview]] = []  # (offset in the file, source block)
+        offset = 0
+        for block in base.blocks(parts, WRITE_BLOCK, None):
+            self.jobs.append((offset, block))
+            offset += block.nbytes
+        self.window = -(-target.nbytes // 8 // mmap.PAGESIZE) * mmap.PAGESIZE if target.nbytes >= UNMAP_FROM else 0
+        self.step = WRITE_BLOCK if self.window else COPY_STEP  # (two threads: a block's turn comes as it ends)
+        self.given_up = 0  # bytes [0, given_up) are unmapped, or are being
+        self.taken = self.turn = 0  # blocks taken by a thread; blocks hashed
+        self.failed = False
+        self.changed = threading.Condition()
+
+    def blocks(self) -> None:
+        """Copy blocks until none is left, `step` bytes at a time: once a block's turn has come (the
+        blocks before it are hashed), each step is hashed as soon as it is copied, while in this core's
+        cache (one thread, below UNMAP_FROM: 4.8 against 5.4 ms at 16 MiB); else the block is hashed
+        when its turn comes."""
+        import numpy  # (here: a client that only fetches, or publishes with pwrite, starts without it)
+
+        target = numpy.frombuffer(self.target, numpy.uint8)
+        try:
+            while True:
+                with self.changed:
+                    j, self.taken = self.taken, self.taken + 1
+                if j >= len(self.jobs):
+                    return
+                at, block = self.jobs[j]
+                if self.deadline.expired():
+                    raise DeadlineExceeded(f"writing the upload took longer than the call's timeout ({at} bytes in)")
+                source = numpy.frombuffer(block, numpy.uint8)
+                for start in range(0, block.nbytes, self.step):
+                    stop = min(start + self.step, block.nbytes)
+                    numpy.copyto(target[at + start : at + stop], source[start:stop])
+                    if self.turn == j and stop < block.nbytes:  # (only this thread moves it on from j)
+                        self._hash(at + stop)
+                with self.changed:
+                    while self.turn != j and not self.failed:
+                        self.changed.wait()
+                    if self.failed:
+                        return
+                due = self._hashed(at + block.nbytes)
+                with self.changed:
+                    self.turn += 1
+                    self.changed.notify_all()
+                if due is not None:
+                    page_tables.unmap(self.mapping, due, due + self.window)
+        except BaseException:
+            with self.changed:
+                self.failed = True
+                self.changed.notify_all()
+            raise
+        finally:
+            del target
+
+    def _hash(self, end: int) -> None:
+        if self.found is not None:
+            try:
+                self.found.advance(end)
+            except InvalidSafetensors:
+                self.found = None  # not a safetensors file: the server says so, with its own error
+
+    def _hashed(self, end: int) -> int | None:
+        """Hash bytes up to `end` (in its turn); the start of a window now due for unmapping, if any."""
+        self._hash(end)
+        if self.progress is not None:
+            self.progress(end, self.target.nbytes)
+        if not self.window or self.found is None or not self.found.parsed or end - self.given_up < 2 * self.window:
+            return None
+        self.given_up += self.window
+        return self.given_up - self.window
 
 
 def _written_hashed(fd: int, parts: Parts, total: int, deadline: Deadline, progress: Progress | None) -> str:
