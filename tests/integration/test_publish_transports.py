@@ -177,7 +177,7 @@ def test_a_large_shm_upload_written_by_two_threads_declares_its_bytes_digests(se
 
     gen = torch.Generator().manual_seed(3)
     weights = {**mixed_model(4), **{f"odd{i}": torch.randn(1_000_003 + 7919 * i, generator=gen) for i in range(17)}}
-    client.publish(weights, model=MODEL, transport="shm")  # (written with pwrite: it sets the next upload up)
+    client.publish(weights, model=MODEL, transport="shm")  # (it sets the next upload up)
     monkeypatch.setattr(IncomingDigests, "advance", held)
     monkeypatch.setattr(SharedMemoryTransport, "upload", recorded)
     weights["odd3"].add_(1)

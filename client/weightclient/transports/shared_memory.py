@@ -49,30 +49,32 @@ class SharedMemoryTransport(Transport):
         self._lock = threading.Lock()
 
     def upload(self, payload: pb.Payload, parts: Parts, *, deadline: Deadline, progress: Progress | None) -> Uploaded:
-        """Write `parts` into the upload file: through a prepared mapping (unmapped before the commit),
-        hashing each block, file and tensors, where it landed; else with `pwrite`, the file's xxh3 only."""
+        """Write `parts` into the upload file through its mapping (set up ahead by `prepare`, else now),
+        hashing each block, file and tensors, where it landed; unmapped before the commit."""
         path, total = payload.shared_memory.path, payload.byte_size
         if sum(p.nbytes for p in parts) != total:
             raise TransportFailed(f"{path} is not an upload file of {total} bytes")
         with self._lock:
             mapping = self._prepared.pop(path, None)
-        if mapping is not None:
-            with mapping, memoryview(mapping) as target:
-                return _copied_hashed(target, mapping, parts, deadline, progress)
-        with self._upload_file(path, total, os.O_WRONLY) as fd:
-            return Uploaded(_written_hashed(fd, parts, total, deadline, progress))
+        if mapping is None:
+            mapping = self._mapped(path, total)
+        with mapping, memoryview(mapping) as target:
+            return _copied_hashed(target, mapping, parts, deadline, progress)
 
     def prepare(self, payload: pb.Payload) -> None:
         """Map the upload file and fill the page table now (about 0.25 ms per MiB)."""
-        path, total = payload.shared_memory.path, payload.byte_size
+        mapping = self._mapped(payload.shared_memory.path, payload.byte_size)
+        with self._lock:
+            old, self._prepared[payload.shared_memory.path] = self._prepared.get(payload.shared_memory.path), mapping
+        if old is not None:
+            old.close()
+
+    def _mapped(self, path: str, total: int) -> mmap.mmap:
         with self._upload_file(path, total, os.O_RDWR) as fd:
             mapping = mmap.mmap(fd, total)
         mapping.madvise(mmap.MADV_DONTFORK)  # a child forked meanwhile would hold it writable: no seal
         page_tables.populate(mapping)  # before Linux 5.14 it does nothing: the copy takes the faults
-        with self._lock:
-            old, self._prepared[path] = self._prepared.get(path), mapping
-        if old is not None:
-            old.close()
+        return mapping
 
     def release(self, payload: pb.Payload) -> None:
         with self._lock:
@@ -215,7 +217,7 @@ class _UploadWrite:
         blocks before it are hashed), each step is hashed as soon as it is copied, while in this core's
         cache (one thread, below UNMAP_FROM: 4.8 against 5.4 ms at 16 MiB); else the block is hashed
         when its turn comes."""
-        import numpy  # (here: a client that only fetches, or publishes with pwrite, starts without it)
+        import numpy  # (here: a client that only fetches starts without it)
 
         target = numpy.frombuffer(self.target, numpy.uint8)
         try:
@@ -268,19 +270,6 @@ class _UploadWrite:
             return None
         self.given_up += self.window
         return self.given_up - self.window
-
-
-def _written_hashed(fd: int, parts: Parts, total: int, deadline: Deadline, progress: Progress | None) -> str:
-    """`parts` written to `fd` a block at a time, each hashed once written (no page faults: the
-    kernel writes tmpfs pages it allocates)."""
-    hasher, offset = xxhash.xxh3_128(), 0
-    for block in base.blocks(parts, WRITE_BLOCK, progress, deadline):
-        written = 0
-        while written < block.nbytes:  # a write may be short (a signal, or over 2 GiB)
-            written += os.pwrite(fd, block[written:], offset + written)
-        hasher.update(block)
-        offset += block.nbytes
-    return hasher.hexdigest()
 
 
 def _read_placed(fd: int, info: VersionInfo, views: Mapping[str, memoryview]) -> list[str]:
