@@ -140,6 +140,21 @@ def test_an_xxh3_only_publish_commits_before_its_sha256_and_gets_it_soon(publish
     assert [v.sha256 for v in client.list_versions(MODEL)] == [sha(data)]
 
 
+def test_the_pass_after_the_commit_runs_at_the_lowest_priority(publisher, gate) -> None:
+    """Its thread runs at nice 19 (hashing.BACKGROUND_NICE): on a host with few cores it yields to the
+    next publish's copy and to the followers applying the version, and still runs on an idle core."""
+    import os
+
+    client, _ = publisher
+    own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    client.publish_bytes(MODEL, make_file(1))
+    assert gate.entered.wait(WAIT)  # the pass is hashing, in its thread
+    (worker,) = [t for t in threading.enumerate() if t.name.startswith("weightserver-sha256")]
+    assert worker.native_id is not None and os.getpriority(os.PRIO_PROCESS, worker.native_id) == 19
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own  # the caller's own is untouched
+    gate.opened.set()
+
+
 def test_a_fetch_stream_header_carries_the_sha256_it_waited_for(publisher, gate) -> None:
     client, stub = publisher
     data = make_file(2, size=3 << 20)

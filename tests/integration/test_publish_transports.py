@@ -152,24 +152,25 @@ def test_bulk_and_shm_publishes_of_a_large_model_are_bit_exact(server, client):
 
 
 def test_a_large_shm_upload_written_by_two_threads_declares_its_bytes_digests(server, client, monkeypatch):
-    """From 64 MiB two threads copy a shared-memory upload's blocks into the mapped upload the last
-    publish set up ahead, and each block is hashed in file order, whichever thread copied it. A model
-    of odd-sized tensors, the main thread held back at each hash so that the helper takes blocks too:
+    """From 64 MiB two threads copy a shared-memory upload's blocks into the mapped upload, and the
+    blocks are hashed in file order by whichever thread finds the next one copied. A model of
+    odd-sized tensors, the helper thread's copies held back so that blocks are done out of order:
     the xxh3s declared at `uploaded` (file and every tensor) are those of the bytes, and the version
     comes back bit-exact."""
+    import numpy
+
     from weightclient.transports.shared_memory import UNMAP_FROM
-    from weightserver.protocol.digests import IncomingDigests
     from weightserver.protocol.safetensors_format import parse_header
 
-    hashed_by: set[str] = set()
-    advance, upload = IncomingDigests.advance, SharedMemoryTransport.upload
+    copied_by: set[str] = set()
+    copyto, upload = numpy.copyto, SharedMemoryTransport.upload
     declared = []
 
-    def held(self, end):
-        hashed_by.add(threading.current_thread().name)
-        if threading.current_thread() is threading.main_thread():
-            time.sleep(0.002)
-        advance(self, end)
+    def held(target, source):
+        copied_by.add(threading.current_thread().name)
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0.003)
+        copyto(target, source)
 
     def recorded(self, *args, **kwargs):
         declared.append(upload(self, *args, **kwargs))
@@ -177,25 +178,27 @@ def test_a_large_shm_upload_written_by_two_threads_declares_its_bytes_digests(se
 
     gen = torch.Generator().manual_seed(3)
     weights = {**mixed_model(4), **{f"odd{i}": torch.randn(1_000_003 + 7919 * i, generator=gen) for i in range(17)}}
-    client.publish(weights, model=MODEL, transport="shm")  # (it sets the next upload up)
-    monkeypatch.setattr(IncomingDigests, "advance", held)
-    monkeypatch.setattr(SharedMemoryTransport, "upload", recorded)
-    weights["odd3"].add_(1)
     data = file_of(weights)
     assert len(data) >= UNMAP_FROM
-    version = client.publish(weights, model=MODEL, transport="shm")
-    assert_bit_exact(client.fetch(MODEL, version=version, transport="stream").state_dict(), weights)
-    assert "MainThread" in hashed_by and any(name.startswith("weightclient-copy") for name in hashed_by), hashed_by
-    header = parse_header(data, len(data))
-    view = memoryview(data)[header.data_start :]
-    assert len(declared) == 1 and declared[0].xxh3 == xxhash.xxh3_128_hexdigest(data)
-    assert declared[0].tensor_xxh3 == {t.name: xxhash.xxh3_128_hexdigest(view[t.begin : t.end]) for t in header.tensors}
+    monkeypatch.setattr(numpy, "copyto", held)
+    monkeypatch.setattr(SharedMemoryTransport, "upload", recorded)
+    for step in range(2):  # mapped when it comes, then the upload set up ahead
+        weights["odd3"].add_(step)
+        data = file_of(weights)
+        version = client.publish(weights, model=MODEL, transport="shm")
+        assert_bit_exact(client.fetch(MODEL, version=version, transport="stream").state_dict(), weights)
+        header = parse_header(data, len(data))
+        view = memoryview(data)[header.data_start :]
+        assert declared[-1].xxh3 == xxhash.xxh3_128_hexdigest(data)
+        tensors = {t.name: xxhash.xxh3_128_hexdigest(view[t.begin : t.end]) for t in header.tensors}
+        assert declared[-1].tensor_xxh3 == tensors
+    assert "MainThread" in copied_by and any(name.startswith("weightclient-copy") for name in copied_by), copied_by
 
 
 def test_a_shm_upload_past_its_deadline_stops_both_writing_threads(server, client, monkeypatch):
-    """The deadline is checked before each block: whichever of the two writing threads finds it
-    spent, the publish fails with DeadlineExceeded soon after, the other thread stops at its next
-    turn, and nothing becomes visible; the next publish commits."""
+    """The deadline is checked before each block is copied and before each is hashed: whichever of the
+    two writing threads finds it spent, the publish fails with DeadlineExceeded soon after, the other
+    thread stops, and nothing becomes visible; the next publish commits."""
     from weightclient import DeadlineExceeded
     from weightserver.protocol.digests import IncomingDigests
 

@@ -4,8 +4,10 @@ The same pass checks the xxh3s again: a same-host publisher's are committed as i
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -17,6 +19,13 @@ from weightserver.storage.index import ModelState, Version
 log = logging.getLogger(__name__)
 
 SHA256_DELAY_SECONDS = 0.5
+BACKGROUND_NICE = 19  # the pass's thread yields a shared core to the next publish's copy and the followers
+
+
+def _in_background() -> None:
+    """Lower the calling thread's priority (Linux: a thread's own nice value); where refused, leave it."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
 
 
 def after_commit(record: Version) -> dict[str, Any]:
@@ -42,7 +51,7 @@ class Sha256Worker:
         self._lock, self._models = lock, models
         self._pending: dict[tuple[str, int], Future[str]] = {}
         self._hurry = threading.Event()  # a reader waits for a pending sha256: no delay
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="weightserver-sha256")  # no thread until used
+        self._executor = ThreadPoolExecutor(1, "weightserver-sha256", _in_background)  # no thread until used
         self._closed = False
 
     def expect(self, record: Version) -> None:

@@ -192,8 +192,10 @@ def _copied_hashed(
 
 
 class _UploadWrite:
-    """One upload's copy, by one or more threads: each takes the next block, copies it with the GIL
-    let go, then hashes and reports it in its turn (file order); a thread that fails stops the others."""
+    """One upload's copy, by one or more threads: each takes the next block and copies it with the GIL
+    let go; the blocks are hashed and reported in file order by whichever thread finds the next one
+    copied and no other hashing, so none waits for a block another thread is still copying (on a busy
+    host that thread may have lost its core for a while). A thread that fails stops the others."""
 
     def __init__(
         self, target: memoryview, mapping: mmap.mmap, parts: Parts, deadline: Deadline, progress: Progress | None
@@ -208,44 +210,39 @@ class _UploadWrite:
         self.window = -(-target.nbytes // 8 // mmap.PAGESIZE) * mmap.PAGESIZE if target.nbytes >= UNMAP_FROM else 0
         self.step = WRITE_BLOCK if self.window else COPY_STEP  # (two threads: a block's turn comes as it ends)
         self.given_up = 0  # bytes [0, given_up) are unmapped, or are being
+        self.copied = [False] * len(self.jobs)
         self.taken = self.turn = 0  # blocks taken by a thread; blocks hashed
-        self.failed = False
+        self.hashing = self.failed = False  # a thread hashes at `turn`; a thread failed
         self.changed = threading.Condition()
 
     def blocks(self) -> None:
-        """Copy blocks until none is left, `step` bytes at a time: once a block's turn has come (the
-        blocks before it are hashed), each step is hashed as soon as it is copied, while in this core's
-        cache (one thread, below UNMAP_FROM: 4.8 against 5.4 ms at 16 MiB); else the block is hashed
-        when its turn comes."""
+        """Copy blocks until none is left, `step` bytes at a time, then hash as far as they are copied.
+        Once the block's turn has come (the blocks before it hashed), each step is hashed as soon as it
+        is copied, while in this core's cache (one thread, below UNMAP_FROM: 4.8 against 5.4 ms at
+        16 MiB); with two threads a block's turn comes as its copy ends, and it is hashed then."""
         import numpy  # (here: a client that only fetches starts without it)
 
         target = numpy.frombuffer(self.target, numpy.uint8)
         try:
             while True:
                 with self.changed:
-                    j, self.taken = self.taken, self.taken + 1
-                if j >= len(self.jobs):
-                    return
-                at, block = self.jobs[j]
-                if self.deadline.expired():
-                    raise DeadlineExceeded(f"writing the upload took longer than the call's timeout ({at} bytes in)")
-                source = numpy.frombuffer(block, numpy.uint8)
-                for start in range(0, block.nbytes, self.step):
-                    stop = min(start + self.step, block.nbytes)
-                    numpy.copyto(target[at + start : at + stop], source[start:stop])
-                    if self.turn == j and stop < block.nbytes:  # (only this thread moves it on from j)
-                        self._hash(at + stop)
-                with self.changed:
-                    while self.turn != j and not self.failed:
-                        self.changed.wait()
-                    if self.failed:
+                    j, self.taken = self.taken, min(self.taken + 1, len(self.jobs))
+                    while j == len(self.jobs) and not self._done() and (self.hashing or not self.copied[self.turn]):
+                        self.changed.wait()  # nothing left to copy: the hashing waits for another's block
+                    if self._done():
                         return
-                due = self._hashed(at + block.nbytes)
-                with self.changed:
-                    self.turn += 1
-                    self.changed.notify_all()
-                if due is not None:
-                    page_tables.unmap(self.mapping, due, due + self.window)
+                if j < len(self.jobs):
+                    at, block = self.jobs[j]
+                    self._in_time(at)
+                    source = numpy.frombuffer(block, numpy.uint8)
+                    for start in range(0, block.nbytes, self.step):
+                        stop = min(start + self.step, block.nbytes)
+                        numpy.copyto(target[at + start : at + stop], source[start:stop])
+                        if self.turn == j and stop < block.nbytes:  # (one thread: nobody else moves it on)
+                            self._hash(at + stop)
+                    with self.changed:
+                        self.copied[j] = True
+                self._advance()
         except BaseException:
             with self.changed:
                 self.failed = True
@@ -253,6 +250,37 @@ class _UploadWrite:
             raise
         finally:
             del target
+
+    def _done(self) -> bool:
+        return self.failed or self.turn == len(self.jobs)
+
+    def _advance(self) -> None:
+        """Hash the copied blocks from `turn` on, unless another thread is; stop at one not copied yet,
+        or to unmap a window that fell due (the other thread takes over the hashing meanwhile)."""
+        with self.changed:
+            if self.hashing or self._done() or not self.copied[self.turn]:
+                return
+            self.hashing = True
+        due = None
+        try:
+            while due is None:
+                at, block = self.jobs[self.turn]
+                self._in_time(at)
+                due = self._hashed(at + block.nbytes)
+                with self.changed:
+                    self.turn += 1
+                    if self._done() or not self.copied[self.turn]:
+                        break
+        finally:
+            with self.changed:
+                self.hashing = False
+                self.changed.notify_all()
+        if due is not None:
+            page_tables.unmap(self.mapping, due, due + self.window)
+
+    def _in_time(self, at: int) -> None:
+        if self.deadline.expired():
+            raise DeadlineExceeded(f"writing the upload took longer than the call's timeout (at byte {at})")
 
     def _hash(self, end: int) -> None:
         if self.found is not None:
