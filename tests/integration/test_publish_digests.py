@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import threading
 from collections.abc import Iterator
 
@@ -143,8 +144,6 @@ def test_an_xxh3_only_publish_commits_before_its_sha256_and_gets_it_soon(publish
 def test_the_pass_after_the_commit_runs_at_the_lowest_priority(publisher, gate) -> None:
     """Its thread runs at nice 19 (hashing.BACKGROUND_NICE): on a host with few cores it yields to the
     next publish's copy and to the followers applying the version, and still runs on an idle core."""
-    import os
-
     client, _ = publisher
     own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     client.publish_bytes(MODEL, make_file(1))

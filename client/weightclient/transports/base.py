@@ -13,7 +13,7 @@ from typing import Any, ClassVar, NamedTuple, Protocol
 from weightclient.core.retry import NEVER, Deadline
 from weightclient.placement import PlacedReceiver
 from weightserver.protocol import page_tables
-from weightserver.protocol.errors import DeadlineExceeded, InvalidRequest
+from weightserver.protocol.errors import InvalidRequest
 from weightserver.protocol.framing import Progress, Sink, receive_chunks
 from weightserver.protocol.version_info import VersionInfo
 from weightserver.v1 import weights_pb2 as pb
@@ -161,13 +161,11 @@ def into_sink(data: memoryview, into: Into) -> memoryview:
     return memoryview(b"")
 
 
-def blocks(parts: Parts, size: int, progress: Progress | None, deadline: Deadline = NEVER) -> Iterator[memoryview]:
+def blocks(parts: Parts, size: int, progress: Progress | None) -> Iterator[memoryview]:
     """`parts` cut into blocks of `size` bytes; `progress` hears of each once the caller moved it."""
     total, done = sum(p.nbytes for p in parts), 0
     for part in parts:
         for start in range(0, part.nbytes, size):
-            if deadline.expired():
-                raise DeadlineExceeded(f"writing the upload took longer than the call's timeout ({done} bytes in)")
             block = part[start : start + size]
             yield block
             done += block.nbytes
