@@ -299,11 +299,13 @@ class Relay:
             try:
                 while (event := await self._blocking(_next_event, events)) is not None:
                     failure = ""
-                    if isinstance(event, VersionEvent):  # numbers need not be consecutive: a jump after a gap is one
-                        gap = gap or event.gap
-                        if gap and event.version > last + 1 and event.version > self._held_version(model):
-                            self.store.missed(model, event.version - 1)
-                        last = event.version
+                    if isinstance(event, IncomingEvent):
+                        self._on_arriving(event)
+                        continue
+                    gap = gap or event.gap  # numbers need not be consecutive: a jump after a gap is one
+                    if gap and event.version > last + 1 and event.version > self._held_version(model):
+                        self.store.missed(model, event.version - 1)
+                    last = event.version
                     await self._on_event(model, event)
                 continue  # the Watch's deadline passed: resubscribe at once
             except (errors.ServerUnavailable, errors.DeadlineExceeded, *_REFUSALS) as exc:
@@ -319,10 +321,7 @@ class Relay:
             await BACKOFF.wait_async(attempt, wake=self._upstream_back)
             attempt += 1
 
-    async def _on_event(self, model: str, event: VersionEvent | IncomingEvent) -> None:
-        if isinstance(event, IncomingEvent):
-            self._on_arriving(event)
-            return
+    async def _on_event(self, model: str, event: VersionEvent) -> None:
         number = event.version
         incoming = self._incoming.pop(event.incoming, None) if event.incoming else None
         self._heard(model, max(number, self.upstream_latest.get(model, 0)))
@@ -346,9 +345,8 @@ class Relay:
         """The last of `members`' followers to reach group version `number` commits them together."""
         for member in members:
             self._follow(member)  # a group may name a model the poll has not listed yet
-        group = self._groups.get(number)
-        if group is None:  # members committed already (alone, after a wait that timed out) are not waited for
-            group = self._groups[number] = _GroupCommit({m for m in members if self._held_version(m) < number})
+        # Members committed already (alone, after a wait that timed out) are not waited for.
+        group = self._groups.setdefault(number, _GroupCommit({m for m in members if self._held_version(m) < number}))
         group.waiting.discard(model)
         if not group.waiting:
             committed = False
