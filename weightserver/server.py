@@ -8,6 +8,7 @@ import socket
 import sys
 import threading
 import traceback
+import types
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -51,21 +52,15 @@ logging.getLogger("grpc._cython.cygrpc").addFilter(
 )
 
 
-class _QuietCancellations:
-    """`traceback` as gRPC's Cython module sees it: gRPC (1.85) also prints that cancellation's traceback
-    to stderr beside the log record; this prints every other traceback as `traceback` does."""
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(traceback, name)
-
-    @staticmethod
-    def print_exc(*args: Any, **kwargs: Any) -> None:
-        if not isinstance(sys.exc_info()[1], asyncio.CancelledError):
-            traceback.print_exc(*args, **kwargs)
+def _print_exc(*args: Any, **kwargs: Any) -> None:
+    """`traceback.print_exc` as gRPC's Cython module sees it: gRPC (1.85) also prints that cancellation's
+    traceback to stderr beside the log record; this prints every other traceback."""
+    if not isinstance(sys.exc_info()[1], asyncio.CancelledError):
+        traceback.print_exc(*args, **kwargs)
 
 
 if getattr(cygrpc, "traceback", None) is traceback:  # a module global, looked up at each call
-    cygrpc.traceback = _QuietCancellations()
+    cygrpc.traceback = types.SimpleNamespace(**{**vars(traceback), "print_exc": _print_exc})
 
 
 def add_weight_service(servicer: WeightServicer, server: grpc.aio.Server) -> None:
@@ -159,8 +154,7 @@ class WeightServer:
             return
         self._grace = self._grace if grace is None else grace
         self._loop.call_soon_threadsafe(self._stop_requested.set)
-        self._stopped.wait()
-        self._thread.join()  # (set: start() made it before the loop existed)
+        self._thread.join()  # (set: start() made it before the loop existed); it sets _stopped
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the server has stopped; False if `timeout` passed first."""
@@ -200,9 +194,8 @@ class WeightServer:
             max_connections = config.bulk_max_connections
             self.bulk = BulkEndpoint(config.host, config.bulk_port, max_connections=max_connections)
             log.info("bulk endpoint on %s:%d (at most %d connections)", config.host, self.bulk.port, max_connections)
-        shm_dir = server_shm_dir(config.port, config.shm_dir) if config.shm_dir is not None else None
-        if shm_dir is not None:
-            self.shared_memory = SharedMemoryFiles(shm_dir)
+        if config.shm_dir is not None:
+            self.shared_memory = SharedMemoryFiles(server_shm_dir(config.port, config.shm_dir))
             log.info("shared-memory payloads in %s", self.shared_memory.directory)
             pages = page_tables.shared_huge_pages()
             if pages is not None and pages not in page_tables.HUGE_SETTINGS:
