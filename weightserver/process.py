@@ -64,10 +64,9 @@ class ServerProcess:
 
     def stop(self, timeout: float = 30.0) -> int:
         """SIGTERM (graceful shutdown) and wait; returns the exit code."""
-        if self.process is None or self.process.poll() is not None:
-            return self.process.returncode if self.process else 0
-        self.process.send_signal(signal.SIGTERM)
-        return self.process.wait(timeout)
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        return 0 if self.process is None else self.process.wait(timeout)
 
     def kill(self) -> None:
         """SIGKILL: no chance to clean up, as in a crash."""

@@ -20,10 +20,7 @@ from weightserver.process import ServerProcess
 from weightserver.protocol.channel import channel_credentials
 
 RELAY_NAMESPACE = "weightserver"
-
-
-def relay_actor_name(node_id: str) -> str:
-    return f"weightserver-relay-{node_id}"
+RELAY_ACTOR = "weightserver-relay-{}"  # a node id's relay actor, in RELAY_NAMESPACE
 
 
 class RelayServer:
@@ -106,7 +103,7 @@ def place_relays(
     remote = ray.remote(num_cpus=0)(RelayServer)
     actors = {
         node_id: remote.options(
-            name=relay_actor_name(node_id), namespace=RELAY_NAMESPACE, scheduling_strategy=pinned_to(node_id)
+            name=RELAY_ACTOR.format(node_id), namespace=RELAY_NAMESPACE, scheduling_strategy=pinned_to(node_id)
         ).remote(upstream, list(args), timeout, tls)
         for node_id in (alive_node_ids() if node_ids is None else node_ids)
     }
@@ -129,7 +126,7 @@ def node_relay_address(timeout: float = 30.0) -> str:
     deadline = time.monotonic() + timeout
     while True:
         try:
-            actor = ray.get_actor(relay_actor_name(node_id), namespace=RELAY_NAMESPACE)
+            actor = ray.get_actor(RELAY_ACTOR.format(node_id), namespace=RELAY_NAMESPACE)
             return ray.get(actor.address.remote(), timeout=max(deadline - time.monotonic(), 1.0))
         except ValueError:  # no actor of that name (yet)
             if time.monotonic() > deadline:
