@@ -34,7 +34,6 @@ BLOCK = 1 << 16  # elements per sparse block: an offset fits a u16
 CHUNK = 1 << 22  # elements compared at a time: bounds the temporaries of a large tensor
 SAMPLE = 4096  # elements `worth_encoding` compares
 WINDOW = 1 << 18  # elements `apply` writes at a time (a multiple of BLOCK and of 8)
-_WORDS = {1: "<u1", 2: "<u2", 4: "<u4", 8: "<u8"}
 ENCODING_KEY = "weightserver.element_delta"  # a delta payload's metadata: JSON {tensor name: form}
 
 Bytes = bytes | bytearray | memoryview
@@ -43,7 +42,7 @@ Bytes = bytes | bytearray | memoryview
 def _words(data: Bytes, itemsize: int) -> np.ndarray:
     import numpy as np
 
-    return np.frombuffer(data, dtype=_WORDS[itemsize])
+    return np.frombuffer(data, dtype=f"<u{itemsize}")
 
 
 def sizes(n: int, k: int, itemsize: int) -> dict[str, int]:
@@ -108,7 +107,7 @@ def apply(form: str, delta: Bytes, out: memoryview, itemsize: int, what: str = "
         if (int(ends[-1]) if blocks else 0) != k:
             raise IntegrityError(f"{what}: a sparse delta's block counts sum to {counts.sum()}, not its {k} elements")
         offsets = np.frombuffer(delta, dtype="<u2", count=k, offset=4 * blocks)
-        values = np.frombuffer(delta, dtype=_WORDS[itemsize], count=k, offset=4 * blocks + 2 * k)
+        values = np.frombuffer(delta, dtype=f"<u{itemsize}", count=k, offset=4 * blocks + 2 * k)
         last = offsets[k - int(counts[-1]) :] if blocks else offsets[:0]  # only the last block can pass n
         if last.size and (top := (blocks - 1) * BLOCK + int(last.max())) >= n:
             raise IntegrityError(f"{what}: a delta names element {top} of a tensor of {n}")
@@ -129,7 +128,7 @@ def apply(form: str, delta: Bytes, out: memoryview, itemsize: int, what: str = "
         k = int(np.bitwise_count(bits).sum(dtype=np.int64))
         if (carried := len(delta) - bitmap) != k * itemsize:
             raise IntegrityError(f"{what}: a bitmap delta marks {k} elements but carries {carried} bytes")
-        values, done = np.frombuffer(delta, dtype=_WORDS[itemsize], offset=bitmap), 0
+        values, done = np.frombuffer(delta, dtype=f"<u{itemsize}", offset=bitmap), 0
         for start in range(0, n, WINDOW):
             index = np.flatnonzero(np.unpackbits(bits[start // 8 : (start + WINDOW) // 8], bitorder="little"))
             index += start

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from weightserver.protocol.safetensors_format import DEFAULT_MAX_HEADER_BYTES, SafetensorsHeader, parse_header
+from weightserver.protocol.safetensors_format import SafetensorsHeader, parse_header
 
 PREFIX_BYTES = 8  # the safetensors header's length prefix
 BLOCK_BYTES = 1 << 20  # hashed by every digest in turn while it is in cache
@@ -88,23 +88,18 @@ class IncomingDigests:
             raise ValueError(f"{self.hashed} of {self.buffer.nbytes} bytes hashed")
         if self._header is None:
             self._parse(self.hashed)  # sets it, or raises for a file too short to hold one
-        return FileDigests(
-            xxh3=self._xxh3.hexdigest(),
-            tensor_xxh3={name: hasher.hexdigest() for name, hasher in self._tensor_hashers.items()},
-            header=self._header,
-            sha256=self._sha256.hexdigest() if self._sha256 is not None else None,
-        )
+        tensors = {name: hasher.hexdigest() for name, hasher in self._tensor_hashers.items()}
+        sha256 = self._sha256.hexdigest() if self._sha256 is not None else None
+        return FileDigests(self._xxh3.hexdigest(), tensors, self._header, sha256)
 
     def _parse(self, end: int) -> None:
         """Parse the header once it is all in (or the file ends); hash the tensor bytes already here."""
-        size = self.buffer.nbytes
-        if end < min(PREFIX_BYTES, size):
+        if end < min(PREFIX_BYTES, self.buffer.nbytes):
             return
-        length = int.from_bytes(self.buffer[:PREFIX_BYTES], "little") if end >= PREFIX_BYTES else 0
-        too_long = length > self._limits.get("max_header_bytes", DEFAULT_MAX_HEADER_BYTES)
-        if end < size and end < PREFIX_BYTES + length and not too_long:
-            return  # parse_header refuses a header over the limit before it is all in
-        self._header = header = parse_header(self.buffer[:end], size, **self._limits)
+        try:  # (a header over the limit, or past the file's end, is refused before it is all in)
+            self._header = header = parse_header(self.buffer[:end], self.buffer.nbytes, **self._limits)
+        except ValueError:  # the header is still to come
+            return
         self._tensors = [(t.name, header.data_start + t.begin, header.data_start + t.end) for t in header.tensors]
         self._tensor_hashers = {name: xxhash.xxh3_128() for name, _, _ in self._tensors}
         self._hash_tensors(0, self.hashed)

@@ -44,16 +44,11 @@ ERROR_METADATA_KEY = "weightserver-error"
 CLIENT_ID_METADATA_KEY = "weightserver-client-id"  # a client's name in the server's logs and metrics
 # A status message travels in the trailers, which clients cap (gRPC: 8 KiB; from 8 to 16 KiB a
 # random share of calls fail with RESOURCE_EXHAUSTED): messages quote input cut, and are cut.
-CLIPPED_REPR_CHARS = 100
 MAX_STATUS_MESSAGE_BYTES = 1024
 
 
-def clipped_repr(value: object, limit: int = CLIPPED_REPR_CHARS) -> str:
-    """`value`'s repr cut to `limit` characters, with its length when longer.
-
-    >>> clipped_repr("x" * 1000, limit=8)
-    "'xxxxxxx...(1000 chars)"
-    """
+def clipped_repr(value: object, limit: int = 100) -> str:
+    """`value`'s repr cut to `limit` characters, with its length when longer: `'xxxxxxx...(1000 chars)`."""
     text = repr(value)
     if len(text) <= limit:
         return text

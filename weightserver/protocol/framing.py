@@ -156,23 +156,21 @@ class Regions:
 
 def receive_chunks(chunks: Iterable[object], into: memoryview | Sink, progress: Progress | None = None) -> None:
     """Every chunk into `into` in order; ValueError for a non-chunk, or more or fewer bytes than fit."""
+    sink = Regions(into.nbytes, Region(into.nbytes, into)) if isinstance(into, memoryview) else into
     received = 0
     for chunk in chunks:
         if not isinstance(chunk, memoryview):
             raise ValueError(f"expected a chunk, got {type(chunk).__name__}")
-        if received + chunk.nbytes > into.nbytes:
-            raise ValueError(f"more than the announced {into.nbytes} bytes")
-        if isinstance(into, memoryview):
-            into[received : received + chunk.nbytes] = chunk
-        else:
-            rest = chunk
-            while rest.nbytes:
-                target = into.target(rest.nbytes)
-                target[:] = rest[: target.nbytes]
-                into.advance(target.nbytes)
-                rest = rest[target.nbytes :]
+        if received + chunk.nbytes > sink.nbytes:
+            raise ValueError(f"more than the announced {sink.nbytes} bytes")
+        rest = chunk
+        while rest.nbytes:
+            target = sink.target(rest.nbytes)
+            target[:] = rest[: target.nbytes]
+            sink.advance(target.nbytes)
+            rest = rest[target.nbytes :]
         received += chunk.nbytes
         if progress is not None:
-            progress(received, into.nbytes)
-    if received != into.nbytes:
+            progress(received, sink.nbytes)
+    if received != sink.nbytes:
         raise ValueError("the stream was cut short")

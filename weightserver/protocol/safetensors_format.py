@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -20,7 +19,6 @@ METADATA_KEY = "__metadata__"
 # The format's own limits (the safetensors package's); publishes have tighter ones (PUBLISH_MAX_*).
 DEFAULT_MAX_HEADER_BYTES = 100 * 1024 * 1024
 DEFAULT_MAX_TENSORS = 1_000_000
-_LEN = struct.Struct("<Q")
 
 
 @dataclass(frozen=True)
@@ -71,7 +69,7 @@ def parse_header(
     size = len(view) if total_size is None else total_size
     if size < 8 or len(view) < 8:
         raise InvalidSafetensors(f"file is {size} bytes; a safetensors file starts with an 8-byte header length")
-    (header_len,) = _LEN.unpack_from(view, 0)
+    header_len = int.from_bytes(view[:8], "little")
     if header_len > max_header_bytes:
         raise InvalidSafetensors(f"header is {header_len} bytes, over the limit of {max_header_bytes}")
     if 8 + header_len > size:
@@ -86,11 +84,10 @@ def parse_header(
         raise InvalidSafetensors(f"header is not valid JSON: {exc}") from None
     if not isinstance(obj, dict):
         raise InvalidSafetensors(f"header must be a JSON object, got {type(obj).__name__}")
-    tensor_count = len(obj) - (METADATA_KEY in obj)
-    if tensor_count > max_tensors:
-        raise InvalidSafetensors(f"header lists {tensor_count} tensors, over the limit of {max_tensors} tensors")
-
     metadata = obj.pop(METADATA_KEY, None)
+    if len(obj) > max_tensors:
+        raise InvalidSafetensors(f"header lists {len(obj)} tensors, over the limit of {max_tensors} tensors")
+
     # (JSON's keys are strings)
     if metadata is not None and not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
         raise InvalidSafetensors(f"{METADATA_KEY!r} must map strings to strings")
@@ -168,4 +165,4 @@ def build_header(
         position += nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
     encoded += b" " * (-(8 + len(encoded)) % 8)
-    return _LEN.pack(len(encoded)) + encoded, placed
+    return len(encoded).to_bytes(8, "little") + encoded, placed
