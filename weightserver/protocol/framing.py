@@ -59,14 +59,12 @@ def chunk_of(raw: bytes, tag: bytes = FETCH_CHUNK_TAG) -> memoryview | None:
     """The payload of a serialized `{chunk}` message as a view of `raw`, or None for another message."""
     if not raw.startswith(tag):
         return None
-    length, shift, position = 0, 0, len(tag)
-    while position < len(raw):
-        byte = raw[position]
-        position += 1
-        length |= (byte & 0x7F) << shift
+    length = 0
+    for i, byte in enumerate(memoryview(raw)[len(tag) :]):  # the payload's length, a varint
+        length |= (byte & 0x7F) << 7 * i
         if not byte & 0x80:
-            return memoryview(raw)[position:] if position + length == len(raw) else None
-        shift += 7
+            start = len(tag) + i + 1
+            return memoryview(raw)[start:] if start + length == len(raw) else None
     return None
 
 
