@@ -1,16 +1,6 @@
-"""Bearer-token authorization: who may call which WeightService method.
-
-`--auth-tokens FILE` names a token file, one token per line::
-
-    # role       name          token (>= 16 characters)
-    reader       collector     8cM1y0kqV0m3tq2nQ4e5hZbq
-    publisher    trainer       Zt3kq9Jx0VYbW1rFwA7sPq2L
-    admin        ops           0v8mK3nB5cX7zL9qW2eR4tY6
-
-A reader fetches, watches, describes and lists; a publisher also publishes; an admin also deletes
-and pins. ``publisher:policy,critic`` limits changes to those models. Tokens are compared in
-constant time and never logged (the name stands in).
-"""
+"""Bearer-token authorization: who may call which WeightService method. The token file (one
+`ROLE NAME TOKEN` a line; roles reader < publisher < admin, `publisher:policy,critic` scoped to
+models) is described in docs/guides/security.md. Tokens are compared in constant time, never logged."""
 
 from __future__ import annotations
 
@@ -63,7 +53,7 @@ class TokenTable:
             models = frozenset(validate_model_name(model) for model in scope.split(",")) if scoped else None
             if len(token) < MIN_TOKEN_CHARS:
                 raise InvalidRequest(f"token {name!r} is shorter than {MIN_TOKEN_CHARS} characters")
-            digest = _digest(token)
+            digest = hashlib.sha256(token.encode()).digest()
             if digest in self._entries:
                 raise InvalidRequest(f"token {name!r} repeats another entry's token")
             self._entries[digest] = Principal(name, role, models, token_sha256=digest)
@@ -90,7 +80,7 @@ class TokenTable:
 
     def identify(self, token: str) -> Principal | None:
         """The token's principal, or None; every entry is compared, so timing reveals nothing."""
-        digest = _digest(token)
+        digest = hashlib.sha256(token.encode()).digest()
         found = [principal for known, principal in self._entries.items() if hmac.compare_digest(known, digest)]
         return found[0] if found else None
 
@@ -123,7 +113,3 @@ class TokenTable:
                 f"{', '.join(sorted(principal.models))}"
             )
         return principal
-
-
-def _digest(token: str) -> bytes:
-    return hashlib.sha256(token.encode()).digest()

@@ -281,13 +281,8 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
             forms = tuple(form for form, wire in deltas.WIRE.items() if wire in request.element_deltas)
             build = functools.partial(self.payloads.get, selection=selection, base_selection=base_selection)
             payload = await asyncio.to_thread(build, record, base, request.dtype, forms)
-        description = pb.Payload(
-            byte_size=payload.byte_size,
-            xxh3=payload.xxh3,
-            base_version=payload.base_version,
-            dtype=payload.dtype,
-            base_xxh3=payload.base_xxh3,
-        )
+        described = ("byte_size", "xxh3", "base_version", "dtype", "base_xxh3")
+        description = pb.Payload(**{name: getattr(payload, name) for name in described})
         if selection is not None and payload.selection is not None:
             description.selection.CopyFrom(selection_message(payload.selection))
         return payload, description

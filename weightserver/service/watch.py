@@ -64,9 +64,8 @@ class Watches:
                     raise ServerUnavailable("the server is shutting down; resubscribe with since=<last version seen>")
                 if isinstance(event, IncomingPublish):
                     failed = event.failure is not None
-                    yield pb.VersionEvent(
-                        incoming=pb.IncomingPublish(id=event.id, byte_size=event.byte_size, failed=failed)
-                    )
+                    announced = pb.IncomingPublish(id=event.id, byte_size=event.byte_size, failed=failed)
+                    yield pb.VersionEvent(incoming=announced)
                     continue
                 if event.version <= last:
                     continue

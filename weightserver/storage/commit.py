@@ -151,7 +151,8 @@ class PublishIds:
         when other models used it. `verified` None: before the bytes, and `names` may be part of a group."""
         if not publish_id:
             return None
-        found = [committed_by(self._models[name], publish_id) if name in self._models else None for name in names]
+        retained = [self._models[name].versions.values() if name in self._models else () for name in names]
+        found = [next((r for r in versions if r.publish_id == publish_id), None) for versions in retained]
         first = next((record for record in found if record is not None), None)
         if first is not None:
             if verified is None:  # a retry's header: its bytes are checked at the commit
@@ -197,10 +198,6 @@ def _check_declared(model: str, name: str, declared: str | None, actual: str | N
             f"model {model!r}: {name} of the received bytes is {actual}, publisher declared "
             f"{declared.lower()}; the bytes were corrupted in transit or the digest is wrong"
         )
-
-
-def committed_by(state: ModelState, publish_id: str) -> Version | None:
-    return next((r for r in state.versions.values() if r.publish_id == publish_id), None) if publish_id else None
 
 
 def check_version(names: Sequence[str], version: int, high_water: int) -> None:

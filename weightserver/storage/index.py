@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import itertools
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -168,10 +169,5 @@ def contains(sorted_numbers: list[int], number: int) -> bool:
 
 def ranges(numbers: list[int]) -> str:
     """[1, 2, 3, 7] -> '1-3, 7'."""
-    runs: list[list[int]] = []  # [first, last] of each run of consecutive numbers
-    for n in numbers:
-        if runs and n == runs[-1][1] + 1:
-            runs[-1][1] = n
-        else:
-            runs.append([n, n])
-    return ", ".join(str(first) if first == last else f"{first}-{last}" for first, last in runs) or "none"
+    runs = [[n for _, n in run] for _, run in itertools.groupby(enumerate(numbers), lambda item: item[1] - item[0])]
+    return ", ".join(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs) or "none"

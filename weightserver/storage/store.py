@@ -154,9 +154,8 @@ class VersionStore(VersionIndex):
                     except Exception:
                         log.exception("%r failed on %s v%d", listener, ", ".join(names), number)
             finally:
-                if publish_id:
-                    with self._lock:
-                        self._publish_ids.committing.pop(publish_id, None)
+                with self._lock:
+                    self._publish_ids.committing.pop(publish_id, None)
         for record in event.versions:
             if not record.sha256:
                 self._sha256.hash_later(record)
