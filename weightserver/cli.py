@@ -35,22 +35,18 @@ CLIENT_COMMANDS = ("publish", "fetch", "ls", "watch", "delete", "pin")
 PROGRESS_MIN_BYTES = 8 * MiB
 Handler = Callable[[argparse.Namespace], int]
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
-# "", "B", then K/M/G/T alone or with "B" (powers of 1000) and with "iB" (powers of 1024).
-_UNITS = {"": 1, "B": 1} | {
-    prefix + suffix: base**power
-    for power, prefix in enumerate("KMGT", start=1)
-    for suffix, base in (("", 1000), ("B", 1000), ("IB", 1024))
-}
+# A number, then no unit, B, or K/M/G/T alone or with "B" (powers of 1000) or with "iB" (powers of 1024).
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(?:([KMGT])(I?B)?|B)?\s*", re.IGNORECASE)
 
 
 def parse_size(text: str) -> int:
     """'512MiB' -> 536870912; '2GB' -> 2000000000; '4096' -> 4096."""
-    match = _SIZE.match(text)
-    unit = (match.group(2) or "").upper() if match else None
-    if not match or unit not in _UNITS:
+    match = _SIZE.fullmatch(text)
+    if not match:
         raise argparse.ArgumentTypeError(f"invalid size {text!r}: use bytes or a unit, e.g. 512MiB, 2GiB, 1GB")
-    return int(float(match.group(1)) * _UNITS[unit])
+    number, prefix, suffix = match.groups()
+    power = "KMGT".index(prefix.upper()) + 1 if prefix else 0
+    return int(float(number) * (1024 if suffix and len(suffix) == 2 else 1000) ** power)
 
 
 def _model_list(text: str) -> tuple[str, ...]:
