@@ -33,7 +33,7 @@ log = logging.getLogger("weightserver")
 UPSTREAM_TOKEN_ENV = "WEIGHTSERVER_UPSTREAM_TOKEN"
 CLIENT_COMMANDS = ("publish", "fetch", "ls", "watch", "delete", "pin")
 PROGRESS_MIN_BYTES = 8 * MiB
-Handler = Callable[[argparse.Namespace], int]
+Handler = Callable[[argparse.Namespace], None]
 
 # A number, then no unit, B, or K/M/G/T alone or with "B" (powers of 1000) or with "iB" (powers of 1024).
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(?:([KMGT])(I?B)?|B)?\s*", re.IGNORECASE)
@@ -205,7 +205,7 @@ def server_config(args: argparse.Namespace, environ: Mapping[str, str] = os.envi
     return ServerConfig(**options)
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+def cmd_serve(args: argparse.Namespace) -> None:
     from weightserver.server import WeightServer
 
     server = WeightServer(server_config(args)).start()
@@ -222,7 +222,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     while not server.wait(timeout=0.5):
         pass
-    return 0
 
 
 def _client(args: argparse.Namespace) -> WeightServiceClient:
@@ -232,17 +231,16 @@ def _client(args: argparse.Namespace) -> WeightServiceClient:
     )
 
 
-def cmd_publish(args: argparse.Namespace) -> int:
+def cmd_publish(args: argparse.Namespace) -> None:
     data = args.file.read_bytes()
     with _client(args) as client, TransferProgress(f"publish {args.model}") as progress:
         info = client.publish_bytes(
             args.model, data, version=args.version_number, metadata=dict(args.meta), pin=args.pin, progress=progress
         )
     print(json.dumps(_info_json(info), indent=1) if args.json else info.version)
-    return 0
 
 
-def cmd_fetch(args: argparse.Namespace) -> int:
+def cmd_fetch(args: argparse.Namespace) -> None:
     with _client(args) as client, TransferProgress(f"fetch {args.model}") as progress:
         fetched = client.fetch_bytes(args.model, version=args.version_number, progress=progress)
     assert fetched is not None
@@ -251,10 +249,9 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     tmp.replace(args.output)
     info = fetched.info
     print(f"{info.model} v{info.version} -> {args.output} ({info.byte_size} bytes, sha256 {info.sha256})")
-    return 0
 
 
-def cmd_ls(args: argparse.Namespace) -> int:
+def cmd_ls(args: argparse.Namespace) -> None:
     with _client(args) as client:
         if args.model is None:
             models = client.list_models()
@@ -268,12 +265,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
             rows = [_version_row(v) for v in versions]
     if args.json:
         print(json.dumps(records, indent=1))
-        return 0
+        return
     cells = [headers] + [[str(c) for c in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     for row in cells:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
-    return 0
 
 
 def _version_row(v: VersionInfo) -> list[object]:
@@ -282,7 +278,7 @@ def _version_row(v: VersionInfo) -> list[object]:
     return [v.version, created, v.byte_size, len(v.tensors), "yes" if v.pinned else "", v.sha256[:16], metadata]
 
 
-def cmd_watch(args: argparse.Namespace) -> int:
+def cmd_watch(args: argparse.Namespace) -> None:
     with _client(args) as client:
         since = args.since
         if since is None:
@@ -298,21 +294,18 @@ def cmd_watch(args: argparse.Namespace) -> int:
             else:
                 gap = "  (some earlier versions were evicted before they could be sent)" if event.gap else ""
                 print(f"{info.model} v{info.version} {info.byte_size} bytes sha256 {info.sha256}{gap}", flush=True)
-    return 0
 
 
-def cmd_delete(args: argparse.Namespace) -> int:
+def cmd_delete(args: argparse.Namespace) -> None:
     with _client(args) as client:
         info = client.delete(args.model, args.version_number)
     print(f"deleted {info.model} v{info.version}")
-    return 0
 
 
-def cmd_pin(args: argparse.Namespace) -> int:
+def cmd_pin(args: argparse.Namespace) -> None:
     with _client(args) as client:
         info = client.pin(args.model, args.version_number, pinned=not args.unpin)
     print(f"{'pinned' if info.pinned else 'unpinned'} {info.model} v{info.version}")
-    return 0
 
 
 def _info_json(info: VersionInfo) -> dict[str, object]:
@@ -367,10 +360,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"$WEIGHTSERVER_LOG_FORMAT must be one of {', '.join(LOG_FORMATS)}, got {log_format!r}")
     configure_logging(level, log_format)
     try:
-        return args.handler(args)
+        args.handler(args)
     except (WeightServerError, OSError, ValueError) as exc:
         kind = f"{type(exc).__name__}: " if isinstance(exc, WeightServerError) else ""
         print(f"weightserver {args.command}: {kind}{exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
+    return 0
