@@ -160,7 +160,15 @@ class ServerMetrics(NoMetrics):
         self.active_watchers.labels(model).dec()
 
     def retained(self, model: str, versions: Iterable[Version]) -> None:
-        self._known(model)
+        # Create `model`'s series at zero: a rate needs the zero before the first increment.
+        for metric in (self.versions_published, self.publish_bytes, self.publish_seconds, self.active_watchers):
+            metric.labels(model)
+        for transport in self._transports:
+            self.fetch_bytes.labels(model, transport)
+            self.fetch_seconds.labels(model, transport)
+        if self.relay:
+            for payload in ("delta", "whole"):
+                self.relay_fetch_bytes.labels(model, payload)
         versions = list(versions)
         self.retained_versions.labels(model).set(len(versions))
         self.retained_bytes.labels(model).set(sum(v.byte_size for v in versions))
@@ -197,18 +205,6 @@ class ServerMetrics(NoMetrics):
         for client_id, version in self._client_versions.get(model, {}).items():
             self.client_lag.labels(client_id, model).set(max(reference - version, 0))
 
-    def _known(self, model: str) -> None:
-        """Create `model`'s series at zero: a rate needs the zero before the first increment."""
-        published = (self.versions_published, self.publish_bytes, self.publish_seconds, self.active_watchers)
-        for metric in (*published, self.latest_version, self.retained_versions, self.retained_bytes):
-            metric.labels(model)
-        for transport in self._transports:
-            self.fetch_bytes.labels(model, transport)
-            self.fetch_seconds.labels(model, transport)
-        if self.relay:
-            for payload in ("delta", "whole"):
-                self.relay_fetch_bytes.labels(model, payload)
-
     def _track(self, client_id: str) -> bool:
         """Whether `client_id` has (or now gets) per-client gauges; called under the lock."""
         if client_id in self._client_ids or len(self._client_ids) < self._max_tracked_clients:
@@ -227,10 +223,9 @@ class ServerMetrics(NoMetrics):
         return self._http[0].server_port
 
     def close(self) -> None:
-        if self._http is None:
-            return
-        httpd, thread = self._http
-        httpd.shutdown()
-        httpd.server_close()
-        thread.join()
-        self._http = None
+        if self._http is not None:
+            httpd, thread = self._http
+            httpd.shutdown()
+            httpd.server_close()
+            thread.join()
+            self._http = None
