@@ -63,8 +63,8 @@ class ServerConfig:
             raise ValueError(f"chunk_bytes must be in [{low}, {high}], got {self.chunk_bytes}")
         if self.shm_dir not in (None, "auto"):
             object.__setattr__(self, "shm_dir", Path(self.shm_dir))
-        paths = ("data_dir", "auth_tokens", "tls_cert", "tls_key", "tls_client_ca")
-        for name in (*paths, "upstream_tls_ca", "upstream_tls_cert", "upstream_tls_key"):
+        files = ("upstream_tls_ca", "upstream_tls_cert", "upstream_tls_key")
+        for name in ("data_dir", "auth_tokens", "tls_cert", "tls_key", "tls_client_ca", *files):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, Path(getattr(self, name)))
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -84,7 +84,6 @@ class ServerConfig:
         if not self.upstream_poll_seconds > 0:
             raise ValueError(f"upstream_poll_seconds must be > 0, got {self.upstream_poll_seconds}")
         # How a relay dials its upstream: settings that go together (never quoted: secrets).
-        files = ("upstream_tls_ca", "upstream_tls_cert", "upstream_tls_key")
         given = [name for name in ("upstream_token", "upstream_tls", *files) if getattr(self, name)]
         if given and self.upstream is None:
             raise ValueError(
