@@ -309,16 +309,10 @@ def cmd_pin(args: argparse.Namespace) -> None:
 
 
 def _info_json(info: VersionInfo) -> dict[str, object]:
-    return {
-        "model": info.model,
-        "version": info.version,
-        "byte_size": info.byte_size,
-        "sha256": info.sha256,
-        "created": info.created.isoformat(),
-        "metadata": info.metadata,
-        "pinned": info.pinned,
-        "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in info.tensors],
-    }
+    record = {k: getattr(info, k) for k in ("model", "version", "byte_size", "sha256", "created", "metadata", "pinned")}
+    record["created"] = info.created.isoformat()  # replaced in place: the keys keep their order
+    record["tensors"] = [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in info.tensors]
+    return record
 
 
 class TransferProgress(contextlib.AbstractContextManager):
