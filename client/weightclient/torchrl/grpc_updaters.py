@@ -143,8 +143,7 @@ def weights_of(source: Weights) -> TensorDictBase:
     makes itself (a rotary embedding's `inv_freq` in a transformers model), which no state dict holds."""
     if isinstance(source, torch.nn.Module):
         weights = TensorDict.from_module(source).flatten_keys(".")
-        kept = source.state_dict(keep_vars=True).keys()
-        transient = set(weights.keys()) - set(kept)  # (iterating a TensorDict walks its batch dimension)
+        transient = set(weights.keys()) - set(source.state_dict(keep_vars=True))  # (a TensorDict iterates its batch)
         return weights.exclude(*transient) if transient else weights
     if isinstance(source, TensorDictBase):
         return source

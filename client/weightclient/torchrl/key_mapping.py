@@ -59,8 +59,6 @@ IDENTITY = KeyMap()
 
 def flat_weights(weights: TensorDictBase | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """{dotted key: tensor} from a (nested) TensorDict or mapping."""
-    if isinstance(weights, TensorDictBase):
-        return dict(weights.flatten_keys(".").items())
     flat: dict[str, torch.Tensor] = {}
     for key, value in weights.items():
         if isinstance(value, (TensorDictBase, Mapping)):
