@@ -34,28 +34,6 @@ SAFETENSORS_TO_TORCH: dict[str, torch.dtype] = {v: k for k, v in TORCH_TO_SAFETE
 Weights = torch.nn.Module | TensorDictBase | Mapping[str, torch.Tensor]
 
 
-def state_dict_of(weights: Weights) -> dict[str, torch.Tensor]:
-    if isinstance(weights, torch.nn.Module):
-        items = weights.state_dict(keep_vars=True).items()  # _framed detaches each one
-    elif isinstance(weights, TensorDictBase):
-        items = weights.flatten_keys(".").items()
-    elif isinstance(weights, Mapping):
-        items = weights.items()
-    else:
-        raise TypeError(
-            f"cannot publish a {type(weights).__name__}: pass an nn.Module, a TensorDict or a "
-            "state dict (a mapping of names to tensors)"
-        )
-    result: dict[str, torch.Tensor] = {}
-    for name, tensor in items:
-        if not isinstance(name, str):
-            raise InvalidRequest(f"key {name!r} is invalid: tensor names must be strings")
-        if not isinstance(tensor, torch.Tensor):
-            raise InvalidRequest(f"key {name!r} is invalid: expected torch.Tensor but received {type(tensor).__name__}")
-        result[name] = tensor
-    return result
-
-
 def encode(weights: Weights, metadata: Mapping[str, str] | None = None) -> list[memoryview]:
     """A safetensors file in parts (header, each tensor's bytes), valid while the tensors are."""
     prefix, prepared = _framed(weights, metadata)
@@ -80,8 +58,23 @@ def snapshot(weights: Weights, metadata: Mapping[str, str] | None = None, into: 
 def _framed(
     weights: Weights, metadata: Mapping[str, str] | None, *, to_cpu: bool = True
 ) -> tuple[bytes, list[tuple[str, torch.Tensor]]]:
+    if isinstance(weights, torch.nn.Module):
+        items = weights.state_dict(keep_vars=True).items()  # each one is detached below
+    elif isinstance(weights, TensorDictBase):
+        items = weights.flatten_keys(".").items()
+    elif isinstance(weights, Mapping):
+        items = weights.items()
+    else:
+        raise TypeError(
+            f"cannot publish a {type(weights).__name__}: pass an nn.Module, a TensorDict or a "
+            "state dict (a mapping of names to tensors)"
+        )
     prepared: list[tuple[str, torch.Tensor]] = []
-    for name, tensor in state_dict_of(weights).items():
+    for name, tensor in items:
+        if not isinstance(name, str):
+            raise InvalidRequest(f"key {name!r} is invalid: tensor names must be strings")
+        if not isinstance(tensor, torch.Tensor):
+            raise InvalidRequest(f"key {name!r} is invalid: expected torch.Tensor but received {type(tensor).__name__}")
         if tensor.dtype not in TORCH_TO_SAFETENSORS:
             raise InvalidRequest(
                 f"key {name!r}: dtype {tensor.dtype} has no safetensors equivalent; "
