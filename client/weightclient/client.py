@@ -12,7 +12,7 @@ from tensordict import TensorDict
 from weightclient import tensors as tensor_codec
 from weightclient.core.background import BackgroundPublisher, PublishFuture
 from weightclient.core.retry import Deadline
-from weightclient.core.service_client import FetchStats, WeightServiceClient
+from weightclient.core.service_client import FetchedBytes, WeightServiceClient
 from weightserver.protocol.digests import xxh3_hex
 from weightserver.protocol.errors import IntegrityError, InvalidRequest, NotFoundError
 from weightserver.protocol.safetensors_format import parse_header
@@ -23,19 +23,13 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class FetchResult:
-    """A fetched version; the tensors view `data`. `partial`: a delta's changed tensors only. With a
-    selection, `info` describes the selection's file (its tensors are the slices) under the version's number."""
+class FetchResult(FetchedBytes):
+    """A fetched version; the tensors view `data` (with `placed`, they are the caller's own, filled in place).
+    `partial`: a delta's changed tensors only. With a selection, `info` describes the selection's file (its
+    tensors are the slices) under the version's number."""
 
-    info: VersionInfo
-    tensors: dict[str, torch.Tensor] = field(repr=False)
-    data: memoryview = field(repr=False)
-    base_version: int = 0
-    dtype: str = ""
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     partial: bool = False
-    stats: FetchStats | None = None
-    placed: bool = False  # `tensors` are the caller's own, filled in place (fetch(place=...))
-    changed: tuple[str, ...] | None = None  # rebuilt from a delta: the tensors that differ from the base
 
     @property
     def version(self) -> int:
@@ -187,7 +181,7 @@ class WeightClient(WeightServiceClient):
             return self.fetch(model, version=version, transport=transport, deadline=deadline, select=select)
 
         if fetched.placed:
-            return FetchResult(fetched.info, targets, fetched.data, stats=fetched.stats, placed=True)
+            return FetchResult(**vars(fetched), tensors=targets)
         rebuilt = fetched.changed is not None  # on the held base, as the delta arrived
         if rebuilt and xxh3_hex(fetched.data) != fetched.info.xxh3:
             return refetch(": its bytes changed since it was fetched")
@@ -202,16 +196,7 @@ class WeightClient(WeightServiceClient):
                 if unchanged is None:
                     return refetch(" changed since it was fetched")
                 tensors, partial = {**unchanged, **tensors}, False
-        return FetchResult(
-            fetched.info,
-            tensors,
-            fetched.data,
-            base_version=fetched.base_version,
-            dtype=fetched.dtype,
-            partial=partial,
-            stats=fetched.stats,
-            changed=fetched.changed,
-        )
+        return FetchResult(**vars(fetched), tensors=tensors, partial=partial)
 
     def watch_weights(self, model: str = "policy", *, since: int = 0) -> Iterator[FetchResult]:
         for event in self.watch(model, since=since):
