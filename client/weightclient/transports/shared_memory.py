@@ -4,6 +4,7 @@ exact version by its header file with no call (`read_directly`); a publish write
 from __future__ import annotations
 
 import fcntl
+import itertools
 import mmap
 import os
 import re
@@ -70,28 +71,20 @@ class SharedMemoryTransport(Transport):
         if old is not None:
             old.close()
 
-    def _mapped(self, path: str, total: int) -> mmap.mmap:
-        with self._upload_file(path, total, os.O_RDWR) as fd:
-            mapping = mmap.mmap(fd, total)
-        mapping.madvise(mmap.MADV_DONTFORK)  # a child forked meanwhile would hold it writable: no seal
-        page_tables.populate(mapping)  # before Linux 5.14 it does nothing: the copy takes the faults
-        return mapping
-
     def release(self, payload: pb.Payload) -> None:
         with self._lock:
             mapping = self._prepared.pop(payload.shared_memory.path, None)
         if mapping is not None:
             mapping.close()
 
-    @contextmanager
-    def _upload_file(self, path: str, total: int, flags: int) -> Iterator[int]:
-        """The upload, open: TransportFailed unless named as the server names uploads (nothing else
-        is written to), a link to a server's memfd (in no folder) of `total` bytes."""
+    def _mapped(self, path: str, total: int) -> mmap.mmap:
+        """The upload mapped, page table filled: TransportFailed unless named as the server names uploads
+        (nothing else is written to), a link to a server's memfd (in no folder) of `total` bytes."""
         try:
             memory = os.readlink(path) if UPLOAD_FILE.fullmatch(os.path.basename(path)) else ""
             if not UPLOAD_MEMORY.fullmatch(memory):
                 raise TransportFailed(f"{path} is not an upload of {total} bytes")
-            fd = os.open(memory, flags)
+            fd = os.open(memory, os.O_RDWR)
         except OSError as exc:
             raise TransportFailed(f"cannot open {path} for writing here ({exc})") from exc
         try:
@@ -100,11 +93,14 @@ class SharedMemoryTransport(Transport):
                 raise TransportFailed(f"{path} went while it was opened")
             if not stat.S_ISREG(st.st_mode) or st.st_size != total or st.st_nlink != 0:
                 raise TransportFailed(f"{path} is not an upload file of {total} bytes")
-            yield fd
+            mapping = mmap.mmap(fd, total)
         except OSError as exc:
             raise TransportFailed(f"cannot write {path}: {exc}") from exc
         finally:
             os.close(fd)
+        mapping.madvise(mmap.MADV_DONTFORK)  # a child forked meanwhile would hold it writable: no seal
+        page_tables.populate(mapping)  # before Linux 5.14 it does nothing: the copy takes the faults
+        return mapping
 
     def receive(self, offer: Offer, *, into: base.Into, progress: Progress | None) -> memoryview:
         """The file mapped copy-on-write: no copy, writes stay private, valid after removal (a Sink
@@ -153,10 +149,24 @@ class SharedMemoryTransport(Transport):
             os.close(fd)
 
     def read_directly(self, model: str, version: int) -> Offer | None:
-        """An offer for exactly `version` from its header file; None when absent or untrusted."""
+        """An offer for exactly `version` from its header file as the server wrote it; None when absent
+        or untrusted."""
         folder, owner = self._folders.get(model, ("", -1))
-        header = _read_header(folder, owner, model, version) if folder else None
-        if header is None:
+        if not folder:
+            return None
+        try:
+            fd = os.open(os.path.join(folder, header_file_name(version)), os.O_RDONLY | os.O_NOFOLLOW)
+            try:
+                st = os.fstat(fd)
+                trusted = stat.S_ISREG(st.st_mode) and st.st_uid == owner and not st.st_mode & 0o022
+                if not trusted or st.st_size > MAX_HEADER_BYTES:
+                    return None
+                header = pb.VersionInfo.FromString(os.pread(fd, st.st_size, 0))
+            finally:
+                os.close(fd)
+        except (OSError, DecodeError):
+            return None
+        if header.model != model or header.version != version or not header.xxh3:
             return None
         info, path = VersionInfo.from_proto(header), os.path.join(folder, version_file_name(version))
         return Offer(
@@ -164,9 +174,16 @@ class SharedMemoryTransport(Transport):
         )
 
     def _learn(self, offer: Offer) -> None:
-        folder = _trusted_folder(offer.payload.shared_memory.path, offer.info.version) if offer.whole_version else None
-        if folder is not None:
-            self._folders[offer.info.model] = folder
+        """Remember the folder of a version's own file and its owner, if only the owner can change it."""
+        folder, name = os.path.split(offer.payload.shared_memory.path)
+        if not offer.whole_version or name != version_file_name(offer.info.version):
+            return  # a delta or cast payload, or a server that names files otherwise
+        try:
+            st = os.stat(folder)
+        except OSError:
+            return
+        if stat.S_ISDIR(st.st_mode) and not st.st_mode & 0o022:
+            self._folders[offer.info.model] = (folder, st.st_uid)
 
 
 def _copied_hashed(
@@ -203,11 +220,9 @@ class _UploadWrite:
     ) -> None:
         self.target, self.mapping, self.deadline, self.progress = target, mapping, deadline, progress
         self.found: IncomingDigests | None = IncomingDigests(target)
-        self.jobs: list[tuple[int, memoryview]] = []  # (offset in the file, source block)
-        offset = 0
-        for block in base.blocks(parts, WRITE_BLOCK, None):
-            self.jobs.append((offset, block))
-            offset += block.nbytes
+        sources = list(base.blocks(parts, WRITE_BLOCK, None))
+        offsets = itertools.accumulate((b.nbytes for b in sources), initial=0)
+        self.jobs = list(zip(offsets, sources, strict=False))  # (offset in the file, source block)
         self.window = -(-target.nbytes // 8 // mmap.PAGESIZE) * mmap.PAGESIZE if target.nbytes >= UNMAP_FROM else 0
         self.step = WRITE_BLOCK if self.window else COPY_STEP  # (two threads: a block's turn comes as it ends)
         self.given_up = 0  # bytes [0, given_up) are unmapped, or are being
@@ -317,32 +332,3 @@ def _read_placed(fd: int, info: VersionInfo, views: Mapping[str, memoryview]) ->
     hashers = {name: xxhash.xxh3_128() for name in views}
     read_blocks(fd, blocks, lambda i: hashers[owners[i]].update(blocks[i][0]))
     return mismatched(info, hashers)
-
-
-def _trusted_folder(file_path: str, version: int) -> tuple[str, int] | None:
-    """The folder of `version`'s own file and its owner, if only the owner can change it."""
-    folder, name = os.path.split(file_path)
-    if name != version_file_name(version):
-        return None  # a delta or cast payload, or a server that names files otherwise
-    try:
-        st = os.stat(folder)
-    except OSError:
-        return None
-    return (folder, st.st_uid) if stat.S_ISDIR(st.st_mode) and not st.st_mode & 0o022 else None
-
-
-def _read_header(folder: str, owner: int, model: str, version: int) -> pb.VersionInfo | None:
-    """`version`'s header as the server wrote it; None when absent or untrusted."""
-    try:
-        fd = os.open(os.path.join(folder, header_file_name(version)), os.O_RDONLY | os.O_NOFOLLOW)
-        try:
-            st = os.fstat(fd)
-            trusted = stat.S_ISREG(st.st_mode) and st.st_uid == owner and not st.st_mode & 0o022
-            if not trusted or st.st_size > MAX_HEADER_BYTES:
-                return None
-            info = pb.VersionInfo.FromString(os.pread(fd, st.st_size, 0))
-        finally:
-            os.close(fd)
-    except (OSError, DecodeError):
-        return None
-    return info if info.model == model and info.version == version and info.xxh3 else None
