@@ -3,6 +3,7 @@ versions keep their numbers and bytes across a primary and its relays, so moving
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
@@ -164,10 +165,6 @@ class Connection(AbstractContextManager):
     def transports(self, chain: TransportChain) -> None:
         self._link.transports = chain
 
-    @property
-    def _stub(self) -> pb_grpc.WeightServiceStub:
-        return self._link.stub
-
     def _move_on(self, failed: str, why: object) -> bool:
         """Use the address after `failed` (unless another thread did); False if none."""
         if len(self.addresses) == 1:
@@ -187,7 +184,7 @@ class Connection(AbstractContextManager):
         """A Negotiate call for `fetch=` a pb.FetchRequest or `publish=` a pb.PublishHeader."""
         direction = pb.DIRECTION_FETCH if "fetch" in asked else pb.DIRECTION_PUBLISH
         request = pb.NegotiateRequest(direction=direction, accept=accept, **asked)
-        return self._stub.Negotiate(request, timeout=timeout, metadata=self._metadata)
+        return self._link.stub.Negotiate(request, timeout=timeout, metadata=self._metadata)
 
     def _call(
         self, method: str, request: object, *, retry: bool = True, timeout: float | None = None, change: bool = False
@@ -196,7 +193,7 @@ class Connection(AbstractContextManager):
 
         def once(deadline: Deadline) -> Any:
             with map_rpc_errors(self.address):
-                return getattr(self._stub, method)(request, timeout=deadline.remaining(), metadata=self._metadata)
+                return getattr(self._link.stub, method)(request, timeout=deadline.remaining(), metadata=self._metadata)
 
         deadline = self._deadline(timeout)
         return once(deadline) if change else self._on_any_server(once, deadline, retry=retry)
@@ -213,8 +210,7 @@ class Connection(AbstractContextManager):
         errors = self.retry.retry_on if retry else (ServerUnavailable, DeadlineExceeded)
         left = deadline.remaining()
         first = deadline if retry or left is None or len(self.addresses) == 1 else Deadline.after(left / 2)
-        attempt = 0
-        while True:
+        for attempt in itertools.count():
             address = self.address
             try:
                 return call(first if attempt == 0 else deadline)
@@ -229,7 +225,6 @@ class Connection(AbstractContextManager):
                         )
                     if not self.retry.wait(attempt, deadline):
                         raise
-                attempt += 1
 
     def close(self) -> None:
         with self._lock:

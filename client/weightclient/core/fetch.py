@@ -56,7 +56,11 @@ class FetchedBytes:
 class Fetching(Connection):
     @functools.cached_property
     def _reports(self) -> LatestOnlyWorker:
-        return LatestOnlyWorker(self._report, "weightclient-fetch-reports")
+        """Tells the server of direct reads (for its metrics), the newest waiting only."""
+        return LatestOnlyWorker(
+            lambda request: self._negotiate(self.timeout, [pb.TRANSPORT_SHARED_MEMORY], fetch=request),
+            "weightclient-fetch-reports",
+        )
 
     def fetch_bytes(
         self,
@@ -224,10 +228,6 @@ class Fetching(Connection):
                 raise PublishAborted(f"the incoming bytes of {incoming.model!r} were cut short ({exc})") from exc
         stats = FetchStats(carrier.name, data.nbytes, time.perf_counter() - started, incoming=True)
         return FetchedBytes(placeholder, data, stats=stats)
-
-    def _report(self, request: pb.FetchRequest) -> None:
-        """Tell the server of a direct read (for its metrics)."""
-        self._negotiate(self.timeout, [pb.TRANSPORT_SHARED_MEMORY], fetch=request)
 
     def flush(self, timeout: float | None = None) -> bool:
         return self._reports.flush(timeout)

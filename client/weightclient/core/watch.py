@@ -33,7 +33,7 @@ class Watching(Connection):
         while True:
             request = pb.WatchRequest(model=model, since=cursor, incoming=incoming)
             address = self.address  # the server this stream goes to: the one to move on from
-            stream = self._stub.Watch(request, timeout=deadline.remaining(), metadata=self._metadata)
+            stream = self._link.stub.Watch(request, timeout=deadline.remaining(), metadata=self._metadata)
             try:
                 with map_rpc_errors(address):
                     if on_subscribed is not None:

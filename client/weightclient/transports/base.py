@@ -107,11 +107,8 @@ class Transport(Protocol):
         return receiver.bad()
 
 
-REST_SECONDS = 60.0
-
-
 class TransportChain:
-    def __init__(self, fast: Sequence[Transport], stream: Transport, *, rest_seconds: float = REST_SECONDS) -> None:
+    def __init__(self, fast: Sequence[Transport], stream: Transport, *, rest_seconds: float = 60.0) -> None:
         self.fast, self.stream, self.rest_seconds = list(fast), stream, rest_seconds
         self.by_name: dict[str, Transport] = {t.name: t for t in (*self.fast, stream)}
         self.by_kind: dict[int, Transport] = {t.kind: t for t in (*self.fast, stream)}
