@@ -173,10 +173,7 @@ class Publishing(Connection):
         with map_rpc_errors(self.address):
             for header, views in ((f.header, f.parts) for f in files):
                 counted = None if progress is None else lambda done, _, at=total: progress(at + done, grand_total)
-                file = self._upload(header, views, order, deadline, counted, spares)
-                if not file.uploaded:
-                    header.xxh3 = xxh3_hex(*views)
-                outgoing.append(file)
+                outgoing.append(self._upload(header, views, order, deadline, counted, spares))
                 total += header.total_bytes
             reply = stream.send(outgoing, deadline=deadline, progress=progress)
         # Set up each fast upload's successor now, not before: on few cores it slows the commit.
@@ -195,7 +192,7 @@ class Publishing(Connection):
         spares: bool,
     ) -> OutgoingFile:
         """One model's bytes over the transport the server picks (a spare first); over the stream,
-        none is named and the Publish call carries them."""
+        none is named and the Publish call carries them (their xxh3 in the header)."""
         model, size = header.model, header.total_bytes
         spare = self._spares.take(model, size, order, deadline) if size else None
         if spare is not None and not spares:
@@ -217,6 +214,7 @@ class Publishing(Connection):
             header.xxh3 = moved.xxh3
             self.transports.worked(transport)
             return OutgoingFile(header, views, answer.upload, transport, moved.tensor_xxh3)
+        header.xxh3 = xxh3_hex(*views)
         return OutgoingFile(header, views)
 
     def close(self) -> None:

@@ -20,20 +20,18 @@ KINDS = {"stream": pb.TRANSPORT_STREAM, "bulk": pb.TRANSPORT_BULK, "shm": pb.TRA
 
 
 class MockServer:
-    def __init__(self, fast: Sequence[str] = ("bulk",)) -> None:
+    def __init__(self) -> None:
         self.versions: dict[str, list[tuple[pb.VersionInfo, bytes]]] = {}
         self.uploads: dict[str, bytes] = {}
         self.fail: dict[str, list[BaseException]] = {}
         self.corrupt: set[str] = set()
         self.calls: list[str] = []
-        self.fast = list(fast)
         self._ids = itertools.count(1)
 
     def connect(self, address: str) -> Any:
         from weightclient.core.failover import ServerLink
 
-        fast = [MockTransport(self, name) for name in self.fast]
-        chain = TransportChain(fast, MockTransport(self, "stream"))
+        chain = TransportChain([MockTransport(self, "bulk")], MockTransport(self, "stream"))
         return ServerLink(address, self, chain, MockTransport(self, "bulk"))
 
     def commit(self, model: str, data: bytes, version: int = 0) -> pb.VersionInfo:
@@ -67,8 +65,7 @@ class MockServer:
     def Negotiate(self, request: pb.NegotiateRequest, **_: object) -> pb.NegotiateResponse:
         self.called("Negotiate")
         answer = pb.NegotiateResponse(transport=pb.TRANSPORT_STREAM)
-        offered = [KINDS[name] for name in self.fast]
-        kind = next((k for k in request.accept if k in offered), pb.TRANSPORT_STREAM)
+        kind = pb.TRANSPORT_BULK if pb.TRANSPORT_BULK in request.accept else pb.TRANSPORT_STREAM
         if request.direction == pb.DIRECTION_PUBLISH:
             if kind != pb.TRANSPORT_STREAM:
                 answer.transport, answer.upload = kind, f"upload-{next(self._ids)}"
