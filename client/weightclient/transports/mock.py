@@ -4,13 +4,13 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import xxhash
 
 from weightclient.core.retry import Deadline
-from weightclient.transports import NotOffered, Offer, OutgoingFile, Transport, TransportChain, TransportFailed
+from weightclient.transports import Offer, OutgoingFile, Transport, TransportChain
 from weightclient.transports.base import Answer, Into, Parts, Progress, Uploaded, into_sink
 from weightserver.protocol.errors import InvalidRequest, ModelNotFound, VersionNotFound
 from weightserver.protocol.version_info import VersionInfo
@@ -107,12 +107,7 @@ class MockTransport(Transport):
             progress(len(data), len(data))
         return into_sink(memoryview(data), into)
 
-    def receive_placed(self, offer: Offer, views: Mapping[str, memoryview]) -> list[str]:
-        raise TransportFailed("the mock transports do not place tensors")
-
     def upload(self, payload: pb.Payload, parts: Parts, *, deadline: Deadline, progress: Progress | None) -> Uploaded:
-        if self.name == "stream":
-            raise NotOffered("the stream carries a publish's bytes in the Publish call itself")
         self.server.called(f"{self.name}.upload")
         data = b"".join(parts)
         self.server.uploads[payload.bulk.ticket.decode()] = data
