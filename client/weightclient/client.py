@@ -175,9 +175,8 @@ class WeightClient(WeightServiceClient):
             return None
 
         def refetch(why: str) -> FetchResult | None:
-            version = fetched.info.version
-            log.info("the base of %s v%d%s; fetching whole", model, version, why)
-            transport = options.get("transport", "auto")
+            log.info("the base of %s v%d%s; fetching whole", model, fetched.info.version, why)
+            version, transport = fetched.info.version, options.get("transport", "auto")
             return self.fetch(model, version=version, transport=transport, deadline=deadline, select=select)
 
         if fetched.placed:

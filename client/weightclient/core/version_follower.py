@@ -41,8 +41,7 @@ class CutThrough:
         if self._closed:
             return
         if announced.failed:
-            future = self._receiving.pop(announced.id, None)
-            if future is not None:
+            if (future := self._receiving.pop(announced.id, None)) is not None:
                 future.cancel()  # still queued; a running receive ends on its own, cut short
             return
         if announced.id not in self._receiving:
