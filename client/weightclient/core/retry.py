@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-import threading
 import time
 from dataclasses import dataclass
 
@@ -32,10 +31,8 @@ class Deadline:
     def expired(self) -> bool:
         return self.at is not None and time.monotonic() >= self.at
 
-    def within(self, seconds: float | None) -> float | None:
+    def within(self, seconds: float) -> float:
         left = self.remaining()
-        if seconds is None:
-            return left
         return seconds if left is None else min(seconds, left)
 
 
@@ -59,11 +56,11 @@ class RetryPolicy:
         delay, left = self.delay(attempt), deadline.remaining()
         return None if left is not None and delay >= left else delay
 
-    def wait(self, attempt: int, deadline: Deadline = NEVER, wake: threading.Event | None = None) -> bool:
-        """Sleep before retry `attempt` (`wake` ends it early); False if the deadline would pass first."""
+    def wait(self, attempt: int, deadline: Deadline = NEVER) -> bool:
+        """Sleep before retry `attempt`; False if the deadline would pass first."""
         delay = self._delay_within(attempt, deadline)
         if delay is not None:
-            (wake or threading.Event()).wait(delay)
+            time.sleep(delay)
         return delay is not None
 
     async def wait_async(self, attempt: int, deadline: Deadline = NEVER, wake: asyncio.Event | None = None) -> bool:
