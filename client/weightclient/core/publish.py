@@ -144,13 +144,8 @@ class Publishing(Connection):
         outgoing = []
         for model, parts in files.items():
             views = [memoryview(p).cast("B") for p in ([parts] if isinstance(parts, Buffer) else parts)]
-            header = pb.PublishHeader(
-                model=model,
-                metadata=meta,
-                total_bytes=sum(v.nbytes for v in views),
-                sha256=(sha256s or {}).get(model) or "",
-                pin=pin,
-            )
+            size, sha256 = sum(v.nbytes for v in views), (sha256s or {}).get(model) or ""
+            header = pb.PublishHeader(model=model, metadata=meta, total_bytes=size, sha256=sha256, pin=pin)
             outgoing.append(OutgoingFile(header, views))
         first = outgoing[0].header  # the version and the publish id go with the first model
         first.version, first.publish_id = version, publish_id
