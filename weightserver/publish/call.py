@@ -159,10 +159,21 @@ class PublishCall:
         models, publishes = self.models, self.publishes
         if any(m.model == header.model for m in models):
             raise InvalidRequest(f"model {header.model!r} appears twice in one publish")
+        first = models[0].header if models else header
         if models:
             models[-1].check_complete()
-            _check_group_header(models[0].header, header)
-        publishes.check(header, models[0].header if models else None)
+        if header.version and header.version != first.version:
+            raise InvalidRequest(
+                f"model {clipped_repr(header.model)}: a multi-model publish has one version number; this header "
+                f"asks for {header.version} but the first asks for {first.version or 'the next one'} (leave later "
+                "ones 0)"
+            )
+        if header.publish_id and header.publish_id != first.publish_id:
+            raise InvalidRequest(
+                f"model {header.model!r}: a multi-model publish has one publish id, the first header's; this "
+                f"header gives {header.publish_id!r} (leave later ones empty)"
+            )
+        publishes.check(header, first)
         limits, memory, announcements = publishes.store.header_limits, publishes.shared_memory, publishes.announcements
         models.append(IncomingModel(header, shared_memory=memory, header_limits=limits, announcements=announcements))
 
@@ -176,19 +187,6 @@ class PublishCall:
             self.models[-1] = staged
         elif upload != model.id or model.moved:
             raise InvalidRequest(f"model {model.model!r}: {out_of_order}")
-
-
-def _check_group_header(first: pb.PublishHeader, header: pb.PublishHeader) -> None:
-    if header.version and header.version != first.version:
-        raise InvalidRequest(
-            f"model {clipped_repr(header.model)}: a multi-model publish has one version number; this header asks for "
-            f"{header.version} but the first asks for {first.version or 'the next one'} (leave later ones 0)"
-        )
-    if header.publish_id and header.publish_id != first.publish_id:
-        raise InvalidRequest(
-            f"model {header.model!r}: a multi-model publish has one publish id, the first header's; this "
-            f"header gives {header.publish_id!r} (leave later ones empty)"
-        )
 
 
 def _declared_sha256s(models: list[IncomingModel], commit: pb.PublishCommit) -> list[str | None]:

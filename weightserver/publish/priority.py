@@ -70,16 +70,9 @@ class PublishTurn:
 
     def __init__(self, owner: CommitsFirst, caller: str = "") -> None:
         self._owner, self._caller = owner, caller
-        self._held = self._committing = False  # committing: the commit message came
-        self._spent = 0.0  # waiting hold taken so far
-        # The waiting hold now: when it began, what it took from the caller's bucket, its end.
-        self._waiting_since: float | None = None
-        self._granted = 0.0
-        self._expiry: asyncio.TimerHandle | None = None
-
-    @property
-    def held(self) -> bool:
-        return self._held
+        self.held = self._committing = False  # committing: the commit message came
+        self._spent = 0.0  # waiting hold taken so far (all of the one now, until it ends)
+        self._expiry: asyncio.TimerHandle | None = None  # the end of the waiting hold now
 
     def written(self) -> None:
         """A shared-memory writer's progress (a memory copy's pace): a hold goes on, not renewed."""
@@ -87,23 +80,20 @@ class PublishTurn:
     def chunk(self) -> None:
         """Chunks arrive at the publisher's pace: fetches go on."""
         if not self._committing:
-            self._stop_waiting()
-            self._set_held(False)
+            self._hold(False)
 
     def bytes_in(self) -> None:
         """The commit message: hold until `release()`."""
-        self._stop_waiting()
         self._committing = True
-        self._set_held(True)
+        self._hold(True)
 
     def release(self) -> None:
-        self._stop_waiting()
         self._committing = False
-        self._set_held(False)
+        self._hold(False)
 
     def header(self) -> None:
         """A header or `uploaded`: hold for as long as the budgets allow, from now."""
-        if self._held:
+        if self.held:
             return
         loop = asyncio.get_running_loop()
         now = loop.time()
@@ -113,28 +103,25 @@ class PublishTurn:
             return
         bucket.level -= grant  # taken now, so that the caller's other publishes cannot too
         bucket.holding += 1
-        self._waiting_since, self._granted = now, grant
-        self._expiry = loop.call_later(grant, self.chunk)  # its end: as a chunk, fetches go on
-        self._set_held(True)
+        self._spent += grant
+        self._hold(True)
+        self._expiry = loop.call_at(now + grant, self.chunk)  # its end: as a chunk, fetches go on
 
     uploaded = header
 
-    def _stop_waiting(self) -> None:
-        """End the waiting hold, if one runs: what it took is spent, the rest goes back."""
-        if self._expiry is None or self._waiting_since is None:  # (both are set, or neither)
-            return
-        self._expiry.cancel()
-        now = asyncio.get_running_loop().time()
-        used = min(now - self._waiting_since, self._granted)
-        self._spent += used
-        bucket = self._owner._bucket(self._caller, now)
-        bucket.level = min(COMMIT_FIRST_SECONDS, bucket.level + self._granted - used)
-        bucket.holding -= 1
-        self._waiting_since, self._granted, self._expiry = None, 0.0, None
-
-    def _set_held(self, held: bool) -> None:
-        if held != self._held:
-            self._held, owner = held, self._owner
+    def _hold(self, held: bool) -> None:
+        """End the waiting hold, if one runs (what it took and did not use goes back), then hold or not."""
+        if self._expiry is not None:
+            self._expiry.cancel()
+            now = asyncio.get_running_loop().time()
+            left = max(self._expiry.when() - now, 0.0)
+            self._spent -= left
+            bucket = self._owner._bucket(self._caller, now)
+            bucket.level = min(COMMIT_FIRST_SECONDS, bucket.level + left)
+            bucket.holding -= 1
+            self._expiry = None
+        if held != self.held:
+            self.held, owner = held, self._owner
             owner._holding += 1 if held else -1
             if owner._holding:
                 owner._none.clear()

@@ -108,8 +108,8 @@ class IncomingModel:
                 self._hashing = ThreadPoolExecutor(1, thread_name_prefix=f"weightserver-{self.transport}-upload-hash")
             self._handed = end
             self._hashed = self._hashing.submit(self._hash, end)
-        if end == self.total_bytes and self.transport == "bulk":
-            self._hashing_done()
+            if end == self.total_bytes and self.transport == "bulk":
+                self._hashed.result()
 
     def written(self, end: int) -> None:
         """A same-host writer's bytes [0, end) are written: progress only, as nothing is read
@@ -161,16 +161,10 @@ class IncomingModel:
                 f"model {self.model!r}: the bulk upload of {self.total_bytes} bytes did not arrive whole ({why}); "
                 "publish again"
             )
-        self._hashing_done()
+        if self._hashed is not None:
+            self._hashed.result()
         self.settle()
-        if self.digests is None:
-            return None
-        try:
-            return self.digests.finish()
-        except InvalidSafetensors:
-            if self.transport != "stream":
-                raise
-            return None  # too short for a header: the store's check says so
+        return self._hash()
 
     def _sealed(self, file: PublisherMemory) -> FileDigests:
         """Seal a same-host writer's memfd. With its xxh3 and every tensor's declared, commit with those
@@ -220,15 +214,16 @@ class IncomingModel:
         if self.file is not None and self.file.path.exists():
             self.file.abort()
 
-    def _hash(self, end: int) -> None:
-        if self.digests is not None:
-            try:
+    def _hash(self, end: int | None = None) -> FileDigests | None:
+        """Hash bytes [0, end) on, or (None) finish. A stream's bytes that are no safetensors file
+        are hashed no further: the store's check says what is wrong."""
+        try:
+            if self.digests is not None and end is not None:
                 self.digests.advance(end)
-            except InvalidSafetensors:
-                if self.transport != "stream":
-                    raise
-                self.digests = None
-
-    def _hashing_done(self) -> None:
-        if self._hashed is not None:
-            self._hashed.result()
+            elif self.digests is not None:
+                return self.digests.finish()
+        except InvalidSafetensors:
+            if self.transport != "stream":
+                raise
+            self.digests = None
+        return None

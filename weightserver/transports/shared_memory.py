@@ -213,7 +213,7 @@ class UploadFile:
     memfd's link, valid while held); else `abort` removes it."""
 
     path: Path
-    buffer: memoryview  # its bytes, mapped
+    buffer = memoryview(bytearray())  # its bytes, mapped (none yet, or none at all)
     _kept = False  # it became a version's file
 
     def keep_as(self, path: Path) -> None:
@@ -238,15 +238,14 @@ class SharedMemoryUpload(UploadFile):
             try:
                 if size:
                     os.posix_fallocate(fd, 0, size)
-                mapping = mmap.mmap(fd, size) if size else None
+                    self.buffer = memoryview(mapping := mmap.mmap(fd, size))
             finally:
                 os.close(fd)
-            if mapping is not None and populate:  # an upload set up before its bytes come
-                threading.Thread(target=page_tables.populate, args=(mapping,), name="weightserver-populate").start()
-            self.buffer = memoryview(mapping) if mapping is not None else memoryview(bytearray())
         except OSError:
             path.unlink(missing_ok=True)
             raise
+        if size and populate:  # an upload set up before its bytes come
+            threading.Thread(target=page_tables.populate, args=(mapping,), name="weightserver-populate").start()
 
 
 class PublisherMemory(UploadFile):
@@ -268,7 +267,6 @@ class PublisherMemory(UploadFile):
             os.close(self._fd)
             raise
         self.path = path
-        self.buffer = memoryview(bytearray())  # the sealed bytes, mapped read-only by `seal`
         self._lock = threading.Lock()
 
     def seal(self, model: str, *, populate: bool = True) -> memoryview:
