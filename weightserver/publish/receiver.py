@@ -70,9 +70,12 @@ class IncomingModel:
     def total_bytes(self) -> int:
         return self.header.total_bytes
 
-    def allocate(self, file: UploadFile | None) -> None:
-        """Receive into `file`, or None: anonymous memory (a publisher's memfd: hashed once sealed)."""
-        if file is None and self.transport == "shm":
+    def allocate(self, *, populate: bool = False) -> None:
+        """Receive into shared memory where there is room (over "shm": a memfd the publisher writes), else memory."""
+        shm, file = self.transport == "shm", None
+        if self.shared_memory is not None:
+            file = self.shared_memory.new_upload(self.model, self.total_bytes, populate=populate, publisher_writes=shm)
+        if file is None and shm:
             raise OSError("no room in the shared-memory folder")
         self.file = file
         self.buffer = file.buffer if file is not None else page_tables.anonymous(self.total_bytes)
@@ -84,8 +87,7 @@ class IncomingModel:
         if self.transport != "stream":
             raise InvalidRequest(f"model {self.model!r}: chunks after `uploaded`; send one or the other")
         if self.buffer is None:
-            memory = self.shared_memory
-            self.allocate(memory.new_upload(self.model, self.total_bytes) if memory is not None else None)
+            self.allocate()
         end = self.received + len(chunk)
         if end > self.total_bytes:
             raise IntegrityError(f"model {self.model!r}: publisher declared {self.total_bytes} bytes but sent more")
@@ -137,10 +139,9 @@ class IncomingModel:
         self.received, self.moved = self.total_bytes, True
 
     def transferred(self, error: BaseException | None) -> None:
-        self.complete, self.failure = error is None, error
+        self.complete, self.failure, self.active = error is None, error, time.monotonic()
         if error is not None and self.announcement is not None:
             self.announcement.fail(f"the bulk upload stopped short: {str(error) or type(error).__name__}")
-        self.active = time.monotonic()
 
     def check_complete(self) -> None:
         if self.received != self.total_bytes:

@@ -51,9 +51,7 @@ class StagedUploads:
         upload = IncomingModel(
             header, transport, shared_memory=memory, header_limits=limits, announcements=announcements, owner=owner
         )
-        writes = transport == "shm"  # the publisher writes a memfd of the server's
-        file = memory.new_upload(model, size, populate=True, publisher_writes=writes) if memory is not None else None
-        upload.allocate(file)
+        upload.allocate(populate=True)
         with self._lock:
             self._uploads[upload.id] = upload
         return upload
@@ -61,8 +59,7 @@ class StagedUploads:
     def take(self, upload_id: str, model: str, total_bytes: int, *, owner: bytes | None = None) -> IncomingModel:
         with self._lock:
             upload = self._uploads.get(upload_id)
-            claimed = upload is not None and upload.owner == owner
-            if claimed and (upload.model, upload.total_bytes) == (model, total_bytes):
+            if upload is not None and (upload.owner, upload.model, upload.total_bytes) == (owner, model, total_bytes):
                 return self._uploads.pop(upload_id)
         if upload is None:
             raise UploadNotFound(

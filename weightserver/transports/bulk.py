@@ -200,8 +200,7 @@ class BulkEndpoint:
             except OSError as exc:
                 log.warning("bulk: could not acknowledge the upload of %s to %s: %s", pending.label, peer, exc)
                 return False
-        ms = (time.perf_counter() - started) * 1e3
-        moved = sum(p.nbytes for p in pending.parts)
+        ms, moved = (time.perf_counter() - started) * 1e3, sum(p.nbytes for p in pending.parts)
         log.debug("bulk: moved %s (%d bytes) with %s in %.1f ms", pending.label, moved, peer, ms)
         return True
 

@@ -41,17 +41,12 @@ SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_S
 
 
 def server_shm_dir(port: int, root: Path | str = "auto") -> Path | None:
-    """This server's own directory under `root` ("auto": /dev/shm); None: shared memory off."""
+    """This server's own directory under `root` ("auto": /dev/shm); None: shared memory off. Removes
+    the folders there whose lock file nobody holds (a flock, unlike a PID, holds across namespaces)."""
     root = Path("/dev/shm" if root == "auto" else root)
     if not root.is_dir():
         log.warning("shared-memory directory %s does not exist; same-host fetches will stream", root)
         return None
-    _remove_abandoned(root)
-    return root / f"weightserver-{port}-{secrets.token_hex(4)}-{os.getpid()}"
-
-
-def _remove_abandoned(root: Path) -> None:
-    """Remove folders whose lock file nobody holds (a flock, unlike a PID, holds across namespaces)."""
     unlocked = []
     for folder in root.glob("weightserver-*-*"):
         try:
@@ -72,6 +67,7 @@ def _remove_abandoned(root: Path) -> None:
     if unlocked:
         names = ", ".join(sorted(unlocked)[:5]) + (", ..." if len(unlocked) > 5 else "")
         log.info("leaving %d folder(s) without a lock file in %s (%s): of an older release", len(unlocked), root, names)
+    return root / f"weightserver-{port}-{secrets.token_hex(4)}-{os.getpid()}"
 
 
 def _write_file(path: Path, data: bytes | bytearray | memoryview | tuple[memoryview, ...], mode: int) -> None:
@@ -145,10 +141,9 @@ class SharedMemoryFiles:
 
     def adopt(self, key: PayloadKey, upload: UploadFile) -> None:
         model, version, *_ = key
-        path = self.directory / model / version_file_name(version)
-        upload.keep_as(path)
+        upload.keep_as(self.directory / model / version_file_name(version))
         with self._lock:
-            self._files[key] = path
+            self._files[key] = upload.path
             if isinstance(upload, PublisherMemory):
                 self._memory[key] = upload
 
