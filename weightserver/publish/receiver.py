@@ -197,12 +197,10 @@ class IncomingModel:
         self.committed = True
         if self.announcement is not None:
             self.announcements.committed(self.announcement, record.model, record.version)
-        if self.file is None:
-            return
-        assert self.shared_memory is not None
-        self.shared_memory.adopt((record.model, record.version, 0, "", "", ""), self.file)
-        message = version_info.version_message(record).SerializeToString()
-        self.shared_memory.write_header(record.model, record.version, lambda: message)
+        if self.file is not None and self.shared_memory is not None:
+            self.shared_memory.adopt((record.model, record.version, 0, "", "", ""), self.file)
+            message = version_info.version_message(record).SerializeToString()
+            self.shared_memory.write_header(record.model, record.version, lambda: message)
 
     def settle(self) -> None:
         if self._hashing is not None:

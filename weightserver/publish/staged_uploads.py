@@ -3,6 +3,7 @@ may name, until a Publish names them; a claim that does not match leaves it to i
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -24,7 +25,9 @@ class StagedUploads:
     def __init__(
         self, header_limits: dict[str, int], incoming: IncomingPublishes, shared_memory: SharedMemoryFiles | None
     ) -> None:
-        self._header_limits, self._incoming, self._shared_memory = header_limits, incoming, shared_memory
+        self._receiver = functools.partial(
+            IncomingModel, shared_memory=shared_memory, header_limits=header_limits, announcements=incoming
+        )
         self._max = MAX_STAGED_UPLOADS
         self._lock = threading.Lock()
         self._uploads: dict[str, IncomingModel] = {}
@@ -46,11 +49,7 @@ class StagedUploads:
                     f"the most this server holds; finish or cancel those (they expire "
                     f"{UPLOAD_TTL_SECONDS:.0f} s after Negotiate) or publish over the stream"
                 )
-        header = pb.PublishHeader(model=model, total_bytes=size)
-        limits, announcements, memory = self._header_limits, self._incoming, self._shared_memory
-        upload = IncomingModel(
-            header, transport, shared_memory=memory, header_limits=limits, announcements=announcements, owner=owner
-        )
+        upload = self._receiver(pb.PublishHeader(model=model, total_bytes=size), transport, owner=owner)
         upload.allocate(populate=True)
         with self._lock:
             self._uploads[upload.id] = upload

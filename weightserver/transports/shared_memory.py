@@ -131,9 +131,7 @@ class SharedMemoryFiles:
         try:
             path = self.directory / model / f"upload-{secrets.token_hex(8)}.tmp"
             path.parent.mkdir(mode=FOLDER_MODE, exist_ok=True)  # (not the server's folder: gone once it stops)
-            if publisher_writes:
-                return PublisherMemory(path, model, size)
-            return SharedMemoryUpload(path, size, populate=populate)
+            return PublisherMemory(path, model, size) if publisher_writes else UploadFile(path, size, populate=populate)
         except OSError as exc:
             if not self._closed:  # (else the folder went as the server stops: nothing to say)
                 self._cannot_write(f"a publish of {model!r}", size, exc, "it is received into memory instead")
@@ -204,27 +202,12 @@ class SharedMemoryFiles:
 
 
 class UploadFile:
-    """A publish's file at `path`: `keep_as` makes it a version's file for same-host readers (a
-    memfd's link, valid while held); else `abort` removes it."""
+    """A publish's receive buffer at `path`, a file created read-only and written through its creating
+    descriptor's mapping (no other process can change or cut it under the server): `keep_as` makes it
+    a version's file for same-host readers; else `abort` removes it."""
 
-    path: Path
     buffer = memoryview(bytearray())  # its bytes, mapped (none yet, or none at all)
     _kept = False  # it became a version's file
-
-    def keep_as(self, path: Path) -> None:
-        self.path, self._kept = self.path.replace(path), True
-
-    def abort(self) -> None:
-        if not self._kept:
-            self.close()
-
-    def close(self) -> None:
-        self.path.unlink(missing_ok=True)
-
-
-class SharedMemoryUpload(UploadFile):
-    """A publish's receive buffer in a file created read-only and written through its creating
-    descriptor's mapping: no other process can change or cut it under the server."""
 
     def __init__(self, path: Path, size: int, *, populate: bool = False) -> None:
         self.path = path
@@ -242,14 +225,24 @@ class SharedMemoryUpload(UploadFile):
         if size and populate:  # an upload set up before its bytes come
             threading.Thread(target=page_tables.populate, args=(mapping,), name="weightserver-populate").start()
 
+    def keep_as(self, path: Path) -> None:
+        self.path, self._kept = self.path.replace(path), True
+
+    def abort(self) -> None:
+        if not self._kept:
+            self.close()
+
+    def close(self) -> None:
+        self.path.unlink(missing_ok=True)
+
 
 class PublisherMemory(UploadFile):
     """A same-host publisher's upload: a memfd of the server's, which the publisher opens through
-    `path`, a link of its own name (an fd number is reused once closed) to /proc/<server pid>/fd/<n>
-    (as the server's user, or root), and writes. The server reads none of it until `seal`: from
-    then on no process can write, grow or shrink it, so the bytes hashed are the bytes served, and
-    one cut short before is DATA_LOSS, not a SIGBUS. No copy: the seal costs a syscall, where
-    copying a 256 MiB publish into a file of the server's cost 70 ms."""
+    `path`, a link of its own name (an fd number is reused once closed; kept, valid while held) to
+    /proc/<server pid>/fd/<n> (as the server's user, or root), and writes. The server reads none of
+    it until `seal`: from then on no process can write, grow or shrink it, so the bytes hashed are
+    the bytes served, and one cut short before is DATA_LOSS, not a SIGBUS. No copy: the seal costs a
+    syscall, where copying a 256 MiB publish into a file of the server's cost 70 ms."""
 
     def __init__(self, path: Path, model: str, size: int) -> None:
         self.size = size
