@@ -321,6 +321,5 @@ class BulkTransport:
 
     def _describe(self, description: pb.Payload, *data_label: Any, **pending: Any) -> bool:
         """A ticket (`BulkEndpoint.issue`'s arguments), in `description` with the port to hand it to."""
-        description.bulk.port = self.endpoint.port
-        description.bulk.ticket = self.endpoint.issue(*data_label, **pending)
+        description.bulk.port, description.bulk.ticket = self.endpoint.port, self.endpoint.issue(*data_label, **pending)
         return True
