@@ -30,7 +30,7 @@ import torch
 
 from bench import workers
 from bench.baselines import IDLE_GAP_SECONDS
-from bench.common import WARMUP_ROUNDS, Row, format_size, log, not_available
+from bench.common import WARMUP_ROUNDS, Row, cpu_seconds, format_size, log, not_available
 from bench.models import FlatPolicy
 from bench.rows import Context, compare
 from bench.torchrl_sync import make_policy as torchrl_policy
@@ -251,17 +251,26 @@ class TimedPublishes:
     wrong: int = 0
     early: int = 0
     zero_copy: int = 0
+    cpu_per_cycle: dict[str, float] = field(default_factory=dict)
 
 
 def timed_publishes(
-    group: Collectors, repeats: int, publish: Callable[[int], tuple[int, float, float, float | None]]
+    group: Collectors,
+    repeats: int,
+    publish: Callable[[int], tuple[int, float, float, float | None]],
+    pids: Mapping[str, int | str] | None = None,
 ) -> TimedPublishes:
     """WARMUP_ROUNDS untimed, then `repeats` timed publishes, one at a time: `publish(i)`
     returns (version, monotonic time of the publish call, time it returned, the value every
     parameter's ends hold in that version or None: not checked); each waits until every
-    collector of `group` applied the version."""
+    collector of `group` applied the version. `pids` (role: pid, "self" for this process):
+    the CPU seconds each used per cycle (idle gap, publish, applications and what runs after
+    them, such as the server's sha256 pass), from the first timed publish to the last one's start."""
     timed = TimedPublishes()
+    cycles: list[dict[str, float]] = []
     for i in range(WARMUP_ROUNDS + repeats):
+        if pids and i >= WARMUP_ROUNDS:
+            cycles.append({role: cpu_seconds(pid) for role, pid in pids.items()})
         version, called, returned, value = publish(i)
         applied = group.applied(version)
         if i < WARMUP_ROUNDS:
@@ -275,6 +284,8 @@ def timed_publishes(
             timed.wrong += value is not None and any(end != (value, value) for end in ends)
             timed.early += before_commit
             timed.zero_copy += swapped
+    if len(cycles) > 1:
+        timed.cpu_per_cycle = {role: (cycles[-1][role] - cycles[0][role]) / (len(cycles) - 1) for role in cycles[0]}
     return timed
 
 
@@ -304,7 +315,12 @@ def _freshness_row(
         return version, called, time.monotonic(), value
 
     with Collectors(collectors, ctx.address, model, shapes, transport, incoming, target) as group:
-        timed = timed_publishes(group, ctx.repeats, publish)
+        pids = {"server": ctx.server.process.pid, "bench (publisher)": "self"}
+        pids |= {f"collector{i}": process.pid for i, process in enumerate(group.processes)}
+        timed = timed_publishes(group, ctx.repeats, publish, pids)
+    if timed.cpu_per_cycle:
+        used_cpu = ", ".join(f"{role} {seconds:.2f}" for role, seconds in timed.cpu_per_cycle.items())
+        log(f"{name} {format_size(size)}: CPU seconds per publish cycle: {used_cpu}")
     samples, publish_ms, per_collector, used = timed.samples, timed.publish_ms, timed.per_collector, timed.used
     wrong, early, zero_copy = timed.wrong, timed.early, timed.zero_copy
     ctx.drop(model)
@@ -348,6 +364,7 @@ def _freshness_row(
         "incoming": incoming,
         "received_before_commit": early,
         "applied_zero_copy": zero_copy,
+        "cpu_seconds_per_cycle": timed.cpu_per_cycle,
     }
     return row
 
