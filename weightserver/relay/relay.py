@@ -345,8 +345,9 @@ class Relay:
         """The last of `members`' followers to reach group version `number` commits them together."""
         for member in members:
             self._follow(member)  # a group may name a model the poll has not listed yet
-        # Members committed already (alone, after a wait that timed out) are not waited for.
-        group = self._groups.setdefault(number, _GroupCommit({m for m in members if self._held_version(m) < number}))
+        group = self._groups.get(number)
+        if group is None:  # members committed already (alone, after a wait that timed out) are not waited for
+            group = self._groups[number] = _GroupCommit({m for m in members if self._held_version(m) < number})
         group.waiting.discard(model)
         if not group.waiting:
             committed = False
