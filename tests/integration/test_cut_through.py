@@ -427,3 +427,90 @@ def test_keep_storage_copies_every_version_into_the_parameters_own_memory(server
     finally:
         updater.close()
         updater.client.close()
+
+
+class TricklingPublish(HeldPublish):
+    """A publish whose bytes come slowly but steadily: `pieces` parts, `pause` seconds apart (a
+    large model over a slow link), so that its whole transfer outlasts an updater's timeout."""
+
+    def __init__(self, address: str, data: bytes, over: str, *, pieces: int, pause: float) -> None:
+        self.pieces, self.pause = pieces, pause
+        super().__init__(address, data, over)
+        self._finish = True
+        self._go.set()
+
+    def _parts(self) -> Iterator[bytes]:
+        size = -(-len(self.data) // self.pieces)
+        for start in range(0, len(self.data), size):
+            if start:
+                time.sleep(self.pause)
+            yield self.data[start : start + size]
+
+    def _bulk(self) -> None:
+        header = pb.PublishHeader(model=MODEL, total_bytes=len(self.data), xxh3=self.xxh3)
+        answer = negotiate_publish(self.address, [BULK], header)
+        with socket.create_connection(("127.0.0.1", answer.payload.bulk.port), timeout=10) as conn:
+            conn.sendall(answer.payload.bulk.ticket)
+            for part in self._parts():
+                conn.sendall(part)
+            conn.settimeout(10)
+            assert conn.recv(1) == b"\x01"
+        self.version = publish_uploaded(self.address, header, answer.upload).version.version
+
+    def _stream(self) -> None:
+        header = pb.PublishHeader(model=MODEL, total_bytes=len(self.data), xxh3=self.xxh3)
+
+        def messages() -> Iterator[object]:
+            yield pb.PublishRequest(header=header)
+            for part in self._parts():
+                yield from framing.chunk_messages(part, 1 << 20, framing.PUBLISH_CHUNK_TAG)
+            yield pb.PublishRequest(commit=pb.PublishCommit())
+
+        self._call(messages())
+
+
+@pytest.mark.parametrize("transport", ["bulk", "stream"])
+def test_a_publish_slower_than_the_update_timeout_is_still_received_early(server, client, transport, caplog):
+    """The early receive runs at its publisher's pace: it is bounded by a stall of update_timeout
+    with no bytes landing, not by update_timeout in all, so a large version over a slow link is not
+    abandoned part-way and fetched again after its commit (twice the bytes, later)."""
+    caplog.set_level(logging.INFO)
+    client.publish(weights_filled(0.0), model=MODEL, transport="stream")
+    policy = Linear()
+    updater = GrpcLocalWeightUpdater(
+        server.address, model=MODEL, policy=policy, watch=True, transport=transport, update_timeout=1.0
+    )
+    try:
+        catch_up(updater, 1)
+        wait_until(lambda: (updater(), updater.following)[1], timeout=10, step=0.01)
+        weights = weights_filled(4.0)
+        started = time.monotonic()
+        publish = TricklingPublish(server.address, file_of(weights), transport, pieces=16, pause=0.2)
+        while publish.version is None and publish.error is None:
+            updater()
+            time.sleep(0.01)
+        assert publish.error is None, publish.error
+        assert time.monotonic() - started > 2 * updater.update_timeout  # the transfer outlasted it
+        catch_up(updater, publish.version)
+        assert torch.equal(policy.w.detach(), weights["w"])
+        assert updater.last_fetch.incoming and updater.last_fetch.transport == transport
+        assert "early failed" not in caplog.text
+    finally:
+        updater.close()
+        updater.client.close()
+
+
+@pytest.mark.parametrize("receive_over", ["bulk", "stream"])
+def test_an_early_receive_ends_once_no_bytes_land_for_its_timeout(server, other_client, watcher, receive_over):
+    """A publish held half-way: its early receive fails, saying why, one timeout after the last
+    bytes landed; it never waits for the publish (bounded only by the server's publish timeout)."""
+    publish = HeldPublish(server.address, file_of(weights_filled(2.5)), "bulk")
+    try:
+        announced = watcher.next()
+        assert isinstance(announced, IncomingEvent)
+        began = time.monotonic()
+        with pytest.raises(PublishAborted, match=f"the {receive_over}.* sent nothing for 1s"):
+            other_client.fetch_incoming(announced, transport=receive_over, timeout=1.0)
+        assert 1.0 <= time.monotonic() - began < 5.0
+    finally:
+        publish.cut()

@@ -210,8 +210,10 @@ class Fetching(Connection):
         progress: Progress | None = None,
     ) -> FetchedBytes:
         """The bytes of a publish still arriving, over bulk when `transport` allows. UNVERIFIED:
-        apply them only once the commit event names `incoming.id` and they match its xxh3."""
-        started, deadline = time.perf_counter(), self._deadline(timeout)
+        apply them only once the commit event names `incoming.id` and they match its xxh3.
+        `timeout` bounds each wait for bytes, not the whole: they come at the publisher's pace."""
+        stall = self.timeout if timeout is None else timeout  # the set-up's deadline, then each wait for bytes
+        started, deadline = time.perf_counter(), Deadline.after(stall)
         request = pb.FetchRequest(model=incoming.model, incoming=incoming.id, chunk_size=self.chunk_bytes)
         placeholder = VersionInfo(incoming.model, 0, incoming.byte_size, "", datetime.now(timezone.utc))
         carrier, answer = self.transports.stream, None
@@ -220,9 +222,9 @@ class Fetching(Connection):
                 answer = self._negotiate(deadline.remaining(), [pb.TRANSPORT_BULK, pb.TRANSPORT_STREAM], fetch=request)
                 if answer.transport == pb.TRANSPORT_BULK:
                     carrier = self._link.incoming_bulk
-            offer = carrier.offer(request, answer, deadline, placeholder)
-            assert offer is not None, "incoming bytes are never up to date"
             try:
+                offer = carrier.offer(request, answer, deadline, placeholder, stall=stall or 0.0)
+                assert offer is not None, "incoming bytes are never up to date"
                 data = carrier.receive(offer, into=into, progress=progress)
             except TransportFailed as exc:  # cut short: the commit event decides, else a fetch
                 raise PublishAborted(f"the incoming bytes of {incoming.model!r} were cut short ({exc})") from exc

@@ -35,6 +35,7 @@ class CutThrough:
         self._threads = ThreadPoolExecutor(MAX_RECEIVING, thread_name_prefix="weightclient-cut-through")
         self._lock = threading.Lock()
         self._spare: memoryview | None = None  # a receive buffer handed back after its update was applied
+        self.landed = 0.0  # time.monotonic() when a receive's bytes last landed
         self._closed = False
 
     def incoming(self, announced: IncomingEvent) -> None:
@@ -53,6 +54,10 @@ class CutThrough:
     def busy(self) -> bool:
         return any(not future.done() for future in list(self._receiving.values()))
 
+    def landing(self) -> bool:
+        """Whether bytes landed within the timeout: a receive under way, at its publisher's pace."""
+        return time.monotonic() - self.landed < self._timeout
+
     def expects(self, event: VersionEvent) -> bool:
         return bool(event.incoming) and event.incoming in self._receiving
 
@@ -62,7 +67,7 @@ class CutThrough:
         if future is None:
             return None
         try:
-            early, digest = future.result(timeout=self._timeout)
+            early, digest = self._result(future)
         except Exception as exc:  # cut short, a failed publish, a timeout: fetch it normally
             log.info("receiving %s v%d early failed (%s); fetching it", event.info.model, event.version, exc)
             return None
@@ -72,6 +77,15 @@ class CutThrough:
             self.give_back(data)
             return None
         return replace(early, info=info)
+
+    def _result(self, future: Future[tuple[FetchedBytes, str]]) -> tuple[FetchedBytes, str]:
+        """The receive's result, waited for as long as its bytes keep landing (it ends on a stall)."""
+        while True:
+            try:
+                return future.result(timeout=self._timeout)
+            except TimeoutError:
+                if not self.landing():
+                    raise
 
     def give_back(self, buffer: memoryview | None) -> None:
         if buffer is not None and not buffer.readonly:
@@ -92,6 +106,7 @@ class CutThrough:
 
         def follow(received: int, total: int) -> None:
             nonlocal hashed
+            self.landed = time.monotonic()
             if received - hashed >= HASH_STRETCH or received == total:
                 hasher.update(into[hashed:received])
                 hashed = received
@@ -141,8 +156,8 @@ class VersionFollower:
             return None
         with self._lock:
             settling = self._settling
-        if settling is not None:
-            settling.wait(timeout)
+        while settling is not None and not settling.wait(timeout) and self._cut_through and self._cut_through.landing():
+            pass  # its early receive is still under way
         with self._lock:
             ready, self._ready = self._ready, None
         if ready is not None and ready.info.version <= newer_than:
@@ -155,9 +170,11 @@ class VersionFollower:
             self._cut_through.give_back(buffer)
 
     def heard(self) -> float:
-        if self._cut_through is not None and self._cut_through.busy():
+        if self._cut_through is None:
+            return self._heard
+        if self._cut_through.busy():
             return time.monotonic()
-        return self._heard
+        return max(self._heard, self._cut_through.landed)  # a publish's last bytes: its commit event comes next
 
     def running(self) -> bool:
         return os.getpid() == self._pid and self._thread.is_alive() and not self._stopped.is_set()

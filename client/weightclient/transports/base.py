@@ -43,6 +43,9 @@ class Offer:
     payload: pb.Payload
     chunks: Iterator[Any] | None = field(default=None, repr=False)
     deadline: Deadline = NEVER  # by when the transfer must have ended
+    # A publish's bytes, which come at its publisher's pace: no end by `deadline`, but no wait
+    # for bytes (the first included) longer than this (0: no such bound).
+    stall: float = 0.0
 
     @property
     def whole_version(self) -> bool:
@@ -50,7 +53,7 @@ class Offer:
 
     @property
     def label(self) -> str:
-        return f"{self.info.model!r} v{self.info.version}"
+        return f"{self.info.model!r} v{self.info.version}" if self.info.version else f"{self.info.model!r} (incoming)"
 
 
 class Uploaded(NamedTuple):
@@ -74,11 +77,13 @@ class Transport(Protocol):
     name: ClassVar[str]  # "stream", "bulk", "shm": what FetchStats.transport reports
     kind: ClassVar[int]  # its pb.Transport value
 
-    def offer(self, request: pb.FetchRequest, answer: Answer, deadline: Deadline, info: VersionInfo) -> Offer | None:
-        """The payload `answer` describes; `info` stands in for a version not committed yet."""
+    def offer(
+        self, request: pb.FetchRequest, answer: Answer, deadline: Deadline, info: VersionInfo, stall: float = 0.0
+    ) -> Offer | None:
+        """The payload `answer` describes; `info` stands in for a version not committed yet (`stall`: see Offer)."""
         assert answer is not None, "a fast transport is only ever picked by Negotiate"
         version = VersionInfo.from_proto(answer.header) if answer.HasField("header") else info
-        return Offer(version, answer.payload, deadline=deadline)
+        return Offer(version, answer.payload, deadline=NEVER if stall else deadline, stall=stall)
 
     def upload(self, payload: pb.Payload, parts: Parts, *, deadline: Deadline, progress: Progress | None) -> Uploaded:
         """Move one model's file where Negotiate said; the digests of the bytes moved."""

@@ -53,7 +53,7 @@ class BulkTransport(Transport):
 
     def receive(self, offer: Offer, *, into: memoryview | Sink | None, progress: Progress | None) -> memoryview:
         target = into if base.is_sink(into) else receive_buffer(offer.payload.byte_size, into)
-        self._transfer(offer.payload.bulk, offer.label, offer.deadline, target, progress=progress)
+        self._transfer(offer.payload.bulk, offer.label, offer.deadline, target, progress=progress, stall=offer.stall)
         return target if isinstance(target, memoryview) else memoryview(b"")
 
     @property
@@ -73,9 +73,11 @@ class BulkTransport(Transport):
         *,
         parts: Parts = (),
         progress: Progress | None = None,
+        stall: float = 0.0,
     ) -> str:
         """Send the ticket, then `parts` (each block hashed just before it goes: their xxh3), then receive
-        `into`. A kept connection the server closed (EOF before the first byte): tried once afresh."""
+        `into`, waiting at most `stall` (else the limits above) for each byte. A kept connection the
+        server closed (EOF before the first byte): tried once afresh."""
         with self._lock:
             try:
                 while True:
@@ -96,7 +98,7 @@ class BulkTransport(Transport):
                         while received < into.nbytes:
                             view = into.target(SOCKET_BUFFER) if sink else into[received : received + SOCKET_BUFFER]
                             started = received > 0 or bool(parts)  # (the ACK follows the upload's bytes)
-                            limit = STALL_TIMEOUT if started else FIRST_BYTE_TIMEOUT
+                            limit = stall or (STALL_TIMEOUT if started else FIRST_BYTE_TIMEOUT)
                             wait = _wait(limit, deadline)
                             conn.settimeout(wait)
                             try:

@@ -87,9 +87,11 @@ class MockTransport(Transport):
     def __init__(self, server: MockServer, name: str) -> None:
         self.server, self.name, self.kind = server, name, KINDS[name]
 
-    def offer(self, request: pb.FetchRequest, answer: Answer, deadline: Deadline, info: VersionInfo) -> Offer | None:
+    def offer(
+        self, request: pb.FetchRequest, answer: Answer, deadline: Deadline, info: VersionInfo, stall: float = 0.0
+    ) -> Offer | None:
         if self.name != "stream":
-            return super().offer(request, answer, deadline, info)
+            return super().offer(request, answer, deadline, info, stall)
         self.server.called("Fetch")
         found = self.server.find(request)
         if found is None:

@@ -3,12 +3,15 @@ languages need. Chunks travel pre-framed (protocol.framing)."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
 import grpc
 
 from weightclient.core.retry import Deadline
+from weightclient.transports import base
 from weightclient.transports.base import Answer, Into, Offer, OutgoingFile, Progress, Transport, is_sink, receive_buffer
 from weightserver.protocol import framing
 from weightserver.protocol.errors import IntegrityError
@@ -61,10 +64,15 @@ class StreamTransport(Transport):
                     progress(sent, total)
         yield pb.PublishRequest(commit=pb.PublishCommit())
 
-    def offer(self, request: pb.FetchRequest, answer: Answer, deadline: Deadline, info: VersionInfo) -> Offer | None:
+    def offer(
+        self, request: pb.FetchRequest, answer: Answer, deadline: Deadline, info: VersionInfo, stall: float = 0.0
+    ) -> Offer | None:
         """Start a Fetch and read its head: the header (then a payload for a delta or cast), or for
-        incoming bytes only the payload, under `info`. None when up to date."""
-        stream = self._fetch(request, timeout=deadline.remaining(), metadata=self._metadata)
+        incoming bytes only the payload, under `info`. None when up to date. With `stall`, the call
+        has no deadline but ends once no message came for that long (see Offer)."""
+        stream: Any = self._fetch(request, timeout=None if stall else deadline.remaining(), metadata=self._metadata)
+        if stall:
+            stream = _StallGuard(stream, stall)
         try:
             first = next(stream, None)
             kind = first.WhichOneof("kind") if isinstance(first, pb.FetchResponse) else None
@@ -73,7 +81,7 @@ class StreamTransport(Transport):
                     raise IntegrityError(f"model {request.model!r}: the server sent more than the fetch expects")
                 return None
             if kind == "payload" and request.incoming:
-                return Offer(info, first.payload, chunks=stream, deadline=deadline)
+                return Offer(info, first.payload, chunks=stream, deadline=deadline, stall=stall)
             if kind != "header" or request.incoming:
                 raise IntegrityError(f"model {request.model!r}: the fetch stream did not start with its head")
             info = VersionInfo.from_proto(first.header)
@@ -100,3 +108,40 @@ class StreamTransport(Transport):
         finally:
             offer.chunks.cancel()
         return target if isinstance(target, memoryview) else memoryview(b"")
+
+
+class _StallGuard:
+    """A Fetch call whose messages come at a publisher's pace, cancelled once none came for
+    `seconds`: a deadline on each wait rather than on the whole call."""
+
+    def __init__(self, call: Any, seconds: float) -> None:
+        self._call, self._seconds, self._stalled = call, seconds, False
+        self._last, self._ended = time.monotonic(), threading.Event()
+        threading.Thread(target=self._watch, name="weightclient-stall-guard", daemon=True).start()
+
+    def __iter__(self) -> _StallGuard:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            message = next(self._call)
+        except grpc.RpcError:
+            if self._stalled:
+                raise base.TransportFailed(f"the stream sent nothing for {self._seconds:g}s") from None
+            raise
+        except StopIteration:
+            self._ended.set()
+            raise
+        self._last = time.monotonic()
+        return message
+
+    def cancel(self) -> None:
+        self._ended.set()
+        self._call.cancel()
+
+    def _watch(self) -> None:
+        while not self._ended.wait(min(self._seconds, 1.0) / 4):
+            if time.monotonic() - self._last > self._seconds:
+                self._stalled = True
+                self._call.cancel()
+                return
