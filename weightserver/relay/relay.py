@@ -38,10 +38,12 @@ T = TypeVar("T")
 RELAY_HEALTH_SERVICE = "weightserver.relay"
 # Initial metadata of a relay's Watch: the primary, so a relay of a relay names the tree's root.
 PRIMARY_METADATA_KEY = "weightserver-primary"
-# Deadlines: a unary call; a Watch (then resubscribed, so a silent upstream is asked again); a fetch.
+# Deadlines: a unary call; a Watch (then resubscribed, so a silent upstream is asked again); a fetch;
+# each wait for an incoming publish's bytes (which come at its publisher's pace).
 CALL_SECONDS = 5.0
 WATCH_SECONDS = 60.0
 FETCH_SECONDS = 3600.0
+INCOMING_SECONDS = 60.0
 BACKOFF = RetryPolicy(first=0.1, longest=5.0)  # after a failure; the poll's while the upstream refuses
 GROUP_WAIT_SECONDS = 60.0  # for the other members of a group version; then a follower commits alone
 MAX_INCOMING = 8  # publishes received early, awaiting their commit; beyond, the oldest are let go
@@ -396,7 +398,7 @@ class Relay:
 
         try:
             await self._blocking(
-                self._client.fetch_incoming, announced, timeout=FETCH_SECONDS, into=publish.buffer, progress=progress
+                self._client.fetch_incoming, announced, timeout=INCOMING_SECONDS, into=publish.buffer, progress=progress
             )
         except BaseException as exc:
             publish.fail(f"the relay's transfer from its upstream stopped: {str(exc) or type(exc).__name__}")

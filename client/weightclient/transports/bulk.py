@@ -76,8 +76,8 @@ class BulkTransport(Transport):
         stall: float = 0.0,
     ) -> str:
         """Send the ticket, then `parts` (each block hashed just before it goes: their xxh3), then receive
-        `into`, waiting at most `stall` (else the limits above) for each byte. A kept connection the
-        server closed (EOF before the first byte): tried once afresh."""
+        `into`, each wait for bytes cut to `stall`. A kept connection the server closed (EOF before the
+        first byte): tried once afresh."""
         with self._lock:
             try:
                 while True:
@@ -98,7 +98,8 @@ class BulkTransport(Transport):
                         while received < into.nbytes:
                             view = into.target(SOCKET_BUFFER) if sink else into[received : received + SOCKET_BUFFER]
                             started = received > 0 or bool(parts)  # (the ACK follows the upload's bytes)
-                            limit = stall or (STALL_TIMEOUT if started else FIRST_BYTE_TIMEOUT)
+                            limit = STALL_TIMEOUT if started else FIRST_BYTE_TIMEOUT
+                            limit = min(limit, stall) if stall else limit
                             wait = _wait(limit, deadline)
                             conn.settimeout(wait)
                             try:
