@@ -1,7 +1,8 @@
 """A collector's updater facing a server that stops answering without going away: a real
-server process SIGSTOPped. Every call the updater makes has `update_timeout` as its deadline,
-so an update and `.lag` return promptly, the policy keeps its weights, the outage is reported
-as for a server that is down, and the updater catches up once the server answers again."""
+server process SIGSTOPped. Every call the updater makes has `update_timeout` as its deadline, and
+so has each wait for a transfer's bytes, so an update and `.lag` return promptly, the policy keeps
+its weights, the outage is reported as for a server that is down, and the updater catches up once
+the server answers again. A transfer whose bytes keep coming may take longer: it lands."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from waiting import sigstop, wait_until
 
 from weightclient import WeightClient
 from weightclient.torchrl.grpc_updaters import GrpcLocalWeightUpdater
+from weightclient.transports import bulk as bulk_transport
 from weightserver.process import ServerProcess
 from weightserver.protocol import framing
 
@@ -134,8 +136,8 @@ def test_updates_return_promptly_keep_the_weights_and_catch_up(proc, caplog, tra
 
 
 def test_a_stream_that_stalls_part_way_is_bounded_and_the_policy_keeps_its_weights(proc, monkeypatch):
-    """The stream's deadline covers the whole transfer: the server stops after the first
-    chunk of a 64 MiB version has arrived."""
+    """The server stops after the first chunk of a 64 MiB version has arrived: the wait for the
+    next is bounded."""
     torch.manual_seed(0)
     policy, trained = torch.nn.Linear(4096, 4096), [torch.nn.Linear(4096, 4096) for _ in range(2)]
     timers: list[threading.Timer] = []
@@ -275,3 +277,105 @@ def test_update_timeout_is_a_positive_deadline_and_the_scheme_passes_it_on(proc)
     assert GrpcWeightSyncScheme(proc.address, update_timeout=2.5).puller.update_timeout == 2.5
     with pytest.raises(ValueError, match="update_timeout"):  # puller= is the whole updater
         GrpcWeightSyncScheme(update_timeout=2.5, puller=GrpcLocalWeightUpdater(proc.address))
+
+
+class SlowReads:
+    """A bulk connection whose reads take 1 MiB at most, PAUSE apart: a slow link's pace."""
+
+    PAUSE = 0.15
+
+    def __init__(self, conn) -> None:
+        self._conn = conn
+
+    def __getattr__(self, name: str):
+        return getattr(self._conn, name)
+
+    def recv_into(self, view) -> int:
+        time.sleep(self.PAUSE)
+        return self._conn.recv_into(view[: 1 << 20])
+
+
+@pytest.mark.parametrize("transport", ["stream", "bulk"])
+def test_a_transfer_longer_than_update_timeout_lands_while_its_bytes_keep_coming(proc, monkeypatch, transport):
+    """A 16 MiB version read at 1 MiB every 0.15 s (2.4 s) by an updater whose update_timeout is
+    1 s: no wait for bytes is that long, so it lands, and the server never counts as down (before,
+    the transfer's whole time was bounded: a version larger than update_timeout's worth of the link
+    never landed, retried forever)."""
+    if transport == "stream":
+        original = framing.receive_chunks
+
+        def slow_chunks(chunks, into, progress=None):
+            def paced():
+                for chunk in chunks:
+                    time.sleep(SlowReads.PAUSE)
+                    yield chunk
+
+            original(paced(), into, progress)
+
+        monkeypatch.setattr(framing, "receive_chunks", slow_chunks)
+    else:
+        connect = bulk_transport._connect
+        monkeypatch.setattr(bulk_transport, "_connect", lambda *args: SlowReads(connect(*args)))
+    trained = {"w": torch.arange(4 << 20, dtype=torch.float32)}
+    policy = torch.nn.Module()
+    policy.w = torch.nn.Parameter(torch.zeros(4 << 20))
+    with WeightClient(proc.address) as trainer:
+        trainer.publish(trained, model=MODEL)
+    updater = GrpcLocalWeightUpdater(
+        proc.address, policy=policy, transport=transport, delta=False, update_timeout=UPDATE_TIMEOUT
+    )
+    try:
+        _, spent = timed(updater)
+        assert updater.version == 1 and torch.equal(policy.w.detach(), trained["w"])
+        assert updater.last_fetch.transport == transport and updater.server_available
+        assert spent > 2 * UPDATE_TIMEOUT
+    finally:
+        updater.client.close()
+
+
+def test_a_bulk_transfer_that_stalls_part_way_is_the_servers_outage_not_bulks(proc, monkeypatch, caplog):
+    """The server stops after the first MiB of a 64 MiB version came over bulk: the wait for the
+    next is cut to update_timeout, which reports the server as down (bulk is not put to rest and
+    the stream asked instead, which would double the wait)."""
+    torch.manual_seed(0)
+    policy, trained = torch.nn.Linear(4096, 4096), [torch.nn.Linear(4096, 4096) for _ in range(2)]
+    armed, timers = threading.Event(), []
+
+    class StopAfterTheFirstRead(SlowReads):
+        PAUSE = 0.0
+
+        def recv_into(self, view) -> int:
+            if armed.is_set() and not timers:
+                n = super().recv_into(view)
+                timers.append(stop(proc))
+                return n
+            return super().recv_into(view)
+
+    connect = bulk_transport._connect
+    monkeypatch.setattr(bulk_transport, "_connect", lambda *args: StopAfterTheFirstRead(connect(*args)))
+    with WeightClient(proc.address) as trainer:
+        trainer.publish(trained[0], model=MODEL)
+        updater = GrpcLocalWeightUpdater(
+            proc.address, policy=policy, transport="bulk", delta=False, update_timeout=UPDATE_TIMEOUT
+        )
+        updater()
+        assert updater.version == 1 and updater.last_fetch.transport == "bulk"
+        trainer.publish(trained[1], model=MODEL)
+        armed.set()
+        caplog.clear()
+        try:
+            with caplog.at_level(logging.WARNING):
+                _, spent = timed(updater)
+            assert timers, "the fetch never read its first MiB"
+            assert spent < PROMPT and not updater.server_available
+            assert updater.version == 1 and same(policy, trained[0])
+            warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+            assert not any("transport failed" in w for w in warnings), warnings
+            assert any("update_timeout" in w for w in updater_warnings(caplog)), warnings
+        finally:
+            for timer in timers:
+                timer.cancel()
+            with_resumed(proc)
+        wait_until(lambda: (updater(), updater.version)[1] == 2, timeout=CATCH_UP)
+        assert same(policy, trained[1]) and updater.last_fetch.transport == "bulk"
+        updater.client.close()

@@ -19,7 +19,7 @@ from weightclient.placement import Placement, checked_views
 from weightclient.transports import PayloadGone, TransportFailed
 from weightclient.transports.base import Offer, Progress
 from weightserver.protocol import deltas
-from weightserver.protocol.errors import IntegrityError, InvalidRequest, PublishAborted
+from weightserver.protocol.errors import DeadlineExceeded, IntegrityError, InvalidRequest, PublishAborted
 from weightserver.protocol.safetensors_format import parse_header
 from weightserver.protocol.selection import Selection
 from weightserver.protocol.version_info import IncomingEvent, VersionInfo
@@ -81,6 +81,7 @@ class Fetching(Connection):
         base_bytes: deltas.Bytes | None = None,
         consume_base: bool = False,
         select: Selection | str | Iterable[str] | None = None,
+        stall: float = 0.0,
     ) -> FetchedBytes | None:
         """The latest version, exactly `version`, or the latest if newer than `newer_than` (else None).
         `base_version`: changed tensors only; `dtype`: float32 cast by the server; `base_xxh3`: the caller's digest
@@ -89,7 +90,9 @@ class Fetching(Connection):
         (in it with `consume_base`) as it arrives, and `data` is the version, unverified, with `changed` naming the
         tensors the delta carried (one on a base laid out otherwise comes as it is). `select`: only these tensors or
         slices (a Selection, or glob patterns of whole tensors); then `info` describes the selection's file (its
-        size, digest and tensors) under the version's number, and a delta is against the same selection of the base."""
+        size, digest and tensors) under the version's number, and a delta is against the same selection of the base.
+        `stall`: the deadline bounds finding the version and starting its transfer; the transfer then runs while its
+        bytes keep coming, each wait for them at most `stall` seconds (a large version over a slow link lands)."""
         if (version is not None and newer_than is not None) or (version or 1) < 1 or (newer_than or 0) < 0:
             raise InvalidRequest(f"give version >= 1 or newer_than >= 0, not {version=}, {newer_than=}")
         request = pb.FetchRequest(model=model, version=version, newer_than=newer_than, chunk_size=self.chunk_bytes)
@@ -107,14 +110,14 @@ class Fetching(Connection):
                 return deltas.Rebuild.on(base_bytes, header, info.tensors, info.byte_size, size, in_place=consume_base)
 
         deadline = deadline or self._deadline(timeout)
-        once = functools.partial(self._fetch_once, request, transport, into, place, progress, rebuild_on)
+        once = functools.partial(self._fetch_once, request, transport, into, place, progress, rebuild_on, stall=stall)
         fetched = self._on_any_server(once, deadline, retry=retry)
         if fetched is not None and fetched.base_version and base_xxh3 and fetched.base_xxh3 != base_xxh3:
             log.info("%s v%d on the server differs from the caller's; fetching it whole", model, base_version)
             whole = pb.FetchRequest(model=model, version=fetched.info.version, chunk_size=self.chunk_bytes, dtype=dtype)
             if request.HasField("select"):
                 whole.select.CopyFrom(request.select)
-            return self._fetch_once(whole, transport, into, None, progress, None, deadline)
+            return self._fetch_once(whole, transport, into, None, progress, None, deadline, stall=stall)
         return fetched
 
     def _fetch_once(
@@ -126,6 +129,7 @@ class Fetching(Connection):
         progress: Progress | None,
         rebuild_on: Callable[[Offer], deltas.Rebuild | None] | None,
         deadline: Deadline,
+        stall: float = 0.0,
     ) -> FetchedBytes | None:
         """A direct read, else the transport the server picks, falling back to the stream for the
         version named. Bad bytes from the last transport are IntegrityError, and so is a delta that
@@ -148,7 +152,7 @@ class Fetching(Connection):
                         if answer.HasField("up_to_date"):
                             return None
                     transport = next(t for t in order if answer is None or t.kind == answer.transport)
-                    offer = transport.offer(request, answer, deadline, None)
+                    offer = transport.offer(request, answer, deadline, None, stall=stall)
                     if offer is None:
                         return None
                     offer = _selected(offer, request)
@@ -226,7 +230,7 @@ class Fetching(Connection):
                 offer = carrier.offer(request, answer, deadline, placeholder, stall=stall or 0.0)
                 assert offer is not None, "incoming bytes are never up to date"
                 data = carrier.receive(offer, into=into, progress=progress)
-            except TransportFailed as exc:  # cut short: the commit event decides, else a fetch
+            except (TransportFailed, DeadlineExceeded) as exc:  # cut short, or stalled: the commit event decides
                 raise PublishAborted(f"the incoming bytes of {incoming.model!r} were cut short ({exc})") from exc
         stats = FetchStats(carrier.name, data.nbytes, time.perf_counter() - started, incoming=True)
         return FetchedBytes(placeholder, data, stats=stats)

@@ -183,7 +183,8 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         select: fetch only these tensors or slices (`weightclient.tensor_parallel(rank, world, plan)`:
             a tensor-parallel rank's shard), for a policy that holds only them; `key_map` applies after.
             Each update holds the whole selection of one version; `version` is that version.
-        update_timeout: the deadline of each call; past it the server counts as down.
+        update_timeout: the deadline of each call, and of each wait for a transfer's bytes (a transfer
+            that keeps moving may take longer); past it the server counts as down.
         keep_storage: copy every version into the parameters' own memory, never swap their storage
             (for code that holds views of them: torchrl's Collector keeps `policy_weights`).
 
@@ -308,6 +309,7 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         if same_host and self.pinned_version is None and (self.announced or 0) > (self.version or 0):
             target = {"version": self.announced}  # its header file is read: no call
         options = dict(dtype=self.dtype, transport=self.transport, into=self._staging, retry=False, select=self.select)
+        options["stall"] = self.update_timeout  # a transfer whose bytes keep coming may take longer (a large version)
         options["base"] = self.applied if self.delta and self.version is not None and not same_host else None
         held, self._held = self._held, None  # the staging buffer is about to be reused
         if options["base"] is not None and not self.dtype:  # element deltas, rebuilt in the buffer on the held

@@ -99,14 +99,13 @@ class BulkTransport(Transport):
                             view = into.target(SOCKET_BUFFER) if sink else into[received : received + SOCKET_BUFFER]
                             started = received > 0 or bool(parts)  # (the ACK follows the upload's bytes)
                             limit = STALL_TIMEOUT if started else FIRST_BYTE_TIMEOUT
-                            limit = min(limit, stall) if stall else limit
-                            wait = _wait(limit, deadline)
+                            wait = _wait(min(limit, stall) if stall else limit, deadline)
                             conn.settimeout(wait)
                             try:
                                 n = conn.recv_into(view)
                             except TimeoutError:
-                                if wait < limit:
-                                    raise DeadlineExceeded(f"no bytes for the last {wait:.1f}s") from None
+                                if wait < limit:  # cut to the caller's deadline or stall: theirs to report
+                                    raise DeadlineExceeded(f"the bulk port sent nothing for {wait:.3g}s") from None
                                 what = "part-way through a transfer" if started else "after the ticket"
                                 raise TransportFailed(f"the bulk port sent nothing for {limit:g}s {what}") from None
                             if not n:
@@ -127,7 +126,7 @@ class BulkTransport(Transport):
                 self._close()  # cut part-way (an interrupt too): the connection's position is unknown
                 what = f"bulk transfer of {label} with {self.host}:{bulk.port}"
                 if isinstance(exc, DeadlineExceeded):
-                    raise DeadlineExceeded(f"{what} did not finish in time ({exc}); connection dropped") from None
+                    raise DeadlineExceeded(f"{what} ran out of time ({exc}); connection dropped") from None
                 if isinstance(exc, (ValueError, OSError, EOFError)):  # ValueError: bytes off their layout
                     raise TransportFailed(f"{what} failed ({exc})") from exc
                 raise

@@ -11,10 +11,9 @@ from typing import Any, ClassVar
 import grpc
 
 from weightclient.core.retry import Deadline
-from weightclient.transports import base
 from weightclient.transports.base import Answer, Into, Offer, OutgoingFile, Progress, Transport, is_sink, receive_buffer
 from weightserver.protocol import framing
-from weightserver.protocol.errors import IntegrityError
+from weightserver.protocol.errors import DeadlineExceeded, IntegrityError
 from weightserver.protocol.version_info import VersionInfo
 from weightserver.v1 import weights_pb2 as pb
 
@@ -127,7 +126,7 @@ class _StallGuard:
             message = next(self._call)
         except grpc.RpcError:
             if self._stalled:
-                raise base.TransportFailed(f"the stream sent nothing for {self._seconds:g}s") from None
+                raise DeadlineExceeded(f"the stream sent nothing for {self._seconds:g}s") from None
             raise
         except StopIteration:
             self._ended.set()
