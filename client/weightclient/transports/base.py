@@ -43,8 +43,9 @@ class Offer:
     payload: pb.Payload
     chunks: Iterator[Any] | None = field(default=None, repr=False)
     deadline: Deadline = NEVER  # by when the transfer must have ended
-    # A publish's bytes, which come at its publisher's pace: no end by `deadline`, but no wait
-    # for bytes (the first included) longer than this (0: no such bound).
+    # A transfer that runs as long as its bytes keep coming (a publish's, at its publisher's pace; a
+    # large version over a slow link): no end by `deadline`, but no wait for bytes (the first
+    # included) longer than this (0: no such bound).
     stall: float = 0.0
 
     @property

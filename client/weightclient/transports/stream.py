@@ -110,8 +110,8 @@ class StreamTransport(Transport):
 
 
 class _StallGuard:
-    """A Fetch call whose messages come at a publisher's pace, cancelled once none came for
-    `seconds`: a deadline on each wait rather than on the whole call."""
+    """A Fetch call that runs as long as its messages keep coming, cancelled once none came for
+    `seconds`: a deadline on each wait rather than on the whole call (see Offer.stall)."""
 
     def __init__(self, call: Any, seconds: float) -> None:
         self._call, self._seconds, self._stalled = call, seconds, False
