@@ -242,7 +242,8 @@ def cmd_publish(args: argparse.Namespace) -> None:
 
 def cmd_fetch(args: argparse.Namespace) -> None:
     with _client(args) as client, TransferProgress(f"fetch {args.model}") as progress:
-        fetched = client.fetch_bytes(args.model, version=args.version_number, progress=progress)
+        # As long as bytes keep coming (a large file over a slow link), up to the client's timeout between them
+        fetched = client.fetch_bytes(args.model, version=args.version_number, progress=progress, stall=client.timeout)
     assert fetched is not None
     tmp = args.output.with_name(args.output.name + ".part")
     tmp.write_bytes(fetched.data)

@@ -4,17 +4,23 @@ real server."""
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.integration.test_stalled_server import SlowReads
+from weightclient.core.service_client import WeightServiceClient
+from weightclient.transports import bulk as bulk_transport
+from weightserver import cli
 from weightserver.cli import CLIENT_COMMANDS, build_parser, main, parse_size
 
 COMMANDS = ["serve", "publish", "fetch", "ls", "watch", "delete", "pin"]
@@ -94,6 +100,23 @@ def test_publish_fetch_ls_round_trip(server, weights_file, tmp_path, capsys):
     assert "deleted policy v1" in capsys.readouterr().out
     assert main(["ls", "--model", "policy", "--json", *address]) == 0
     assert [v["version"] for v in json.loads(capsys.readouterr().out)] == [2]
+
+
+def test_fetch_runs_as_long_as_bytes_keep_coming(make_server, tmp_path, monkeypatch, capsys):
+    """A file whose transfer outlasts the client's timeout, its bytes never pausing that long:
+    fetched (the client's timeout bounds each wait for bytes, not the whole transfer)."""
+    server = make_server(shm_dir=None)  # over bulk, read slowly below
+    big = tmp_path / "big.safetensors"
+    save_file({"w": torch.arange(4 << 20, dtype=torch.float32)}, big)  # 16 MiB
+    assert main(["publish", str(big), "--model", "policy", "--server", server.address]) == 0
+    monkeypatch.setattr(cli, "WeightServiceClient", functools.partial(WeightServiceClient, timeout=1.0))
+    connect = bulk_transport._connect
+    monkeypatch.setattr(bulk_transport, "_connect", lambda *args: SlowReads(connect(*args)))
+    out = tmp_path / "fetched.safetensors"
+    began = time.monotonic()
+    assert main(["fetch", "--model", "policy", "-o", str(out), "--server", server.address]) == 0
+    assert time.monotonic() - began > 2.0  # 16 reads of 1 MiB, 0.15 s apart, against a 1 s timeout
+    assert out.read_bytes() == big.read_bytes()
 
 
 def test_errors_exit_1_with_a_message(server, tmp_path, capsys):
