@@ -38,12 +38,11 @@ T = TypeVar("T")
 RELAY_HEALTH_SERVICE = "weightserver.relay"
 # Initial metadata of a relay's Watch: the primary, so a relay of a relay names the tree's root.
 PRIMARY_METADATA_KEY = "weightserver-primary"
-# Deadlines: a unary call; a Watch (then resubscribed, so a silent upstream is asked again); a fetch;
-# each wait for an incoming publish's bytes (which come at its publisher's pace).
+# Deadlines: a unary call; a Watch (then resubscribed, so a silent upstream is asked again); each wait
+# for a transfer's bytes (a fetch runs as long as they keep coming: at a publisher's pace, or a slow link's).
 CALL_SECONDS = 5.0
 WATCH_SECONDS = 60.0
-FETCH_SECONDS = 3600.0
-INCOMING_SECONDS = 60.0
+STALL_SECONDS = 60.0
 BACKOFF = RetryPolicy(first=0.1, longest=5.0)  # after a failure; the poll's while the upstream refuses
 GROUP_WAIT_SECONDS = 60.0  # for the other members of a group version; then a follower commits alone
 MAX_INCOMING = 8  # publishes received early, awaiting their commit; beyond, the oldest are let go
@@ -398,7 +397,7 @@ class Relay:
 
         try:
             await self._blocking(
-                self._client.fetch_incoming, announced, timeout=INCOMING_SECONDS, into=publish.buffer, progress=progress
+                self._client.fetch_incoming, announced, timeout=STALL_SECONDS, into=publish.buffer, progress=progress
             )
         except BaseException as exc:
             publish.fail(f"the relay's transfer from its upstream stopped: {str(exc) or type(exc).__name__}")
@@ -435,7 +434,9 @@ class Relay:
 
     def _fetch(self, model: str, number: int, base: Version | None) -> _Fetched:
         """Version `number` of `model` (in a thread), rebuilt from a delta against `base` if that matches its xxh3."""
-        fetch = functools.partial(self._client.fetch_bytes, model, version=number, timeout=FETCH_SECONDS, retry=False)
+        fetch = functools.partial(
+            self._client.fetch_bytes, model, version=number, timeout=STALL_SECONDS, stall=STALL_SECONDS, retry=False
+        )
         sent = 0  # a delta's payload bytes
         if base is not None:
             try:  # (rebuilt on a copy of the base as it arrives)
