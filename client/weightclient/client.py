@@ -198,9 +198,10 @@ class WeightClient(WeightServiceClient):
         return FetchResult(**vars(fetched), tensors=tensors, partial=partial)
 
     def watch_weights(self, model: str = "policy", *, since: int = 0) -> Iterator[FetchResult]:
+        """Each version committed after `since`, fetched; each fetch runs as long as its bytes keep coming."""
         for event in self.watch(model, since=since):
             try:
-                result = self.fetch(model, version=event.version)
+                result = self.fetch(model, version=event.version, stall=self.timeout or 0.0)
             except NotFoundError:
                 continue
             if result is not None:

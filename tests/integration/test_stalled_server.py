@@ -379,3 +379,16 @@ def test_a_bulk_transfer_that_stalls_part_way_is_the_servers_outage_not_bulks(pr
         wait_until(lambda: (updater(), updater.version)[1] == 2, timeout=CATCH_UP)
         assert same(policy, trained[1]) and updater.last_fetch.transport == "bulk"
         updater.client.close()
+
+
+def test_watch_weights_fetches_a_version_that_outlasts_the_clients_timeout(make_server, monkeypatch):
+    """The same pace for `WeightClient.watch_weights`, whose client has a 1 s timeout: it yields the version."""
+    server = make_server(shm_dir=None)  # over bulk, read slowly
+    connect = bulk_transport._connect
+    monkeypatch.setattr(bulk_transport, "_connect", lambda *args: SlowReads(connect(*args)))
+    trained = {"w": torch.arange(4 << 20, dtype=torch.float32)}
+    with WeightClient(server.address) as trainer, WeightClient(server.address, timeout=1.0) as collector:
+        trainer.publish(trained, model=MODEL)
+        (result, spent) = timed(lambda: next(iter(collector.watch_weights(MODEL))))
+        assert result.version == 1 and torch.equal(result.weights["w"], trained["w"])
+        assert spent > 2.0
