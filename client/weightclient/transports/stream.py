@@ -80,7 +80,7 @@ class StreamTransport(Transport):
                     raise IntegrityError(f"model {request.model!r}: the server sent more than the fetch expects")
                 return None
             if kind == "payload" and request.incoming:
-                return Offer(info, first.payload, chunks=stream, deadline=deadline, stall=stall)
+                return Offer(info, first.payload, chunks=stream, deadline=deadline)
             if kind != "header" or request.incoming:
                 raise IntegrityError(f"model {request.model!r}: the fetch stream did not start with its head")
             info = VersionInfo.from_proto(first.header)
