@@ -18,11 +18,11 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from weightclient import tensors as tensor_codec
 from weightclient.client import FetchResult, WeightClient
 from weightclient.core.retry import Deadline, RetryPolicy
 from weightclient.core.service_client import FetchStats
 from weightclient.core.version_follower import CutThrough, VersionFollower
+from weightclient.tensors import Weights, decode
 from weightclient.torchrl.key_mapping import IDENTITY, KeyMap, check_weights, map_keys
 from weightserver.protocol import errors
 from weightserver.protocol.safetensors_format import parse_header
@@ -32,7 +32,6 @@ from weightserver.protocol.version_info import VersionInfo
 log = logging.getLogger(__name__)
 
 WorkerId = int | str | torch.device
-Weights = torch.nn.Module | TensorDictBase | Mapping[str, torch.Tensor]
 UNREACHABLE = (errors.ServerUnavailable, errors.DeadlineExceeded)
 # The deadline of each call an update makes: 5-10x a 256 MiB fetch over loopback.
 DEFAULT_UPDATE_TIMEOUT = 5.0
@@ -119,9 +118,6 @@ class RemoteWeightUpdaterBase(_CollectorRegistration, metaclass=abc.ABCMeta):
 
 class _LazyClient:
     """A WeightClient made on first use (a channel cannot cross processes: a pickle drops it)."""
-
-    _address: str | None = None
-    _client: WeightClient | None = None
 
     def _set_client(self, client: WeightClient | str | None) -> None:
         self._address = ",".join(client.addresses) if isinstance(client, WeightClient) else client
@@ -300,7 +296,7 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
             self._server_available(asked=True)
             self.last_fetch = ready.stats
             views = np.frombuffer(ready.data, dtype=np.uint8)  # each tensor holds it: gone once none views the buffer
-            weights = TensorDict(tensor_codec.decode(parse_header(ready.data), views), batch_size=[])
+            weights = TensorDict(decode(parse_header(ready.data), views), batch_size=[])
             return Update(
                 ready.info, weights, stats=ready.stats, buffer=ready.data, mapping=ready.data, views=weakref.ref(views)
             )
@@ -310,7 +306,7 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
             target = {"version": self.announced}  # its header file is read: no call
         options = dict(dtype=self.dtype, transport=self.transport, into=self._staging, retry=False, select=self.select)
         options["stall"] = self.update_timeout  # a transfer whose bytes keep coming may take longer (a large version)
-        options["base"] = self.applied if self.delta and self.version is not None and not same_host else None
+        options["base"] = self.applied if self.delta and not same_host else None
         held, self._held = self._held, None  # the staging buffer is about to be reused
         if options["base"] is not None and not self.dtype:  # element deltas, rebuilt in the buffer on the held
             # version; without one, the whole version, to hold (a partial one would never lead back to deltas)
@@ -427,13 +423,12 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
             copied = mapped_weights.exclude(*swaps) if swaps else mapped_weights
             if not copied.is_empty():
                 local.update_(copied)
-            held: list[tuple[torch.Tensor, torch.Tensor]] = []
+            held = [(dst, dst.detach()) for dst, _ in swaps.values()]  # the old storage, to put back
             try:
                 for dst, src in swaps.values():
-                    held.append((dst, dst.detach()))  # the old storage, to put back
                     dst.set_(src)
             except BaseException:
-                for dst, old in reversed(held):
+                for dst, old in held:
                     dst.set_(old)
                 raise
         self.zero_copy, self._swapped = bool(swaps) and copied.is_empty(), bool(swaps)
