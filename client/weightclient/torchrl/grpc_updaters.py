@@ -495,9 +495,8 @@ def _swaps(
     local: TensorDictBase, mapped: TensorDictBase, mapping: memoryview
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """{key: (parameter, tensor)} for each mapped tensor that still views `mapping` (a hook that made
-    new tensors gets a copy) and a parameter it can replace: on the CPU, of its dtype and shape, the
-    whole of its own storage (not a view into another's) and not in shared memory (torchrl's
-    multi-process collectors keep the workers' parameters there, and one copy)."""
+    new tensors gets a copy) and a parameter it can replace whole (the checks below), never one in shared
+    memory: torchrl's multi-process collectors keep the workers' parameters there, and one copy."""
     start = torch.frombuffer(mapping, dtype=torch.uint8).data_ptr() if mapping.nbytes else 0
     end = start + mapping.nbytes
     swaps = {}
