@@ -28,14 +28,10 @@ class KeyMap:
     fn: Callable[[str], str | None] | None = None
 
     def map_key(self, key: str) -> str | None:
-        if self.select is not None:
-            if not key.startswith(self.select):
-                return None
-            key = key[len(self.select) :]
-        if self.strip_prefix and key.startswith(self.strip_prefix):
-            key = key[len(self.strip_prefix) :]
-        if self.add_prefix:
-            key = self.add_prefix + key
+        if self.select is not None and not key.startswith(self.select):
+            return None
+        key = key.removeprefix(self.select or "").removeprefix(self.strip_prefix or "")
+        key = (self.add_prefix or "") + key
         return self.fn(key) if self.fn is not None else key
 
     def apply(self, server: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
