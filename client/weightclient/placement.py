@@ -33,8 +33,7 @@ def layout(info: VersionInfo, views: Mapping[str, memoryview], header_bytes: int
     for entry in sorted(info.tensors, key=lambda t: t.begin):
         if entry.begin < position:
             raise ValueError(f"tensor {entry.name!r} overlaps the one before it")
-        if entry.begin > position:
-            regions.append((entry.begin - position, None))
+        regions.append((entry.begin - position, None))  # the gap before it (dropped below if none)
         regions.append((entry.nbytes, entry.name if entry.name in views else None))
         position = entry.end
     trailing = info.byte_size - PREFIX_BYTES - header_bytes - position
