@@ -120,6 +120,4 @@ class GrpcWeightSyncScheme(SharedMemWeightSyncScheme):
         super()._send_ack(message)
 
     def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        state["puller"] = None  # workers never dial the server
-        return state
+        return {**super().__getstate__(), "puller": None}  # workers never dial the server
