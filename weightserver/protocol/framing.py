@@ -153,15 +153,14 @@ def receive_chunks(chunks: Iterable[object], into: memoryview | Sink, progress: 
     for chunk in chunks:
         if not isinstance(chunk, memoryview):
             raise ValueError(f"expected a chunk, got {type(chunk).__name__}")
-        if received + chunk.nbytes > sink.nbytes:
-            raise ValueError(f"more than the announced {sink.nbytes} bytes")
-        rest = chunk
-        while rest.nbytes:
-            target = sink.target(rest.nbytes)
-            target[:] = rest[: target.nbytes]
-            sink.advance(target.nbytes)
-            rest = rest[target.nbytes :]
         received += chunk.nbytes
+        if received > sink.nbytes:
+            raise ValueError(f"more than the announced {sink.nbytes} bytes")
+        while chunk.nbytes:
+            target = sink.target(chunk.nbytes)
+            target[:] = chunk[: target.nbytes]
+            sink.advance(target.nbytes)
+            chunk = chunk[target.nbytes :]
         if progress is not None:
             progress(received, sink.nbytes)
     if received != sink.nbytes:
