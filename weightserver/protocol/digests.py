@@ -59,8 +59,7 @@ class IncomingDigests:
         self._xxh3 = xxhash.xxh3_128()
         self._sha256 = hashlib.sha256() if sha256 else None
         self._header: SafetensorsHeader | None = None
-        self._tensors: list[tuple[str, int, int]] = []  # (name, file begin, file end), in file order
-        self._tensor_hashers: dict[str, xxhash.xxh3_128] = {}
+        self._tensors: list[tuple[str, int, int, xxhash.xxh3_128]] = []  # (name, file begin, end, hasher), in order
         self._next = 0  # the first tensor not wholly hashed
 
     @property
@@ -88,7 +87,7 @@ class IncomingDigests:
             raise ValueError(f"{self.hashed} of {self.buffer.nbytes} bytes hashed")
         if self._header is None:
             self._parse(self.hashed)  # sets it, or raises for a file too short to hold one
-        tensors = {name: hasher.hexdigest() for name, hasher in self._tensor_hashers.items()}
+        tensors = {name: hasher.hexdigest() for name, _, _, hasher in self._tensors}
         sha256 = self._sha256.hexdigest() if self._sha256 is not None else None
         return FileDigests(self._xxh3.hexdigest(), tensors, self._header, sha256)
 
@@ -100,16 +99,16 @@ class IncomingDigests:
             self._header = header = parse_header(self.buffer[:end], self.buffer.nbytes, **self._limits)
         except ValueError:  # the header is still to come
             return
-        self._tensors = [(t.name, header.data_start + t.begin, header.data_start + t.end) for t in header.tensors]
-        self._tensor_hashers = {name: xxhash.xxh3_128() for name, _, _ in self._tensors}
+        start = header.data_start
+        self._tensors = [(t.name, start + t.begin, start + t.end, xxhash.xxh3_128()) for t in header.tensors]
         self._hash_tensors(0, self.hashed)
 
     def _hash_tensors(self, start: int, end: int) -> None:
         while self._next < len(self._tensors):
-            name, begin, stop = self._tensors[self._next]
+            _, begin, stop, hasher = self._tensors[self._next]
             lo, hi = max(begin, start), min(stop, end)
             if lo < hi:
-                self._tensor_hashers[name].update(self.buffer[lo:hi])
+                hasher.update(self.buffer[lo:hi])
             if stop > end:
                 return
             self._next += 1

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 from google.protobuf.message import Message
 
@@ -79,17 +79,6 @@ def deserialize_fetch_response(raw: bytes) -> pb.FetchResponse | memoryview:
     return chunk if chunk is not None else pb.FetchResponse.FromString(raw)
 
 
-class Sink(Protocol):
-    """Scatters received bytes: `target(n)` is a writable view of at most n bytes for the next
-    ones, `advance(n)` says n of them were written; `nbytes` in all. ValueError when they do not fit."""
-
-    nbytes: int
-
-    def target(self, most: int) -> memoryview: ...
-
-    def advance(self, n: int) -> None: ...
-
-
 class Region(NamedTuple):
     size: int
     into: memoryview | None = None  # where the bytes land; else held in a buffer for `then`, or dropped
@@ -98,9 +87,11 @@ class Region(NamedTuple):
 
 
 class Regions:
-    """A Sink over a file as a queue of regions, planned as it arrives (a region's `then` may push
-    the ones after it: a header, then the tensors it lays out). At most a block lands at a time, so
-    it is hashed while in cache."""
+    """Scatters a file's received bytes as a queue of regions, planned as it arrives (a region's
+    `then` may push the ones after it: a header, then the tensors it lays out): `target(n)` is a
+    writable view of at most n bytes for the next ones, `advance(n)` says n of them were written;
+    `nbytes` in all, ValueError when they do not fit. At most a block lands at a time, so it is
+    hashed while in cache."""
 
     def __init__(self, nbytes: int, first: Region) -> None:
         self.nbytes = nbytes
@@ -152,6 +143,9 @@ class Regions:
             region.then(memoryview(b""))
 
 
+Sink = Regions  # what a receive scatters into (deltas.Rebuild, the client's PlacedReceiver)
+
+
 def receive_chunks(chunks: Iterable[object], into: memoryview | Sink, progress: Progress | None = None) -> None:
     """Every chunk into `into` in order; ValueError for a non-chunk, or more or fewer bytes than fit."""
     sink = Regions(into.nbytes, Region(into.nbytes, into)) if isinstance(into, memoryview) else into
@@ -159,15 +153,14 @@ def receive_chunks(chunks: Iterable[object], into: memoryview | Sink, progress: 
     for chunk in chunks:
         if not isinstance(chunk, memoryview):
             raise ValueError(f"expected a chunk, got {type(chunk).__name__}")
-        if received + chunk.nbytes > sink.nbytes:
-            raise ValueError(f"more than the announced {sink.nbytes} bytes")
-        rest = chunk
-        while rest.nbytes:
-            target = sink.target(rest.nbytes)
-            target[:] = rest[: target.nbytes]
-            sink.advance(target.nbytes)
-            rest = rest[target.nbytes :]
         received += chunk.nbytes
+        if received > sink.nbytes:
+            raise ValueError(f"more than the announced {sink.nbytes} bytes")
+        while chunk.nbytes:
+            target = sink.target(chunk.nbytes)
+            target[:] = chunk[: target.nbytes]
+            sink.advance(target.nbytes)
+            chunk = chunk[target.nbytes :]
         if progress is not None:
             progress(received, sink.nbytes)
     if received != sink.nbytes:

@@ -62,8 +62,7 @@ def reserve(fd: int, size: int) -> None:
 
 
 def shared_huge_pages() -> str | None:
-    """The host's setting for huge pages in shared memory (tmpfs, memfd): "advise", "within_size" or
-    "always" let `populate` use them, "never" (a common default) and "deny" do not; None: unknown."""
+    """The host's huge-page setting for shared memory (tmpfs, memfd): HUGE_SETTINGS give them; None: unknown."""
     try:
         with open(SHMEM_HUGE_PAGES) as f:
             setting = f.read()
