@@ -176,8 +176,8 @@ class WeightClient(WeightServiceClient):
 
         def refetch(why: str) -> FetchResult | None:
             log.info("the base of %s v%d%s; fetching whole", model, fetched.info.version, why)
-            version, transport = fetched.info.version, options.get("transport", "auto")
-            return self.fetch(model, version=version, transport=transport, deadline=deadline, select=select)
+            kept = {k: options[k] for k in ("transport", "stall", "retry") if k in options}  # (not `into`: the base)
+            return self.fetch(model, version=fetched.info.version, deadline=deadline, select=select, **kept)
 
         if fetched.placed:
             return FetchResult(**vars(fetched), tensors=targets)

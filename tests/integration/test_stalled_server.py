@@ -392,3 +392,25 @@ def test_watch_weights_fetches_a_version_that_outlasts_the_clients_timeout(make_
         (result, spent) = timed(lambda: next(iter(collector.watch_weights(MODEL))))
         assert result.version == 1 and torch.equal(result.weights["w"], trained["w"])
         assert spent > 2.0
+
+
+def test_a_refetch_after_a_changed_base_runs_as_long_as_its_bytes_keep_coming(make_server, monkeypatch, caplog):
+    """A delta rebuilt on a base whose bytes changed since it was fetched is refetched whole; that
+    refetch keeps the caller's `stall` (before, it ran under what was left of the deadline alone,
+    so a version larger than that deadline's worth of the link never landed)."""
+    server = make_server(shm_dir=None)  # over bulk, read slowly (from its first connection, which lasts)
+    connect = bulk_transport._connect
+    monkeypatch.setattr(bulk_transport, "_connect", lambda *args: SlowReads(connect(*args)))
+    v1 = {"w": torch.arange(4 << 20, dtype=torch.float32)}
+    v2 = {"w": v1["w"].clone()}
+    v2["w"][:1000] += 1  # a small delta
+    with WeightClient(server.address) as trainer, WeightClient(server.address) as collector:
+        trainer.publish(v1, model=MODEL)
+        base = collector.fetch(MODEL, transport="bulk")
+        trainer.publish(v2, model=MODEL)
+        base.tensors["w"][-1] = -1.0  # the base's bytes no longer match what was fetched
+        with caplog.at_level(logging.INFO):
+            result, spent = timed(lambda: collector.fetch(MODEL, base=base, transport="bulk", timeout=1.5, stall=1.5))
+        assert any("fetching whole" in r.getMessage() for r in caplog.records), "no refetch happened"
+        assert result.version == 2 and torch.equal(result.weights["w"], v2["w"])
+        assert spent > 1.5  # the whole 16 MiB at 1 MiB per 0.15 s outlasted the deadline, and landed
