@@ -4,6 +4,7 @@ servers in other PID namespaces sharing one /dev/shm (none may remove a live ser
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 from collections.abc import Iterator
@@ -167,6 +168,44 @@ def test_a_folder_without_a_lock_file_is_left_alone(tmp_path):
         assert legacy.exists()
         assert (legacy / MODEL / f"{1:012d}.safetensors").exists()
     assert "without a lock file" in server.log() and legacy.name in server.log()
+
+
+def test_a_server_starting_beside_another_never_removes_the_folder_it_is_making(tmp_path, monkeypatch):
+    """Two servers start at once on one host. The second one's scan for folders left by servers
+    that are gone runs just as the first has made its folder and lock file, not yet locked. Before,
+    that scan locked the file itself and removed the folder, or held it as the first server locked
+    it (BlockingIOError: the server did not start). The lock file now takes its name only once locked."""
+    from weightserver.transports.shared_memory import SharedMemoryFiles, server_shm_dir
+
+    root = tmp_path / "shm"
+    root.mkdir()
+    real_flock, scans = fcntl.flock, []
+
+    def flock(fd, operation):
+        if not scans:  # the first server's own lock: the other server scans first
+            scans.append(50052)
+            server_shm_dir(50052, root)
+        return real_flock(fd, operation)
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    folder = server_shm_dir(50051, root)
+    files = SharedMemoryFiles(folder)
+    try:
+        assert scans, "the other server never scanned"
+        assert (folder / ".lock").exists(), "the folder of a server that is starting was removed"
+        server_shm_dir(50053, root)  # a later scan leaves it too: it is locked
+        assert (folder / ".lock").exists()
+        other = os.open(folder / ".lock", os.O_RDONLY)
+        try:
+            with pytest.raises(BlockingIOError):
+                real_flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(other)
+        upload = files.new_upload(MODEL, 4096, publisher_writes=True)
+        assert upload is not None
+        upload.close()
+    finally:
+        files.close()
 
 
 def test_an_upload_asked_for_as_the_server_stops_is_declined_quietly(tmp_path, caplog):

@@ -52,7 +52,8 @@ def server_shm_dir(port: int, root: Path | str = "auto") -> Path | None:
         try:
             fd = os.open(folder / LOCK_FILE, os.O_RDONLY | os.O_NOFOLLOW)
         except FileNotFoundError:
-            if folder.is_dir() and not folder.is_symlink():
+            starting = (folder / (LOCK_FILE + ".tmp")).exists()  # a server locking it now
+            if folder.is_dir() and not folder.is_symlink() and not starting:
                 unlocked.append(folder.name)
             continue
         except OSError:
@@ -92,8 +93,11 @@ class SharedMemoryFiles:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self.directory.mkdir(mode=FOLDER_MODE, parents=True, exist_ok=True)
-        self._lock_fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        # Named only once locked: a server starting beside this one removes a folder whose lock it can take.
+        locking = directory / (LOCK_FILE + ".tmp")
+        self._lock_fd = os.open(locking, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        locking.replace(directory / LOCK_FILE)
         self._lock = threading.Lock()
         self._files: dict[PayloadKey, Path] = {}
         self._memory: dict[PayloadKey, PublisherMemory] = {}  # files that are memfds
