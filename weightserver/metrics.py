@@ -100,7 +100,7 @@ class ServerMetrics(NoMetrics):
             collector(registry=self.registry)
         self._transports = tuple(transports)
         self._http: tuple[WSGIServer, threading.Thread] | None = None
-        self._max_tracked_clients = max_tracked_clients
+        self._max_clients = max_tracked_clients
         self._lock = threading.Lock()
         self._latest: dict[str, int] = {}
         self._upstream_latest: dict[str, int] = {}  # a relay's: what its clients' lag counts against
@@ -146,8 +146,14 @@ class ServerMetrics(NoMetrics):
         self.fetch_bytes.labels(model, transport).inc(nbytes)
         self.fetch_seconds.labels(model, transport).observe(seconds)
         with self._lock:
-            if client_id is None or not self._track(client_id):
+            if client_id is None:
                 return
+            if client_id not in self._client_ids and len(self._client_ids) >= self._max_clients:
+                if not self._warned_client_cap:
+                    log.warning("metrics track %d client ids at most; %r gets none", self._max_clients, client_id)
+                    self._warned_client_cap = True
+                return
+            self._client_ids.add(client_id)
             self._client_versions.setdefault(model, {})[client_id] = version
             latest = max(self._reference(model), version)
             self.client_version.labels(client_id, model).set(version)
@@ -205,20 +211,8 @@ class ServerMetrics(NoMetrics):
         for client_id, version in self._client_versions.get(model, {}).items():
             self.client_lag.labels(client_id, model).set(max(reference - version, 0))
 
-    def _track(self, client_id: str) -> bool:
-        """Whether `client_id` has (or now gets) per-client gauges; called under the lock."""
-        if client_id in self._client_ids or len(self._client_ids) < self._max_tracked_clients:
-            self._client_ids.add(client_id)
-            return True
-        if not self._warned_client_cap:
-            log.warning("metrics track %d client ids at most; %r gets none", self._max_tracked_clients, client_id)
-            self._warned_client_cap = True
-        return False
-
     def serve(self, host: str, port: int) -> int:
         """Serve /metrics over plain HTTP on host:port (0: a free port); return the bound port."""
-        if self._http is not None:
-            raise RuntimeError("metrics already served")
         self._http = start_http_server(port, addr=host, registry=self.registry)
         return self._http[0].server_port
 
