@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 # Seconds, from a small fetch on loopback to a multi-GiB publish over a slow link.
 DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-MAX_TRACKED_CLIENTS = 10_000  # client ids with gauges at most: a caller inventing ids cannot grow the server's memory
+MAX_CLIENT_IDS = 10_000  # client ids with gauges at most: a caller inventing ids cannot grow the server's memory
 
 
 def build_labels() -> dict[str, str]:
@@ -89,11 +89,7 @@ class ServerMetrics(NoMetrics):
     clients' lag counts from its upstream's latest."""
 
     def __init__(
-        self,
-        max_tracked_clients: int = MAX_TRACKED_CLIENTS,
-        transports: Iterable[str] = ("stream",),
-        *,
-        relay: bool = False,
+        self, max_tracked_clients: int = MAX_CLIENT_IDS, transports: Iterable[str] = ("stream",), *, relay: bool = False
     ) -> None:
         self.registry = CollectorRegistry()
         for collector in (ProcessCollector, PlatformCollector, GCCollector):

@@ -46,7 +46,6 @@ GROUP_WAIT_SECONDS = 60.0  # for the other members of a group version; then a fo
 MAX_INCOMING = 8  # publishes received early, awaiting their commit; beyond, the oldest are let go
 _NEVER_FITS = (errors.ModelTooLarge, errors.DescriptionTooLarge, errors.InvalidSafetensors)
 _REFUSALS = (errors.AuthenticationRequired, errors.PermissionDenied)
-_CHANGES = {"Publish": "publishes", "Negotiate": "publishes", "DeleteVersion": "deletes", "PinVersion": "pins"}
 
 
 def check_upstream_tls(config: ServerConfig) -> None:
@@ -136,9 +135,9 @@ class Relay:
         """Initial metadata of the Watch calls this relay serves: the primary, for relays below."""
         return ((PRIMARY_METADATA_KEY, self.primary),)
 
-    def refuse(self, call: str) -> NoReturn:
+    def refuse(self, changes: str) -> NoReturn:
         raise errors.NotPrimary(
-            f"this server is a relay of {self.address} and takes no {_CHANGES.get(call, 'changes')}: its versions "
+            f"this server is a relay of {self.address} and takes no {changes}: its versions "
             f"are the primary's; send publishes, deletes and pins to the primary, {self.primary}"
         )
 

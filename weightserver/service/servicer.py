@@ -211,7 +211,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         if request.direction == pb.DIRECTION_PUBLISH:
             owner, header = self._authorize_header(context, request.publish), request.publish  # owner: names its upload
             if self.relay is not None:
-                self.relay.refuse("Negotiate")
+                self.relay.refuse("publishes")
             self.publishes.check(header)
             accept = request.accept if header.total_bytes else []  # (the stream stages nothing: it is the default)
             for transport in filter(None, map(self.transports.get, accept)):
