@@ -367,8 +367,7 @@ class Relay:
     def _on_arriving(self, announced: IncomingEvent) -> None:
         """A publish's bytes arrive upstream (or, `failed`, never will): receive them, passing them on as they land."""
         if announced.failed:
-            incoming = self._incoming.pop(announced.id, None)
-            if incoming is not None:
+            if (incoming := self._incoming.pop(announced.id, None)) is not None:
                 incoming.task.cancel()
                 incoming.publish.fail("the publish failed upstream")
             return

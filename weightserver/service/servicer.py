@@ -215,8 +215,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
             self.publishes.check(header)
             accept = request.accept if header.total_bytes else []  # (the stream stages nothing: it is the default)
             for transport in filter(None, map(self.transports.get, accept)):
-                upload = await asyncio.to_thread(transport.stage, header, owner, answer.payload)
-                if upload is not None:
+                if (upload := await asyncio.to_thread(transport.stage, header, owner, answer.payload)) is not None:
                     answer.transport, answer.upload = transport.kind, upload.id
                     answer.payload.byte_size = header.total_bytes
                     break
