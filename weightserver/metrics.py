@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 # Seconds, from a small fetch on loopback to a multi-GiB publish over a slow link.
 DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-MAX_TRACKED_CLIENTS = 10_000  # client ids with gauges at most: a caller inventing ids cannot grow the server's memory
+MAX_CLIENT_IDS = 10_000  # client ids with gauges at most: a caller inventing ids cannot grow the server's memory
 
 
 def build_labels() -> dict[str, str]:
@@ -89,18 +89,14 @@ class ServerMetrics(NoMetrics):
     clients' lag counts from its upstream's latest."""
 
     def __init__(
-        self,
-        max_tracked_clients: int = MAX_TRACKED_CLIENTS,
-        transports: Iterable[str] = ("stream",),
-        *,
-        relay: bool = False,
+        self, max_tracked_clients: int = MAX_CLIENT_IDS, transports: Iterable[str] = ("stream",), *, relay: bool = False
     ) -> None:
         self.registry = CollectorRegistry()
         for collector in (ProcessCollector, PlatformCollector, GCCollector):
             collector(registry=self.registry)
         self._transports = tuple(transports)
         self._http: tuple[WSGIServer, threading.Thread] | None = None
-        self._max_tracked_clients = max_tracked_clients
+        self._max_clients = max_tracked_clients
         self._lock = threading.Lock()
         self._latest: dict[str, int] = {}
         self._upstream_latest: dict[str, int] = {}  # a relay's: what its clients' lag counts against
@@ -146,8 +142,14 @@ class ServerMetrics(NoMetrics):
         self.fetch_bytes.labels(model, transport).inc(nbytes)
         self.fetch_seconds.labels(model, transport).observe(seconds)
         with self._lock:
-            if client_id is None or not self._track(client_id):
+            if client_id is None:
                 return
+            if client_id not in self._client_ids and len(self._client_ids) >= self._max_clients:
+                if not self._warned_client_cap:
+                    log.warning("metrics track %d client ids at most; %r gets none", self._max_clients, client_id)
+                    self._warned_client_cap = True
+                return
+            self._client_ids.add(client_id)
             self._client_versions.setdefault(model, {})[client_id] = version
             latest = max(self._reference(model), version)
             self.client_version.labels(client_id, model).set(version)
@@ -205,20 +207,8 @@ class ServerMetrics(NoMetrics):
         for client_id, version in self._client_versions.get(model, {}).items():
             self.client_lag.labels(client_id, model).set(max(reference - version, 0))
 
-    def _track(self, client_id: str) -> bool:
-        """Whether `client_id` has (or now gets) per-client gauges; called under the lock."""
-        if client_id in self._client_ids or len(self._client_ids) < self._max_tracked_clients:
-            self._client_ids.add(client_id)
-            return True
-        if not self._warned_client_cap:
-            log.warning("metrics track %d client ids at most; %r gets none", self._max_tracked_clients, client_id)
-            self._warned_client_cap = True
-        return False
-
     def serve(self, host: str, port: int) -> int:
         """Serve /metrics over plain HTTP on host:port (0: a free port); return the bound port."""
-        if self._http is not None:
-            raise RuntimeError("metrics already served")
         self._http = start_http_server(port, addr=host, registry=self.registry)
         return self._http[0].server_port
 

@@ -32,7 +32,7 @@ from weightserver.transports.shared_memory import SharedMemoryFiles, server_shm_
 from weightserver.v1 import weights_pb2 as pb
 
 if TYPE_CHECKING:  # the relay is a client of its upstream: imported by relays only
-    from weightserver.relay.relay import Relay, UpstreamLink
+    from weightserver.relay.relay import Relay
 
 log = logging.getLogger(__name__)
 
@@ -107,11 +107,10 @@ class WeightServer:
         )
         # A bad token file or upstream PEM file stops it before it binds.
         self.tokens = TokenTable.load(config.auth_tokens) if config.auth_tokens else None
-        self.upstream_link: UpstreamLink | None = None
         if config.upstream is not None:
-            from weightserver.relay.relay import UpstreamLink
+            from weightserver.relay.relay import check_upstream_tls
 
-            self.upstream_link = UpstreamLink.from_config(config)
+            check_upstream_tls(config)
         self.port: int = 0
         self.metrics_port: int | None = None
         self.bulk: BulkEndpoint | None = None
@@ -233,7 +232,6 @@ class WeightServer:
                 self.relay = servicer.relay = Relay(
                     self.store,
                     config,
-                    self.upstream_link,
                     metrics=self.metrics,
                     health=health,
                     incoming=servicer.incoming,

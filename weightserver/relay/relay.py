@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import NoReturn, TypeVar
 
 from grpc_health.v1 import health_pb2
@@ -48,29 +46,16 @@ GROUP_WAIT_SECONDS = 60.0  # for the other members of a group version; then a fo
 MAX_INCOMING = 8  # publishes received early, awaiting their commit; beyond, the oldest are let go
 _NEVER_FITS = (errors.ModelTooLarge, errors.DescriptionTooLarge, errors.InvalidSafetensors)
 _REFUSALS = (errors.AuthenticationRequired, errors.PermissionDenied)
-_CHANGES = {"Publish": "publishes", "Negotiate": "publishes", "DeleteVersion": "deletes", "PinVersion": "pins"}
 
 
-@dataclass(frozen=True)
-class UpstreamLink:
-    """How a relay dials its upstream: the client's TLS options and bearer token ("": none)."""
-
-    tls: bool = False
-    tls_ca: Path | None = None
-    tls_cert: Path | None = None
-    tls_key: Path | None = None
-    token: str = field(default="", repr=False)
-
-    @classmethod
-    def from_config(cls, config: ServerConfig) -> UpstreamLink:
-        """Reads the PEM files now, so a bad one stops the server before it binds (ValueError)."""
+def check_upstream_tls(config: ServerConfig) -> None:
+    """Read the upstream's PEM files now, so that a bad one stops the server before it binds (ValueError)."""
+    if config.upstream_uses_tls:
         files = (config.upstream_tls_ca, config.upstream_tls_cert, config.upstream_tls_key)
-        if config.upstream_uses_tls:
-            try:
-                channel_credentials(*files, names=("--upstream-tls-ca", "--upstream-tls-cert", "--upstream-tls-key"))
-            except OSError as exc:
-                raise ValueError(f"cannot read the upstream's TLS file {exc.filename}: {exc.strerror}") from None
-        return cls(config.upstream_uses_tls, *files, token=config.upstream_token or "")
+        try:
+            channel_credentials(*files, names=("--upstream-tls-ca", "--upstream-tls-cert", "--upstream-tls-key"))
+        except OSError as exc:
+            raise ValueError(f"cannot read the upstream's TLS file {exc.filename}: {exc.strerror}") from None
 
 
 @dataclass
@@ -107,14 +92,13 @@ class _Fetched:
 
 
 class Relay:
-    """Follows `config.upstream` into `store` on the running event loop, over `link`. `incoming`: the
+    """Follows `config.upstream` into `store` on the running event loop. `incoming`: the
     server's publishes in progress, fed as bytes arrive (cut-through) so depth is cheap."""
 
     def __init__(
         self,
         store: VersionStore,
         config: ServerConfig,
-        link: UpstreamLink,
         *,
         metrics: NoMetrics,
         health: health_aio.HealthServicer,
@@ -122,7 +106,8 @@ class Relay:
         on_removed: Callable[[str], None],
     ) -> None:
         assert config.upstream is not None
-        self.store, self.link, self.incoming = store, link, incoming
+        self.store, self.config, self.incoming = store, config, incoming
+        self.tls, self.token = config.upstream_uses_tls, config.upstream_token or ""  # "": none (not from the env)
         self.on_removed = on_removed  # called with the model after a version went (on the event loop)
         self._incoming: dict[str, _Incoming] = {}  # by the upstream's announcement id
         self.address, models = config.upstream, config.upstream_models  # models to follow (None: all)
@@ -150,17 +135,25 @@ class Relay:
         """Initial metadata of the Watch calls this relay serves: the primary, for relays below."""
         return ((PRIMARY_METADATA_KEY, self.primary),)
 
-    def refuse(self, call: str) -> NoReturn:
+    def refuse(self, changes: str) -> NoReturn:
         raise errors.NotPrimary(
-            f"this server is a relay of {self.address} and takes no {_CHANGES.get(call, 'changes')}: its versions "
+            f"this server is a relay of {self.address} and takes no {changes}: its versions "
             f"are the primary's; send publishes, deletes and pins to the primary, {self.primary}"
         )
 
     async def start(self, client_id: str | None = None) -> None:
         """Start following; `client_id` names this relay to its upstream (logs, per-client metrics)."""
-        link, options = self.link, dataclasses.asdict(self.link)
+        config = self.config
         self._client = WeightServiceClient(
-            self.address, timeout=CALL_SECONDS, chunk_bytes=MAX_CHUNK_BYTES, client_id=client_id, **options
+            self.address,
+            timeout=CALL_SECONDS,
+            chunk_bytes=MAX_CHUNK_BYTES,
+            client_id=client_id,
+            token=self.token,
+            tls=self.tls,
+            tls_ca=config.upstream_tls_ca,
+            tls_cert=config.upstream_tls_cert,
+            tls_key=config.upstream_tls_key,
         )
         self.metrics.upstream_up(False)
         await self.health.set(RELAY_HEALTH_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)  # until it answers
@@ -168,9 +161,9 @@ class Relay:
         for model in sorted(self.models or ()):
             self._follow(model)
         models = ", ".join(sorted(self.models)) if self.models is not None else "all"
-        how = ("TLS" if link.tls else "plaintext", "with a token" if link.token else "no token")
+        how = ("TLS" if self.tls else "plaintext", "with a token" if self.token else "no token")
         log.info("relaying %s (models: %s; polled every %gs; %s, %s)", self.address, models, self.poll_seconds, *how)
-        if link.token and not link.tls:
+        if self.token and not self.tls:
             log.warning("relay: the upstream token travels in plaintext to %s; use --upstream-tls-ca", self.address)
 
     async def stop(self) -> None:
@@ -235,12 +228,12 @@ class Relay:
             self._upstream_back.set()  # waiting followers go at once
             self._upstream_back = asyncio.Event()
         elif refused:
-            advice = "check the token of" if self.link.token else "it requires a token: give the relay one with"
+            advice = "check the token of" if self.token else "it requires a token: give the relay one with"
             message = "upstream %s refuses this relay (%s): %s --upstream-token-file or $WEIGHTSERVER_UPSTREAM_TOKEN"
             log.error(message + " (role reader or above)", self.address, self.upstream_error, advice)
         else:  # a failed TLS handshake looks like an upstream that is away (UNAVAILABLE)
             advice = "if it is up and serves TLS, dial it with --upstream-tls-ca PEM or --upstream-tls"
-            if self.link.tls:
+            if self.tls:
                 advice = "if it is up, check its TLS: --upstream-tls-ca (its CA, the name dialled), --upstream-tls-cert"
             log.warning("upstream %s does not answer (%s): serving the versions held (%s)", self.address, error, advice)
         # Last: a probe that sees it change finds the rest in place.
@@ -374,8 +367,7 @@ class Relay:
     def _on_arriving(self, announced: IncomingEvent) -> None:
         """A publish's bytes arrive upstream (or, `failed`, never will): receive them, passing them on as they land."""
         if announced.failed:
-            incoming = self._incoming.pop(announced.id, None)
-            if incoming is not None:
+            if (incoming := self._incoming.pop(announced.id, None)) is not None:
                 incoming.task.cancel()
                 incoming.publish.fail("the publish failed upstream")
             return

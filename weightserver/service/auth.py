@@ -84,18 +84,14 @@ class TokenTable:
         found = [principal for known, principal in self._entries.items() if hmac.compare_digest(known, digest)]
         return found[0] if found else None
 
-    def authorize(
-        self, metadata: Iterable[tuple[str, str | bytes]] | None, method: str, model: str | None = None
-    ) -> Principal:
-        """The caller of `method` (on `model`) if its bearer token allows it."""
+    def authorize(self, metadata: Iterable[tuple[str, str]] | None, method: str, model: str | None = None) -> Principal:
+        """The caller of `method` (on `model`) if its bearer token allows it (gRPC gives a text key's value as str)."""
         header = next((v for k, v in metadata or () if k == AUTHORIZATION_METADATA_KEY), None)
         if header is None:
             raise AuthenticationRequired(
                 "this server requires a token: send 'authorization: Bearer <token>' "
                 "(Python client: token= or $WEIGHTSERVER_TOKEN)"
             )
-        if isinstance(header, bytes):
-            header = header.decode("utf-8", "replace")
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             raise AuthenticationRequired("the authorization metadata must be 'Bearer <token>'")

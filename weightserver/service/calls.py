@@ -25,7 +25,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 # The servicer's logger, the name operators and tests filter publish and fetch lines on.
 log = logging.getLogger("weightserver.service.servicer")
 Context = grpc.aio.ServicerContext
-CHANGES = ("Publish", "DeleteVersion", "PinVersion")  # refused by a relay, naming its primary
+CHANGES = {"Publish": "publishes", "DeleteVersion": "deletes", "PinVersion": "pins"}  # a relay refuses them
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ def _admit(servicer: Any, request: Any, context: Context, method: str) -> None:
     if isinstance(request, Undecodable):
         raise request.error()
     if servicer.relay is not None and method in CHANGES:
-        servicer.relay.refuse(method)
+        servicer.relay.refuse(CHANGES[method])
 
 
 def unary(method: F) -> F:

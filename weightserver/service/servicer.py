@@ -21,7 +21,7 @@ from weightserver.publish.call import PublishCall, Publishes
 from weightserver.publish.incoming import IncomingPublishes
 from weightserver.publish.priority import CommitsFirst
 from weightserver.publish.staged_uploads import StagedUploads
-from weightserver.service.auth import Principal, TokenTable
+from weightserver.service.auth import TokenTable
 from weightserver.service.calls import Context, Undecodable, client_id_of, log_event, streaming, unary
 from weightserver.service.watch import Watches
 from weightserver.storage.payloads import CAST_TARGETS, Payload, PayloadCache
@@ -71,17 +71,18 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         self.publishes.close()
         self.staged.close()
 
-    def authorize(self, context: Context, method: str, model: str | None = None) -> Principal | None:
-        return self.tokens.authorize(context.invocation_metadata(), method, model) if self.tokens else None
+    def authorize(self, context: Context, method: str, model: str | None = None) -> bytes | None:
+        """The caller's token's sha256 (None: no tokens), which owns the uploads it stages; raises if it may not."""
+        return self.tokens.authorize(context.invocation_metadata(), method, model).token_sha256 if self.tokens else None
 
-    def _authorize_header(self, context: Context, header: pb.PublishHeader) -> Principal | None:
-        principal = self.authorize(context, "Publish", header.model)
+    def _authorize_header(self, context: Context, header: pb.PublishHeader) -> bytes | None:
+        owner = self.authorize(context, "Publish", header.model)
         try:
             if header.pin:
                 self.authorize(context, "PinVersion", header.model)
         except PermissionDenied as exc:
             raise PermissionDenied(f"a publish with pin=True pins the version: {exc}") from None
-        return principal
+        return owner
 
     def _on_commit(self, commit: Commit) -> None:
         """A commit may have evicted versions; an xxh3-only one's shm header is rewritten with its sha256."""
@@ -109,8 +110,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
 
     @unary
     async def Publish(self, request_iterator: AsyncIterator[pb.PublishRequest], context: Context) -> pb.PublishResponse:
-        started, caller = time.perf_counter(), self.authorize(context, "Publish")
-        owner = caller.token_sha256 if caller is not None else None
+        started, owner = time.perf_counter(), self.authorize(context, "Publish")
         # Whose bucket of waiting hold the publish draws on: its token's, or its host's.
         bucket = f"token {owner.hex()}" if owner is not None else "peer " + context.peer().rpartition(":")[0]
 
@@ -209,15 +209,13 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         """The first transport the caller accepts (in its order) that makes an offer, else the stream."""
         answer = pb.NegotiateResponse(transport=pb.TRANSPORT_STREAM)
         if request.direction == pb.DIRECTION_PUBLISH:
-            caller, header = self._authorize_header(context, request.publish), request.publish
+            owner, header = self._authorize_header(context, request.publish), request.publish  # owner: names its upload
             if self.relay is not None:
-                self.relay.refuse("Negotiate")
+                self.relay.refuse("publishes")
             self.publishes.check(header)
             accept = request.accept if header.total_bytes else []  # (the stream stages nothing: it is the default)
-            owner = caller.token_sha256 if caller is not None else None  # the only one who may name the upload
             for transport in filter(None, map(self.transports.get, accept)):
-                upload = await asyncio.to_thread(transport.stage, header, owner, answer.payload)
-                if upload is not None:
+                if (upload := await asyncio.to_thread(transport.stage, header, owner, answer.payload)) is not None:
                     answer.transport, answer.upload = transport.kind, upload.id
                     answer.payload.byte_size = header.total_bytes
                     break
