@@ -2,8 +2,7 @@
 
 A client sends a single-use 16-byte ticket from Negotiate, then receives the payload or sends an
 upload (acknowledged with ACK). The ticket is the capability, so a peer's hold is bounded: at most
-`max_connections`, a ticket in time, and a reader stalled for SEND_STALL_SECONDS is dropped.
-"""
+`max_connections`, a ticket in time, and a reader stalled for SEND_STALL_SECONDS is dropped."""
 
 from __future__ import annotations
 

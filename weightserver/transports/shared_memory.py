@@ -1,8 +1,7 @@
 """Shared memory: payloads as files under /dev/shm for same-host collectors, with a header file
 beside each version's. Space is reserved before a byte is written (a store to a page a full tmpfs
 cannot back is a SIGBUS). The server maps only files no other process can change: its own, and a
-same-host publisher's memfd once sealed (`PublisherMemory`).
-"""
+same-host publisher's memfd once sealed (`PublisherMemory`)."""
 
 from __future__ import annotations
 
@@ -70,11 +69,10 @@ def server_shm_dir(port: int, root: Path | str = "auto") -> Path | None:
     return root / f"weightserver-{port}-{secrets.token_hex(4)}-{os.getpid()}"
 
 
-def _write_file(path: Path, data: bytes | bytearray | memoryview | tuple[memoryview, ...], mode: int) -> None:
-    """Write `path` whole (`data`, or its consecutive parts) with `mode` (temp file + rename); OSError: no room."""
+def _write_file(path: Path, parts: tuple[memoryview, ...], mode: int) -> None:
+    """Write `path` whole from its consecutive `parts` with `mode` (temp file + rename); OSError: no room."""
     tmp = path.with_name(path.name + ".tmp")
     tmp.unlink(missing_ok=True)  # left by a crash, and read-only if it was a header's
-    parts = data if isinstance(data, tuple) else (memoryview(data),)
     try:
         with open(tmp, "wb") as f:
             if size := sum(p.nbytes for p in parts):
@@ -101,8 +99,7 @@ class SharedMemoryFiles:
         self._closed = False
 
     def path_for(self, key: PayloadKey, data: tuple[memoryview, ...] | None) -> Path | None:
-        """The file of payload `key` (model, version, base, dtype, element delta forms, selection), written
-        once from `data`; None: no room, or (`data` None) not written yet."""
+        """The file of payload `key`, written once from `data`; None: no room, or (`data` None) not written yet."""
         with self._lock:
             path = self._files.get(key)
             if data is None or (path is not None and path.exists()):
@@ -152,7 +149,7 @@ class SharedMemoryFiles:
             if (model, version, 0, "", "", "") not in self._files or (content := header()) is None:
                 return
             try:
-                _write_file(self.directory / model / header_file_name(version), content, 0o444)
+                _write_file(self.directory / model / header_file_name(version), (memoryview(content),), 0o444)
             except OSError as exc:
                 self._cannot_write(f"the header of {model!r} v{version}", len(content), exc, "clients ask the server")
 
