@@ -12,7 +12,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import KW_ONLY, dataclass, field
 
-from weightserver.protocol import errors, page_tables, version_info
+from weightserver.protocol import errors, page_tables
 from weightserver.protocol.digests import FileDigests, IncomingDigests, tensor_digests, xxh3_hex
 from weightserver.protocol.safetensors_format import parse_header
 from weightserver.publish.incoming import IncomingPublish, IncomingPublishes
@@ -193,9 +193,7 @@ class IncomingModel:
         if self.announcement is not None:
             self.announcements.committed(self.announcement, record.model, record.version)
         if self.file is not None and self.shared_memory is not None:
-            self.shared_memory.adopt((record.model, record.version, 0, "", "", ""), self.file)
-            message = version_info.version_message(record).SerializeToString()
-            self.shared_memory.write_header(record.model, record.version, lambda: message)
+            self.shared_memory.adopt(record, self.file)
 
     def settle(self) -> None:
         if self._hashing is not None:

@@ -134,13 +134,16 @@ class SharedMemoryFiles:
                 self._cannot_write(f"a publish of {model!r}", size, exc, "it is received into memory instead")
             return None
 
-    def adopt(self, key: PayloadKey, upload: UploadFile) -> None:
-        model, version, *_ = key
-        upload.keep_as(self.directory / model / version_file_name(version))
+    def adopt(self, record: Version, upload: UploadFile) -> None:
+        """`upload` becomes `record`'s file, its header written beside it."""
+        key = (record.model, record.version, 0, "", "", "")
+        upload.keep_as(self.directory / record.model / version_file_name(record.version))
         with self._lock:
             self._files[key] = upload.path
             if isinstance(upload, PublisherMemory):
                 self._memory[key] = upload
+        message = version_message(record).SerializeToString()
+        self.write_header(record.model, record.version, lambda: message)
 
     def write_header(self, model: str, version: int, header: Callable[[], bytes | None]) -> None:
         """(Re)write `version`'s header file if its file is here; `header()` (None: gone) runs under
