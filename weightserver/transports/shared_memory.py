@@ -258,9 +258,8 @@ class PublisherMemory(UploadFile):
         self._lock = threading.Lock()
 
     def seal(self, model: str, *, populate: bool = True) -> memoryview:
-        """Seal it and map it read-only (`populate`: every page now, for a hash that reads them all):
-        InvalidRequest while the publisher still maps it writable, IntegrityError if it is not the
-        declared size."""
+        """Seal it and map it read-only (`populate`: every page now, for a hash that reads them all);
+        InvalidRequest while the publisher maps it writable, IntegrityError if not the declared size."""
         # EBUSY may also be a page still referenced past the kernel's own ~150 ms wait: up to 0.75 s more
         for wait in (0.05, 0.1, 0.2, 0.4, None):
             try:
