@@ -85,11 +85,9 @@ class VersionStore(VersionIndex):
         """Commit `data` as a new version of `model`; `upload`: the other Upload fields."""
         return self.publish_group([Upload(model, data, **upload)], version=version, publish_id=publish_id)[0]
 
-    def publish_group(
-        self, uploads: Sequence[Upload], *, version: int = 0, publish_id: str = "", created: float | None = None
-    ) -> list[Version]:
+    def publish_group(self, uploads: Sequence[Upload], *, version: int = 0, publish_id: str = "") -> list[Version]:
         """Commit `uploads` (see `commit`); their versions, in `uploads` order."""
-        with self.commit(uploads, version=version, publish_id=publish_id, created=created) as event:
+        with self.commit(uploads, version=version, publish_id=publish_id) as event:
             pass
         return list(event.versions)
 
