@@ -11,6 +11,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from weightserver.protocol.errors import PublishAborted, UploadNotFound, clipped_repr
+from weightserver.storage.store import subscribed
 
 REMEMBERED_COMMITS = 256  # commits remembered with the announcement they ended, for Watch events
 
@@ -111,14 +112,7 @@ class IncomingPublishes:
 
     def subscribe(self, listener: Callable[[IncomingPublish], None]) -> Callable[[], None]:
         """Call `listener(incoming)` as each publish starts and fails; returns an unsubscribe."""
-        with self._lock:
-            self._listeners.append(listener)
-
-        def unsubscribe() -> None:
-            with self._lock, contextlib.suppress(ValueError):
-                self._listeners.remove(listener)
-
-        return unsubscribe
+        return subscribed(self._lock, self._listeners, listener)
 
     def _ended(self, incoming: IncomingPublish) -> None:
         with self._lock:

@@ -12,15 +12,8 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import KW_ONLY, dataclass, field
 
-from weightserver.protocol import page_tables, version_info
+from weightserver.protocol import errors, page_tables
 from weightserver.protocol.digests import FileDigests, IncomingDigests, tensor_digests, xxh3_hex
-from weightserver.protocol.errors import (
-    IntegrityError,
-    InvalidRequest,
-    InvalidSafetensors,
-    WeightServerError,
-    clipped_repr,
-)
 from weightserver.protocol.safetensors_format import parse_header
 from weightserver.publish.incoming import IncomingPublish, IncomingPublishes
 from weightserver.storage.store import Upload, Version
@@ -85,12 +78,14 @@ class IncomingModel:
 
     def add(self, chunk: bytes) -> None:
         if self.transport != "stream":
-            raise InvalidRequest(f"model {self.model!r}: chunks after `uploaded`; send one or the other")
+            raise errors.InvalidRequest(f"model {self.model!r}: chunks after `uploaded`; send one or the other")
         if self.buffer is None:
             self.allocate()
         end = self.received + len(chunk)
         if end > self.total_bytes:
-            raise IntegrityError(f"model {self.model!r}: publisher declared {self.total_bytes} bytes but sent more")
+            raise errors.IntegrityError(
+                f"model {self.model!r}: publisher declared {self.total_bytes} bytes but sent more"
+            )
         self.buffer[self.received : end] = chunk
         self.arrived(end)
 
@@ -117,11 +112,11 @@ class IncomingModel:
         """A same-host writer's bytes [0, end) are written: progress only, as nothing is read
         before the seal (no cut-through: those bytes may still change)."""
         if self.transport != "shm":
-            raise InvalidRequest(
+            raise errors.InvalidRequest(
                 f"model {self.model!r}: `written` is for a shared-memory upload; upload {self.id} is {self.transport}"
             )
         if not self.received <= end <= self.total_bytes:
-            raise InvalidRequest(
+            raise errors.InvalidRequest(
                 f"model {self.model!r}: `written` says {end} bytes, after {self.received}, of {self.total_bytes}; "
                 "it must not go back or beyond the size"
             )
@@ -130,9 +125,9 @@ class IncomingModel:
     def uploaded(self, message: pb.PublishUploaded) -> None:
         if message.xxh3:
             if self.header.xxh3 and self.header.xxh3.lower() != message.xxh3.lower():
-                raise IntegrityError(
-                    f"model {self.model!r}: header declares xxh3 {clipped_repr(self.header.xxh3)} but "
-                    f"`uploaded` declares {clipped_repr(message.xxh3)}"
+                raise errors.IntegrityError(
+                    f"model {self.model!r}: header declares xxh3 {errors.clipped_repr(self.header.xxh3)} but "
+                    f"`uploaded` declares {errors.clipped_repr(message.xxh3)}"
                 )
             self.header.xxh3 = message.xxh3
         self.declared_tensors = {name: digest.lower() for name, digest in message.tensor_xxh3.items()}
@@ -145,7 +140,7 @@ class IncomingModel:
 
     def check_complete(self) -> None:
         if self.received != self.total_bytes:
-            raise IntegrityError(
+            raise errors.IntegrityError(
                 f"model {self.model!r}: publisher declared {self.total_bytes} bytes but sent "
                 f"{self.received}; the upload was cut short or the header is wrong"
             )
@@ -155,10 +150,10 @@ class IncomingModel:
         if isinstance(self.file, PublisherMemory):
             return self._sealed(self.file)
         if self.transport == "bulk" and not self.complete:
-            if isinstance(self.failure, WeightServerError):
+            if isinstance(self.failure, errors.WeightServerError):
                 raise self.failure  # bytes that are no safetensors file: the check's own error
             why = (str(self.failure) or type(self.failure).__name__) if self.failure else "it has not finished"
-            raise IntegrityError(
+            raise errors.IntegrityError(
                 f"model {self.model!r}: the bulk upload of {self.total_bytes} bytes did not arrive whole ({why}); "
                 "publish again"
             )
@@ -198,9 +193,7 @@ class IncomingModel:
         if self.announcement is not None:
             self.announcements.committed(self.announcement, record.model, record.version)
         if self.file is not None and self.shared_memory is not None:
-            self.shared_memory.adopt((record.model, record.version, 0, "", "", ""), self.file)
-            message = version_info.version_message(record).SerializeToString()
-            self.shared_memory.write_header(record.model, record.version, lambda: message)
+            self.shared_memory.adopt(record, self.file)
 
     def settle(self) -> None:
         if self._hashing is not None:
@@ -221,7 +214,7 @@ class IncomingModel:
                 self.digests.advance(end)
             elif self.digests is not None:
                 return self.digests.finish()
-        except InvalidSafetensors:
+        except errors.InvalidSafetensors:
             if self.transport != "stream":
                 raise
             self.digests = None

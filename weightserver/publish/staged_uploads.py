@@ -40,8 +40,7 @@ class StagedUploads:
             return [upload.transport for upload in self._uploads.values()]
 
     def create(self, model: str, size: int, transport: str, *, owner: bytes | None = None) -> IncomingModel:
-        """An upload over `transport` ("bulk", "shm": into a memfd the publisher writes) that only
-        `owner` may name, received into shared memory where there is room (else memory)."""
+        """An upload over `transport` ("bulk" or "shm") that only `owner` may name (see `IncomingModel.allocate`)."""
         with self._lock:
             if len(self._uploads) >= self._max:
                 raise TooManyUploads(

@@ -285,7 +285,6 @@ class PayloadCache:
         return Selected(version.model, version.version, payload.data, payload.selection)
 
     def _cached(self, key: PayloadKey, build: Callable[[], Payload]) -> Payload:
-        """The payload of `key`, built once (concurrent callers wait for that build), then cached."""
         while True:
             with self._lock:
                 payload = self._entries.get(key)

@@ -3,10 +3,12 @@ a version becomes visible once its bytes passed every check and, with a data dir
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -83,11 +85,9 @@ class VersionStore(VersionIndex):
         """Commit `data` as a new version of `model`; `upload`: the other Upload fields."""
         return self.publish_group([Upload(model, data, **upload)], version=version, publish_id=publish_id)[0]
 
-    def publish_group(
-        self, uploads: Sequence[Upload], *, version: int = 0, publish_id: str = "", created: float | None = None
-    ) -> list[Version]:
+    def publish_group(self, uploads: Sequence[Upload], *, version: int = 0, publish_id: str = "") -> list[Version]:
         """Commit `uploads` (see `commit`); their versions, in `uploads` order."""
-        with self.commit(uploads, version=version, publish_id=publish_id, created=created) as event:
+        with self.commit(uploads, version=version, publish_id=publish_id) as event:
             pass
         return list(event.versions)
 
@@ -167,14 +167,7 @@ class VersionStore(VersionIndex):
 
     def subscribe(self, listener: Callable[[Commit], None]) -> Callable[[], None]:
         """Call `listener(commit)` once each commit is visible, in order, under its commit locks (must not block)."""
-        with self._lock:
-            self._listeners.append(listener)
-
-        def unsubscribe() -> None:
-            with self._lock, contextlib.suppress(ValueError):
-                self._listeners.remove(listener)
-
-        return unsubscribe
+        return subscribed(self._lock, self._listeners, listener)
 
     def delete(self, model: str, version: int, *, evicted: bool = False) -> Version:
         """Delete one version, from disk first. `evicted`: by its upstream (a relay): VersionEvicted later."""
@@ -186,8 +179,7 @@ class VersionStore(VersionIndex):
                 self._disk.delete_files(record, state.high_water)
             with self._lock:
                 del state.versions[version]
-                state.removed.append(version)
-                state.removed.sort()
+                bisect.insort(state.removed, version)
                 if not evicted:
                     state.deleted.add(version)
         return record
@@ -215,3 +207,15 @@ class VersionStore(VersionIndex):
 def _release(due: float, evicted: list[Version]) -> None:
     time.sleep(max(0.0, due - time.monotonic()))
     evicted.clear()
+
+
+def subscribed(lock: threading.Lock, listeners: list[Callable[[Any], None]], listener: Callable) -> Callable[[], None]:
+    """Add `listener` to `listeners` under `lock`; the function that removes it."""
+    with lock:
+        listeners.append(listener)
+
+    def unsubscribe() -> None:
+        with lock, contextlib.suppress(ValueError):
+            listeners.remove(listener)
+
+    return unsubscribe

@@ -1,1 +1,0 @@
-"""weightserver/transports"""

@@ -2,8 +2,7 @@
 
 A client sends a single-use 16-byte ticket from Negotiate, then receives the payload or sends an
 upload (acknowledged with ACK). The ticket is the capability, so a peer's hold is bounded: at most
-`max_connections`, a ticket in time, and a reader stalled for SEND_STALL_SECONDS is dropped.
-"""
+`max_connections`, a ticket in time, and a reader stalled for SEND_STALL_SECONDS is dropped."""
 
 from __future__ import annotations
 
@@ -89,9 +88,7 @@ class BulkEndpoint:
         with self._lock:
             return len(self._tickets)
 
-    def issue(
-        self, data: bytes | bytearray | memoryview | tuple[memoryview, ...], label: str = "", **pending: Any
-    ) -> bytes:
+    def issue(self, data: bytes | bytearray | memoryview | tuple[memoryview, ...], label: str, **pending: Any) -> bytes:
         """A ticket that sends `data` (a buffer, or consecutive parts) once (with `landed`: as it lands);
         with `arrived` and `done`, one that receives an upload into `data` (`arrived` may raise to stop it)."""
         ticket, expires = secrets.token_bytes(TICKET_BYTES), time.monotonic() + TICKET_TTL_SECONDS
@@ -163,7 +160,7 @@ class BulkEndpoint:
             while True:
                 pending = None  # not held while idle: its version may be evicted meanwhile
                 try:
-                    await _receive(conn, memoryview(ticket), None, stall=wait)
+                    await _receive(conn, memoryview(ticket), None, wait)
                 except (OSError, EOFError, TimeoutError):
                     return  # the client closed its connection, or sent no ticket in time
                 with self._lock:
@@ -181,7 +178,7 @@ class BulkEndpoint:
         started, done = time.perf_counter(), pending.done
         try:
             if done is not None:
-                await _receive(conn, pending.parts[0], pending.arrived)
+                await _receive(conn, pending.parts[0], pending.arrived, SEND_STALL_SECONDS)
             else:
                 for part in pending.parts:
                     await _send(conn, part, pending.landed)
@@ -246,9 +243,7 @@ class _Loop:
             self._loop.close()
 
 
-async def _receive(
-    conn: socket.socket, into: memoryview, arrived: Callable[[int], None] | None, stall: float = SEND_STALL_SECONDS
-) -> None:
+async def _receive(conn: socket.socket, into: memoryview, arrived: Callable[[int], None] | None, stall: float) -> None:
     """Fill `into`, telling `arrived` of every HASH_STRETCH more; EOFError or TimeoutError."""
     loop, readable = asyncio.get_running_loop(), asyncio.Event()
     loop.add_reader(conn, readable.set)

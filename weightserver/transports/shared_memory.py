@@ -1,8 +1,7 @@
 """Shared memory: payloads as files under /dev/shm for same-host collectors, with a header file
 beside each version's. Space is reserved before a byte is written (a store to a page a full tmpfs
 cannot back is a SIGBUS). The server maps only files no other process can change: its own, and a
-same-host publisher's memfd once sealed (`PublisherMemory`).
-"""
+same-host publisher's memfd once sealed (`PublisherMemory`)."""
 
 from __future__ import annotations
 
@@ -71,11 +70,10 @@ def server_shm_dir(port: int, root: Path | str = "auto") -> Path | None:
     return root / f"weightserver-{port}-{secrets.token_hex(4)}-{os.getpid()}"
 
 
-def _write_file(path: Path, data: bytes | bytearray | memoryview | tuple[memoryview, ...], mode: int) -> None:
-    """Write `path` whole (`data`, or its consecutive parts) with `mode` (temp file + rename); OSError: no room."""
+def _write_file(path: Path, parts: tuple[memoryview, ...], mode: int) -> None:
+    """Write `path` whole from its consecutive `parts` with `mode` (temp file + rename); OSError: no room."""
     tmp = path.with_name(path.name + ".tmp")
     tmp.unlink(missing_ok=True)  # left by a crash, and read-only if it was a header's
-    parts = data if isinstance(data, tuple) else (memoryview(data),)
     try:
         with open(tmp, "wb") as f:
             if size := sum(p.nbytes for p in parts):
@@ -105,8 +103,7 @@ class SharedMemoryFiles:
         self._closed = False
 
     def path_for(self, key: PayloadKey, data: tuple[memoryview, ...] | None) -> Path | None:
-        """The file of payload `key` (model, version, base, dtype, element delta forms, selection), written
-        once from `data`; None: no room, or (`data` None) not written yet."""
+        """The file of payload `key`, written once from `data`; None: no room, or (`data` None) not written yet."""
         with self._lock:
             path = self._files.get(key)
             if data is None or (path is not None and path.exists()):
@@ -141,13 +138,16 @@ class SharedMemoryFiles:
                 self._cannot_write(f"a publish of {model!r}", size, exc, "it is received into memory instead")
             return None
 
-    def adopt(self, key: PayloadKey, upload: UploadFile) -> None:
-        model, version, *_ = key
-        upload.keep_as(self.directory / model / version_file_name(version))
+    def adopt(self, record: Version, upload: UploadFile) -> None:
+        """`upload` becomes `record`'s file, its header written beside it."""
+        key = (record.model, record.version, 0, "", "", "")
+        upload.keep_as(self.directory / record.model / version_file_name(record.version))
         with self._lock:
             self._files[key] = upload.path
             if isinstance(upload, PublisherMemory):
                 self._memory[key] = upload
+        message = version_message(record).SerializeToString()
+        self.write_header(record.model, record.version, lambda: message)
 
     def write_header(self, model: str, version: int, header: Callable[[], bytes | None]) -> None:
         """(Re)write `version`'s header file if its file is here; `header()` (None: gone) runs under
@@ -156,7 +156,7 @@ class SharedMemoryFiles:
             if (model, version, 0, "", "", "") not in self._files or (content := header()) is None:
                 return
             try:
-                _write_file(self.directory / model / header_file_name(version), content, 0o444)
+                _write_file(self.directory / model / header_file_name(version), (memoryview(content),), 0o444)
             except OSError as exc:
                 self._cannot_write(f"the header of {model!r} v{version}", len(content), exc, "clients ask the server")
 
@@ -262,9 +262,8 @@ class PublisherMemory(UploadFile):
         self._lock = threading.Lock()
 
     def seal(self, model: str, *, populate: bool = True) -> memoryview:
-        """Seal it and map it read-only (`populate`: every page now, for a hash that reads them all):
-        InvalidRequest while the publisher still maps it writable, IntegrityError if it is not the
-        declared size."""
+        """Seal it and map it read-only (`populate`: every page now, for a hash that reads them all);
+        InvalidRequest while the publisher maps it writable, IntegrityError if not the declared size."""
         # EBUSY may also be a page still referenced past the kernel's own ~150 ms wait: up to 0.75 s more
         for wait in (0.05, 0.1, 0.2, 0.4, None):
             try:

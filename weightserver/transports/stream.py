@@ -1,8 +1,7 @@
 """StreamTransport: payloads as chunk messages of the Fetch call itself.
 
 At most `--max-stream-fetches` send at a time, so a publish shares the loop with a few fetches,
-not every open one; and each chunk waits while a publish goes first (`CommitsFirst`).
-"""
+not every open one; and each chunk waits while a publish goes first (`CommitsFirst`)."""
 
 from __future__ import annotations
 
