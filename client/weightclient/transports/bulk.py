@@ -48,9 +48,6 @@ class BulkTransport(Transport):
             raise TransportFailed(f"the bulk port answered {bytes(ack)!r}, not its acknowledgement")
         return Uploaded(xxh3)
 
-    def prepare(self, payload: pb.Payload) -> None:
-        pass  # the server set the buffer up; the kept connection is ready
-
     def receive(self, offer: Offer, *, into: memoryview | Sink | None, progress: Progress | None) -> memoryview:
         target = into if base.is_sink(into) else receive_buffer(offer.payload.byte_size, into)
         self._transfer(offer.payload.bulk, offer.label, offer.deadline, target, progress=progress, stall=offer.stall)
