@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any
 
 import xxhash
 
+from weightclient.core.failover import ServerLink
 from weightclient.core.retry import Deadline
 from weightclient.transports import Offer, OutgoingFile, Transport, TransportChain
 from weightclient.transports.base import Answer, Into, Parts, Progress, Uploaded, into_sink
@@ -28,9 +28,7 @@ class MockServer:
         self.calls: list[str] = []
         self._ids = itertools.count(1)
 
-    def connect(self, address: str) -> Any:
-        from weightclient.core.failover import ServerLink
-
+    def connect(self, address: str) -> ServerLink:
         chain = TransportChain([MockTransport(self, "bulk")], MockTransport(self, "stream"))
         return ServerLink(address, self, chain, MockTransport(self, "bulk"))
 
