@@ -38,9 +38,8 @@ class BulkTransport(Transport):
         self.port: int | None = None  # the server's bulk port this client last connected to
 
     def upload(self, payload: pb.Payload, parts: Parts, *, deadline: Deadline, progress: Progress | None) -> Uploaded:
-        total = payload.byte_size
-        if sum(part.nbytes for part in parts) != total:
-            raise TransportFailed(f"the server expects {total} bytes, not {sum(p.nbytes for p in parts)}")
+        if (size := sum(part.nbytes for part in parts)) != payload.byte_size:
+            raise TransportFailed(f"the server expects {payload.byte_size} bytes, not {size}")
         ack = memoryview(bytearray(1))
         xxh3 = self._transfer(payload.bulk, "an upload", deadline, ack, parts=parts, progress=progress)
         if ack != ACK:
