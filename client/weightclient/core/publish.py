@@ -159,8 +159,7 @@ class Publishing(Connection):
     def _publish_once(
         self, files: list[OutgoingFile], choice: str, deadline: Deadline, progress: Progress | None, spares: bool
     ) -> list[VersionInfo]:
-        """One attempt: each model's bytes over the transport the server picks, then one Publish
-        call that names the uploads (or carries the bytes)."""
+        """One attempt: each model's bytes moved (`_upload`), then one Publish call that names or carries them."""
         order, grand_total, done = self.transports.order(choice), sum(f.header.total_bytes for f in files), 0
         outgoing: list[OutgoingFile] = []
         with map_rpc_errors(self.address):

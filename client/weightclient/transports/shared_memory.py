@@ -50,8 +50,7 @@ class SharedMemoryTransport(Transport):
         self._lock = threading.Lock()
 
     def upload(self, payload: pb.Payload, parts: Parts, *, deadline: Deadline, progress: Progress | None) -> Uploaded:
-        """Write `parts` into the upload file through its mapping (set up ahead by `prepare`, else now),
-        hashing each block, file and tensors, where it landed; unmapped before the commit."""
+        """`_UploadWrite` through the upload file's mapping (set up ahead by `prepare`, else now), unmapped after."""
         path, total = payload.shared_memory.path, payload.byte_size
         if sum(p.nbytes for p in parts) != total:
             raise TransportFailed(f"{path} is not an upload file of {total} bytes")
@@ -146,8 +145,7 @@ class SharedMemoryTransport(Transport):
             os.close(fd)
 
     def read_directly(self, model: str, version: int) -> Offer | None:
-        """An offer for exactly `version` from its header file as the server wrote it; None when absent
-        or untrusted."""
+        """An offer for exactly `version` from its header file as the server wrote it; None when absent or untrusted."""
         folder, owner = self._folders.get(model, ("", -1))
         if not folder:
             return None
