@@ -76,9 +76,8 @@ class BulkTransport(Transport):
         first byte): tried once afresh."""
         with self._lock:
             try:
-                while True:
-                    fresh = self._socket is None or self.port != bulk.port
-                    if fresh:
+                for kept in (self._socket is not None and self.port == bulk.port, False):  # (kept, then afresh)
+                    if not kept:
                         self._close()
                         self._socket, self.port = _connect(self.host, bulk.port, deadline), bulk.port
                     conn = self._socket
@@ -115,8 +114,7 @@ class BulkTransport(Transport):
                                 progress(received, into.nbytes)
                         return hasher.hexdigest()
                     except (ConnectionError, EOFError):
-                        self._close()
-                        if fresh:
+                        if not kept:
                             raise
             except BaseException as exc:
                 self._close()  # cut part-way (an interrupt too): the connection's position is unknown
