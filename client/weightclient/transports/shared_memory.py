@@ -45,17 +45,15 @@ class SharedMemoryTransport(Transport):
 
     def __init__(self) -> None:
         self._folders: dict[str, tuple[str, int]] = {}  # model -> (folder, owner), once a file was read
-        self._prepared: dict[str, mmap.mmap] = {}  # upload path -> its mapping, page table filled
+        self._prepared: dict[str, mmap.mmap] = {}  # upload path -> its mapping, page table filled (dict ops are atomic)
         self._sealed: weakref.WeakSet[mmap.mmap] = weakref.WeakSet()  # mappings of sealed files
-        self._lock = threading.Lock()
 
     def upload(self, payload: pb.Payload, parts: Parts, *, deadline: Deadline, progress: Progress | None) -> Uploaded:
         """`_UploadWrite` through the upload file's mapping (set up ahead by `prepare`, else now), unmapped after."""
         path, total = payload.shared_memory.path, payload.byte_size
         if sum(p.nbytes for p in parts) != total:
             raise TransportFailed(f"{path} is not an upload file of {total} bytes")
-        with self._lock:
-            mapping = self._prepared.pop(path, None)
+        mapping = self._prepared.pop(path, None)
         if mapping is None:
             mapping = self._mapped(path, total)
         with mapping, memoryview(mapping) as target:
@@ -63,13 +61,11 @@ class SharedMemoryTransport(Transport):
 
     def prepare(self, payload: pb.Payload) -> None:
         """Map the upload file and fill the page table now (about 0.25 ms per MiB)."""
-        mapping = self._mapped(payload.shared_memory.path, payload.byte_size)
-        with self._lock:
-            self._prepared[payload.shared_memory.path] = mapping  # (each upload is named afresh: none is held)
+        path = payload.shared_memory.path
+        self._prepared[path] = self._mapped(path, payload.byte_size)  # (each upload is named afresh: none is held)
 
     def release(self, payload: pb.Payload) -> None:
-        with self._lock:
-            mapping = self._prepared.pop(payload.shared_memory.path, None)
+        mapping = self._prepared.pop(payload.shared_memory.path, None)
         if mapping is not None:
             mapping.close()
 
