@@ -149,8 +149,8 @@ class Connection(AbstractContextManager):
 
         self._connect = connect or dial
         self._lock = threading.Lock()
-        self._index = 0
-        self._link = self._connect(self.addresses[0])
+        self._turns = itertools.cycle(self.addresses)  # the address to move on to next, in turn
+        self._link = self._connect(next(self._turns))
         self._retired: list[ServerLink] = []
 
     @property
@@ -172,9 +172,8 @@ class Connection(AbstractContextManager):
         with self._lock:
             if self._link.address != failed:
                 return True
-            self._index = (self._index + 1) % len(self.addresses)
             self._retired.append(self._link)  # calls still running on it end on their own
-            self._link = self._connect(self.addresses[self._index])
+            self._link = self._connect(next(self._turns))
             while len(self._retired) > RETIRED_LINKS:
                 self._retired.pop(0).close()
         log.warning("server %s is down or stalled (%s); moving to %s", failed, why, self._link.address)

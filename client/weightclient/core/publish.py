@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from weightclient.core.failover import Connection, map_rpc_errors
 from weightclient.core.retry import Deadline
 from weightclient.transports import OutgoingFile, Transport, TransportFailed
-from weightclient.transports.base import Parts, Progress
+from weightclient.transports.base import Progress
 from weightserver.protocol.digests import xxh3_hex
 from weightserver.protocol.errors import InvalidRequest, UploadNotFound
 from weightserver.protocol.version_info import VersionInfo
@@ -159,18 +159,15 @@ class Publishing(Connection):
     def _publish_once(
         self, files: list[OutgoingFile], choice: str, deadline: Deadline, progress: Progress | None, spares: bool
     ) -> list[VersionInfo]:
-        """One attempt: each model's bytes over the transport the server picks, then one Publish
-        call that names the uploads (or carries the bytes)."""
-        order, stream = self.transports.order(choice), self.transports.stream
-        grand_total = sum(f.header.total_bytes for f in files)
-        total = 0
+        """One attempt: each model's bytes moved (`_upload`), then one Publish call that names or carries them."""
+        order, grand_total, done = self.transports.order(choice), sum(f.header.total_bytes for f in files), 0
         outgoing: list[OutgoingFile] = []
         with map_rpc_errors(self.address):
-            for header, views in ((f.header, f.parts) for f in files):
-                counted = None if progress is None else lambda done, _, at=total: progress(at + done, grand_total)
-                outgoing.append(self._upload(header, views, order, deadline, counted, spares))
-                total += header.total_bytes
-            reply = stream.send(outgoing, deadline=deadline, progress=progress)
+            for file in files:
+                counted = None if progress is None else lambda moved, _, at=done: progress(at + moved, grand_total)
+                outgoing.append(self._upload(file, order, deadline, counted, spares))
+                done += file.header.total_bytes
+            reply = self.transports.stream.send(outgoing, deadline=deadline, progress=progress)
         # Set up each fast upload's successor now, not before: on few cores it slows the commit.
         for file in outgoing:
             if file.transport is not None:
@@ -178,18 +175,12 @@ class Publishing(Connection):
         return [VersionInfo.from_proto(v) for v in reply.versions] or [VersionInfo.from_proto(reply.version)]
 
     def _upload(
-        self,
-        header: pb.PublishHeader,
-        views: Parts,
-        order: list[Transport],
-        deadline: Deadline,
-        progress: Progress | None,
-        spares: bool,
+        self, file: OutgoingFile, order: list[Transport], deadline: Deadline, progress: Progress | None, spares: bool
     ) -> OutgoingFile:
         """One model's bytes over the transport the server picks (a spare first); over the stream,
         none is named and the Publish call carries them (their xxh3 in the header)."""
-        model, size = header.model, header.total_bytes
-        spare = self._spares.take(model, size, order, deadline) if size else None
+        header, views, size = file.header, file.parts, file.header.total_bytes
+        spare = self._spares.take(header.model, size, order, deadline) if size else None
         if spare is not None and not spares:
             spare.transport.release(spare.answer.payload)
             spare = None
@@ -210,7 +201,7 @@ class Publishing(Connection):
             self.transports.worked(transport)
             return OutgoingFile(header, views, answer.upload, transport, moved.tensor_xxh3)
         header.xxh3 = xxh3_hex(*views)
-        return OutgoingFile(header, views)
+        return file
 
     def close(self) -> None:
         if "_spares" in self.__dict__:

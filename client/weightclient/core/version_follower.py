@@ -154,8 +154,7 @@ class VersionFollower:
         `give_back` its buffer once applied)."""
         if os.getpid() != self._pid:
             return None
-        with self._lock:
-            settling = self._settling
+        settling = self._settling  # (one reference read: no lock needed)
         while settling is not None and not settling.wait(timeout) and self._cut_through and self._cut_through.landing():
             pass  # its early receive is still under way
         with self._lock:

@@ -92,7 +92,6 @@ class Transport(Protocol):
 
     def prepare(self, payload: pb.Payload) -> None:
         """Get ready for an `upload` set up ahead, so it costs only the copy."""
-        raise NotOffered(f"{self.name} has no uploads to set up ahead")
 
     def release(self, payload: pb.Payload) -> None:
         """Let go of what `prepare` held."""

@@ -38,18 +38,14 @@ class BulkTransport(Transport):
         self.port: int | None = None  # the server's bulk port this client last connected to
 
     def upload(self, payload: pb.Payload, parts: Parts, *, deadline: Deadline, progress: Progress | None) -> Uploaded:
-        total = payload.byte_size
-        if sum(part.nbytes for part in parts) != total:
-            raise TransportFailed(f"the server expects {total} bytes, not {sum(p.nbytes for p in parts)}")
+        if (size := sum(part.nbytes for part in parts)) != payload.byte_size:
+            raise TransportFailed(f"the server expects {payload.byte_size} bytes, not {size}")
         ack = memoryview(bytearray(1))
         xxh3 = self._transfer(payload.bulk, "an upload", deadline, ack, parts=parts, progress=progress)
         if ack != ACK:
             self.close()
             raise TransportFailed(f"the bulk port answered {bytes(ack)!r}, not its acknowledgement")
         return Uploaded(xxh3)
-
-    def prepare(self, payload: pb.Payload) -> None:
-        pass  # the server set the buffer up; the kept connection is ready
 
     def receive(self, offer: Offer, *, into: memoryview | Sink | None, progress: Progress | None) -> memoryview:
         target = into if base.is_sink(into) else receive_buffer(offer.payload.byte_size, into)
@@ -80,9 +76,8 @@ class BulkTransport(Transport):
         first byte): tried once afresh."""
         with self._lock:
             try:
-                while True:
-                    fresh = self._socket is None or self.port != bulk.port
-                    if fresh:
+                for kept in (self._socket is not None and self.port == bulk.port, False):  # (kept, then afresh)
+                    if not kept:
                         self._close()
                         self._socket, self.port = _connect(self.host, bulk.port, deadline), bulk.port
                     conn = self._socket
@@ -119,8 +114,7 @@ class BulkTransport(Transport):
                                 progress(received, into.nbytes)
                         return hasher.hexdigest()
                     except (ConnectionError, EOFError):
-                        self._close()
-                        if fresh:
+                        if not kept:
                             raise
             except BaseException as exc:
                 self._close()  # cut part-way (an interrupt too): the connection's position is unknown

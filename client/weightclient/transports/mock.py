@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any
 
 import xxhash
 
+from weightclient.core.failover import ServerLink
 from weightclient.core.retry import Deadline
 from weightclient.transports import Offer, OutgoingFile, Transport, TransportChain
 from weightclient.transports.base import Answer, Into, Parts, Progress, Uploaded, into_sink
@@ -28,9 +28,7 @@ class MockServer:
         self.calls: list[str] = []
         self._ids = itertools.count(1)
 
-    def connect(self, address: str) -> Any:
-        from weightclient.core.failover import ServerLink
-
+    def connect(self, address: str) -> ServerLink:
         chain = TransportChain([MockTransport(self, "bulk")], MockTransport(self, "stream"))
         return ServerLink(address, self, chain, MockTransport(self, "bulk"))
 
@@ -64,11 +62,11 @@ class MockServer:
 
     def Negotiate(self, request: pb.NegotiateRequest, **_: object) -> pb.NegotiateResponse:
         self.called("Negotiate")
-        answer = pb.NegotiateResponse(transport=pb.TRANSPORT_STREAM)
-        kind = pb.TRANSPORT_BULK if pb.TRANSPORT_BULK in request.accept else pb.TRANSPORT_STREAM
+        bulk = pb.TRANSPORT_BULK in request.accept
+        answer = pb.NegotiateResponse(transport=pb.TRANSPORT_BULK if bulk else pb.TRANSPORT_STREAM)
         if request.direction == pb.DIRECTION_PUBLISH:
-            if kind != pb.TRANSPORT_STREAM:
-                answer.transport, answer.upload = kind, f"upload-{next(self._ids)}"
+            if bulk:
+                answer.upload = f"upload-{next(self._ids)}"
                 answer.payload.byte_size = request.publish.total_bytes
                 answer.payload.bulk.ticket = answer.upload.encode()
             return answer
@@ -77,8 +75,7 @@ class MockServer:
             answer.up_to_date.latest_version = request.fetch.newer_than
             return answer
         answer.header.CopyFrom(found[0])
-        answer.transport = kind
-        if kind != pb.TRANSPORT_STREAM:
+        if bulk:
             answer.payload.byte_size, answer.payload.xxh3 = found[0].byte_size, found[0].xxh3
         return answer
 

@@ -45,35 +45,27 @@ class SharedMemoryTransport(Transport):
 
     def __init__(self) -> None:
         self._folders: dict[str, tuple[str, int]] = {}  # model -> (folder, owner), once a file was read
-        self._prepared: dict[str, mmap.mmap] = {}  # upload path -> its mapping, page table filled
+        self._prepared: dict[str, mmap.mmap] = {}  # upload path -> its mapping, page table filled (dict ops are atomic)
         self._sealed: weakref.WeakSet[mmap.mmap] = weakref.WeakSet()  # mappings of sealed files
-        self._lock = threading.Lock()
 
     def upload(self, payload: pb.Payload, parts: Parts, *, deadline: Deadline, progress: Progress | None) -> Uploaded:
-        """Write `parts` into the upload file through its mapping (set up ahead by `prepare`, else now),
-        hashing each block, file and tensors, where it landed; unmapped before the commit."""
+        """`_UploadWrite` through the upload file's mapping (set up ahead by `prepare`, else now), unmapped after."""
         path, total = payload.shared_memory.path, payload.byte_size
         if sum(p.nbytes for p in parts) != total:
             raise TransportFailed(f"{path} is not an upload file of {total} bytes")
-        with self._lock:
-            mapping = self._prepared.pop(path, None)
+        mapping = self._prepared.pop(path, None)
         if mapping is None:
             mapping = self._mapped(path, total)
         with mapping, memoryview(mapping) as target:
-            return _copied_hashed(target, mapping, parts, deadline, progress)
+            return _UploadWrite(target, mapping, parts, deadline, progress).run()
 
     def prepare(self, payload: pb.Payload) -> None:
         """Map the upload file and fill the page table now (about 0.25 ms per MiB)."""
         path = payload.shared_memory.path
-        mapping = self._mapped(path, payload.byte_size)
-        with self._lock:
-            old, self._prepared[path] = self._prepared.get(path), mapping
-        if old is not None:
-            old.close()
+        self._prepared[path] = self._mapped(path, payload.byte_size)  # (each upload is named afresh: none is held)
 
     def release(self, payload: pb.Payload) -> None:
-        with self._lock:
-            mapping = self._prepared.pop(payload.shared_memory.path, None)
+        mapping = self._prepared.pop(payload.shared_memory.path, None)
         if mapping is not None:
             mapping.close()
 
@@ -149,8 +141,7 @@ class SharedMemoryTransport(Transport):
             os.close(fd)
 
     def read_directly(self, model: str, version: int) -> Offer | None:
-        """An offer for exactly `version` from its header file as the server wrote it; None when absent
-        or untrusted."""
+        """An offer for exactly `version` from its header file as the server wrote it; None when absent or untrusted."""
         folder, owner = self._folders.get(model, ("", -1))
         if not folder:
             return None
@@ -186,34 +177,17 @@ class SharedMemoryTransport(Transport):
             self._folders[offer.info.model] = (folder, st.st_uid)
 
 
-def _copied_hashed(
-    target: memoryview, mapping: mmap.mmap, parts: Parts, deadline: Deadline, progress: Progress | None
-) -> Uploaded:
+class _UploadWrite:
     """`parts` copied into the mapping `target` a block at a time, each block hashed there, file and
     tensors, in file order while in cache: the digests describe the bytes the server seals. From
     UNMAP_FROM, two threads copy (one copies at 6 GB/s here, two at 12), and each eighth once hashed
     is unmapped by the thread that hashed its end (`page_tables.unmap`) while the other goes on: the
-    seal waits for the page tables' teardown (11-19 ms at 256 MiB)."""
-    write = _UploadWrite(target, mapping, parts, deadline, progress)
-    if not write.window:
-        write.blocks()
-    else:
-        with ThreadPoolExecutor(1, thread_name_prefix="weightclient-copy") as helper:
-            other = helper.submit(write.blocks)
-            write.blocks()
-            other.result()
-    found = write.found
-    if found is None:
-        return Uploaded(xxh3_hex(target))  # (nothing was unmapped: `found` fails at the header)
-    digests = found.finish()
-    return Uploaded(digests.xxh3, digests.tensor_xxh3)
+    seal waits for the page tables' teardown (11-19 ms at 256 MiB).
 
-
-class _UploadWrite:
-    """One upload's copy, by one or more threads: each takes the next block and copies it with the GIL
-    let go; the blocks are hashed and reported in file order by whichever thread finds the next one
-    copied and no other hashing, so none waits for a block another thread is still copying (on a busy
-    host that thread may have lost its core for a while). A thread that fails stops the others."""
+    Each thread takes the next block and copies it with the GIL let go; the blocks are hashed and
+    reported in file order by whichever thread finds the next one copied and no other hashing, so
+    none waits for a block another thread is still copying (on a busy host that thread may have lost
+    its core for a while). A thread that fails stops the others."""
 
     def __init__(
         self, target: memoryview, mapping: mmap.mmap, parts: Parts, deadline: Deadline, progress: Progress | None
@@ -230,6 +204,19 @@ class _UploadWrite:
         self.taken = self.turn = 0  # blocks taken by a thread; blocks hashed
         self.hashing = self.failed = False  # a thread hashes at `turn`; a thread failed
         self.changed = threading.Condition()
+
+    def run(self) -> Uploaded:
+        if not self.window:
+            self.blocks()
+        else:
+            with ThreadPoolExecutor(1, thread_name_prefix="weightclient-copy") as helper:
+                other = helper.submit(self.blocks)
+                self.blocks()
+                other.result()
+        if self.found is None:
+            return Uploaded(xxh3_hex(self.target))  # (nothing was unmapped: `found` fails at the header)
+        digests = self.found.finish()
+        return Uploaded(digests.xxh3, digests.tensor_xxh3)
 
     def blocks(self) -> None:
         """Copy blocks until none is left, `step` bytes at a time, then hash as far as they are copied.
