@@ -127,7 +127,7 @@ class WeightServer:
     @property
     def address(self) -> str:
         """host:port that clients on this machine can dial."""
-        return f"{self._local_host}:{self.port}"
+        return f"{url_host(self._local_host)}:{self.port}"
 
     @property
     def metrics_url(self) -> str | None:

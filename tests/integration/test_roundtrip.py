@@ -496,3 +496,16 @@ def test_created_time_is_recent(client: WeightClient) -> None:
     created = client.latest("clock").created
     assert created.tzinfo is not None
     assert start - 1 <= created.timestamp() <= time.time() + 1
+
+
+@pytest.mark.parametrize("transport", ["stream", "bulk", "shm"])
+def test_a_server_bound_to_an_ipv6_address_is_dialled_at_its_address(make_server, transport) -> None:
+    """`WeightServer.address` of a server on ::1 is [::1]:port (before: ::1:port, which no client
+    could dial), and each transport works there."""
+    server = make_server(host="::1")
+    assert server.address == f"[::1]:{server.port}"
+    weights = {"w": torch.arange(1 << 20, dtype=torch.float32)}
+    with WeightClient(server.address, timeout=10) as c:
+        version = c.publish(weights, transport=transport)
+        fetched = c.fetch(version=version, transport=transport)
+    assert fetched.stats.transport == transport and torch.equal(fetched.weights["w"], weights["w"])
