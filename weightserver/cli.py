@@ -20,6 +20,7 @@ from weightclient.core.service_client import WeightServiceClient
 from weightserver import __version__
 from weightserver.config import ServerConfig
 from weightserver.logs import LOG_FORMATS, configure_logging
+from weightserver.protocol.digests import sha256_hex
 from weightserver.protocol.errors import ModelNotFound, WeightServerError
 from weightserver.protocol.limits import MiB
 from weightserver.protocol.version_info import VersionInfo
@@ -249,7 +250,8 @@ def cmd_fetch(args: argparse.Namespace) -> None:
     tmp.write_bytes(fetched.data)
     tmp.replace(args.output)
     info = fetched.info
-    print(f"{info.model} v{info.version} -> {args.output} ({info.byte_size} bytes, sha256 {info.sha256})")
+    sha256 = info.sha256 or sha256_hex(fetched.data)  # (a fresh version's may not be computed yet: VersionInfo)
+    print(f"{info.model} v{info.version} -> {args.output} ({info.byte_size} bytes, sha256 {sha256})")
 
 
 def cmd_ls(args: argparse.Namespace) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
 import json
 import os
 import re
@@ -100,6 +101,18 @@ def test_publish_fetch_ls_round_trip(server, weights_file, tmp_path, capsys):
     assert "deleted policy v1" in capsys.readouterr().out
     assert main(["ls", "--model", "policy", "--json", *address]) == 0
     assert [v["version"] for v in json.loads(capsys.readouterr().out)] == [2]
+
+
+def test_fetch_prints_the_sha256_of_a_version_just_published(server, weights_file, tmp_path, capsys):
+    """A version published with only an xxh3 has no sha256 on the server for its first half second
+    (VersionInfo.sha256); fetched over a fast transport then, the line still gives the file's."""
+    address = ["--server", server.address]
+    with WeightServiceClient(server.address) as client:
+        client.publish_bytes("fresh", weights_file.read_bytes())
+    out = tmp_path / "fresh.safetensors"
+    assert main(["fetch", "--model", "fresh", "-o", str(out), *address]) == 0
+    expected = hashlib.sha256(weights_file.read_bytes()).hexdigest()
+    assert capsys.readouterr().out.strip().endswith(f"bytes, sha256 {expected})")
 
 
 def test_fetch_runs_as_long_as_bytes_keep_coming(make_server, tmp_path, monkeypatch, capsys):
