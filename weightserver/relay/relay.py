@@ -122,7 +122,7 @@ class Relay:
         self._threads = ThreadPoolExecutor(64, thread_name_prefix="weightserver-relay")  # the client blocks
         self.primary = self.address  # the primary's address: the upstream's own primary when it is a relay
         self._tasks: dict[str, asyncio.Task[None]] = {}  # "" polls, each model's follows it
-        self._groups: dict[int, _GroupCommit] = {}
+        self._groups: dict[tuple[int, frozenset[str]], _GroupCommit] = {}  # by number and members
         self._upstream_back = asyncio.Event()  # set (and replaced) when the upstream answers again
         # model -> the upstream's (latest, count, bytes) when last listed, and the versions held then that it retained
         self._checked: dict[str, tuple[tuple[int, int, int], frozenset[int]]] = {}
@@ -339,9 +339,10 @@ class Relay:
         """The last of `members`' followers to reach group version `number` commits them together."""
         for member in members:
             self._follow(member)  # a group may name a model the poll has not listed yet
-        group = self._groups.get(number)
+        key = (number, frozenset(members))  # (other models may have published a group under the same number)
+        group = self._groups.get(key)
         if group is None:  # members committed already (alone, after a wait that timed out) are not waited for
-            group = self._groups[number] = _GroupCommit({m for m in members if self._held_version(m) < number})
+            group = self._groups[key] = _GroupCommit({m for m in members if self._held_version(m) < number})
         group.waiting.discard(model)
         if not group.waiting:
             committed = False
@@ -349,7 +350,7 @@ class Relay:
                 await self._relay([m for m in members if self._held_version(m) < number], number)
                 committed = True
             finally:
-                self._groups.pop(number, None)
+                self._groups.pop(key, None)
                 group.done.set_result(committed)
             return
         try:
@@ -357,8 +358,8 @@ class Relay:
         except asyncio.TimeoutError:  # TimeoutError from 3.11 on
             waiting = ", ".join(sorted(group.waiting))
             log.warning("relay of %r v%d: %s did not reach it in time; committing it alone", model, number, waiting)
-            if self._groups.get(number) is group:
-                del self._groups[number]
+            if self._groups.get(key) is group:
+                del self._groups[key]
             await self._relay([model], number)
             return
         if not committed:
