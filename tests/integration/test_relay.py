@@ -420,6 +420,24 @@ def first_event(server, since: int) -> tuple[int, bool]:
     return first.version.version, first.gap
 
 
+def test_a_gap_flagged_upstream_makes_no_later_jump_in_the_numbers_a_gap(make_server, make_relay):
+    """A gap its upstream flags (here on the relay's first event: v1 was evicted) covers the
+    numbers before that event only; a later version published under a higher number (v10 after
+    v3) is no gap on the relay. Before, the flag stuck for the rest of the Watch, so the relay
+    recorded v9 as missed and its watchers saw v10 flagged as a gap that never was."""
+    primary = make_server(keep=2)
+    with WeightServiceClient(primary.address) as trainer:
+        for step in (1, 2, 3):
+            trainer.publish_bytes("policy", save(weights(step)))
+        relay = make_relay(primary)
+        wait_until(lambda: held(relay, "policy") == 3, what="the relay holds v3")
+        assert first_event(relay, since=0) == (2, True)  # v1 went before the relay fetched it
+        trainer.publish_bytes("policy", save(weights(10)), version=10)
+        wait_until(lambda: held(relay, "policy") == 10, what="the relay holds v10")
+    assert first_event(primary, since=3) == (10, False)
+    assert first_event(relay, since=3) == (10, False)
+
+
 def test_deletes_on_the_primary_reach_every_relay_within_a_poll(make_server, make_relay, tmp_path):
     """Issue 29, item 6. A version deleted on the primary, one or all of a model's, leaves
     every relay within its poll interval: a relay, a relay of that relay, and a relay process

@@ -286,7 +286,7 @@ class Relay:
             attempt, self.primary = 0, metadata.get(PRIMARY_METADATA_KEY) or self.address
 
         while True:
-            last, gap = self._held_version(model), False  # the newest version announced; some went upstream
+            last = self._held_version(model)  # the newest version announced
             events = self._client.watch(
                 model, since=last, timeout=WATCH_SECONDS, incoming=True, on_subscribed=subscribed
             )
@@ -296,8 +296,8 @@ class Relay:
                     if isinstance(event, IncomingEvent):
                         self._on_arriving(event)
                         continue
-                    gap = gap or event.gap  # numbers need not be consecutive: a jump after a gap is one
-                    if gap and event.version > last + 1 and event.version > self._held_version(model):
+                    # Numbers need not be consecutive: only a jump to the event that flags a gap is one.
+                    if event.gap and event.version > last + 1 and event.version > self._held_version(model):
                         self.store.missed(model, event.version - 1)
                     last = event.version
                     await self._on_event(model, event)
