@@ -6,10 +6,16 @@ depth."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 from waiting import wait_until
 
 from tests.integration.test_cut_through import EarlyReceive, HeldPublish, Watcher, file_of, weights_filled
+from tests.integration.test_full_disk import fill
 from tests.integration.test_relay import assert_same_versions, held
 from weightclient import WeightClient
 from weightserver.protocol.version_info import IncomingEvent, VersionEvent
@@ -27,6 +33,20 @@ def tree(make_server):
     leaf = make_server(upstream=middle.address, upstream_poll_seconds=0.1)
     wait_until(lambda: held(leaf, MODEL) == 1, timeout=15)
     return primary, middle, leaf
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 64 MiB tmpfs (room for two 16 MiB versions), unmounted after the test."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs as the full data disk needs root")
+    mount_point = tmp_path / "disk"
+    mount_point.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount_point)], check=True)
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=True)
 
 
 @pytest.mark.parametrize("publish_over", ["bulk", "stream"])
@@ -75,3 +95,28 @@ def test_a_publish_cut_half_way_is_never_visible_at_any_depth(tree, publish_over
     for server in (primary, middle, leaf):
         assert [v.version for v in WeightClient(server.address).list_versions(MODEL)] == [1, 2]
     assert_same_versions(leaf, primary, MODEL, [1, 2])
+
+
+def test_bytes_received_early_that_a_full_disk_cannot_commit_are_announced_failed(make_server, small_disk):
+    """A relay whose data dir is full cannot commit a publish it received as it arrived: its
+    watchers are told that those bytes failed (and the buffer is let go), and once there is room
+    the version comes. Before, the commit's StorageFull left the relay's incoming publish open
+    for good: its watchers waited for an end that never came, and the relay held the buffer."""
+    primary = make_server()
+    with WeightClient(primary.address) as trainer:
+        trainer.publish(weights_filled(0.0), model=MODEL, transport="stream")
+    relay = make_server(upstream=primary.address, upstream_poll_seconds=0.1, data_dir=small_disk / "relay")
+    wait_until(lambda: held(relay, MODEL) == 1, timeout=15)
+    fill(small_disk, leave=0)
+    with WeightClient(relay.address) as collector:
+        watcher = Watcher.subscribed(collector, held=1)
+        publish = HeldPublish(primary.address, file_of(weights_filled(2.5)), "stream")
+        announced = watcher.next()
+        assert isinstance(announced, IncomingEvent) and not announced.failed
+        assert publish.finish() == 2
+        failed = watcher.next()
+        assert isinstance(failed, IncomingEvent) and failed.id == announced.id and failed.failed
+        (small_disk / "filler").unlink()
+        committed = watcher.next()
+        assert isinstance(committed, VersionEvent) and committed.version == 2
+    assert_same_versions(relay, primary, MODEL, [1, 2])

@@ -410,6 +410,9 @@ class Relay:
         except errors.IntegrityError as exc:
             log.warning("relay of %r v%d: the bytes received early are not it (%s)", info.model, info.version, exc)
             return False
+        except BaseException as exc:  # (a full disk): ended, so that its watchers are told and its buffer goes
+            incoming.publish.fail(f"the relay could not commit them: {str(exc) or type(exc).__name__}")
+            raise
         return incoming.publish.ended and incoming.publish.failure is None
 
     async def _relay(self, models: list[str], number: int) -> None:
