@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from safetensors.torch import save
 from waiting import sigstop, wait_equal, wait_until
 
+from tests.integration.test_cut_through import Watcher
 from weightclient import (
     ModelNotFound,
     NotPrimary,
@@ -32,6 +33,7 @@ from weightserver.process import ServerProcess
 from weightserver.protocol.deltas import apply_delta
 from weightserver.protocol.errors import ERROR_METADATA_KEY
 from weightserver.protocol.safetensors_format import parse_header
+from weightserver.protocol.version_info import IncomingEvent, VersionEvent
 from weightserver.relay.relay import RELAY_HEALTH_SERVICE
 from weightserver.server import SERVICE_NAME, WeightServer
 from weightserver.storage.payloads import derive
@@ -436,6 +438,33 @@ def test_a_gap_flagged_upstream_makes_no_later_jump_in_the_numbers_a_gap(make_se
         wait_until(lambda: held(relay, "policy") == 10, what="the relay holds v10")
     assert first_event(primary, since=3) == (10, False)
     assert first_event(relay, since=3) == (10, False)
+
+
+def test_a_relay_fetches_no_byte_of_a_version_over_its_max_model_bytes(make_server, make_relay):
+    """A version over the relay's --max-model-bytes is missed there (its watchers see the gap)
+    without a byte of it fetched: neither received as it arrives upstream nor fetched after its
+    commit. Before, the relay received all of it as it arrived, fetched it whole again after the
+    commit refused it, and only then let it go: twice the bytes it could never hold, in memory."""
+    primary = make_server(metrics_port=0)
+    relay = make_relay(primary, max_model_bytes=1 << 20)
+
+    def served() -> float:
+        transports = ("stream", "bulk", "shm")
+        samples = (sample(primary, "weightserver_fetch_bytes_total", model="policy", transport=t) for t in transports)
+        return sum(value or 0.0 for value in samples)
+
+    with WeightClient(primary.address) as trainer, WeightClient(relay.address) as collector:
+        trainer.publish(weights(1), "policy", transport="stream")
+        wait_until(lambda: held(relay, "policy") == 1, what="the relay holds v1")
+        watcher, before = Watcher.subscribed(collector, held=1), served()
+        trainer.publish(weights(2, big=4 << 20), "policy", transport="stream")  # 16 MiB
+        trainer.publish(weights(3), "policy", transport="stream")
+        events = [watcher.next()]
+        while not isinstance(events[-1], VersionEvent):
+            events.append(watcher.next())
+    assert events[-1].version == 3 and events[-1].gap  # v2 missed
+    assert not [e for e in events if isinstance(e, IncomingEvent) and e.byte_size > 1 << 20]
+    assert served() - before < 1 << 20
 
 
 def test_deletes_on_the_primary_reach_every_relay_within_a_poll(make_server, make_relay, tmp_path):

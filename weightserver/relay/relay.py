@@ -332,6 +332,9 @@ class Relay:
             incoming.publish.fail("the relay fetches this version again after its commit")
         if len(members) > 1:
             await self._reach_group(model, members, number)
+        elif too_large := self._too_large(model, event.info.byte_size):
+            log.error("relay of %r v%d: cannot hold it, skipped: %s", model, number, too_large)
+            self.store.missed(model, number)
         else:
             await self._relay([model], number)
 
@@ -365,6 +368,14 @@ class Relay:
         if not committed:
             raise errors.ServerUnavailable(f"the group commit of v{number} failed; {model!r} resubscribes")
 
+    def _too_large(self, model: str, byte_size: int) -> errors.ModelTooLarge | None:
+        """Why this relay cannot hold `byte_size` bytes of `model` (--max-model-bytes), or None: none are fetched."""
+        try:
+            self.store.check_publish(model, total_bytes=byte_size)
+        except errors.ModelTooLarge as exc:
+            return exc
+        return None
+
     def _on_arriving(self, announced: IncomingEvent) -> None:
         """A publish's bytes arrive upstream (or, `failed`, never will): receive them, passing them on as they land."""
         if announced.failed:
@@ -373,6 +384,8 @@ class Relay:
                 incoming.publish.fail("the publish failed upstream")
             return
         if announced.id in self._incoming or not announced.byte_size:
+            return
+        if self._too_large(announced.model, announced.byte_size):  # (its commit event says so)
             return
         while len(self._incoming) >= MAX_INCOMING:  # commits that never came (the upstream restarted)
             stale = self._incoming.pop(next(iter(self._incoming)))
