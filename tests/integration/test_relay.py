@@ -6,11 +6,14 @@ and metrics, and catches up without missing a version."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -20,6 +23,7 @@ from safetensors.torch import save
 from waiting import sigstop, wait_equal, wait_until
 
 from tests.integration.test_cut_through import Watcher
+from tests.integration.test_full_disk import fill
 from weightclient import (
     ModelNotFound,
     NotPrimary,
@@ -49,6 +53,20 @@ def weights(step: int, big: int = 1024) -> dict[str, torch.Tensor]:
     """A policy whose `head` changes every step and whose `body` (`big` floats) never does."""
     generator = torch.Generator().manual_seed(0)
     return {"body": torch.randn(big, generator=generator), "head": torch.full((8,), float(step))}
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 64 MiB tmpfs (room for two 16 MiB versions), unmounted after the test."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs as the full data disk needs root")
+    mount_point = tmp_path / "disk"
+    mount_point.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount_point)], check=True)
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=True)
 
 
 @pytest.fixture
@@ -465,6 +483,29 @@ def test_a_relay_fetches_no_byte_of_a_version_over_its_max_model_bytes(make_serv
     assert events[-1].version == 3 and events[-1].gap  # v2 missed
     assert not [e for e in events if isinstance(e, IncomingEvent) and e.byte_size > 1 << 20]
     assert served() - before < 1 << 20
+
+
+def test_a_relay_that_cannot_commit_a_version_backs_off_and_warns_once(make_server, make_relay, small_disk, caplog):
+    """A relay whose commits fail (its data dir is full) retries with a growing backoff and warns
+    once while the failure repeats. Before, each retry subscribed anew, and a subscription reset
+    both: the relay fetched the version again every 0.1 s for as long as the disk stayed full,
+    with a warning each time."""
+    caplog.set_level(logging.DEBUG, logger="weightserver.relay.relay")
+    primary = make_server()
+    relay = make_relay(primary, data_dir=small_disk / "relay")
+
+    def failures() -> list[logging.LogRecord]:
+        return [record for record in caplog.records if "StorageFull" in record.getMessage()]
+
+    with WeightClient(primary.address) as trainer:
+        trainer.publish(weights(1, big=1 << 20), "policy")  # 4 MiB
+        wait_until(lambda: held(relay, "policy") == 1, what="the relay holds v1")
+        fill(small_disk, leave=0)
+        trainer.publish(weights(2, big=1 << 20), "policy")
+        wait_until(lambda: len(failures()) >= 5, timeout=30, what="five failed commits")
+    first, *repeats = failures()
+    assert first.levelno == logging.WARNING and {record.levelno for record in repeats} == {logging.DEBUG}
+    assert repeats[3].created - repeats[2].created >= 0.4  # the backoff after the fourth: 0.8 s +- 50%
 
 
 def test_deletes_on_the_primary_reach_every_relay_within_a_poll(make_server, make_relay, tmp_path):

@@ -6,14 +6,10 @@ depth."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 from waiting import wait_until
 
+from tests.integration import test_relay
 from tests.integration.test_cut_through import EarlyReceive, HeldPublish, Watcher, file_of, weights_filled
 from tests.integration.test_full_disk import fill
 from tests.integration.test_relay import assert_same_versions, held
@@ -21,6 +17,7 @@ from weightclient import WeightClient
 from weightserver.protocol.version_info import IncomingEvent, VersionEvent
 
 MODEL = "policy"
+small_disk = test_relay.small_disk  # a fixture
 
 
 @pytest.fixture
@@ -33,20 +30,6 @@ def tree(make_server):
     leaf = make_server(upstream=middle.address, upstream_poll_seconds=0.1)
     wait_until(lambda: held(leaf, MODEL) == 1, timeout=15)
     return primary, middle, leaf
-
-
-@pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[Path]:
-    """A 64 MiB tmpfs (room for two 16 MiB versions), unmounted after the test."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs as the full data disk needs root")
-    mount_point = tmp_path / "disk"
-    mount_point.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount_point)], check=True)
-    try:
-        yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=True)
 
 
 @pytest.mark.parametrize("publish_over", ["bulk", "stream"])

@@ -278,12 +278,13 @@ class Relay:
         return getattr(self._held(model), "version", 0)
 
     async def _follower(self, model: str) -> None:
-        """Watch `model` from the newest version held and relay each; after a failure, back off and resubscribe."""
+        """Watch `model` from the newest version held and relay each; after a failure, back off and resubscribe.
+        The backoff grows until a version is relayed or a Watch runs its course (not merely subscribed:
+        a commit that fails after each subscription, on a full disk, would refetch the version at once)."""
         attempt, failure = 0, ""
 
         def subscribed(metadata: dict[str, str]) -> None:
-            nonlocal attempt
-            attempt, self.primary = 0, metadata.get(PRIMARY_METADATA_KEY) or self.address
+            self.primary = metadata.get(PRIMARY_METADATA_KEY) or self.address
 
         while True:
             last = self._held_version(model)  # the newest version announced
@@ -292,7 +293,6 @@ class Relay:
             )
             try:
                 while (event := await self._blocking(_next_event, events)) is not None:
-                    failure = ""
                     if isinstance(event, IncomingEvent):
                         self._on_arriving(event)
                         continue
@@ -301,7 +301,9 @@ class Relay:
                         self.store.missed(model, event.version - 1)
                     last = event.version
                     await self._on_event(model, event)
-                continue  # the Watch's deadline passed: resubscribe at once
+                    attempt, failure = 0, ""
+                attempt = 0  # the Watch's deadline passed, with no failure: resubscribe at once
+                continue
             except (errors.ServerUnavailable, errors.DeadlineExceeded, *_REFUSALS) as exc:
                 await self._report(exc)
             except errors.WeightServerError as exc:  # logged once while it repeats (e.g. CursorOutOfRange)
