@@ -105,6 +105,18 @@ def test_a_malformed_rule_on_the_wire_is_refused(rule, message):
         Selection.from_message(pb.Selection(rules=[rule]))
 
 
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [({"dim": -1, "shard": (0, 2)}, "dim -1"), ({"dim": 0, "span": (-2, 2)}, r"range \[-2, 2\)")],
+)
+def test_a_negative_dim_or_index_is_refused_as_a_request_naming_it(settings, message):
+    """dim=-1 (torch's "the last dimension") and negative indices have no wire form (uint fields).
+    Before, the rule was taken and the fetch that sent it raised protobuf's bare ValueError
+    ("Value out of range: -1"), naming neither the rule nor what to change."""
+    with pytest.raises(InvalidRequest, match=f"rule glob 'w'.*{message}.*count from 0"):
+        Selection((TensorRule("w", **settings),)).message()
+
+
 def test_an_empty_selection_selects_nothing_and_is_refused():
     with pytest.raises(InvalidRequest, match="selects no tensor"):
         Selection().resolve(entries(a=(2,)))

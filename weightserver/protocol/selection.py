@@ -68,6 +68,8 @@ class TensorRule:
             raise InvalidRequest(f"select: rule {self}: give a dim and one of shard or span, or neither (whole)")
         if self.shard is not None and not 0 <= self.shard[0] < self.shard[1]:
             raise InvalidRequest(f"select: rule {self}: need world >= 1 and 0 <= rank < world")
+        if (self.dim is not None and self.dim < 0) or min(self.span or (0,)) < 0:  # (no wire form: uint fields)
+            raise InvalidRequest(f"select: rule {self}: dims and indices count from 0; a negative one is not taken")
         object.__setattr__(self, "_regex", _glob(self.pattern) if self.match == "glob" else None)
 
     def __str__(self) -> str:
