@@ -551,6 +551,25 @@ def test_empty_tensor_name() -> None:
     assert_invalid(frame({"": spec("U8", [1], 0, 1)}, b"\x00"), "empty name")
 
 
+@pytest.mark.parametrize("shape", [[0, 2**70], [0, 2**63], [2**40, 2**40, 0], [0, 2**62, 3]])
+def test_an_empty_tensor_whose_shape_overflows_is_refused(shape) -> None:
+    """A tensor with a 0 dim has no bytes whatever its other dims, but those must still make a
+    shape (the safetensors package refuses dims over 2^64 and products that overflow; torch
+    refuses sizes and strides of 2^63 or more). Before, such a file was taken: a server committed
+    [0, 2^63] and every collector's fetch then raised torch's TypeError, and a publish of [0, 2^70]
+    failed INTERNAL (a ValueError building its uint64 description), not InvalidSafetensors."""
+    data = frame({"w": spec("F32", shape, 0, 0)})
+    assert_invalid(data, "'w'", "shape", "2^63")
+    with pytest.raises((TypeError, RuntimeError)):
+        torch.empty(shape)
+
+
+def test_the_largest_shape_of_an_empty_tensor_is_accepted() -> None:
+    header = parse_header(frame({"w": spec("F32", [0, 2**63 - 1], 0, 0)}))
+    assert header.tensors[0].shape == (0, 2**63 - 1)
+    assert torch.empty(header.tensors[0].shape).numel() == 0
+
+
 def test_end_before_begin() -> None:
     assert_invalid(frame({"w": spec("U8", [0], 8, 4)}, b"\x00" * 8), "'w'", "end 4 is before begin 8")
 

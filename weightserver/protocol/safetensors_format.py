@@ -110,6 +110,8 @@ def _parse_entry(name: str, spec: object) -> TensorEntry:
         raise InvalidSafetensors(f"{tensor}: unknown dtype {clipped_repr(dtype)}; known: {', '.join(DTYPE_SIZES)}")
     if not isinstance(shape, list) or not all(_is_uint(d) for d in shape):
         raise InvalidSafetensors(f"{tensor}: shape must be a list of non-negative integers, got {clipped_repr(shape)}")
+    if math.prod(d for d in shape if d) >= 2**63:  # (an empty tensor's other dims, which no byte count bounds)
+        raise InvalidSafetensors(f"{tensor}: shape {clipped_repr(shape)} spans 2^63 elements or more; no tensor can")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_uint(o) for o in offsets)):
         raise InvalidSafetensors(f"{tensor}: data_offsets must be [begin, end], got {clipped_repr(offsets)}")
     begin, end = offsets
