@@ -14,6 +14,7 @@ from tests.integration.test_cut_through import EarlyReceive, HeldPublish, Watche
 from tests.integration.test_full_disk import fill
 from tests.integration.test_relay import assert_same_versions, held
 from weightclient import WeightClient
+from weightserver.process import ServerProcess
 from weightserver.protocol.version_info import IncomingEvent, VersionEvent
 
 MODEL = "policy"
@@ -103,3 +104,26 @@ def test_bytes_received_early_that_a_full_disk_cannot_commit_are_announced_faile
         committed = watcher.next()
         assert isinstance(committed, VersionEvent) and committed.version == 2
     assert_same_versions(relay, primary, MODEL, [1, 2])
+
+
+def test_a_relay_lets_go_of_bytes_it_was_receiving_from_an_upstream_that_died(make_server):
+    """An upstream that dies during a publish sends no `failed` event and no commit: the relay's
+    receive of the bytes fails, its watchers are told, and the relay lets go of the buffer.
+    Before, the relay kept it (landed bytes in memory: up to the model's size) until eight more
+    publishes were announced and never committed, which in practice is never."""
+    with ServerProcess() as primary:
+        with WeightClient(primary.address) as trainer:
+            trainer.publish(weights_filled(0.0), model=MODEL, transport="stream")
+        relay = make_server(upstream=primary.address, upstream_poll_seconds=0.1)
+        wait_until(lambda: held(relay, MODEL) == 1, timeout=15)
+        with WeightClient(relay.address) as collector:
+            watcher = Watcher.subscribed(collector, held=1)
+            publish = HeldPublish(primary.address, file_of(weights_filled(2.5)), "stream")
+            announced = watcher.next()
+            assert isinstance(announced, IncomingEvent) and not announced.failed
+            assert relay.relay._incoming  # receiving it
+            primary.kill()
+            failed = watcher.next()
+            assert isinstance(failed, IncomingEvent) and failed.id == announced.id and failed.failed
+            publish.cut()
+    assert not relay.relay._incoming

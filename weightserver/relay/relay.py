@@ -408,8 +408,12 @@ class Relay:
                 self._client.fetch_incoming, announced, timeout=STALL_SECONDS, into=publish.buffer, progress=progress
             )
         except BaseException as exc:
+            # Not awaited by a commit yet: let go of the buffer now, as no commit may come (the upstream
+            # died); a commit that names these bytes later fetches the version instead.
+            unclaimed = isinstance(exc, Exception) and self._incoming.pop(announced.id, None) is not None
             publish.fail(f"the relay's transfer from its upstream stopped: {str(exc) or type(exc).__name__}")
-            raise
+            if not unclaimed:
+                raise
 
     async def _relay_incoming(self, info: VersionInfo, incoming: _Incoming) -> bool:
         """Commit the version from the bytes received early; False (fetch it) if they are not all there or not it."""
