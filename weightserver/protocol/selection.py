@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from weightserver.protocol.digests import xxh3_hex
@@ -43,9 +43,28 @@ def shard_bounds(size: int, rank: int, world: int) -> tuple[int, int]:
     return min(rank * chunk, size), min((rank + 1) * chunk, size)
 
 
-def _glob(pattern: str) -> re.Pattern[str]:
-    parts = (".*" if c == "*" else "." if c == "?" else re.escape(c) for c in pattern)
-    return re.compile("".join(parts), re.DOTALL)
+def _glob(pattern: str) -> Callable[[str], bool]:
+    """Whether a whole name matches `pattern`, in time linear in the name's length per '*'-free part:
+    one regex with a '.*' per '*' backtracks exponentially (a client's glob stalled the server)."""
+    parts = [re.compile("".join("." if c == "?" else re.escape(c) for c in p), re.DOTALL) for p in pattern.split("*")]
+    if len(parts) == 1:
+        return lambda name: parts[0].fullmatch(name) is not None
+    first, *middle, last = parts
+    size = len(pattern.rsplit("*", 1)[1])  # the last part's length: each character or '?' is one
+
+    def matches(name: str) -> bool:
+        found, end = first.match(name), len(name) - size
+        if found is None or end < found.end():
+            return False
+        start = found.end()
+        for part in middle:  # each as early as it fits: the earliest leaves the most room to the rest
+            found = part.search(name, start, end)
+            if found is None:
+                return False
+            start = found.end()
+        return last.fullmatch(name, end) is not None
+
+    return matches
 
 
 @dataclass(frozen=True)
@@ -58,7 +77,7 @@ class TensorRule:
     dim: int | None = None
     shard: tuple[int, int] | None = None
     span: tuple[int, int] | None = None
-    _regex: re.Pattern[str] | None = field(default=None, init=False, repr=False, compare=False)
+    _matcher: Callable[[str], bool] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.match not in MATCHES:
@@ -70,7 +89,7 @@ class TensorRule:
             raise InvalidRequest(f"select: rule {self}: need world >= 1 and 0 <= rank < world")
         if (self.dim is not None and self.dim < 0) or min(self.span or (0,)) < 0:  # (no wire form: uint fields)
             raise InvalidRequest(f"select: rule {self}: dims and indices count from 0; a negative one is not taken")
-        object.__setattr__(self, "_regex", _glob(self.pattern) if self.match == "glob" else None)
+        object.__setattr__(self, "_matcher", _glob(self.pattern) if self.match == "glob" else None)
 
     def __str__(self) -> str:
         part = ""
@@ -81,8 +100,8 @@ class TensorRule:
         return f"{self.match} {clipped_repr(self.pattern)}{part}"
 
     def matches(self, name: str) -> bool:
-        if self._regex is not None:
-            return self._regex.fullmatch(name) is not None
+        if self._matcher is not None:
+            return self._matcher(name)
         return name.startswith(self.pattern) if self.match == "prefix" else name == self.pattern
 
     def cut(self, entry: TensorEntry) -> Cut:
