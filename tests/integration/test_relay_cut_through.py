@@ -121,9 +121,9 @@ def test_a_relay_lets_go_of_bytes_it_was_receiving_from_an_upstream_that_died(ma
             publish = HeldPublish(primary.address, file_of(weights_filled(2.5)), "stream")
             announced = watcher.next()
             assert isinstance(announced, IncomingEvent) and not announced.failed
-            assert relay.relay._incoming  # receiving it
+            assert relay.relay.receiving == 1
             primary.kill()
             failed = watcher.next()
             assert isinstance(failed, IncomingEvent) and failed.id == announced.id and failed.failed
             publish.cut()
-    assert not relay.relay._incoming
+    assert relay.relay.receiving == 0

@@ -131,6 +131,11 @@ class Relay:
     def followed(self) -> list[str]:
         return sorted(name for name in self._tasks if name)
 
+    @property
+    def receiving(self) -> int:
+        """Publishes whose bytes this relay holds or receives early, awaiting their commit upstream."""
+        return len(self._incoming)
+
     def watch_metadata(self) -> tuple[tuple[str, str], ...]:
         """Initial metadata of the Watch calls this relay serves: the primary, for relays below."""
         return ((PRIMARY_METADATA_KEY, self.primary),)
