@@ -311,6 +311,37 @@ def test_pull_returns_the_next_version_as_a_value_and_apply_writes_it(client):
     assert_same_weights(policy, trainer)
 
 
+def test_a_key_map_rename_applies_a_delta_that_leaves_the_renamed_tensor_out(client):
+    """A delta carries only the tensors that changed: one without the tensor a `KeyMap.rename` names
+    applies (before, it raised KeyError "KeyMap.rename maps '0.weight' from 'W0', which the server
+    weights lack" on every delta, and the policy stayed on the first version)."""
+    trainer, policy = mlp(0), mlp(1)
+
+    def published() -> dict[str, torch.Tensor]:
+        return {"W0" if k == "0.weight" else k: v for k, v in trainer.state_dict().items()}
+
+    client.publish(published(), model="policy")
+    updater = GrpcLocalWeightUpdater(
+        client, policy=policy, key_map=KeyMap(rename={"0.weight": "W0"}), transport="stream"
+    )
+    updater()
+    assert updater.version == 1
+    with torch.no_grad():
+        trainer[2].bias.add_(1.0)
+    client.publish(published(), model="policy")
+    delta = updater.pull()
+    assert delta.partial and sorted(delta.weights.keys()) == ["2.bias"]
+    updater.apply(delta)
+    assert updater.version == 2
+    assert_same_weights(policy, trainer)
+    with torch.no_grad():
+        trainer[0].weight.add_(1.0)
+    client.publish(published(), model="policy")
+    updater()  # a delta that carries the renamed tensor
+    assert updater.version == 3
+    assert_same_weights(policy, trainer)
+
+
 def test_a_second_pull_before_apply_does_not_overwrite_the_first(client):
     """A pulled Update holds the staging buffer until applied: a second pull receives into a
     buffer of its own, so the first update's weights stay intact."""

@@ -226,6 +226,7 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         self._staging: memoryview | None = None  # receive buffer, lent to a pulled Update
         self._held: FetchResult | None = None  # the version whose whole file `_staging` holds
         self._applying: memoryview | None = None  # the mapped file of the update being applied
+        self._partial = False  # the update being mapped is a delta (a KeyMap.rename's key may be absent)
         self._swapped = False  # the last apply made parameters views of it
         self._viewed: tuple[memoryview, weakref.ref | None] | None = None  # the received buffer they view, `views`
         self._follower: VersionFollower | None = None
@@ -361,6 +362,7 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
             local = self._get_local_weights()
             given = "weights passed to " + ("load" if update.keyed_like_policy else "update_weights")
             source = f"server weights of {self.model!r} v{update.version}" if update.info is not None else given
+            self._partial = update.partial
             weights = update.weights if update.keyed_like_policy else self._maybe_map_weights(update.weights, local)
             if not isinstance(weights, (TensorDictBase, Mapping)):
                 what = f"{type(self).__name__}._maybe_map_weights returned {type(weights).__name__}"
@@ -377,7 +379,7 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
                 raise
             self.version, self.applied = update.version, update.info
         finally:
-            self._applying = None
+            self._applying, self._partial = None, False
             if update.stats is not None and update.stats.incoming and self._follower is not None:
                 if self._swapped:  # the parameters view its buffer: the one they viewed is free once no tensor does
                     freed, self._viewed = self._viewed, (update.buffer, update.views)
@@ -410,7 +412,7 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
     def _maybe_map_weights(
         self, server_weights: TensorDictBase | None, local_weights: TensorDictBase
     ) -> TensorDictBase | None:
-        return None if server_weights is None else map_keys(server_weights, self.key_map)
+        return None if server_weights is None else map_keys(server_weights, self.key_map, partial=self._partial)
 
     def _update_local_weights(self, local_weights: TensorDictBase, mapped_weights: TensorDictBase | None) -> None:
         """In place: a copy, so that shared-memory and CUDA parameters stay valid; each parameter that
