@@ -119,6 +119,8 @@ class RemoteWeightUpdaterBase(_CollectorRegistration, metaclass=abc.ABCMeta):
 class _LazyClient:
     """A WeightClient made on first use (a channel cannot cross processes: a pickle drops it)."""
 
+    _made = False  # `_client` was made here, not passed in: `_close_made_client` closes it
+
     def _set_client(self, client: WeightClient | str | None) -> None:
         self._address = ",".join(client.addresses) if isinstance(client, WeightClient) else client
         self._client = client if isinstance(client, WeightClient) else None
@@ -126,8 +128,14 @@ class _LazyClient:
     @property
     def client(self) -> WeightClient:
         if self._client is None:
-            self._client = WeightClient(self._address)
+            self._client, self._made = WeightClient(self._address), True
         return self._client
+
+    def _close_made_client(self) -> None:
+        """Close the client made here (its channel, sockets, Watch streams); one passed in is the caller's."""
+        if self._made and self._client is not None:
+            client, self._client, self._made = self._client, None, False
+            client.close()
 
     @property
     def connected(self) -> bool:
@@ -242,9 +250,11 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         self.close()
 
     def close(self) -> None:
+        """Stop following, and close the client if the updater made it (from an address); a later update dials again."""
         follower, self._follower, self._receiver = getattr(self, "_follower", None), None, None
         if follower is not None:
             follower.stop()
+        self._close_made_client()
 
     @property
     def announced(self) -> int | None:  # None while no Watch stream is open
