@@ -406,12 +406,17 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
 
     def update_weights(self, weights: Weights | None = None) -> None:
         """`apply(pull())`; explicit `weights` are server weights for the whole policy."""
-        update = self._get_server_weights() if weights is None else Update(None, weights_of(weights))
+        update = self._server_update() if weights is None else Update(None, weights_of(weights))
         if update is not None:
             self.apply(update)
 
     def _get_server_weights(self) -> Update | None:  # type: ignore[override]
         return self.pull()
+
+    def _server_update(self) -> Update | None:
+        """`_get_server_weights()` as an Update: an override may return server weights (the seed's contract)."""
+        got = self._get_server_weights()
+        return got if got is None or isinstance(got, Update) else Update(None, weights_of(got))
 
     def _get_local_weights(self) -> TensorDictBase:
         policy = self.policy if self.policy is not None else getattr(self.collector, "policy", None)
