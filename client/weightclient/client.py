@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -88,7 +89,11 @@ class WeightClient(WeightServiceClient):
     >>> policy.load_state_dict(result.state_dict())                     # doctest: +SKIP
     """
 
-    _publisher: BackgroundPublisher | None = None
+    @functools.cached_property
+    def _publishers(self) -> dict[frozenset[str], BackgroundPublisher]:
+        """One per set of models published with wait=False: a newer snapshot replaces only a waiting one
+        of the same models (one of others would never be published)."""
+        return {}
 
     def publish(self, weights: tensor_codec.Weights, model: str = "policy", **options) -> int | PublishFuture:
         """Publish an nn.Module, TensorDict or state dict: its version, or with wait=False a future."""
@@ -99,9 +104,10 @@ class WeightClient(WeightServiceClient):
     ) -> int | PublishFuture:
         """Publish several models (``{"policy": actor, "critic": critic}``) under ONE version."""
         if not wait:
-            if self._publisher is None:
-                self._publisher = BackgroundPublisher(lambda data, **o: self.publish_group_bytes(data, **o)[0].version)
-            publisher = self._publisher
+            publisher = self._publishers.setdefault(
+                frozenset(weights),
+                BackgroundPublisher(lambda data, **o: self.publish_group_bytes(data, **o)[0].version),
+            )
             snapshot = {model: tensor_codec.snapshot(w, into=publisher.spare_buffer()) for model, w in weights.items()}
             return publisher.submit(snapshot, **options)
         encoded = {model: tensor_codec.encode(w) for model, w in weights.items()}
@@ -109,11 +115,12 @@ class WeightClient(WeightServiceClient):
 
     def flush(self, timeout: float | None = None) -> bool:
         deadline = Deadline.after(timeout)
-        return (self._publisher is None or self._publisher.flush(timeout)) and super().flush(deadline.remaining())
+        publishers = list(self.__dict__.get("_publishers", {}).values())
+        return all(p.flush(deadline.remaining()) for p in publishers) and super().flush(deadline.remaining())
 
     def close(self) -> None:
-        if self._publisher is not None:
-            self._publisher.close()
+        for publisher in list(self.__dict__.get("_publishers", {}).values()):
+            publisher.close()
         super().close()
 
     def fetch(

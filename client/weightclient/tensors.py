@@ -80,6 +80,9 @@ def _framed(
                 f"key {name!r}: dtype {tensor.dtype} has no safetensors equivalent; "
                 f"supported: {', '.join(str(d) for d in TORCH_TO_SAFETENSORS)}"
             )
+        if tensor.layout != torch.strided or tensor.is_nested:  # (torch's own errors here name no key)
+            kind = "a nested" if tensor.is_nested else f"a {tensor.layout}"
+            raise InvalidRequest(f"key {name!r}: {kind} tensor has no safetensors form; publish it dense (strided)")
         tensor = tensor.detach().cpu() if to_cpu else tensor.detach()  # (cpu() of a CPU tensor is itself)
         prepared.append((name, tensor.contiguous()))
     # Largest element size first (as safetensors does): each tensor starts aligned to its own.

@@ -156,6 +156,22 @@ def test_publishes_waiting_behind_one_in_flight_coalesce_into_the_newest(own_cli
     assert_bit_exact(own_client.fetch(MODEL, version=2).tensors, marked(9, 1000))
 
 
+def test_a_waiting_publish_is_replaced_only_by_one_of_the_same_models(own_client):
+    """A publish of another model does not coalesce with a waiting one: both are published (before,
+    the waiting policy publish was dropped and its future resolved to the critic's version 1, where
+    policy v1 holds the first weights, superseded=True)."""
+    gate = Gate(own_client)
+    first = own_client.publish(marked(0, 100), model="policy", wait=False)
+    assert gate.entered.wait(TIMEOUT)
+    waiting = own_client.publish(marked(1, 100), model="policy", wait=False)
+    other = own_client.publish(marked(2, 100), model="critic", wait=False)
+    gate.release()
+    assert own_client.flush(timeout=TIMEOUT)
+    assert (first.result(), waiting.result(), other.result()) == (1, 2, 1) and not waiting.superseded
+    assert_bit_exact(own_client.fetch("policy", version=2).tensors, marked(1, 100))
+    assert_bit_exact(own_client.fetch("critic", version=1).tensors, marked(2, 100))
+
+
 def test_a_burst_of_publishes_resolves_every_future_to_weights_at_least_as_new(make_server):
     srv = make_server(keep=20)
     numel = 2_000_000  # 8 MB: later submits arrive while earlier ones stream

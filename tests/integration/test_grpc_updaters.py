@@ -10,6 +10,7 @@ import textwrap
 
 import pytest
 import torch
+from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 
 from weightclient import ServerUnavailable, WeightClient
@@ -311,6 +312,37 @@ def test_pull_returns_the_next_version_as_a_value_and_apply_writes_it(client):
     assert_same_weights(policy, trainer)
 
 
+def test_a_key_map_rename_applies_a_delta_that_leaves_the_renamed_tensor_out(client):
+    """A delta carries only the tensors that changed: one without the tensor a `KeyMap.rename` names
+    applies (before, it raised KeyError "KeyMap.rename maps '0.weight' from 'W0', which the server
+    weights lack" on every delta, and the policy stayed on the first version)."""
+    trainer, policy = mlp(0), mlp(1)
+
+    def published() -> dict[str, torch.Tensor]:
+        return {"W0" if k == "0.weight" else k: v for k, v in trainer.state_dict().items()}
+
+    client.publish(published(), model="policy")
+    updater = GrpcLocalWeightUpdater(
+        client, policy=policy, key_map=KeyMap(rename={"0.weight": "W0"}), transport="stream"
+    )
+    updater()
+    assert updater.version == 1
+    with torch.no_grad():
+        trainer[2].bias.add_(1.0)
+    client.publish(published(), model="policy")
+    delta = updater.pull()
+    assert delta.partial and sorted(delta.weights.keys()) == ["2.bias"]
+    updater.apply(delta)
+    assert updater.version == 2
+    assert_same_weights(policy, trainer)
+    with torch.no_grad():
+        trainer[0].weight.add_(1.0)
+    client.publish(published(), model="policy")
+    updater()  # a delta that carries the renamed tensor
+    assert updater.version == 3
+    assert_same_weights(policy, trainer)
+
+
 def test_a_second_pull_before_apply_does_not_overwrite_the_first(client):
     """A pulled Update holds the staging buffer until applied: a second pull receives into a
     buffer of its own, so the first update's weights stay intact."""
@@ -410,6 +442,53 @@ def test_weights_given_to_update_weights_are_server_weights_through_the_hooks(cl
             {**{f"module.{k}": v for k, v in mlp(3).state_dict().items()}, "module.9.w": torch.ones(1)}
         )
     assert_same_weights(policy, other)
+
+
+class ServesItsOwn(GrpcLocalWeightUpdater):
+    """`_get_server_weights` overridden as the seed's contract has it: server weights (a TensorDict,
+    keyed as the server names them), here the weights of `served`."""
+
+    served: torch.nn.Module | None = None
+    calls = 0
+
+    def _get_server_weights(self):
+        self.calls += 1
+        pulled = super()._get_server_weights()
+        return None if pulled is None else TensorDict(dict(self.served.state_dict()), batch_size=[])
+
+
+def test_a_get_server_weights_override_returning_server_weights_is_applied(client):
+    """What an overridden `_get_server_weights` returns goes through the key map and the check and lands
+    (before: AttributeError "'TensorDict' object has no attribute 'stats'" from apply)."""
+    client.publish(mlp(1), model="policy")
+    policy = TensorDictModule(mlp(0), in_keys=["observation"], out_keys=["action"])
+    updater = ServesItsOwn(client, policy=policy, key_map=KeyMap(add_prefix="module."))
+    updater.served = mlp(2)
+    updater()
+    assert updater.calls == 1 and updater.version is None  # no server version: weights of its own
+    assert_same_weights(policy.module, mlp(2))
+
+
+def test_the_sync_scheme_pulls_through_an_overridden_get_server_weights(client):
+    """GrpcWeightSyncScheme(puller=...) honours the puller's `_get_server_weights` (before, it called
+    pull() directly: the override never ran and the collector's policy got the server's version)."""
+    pytest.importorskip("torchrl", reason="torchrl is not installed: pip install -e '.[torchrl]'")
+    from torchrl_models import make_policy
+
+    from tests.system.test_torchrl_integration import single_collector
+    from weightclient.torchrl.scheme import GrpcWeightSyncScheme
+
+    client.publish(make_policy(1).module, model="policy")
+    policy = make_policy(0)
+    puller = ServesItsOwn(client, key_map=KeyMap(add_prefix="module."))
+    puller.served = make_policy(2).module
+    collector = single_collector(policy, GrpcWeightSyncScheme(puller=puller))
+    try:
+        collector.update_policy_weights_()
+        assert puller.calls == 1 and puller.version is None
+        assert_same_weights(policy.module, make_policy(2).module)
+    finally:
+        collector.shutdown()
 
 
 def test_remote_updater_runs_the_design_hooks_in_order_and_publishes_one_version(client):

@@ -19,7 +19,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from tensordict import TensorDict
 from waiting import wait_until
 
-from weightclient import ModelNotFound, VersionEvicted, VersionNotFound, WeightClient
+from weightclient import InvalidRequest, ModelNotFound, VersionEvicted, VersionNotFound, WeightClient
 from weightclient import tensors as tensor_codec
 from weightserver.protocol.limits import DEFAULT_CHUNK_BYTES, MiB
 from weightserver.v1 import weights_pb2 as pb
@@ -174,6 +174,21 @@ def test_non_contiguous_tensors(client: WeightClient) -> None:
         assert got.is_contiguous(), name
         assert got.shape == expected.shape, name
         assert_bit_equal(got, expected)
+
+
+@pytest.mark.parametrize(
+    "make", [torch.Tensor.to_sparse, torch.Tensor.to_sparse_csr, lambda t: torch.nested.as_nested_tensor([t])]
+)
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state:UserWarning")
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage:UserWarning")
+def test_a_tensor_with_no_safetensors_form_is_refused_naming_its_key(make) -> None:
+    """Sparse and nested tensors: InvalidRequest naming the key, snapshot or not (before, torch's
+    RuntimeError "unsupported memory format option Contiguous", "Sparse CSR tensors do not have
+    is_contiguous" or "Internal error: NestedTensorImpl doesn't support sizes. Please file an issue")."""
+    weights = {"dense": torch.ones(3), "odd": make(torch.eye(3))}
+    for frame in (tensor_codec.encode, tensor_codec.snapshot):
+        with pytest.raises(InvalidRequest, match=r"key 'odd': a .* tensor has no safetensors form; publish it dense"):
+            frame(weights)
 
 
 # ---------------------------------------------------------------------- input kinds

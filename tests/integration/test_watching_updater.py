@@ -5,6 +5,7 @@ they answer (the call a collector's update makes)."""
 from __future__ import annotations
 
 import pickle
+import threading
 import time
 from collections.abc import Callable
 
@@ -153,3 +154,25 @@ def test_a_follower_stops_with_its_client(server, client):
     own.close()
     wait_until(lambda: not follower.running())
     assert follower.newest() is None
+
+
+def test_close_closes_the_client_the_updater_made_and_ends_its_watch(server, client):
+    """An updater given an address makes its own client: close() closes it, and the Watch stream
+    with it, so its follower thread ends at once (before, the client stayed open, its channel and
+    sockets held, and the follower ran until its Watch call's 30 s renewal); a client passed in
+    stays the caller's."""
+    model = "closed-updater"
+    client.publish(make_policy(1), model=model)
+    updater = GrpcLocalWeightUpdater(server.address, model=model, policy=make_policy(0), watch=True)
+    updater()
+    wait_until(lambda: (updater(), updater.following)[1])
+    own = updater.client
+    updater.close()
+    with pytest.raises(ValueError, match="closed channel"):
+        own.latest(model)
+    wait_until(lambda: not any(t.name == f"weightclient-follow-{model}" for t in threading.enumerate()), timeout=5)
+
+    passed = GrpcLocalWeightUpdater(client, model=model, policy=make_policy(0))
+    passed()
+    passed.close()
+    assert passed.version == 1 and client.latest(model).version == 1  # still open

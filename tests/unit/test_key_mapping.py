@@ -81,6 +81,16 @@ def test_rename_of_a_missing_server_key_is_an_error():
         KeyMap(rename={"weight": "nope"}).apply({"W": torch.zeros(1)})
 
 
+def test_rename_of_a_server_key_a_delta_lacks_maps_the_rest():
+    """A delta carries only the changed tensors: a rename whose server key it lacks is no error (before,
+    KeyError "which the server weights lack"); one it carries still renames."""
+    rename = KeyMap(rename={"weight": "W"})
+    assert sorted(map_keys({"bias": torch.zeros(2)}, rename, partial=True).keys()) == ["bias"]
+    assert sorted(map_keys({"W": torch.ones(2, 2)}, rename, partial=True).keys()) == ["weight"]
+    with pytest.raises(KeyError, match="both map to"):  # as for a whole version
+        KeyMap(rename={"weight": "W"}, fn=lambda k: "weight").apply({"V": torch.zeros(1)}, partial=True)
+
+
 def test_map_keys_then_check_weights_a_delta_and_nested_weights():
     local = TensorDict.from_module(TensorDictModule(mlp(), in_keys=["observation"], out_keys=["action"]))
     delta = {"2.bias": torch.ones(2)}

@@ -119,6 +119,8 @@ class RemoteWeightUpdaterBase(_CollectorRegistration, metaclass=abc.ABCMeta):
 class _LazyClient:
     """A WeightClient made on first use (a channel cannot cross processes: a pickle drops it)."""
 
+    _made = False  # `_client` was made here, not passed in: `_close_made_client` closes it
+
     def _set_client(self, client: WeightClient | str | None) -> None:
         self._address = ",".join(client.addresses) if isinstance(client, WeightClient) else client
         self._client = client if isinstance(client, WeightClient) else None
@@ -126,8 +128,14 @@ class _LazyClient:
     @property
     def client(self) -> WeightClient:
         if self._client is None:
-            self._client = WeightClient(self._address)
+            self._client, self._made = WeightClient(self._address), True
         return self._client
+
+    def _close_made_client(self) -> None:
+        """Close the client made here (its channel, sockets, Watch streams); one passed in is the caller's."""
+        if self._made and self._client is not None:
+            client, self._client, self._made = self._client, None, False
+            client.close()
 
     @property
     def connected(self) -> bool:
@@ -226,6 +234,7 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         self._staging: memoryview | None = None  # receive buffer, lent to a pulled Update
         self._held: FetchResult | None = None  # the version whose whole file `_staging` holds
         self._applying: memoryview | None = None  # the mapped file of the update being applied
+        self._partial = False  # the update being mapped is a delta (a KeyMap.rename's key may be absent)
         self._swapped = False  # the last apply made parameters views of it
         self._viewed: tuple[memoryview, weakref.ref | None] | None = None  # the received buffer they view, `views`
         self._follower: VersionFollower | None = None
@@ -241,9 +250,11 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         self.close()
 
     def close(self) -> None:
+        """Stop following, and close the client if the updater made it (from an address); a later update dials again."""
         follower, self._follower, self._receiver = getattr(self, "_follower", None), None, None
         if follower is not None:
             follower.stop()
+        self._close_made_client()
 
     @property
     def announced(self) -> int | None:  # None while no Watch stream is open
@@ -361,6 +372,7 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
             local = self._get_local_weights()
             given = "weights passed to " + ("load" if update.keyed_like_policy else "update_weights")
             source = f"server weights of {self.model!r} v{update.version}" if update.info is not None else given
+            self._partial = update.partial
             weights = update.weights if update.keyed_like_policy else self._maybe_map_weights(update.weights, local)
             if not isinstance(weights, (TensorDictBase, Mapping)):
                 what = f"{type(self).__name__}._maybe_map_weights returned {type(weights).__name__}"
@@ -377,7 +389,7 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
                 raise
             self.version, self.applied = update.version, update.info
         finally:
-            self._applying = None
+            self._applying, self._partial = None, False
             if update.stats is not None and update.stats.incoming and self._follower is not None:
                 if self._swapped:  # the parameters view its buffer: the one they viewed is free once no tensor does
                     freed, self._viewed = self._viewed, (update.buffer, update.views)
@@ -394,12 +406,17 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
 
     def update_weights(self, weights: Weights | None = None) -> None:
         """`apply(pull())`; explicit `weights` are server weights for the whole policy."""
-        update = self._get_server_weights() if weights is None else Update(None, weights_of(weights))
+        update = self._server_update() if weights is None else Update(None, weights_of(weights))
         if update is not None:
             self.apply(update)
 
     def _get_server_weights(self) -> Update | None:  # type: ignore[override]
         return self.pull()
+
+    def _server_update(self) -> Update | None:
+        """`_get_server_weights()` as an Update: an override may return server weights (the seed's contract)."""
+        got = self._get_server_weights()
+        return got if got is None or isinstance(got, Update) else Update(None, weights_of(got))
 
     def _get_local_weights(self) -> TensorDictBase:
         policy = self.policy if self.policy is not None else getattr(self.collector, "policy", None)
@@ -410,7 +427,7 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
     def _maybe_map_weights(
         self, server_weights: TensorDictBase | None, local_weights: TensorDictBase
     ) -> TensorDictBase | None:
-        return None if server_weights is None else map_keys(server_weights, self.key_map)
+        return None if server_weights is None else map_keys(server_weights, self.key_map, partial=self._partial)
 
     def _update_local_weights(self, local_weights: TensorDictBase, mapped_weights: TensorDictBase | None) -> None:
         """In place: a copy, so that shared-memory and CUDA parameters stay valid; each parameter that

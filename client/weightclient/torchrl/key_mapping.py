@@ -34,10 +34,11 @@ class KeyMap:
         key = (self.add_prefix or "") + key
         return self.fn(key) if self.fn is not None else key
 
-    def apply(self, server: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Rename the keys of flat `server` weights; raises KeyError on a collision."""
+    def apply(self, server: Mapping[str, torch.Tensor], *, partial: bool = False) -> dict[str, torch.Tensor]:
+        """Rename the keys of flat `server` weights; raises KeyError on a collision, or where a `rename`
+        names a server key they lack (`partial`: a delta, which carries only the tensors that changed)."""
         for local_key, server_key in self.rename.items():
-            if server_key not in server:
+            if server_key not in server and not partial:
                 raise KeyError(f"KeyMap.rename maps {local_key!r} from {server_key!r}, which the server weights lack")
         origin = dict(self.rename)  # local key -> server key
         renamed = set(self.rename.values())
@@ -47,7 +48,7 @@ class KeyMap:
             if local_key in origin:
                 raise KeyError(f"server keys {origin[local_key]!r} and {server_key!r} both map to {local_key!r}")
             origin[local_key] = server_key
-        return {local_key: server[server_key] for local_key, server_key in origin.items()}
+        return {local_key: server[server_key] for local_key, server_key in origin.items() if server_key in server}
 
 
 IDENTITY = KeyMap()
@@ -65,11 +66,15 @@ def flat_weights(weights: TensorDictBase | Mapping[str, torch.Tensor]) -> dict[s
 
 
 def map_keys(
-    server: TensorDictBase | Mapping[str, torch.Tensor], key_map: KeyMap | Callable[[str], str | None] = IDENTITY
+    server: TensorDictBase | Mapping[str, torch.Tensor],
+    key_map: KeyMap | Callable[[str], str | None] = IDENTITY,
+    *,
+    partial: bool = False,
 ) -> TensorDict:
-    """`server` weights renamed by `key_map` (flat, dotted keys); unchecked (see `check_weights`)."""
+    """`server` weights renamed by `key_map` (flat, dotted keys); unchecked (see `check_weights`).
+    `partial`: a delta's weights (see `KeyMap.apply`)."""
     key_map = key_map if isinstance(key_map, KeyMap) else KeyMap(fn=key_map)
-    return TensorDict(key_map.apply(flat_weights(server)), batch_size=[])
+    return TensorDict(key_map.apply(flat_weights(server), partial=partial), batch_size=[])
 
 
 def check_weights(
