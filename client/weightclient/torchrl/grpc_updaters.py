@@ -406,15 +406,16 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
 
     def update_weights(self, weights: Weights | None = None) -> None:
         """`apply(pull())`; explicit `weights` are server weights for the whole policy."""
-        update = self._server_update() if weights is None else Update(None, weights_of(weights))
+        update = self.next_update() if weights is None else Update(None, weights_of(weights))
         if update is not None:
             self.apply(update)
 
     def _get_server_weights(self) -> Update | None:  # type: ignore[override]
         return self.pull()
 
-    def _server_update(self) -> Update | None:
-        """`_get_server_weights()` as an Update: an override may return server weights (the seed's contract)."""
+    def next_update(self) -> Update | None:
+        """The next update through the `_get_server_weights` hook (`pull()` unless overridden; an override
+        may return server weights, as the seed's contract has it); None: nothing new. Schemes call this."""
         got = self._get_server_weights()
         return got if got is None or isinstance(got, Update) else Update(None, weights_of(got))
 

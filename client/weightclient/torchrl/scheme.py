@@ -91,7 +91,7 @@ class GrpcWeightSyncScheme(SharedMemWeightSyncScheme):
         """Apply the server's newer version, or `weights` keyed like the policy."""
         if self.puller is None:
             raise RuntimeError("this GrpcWeightSyncScheme was sent to a worker process; send from the collector")
-        update = self.puller._server_update() if weights is None else weights  # (through an overridden hook)
+        update = self.puller.next_update() if weights is None else weights  # (through an overridden hook)
         if update is None and not self._in_process:
             return  # up to date: the workers keep what they have
         self.puller.policy = self.context.policy if self._in_process else self.weights
