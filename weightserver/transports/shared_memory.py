@@ -110,7 +110,7 @@ class SharedMemoryFiles:
                 return path
             model, version, base, dtype, forms, selection = key
             suffix = (f"-select{selection[:16]}" if selection else "") + (f"-delta{base}" if base else "")
-            suffix += (f"-{dtype}" if dtype else "") + ("-elements" if forms else "")
+            suffix += (f"-{dtype}" if dtype else "") + (f"-elements-{forms.replace('+', '-')}" if forms else "")
             path = self.directory / model / version_file_name(version, suffix)
             try:
                 path.parent.mkdir(mode=FOLDER_MODE, exist_ok=True)
