@@ -486,6 +486,20 @@ def test_deleting_every_version_survives_reload(tmp_path: Path) -> None:
     assert reloaded.publish("policy", payload(3)).version == 3
 
 
+def test_versions_of_more_than_twelve_digits_reload_in_number_order(tmp_path: Path) -> None:
+    """File names pad numbers to 12 digits, so past 10^12 they sort as text out of number order
+    ("1000000000000" before "999999999999"). The reload inserted the versions in name order, so
+    `latest` answered the older one and the next publish evicted the newest."""
+    store = VersionStore(tmp_path, keep=2)
+    store.publish("policy", payload(1), version=999_999_999_999)
+    store.publish("policy", payload(2))
+    reloaded = VersionStore(tmp_path, keep=2)
+    assert reloaded.latest("policy").version == 1_000_000_000_000
+    assert numbers(reloaded.versions("policy")) == [999_999_999_999, 1_000_000_000_000]
+    reloaded.publish("policy", payload(3))
+    assert numbers(reloaded.versions("policy")) == [1_000_000_000_000, 1_000_000_000_001]
+
+
 # ---------------------------------------------------------------------------- cursors
 
 

@@ -127,6 +127,8 @@ class Disk:
                 # A manifest, even a damaged one, keeps its number from being handed out again.
                 if stem.isascii() and stem.isdigit() and int(stem) <= MAX_VERSION:
                     state.high_water = max(state.high_water, int(stem))
+            # In number order, which the index keeps: past 12 digits the names sort otherwise ("1000000000000" first)
+            state.versions = dict(sorted(state.versions.items()))
         self._drop_torn_groups(models)
         for model, state in models.items():
             if state.versions:
