@@ -615,6 +615,18 @@ def test_newer_than(store: VersionStore) -> None:
         store.newer_than("critic", 0)
 
 
+def test_newer_than_a_deleted_latest_version_says_it_was_deleted(store: VersionStore) -> None:
+    """A collector holding a version deleted since (a bad one rolled back) asks for a newer one: the
+    OUT_OF_RANGE message blamed a restart without --data-dir or another server, neither of which
+    happened; it now says the versions after the latest were deleted."""
+    store.publish("policy", payload(1))
+    store.publish("policy", payload(2))
+    store.delete("policy", 2)
+    with pytest.raises(CursorOutOfRange, match="version 2 is ahead of the latest version 1") as caught:
+        store.newer_than("policy", 2)
+    assert "up to 2, were deleted" in str(caught.value) and "restarted" not in str(caught.value)
+
+
 # ---------------------------------------------------------------------------- listeners
 
 

@@ -100,11 +100,17 @@ class VersionIndex:
 
     def newer_than(self, model: str, version: int) -> Version | None:
         """The latest version if it is newer than `version`, else None."""
-        latest = self.latest(model)
+        with self._lock:
+            state = self._retained(model)
+            latest, high_water = next(reversed(state.versions.values())), state.high_water
         if version > latest.version:
+            why = (
+                f"the versions after it, up to {high_water}, were deleted; fetch without newer_than to get it"
+                if version <= high_water
+                else "the server may have restarted without --data-dir, or the version came from another server"
+            )
             raise CursorOutOfRange(
-                f"model {model!r}: version {version} is ahead of the latest version {latest.version}; "
-                "the server may have restarted without --data-dir, or the version came from another server"
+                f"model {model!r}: version {version} is ahead of the latest version {latest.version}; {why}"
             )
         return latest if latest.version > version else None
 
