@@ -434,6 +434,22 @@ def test_delete_unknown_or_evicted(store: VersionStore) -> None:
     assert numbers(small.versions("policy")) == [2]
 
 
+def test_a_version_evicted_above_the_retained_ones_is_evicted_not_unknown() -> None:
+    """v2 was evicted (keep 1, v1 pinned), then the latest, v3, deleted: v2 lies above every retained
+    version. It was reported as never committed ("has no version 2", VersionNotFound), which a
+    relay takes for a delete; it is VersionEvicted, as before the delete."""
+    store = VersionStore(keep=1)
+    store.publish("policy", payload(1), pin=True)
+    store.publish("policy", payload(2))
+    store.publish("policy", payload(3))  # evicts v2
+    store.delete("policy", 3)
+    assert numbers(store.versions("policy")) == [1]
+    with pytest.raises(VersionEvicted, match="version 2 is no longer retained"):
+        store.get("policy", 2)
+    with pytest.raises(VersionNotFound, match="version 3 was deleted"):
+        store.get("policy", 3)
+
+
 def test_deleting_latest_keeps_numbering_monotonic(store: VersionStore) -> None:
     for i in range(1, 4):
         store.publish("policy", payload(i))

@@ -91,7 +91,7 @@ class VersionIndex:
                 raise VersionNotFound(
                     f"model {model!r}: version {version} was deleted; retained versions: {ranges(retained)}"
                 )
-            if 0 < version < retained[-1] and (version < retained[0] or contains(state.removed, version)):
+            if 0 < version <= state.high_water and (version < retained[0] or contains(state.removed, version)):
                 raise VersionEvicted(
                     f"model {model!r}: version {version} is no longer retained; the oldest retained is {retained[0]} "
                     f"(retained versions: {ranges(retained)}); pin versions you need to keep"
