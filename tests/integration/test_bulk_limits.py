@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import resource
+import select
 import signal
 import socket
 import threading
@@ -270,6 +271,30 @@ def test_silent_idle_and_stalled_bulk_connections_are_dropped(make_server, monke
             wait_until(lambda: srv.bulk.connections == 1, timeout=5)
             wait_until(lambda: srv.bulk.connections == 0, timeout=5)
     assert "stalled" in caplog.text
+
+
+def test_a_ticket_sent_a_byte_at_a_time_is_still_due_within_the_limit(make_server, monkeypatch):
+    """A new connection must send its ticket within FIRST_TICKET_SECONDS (docs/guides/limits.md).
+    The limit applied to each wait for a byte, so a peer sending a byte just under it each time
+    held its place 16 times as long (160 s by default, 256 such peers: the whole port)."""
+    monkeypatch.setattr(bulk, "FIRST_TICKET_SECONDS", 0.5, raising=False)
+    srv = make_server(shm_dir=None)
+    with socket.create_connection(("127.0.0.1", srv.bulk.port), timeout=10) as dripping:
+        started = time.monotonic()
+        closed = False
+        for _ in range(bulk.TICKET_BYTES - 1):  # a byte every 0.2 s: never 0.5 s without one
+            try:
+                dripping.sendall(b"x")
+                time.sleep(0.2)  # the peer's pace, not a wait for the server
+                readable, _, _ = select.select([dripping], [], [], 0)
+                closed = bool(readable) and dripping.recv(1) == b""
+            except ConnectionResetError:
+                closed = True
+            if closed:
+                break
+        assert closed, "the connection stayed open while its ticket arrived a byte at a time"
+        assert time.monotonic() - started < 0.5 + 1.5
+        wait_until(lambda: srv.bulk.connections == 0, timeout=5)
 
 
 # ---------------------------------------------------------------------- item 7: deadlines

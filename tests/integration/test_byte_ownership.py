@@ -13,6 +13,7 @@ serves exactly the bytes whose digests it recorded, and it stays up.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import mmap
 import os
@@ -193,6 +194,40 @@ def test_an_upload_still_mapped_for_writing_is_refused_not_committed(tmp_path):
             kept.close()
         assert_up(server)
         publish_honestly(stub, data)  # and the server takes the next publish
+
+
+@pytest.mark.parametrize("seals", ["against-new-seals-only", "whole"])
+def test_an_upload_the_publisher_sealed_itself_is_a_status_not_an_internal_error(tmp_path, seals):
+    """The publisher adds seals to its upload before `uploaded`, F_SEAL_SEAL among them: the
+    server's own seal is refused (EPERM), which was INTERNAL ("PermissionError; see the server
+    log"). An upload the publisher sealed against writes, growth and shrinking cannot change, so
+    it commits; one still writable is INVALID_ARGUMENT saying to add no seals."""
+    data = model_file(1.0)
+    added = fcntl.F_SEAL_SEAL
+    if seals == "whole":
+        added |= fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+    with serving(tmp_path) as (server, stub):
+        header, answer = shm_upload(stub, len(data))
+        fd = os.open(answer.payload.shared_memory.path, os.O_RDWR)
+        try:
+            assert os.pwrite(fd, data, 0) == len(data)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, added)
+        finally:
+            os.close(fd)
+        messages = [
+            pb.PublishRequest(header=header),
+            *uploaded_and_commit(answer.upload, xxhash.xxh3_128_hexdigest(data)),
+        ]
+        if seals == "whole":
+            assert stub.Publish(iter(messages), timeout=TIMEOUT).version.version == 1
+            assert_served(stub, 1, data)
+        else:
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.Publish(iter(messages), timeout=TIMEOUT)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value.details()
+            assert "add no seals" in caught.value.details()
+            publish_honestly(stub, data)  # and the server takes the next publish
+        assert_up(server)
 
 
 # ---------------------------------------------------------------------- 3: changed after `written`

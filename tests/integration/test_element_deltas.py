@@ -10,13 +10,17 @@ import os
 import subprocess
 import sys
 
+import grpc
 import pytest
 import torch
+import xxhash
 from waiting import wait_until
 
 from weightclient import IntegrityError, ModelNotFound, WeightClient
 from weightclient.torchrl.grpc_updaters import GrpcLocalWeightUpdater
 from weightserver.protocol import deltas
+from weightserver.v1 import weights_pb2 as pb
+from weightserver.v1 import weights_pb2_grpc as pb_grpc
 
 MODEL = "policy"
 TRANSPORTS = ["stream", "bulk", "shm"]
@@ -147,6 +151,30 @@ def test_a_base_changed_since_it_was_fetched_is_not_built_on(server, client):
     result = client.fetch(MODEL, version=2, base=base)
     assert result.base_version == 0
     assert_bit_exact(result.tensors, v2)
+
+
+def test_deltas_in_other_forms_are_other_shared_memory_files(server, client):
+    """Callers that accept other element delta forms get other payloads of the same delta. Each
+    had its own key but one file name ("-elements"), so the second payload's file replaced the
+    first's: the first caller read bytes that were not the payload it was described."""
+    v1 = {"w": torch.randn(4096, generator=torch.Generator().manual_seed(0))}
+    v2 = {"w": v1["w"].clone()}
+    v2["w"][::4] += 1  # a quarter of the elements: sparse is smaller than the tensor, a bitmap smaller still
+    client.publish(v1, model=MODEL)
+    client.publish(v2, model=MODEL)
+
+    def negotiate(forms: list[int]) -> pb.Payload:
+        fetch = pb.FetchRequest(model=MODEL, version=2, base_version=1, element_deltas=forms)
+        request = pb.NegotiateRequest(direction=pb.DIRECTION_FETCH, accept=[pb.TRANSPORT_SHARED_MEMORY], fetch=fetch)
+        with grpc.insecure_channel(server.address) as channel:
+            return pb_grpc.WeightServiceStub(channel).Negotiate(request, timeout=30).payload
+
+    sparse = negotiate([pb.ELEMENT_DELTA_SPARSE])
+    either = negotiate([pb.ELEMENT_DELTA_SPARSE, pb.ELEMENT_DELTA_BITMAP])
+    assert sparse.xxh3 != either.xxh3  # two payloads (sparse, bitmap)
+    for payload in (sparse, either):
+        with open(payload.shared_memory.path, "rb") as file:
+            assert xxhash.xxh3_128_hexdigest(file.read()) == payload.xxh3
 
 
 def truncating(monkeypatch) -> None:

@@ -63,6 +63,19 @@ def test_group_member_evicted_later_does_not_drop_the_rest(tmp_path):
     assert [v.version for v in reloaded.versions("policy")] == [2]
 
 
+def test_group_member_deleted_later_does_not_drop_the_rest(tmp_path, caplog):
+    """A member's version deleted after the group committed left its partner's version without a
+    match and with nothing newer: the reload took it for a torn group and removed its files (a
+    committed version lost on restart). The member's high-water mark says the group completed."""
+    store = VersionStore(tmp_path)
+    store.publish_group([Upload("policy", payload(1)), Upload("critic", payload(1))])
+    store.delete("critic", 1)
+    reloaded = VersionStore(tmp_path)
+    assert [v.version for v in reloaded.versions("policy")] == [1]
+    assert "did not complete" not in caplog.text
+    assert reloaded.publish("critic", payload(2)).version == 2
+
+
 def test_client_group_publish_and_fetch_by_version(client: WeightClient):
     actor, critic = torch.nn.Linear(3, 2), torch.nn.Linear(3, 1)
     version = client.publish_group({"policy": actor, "critic": critic}, metadata={"step": "7"})

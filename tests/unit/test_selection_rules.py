@@ -212,3 +212,15 @@ def test_a_selection_is_built_once_per_version_and_cached_under_its_key():
     assert first.key("m", 1) == ("m", 1, 0, "", "", selection.key) and first.selection.byte_size == first.byte_size
     assert cache.get(record, dtype="BF16", selection=selection).selection == first.selection  # a cast of it
     assert cache.builds == 2
+
+
+def test_a_selection_ending_in_an_empty_tensor_is_cast():
+    """An empty tensor placed last in a selection's file starts where the file ends: reading its
+    (empty) bytes through the pieces for a cast raised IndexError, so such a fetch failed INTERNAL."""
+    cache = PayloadCache()
+    record = _Version(1, {"a": torch.arange(4.0), "b": torch.ones(2, dtype=torch.uint8), "z": torch.zeros(0)})
+    selection = Selection.of(["a", "z"]).resolve(record.header.tensors)
+    assert [t.name for t in cache.selected(record, selection).header.tensors] == ["a", "z"]  # "z" last
+    payload = cache.get(record, dtype="BF16", selection=selection)
+    got = tensor_codec.decode(parse_header(payload.data), memoryview(bytearray(payload.data)))
+    assert torch.equal(got["a"], torch.arange(4.0).to(torch.bfloat16)) and got["z"].shape == (0,)

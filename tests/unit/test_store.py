@@ -434,6 +434,22 @@ def test_delete_unknown_or_evicted(store: VersionStore) -> None:
     assert numbers(small.versions("policy")) == [2]
 
 
+def test_a_version_evicted_above_the_retained_ones_is_evicted_not_unknown() -> None:
+    """v2 was evicted (keep 1, v1 pinned), then the latest, v3, deleted: v2 lies above every retained
+    version. It was reported as never committed ("has no version 2", VersionNotFound), which a
+    relay takes for a delete; it is VersionEvicted, as before the delete."""
+    store = VersionStore(keep=1)
+    store.publish("policy", payload(1), pin=True)
+    store.publish("policy", payload(2))
+    store.publish("policy", payload(3))  # evicts v2
+    store.delete("policy", 3)
+    assert numbers(store.versions("policy")) == [1]
+    with pytest.raises(VersionEvicted, match="version 2 is no longer retained"):
+        store.get("policy", 2)
+    with pytest.raises(VersionNotFound, match="version 3 was deleted"):
+        store.get("policy", 3)
+
+
 def test_deleting_latest_keeps_numbering_monotonic(store: VersionStore) -> None:
     for i in range(1, 4):
         store.publish("policy", payload(i))
@@ -484,6 +500,20 @@ def test_deleting_every_version_survives_reload(tmp_path: Path) -> None:
     reloaded = VersionStore(tmp_path)
     assert reloaded.models() == []
     assert reloaded.publish("policy", payload(3)).version == 3
+
+
+def test_versions_of_more_than_twelve_digits_reload_in_number_order(tmp_path: Path) -> None:
+    """File names pad numbers to 12 digits, so past 10^12 they sort as text out of number order
+    ("1000000000000" before "999999999999"). The reload inserted the versions in name order, so
+    `latest` answered the older one and the next publish evicted the newest."""
+    store = VersionStore(tmp_path, keep=2)
+    store.publish("policy", payload(1), version=999_999_999_999)
+    store.publish("policy", payload(2))
+    reloaded = VersionStore(tmp_path, keep=2)
+    assert reloaded.latest("policy").version == 1_000_000_000_000
+    assert numbers(reloaded.versions("policy")) == [999_999_999_999, 1_000_000_000_000]
+    reloaded.publish("policy", payload(3))
+    assert numbers(reloaded.versions("policy")) == [1_000_000_000_000, 1_000_000_000_001]
 
 
 # ---------------------------------------------------------------------------- cursors
@@ -599,6 +629,18 @@ def test_newer_than(store: VersionStore) -> None:
         store.newer_than("policy", 3)
     with pytest.raises(ModelNotFound):
         store.newer_than("critic", 0)
+
+
+def test_newer_than_a_deleted_latest_version_says_it_was_deleted(store: VersionStore) -> None:
+    """A collector holding a version deleted since (a bad one rolled back) asks for a newer one: the
+    OUT_OF_RANGE message blamed a restart without --data-dir or another server, neither of which
+    happened; it now says the versions after the latest were deleted."""
+    store.publish("policy", payload(1))
+    store.publish("policy", payload(2))
+    store.delete("policy", 2)
+    with pytest.raises(CursorOutOfRange, match="version 2 is ahead of the latest version 1") as caught:
+        store.newer_than("policy", 2)
+    assert "up to 2, were deleted" in str(caught.value) and "restarted" not in str(caught.value)
 
 
 # ---------------------------------------------------------------------------- listeners

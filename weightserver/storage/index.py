@@ -91,7 +91,7 @@ class VersionIndex:
                 raise VersionNotFound(
                     f"model {model!r}: version {version} was deleted; retained versions: {ranges(retained)}"
                 )
-            if 0 < version < retained[-1] and (version < retained[0] or contains(state.removed, version)):
+            if 0 < version <= state.high_water and (version < retained[0] or contains(state.removed, version)):
                 raise VersionEvicted(
                     f"model {model!r}: version {version} is no longer retained; the oldest retained is {retained[0]} "
                     f"(retained versions: {ranges(retained)}); pin versions you need to keep"
@@ -100,11 +100,17 @@ class VersionIndex:
 
     def newer_than(self, model: str, version: int) -> Version | None:
         """The latest version if it is newer than `version`, else None."""
-        latest = self.latest(model)
+        with self._lock:
+            state = self._retained(model)
+            latest, high_water = next(reversed(state.versions.values())), state.high_water
         if version > latest.version:
+            why = (
+                f"the versions after it, up to {high_water}, were deleted; fetch without newer_than to get it"
+                if version <= high_water
+                else "the server may have restarted without --data-dir, or the version came from another server"
+            )
             raise CursorOutOfRange(
-                f"model {model!r}: version {version} is ahead of the latest version {latest.version}; "
-                "the server may have restarted without --data-dir, or the version came from another server"
+                f"model {model!r}: version {version} is ahead of the latest version {latest.version}; {why}"
             )
         return latest if latest.version > version else None
 

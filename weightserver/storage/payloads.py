@@ -42,6 +42,8 @@ class Pieces:
 
     def span(self, begin: int, end: int) -> memoryview:
         """Bytes [begin, end), which lie in one piece (as each tensor does)."""
+        if begin == end:  # an empty tensor: placed last, it starts where the last piece ends
+            return memoryview(b"")
         i = bisect.bisect_right(self._starts, begin) - 1
         view, at = self.views[i], begin - self._starts[i]
         if end - begin > view.nbytes - at:

@@ -127,6 +127,8 @@ class Disk:
                 # A manifest, even a damaged one, keeps its number from being handed out again.
                 if stem.isascii() and stem.isdigit() and int(stem) <= MAX_VERSION:
                     state.high_water = max(state.high_water, int(stem))
+            # In number order, which the index keeps: past 12 digits the names sort otherwise ("1000000000000" first)
+            state.versions = dict(sorted(state.versions.items()))
         self._drop_torn_groups(models)
         for model, state in models.items():
             if state.versions:
@@ -135,13 +137,13 @@ class Disk:
         return models
 
     def _drop_torn_groups(self, models: dict[str, ModelState]) -> None:
-        """Drop a group's version whose partner lacks it and has nothing newer: the group never committed."""
+        """Drop a group's version whose partner never reached its number (no manifest of it or later, no
+        high-water mark of a delete at or past it): the group never committed."""
         for model, state in models.items():
             for number, record in list(state.versions.items()):
                 for partner in record.group:
-                    held = models[partner].versions if partner in models else {}
                     torn = (model, number, partner)
-                    if partner != model and number not in held and number > max(held, default=0):
+                    if partner != model and number > (models[partner].high_water if partner in models else 0):
                         log.error("skipping %s v%d: its group with %s did not complete before a crash", *torn)
                         del state.versions[number]
                         self.remove_files([record])

@@ -160,7 +160,8 @@ class BulkEndpoint:
             while True:
                 pending = None  # not held while idle: its version may be evicted meanwhile
                 try:
-                    await _receive(conn, memoryview(ticket), None, wait)
+                    async with asyncio.timeout(wait):  # the whole ticket: `_receive`'s bound is per byte
+                        await _receive(conn, memoryview(ticket), None, wait)
                 except (OSError, EOFError, TimeoutError):
                     return  # the client closed its connection, or sent no ticket in time
                 with self._lock:

@@ -110,7 +110,7 @@ class SharedMemoryFiles:
                 return path
             model, version, base, dtype, forms, selection = key
             suffix = (f"-select{selection[:16]}" if selection else "") + (f"-delta{base}" if base else "")
-            suffix += (f"-{dtype}" if dtype else "") + ("-elements" if forms else "")
+            suffix += (f"-{dtype}" if dtype else "") + (f"-elements-{forms.replace('+', '-')}" if forms else "")
             path = self.directory / model / version_file_name(version, suffix)
             try:
                 path.parent.mkdir(mode=FOLDER_MODE, exist_ok=True)
@@ -263,13 +263,17 @@ class PublisherMemory(UploadFile):
 
     def seal(self, model: str, *, populate: bool = True) -> memoryview:
         """Seal it and map it read-only (`populate`: every page now, for a hash that reads them all);
-        InvalidRequest while the publisher maps it writable, IntegrityError if not the declared size."""
+        InvalidRequest while the publisher maps it writable (or sealed it, not whole), IntegrityError if not the
+        declared size."""
         # EBUSY may also be a page still referenced past the kernel's own ~150 ms wait: up to 0.75 s more
         for wait in (0.05, 0.1, 0.2, 0.4, None):
             try:
                 fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, SEALS)
                 break
             except OSError as exc:
+                if exc.errno == errno.EPERM:  # F_SEAL_SEAL is on: the publisher added seals itself
+                    self._sealed_by_publisher(model)
+                    break
                 if exc.errno != errno.EBUSY:
                     raise
                 if wait is None:
@@ -289,6 +293,15 @@ class PublisherMemory(UploadFile):
             flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
             self.buffer = memoryview(mmap.mmap(self._fd, size, flags=flags, prot=mmap.PROT_READ))
         return self.buffer
+
+    def _sealed_by_publisher(self, model: str) -> None:
+        """Nothing to add once the publisher sealed it against writes, growth and shrinking; else InvalidRequest."""
+        if SEALS & ~fcntl.F_SEAL_SEAL & ~fcntl.fcntl(self._fd, fcntl.F_GET_SEALS):
+            raise InvalidRequest(
+                f"model {model!r}: the publisher sealed its shared-memory upload (F_SEAL_SEAL) but not against "
+                "writes, growth and shrinking, so the server cannot make it read-only; add no seals to the upload "
+                "(the server seals it at `uploaded`) and publish again"
+            )
 
     def close(self) -> None:
         """Let go of the memfd (a mapping of it stays valid)."""
