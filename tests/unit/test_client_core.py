@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 
 import pytest
 import xxhash
 
 from weightclient import DeadlineExceeded, IntegrityError, ServerUnavailable, WeightServiceClient
+from weightclient.core.background import BackgroundPublisher
 from weightclient.core.retry import RetryPolicy
 from weightclient.transports.mock import MockServer
 
@@ -176,3 +179,40 @@ def test_a_publish_whose_fast_transport_fails_goes_over_the_stream():
 def test_a_misspelt_tls_option_is_a_type_error_even_with_a_stand_in_network():
     with pytest.raises(TypeError, match="tls_cret"):
         client_of(MockServer(), tls_cret="client.pem")
+
+
+def test_a_child_forked_during_a_background_publish_flushes_and_publishes_its_own():
+    """A process forked (a data loader, a collector) while the background publisher sends a snapshot
+    starts empty: its flush and close return at once, and its own submits are sent. Before, the child
+    kept the parent's "busy" with no thread to end it: its flush waited forever (so did close)."""
+    entered, release = threading.Event(), threading.Event()
+    sent: list[bytes] = []
+
+    def send(snapshot, **options) -> int:
+        sent.append(bytes(snapshot["m"]))
+        if sent == [b"parent"]:
+            entered.set()
+            release.wait(30)
+        return len(sent)
+
+    publisher = BackgroundPublisher(send)
+    first = publisher.submit({"m": memoryview(b"parent")})
+    assert entered.wait(30)
+    pid = os.fork()
+    if pid == 0:  # the child: exit codes say what went wrong
+        code = 1
+        try:
+            if not publisher.flush(timeout=5):
+                code = 2
+            elif publisher.submit({"m": memoryview(b"child")}).result(timeout=5) != 2 or sent[-1] != b"child":
+                code = 3
+            else:
+                publisher.close(timeout=5)
+                code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    release.set()
+    assert first.result(timeout=30) == 1 and sent == [b"parent"]
+    publisher.close(timeout=30)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -4,6 +4,7 @@ publishes that must not block the trainer."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
@@ -25,9 +26,18 @@ class LatestOnlyWorker(Generic[T]):
         self._busy = False
         self._closed = False
         self._thread: threading.Thread | None = None
+        self._pid = os.getpid()
+
+    def _in_this_process(self) -> None:
+        """In a forked child, start empty: the item the parent was sending or had waiting is the parent's
+        to send (no thread here would ever finish it, so a flush would wait forever)."""
+        if self._pid != os.getpid():
+            self._pid, self._changed = os.getpid(), threading.Condition()  # (the parent's may be held)
+            self._waiting, self._busy, self._thread = None, False, None
 
     def put(self, item: T, merge: Callable[[T, T], T] | None = None) -> bool:
         """Queue `item` in place of the one waiting (or `merge(waiting, item)`); False once closed."""
+        self._in_this_process()
         with self._changed:
             if self._closed:
                 return False
@@ -41,11 +51,13 @@ class LatestOnlyWorker(Generic[T]):
         return True
 
     def flush(self, timeout: float | None = None) -> bool:
+        self._in_this_process()
         with self._changed:
             return self._changed.wait_for(lambda: self._waiting is None and not self._busy, timeout)
 
     def close(self, timeout: float | None = 0.0) -> None:
         """Take no more items; wait up to `timeout` for the one waiting to be done."""
+        self._in_this_process()
         with self._changed:
             self._closed = True
             self._changed.notify_all()
