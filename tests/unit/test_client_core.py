@@ -216,3 +216,21 @@ def test_a_child_forked_during_a_background_publish_flushes_and_publishes_its_ow
     assert first.result(timeout=30) == 1 and sent == [b"parent"]
     publisher.close(timeout=30)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_spare_upload_unused_for_its_time_is_let_go(monkeypatch):
+    """An upload set up ahead (a spare: for shared memory, a mapping of a model's size of the server's
+    memory) is let go once unused for SPARE_SECONDS, as docs/internals/transports.md says, even if no
+    publish comes again. Before, an expired spare was let go only by the model's next publish, so a
+    trainer that had published its last version held the mapping until it closed its client."""
+    import weightclient.core.publish as publish
+
+    monkeypatch.setattr(publish, "SPARE_SECONDS", 0.2)
+    server, released = MockServer(), threading.Event()
+    with client_of(server) as client:
+        bulk = client.transports.by_name["bulk"]
+        monkeypatch.setattr(bulk, "prepare", lambda payload: None)
+        monkeypatch.setattr(bulk, "release", lambda payload: released.set())
+        assert client.publish_bytes("policy", DATA).version == 1  # its successor is set up meanwhile
+        assert released.wait(10), "the spare was never let go"
+        assert server.calls.count("Negotiate") == 2  # the publish's, then the spare's
