@@ -234,3 +234,32 @@ def test_a_spare_upload_unused_for_its_time_is_let_go(monkeypatch):
         assert client.publish_bytes("policy", DATA).version == 1  # its successor is set up meanwhile
         assert released.wait(10), "the spare was never let go"
         assert server.calls.count("Negotiate") == 2  # the publish's, then the spare's
+
+
+def test_a_background_publish_cancelled_while_it_waits_is_not_sent_and_the_others_resolve():
+    """`future.cancel()` on a publish still waiting its turn succeeds (a concurrent.futures.Future):
+    then it is not sent, and the publishes coalesced with it still resolve. Before, the cancelled
+    future's publish went out anyway, and setting its result raised InvalidStateError in the
+    publisher's thread, so the futures after it in the same send never resolved (a wait forever)."""
+    entered, release = threading.Event(), threading.Event()
+    sent: list[bytes] = []
+
+    def send(snapshot, **options) -> int:
+        sent.append(bytes(snapshot["m"]))
+        if len(sent) == 1:
+            entered.set()
+            release.wait(30)
+        return len(sent)
+
+    publisher = BackgroundPublisher(send)
+    first = publisher.submit({"m": memoryview(b"first")})
+    assert entered.wait(30)
+    given_up, newer = publisher.submit({"m": memoryview(b"given up")}), publisher.submit({"m": memoryview(b"newer")})
+    assert given_up.cancel()
+    release.set()
+    assert first.result(timeout=30) == 1 and newer.result(timeout=30) == 2 and newer.superseded is False
+    alone = publisher.submit({"m": memoryview(b"alone")})
+    cancelled = alone.cancel()  # (refused if the thread took it already: then it is sent)
+    assert publisher.flush(timeout=30)
+    assert sent == [b"first", b"newer"] + ([] if cancelled else [b"alone"])
+    publisher.close(timeout=30)

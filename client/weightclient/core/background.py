@@ -125,13 +125,18 @@ class BackgroundPublisher(LatestOnlyWorker[_Job]):
         return newer
 
     def _publish(self, job: _Job) -> None:
+        # From here cancel() is refused; a future its caller cancelled while it waited gets no result.
+        futures = [future for future in job.futures if future.set_running_or_notify_cancel()]
+        if not futures:  # every caller cancelled it: nothing is sent
+            self._recycle(job.snapshot)
+            return
         try:
             version, error = self._send(job.snapshot, **job.options), None
         except BaseException as exc:  # handed to the caller through the futures
             log.error("background publish failed: %s", exc)
             version, error = None, exc
         self._recycle(job.snapshot)  # first, so a caller woken by its future finds the buffer ready for reuse
-        for future in job.futures:
+        for future in futures:
             if error is not None:
                 future.set_exception(error)
             else:
