@@ -87,8 +87,15 @@ class BulkTransport(Transport):
                         hasher = xxhash.xxh3_128()
                         for block in base.blocks(parts, SEND_BLOCK, progress):
                             hasher.update(block)
-                            conn.settimeout(_wait(STALL_TIMEOUT, deadline))
-                            conn.sendall(block)
+                            wait = _wait(STALL_TIMEOUT, deadline)
+                            conn.settimeout(wait)
+                            try:
+                                conn.sendall(block)
+                            except TimeoutError:
+                                if wait < STALL_TIMEOUT:  # cut to the caller's deadline: theirs to report
+                                    what = f"the bulk port did not take the next block within {wait:.3g}s"
+                                    raise DeadlineExceeded(what) from None
+                                raise
                         received, sink = 0, base.is_sink(into)
                         while received < into.nbytes:
                             view = into.target(SOCKET_BUFFER) if sink else into[received : received + SOCKET_BUFFER]
