@@ -113,3 +113,20 @@ def test_a_fetch_that_gives_no_timeout_has_the_clients(make_server, method):
         proxy.drop_replies()
         spent = timed_out(lambda: getattr(client, method)(MODEL, version=1, transport="stream"))
     assert TIMEOUT - SLACK < spent < TIMEOUT + SLACK, f"{method}() on WeightClient(timeout={TIMEOUT}) took {spent:.2f}s"
+
+
+def test_a_fetch_with_stall_finds_its_version_within_its_timeout(make_server):
+    """With `stall=`, the timeout still bounds finding the version (the stream's head); only the
+    transfer after it runs while its bytes keep coming. Over the stream, the Fetch call's head
+    was waited for as long as `stall` instead: a server that fell silent held a fetch with
+    timeout=1 for the 8 s of its stall."""
+    server = make_server()
+    with WeightClient(server.address) as trainer:
+        trainer.publish(weights(1), model=MODEL, transport="stream")
+    with proxy_to(server.port) as proxy, WeightClient(proxy.address) as client:
+        assert client.fetch_bytes(MODEL, version=1, transport="stream") is not None  # the channel up
+        proxy.drop_replies()
+        spent = timed_out(
+            lambda: client.fetch_bytes(MODEL, version=1, transport="stream", timeout=1.0, stall=8.0, retry=False)
+        )
+    assert spent < 1.0 + SLACK, f"fetch(timeout=1, stall=8) took {spent:.2f}s"

@@ -57,6 +57,26 @@ def _first_events(client: WeightClient, since: int, count: int) -> list:
     return events
 
 
+def test_a_watch_outlives_the_link_it_started_on(make_server):
+    """A fetch that fails over moves the client on and keeps the link it left open for calls still
+    running on it, closing it only a few moves later (RETIRED_LINKS). A watch still streaming from
+    that server then ended with Cancelled ("Channel closed!"), as if its caller had cancelled it (a
+    follower took that for a closed client and stopped following); now it resubscribes, from the
+    last version seen, at the server in use."""
+    primary = make_server()
+    relay = make_server(upstream=primary.address, upstream_poll_seconds=0.1)
+    with WeightClient(primary.address) as trainer, WeightClient(f"{relay.address},{primary.address}") as client:
+        trainer.publish(linear(1), model=MODEL)
+        wait_until(lambda: held(relay, MODEL) == 1, timeout=15)
+        events = client.watch(MODEL, since=0, timeout=20)
+        assert next(events).version == 1  # streaming from the relay
+        for _ in range(3):  # what three failovers of fetches (a server that stalled now and then) do
+            client._move_on(client.address, "a stall")
+        trainer.publish(linear(2), model=MODEL)
+        assert next(events).version == 2
+        events.close()
+
+
 def test_a_watching_updater_follows_on_through_the_next_address(make_server):
     primary = make_server()
     relay = make_server(upstream=primary.address, upstream_poll_seconds=0.1)

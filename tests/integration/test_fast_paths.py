@@ -261,6 +261,29 @@ def test_refused_bulk_port_falls_back_to_the_stream_and_is_not_asked_again(make_
         assert_bit_exact(retried.tensors, weights)
 
 
+def test_bulk_reaches_a_server_by_a_name_whose_first_address_it_does_not_listen_on(make_server, monkeypatch):
+    """A host name may resolve to several addresses: "localhost" is ::1 first, then 127.0.0.1, on
+    hosts whose /etc/hosts lists both (most Linux distributions, Kubernetes pods), while a server on
+    0.0.0.0 (the default) listens on IPv4 only. gRPC tries each address; the bulk connection tried
+    only the first, was refused, and left bulk resting: every fetch went over the stream."""
+    srv = make_server(shm_dir=None)
+    weights = mixed_model()
+    resolve = socket.getaddrinfo
+
+    def ipv6_first(host, port, *args, **kwargs):
+        found = resolve(host, port, *args, **kwargs)
+        if host == "localhost":  # as such a host answers: ::1 (nothing listens there), then 127.0.0.1
+            return [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", port, 0, 0)), *found]
+        return found
+
+    monkeypatch.setattr(socket, "getaddrinfo", ipv6_first)
+    with WeightClient(f"localhost:{srv.port}") as c:
+        c.publish(weights, model=MODEL, transport="stream")
+        result = c.fetch(MODEL, transport="bulk")
+        assert result.stats.transport == "bulk" and c.transports.usable("bulk") is True
+        assert_bit_exact(result.tensors, weights)
+
+
 @pytest.mark.parametrize("damage", ["flip-byte", "truncate"])
 def test_corrupt_derived_shm_file_is_detected_and_streamed_instead(server, client, damage):
     weights = mixed_model()

@@ -18,7 +18,7 @@ import pytest
 import torch
 from waiting import sigstop, wait_until
 
-from weightclient import WeightClient
+from weightclient import DeadlineExceeded, WeightClient
 from weightclient.torchrl.grpc_updaters import GrpcLocalWeightUpdater
 from weightclient.transports import bulk as bulk_transport
 from weightserver.process import ServerProcess
@@ -414,3 +414,40 @@ def test_a_refetch_after_a_changed_base_runs_as_long_as_its_bytes_keep_coming(ma
         assert any("fetching whole" in r.getMessage() for r in caplog.records), "no refetch happened"
         assert result.version == 2 and torch.equal(result.weights["w"], v2["w"])
         assert spent > 1.5  # the whole 16 MiB at 1 MiB per 0.15 s outlasted the deadline, and landed
+
+
+def test_a_bulk_upload_cut_by_the_publishs_timeout_is_the_servers_outage_not_bulks(proc, monkeypatch, caplog):
+    """The server stops as a 64 MiB publish starts over bulk: the send that fills the socket's
+    buffers waits at most what is left of the publish's timeout, and the publish raises
+    DeadlineExceeded without putting bulk to rest. Before, that wait's socket timeout was taken for
+    bulk's failure: "bulk transport failed (... timed out); using the next one for 60s", and the
+    next publishes went over the stream."""
+    timers: list[threading.Timer] = []
+
+    class StopAtTheTicket:
+        def __init__(self, conn) -> None:
+            self._conn = conn
+
+        def __getattr__(self, name: str):
+            return getattr(self._conn, name)
+
+        def sendall(self, data) -> None:
+            if not timers:
+                timers.append(stop(proc))
+            self._conn.sendall(data)
+
+    connect = bulk_transport._connect
+    monkeypatch.setattr(bulk_transport, "_connect", lambda *args: StopAtTheTicket(connect(*args)))
+    weights = {"w": torch.ones(16 << 20)}  # 64 MiB: more than the sockets' buffers hold
+    with WeightClient(proc.address) as trainer:
+        try:
+            with caplog.at_level(logging.WARNING), pytest.raises(DeadlineExceeded):
+                trainer.publish(weights, model=MODEL, transport="bulk", timeout=UPDATE_TIMEOUT)
+            assert timers, "the upload never started"
+            warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+            assert not any("transport failed" in w for w in warnings), warnings
+            assert trainer.transports.usable("bulk") is not False
+        finally:
+            for timer in timers:
+                timer.cancel()
+            with_resumed(proc)

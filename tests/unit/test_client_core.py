@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 
 import pytest
 import xxhash
 
 from weightclient import DeadlineExceeded, IntegrityError, ServerUnavailable, WeightServiceClient
+from weightclient.core.background import BackgroundPublisher
 from weightclient.core.retry import RetryPolicy
 from weightclient.transports.mock import MockServer
 
@@ -176,3 +179,87 @@ def test_a_publish_whose_fast_transport_fails_goes_over_the_stream():
 def test_a_misspelt_tls_option_is_a_type_error_even_with_a_stand_in_network():
     with pytest.raises(TypeError, match="tls_cret"):
         client_of(MockServer(), tls_cret="client.pem")
+
+
+def test_a_child_forked_during_a_background_publish_flushes_and_publishes_its_own():
+    """A process forked (a data loader, a collector) while the background publisher sends a snapshot
+    starts empty: its flush and close return at once, and its own submits are sent. Before, the child
+    kept the parent's "busy" with no thread to end it: its flush waited forever (so did close)."""
+    entered, release = threading.Event(), threading.Event()
+    sent: list[bytes] = []
+
+    def send(snapshot, **options) -> int:
+        sent.append(bytes(snapshot["m"]))
+        if sent == [b"parent"]:
+            entered.set()
+            release.wait(30)
+        return len(sent)
+
+    publisher = BackgroundPublisher(send)
+    first = publisher.submit({"m": memoryview(b"parent")})
+    assert entered.wait(30)
+    pid = os.fork()
+    if pid == 0:  # the child: exit codes say what went wrong
+        code = 1
+        try:
+            if not publisher.flush(timeout=5):
+                code = 2
+            elif publisher.submit({"m": memoryview(b"child")}).result(timeout=5) != 2 or sent[-1] != b"child":
+                code = 3
+            else:
+                publisher.close(timeout=5)
+                code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    release.set()
+    assert first.result(timeout=30) == 1 and sent == [b"parent"]
+    publisher.close(timeout=30)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_spare_upload_unused_for_its_time_is_let_go(monkeypatch):
+    """An upload set up ahead (a spare: for shared memory, a mapping of a model's size of the server's
+    memory) is let go once unused for SPARE_SECONDS, as docs/internals/transports.md says, even if no
+    publish comes again. Before, an expired spare was let go only by the model's next publish, so a
+    trainer that had published its last version held the mapping until it closed its client."""
+    import weightclient.core.publish as publish
+
+    monkeypatch.setattr(publish, "SPARE_SECONDS", 0.2)
+    server, released = MockServer(), threading.Event()
+    with client_of(server) as client:
+        bulk = client.transports.by_name["bulk"]
+        monkeypatch.setattr(bulk, "prepare", lambda payload: None)
+        monkeypatch.setattr(bulk, "release", lambda payload: released.set())
+        assert client.publish_bytes("policy", DATA).version == 1  # its successor is set up meanwhile
+        assert released.wait(10), "the spare was never let go"
+        assert server.calls.count("Negotiate") == 2  # the publish's, then the spare's
+
+
+def test_a_background_publish_cancelled_while_it_waits_is_not_sent_and_the_others_resolve():
+    """`future.cancel()` on a publish still waiting its turn succeeds (a concurrent.futures.Future):
+    then it is not sent, and the publishes coalesced with it still resolve. Before, the cancelled
+    future's publish went out anyway, and setting its result raised InvalidStateError in the
+    publisher's thread, so the futures after it in the same send never resolved (a wait forever)."""
+    entered, release = threading.Event(), threading.Event()
+    sent: list[bytes] = []
+
+    def send(snapshot, **options) -> int:
+        sent.append(bytes(snapshot["m"]))
+        if len(sent) == 1:
+            entered.set()
+            release.wait(30)
+        return len(sent)
+
+    publisher = BackgroundPublisher(send)
+    first = publisher.submit({"m": memoryview(b"first")})
+    assert entered.wait(30)
+    given_up, newer = publisher.submit({"m": memoryview(b"given up")}), publisher.submit({"m": memoryview(b"newer")})
+    assert given_up.cancel()
+    release.set()
+    assert first.result(timeout=30) == 1 and newer.result(timeout=30) == 2 and newer.superseded is False
+    alone = publisher.submit({"m": memoryview(b"alone")})
+    cancelled = alone.cancel()  # (refused if the thread took it already: then it is sent)
+    assert publisher.flush(timeout=30)
+    assert sent == [b"first", b"newer"] + ([] if cancelled else [b"alone"])
+    publisher.close(timeout=30)

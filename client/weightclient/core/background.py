@@ -4,6 +4,7 @@ publishes that must not block the trainer."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
@@ -25,9 +26,18 @@ class LatestOnlyWorker(Generic[T]):
         self._busy = False
         self._closed = False
         self._thread: threading.Thread | None = None
+        self._pid = os.getpid()
+
+    def _in_this_process(self) -> None:
+        """In a forked child, start empty: the item the parent was sending or had waiting is the parent's
+        to send (no thread here would ever finish it, so a flush would wait forever)."""
+        if self._pid != os.getpid():
+            self._pid, self._changed = os.getpid(), threading.Condition()  # (the parent's may be held)
+            self._waiting, self._busy, self._thread = None, False, None
 
     def put(self, item: T, merge: Callable[[T, T], T] | None = None) -> bool:
         """Queue `item` in place of the one waiting (or `merge(waiting, item)`); False once closed."""
+        self._in_this_process()
         with self._changed:
             if self._closed:
                 return False
@@ -41,11 +51,13 @@ class LatestOnlyWorker(Generic[T]):
         return True
 
     def flush(self, timeout: float | None = None) -> bool:
+        self._in_this_process()
         with self._changed:
             return self._changed.wait_for(lambda: self._waiting is None and not self._busy, timeout)
 
     def close(self, timeout: float | None = 0.0) -> None:
         """Take no more items; wait up to `timeout` for the one waiting to be done."""
+        self._in_this_process()
         with self._changed:
             self._closed = True
             self._changed.notify_all()
@@ -113,13 +125,18 @@ class BackgroundPublisher(LatestOnlyWorker[_Job]):
         return newer
 
     def _publish(self, job: _Job) -> None:
+        # From here cancel() is refused; a future its caller cancelled while it waited gets no result.
+        futures = [future for future in job.futures if future.set_running_or_notify_cancel()]
+        if not futures:  # every caller cancelled it: nothing is sent
+            self._recycle(job.snapshot)
+            return
         try:
             version, error = self._send(job.snapshot, **job.options), None
         except BaseException as exc:  # handed to the caller through the futures
             log.error("background publish failed: %s", exc)
             version, error = None, exc
         self._recycle(job.snapshot)  # first, so a caller woken by its future finds the buffer ready for reuse
-        for future in job.futures:
+        for future in futures:
             if error is not None:
                 future.set_exception(error)
             else:

@@ -34,6 +34,12 @@ class Spare:
     transport: Transport
     answer: pb.NegotiateResponse
     expires: float
+    expiry: threading.Timer | None = None  # lets it go at `expires` unless it was taken or let go first
+
+    def let_go(self) -> None:
+        if self.expiry is not None:
+            self.expiry.cancel()
+        self.transport.release(self.answer.payload)
 
 
 class SpareUploads:
@@ -64,7 +70,9 @@ class SpareUploads:
                     break
                 stale.append(spare)
         for spare in stale:
-            spare.transport.release(spare.answer.payload)
+            spare.let_go()
+        if found is not None and found.expiry is not None:
+            found.expiry.cancel()
         return found
 
     def refill(self, model: str, size: int, transport: Transport) -> None:
@@ -90,7 +98,7 @@ class SpareUploads:
             spares, self._spares = list(self._spares.values()), {}
         self._thread.shutdown(wait=False, cancel_futures=True)
         for spare in spares:
-            spare.transport.release(spare.answer.payload)
+            spare.let_go()
 
     def _prepare(self, model: str, size: int, transport: Transport) -> None:
         header = pb.PublishHeader(model=model, total_bytes=size)
@@ -102,13 +110,27 @@ class SpareUploads:
         except Exception as exc:  # a spare is a bonus: the next publish negotiates as usual
             log.debug("no spare upload of %r over %s: %s", model, transport.name, exc)
             return
-        spare = Spare(transport, answer, time.monotonic() + SPARE_SECONDS)
+        key, expires = (model, transport.kind), time.monotonic() + SPARE_SECONDS
+        expiry = threading.Timer(SPARE_SECONDS, self._expire, (key, expires))
+        expiry.daemon = True
+        spare = Spare(transport, answer, expires, expiry)
         with self._lock:
-            unused = spare if self._closed else self._spares.get((model, transport.kind))
+            unused = spare if self._closed else self._spares.get(key)
             if not self._closed:
-                self._spares[(model, transport.kind)] = spare
+                self._spares[key] = spare
+                expiry.start()
         if unused is not None:
-            unused.transport.release(unused.answer.payload)
+            unused.let_go()
+
+    def _expire(self, key: tuple[str, int], expires: float) -> None:
+        """Let the spare at `key` go if it is still the one that expires at `expires` (no publish took it)."""
+        with self._lock:
+            spare = self._spares.get(key)
+            if spare is None or spare.expires != expires:
+                return
+            del self._spares[key]
+        log.debug("letting go of the spare upload of %r, unused for %.0fs", key[0], SPARE_SECONDS)
+        spare.transport.release(spare.answer.payload)
 
 
 class Publishing(Connection):

@@ -9,7 +9,7 @@ from weightclient.core.failover import default_address, map_rpc_errors
 from weightclient.core.fetch import FetchedBytes, Fetching, FetchStats
 from weightclient.core.publish import Publishing
 from weightclient.core.retry import Deadline
-from weightserver.protocol.errors import InvalidRequest, ServerUnavailable
+from weightserver.protocol.errors import Cancelled, InvalidRequest, ServerUnavailable
 from weightserver.protocol.version_info import IncomingEvent, ModelSummary, VersionEvent, VersionInfo
 from weightserver.v1 import weights_pb2 as pb
 
@@ -57,15 +57,17 @@ class WeightServiceClient(Publishing, Fetching):
     ) -> Iterator[VersionEvent | IncomingEvent]:
         """An event per version committed after `since`; `incoming`: an `IncomingEvent` per publish too.
         `on_subscribed(metadata)`: each subscription's initial metadata (a relay names its primary).
-        A server that goes away is resubscribed to from the last version seen."""
+        A server that goes away is resubscribed to from the last version seen, and so is the server in use
+        once the client has moved on from this one and closed its channel."""
         if since < 0:
             raise InvalidRequest(f"since must be >= 0 (a version number, 0 for all retained), got {since}")
         deadline = Deadline.after(timeout)
         cursor, failures, outage = since, 0, Deadline()
         while True:
             request = pb.WatchRequest(model=model, since=cursor, incoming=incoming)
-            address = self.address  # the server this stream goes to: the one to move on from
-            stream = self._link.stub.Watch(request, timeout=deadline.remaining(), metadata=self._metadata)
+            link = self._link  # the server this stream goes to: the one to move on from
+            address = link.address
+            stream = link.stub.Watch(request, timeout=deadline.remaining(), metadata=self._metadata)
             try:
                 with map_rpc_errors(address):
                     if on_subscribed is not None:
@@ -82,6 +84,11 @@ class WeightServiceClient(Publishing, Fetching):
                             announced = event.incoming
                             yield IncomingEvent(model, announced.id, announced.byte_size, failed=announced.failed)
                 return
+            except Cancelled:
+                if link is self._link:
+                    raise  # by the caller, or the client was closed
+                # A link the client moved on from (a fetch's failover) is closed after RETIRED_LINKS more moves.
+                log.info("watch of %r at %s ended with its link; resubscribing at %s", model, address, self.address)
             except ServerUnavailable as exc:
                 if failures == 0:
                     outage = deadline if deadline.at is not None else Deadline.after(self.retry_seconds)

@@ -87,8 +87,15 @@ class BulkTransport(Transport):
                         hasher = xxhash.xxh3_128()
                         for block in base.blocks(parts, SEND_BLOCK, progress):
                             hasher.update(block)
-                            conn.settimeout(_wait(STALL_TIMEOUT, deadline))
-                            conn.sendall(block)
+                            wait = _wait(STALL_TIMEOUT, deadline)
+                            conn.settimeout(wait)
+                            try:
+                                conn.sendall(block)
+                            except TimeoutError:
+                                if wait < STALL_TIMEOUT:  # cut to the caller's deadline: theirs to report
+                                    what = f"the bulk port did not take the next block within {wait:.3g}s"
+                                    raise DeadlineExceeded(what) from None
+                                raise
                         received, sink = 0, base.is_sink(into)
                         while received < into.nbytes:
                             view = into.target(SOCKET_BUFFER) if sink else into[received : received + SOCKET_BUFFER]
@@ -139,15 +146,24 @@ def _wait(limit: float, deadline: Deadline) -> float:
 
 
 def _connect(host: str, port: int, deadline: Deadline) -> socket.socket:
-    family, _, _, _, address = socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM)[0]
-    conn = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        # From the first byte: the window otherwise grows from ~128 KiB (most of a few MiB's time).
-        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn.settimeout(_wait(CONNECT_TIMEOUT, deadline))
-        conn.connect(address)
-    except BaseException:
-        conn.close()
-        raise
-    return conn
+    """A connection to the first of `host`'s addresses that takes one, as gRPC's channel does ("localhost"
+    may be ::1 first, where a server on 0.0.0.0 does not listen); the last address's error if none."""
+    found = socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM)
+    for i, (family, _, _, _, address) in enumerate(found):
+        conn = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            # From the first byte: the window otherwise grows from ~128 KiB (most of a few MiB's time).
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.settimeout(_wait(CONNECT_TIMEOUT, deadline))
+            conn.connect(address)
+        except OSError:
+            conn.close()
+            if i == len(found) - 1:
+                raise
+            continue
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+    raise OSError(f"{host} has no address")  # (getaddrinfo raises rather than find none)

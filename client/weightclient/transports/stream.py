@@ -68,10 +68,10 @@ class StreamTransport(Transport):
     ) -> Offer | None:
         """Start a Fetch and read its head: the header (then a payload for a delta or cast), or for
         incoming bytes only the payload, under `info`. None when up to date. With `stall`, the call
-        has no deadline but ends once no message came for that long (see Offer)."""
+        has no deadline but ends once no message came for that long (see Offer), and its head by the deadline."""
         stream: Any = self._fetch(request, timeout=None if stall else deadline.remaining(), metadata=self._metadata)
         if stall:
-            stream = _StallGuard(stream, stall)
+            stream = _StallGuard(stream, stall, head_by=deadline)
         try:
             first = next(stream, None)
             kind = first.WhichOneof("kind") if isinstance(first, pb.FetchResponse) else None
@@ -80,7 +80,7 @@ class StreamTransport(Transport):
                     raise IntegrityError(f"model {request.model!r}: the server sent more than the fetch expects")
                 return None
             if kind == "payload" and request.incoming:
-                return Offer(info, first.payload, chunks=stream, deadline=deadline)
+                return Offer(info, first.payload, chunks=_started(stream), deadline=deadline)
             if kind != "header" or request.incoming:
                 raise IntegrityError(f"model {request.model!r}: the fetch stream did not start with its head")
             info = VersionInfo.from_proto(first.header)
@@ -93,7 +93,7 @@ class StreamTransport(Transport):
         except BaseException:
             stream.cancel()
             raise
-        return Offer(info, payload, chunks=stream, deadline=deadline)
+        return Offer(info, payload, chunks=_started(stream), deadline=deadline)
 
     def receive(self, offer: Offer, *, into: Into, progress: Progress | None) -> memoryview:
         assert offer.chunks is not None, "a stream offer comes from StreamTransport.offer"
@@ -109,12 +109,21 @@ class StreamTransport(Transport):
         return target if isinstance(target, memoryview) else memoryview(b"")
 
 
+def _started(stream: Any) -> Any:
+    """`stream`, its head read: from here, a stall guard ends it only on a stall (not by the deadline)."""
+    if isinstance(stream, _StallGuard):
+        stream.head_by = None
+    return stream
+
+
 class _StallGuard:
     """A Fetch call that runs as long as its messages keep coming, cancelled once none came for
-    `seconds`: a deadline on each wait rather than on the whole call (see Offer.stall)."""
+    `seconds`: a deadline on each wait rather than on the whole call (see Offer.stall). While
+    `head_by` is set (until the caller has the stream's head), that deadline ends it too."""
 
-    def __init__(self, call: Any, seconds: float) -> None:
-        self._call, self._seconds, self._stalled = call, seconds, False
+    def __init__(self, call: Any, seconds: float, head_by: Deadline | None = None) -> None:
+        self._call, self._seconds, self.head_by = call, seconds, head_by
+        self._stalled: str | None = None  # why it was cancelled
         self._last, self._ended = time.monotonic(), threading.Event()
         threading.Thread(target=self._watch, name="weightclient-stall-guard", daemon=True).start()
 
@@ -126,7 +135,7 @@ class _StallGuard:
             message = next(self._call)
         except grpc.RpcError:
             if self._stalled:
-                raise DeadlineExceeded(f"the stream sent nothing for {self._seconds:g}s") from None
+                raise DeadlineExceeded(self._stalled) from None
             raise
         except StopIteration:
             self._ended.set()
@@ -140,7 +149,12 @@ class _StallGuard:
 
     def _watch(self) -> None:
         while not self._ended.wait(min(self._seconds, 1.0) / 4):
-            if time.monotonic() - self._last > self._seconds:
-                self._stalled = True
-                self._call.cancel()
-                return
+            head_by = self.head_by
+            if head_by is not None and head_by.expired():
+                self._stalled = "the stream's head did not come within the call's timeout"
+            elif time.monotonic() - self._last > self._seconds:
+                self._stalled = f"the stream sent nothing for {self._seconds:g}s"
+            else:
+                continue
+            self._call.cancel()
+            return
