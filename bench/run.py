@@ -27,7 +27,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     meta = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "finished": datetime.now(UTC).isoformat(timespec="seconds"),
         "elapsed_seconds": elapsed,
         "sizes": args.sizes,
         "repeats": args.repeats,

@@ -38,7 +38,7 @@ def _key() -> ec.EllipticCurvePrivateKey:
 
 
 def _cert(subject: str, key, issuer_name: str, issuer_key, *, ca: bool, server: bool = False) -> x509.Certificate:
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     builder = (
         x509.CertificateBuilder()
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))

@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -56,7 +57,6 @@ def test_help_on_every_command(command):
 
 
 def test_the_console_script_is_the_one_command_line():
-    tomllib = pytest.importorskip("tomllib")
     with open(Path(__file__).parents[2] / "pyproject.toml", "rb") as f:
         scripts = tomllib.load(f)["project"]["scripts"]
     assert scripts == {"weightserver": "weightserver.cli:main"}

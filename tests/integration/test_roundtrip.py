@@ -7,7 +7,7 @@ import hashlib
 import itertools
 import math
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import grpc
 import pytest
@@ -383,9 +383,9 @@ def test_get_latest_and_describe_report_the_published_version(client: WeightClie
         "n": torch.tensor(7, dtype=torch.int16),
     }
     data = encoded_bytes(weights)
-    before = datetime.now(timezone.utc)
+    before = datetime.now(UTC)
     version = client.publish(weights, model="desc", metadata={"step": "42", "run": "abc"})
-    after = datetime.now(timezone.utc)
+    after = datetime.now(UTC)
     expected_manifest = {"w": ("F32", (4, 3)), "b": ("F64", (4,)), "n": ("I16", ())}
 
     wait_until(lambda: client.describe("desc", version).sha256 != "")  # computed after the commit

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -124,7 +124,7 @@ class VersionInfo:
             version=message.version,
             byte_size=message.byte_size,
             sha256=message.sha256,
-            created=datetime.fromtimestamp(created_ns / 1e9, tz=timezone.utc),
+            created=datetime.fromtimestamp(created_ns / 1e9, tz=UTC),
             metadata=dict(message.metadata),
             tensors=_tensors(message.tensors),
             pinned=message.pinned,

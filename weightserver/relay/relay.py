@@ -365,7 +365,7 @@ class Relay:
             return
         try:
             committed = await asyncio.wait_for(asyncio.shield(group.done), GROUP_WAIT_SECONDS)
-        except asyncio.TimeoutError:  # TimeoutError from 3.11 on
+        except TimeoutError:
             waiting = ", ".join(sorted(group.waiting))
             log.warning("relay of %r v%d: %s did not reach it in time; committing it alone", model, number, waiting)
             if self._groups.get(key) is group:

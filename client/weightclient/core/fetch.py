@@ -8,7 +8,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import xxhash
 
@@ -219,7 +219,7 @@ class Fetching(Connection):
         stall = self.timeout if timeout is None else timeout  # the set-up's deadline, then each wait for bytes
         started, deadline = time.perf_counter(), Deadline.after(stall)
         request = pb.FetchRequest(model=incoming.model, incoming=incoming.id, chunk_size=self.chunk_bytes)
-        placeholder = VersionInfo(incoming.model, 0, incoming.byte_size, "", datetime.now(timezone.utc))
+        placeholder = VersionInfo(incoming.model, 0, incoming.byte_size, "", datetime.now(UTC))
         carrier, answer = self.transports.stream, None
         with map_rpc_errors(self.address):
             if self.transports.by_name.get("bulk") in self.transports.order(transport):
