@@ -238,10 +238,13 @@ class WeightServer:
                     on_removed=servicer.forget_removed,
                 )
             reflection.enable_server_reflection((SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME), server)
-            if config.tls:
-                self.port = server.add_secure_port(config.address, server_credentials(config))
-            else:
-                self.port = server.add_insecure_port(config.address)
+            try:
+                if config.tls:
+                    self.port = server.add_secure_port(config.address, server_credentials(config))
+                else:
+                    self.port = server.add_insecure_port(config.address)
+            except RuntimeError:  # how gRPC says it could not bind (older releases returned 0)
+                self.port = 0
             if self.port == 0:
                 raise OSError(f"could not bind {config.address}: is the port in use?")
             await server.start()

@@ -196,3 +196,13 @@ def test_bad_size_is_refused():
     result = _cli("serve", "--max-model-bytes", "lots")
     assert result.returncode == 2
     assert "invalid size 'lots'" in result.stderr
+
+
+def test_serve_on_a_port_in_use_exits_1_with_a_message(server):
+    """`serve --port P` with P taken ends with status 1 and a line naming the port. Before, gRPC's
+    RuntimeError from add_insecure_port escaped the CLI's error handling: a traceback."""
+    port = str(server.port)
+    result = _cli("serve", "--host", "127.0.0.1", "--port", port, "--no-bulk", "--no-shm")
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    assert f"weightserver serve: could not bind 127.0.0.1:{port}: is the port in use?" in result.stderr
