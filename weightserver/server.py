@@ -208,6 +208,7 @@ class WeightServer:
                 self.shared_memory.directory.chmod(0o700)  # tokens guard calls; permissions guard files
         options = [*GRPC_OPTIONS, ("grpc.max_concurrent_streams", config.max_concurrent_streams)]
         server = grpc.aio.server(options=options)
+        servicer: WeightServicer | None = None
         try:
             if config.metrics_port is not None:
                 offered = {"bulk": self.bulk, "shm": self.shared_memory}
@@ -266,9 +267,10 @@ class WeightServer:
             await health.enter_graceful_shutdown()
             servicer.watches.end_all()
             await server.stop(self._grace)
-            servicer.close()
             log.info("stopped")
         finally:
+            if servicer is not None:  # also when the start failed after it was made (a port in use)
+                servicer.close()
             if self._owns_store:  # first: a sha256 it finishes may rewrite a shared-memory header
                 self.store.close()
             self.metrics.close()
