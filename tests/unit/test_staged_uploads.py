@@ -42,3 +42,35 @@ def test_uploads_set_up_at_once_stay_within_the_limit(monkeypatch):
         assert staged.transports() == ["bulk"]
     finally:
         staged.close()
+
+
+def test_an_upload_set_up_while_they_close_is_let_go(monkeypatch):
+    """A Negotiate still allocating its upload when the server stops (its handler cancelled, its
+    thread not) gets no upload. Before, the upload was added after `close` had let every upload
+    go and the sweeper had stopped: it held its buffer for as long as the server object lived."""
+    allocating, go_on = threading.Event(), threading.Event()
+    allocate, discarded = IncomingModel.allocate, []
+
+    def slow_allocate(self: IncomingModel, *, populate: bool = False) -> None:
+        allocating.set()
+        assert go_on.wait(10)
+        allocate(self, populate=populate)
+
+    monkeypatch.setattr(IncomingModel, "allocate", slow_allocate)
+    monkeypatch.setattr(IncomingModel, "discard", lambda self, why="": discarded.append(self.model))
+    staged, failed = StagedUploads({}, IncomingPublishes(), None), []
+
+    def create() -> None:
+        try:
+            staged.create("policy", 64, "bulk")
+        except OSError as exc:  # as when no buffer can be had: the transport declines, the caller streams
+            failed.append(exc)
+
+    setting_up = threading.Thread(target=create)
+    setting_up.start()
+    assert allocating.wait(10)
+    staged.close()
+    go_on.set()
+    setting_up.join(10)
+    assert len(staged) == 0 and discarded == ["policy"]
+    assert "stopping" in str(failed[0])

@@ -59,7 +59,11 @@ class StagedUploads:
             raise
         with self._lock:
             self._allocating -= 1
-            self._uploads[upload.id] = upload
+            if not (closed := self._closed.is_set()):  # (else `close` has let every upload go)
+                self._uploads[upload.id] = upload
+        if closed:
+            upload.discard()
+            raise OSError("the server is stopping")  # (the transport declines: the caller streams)
         return upload
 
     def take(self, upload_id: str, model: str, total_bytes: int, *, owner: bytes | None = None) -> IncomingModel:
