@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, TextIO
 from weightclient.core.service_client import WeightServiceClient
 from weightserver import __version__
 from weightserver.config import ServerConfig
-from weightserver.logs import LOG_FORMATS, configure_logging
+from weightserver.logs import LOG_FORMATS, LOG_LEVELS, configure_logging
 from weightserver.protocol.digests import sha256_hex
 from weightserver.protocol.errors import ModelNotFound, WeightServerError
 from weightserver.protocol.limits import MiB
@@ -84,7 +84,7 @@ def _add_log_options(parser: argparse.ArgumentParser, default: object) -> None:
     parser.add_argument(
         "--log-level",
         default=default,
-        choices=["debug", "info", "warning", "error"],
+        choices=LOG_LEVELS,
         help="log verbosity (default: $WEIGHTSERVER_LOG_LEVEL, else info)",
     )
     parser.add_argument(
@@ -351,7 +351,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command; its exit status, or 1 with a one-line message for an error a user can act on."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    level = args.log_level or os.environ.get("WEIGHTSERVER_LOG_LEVEL", "info")
+    level = (args.log_level or os.environ.get("WEIGHTSERVER_LOG_LEVEL") or "info").lower()
+    if level not in LOG_LEVELS:
+        parser.error(f"$WEIGHTSERVER_LOG_LEVEL must be one of {', '.join(LOG_LEVELS)}, got {level!r}")
     log_format = (args.log_format or os.environ.get("WEIGHTSERVER_LOG_FORMAT") or "text").lower()
     if log_format not in LOG_FORMATS:
         parser.error(f"$WEIGHTSERVER_LOG_FORMAT must be one of {', '.join(LOG_FORMATS)}, got {log_format!r}")
