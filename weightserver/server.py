@@ -247,7 +247,9 @@ class WeightServer:
             except RuntimeError:  # how gRPC says it could not bind (older releases returned 0)
                 self.port = 0
             if self.port == 0:
-                raise OSError(f"could not bind {config.address}: is the port in use?")
+                # (gRPC says no more; a certificate or key it cannot use fails here too)
+                tls = ", or are --tls-cert and --tls-key no PEM certificate chain and its key?" if config.tls else "?"
+                raise OSError(f"could not bind {config.address}: is the port in use{tls}")
             await server.start()
             for service in ("", SERVICE_NAME):
                 await health.set(service, health_pb2.HealthCheckResponse.SERVING)
