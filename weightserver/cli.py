@@ -247,8 +247,12 @@ def cmd_fetch(args: argparse.Namespace) -> None:
         fetched = client.fetch_bytes(args.model, version=args.version_number, progress=progress, stall=client.timeout)
     assert fetched is not None
     tmp = args.output.with_name(args.output.name + ".part")
-    tmp.write_bytes(fetched.data)
-    tmp.replace(args.output)
+    try:
+        tmp.write_bytes(fetched.data)
+        tmp.replace(args.output)
+    except OSError:  # (a full disk, an output that is a directory): no partial copy is left behind
+        tmp.unlink(missing_ok=True)
+        raise
     info = fetched.info
     sha256 = info.sha256 or sha256_hex(fetched.data)  # (a fresh version's may not be computed yet: VersionInfo)
     print(f"{info.model} v{info.version} -> {args.output} ({info.byte_size} bytes, sha256 {sha256})")

@@ -115,6 +115,19 @@ def test_fetch_prints_the_sha256_of_a_version_just_published(server, weights_fil
     assert capsys.readouterr().out.strip().endswith(f"bytes, sha256 {expected})")
 
 
+def test_a_fetch_that_cannot_write_its_file_leaves_nothing_behind(server, weights_file, tmp_path, capsys):
+    """`fetch -o` naming a directory fails with a message, and the file it wrote to move there
+    (`<output>.part`) goes too. Before, that file stayed beside the target: a stray copy of the
+    weights after every fetch that failed at its last step (the same for a full disk)."""
+    address = ["--server", server.address]
+    assert main(["publish", str(weights_file), "--model", "policy", *address]) == 0
+    target = tmp_path / "weights"
+    target.mkdir()
+    assert main(["fetch", "--model", "policy", "-o", str(target), *address]) == 1
+    assert "Is a directory" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["policy.safetensors", "weights"]
+
+
 def test_fetch_runs_as_long_as_bytes_keep_coming(make_server, tmp_path, monkeypatch, capsys):
     """A file whose transfer outlasts the client's timeout, its bytes never pausing that long:
     fetched (the client's timeout bounds each wait for bytes, not the whole transfer)."""
