@@ -193,8 +193,9 @@ class WeightServer:
             max_connections = config.bulk_max_connections
             self.bulk = BulkEndpoint(config.host, config.bulk_port, max_connections=max_connections)
             log.info("bulk endpoint on %s:%d (at most %d connections)", config.host, self.bulk.port, max_connections)
-        if config.shm_dir is not None:
-            self.shared_memory = SharedMemoryFiles(server_shm_dir(config.port, config.shm_dir))
+        shm_dir = server_shm_dir(config.port, config.shm_dir) if config.shm_dir is not None else None
+        if shm_dir is not None:  # (None too where the folder does not exist: logged, and shared memory is off)
+            self.shared_memory = SharedMemoryFiles(shm_dir)
             log.info("shared-memory payloads in %s", self.shared_memory.directory)
             pages = page_tables.shared_huge_pages()
             if pages is not None and pages not in page_tables.HUGE_SETTINGS:

@@ -224,3 +224,16 @@ def test_an_upload_asked_for_as_the_server_stops_is_declined_quietly(tmp_path, c
         assert files.new_upload("policy", 4096) is None
     assert not (tmp_path / "weightserver-test").exists()
     assert "cannot write" not in caplog.text
+
+
+def test_a_server_whose_shm_folder_does_not_exist_serves_without_shared_memory(make_server, tmp_path, caplog):
+    """`--shm-dir` naming no folder (or the default /dev/shm on a host without one) leaves shared
+    memory off with a warning, as `server_shm_dir` says; publishes and fetches stream. Before, the
+    start failed with AttributeError ('NoneType' object has no attribute 'mkdir'): a traceback."""
+    server = make_server(shm_dir=tmp_path / "missing")
+    assert server.shared_memory is None
+    assert "does not exist; same-host fetches will stream" in caplog.text
+    with WeightClient(server.address) as client:
+        client.publish({"w": torch.ones(4)}, model=MODEL)
+        fetched = client.fetch(MODEL)
+    assert torch.equal(fetched.tensors["w"], torch.ones(4)) and fetched.stats.transport != "shm"
