@@ -193,24 +193,24 @@ class WeightServer:
             max_connections = config.bulk_max_connections
             self.bulk = BulkEndpoint(config.host, config.bulk_port, max_connections=max_connections)
             log.info("bulk endpoint on %s:%d (at most %d connections)", config.host, self.bulk.port, max_connections)
-        shm_dir = server_shm_dir(config.port, config.shm_dir) if config.shm_dir is not None else None
-        if shm_dir is not None:  # (None too where the folder does not exist: logged, and shared memory is off)
-            self.shared_memory = SharedMemoryFiles(shm_dir)
-            log.info("shared-memory payloads in %s", self.shared_memory.directory)
-            pages = page_tables.shared_huge_pages()
-            if pages is not None and pages not in page_tables.HUGE_SETTINGS:
-                log.info(
-                    "shared memory gets 4 KiB pages on this host (%s: %s); as root, `echo advise > %s` "
-                    "lets same-host publishes use 2 MiB pages, which are faster to set up and to seal "
-                    "(docs/internals/shared-memory.md)",
-                    *(page_tables.SHMEM_HUGE_PAGES, pages, page_tables.SHMEM_HUGE_PAGES),
-                )
-            if self.tokens is not None:
-                self.shared_memory.directory.chmod(0o700)  # tokens guard calls; permissions guard files
         options = [*GRPC_OPTIONS, ("grpc.max_concurrent_streams", config.max_concurrent_streams)]
         server = grpc.aio.server(options=options)
         servicer: WeightServicer | None = None
-        try:
+        try:  # (a start failing from here on closes the bulk endpoint and all it opened, in `finally`)
+            shm_dir = server_shm_dir(config.port, config.shm_dir) if config.shm_dir is not None else None
+            if shm_dir is not None:  # (None too where the folder does not exist: logged, and shared memory is off)
+                self.shared_memory = SharedMemoryFiles(shm_dir)
+                log.info("shared-memory payloads in %s", self.shared_memory.directory)
+                pages = page_tables.shared_huge_pages()
+                if pages is not None and pages not in page_tables.HUGE_SETTINGS:
+                    log.info(
+                        "shared memory gets 4 KiB pages on this host (%s: %s); as root, `echo advise > %s` "
+                        "lets same-host publishes use 2 MiB pages, which are faster to set up and to seal "
+                        "(docs/internals/shared-memory.md)",
+                        *(page_tables.SHMEM_HUGE_PAGES, pages, page_tables.SHMEM_HUGE_PAGES),
+                    )
+                if self.tokens is not None:
+                    self.shared_memory.directory.chmod(0o700)  # tokens guard calls; permissions guard files
             if config.metrics_port is not None:
                 offered = {"bulk": self.bulk, "shm": self.shared_memory}
                 transports = ["stream", *(name for name, endpoint in offered.items() if endpoint is not None)]
