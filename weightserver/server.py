@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import sys
 import threading
 import traceback
 import types
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -76,6 +78,15 @@ def add_weight_service(servicer: WeightServicer, server: grpc.aio.Server) -> Non
             response_serializer=framing.serialize if method.name == "Fetch" else serialize,
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+
+
+@contextlib.contextmanager
+def _binding(host: str, port: int, option: str) -> Iterator[None]:
+    """An OSError binding `option`'s port names it (the socket's own says only "Address already in use")."""
+    try:
+        yield
+    except OSError as exc:
+        raise OSError(exc.errno, f"could not bind {url_host(host)}:{port} ({option}): {exc.strerror or exc}") from exc
 
 
 def server_credentials(config: ServerConfig) -> grpc.ServerCredentials:
@@ -191,7 +202,8 @@ class WeightServer:
             log.info("bulk endpoint off: it is plain TCP and the server runs TLS (fetches use the TLS stream)")
         elif config.bulk_port is not None:
             max_connections = config.bulk_max_connections
-            self.bulk = BulkEndpoint(config.host, config.bulk_port, max_connections=max_connections)
+            with _binding(config.host, config.bulk_port, "--bulk-port"):
+                self.bulk = BulkEndpoint(config.host, config.bulk_port, max_connections=max_connections)
             log.info("bulk endpoint on %s:%d (at most %d connections)", config.host, self.bulk.port, max_connections)
         options = [*GRPC_OPTIONS, ("grpc.max_concurrent_streams", config.max_concurrent_streams)]
         server = grpc.aio.server(options=options)
@@ -215,7 +227,8 @@ class WeightServer:
                 offered = {"bulk": self.bulk, "shm": self.shared_memory}
                 transports = ["stream", *(name for name, endpoint in offered.items() if endpoint is not None)]
                 self.metrics = ServerMetrics(transports=transports, relay=config.upstream is not None)
-                self.metrics_port = self.metrics.serve(config.host, config.metrics_port)
+                with _binding(config.host, config.metrics_port, "--metrics-port"):
+                    self.metrics_port = self.metrics.serve(config.host, config.metrics_port)
                 log.info("metrics on http://%s:%d/metrics", url_host(config.host), self.metrics_port)
             self.servicer = servicer = WeightServicer(
                 self.store,

@@ -219,3 +219,13 @@ def test_serve_on_a_port_in_use_exits_1_with_a_message(server):
     assert result.returncode == 1, result.stderr
     assert "Traceback" not in result.stderr
     assert f"weightserver serve: could not bind 127.0.0.1:{port}: is the port in use?" in result.stderr
+
+
+@pytest.mark.parametrize("option", ["--bulk-port", "--metrics-port"])
+def test_serve_names_the_port_in_use(server, option):
+    """A taken --bulk-port or --metrics-port is named in the error. Before, the message was the
+    socket's alone ("[Errno 98] Address already in use"), which of the three ports left to guess."""
+    port = str(server.port)
+    result = _cli("serve", "--host", "127.0.0.1", "--port", "0", "--no-shm", option, port)
+    assert result.returncode == 1, result.stderr
+    assert f"could not bind 127.0.0.1:{port} ({option}): " in result.stderr
