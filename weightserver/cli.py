@@ -58,6 +58,17 @@ def _model_list(text: str) -> tuple[str, ...]:
     return models
 
 
+def _version_number(text: str) -> int:
+    """A --version: a whole number a version field holds (0-2^64-1; the server says which it takes)."""
+    try:
+        number = int(text)
+    except ValueError:
+        number = -1
+    if not 0 <= number < 2**64:
+        raise argparse.ArgumentTypeError(f"invalid version {text!r}: a version number is a whole number, not negative")
+    return number
+
+
 def _parse_meta(text: str) -> tuple[str, str]:
     key, sep, value = text.partition("=")
     if not sep or not key:
@@ -161,7 +172,8 @@ def _add_client_commands(commands: argparse._SubParsersAction[argparse.ArgumentP
         return sub
 
     def version(sub: argparse.ArgumentParser, help_text: str, **kwargs: object) -> None:
-        sub.add_argument("--version", dest="version_number", type=int, help=help_text, **kwargs)  # type: ignore[arg-type]
+        option = sub.add_argument
+        option("--version", dest="version_number", type=_version_number, help=help_text, **kwargs)  # type: ignore[arg-type]
 
     publish = command("publish", "publish a .safetensors file as a new version and print its number", cmd_publish)
     publish.add_argument("file", type=Path, help="a .safetensors file")

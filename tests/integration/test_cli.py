@@ -229,3 +229,12 @@ def test_serve_names_the_port_in_use(server, option):
     result = _cli("serve", "--host", "127.0.0.1", "--port", "0", "--no-shm", option, port)
     assert result.returncode == 1, result.stderr
     assert f"could not bind 127.0.0.1:{port} ({option}): " in result.stderr
+
+
+@pytest.mark.parametrize("command", [["publish", "x.safetensors"], ["fetch", "-o", "x"], ["delete"], ["pin"]])
+def test_a_version_no_version_field_holds_is_a_usage_error_naming_the_option(command):
+    """`--version -1` is refused by the command line, naming the option. Before, protobuf's own
+    ValueError came back alone: "weightserver publish: Value out of range: -1", no option named."""
+    result = _cli(*command, "--model", "policy", "--version", "-1", "--server", "127.0.0.1:1")
+    assert result.returncode == 2, result.stderr
+    assert "argument --version: invalid version '-1'" in result.stderr
