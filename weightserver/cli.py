@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, TextIO
 from weightclient.core.service_client import WeightServiceClient
 from weightserver import __version__
 from weightserver.config import ServerConfig
-from weightserver.logs import LOG_FORMATS, configure_logging
+from weightserver.logs import LOG_FORMATS, LOG_LEVELS, configure_logging
 from weightserver.protocol.digests import sha256_hex
 from weightserver.protocol.errors import ModelNotFound, WeightServerError
 from weightserver.protocol.limits import MiB
@@ -58,6 +58,17 @@ def _model_list(text: str) -> tuple[str, ...]:
     return models
 
 
+def _version_number(text: str) -> int:
+    """A --version: a whole number a version field holds (0-2^64-1; the server says which it takes)."""
+    try:
+        number = int(text)
+    except ValueError:
+        number = -1
+    if not 0 <= number < 2**64:
+        raise argparse.ArgumentTypeError(f"invalid version {text!r}: a version number is a whole number, not negative")
+    return number
+
+
 def _parse_meta(text: str) -> tuple[str, str]:
     key, sep, value = text.partition("=")
     if not sep or not key:
@@ -84,7 +95,7 @@ def _add_log_options(parser: argparse.ArgumentParser, default: object) -> None:
     parser.add_argument(
         "--log-level",
         default=default,
-        choices=["debug", "info", "warning", "error"],
+        choices=LOG_LEVELS,
         help="log verbosity (default: $WEIGHTSERVER_LOG_LEVEL, else info)",
     )
     parser.add_argument(
@@ -161,7 +172,8 @@ def _add_client_commands(commands: argparse._SubParsersAction[argparse.ArgumentP
         return sub
 
     def version(sub: argparse.ArgumentParser, help_text: str, **kwargs: object) -> None:
-        sub.add_argument("--version", dest="version_number", type=int, help=help_text, **kwargs)  # type: ignore[arg-type]
+        option = sub.add_argument
+        option("--version", dest="version_number", type=_version_number, help=help_text, **kwargs)  # type: ignore[arg-type]
 
     publish = command("publish", "publish a .safetensors file as a new version and print its number", cmd_publish)
     publish.add_argument("file", type=Path, help="a .safetensors file")
@@ -247,8 +259,12 @@ def cmd_fetch(args: argparse.Namespace) -> None:
         fetched = client.fetch_bytes(args.model, version=args.version_number, progress=progress, stall=client.timeout)
     assert fetched is not None
     tmp = args.output.with_name(args.output.name + ".part")
-    tmp.write_bytes(fetched.data)
-    tmp.replace(args.output)
+    try:
+        tmp.write_bytes(fetched.data)
+        tmp.replace(args.output)
+    except OSError:  # (a full disk, an output that is a directory): no partial copy is left behind
+        tmp.unlink(missing_ok=True)
+        raise
     info = fetched.info
     sha256 = info.sha256 or sha256_hex(fetched.data)  # (a fresh version's may not be computed yet: VersionInfo)
     print(f"{info.model} v{info.version} -> {args.output} ({info.byte_size} bytes, sha256 {sha256})")
@@ -351,7 +367,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command; its exit status, or 1 with a one-line message for an error a user can act on."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    level = args.log_level or os.environ.get("WEIGHTSERVER_LOG_LEVEL", "info")
+    level = (args.log_level or os.environ.get("WEIGHTSERVER_LOG_LEVEL") or "info").lower()
+    if level not in LOG_LEVELS:
+        parser.error(f"$WEIGHTSERVER_LOG_LEVEL must be one of {', '.join(LOG_LEVELS)}, got {level!r}")
     log_format = (args.log_format or os.environ.get("WEIGHTSERVER_LOG_FORMAT") or "text").lower()
     if log_format not in LOG_FORMATS:
         parser.error(f"$WEIGHTSERVER_LOG_FORMAT must be one of {', '.join(LOG_FORMATS)}, got {log_format!r}")

@@ -56,7 +56,7 @@ class ServerConfig:
                 raise ValueError(f"{name} must be in 0-65535{'' if name == 'port' else ' or None'}, got {value}")
         least = {"keep": 1, "bulk_max_connections": 1, "max_concurrent_streams": 1, "max_stream_fetches": 1}
         for name, low in {**least, "max_model_bytes": 8, "grace_seconds": 0}.items():
-            if getattr(self, name) < low:
+            if not getattr(self, name) >= low:  # (so NaN too)
                 raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
         low, high = limits.MIN_CHUNK_BYTES, limits.MAX_CHUNK_BYTES
         if not low <= self.chunk_bytes <= high:
@@ -71,7 +71,7 @@ class ServerConfig:
             raise ValueError("tls_cert and tls_key go together: give both (PEM files) or neither")
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key too")
-        if self.publish_timeout is not None and self.publish_timeout <= 0:
+        if self.publish_timeout is not None and not self.publish_timeout > 0:
             raise ValueError(f"publish_timeout must be > 0 seconds or None, got {self.publish_timeout}")
         if self.upstream is not None and not self.upstream.strip():
             raise ValueError("upstream must be a host:port, got an empty string")

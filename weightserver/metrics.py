@@ -102,6 +102,7 @@ class ServerMetrics(NoMetrics):
         self._upstream_latest: dict[str, int] = {}  # a relay's: what its clients' lag counts against
         self._client_versions: dict[str, dict[str, int]] = {}
         self._client_ids: set[str] = set()
+        self._watchers: dict[str, int] = {}  # Watch calls running, by model
         self._warned_client_cap = False
         common = {"namespace": "weightserver", "registry": self.registry}
         counter, gauge = functools.partial(Counter, **common), functools.partial(Gauge, **common)
@@ -156,14 +157,23 @@ class ServerMetrics(NoMetrics):
             self.client_lag.labels(client_id, model).set(latest - version)
 
     def watch_started(self, model: str) -> None:
-        self.active_watchers.labels(model).inc()
+        with self._lock:
+            self._watchers[model] = self._watchers.get(model, 0) + 1
+            self.active_watchers.labels(model).inc()
 
     def watch_ended(self, model: str) -> None:
-        self.active_watchers.labels(model).dec()
+        with self._lock:
+            self._watchers[model] -= 1
+            if self._watchers[model] or model in self._latest:
+                self.active_watchers.labels(model).dec()
+                return
+            # A model the server never held: a caller may watch any name, so its series goes with its last watcher.
+            del self._watchers[model]
+            self.active_watchers.remove(model)
 
     def retained(self, model: str, versions: Iterable[Version]) -> None:
         # Create `model`'s series at zero: a rate needs the zero before the first increment.
-        for metric in (self.versions_published, self.publish_bytes, self.publish_seconds, self.active_watchers):
+        for metric in (self.versions_published, self.publish_bytes, self.publish_seconds):
             metric.labels(model)
         for transport in self._transports:
             self.fetch_bytes.labels(model, transport)
@@ -176,7 +186,8 @@ class ServerMetrics(NoMetrics):
         self.retained_bytes.labels(model).set(sum(v.byte_size for v in versions))
         latest = max((v.version for v in versions), default=0)
         self.latest_version.labels(model).set(latest)
-        with self._lock:
+        with self._lock:  # (`watch_ended` removes the watchers' series of a model not in `_latest`)
+            self.active_watchers.labels(model)
             self._latest[model] = latest
             self._update_lags(model)
 

@@ -57,7 +57,7 @@ class ServerProcess:
         self.port = int(port_file.read_text())
         try:
             wait_serving(self.address, deadline, self.credentials)
-        except grpc.RpcError:
+        except (grpc.RpcError, TimeoutError):
             self.kill()
             raise
         return self
@@ -88,7 +88,8 @@ class ServerProcess:
 
 
 def wait_serving(address: str, deadline: float, credentials: grpc.ChannelCredentials | None = None) -> None:
-    """Poll `address`'s health service until SERVING; past `deadline` (monotonic) raise the last error."""
+    """Poll `address`'s health service until SERVING; past `deadline` (monotonic) raise the last error,
+    or TimeoutError where the server answered with another status."""
     channel = grpc.insecure_channel(address) if credentials is None else grpc.secure_channel(address, credentials)
     with channel:
         stub = health_pb2_grpc.HealthStub(channel)
@@ -100,4 +101,8 @@ def wait_serving(address: str, deadline: float, credentials: grpc.ChannelCredent
             except grpc.RpcError:
                 if time.monotonic() > deadline:
                     raise
+            else:
+                if time.monotonic() > deadline:
+                    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+                    raise TimeoutError(f"{address} answers {status}, not SERVING")
             time.sleep(0.02)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import sys
 import threading
 import traceback
 import types
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -76,6 +78,15 @@ def add_weight_service(servicer: WeightServicer, server: grpc.aio.Server) -> Non
             response_serializer=framing.serialize if method.name == "Fetch" else serialize,
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+
+
+@contextlib.contextmanager
+def _binding(host: str, port: int, option: str) -> Iterator[None]:
+    """An OSError binding `option`'s port names it (the socket's own says only "Address already in use")."""
+    try:
+        yield
+    except OSError as exc:
+        raise OSError(exc.errno, f"could not bind {url_host(host)}:{port} ({option}): {exc.strerror or exc}") from exc
 
 
 def server_credentials(config: ServerConfig) -> grpc.ServerCredentials:
@@ -191,29 +202,33 @@ class WeightServer:
             log.info("bulk endpoint off: it is plain TCP and the server runs TLS (fetches use the TLS stream)")
         elif config.bulk_port is not None:
             max_connections = config.bulk_max_connections
-            self.bulk = BulkEndpoint(config.host, config.bulk_port, max_connections=max_connections)
+            with _binding(config.host, config.bulk_port, "--bulk-port"):
+                self.bulk = BulkEndpoint(config.host, config.bulk_port, max_connections=max_connections)
             log.info("bulk endpoint on %s:%d (at most %d connections)", config.host, self.bulk.port, max_connections)
-        if config.shm_dir is not None:
-            self.shared_memory = SharedMemoryFiles(server_shm_dir(config.port, config.shm_dir))
-            log.info("shared-memory payloads in %s", self.shared_memory.directory)
-            pages = page_tables.shared_huge_pages()
-            if pages is not None and pages not in page_tables.HUGE_SETTINGS:
-                log.info(
-                    "shared memory gets 4 KiB pages on this host (%s: %s); as root, `echo advise > %s` "
-                    "lets same-host publishes use 2 MiB pages, which are faster to set up and to seal "
-                    "(docs/internals/shared-memory.md)",
-                    *(page_tables.SHMEM_HUGE_PAGES, pages, page_tables.SHMEM_HUGE_PAGES),
-                )
-            if self.tokens is not None:
-                self.shared_memory.directory.chmod(0o700)  # tokens guard calls; permissions guard files
         options = [*GRPC_OPTIONS, ("grpc.max_concurrent_streams", config.max_concurrent_streams)]
         server = grpc.aio.server(options=options)
-        try:
+        servicer: WeightServicer | None = None
+        try:  # (a start failing from here on closes the bulk endpoint and all it opened, in `finally`)
+            shm_dir = server_shm_dir(config.port, config.shm_dir) if config.shm_dir is not None else None
+            if shm_dir is not None:  # (None too where the folder does not exist: logged, and shared memory is off)
+                self.shared_memory = SharedMemoryFiles(shm_dir)
+                log.info("shared-memory payloads in %s", self.shared_memory.directory)
+                pages = page_tables.shared_huge_pages()
+                if pages is not None and pages not in page_tables.HUGE_SETTINGS:
+                    log.info(
+                        "shared memory gets 4 KiB pages on this host (%s: %s); as root, `echo advise > %s` "
+                        "lets same-host publishes use 2 MiB pages, which are faster to set up and to seal "
+                        "(docs/internals/shared-memory.md)",
+                        *(page_tables.SHMEM_HUGE_PAGES, pages, page_tables.SHMEM_HUGE_PAGES),
+                    )
+                if self.tokens is not None:
+                    self.shared_memory.directory.chmod(0o700)  # tokens guard calls; permissions guard files
             if config.metrics_port is not None:
                 offered = {"bulk": self.bulk, "shm": self.shared_memory}
                 transports = ["stream", *(name for name, endpoint in offered.items() if endpoint is not None)]
                 self.metrics = ServerMetrics(transports=transports, relay=config.upstream is not None)
-                self.metrics_port = self.metrics.serve(config.host, config.metrics_port)
+                with _binding(config.host, config.metrics_port, "--metrics-port"):
+                    self.metrics_port = self.metrics.serve(config.host, config.metrics_port)
                 log.info("metrics on http://%s:%d/metrics", url_host(config.host), self.metrics_port)
             self.servicer = servicer = WeightServicer(
                 self.store,
@@ -238,12 +253,17 @@ class WeightServer:
                     on_removed=servicer.forget_removed,
                 )
             reflection.enable_server_reflection((SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME), server)
-            if config.tls:
-                self.port = server.add_secure_port(config.address, server_credentials(config))
-            else:
-                self.port = server.add_insecure_port(config.address)
+            try:
+                if config.tls:
+                    self.port = server.add_secure_port(config.address, server_credentials(config))
+                else:
+                    self.port = server.add_insecure_port(config.address)
+            except RuntimeError:  # how gRPC says it could not bind (older releases returned 0)
+                self.port = 0
             if self.port == 0:
-                raise OSError(f"could not bind {config.address}: is the port in use?")
+                # (gRPC says no more; a certificate or key it cannot use fails here too)
+                tls = ", or are --tls-cert and --tls-key no PEM certificate chain and its key?" if config.tls else "?"
+                raise OSError(f"could not bind {config.address}: is the port in use{tls}")
             await server.start()
             for service in ("", SERVICE_NAME):
                 await health.set(service, health_pb2.HealthCheckResponse.SERVING)
@@ -263,9 +283,10 @@ class WeightServer:
             await health.enter_graceful_shutdown()
             servicer.watches.end_all()
             await server.stop(self._grace)
-            servicer.close()
             log.info("stopped")
         finally:
+            if servicer is not None:  # also when the start failed after it was made (a port in use)
+                servicer.close()
             if self._owns_store:  # first: a sha256 it finishes may rewrite a shared-memory header
                 self.store.close()
             self.metrics.close()

@@ -302,3 +302,23 @@ def test_server_config_rejects_half_a_tls_setup(pki):
         ServerConfig(tls_cert=pki["server_cert"])
     with pytest.raises(ValueError, match="needs tls_cert"):
         ServerConfig(tls_client_ca=pki["ca"])
+
+
+@pytest.mark.parametrize("broken", ["not a PEM file", "a key that is not the certificate's"])
+def test_serve_names_tls_files_grpc_cannot_use(pki, tmp_path, broken):
+    """A certificate and key gRPC cannot serve with fail the bind: the message names them. Before,
+    gRPC's RuntimeError escaped as a traceback (and then the bind's message asked only whether the
+    port was in use)."""
+    cert, key = pki["server_cert"], pki["client_key"]
+    if broken == "not a PEM file":
+        cert = key = tmp_path / "garbage.pem"
+        cert.write_text("garbage\n")
+    tls = ["--tls-cert", str(cert), "--tls-key", str(key)]
+    done = subprocess.run(
+        [sys.executable, "-m", "weightserver", "serve", "--host", "127.0.0.1", "--port", "0", "--no-shm", *tls],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "--tls-cert and --tls-key" in done.stderr

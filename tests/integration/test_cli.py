@@ -115,6 +115,19 @@ def test_fetch_prints_the_sha256_of_a_version_just_published(server, weights_fil
     assert capsys.readouterr().out.strip().endswith(f"bytes, sha256 {expected})")
 
 
+def test_a_fetch_that_cannot_write_its_file_leaves_nothing_behind(server, weights_file, tmp_path, capsys):
+    """`fetch -o` naming a directory fails with a message, and the file it wrote to move there
+    (`<output>.part`) goes too. Before, that file stayed beside the target: a stray copy of the
+    weights after every fetch that failed at its last step (the same for a full disk)."""
+    address = ["--server", server.address]
+    assert main(["publish", str(weights_file), "--model", "policy", *address]) == 0
+    target = tmp_path / "weights"
+    target.mkdir()
+    assert main(["fetch", "--model", "policy", "-o", str(target), *address]) == 1
+    assert "Is a directory" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["policy.safetensors", "weights"]
+
+
 def test_fetch_runs_as_long_as_bytes_keep_coming(make_server, tmp_path, monkeypatch, capsys):
     """A file whose transfer outlasts the client's timeout, its bytes never pausing that long:
     fetched (the client's timeout bounds each wait for bytes, not the whole transfer)."""
@@ -196,3 +209,32 @@ def test_bad_size_is_refused():
     result = _cli("serve", "--max-model-bytes", "lots")
     assert result.returncode == 2
     assert "invalid size 'lots'" in result.stderr
+
+
+def test_serve_on_a_port_in_use_exits_1_with_a_message(server):
+    """`serve --port P` with P taken ends with status 1 and a line naming the port. Before, gRPC's
+    RuntimeError from add_insecure_port escaped the CLI's error handling: a traceback."""
+    port = str(server.port)
+    result = _cli("serve", "--host", "127.0.0.1", "--port", port, "--no-bulk", "--no-shm")
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    assert f"weightserver serve: could not bind 127.0.0.1:{port}: is the port in use?" in result.stderr
+
+
+@pytest.mark.parametrize("option", ["--bulk-port", "--metrics-port"])
+def test_serve_names_the_port_in_use(server, option):
+    """A taken --bulk-port or --metrics-port is named in the error. Before, the message was the
+    socket's alone ("[Errno 98] Address already in use"), which of the three ports left to guess."""
+    port = str(server.port)
+    result = _cli("serve", "--host", "127.0.0.1", "--port", "0", "--no-shm", option, port)
+    assert result.returncode == 1, result.stderr
+    assert f"could not bind 127.0.0.1:{port} ({option}): " in result.stderr
+
+
+@pytest.mark.parametrize("command", [["publish", "x.safetensors"], ["fetch", "-o", "x"], ["delete"], ["pin"]])
+def test_a_version_no_version_field_holds_is_a_usage_error_naming_the_option(command):
+    """`--version -1` is refused by the command line, naming the option. Before, protobuf's own
+    ValueError came back alone: "weightserver publish: Value out of range: -1", no option named."""
+    result = _cli(*command, "--model", "policy", "--version", "-1", "--server", "127.0.0.1:1")
+    assert result.returncode == 2, result.stderr
+    assert "argument --version: invalid version '-1'" in result.stderr

@@ -54,6 +54,17 @@ def test_publish_timeout_is_a_serve_flag_and_can_be_turned_off():
         ServerConfig(publish_timeout=-1)
 
 
+@pytest.mark.parametrize("option", ["--publish-timeout", "--grace"])
+def test_a_time_limit_that_is_not_a_number_is_refused(option):
+    """`serve --publish-timeout nan` (argparse's float takes it) is refused as -1 is. Before, NaN
+    passed every `< 0` check: a server whose every publish ended DEADLINE_EXCEEDED ("longer than
+    the server's limit of nans"), or whose shutdown grace was no number of seconds."""
+    from weightserver.cli import build_parser, server_config
+
+    with pytest.raises(ValueError, match=r"must be .*, got nan"):
+        server_config(build_parser().parse_args(["serve", option, "nan"]))
+
+
 def test_one_connection_holds_at_most_max_concurrent_streams(make_server):
     server = make_server(max_concurrent_streams=2)
     with WeightClient(server.address) as client:

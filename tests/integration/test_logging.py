@@ -112,6 +112,20 @@ def test_bad_log_format_in_the_environment_is_refused():
     assert "WEIGHTSERVER_LOG_FORMAT must be one of text, json, got 'xml'" in result.stderr
 
 
+def test_bad_log_level_in_the_environment_is_refused():
+    """As a bad $WEIGHTSERVER_LOG_FORMAT is: a usage error naming the variable and the levels. Before,
+    logging's ValueError ("Unknown level: 'VERBOSE'") escaped as a traceback."""
+    result = subprocess.run(
+        [sys.executable, "-m", "weightserver", "serve", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "WEIGHTSERVER_LOG_LEVEL": "verbose"},
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "WEIGHTSERVER_LOG_LEVEL must be one of debug, info, warning, error, got 'verbose'" in result.stderr
+
+
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [

@@ -23,6 +23,8 @@ from weightserver.metrics import DURATION_BUCKETS, ServerMetrics, build_labels
 from weightserver.process import ServerProcess
 from weightserver.protocol.errors import InvalidSafetensors
 from weightserver.protocol.safetensors_format import build_header
+from weightserver.v1 import weights_pb2 as pb
+from weightserver.v1 import weights_pb2_grpc as pb_grpc
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -142,6 +144,21 @@ def test_active_watchers_rise_during_a_watch_and_fall_after(metered):
         wait_for_value(metered, "weightserver_active_watchers", 1, model="policy")
         second.close()
         wait_for_value(metered, "weightserver_active_watchers", 0, model="policy")
+
+
+def test_watches_of_models_the_server_does_not_hold_leave_no_series_behind(metered):
+    """A Watch of a model with no version yet is counted while it runs; once the last one ends, the
+    series goes (a held model's stays, at zero). Before, every name ever watched kept its series for
+    good: a reader watching made-up names grew the server's memory and every scrape without bound."""
+    with grpc.insecure_channel(metered.address) as channel:
+        stub = pb_grpc.WeightServiceStub(channel)
+        for name in ("ghost-1", "ghost-2"):
+            first, second = (stub.Watch(pb.WatchRequest(model=name), timeout=30) for _ in range(2))
+            wait_for_value(metered, "weightserver_active_watchers", 2, model=name)
+            first.cancel()
+            wait_for_value(metered, "weightserver_active_watchers", 1, model=name)
+            second.cancel()
+            wait_for_value(metered, "weightserver_active_watchers", None, model=name)
 
 
 def test_per_client_last_version_and_lag(metered):

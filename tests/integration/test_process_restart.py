@@ -69,3 +69,41 @@ def test_sigterm_shuts_down_gracefully(tmp_path):
     assert server.stop() == 0
     log = server.log()
     assert "received SIGTERM" in log and "stopped" in log
+
+
+def test_waiting_for_a_server_that_answers_not_serving_ends_at_the_deadline():
+    """wait_serving (and so ServerProcess.start(timeout=...)) gives up at its deadline also when the
+    server answers but not SERVING (say, it is in its shutdown's grace). Before, only a failed call
+    looked at the deadline: the wait polled such a server forever."""
+    import threading
+    import time
+    from concurrent import futures
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from weightserver.process import wait_serving
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    servicer = health.HealthServicer()
+    servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        outcome: list[BaseException | None] = []
+
+        def wait() -> None:
+            try:
+                wait_serving(f"127.0.0.1:{port}", time.monotonic() + 1.0)
+                outcome.append(None)
+            except BaseException as exc:
+                outcome.append(exc)
+
+        waiter = threading.Thread(target=wait, daemon=True)
+        waiter.start()
+        waiter.join(15)
+        assert outcome, "wait_serving was still waiting 15 s after its 1 s deadline"
+        assert isinstance(outcome[0], TimeoutError) and "NOT_SERVING" in str(outcome[0])
+    finally:
+        server.stop(0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import struct
 from pathlib import Path
 
@@ -122,6 +123,16 @@ def test_bad_model_scopes_in_a_token_file_are_refused_with_the_line(tmp_path, ro
     with pytest.raises(InvalidRequest, match=message) as caught:
         TokenTable.load(path)
     assert str(path) in str(caught.value) and "t" * 20 not in str(caught.value)
+
+
+def test_a_bad_model_scope_names_its_entry(tmp_path):
+    """Of many entries, the one whose scope names a bad model is named, as a bad role or a short
+    token is. Before, the message quoted only the model name (invalid model name ''), so which of
+    the file's lines held it was left to guess."""
+    path = tmp_path / "tokens"
+    path.write_text(f"publisher:policy trainer-a {'a' * 20}\npublisher:policy, trainer-b {'b' * 20}\n")
+    with pytest.raises(InvalidRequest, match=re.escape(f"{path}: token 'trainer-b': invalid model name ''")):
+        TokenTable.load(path)
 
 
 def raw_file() -> bytes:

@@ -177,3 +177,18 @@ def test_a_new_client_reaches_a_server_restarted_at_the_same_address_while_an_ol
         restarted = make_server(port=first.port)
         with WeightClient(restarted.address) as new:
             assert new.publish(weights, model="m", transport="stream") == 1
+
+
+def test_a_server_that_fails_to_start_leaves_no_thread_behind(server):
+    """A start that fails (here: its port is taken) lets go of what it set up. Before, the servicer
+    built before the bind was never closed: each failed start left its upload sweeper running."""
+    from weightserver import ServerConfig, WeightServer
+
+    def sweepers() -> int:
+        return sum(t.name == "weightserver-upload-sweeper" for t in threading.enumerate())
+
+    before = sweepers()
+    for _ in range(3):
+        with pytest.raises(OSError, match="is the port in use"):
+            WeightServer(ServerConfig(host="127.0.0.1", port=server.port)).start()
+    wait_until(lambda: sweepers() == before, what="the failed starts' upload sweepers to end")

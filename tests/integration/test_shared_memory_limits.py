@@ -224,3 +224,40 @@ def test_an_upload_asked_for_as_the_server_stops_is_declined_quietly(tmp_path, c
         assert files.new_upload("policy", 4096) is None
     assert not (tmp_path / "weightserver-test").exists()
     assert "cannot write" not in caplog.text
+
+
+def test_a_server_whose_shm_folder_does_not_exist_serves_without_shared_memory(make_server, tmp_path, caplog):
+    """`--shm-dir` naming no folder (or the default /dev/shm on a host without one) leaves shared
+    memory off with a warning, as `server_shm_dir` says; publishes and fetches stream. Before, the
+    start failed with AttributeError ('NoneType' object has no attribute 'mkdir'): a traceback."""
+    server = make_server(shm_dir=tmp_path / "missing")
+    assert server.shared_memory is None
+    assert "does not exist; same-host fetches will stream" in caplog.text
+    with WeightClient(server.address) as client:
+        client.publish({"w": torch.ones(4)}, model=MODEL)
+        fetched = client.fetch(MODEL)
+    assert torch.equal(fetched.tensors["w"], torch.ones(4)) and fetched.stats.transport != "shm"
+
+
+def test_a_start_that_fails_at_the_shm_folder_lets_the_bulk_port_go(tmp_path):
+    """A shared-memory folder the server cannot make (here a read-only tmpfs; for another user, one
+    it may not write) fails the start with its OSError, and the bulk endpoint opened just before
+    is closed. Before, that endpoint was made outside the `try` whose `finally` closes it: its port
+    stayed bound and its threads ran for the life of the process."""
+    import socket
+
+    from weightserver import ServerConfig, WeightServer
+
+    require_root("mounting a read-only tmpfs")
+    read_only = tmp_path / "ro"
+    read_only.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(read_only)], check=True)
+    try:
+        server = WeightServer(ServerConfig(host="127.0.0.1", port=0, shm_dir=read_only))
+        with pytest.raises(OSError, match="Read-only file system"):
+            server.start()
+    finally:
+        subprocess.run(["umount", str(read_only)], check=True)
+    assert server.bulk is not None
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", server.bulk.port), timeout=5).close()

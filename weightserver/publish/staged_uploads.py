@@ -31,6 +31,7 @@ class StagedUploads:
         self._max = MAX_STAGED_UPLOADS
         self._lock = threading.Lock()
         self._uploads: dict[str, IncomingModel] = {}
+        self._allocating = 0  # uploads being set up: they count towards `_max` already
         self._closed = threading.Event()
         threading.Thread(target=self._sweep, name="weightserver-upload-sweeper", daemon=True).start()
 
@@ -41,17 +42,28 @@ class StagedUploads:
 
     def create(self, model: str, size: int, transport: str, *, owner: bytes | None = None) -> IncomingModel:
         """An upload over `transport` ("bulk" or "shm") that only `owner` may name (see `IncomingModel.allocate`)."""
-        with self._lock:
-            if len(self._uploads) >= self._max:
+        with self._lock:  # its place is taken now: calls allocating at once must not all pass
+            if (held := len(self._uploads) + self._allocating) >= self._max:
                 raise TooManyUploads(
-                    f"{len(self._uploads)} publishes over bulk or shared memory are set up and not yet committed, "
+                    f"{held} publishes over bulk or shared memory are set up and not yet committed, "
                     f"the most this server holds; finish or cancel those (they expire "
                     f"{UPLOAD_TTL_SECONDS:.0f} s after Negotiate) or publish over the stream"
                 )
-        upload = self._receiver(pb.PublishHeader(model=model, total_bytes=size), transport, owner=owner)
-        upload.allocate(populate=True)
+            self._allocating += 1
+        try:
+            upload = self._receiver(pb.PublishHeader(model=model, total_bytes=size), transport, owner=owner)
+            upload.allocate(populate=True)
+        except BaseException:
+            with self._lock:
+                self._allocating -= 1
+            raise
         with self._lock:
-            self._uploads[upload.id] = upload
+            self._allocating -= 1
+            if not (closed := self._closed.is_set()):  # (else `close` has let every upload go)
+                self._uploads[upload.id] = upload
+        if closed:
+            upload.discard()
+            raise OSError("the server is stopping")  # (the transport declines: the caller streams)
         return upload
 
     def take(self, upload_id: str, model: str, total_bytes: int, *, owner: bytes | None = None) -> IncomingModel:

@@ -50,7 +50,10 @@ class TokenTable:
                 raise InvalidRequest(
                     f"token {name!r}: a reader may read every model; only publisher and admin take models"
                 )
-            models = frozenset(validate_model_name(model) for model in scope.split(",")) if scoped else None
+            try:
+                models = frozenset(validate_model_name(model) for model in scope.split(",")) if scoped else None
+            except InvalidRequest as exc:
+                raise InvalidRequest(f"token {name!r}: {exc}") from None
             if len(token) < MIN_TOKEN_CHARS:
                 raise InvalidRequest(f"token {name!r} is shorter than {MIN_TOKEN_CHARS} characters")
             digest = hashlib.sha256(token.encode()).digest()

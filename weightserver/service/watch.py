@@ -25,16 +25,19 @@ class Watches:
     announcements: IncomingPublishes
     metrics: NoMetrics
     metadata: Callable[[], Sequence[tuple[str, str]]]  # the initial metadata (a relay names its primary)
-    _queues: set[asyncio.Queue[Version | IncomingPublish | None]] = field(default_factory=set, init=False)
+    _queues: set[asyncio.Queue[Version | pb.IncomingPublish | None]] = field(default_factory=set, init=False)
     _ended: bool = field(default=False, init=False)  # the server is shutting down: a Watch that starts now ends at once
 
     async def watch(self, request: pb.WatchRequest, context: Context) -> AsyncIterator[pb.VersionEvent]:
         model = validate_model_name(request.model)
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[Version | IncomingPublish | None] = asyncio.Queue()  # None: the server stops
+        queue: asyncio.Queue[Version | pb.IncomingPublish | None] = asyncio.Queue()  # None: the server stops
 
         def on_event(event: Version | IncomingPublish) -> None:
             if event.model == model:
+                if isinstance(event, IncomingPublish):  # its state now (read later, a start could read as failed)
+                    failed = event.failure is not None
+                    event = pb.IncomingPublish(id=event.id, byte_size=event.byte_size, failed=failed)
                 with contextlib.suppress(RuntimeError):  # loop closed: the server is shutting down
                     loop.call_soon_threadsafe(queue.put_nowait, event)
 
@@ -62,10 +65,8 @@ class Watches:
                 event = await queue.get()
                 if event is None:
                     raise ServerUnavailable("the server is shutting down; resubscribe with since=<last version seen>")
-                if isinstance(event, IncomingPublish):
-                    failed = event.failure is not None
-                    announced = pb.IncomingPublish(id=event.id, byte_size=event.byte_size, failed=failed)
-                    yield pb.VersionEvent(incoming=announced)
+                if isinstance(event, pb.IncomingPublish):
+                    yield pb.VersionEvent(incoming=event)
                     continue
                 if event.version <= last:
                     continue
