@@ -263,3 +263,10 @@ def test_a_background_publish_cancelled_while_it_waits_is_not_sent_and_the_other
     assert publisher.flush(timeout=30)
     assert sent == [b"first", b"newer"] + ([] if cancelled else [b"alone"])
     publisher.close(timeout=30)
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:99999", "localhost:0", "a:1,b:65536"])
+def test_an_address_whose_port_is_out_of_range_is_refused_at_once(address):
+    """Before, the client was made, and each call retried for 30 s against the port modulo 65536."""
+    with pytest.raises(ValueError, match="is not one"):
+        WeightServiceClient(address)

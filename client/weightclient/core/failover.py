@@ -136,6 +136,9 @@ class Connection(AbstractContextManager):
         self.addresses = [a.strip() for a in (address.split(",") if isinstance(address, str) else address) if a.strip()]
         if not self.addresses:
             raise ValueError(f"no server address in {address!r}")
+        for given in self.addresses:  # (gRPC would dial the port modulo 65536, and retry there)
+            if (port := given.rpartition(":")[2]).isdigit() and not 0 < int(port) < 65536:
+                raise ValueError(f"server address {given!r}: port {port} is not one (1-65535)")
         self.timeout, self.chunk_bytes, self.retry_seconds, self.retry = timeout, chunk_bytes, retry_seconds, retry
         self._metadata = call_metadata(token, client_id)
         self._shm = SharedMemoryTransport()
