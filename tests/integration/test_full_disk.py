@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -21,18 +22,25 @@ MODEL = "policy"
 VERSION_BYTES = 256 * 1024
 
 
-@pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[Path]:
-    """A 4 MiB tmpfs, unmounted after the test."""
+@contextmanager
+def tmpfs(tmp_path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` (mount's size=, e.g. "4m") at `tmp_path`/disk, unmounted after."""
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs as the full data disk needs root")
     mount_point = tmp_path / "disk"
     mount_point.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount_point)], check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount_point)], check=True)
     try:
         yield mount_point
     finally:
         subprocess.run(["umount", "-l", str(mount_point)], check=True)
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 4 MiB tmpfs, unmounted after the test."""
+    with tmpfs(tmp_path, "4m") as mount_point:
+        yield mount_point
 
 
 def payload(n: int, size: int = VERSION_BYTES) -> bytes:

@@ -100,14 +100,19 @@ def test_default_format_is_human_readable(monkeypatch):
     ), publishes[0]
 
 
-def test_bad_log_format_in_the_environment_is_refused():
-    result = subprocess.run(
+def serve_with(variable: str, value: str) -> subprocess.CompletedProcess[str]:
+    """`weightserver serve` with `variable` set to `value` in its environment (it exits on a bad one)."""
+    return subprocess.run(
         [sys.executable, "-m", "weightserver", "serve", "--port", "0"],
         capture_output=True,
         text=True,
         timeout=60,
-        env={**os.environ, "WEIGHTSERVER_LOG_FORMAT": "xml"},
+        env={**os.environ, variable: value},
     )
+
+
+def test_bad_log_format_in_the_environment_is_refused():
+    result = serve_with("WEIGHTSERVER_LOG_FORMAT", "xml")
     assert result.returncode == 2
     assert "WEIGHTSERVER_LOG_FORMAT must be one of text, json, got 'xml'" in result.stderr
 
@@ -115,13 +120,7 @@ def test_bad_log_format_in_the_environment_is_refused():
 def test_bad_log_level_in_the_environment_is_refused():
     """As a bad $WEIGHTSERVER_LOG_FORMAT is: a usage error naming the variable and the levels. Before,
     logging's ValueError ("Unknown level: 'VERBOSE'") escaped as a traceback."""
-    result = subprocess.run(
-        [sys.executable, "-m", "weightserver", "serve", "--port", "0"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "WEIGHTSERVER_LOG_LEVEL": "verbose"},
-    )
+    result = serve_with("WEIGHTSERVER_LOG_LEVEL", "verbose")
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "WEIGHTSERVER_LOG_LEVEL must be one of debug, info, warning, error, got 'verbose'" in result.stderr
 

@@ -23,7 +23,7 @@ from safetensors.torch import save
 from waiting import sigstop, wait_equal, wait_until
 
 from tests.integration.test_cut_through import Watcher
-from tests.integration.test_full_disk import fill
+from tests.integration.test_full_disk import fill, tmpfs
 from weightclient import (
     ModelNotFound,
     NotPrimary,
@@ -58,15 +58,8 @@ def weights(step: int, big: int = 1024) -> dict[str, torch.Tensor]:
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A 64 MiB tmpfs (room for two 16 MiB versions), unmounted after the test."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs as the full data disk needs root")
-    mount_point = tmp_path / "disk"
-    mount_point.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount_point)], check=True)
-    try:
+    with tmpfs(tmp_path, "64m") as mount_point:
         yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=True)
 
 
 @pytest.fixture

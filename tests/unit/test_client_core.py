@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from concurrent.futures import Future
 
 import pytest
 import xxhash
@@ -181,23 +182,30 @@ def test_a_misspelt_tls_option_is_a_type_error_even_with_a_stand_in_network():
         client_of(MockServer(), tls_cret="client.pem")
 
 
-def test_a_child_forked_during_a_background_publish_flushes_and_publishes_its_own():
-    """A process forked (a data loader, a collector) while the background publisher sends a snapshot
-    starts empty: its flush and close return at once, and its own submits are sent. Before, the child
-    kept the parent's "busy" with no thread to end it: its flush waited forever (so did close)."""
+def sending(snapshot: bytes) -> tuple[BackgroundPublisher, Future, threading.Event, list[bytes]]:
+    """A background publisher held in its first send (of `snapshot`) until the event is set; the list of
+    what it sent. Each send's version is the count of sends so far."""
     entered, release = threading.Event(), threading.Event()
     sent: list[bytes] = []
 
     def send(snapshot, **options) -> int:
         sent.append(bytes(snapshot["m"]))
-        if sent == [b"parent"]:
+        if len(sent) == 1:
             entered.set()
             release.wait(30)
         return len(sent)
 
     publisher = BackgroundPublisher(send)
-    first = publisher.submit({"m": memoryview(b"parent")})
+    first = publisher.submit({"m": memoryview(snapshot)})
     assert entered.wait(30)
+    return publisher, first, release, sent
+
+
+def test_a_child_forked_during_a_background_publish_flushes_and_publishes_its_own():
+    """A process forked (a data loader, a collector) while the background publisher sends a snapshot
+    starts empty: its flush and close return at once, and its own submits are sent. Before, the child
+    kept the parent's "busy" with no thread to end it: its flush waited forever (so did close)."""
+    publisher, first, release, sent = sending(b"parent")
     pid = os.fork()
     if pid == 0:  # the child: exit codes say what went wrong
         code = 1
@@ -241,19 +249,7 @@ def test_a_background_publish_cancelled_while_it_waits_is_not_sent_and_the_other
     then it is not sent, and the publishes coalesced with it still resolve. Before, the cancelled
     future's publish went out anyway, and setting its result raised InvalidStateError in the
     publisher's thread, so the futures after it in the same send never resolved (a wait forever)."""
-    entered, release = threading.Event(), threading.Event()
-    sent: list[bytes] = []
-
-    def send(snapshot, **options) -> int:
-        sent.append(bytes(snapshot["m"]))
-        if len(sent) == 1:
-            entered.set()
-            release.wait(30)
-        return len(sent)
-
-    publisher = BackgroundPublisher(send)
-    first = publisher.submit({"m": memoryview(b"first")})
-    assert entered.wait(30)
+    publisher, first, release, sent = sending(b"first")
     given_up, newer = publisher.submit({"m": memoryview(b"given up")}), publisher.submit({"m": memoryview(b"newer")})
     assert given_up.cancel()
     release.set()
