@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import pickle
 import re
 import struct
 from pathlib import Path
@@ -139,3 +140,19 @@ def raw_file() -> bytes:
     header = json.dumps({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}).encode()
     header += b" " * (-len(header) % 8)
     return struct.pack("<Q", len(header)) + header + b"\0" * 4
+
+
+def test_pickled_updaters_keep_the_token_of_the_client_they_were_given(server, clients):
+    """A pickled updater (a collector's worker, a Ray actor) dials again in the new process, with the
+    settings of the client it was given. Before, it dialled the address alone: on a server with
+    tokens its first update failed with AuthenticationRequired."""
+    from weightclient.torchrl.grpc_updaters import GrpcLocalWeightUpdater, GrpcRemoteWeightUpdater
+
+    remote = pickle.loads(pickle.dumps(GrpcRemoteWeightUpdater(clients["publisher"], weights(2.0))))
+    assert remote.update_weights() == 1
+    policy = torch.nn.Module()
+    policy.w = torch.nn.Parameter(torch.zeros(4))
+    local = pickle.loads(pickle.dumps(GrpcLocalWeightUpdater(clients["reader"], policy=policy)))
+    local()
+    assert local.version == 1 and torch.equal(local.policy.w.detach(), weights(2.0)["w"])  # (its copy of the policy)
+    local.close()

@@ -122,13 +122,15 @@ class _LazyClient:
     _made = False  # `_client` was made here, not passed in: `_close_made_client` closes it
 
     def _set_client(self, client: WeightClient | str | None) -> None:
-        self._address = ",".join(client.addresses) if isinstance(client, WeightClient) else client
-        self._client = client if isinstance(client, WeightClient) else None
+        given = isinstance(client, WeightClient)
+        self._address = ",".join(client.addresses) if given else client
+        self._settings = dict(client.settings) if given else {}  # its token and TLS, to dial again after a pickle
+        self._client = client if given else None
 
     @property
     def client(self) -> WeightClient:
         if self._client is None:
-            self._client, self._made = WeightClient(self._address), True
+            self._client, self._made = WeightClient(self._address, **self._settings), True
         return self._client
 
     def _close_made_client(self) -> None:
