@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from tensordict import TensorDict
@@ -89,11 +89,11 @@ class WeightClient(WeightServiceClient):
     >>> policy.load_state_dict(result.state_dict())                     # doctest: +SKIP
     """
 
-    @functools.cached_property
-    def _publishers(self) -> dict[frozenset[str], BackgroundPublisher]:
-        """One per set of models published with wait=False: a newer snapshot replaces only a waiting one
-        of the same models (one of others would never be published)."""
-        return {}
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # One per set of models published with wait=False: a newer snapshot replaces only a waiting one
+        # of the same models (one of others would never be published).
+        self._publishers: dict[frozenset[str], BackgroundPublisher] = {}
+        super().__init__(*args, **kwargs)
 
     def publish(self, weights: tensor_codec.Weights, model: str = "policy", **options) -> int | PublishFuture:
         """Publish an nn.Module, TensorDict or state dict: its version, or with wait=False a future."""
@@ -115,11 +115,11 @@ class WeightClient(WeightServiceClient):
 
     def flush(self, timeout: float | None = None) -> bool:
         deadline = Deadline.after(timeout)
-        publishers = list(self.__dict__.get("_publishers", {}).values())
+        publishers = list(self._publishers.values())
         return all(p.flush(deadline.remaining()) for p in publishers) and super().flush(deadline.remaining())
 
     def close(self) -> None:
-        for publisher in list(self.__dict__.get("_publishers", {}).values()):
+        for publisher in list(self._publishers.values()):
             publisher.close()
         super().close()
 

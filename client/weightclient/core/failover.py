@@ -141,9 +141,18 @@ class Connection(AbstractContextManager):
                 raise ValueError(f"server address {given!r}: port {port} is not one (1-65535)")
         self.timeout, self.chunk_bytes, self.retry_seconds, self.retry = timeout, chunk_bytes, retry_seconds, retry
         # What a client like this one in another process is made with (a pickled updater dials again).
-        self.settings: dict[str, Any] = dict(timeout=timeout, chunk_bytes=chunk_bytes, client_id=client_id, token=token)
-        self.settings.update(retry_seconds=retry_seconds, retry=retry, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert)
-        self.settings["tls_key"] = tls_key
+        self.settings: dict[str, Any] = dict(
+            timeout=timeout,
+            chunk_bytes=chunk_bytes,
+            client_id=client_id,
+            token=token,
+            retry_seconds=retry_seconds,
+            retry=retry,
+            tls=tls,
+            tls_ca=tls_ca,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
+        )
         self._metadata = call_metadata(token, client_id)
         self._shm = SharedMemoryTransport()
 

@@ -130,7 +130,7 @@ class SpareUploads:
                 return
             del self._spares[key]
         log.debug("letting go of the spare upload of %r, unused for %.0fs", key[0], SPARE_SECONDS)
-        spare.transport.release(spare.answer.payload)
+        spare.let_go()
 
 
 class Publishing(Connection):
