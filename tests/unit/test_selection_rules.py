@@ -5,6 +5,7 @@ file cut from a version bit for bit."""
 from __future__ import annotations
 
 import itertools
+import pickle
 import re
 import time
 
@@ -59,6 +60,18 @@ def test_a_glob_of_many_stars_matches_in_linear_time():
     started = time.perf_counter()
     assert not rule.matches(name) and rule.matches(name + "b")
     assert time.perf_counter() - started < 1.0
+
+
+def test_a_selection_pickles_and_matches_the_same_names_after():
+    """A selection travels to other processes pickled: a torchrl scheme's updater to its collector
+    workers, a rank's plan to its process. Since globs were matched by a closure, a selection with
+    a glob could not be pickled ("Can't pickle local object '_glob.<locals>.matches'")."""
+    selection = Selection((*tensor_parallel(1, 4, LLAMA_PLAN).rules, TensorRule("lm_head?weight")), rest=True)
+    copied = pickle.loads(pickle.dumps(selection))
+    assert copied == selection
+    names = ["model.layers.0.self_attn.q_proj.weight", "lm_head.weight", "lm_headweight", "model.norm.weight"]
+    for name in names:
+        assert [rule.matches(name) for rule in copied.rules] == [rule.matches(name) for rule in selection.rules]
 
 
 def test_overlapping_rules_that_agree_select_once_and_whole_equals_a_shard_of_one():

@@ -43,17 +43,22 @@ def shard_bounds(size: int, rank: int, world: int) -> tuple[int, int]:
     return min(rank * chunk, size), min((rank + 1) * chunk, size)
 
 
-def _glob(pattern: str) -> Callable[[str], bool]:
-    """Whether a whole name matches `pattern`, in time linear in the name's length per '*'-free part:
-    one regex with a '.*' per '*' backtracks exponentially (a client's glob stalled the server)."""
-    parts = [re.compile("".join("." if c == "?" else re.escape(c) for c in p), re.DOTALL) for p in pattern.split("*")]
-    if len(parts) == 1:
-        return lambda name: parts[0].fullmatch(name) is not None
-    first, *middle, last = parts
-    size = len(pattern.rsplit("*", 1)[1])  # the last part's length: each character or '?' is one
+class _Glob:
+    """Whether a whole name matches a glob, in time linear in the name's length per '*'-free part:
+    one regex with a '.*' per '*' backtracks exponentially (a client's glob stalled the server).
+    A class, not a closure, so that a selection pickles (to a collector's worker, a rank's process)."""
 
-    def matches(name: str) -> bool:
-        found, end = first.match(name), len(name) - size
+    def __init__(self, pattern: str) -> None:
+        self.parts = [
+            re.compile("".join("." if c == "?" else re.escape(c) for c in p), re.DOTALL) for p in pattern.split("*")
+        ]
+        self.size = len(pattern.rsplit("*", 1)[-1])  # the last part's length: each character or '?' is one
+
+    def __call__(self, name: str) -> bool:
+        if len(self.parts) == 1:
+            return self.parts[0].fullmatch(name) is not None
+        first, *middle, last = self.parts
+        found, end = first.match(name), len(name) - self.size
         if found is None or end < found.end():
             return False
         start = found.end()
@@ -63,8 +68,6 @@ def _glob(pattern: str) -> Callable[[str], bool]:
                 return False
             start = found.end()
         return last.fullmatch(name, end) is not None
-
-    return matches
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,7 @@ class TensorRule:
             raise InvalidRequest(f"select: rule {self}: need world >= 1 and 0 <= rank < world")
         if (self.dim is not None and self.dim < 0) or min(self.span or (0,)) < 0:  # (no wire form: uint fields)
             raise InvalidRequest(f"select: rule {self}: dims and indices count from 0; a negative one is not taken")
-        object.__setattr__(self, "_matcher", _glob(self.pattern) if self.match == "glob" else None)
+        object.__setattr__(self, "_matcher", _Glob(self.pattern) if self.match == "glob" else None)
 
     def __str__(self) -> str:
         part = ""
