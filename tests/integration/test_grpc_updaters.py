@@ -13,7 +13,7 @@ import torch
 from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 
-from weightclient import ServerUnavailable, WeightClient
+from weightclient import ServerUnavailable, WeightClient, tensor_parallel
 from weightclient.torchrl.grpc_updaters import (
     GrpcLocalWeightUpdater,
     GrpcRemoteWeightUpdater,
@@ -149,6 +149,24 @@ def test_updaters_pickle_without_their_channel(server, client):
     remote = pickle.loads(pickle.dumps(GrpcRemoteWeightUpdater(server.address, trainer)))
     remote.update_weights()
     assert remote.version == 3
+
+
+def test_an_updater_with_a_selection_pickles_and_applies_only_its_selection(server, client):
+    """A collector's worker gets its updater pickled, selection and all: a glob's matcher pickled
+    too (it was a closure, and the updater could not be sent)."""
+    trainer = mlp(0)
+    client.publish(trainer, model="policy")
+    shapes = {"0.weight": (4, 3), "0.bias": (4,), "2.weight": (2, 8), "2.bias": (2,)}  # rank 1 of 2's shards
+    policy = TensorDict({name: torch.zeros(shape) for name, shape in shapes.items()})
+    local = GrpcLocalWeightUpdater(server.address, policy=policy, select=tensor_parallel(1, 2, {"0.*": 0}))
+    clone = pickle.loads(pickle.dumps(local))
+    clone()
+    assert clone.version == 1
+    held, published = clone.policy, trainer.state_dict()
+    for name in ("0.weight", "0.bias"):
+        assert torch.equal(held[name], published[name].chunk(2)[1])  # rank 1 of 2's half, along dim 0
+    for name in ("2.weight", "2.bias"):
+        assert torch.equal(held[name], published[name])  # no rule: whole (the plan's rest)
 
 
 def test_remote_updater_worker_ids_map_to_models_and_publish_one_version(client):
