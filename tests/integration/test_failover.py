@@ -6,6 +6,8 @@ before their commit (cut-through)."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
 
 import torch
@@ -14,7 +16,7 @@ from waiting import wait_until
 from tests.integration.test_cut_through import SIZE, EarlyReceive, HeldPublish, Watcher, file_of, weights_filled
 from tests.integration.test_relay import held
 from tests.integration.test_stalled_server import stopped
-from weightclient import WeightClient
+from weightclient import DeadlineExceeded, WeightClient
 from weightclient.torchrl.grpc_updaters import GrpcLocalWeightUpdater
 from weightserver.process import ServerProcess
 from weightserver.protocol.version_info import IncomingEvent
@@ -57,24 +59,34 @@ def _first_events(client: WeightClient, since: int, count: int) -> list:
     return events
 
 
-def test_a_watch_outlives_the_link_it_started_on(make_server):
+def test_a_watch_outlives_the_link_it_started_on(caplog):
     """A fetch that fails over moves the client on and keeps the link it left open for calls still
     running on it, closing it only a few moves later (RETIRED_LINKS). A watch still streaming from
     that server then ended with Cancelled ("Channel closed!"), as if its caller had cancelled it (a
     follower took that for a closed client and stopped following); now it resubscribes, from the
-    last version seen, at the server in use."""
-    primary = make_server()
-    relay = make_server(upstream=primary.address, upstream_poll_seconds=0.1)
-    with WeightClient(primary.address) as trainer, WeightClient(f"{relay.address},{primary.address}") as client:
-        trainer.publish(linear(1), model=MODEL)
-        wait_until(lambda: held(relay, MODEL) == 1, timeout=15)
-        events = client.watch(MODEL, since=0, timeout=20)
-        assert next(events).version == 1  # streaming from the relay
-        for _ in range(3):  # what three failovers of fetches (a server that stalled now and then) do
-            client._move_on(client.address, "a stall")
-        trainer.publish(linear(2), model=MODEL)
-        assert next(events).version == 2
-        events.close()
+    last version seen, at the server in use. The moves are real: the server in use stalls (SIGSTOP)
+    under a call, in turn, until the client has moved three times."""
+    primary = ServerProcess()
+    primary.start()
+    relay = ServerProcess("--upstream", primary.address, "--upstream-poll", "0.1")
+    relay.start()
+    servers = {server.address: server for server in (primary, relay)}
+    caplog.set_level(logging.WARNING, logger="weightclient")
+    try:
+        with WeightClient(primary.address) as trainer, WeightClient(f"{relay.address},{primary.address}") as client:
+            trainer.publish(linear(1), model=MODEL)
+            wait_until(lambda: held(relay.address, MODEL) == 1, timeout=15)
+            events = client.watch(MODEL, since=0, timeout=20)
+            assert next(events).version == 1  # streaming from the relay
+            while sum("moving to" in record.getMessage() for record in caplog.records) < 3:
+                with stopped(servers[client.address]), contextlib.suppress(DeadlineExceeded):
+                    client.latest(MODEL, retry=False, timeout=1.0)  # half of it on the stalled server, then the next
+            trainer.publish(linear(2), model=MODEL)
+            assert next(events).version == 2
+            events.close()
+    finally:
+        relay.kill()
+        primary.kill()
 
 
 def test_a_watching_updater_follows_on_through_the_next_address(make_server):
