@@ -261,6 +261,23 @@ def test_a_group_publish_becomes_visible_on_a_relay_all_at_once(make_server, mak
     assert_same_versions(relay, primary, "critic", [1, 2, 3])
 
 
+def test_groups_published_under_one_number_are_each_committed_on_a_relay(make_server, make_relay):
+    """Version numbers are per model, so groups of different models can share one: here 16 groups of
+    2 models, each group at v1. A relay kept its pending group commits by number alone: a follower
+    of one group's model joined another group's commit, and its v1 was never committed there (a
+    silent gap), while its partner waited 60 s and was committed alone."""
+    primary = make_server()
+    groups = [(f"a{i}", f"b{i}") for i in range(16)]  # a relay follows the a's first: they interleave
+    with WeightClient(primary.address) as trainer:
+        for a, b in groups:
+            assert trainer.publish_group({a: weights(1), b: weights(1, big=16)}) == 1
+    relay = make_relay(primary)
+    models = [model for group in groups for model in group]
+    wait_until(lambda: all(held(relay, model) == 1 for model in models), timeout=30)  # (the old wait: 60 s)
+    for model in models:
+        assert_same_versions(relay, primary, model, [1])
+
+
 def test_a_relay_keeps_serving_while_its_upstream_is_away_and_catches_up(make_relay, tmp_path):
     primary = ServerProcess("--data-dir", str(tmp_path / "primary"), "--keep", "10").start()
     try:
