@@ -102,8 +102,23 @@ def test_a_short_file_raises_and_leaves_no_read_in_flight(tmp_path, monkeypatch,
     finally:
         os.close(fd)
     assert seen == list(range(len(seen))) and len(seen) < len(blocks)
-    # The helper is free again (nothing of this read is left queued or running).
-    assert block_reader._helper_pool().submit(lambda: "idle").result(timeout=10) == "idle"
+    # The helper is free again (nothing of this read is left queued or running): it reads blocks of the next one.
+    readers: set[str] = set()
+    pread = block_reader.pread_exactly
+
+    def noted(fd: int, view: memoryview, offset: int) -> None:
+        readers.add(threading.current_thread().name)
+        time.sleep(0.001)  # leaves the helper time to claim blocks too
+        pread(fd, view, offset)
+
+    monkeypatch.setattr(block_reader, "pread_exactly", noted)
+    _, blocks = plan(len(data))
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        assert read_checked(fd, data, blocks) == list(range(len(blocks)))
+    finally:
+        os.close(fd)
+    assert any(name.startswith("weightclient-read") for name in readers) == (cpus == 2), readers
 
 
 def test_concurrent_reads_share_the_helper_and_stay_correct(tmp_path, monkeypatch):
@@ -140,14 +155,14 @@ def test_a_forked_child_reads_with_a_helper_of_its_own(tmp_path, monkeypatch):
     fd = os.open(tmp_path / "f", os.O_RDONLY)
     try:
         read_checked(fd, data, blocks)  # the parent's helper thread exists now
-        parent_pool = block_reader._helper_pool()
         pid = os.fork()
         if pid == 0:  # the child: a helper thread of its own, else the read would still be right
             code = 1
             try:
                 target, blocks = plan(len(data))
                 read_checked(fd, data, blocks)
-                fresh = block_reader._helper_pool() is not parent_pool
+                # (threads do not survive a fork: a helper thread here is the child's own)
+                fresh = any(t.name.startswith("weightclient-read") for t in threading.enumerate())
                 code = 0 if bytes(target) == data and fresh else 2
             finally:
                 os._exit(code)

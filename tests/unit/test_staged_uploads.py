@@ -1,4 +1,4 @@
-"""StagedUploads: the uploads Negotiate sets up (bulk, shared memory), at most `_max` at once."""
+"""StagedUploads: the uploads Negotiate sets up (bulk, shared memory), at most MAX_STAGED_UPLOADS at once."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import threading
 import pytest
 
 from weightserver.protocol.errors import TooManyUploads
+from weightserver.publish import staged_uploads
 from weightserver.publish.incoming import IncomingPublishes
 from weightserver.publish.receiver import IncomingModel
 from weightserver.publish.staged_uploads import StagedUploads
@@ -27,8 +28,8 @@ def test_uploads_set_up_at_once_stay_within_the_limit(monkeypatch):
         allocate(self, populate=populate)
 
     monkeypatch.setattr(IncomingModel, "allocate", slow_allocate)
+    monkeypatch.setattr(staged_uploads, "MAX_STAGED_UPLOADS", 1)
     staged = StagedUploads({}, IncomingPublishes(), None)
-    staged._max = 1
     try:
         first = threading.Thread(target=staged.create, args=("policy", 64, "bulk"))
         first.start()
