@@ -7,6 +7,7 @@ byte-level fetchers). Synchronized rounds release every worker through one barri
 from __future__ import annotations
 
 import multiprocessing
+import pickle
 import queue
 import time
 from types import TracebackType
@@ -69,16 +70,22 @@ class FetchPool:
     ) -> tuple[int, int, int, int, str]:
         """Worker `index` alone fetches once (`kwargs` added to its fetch's); returns (index, start_ns,
         end_ns, bytes, transport)."""
-        self.commands[index].put(("fetch", model, version, False, kwargs))
+        self._send(index, ("fetch", model, version, False, kwargs))
         return self._collect(1, timeout)[0]
 
     def fetch_all(
         self, model: str, version: int, timeout: float = 600.0, each: list[dict[str, Any]] | None = None
     ) -> list[tuple[int, int, int, int, str]]:
         """Every worker fetches at once (released together by the barrier); worker i adds `each[i]`."""
-        for i, commands in enumerate(self.commands):
-            commands.put(("fetch", model, version, True, each[i] if each else {}))
+        for i in range(self.count):
+            self._send(i, ("fetch", model, version, True, each[i] if each else {}))
         return self._collect(self.count, timeout)
+
+    def _send(self, index: int, command: tuple) -> None:
+        """A queue pickles in a thread of its own, where a failure is printed and the worker waits
+        forever: pickled here first, a command that cannot be sent raises in the caller."""
+        pickle.dumps(command)
+        self.commands[index].put(command)
 
     def _collect(self, count: int, timeout: float) -> list:
         collected = []

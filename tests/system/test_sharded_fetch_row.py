@@ -6,7 +6,10 @@ selection with a glob stopped pickling)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +20,13 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_four_ranks_receive_the_model_once_between_them(tmp_path):
     results = tmp_path / "sharded.json"
     command = [sys.executable, "bench/run.py", "--only", "sharded_fetch", "--sizes", "4MiB", "--repeats", "1"]
-    subprocess.run([*command, "--json", str(results), "--no-plots"], cwd=ROOT, check=True, timeout=240)
+    # A session of its own, so that on a timeout its server and rank processes go with it.
+    with subprocess.Popen([*command, "--json", str(results), "--no-plots"], cwd=ROOT, start_new_session=True) as run:
+        try:
+            assert run.wait(timeout=240) == 0
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(run.pid, signal.SIGKILL)
     rows = {row["name"]: row for row in json.loads(results.read_text())["rows"]}
     assert all(row["status"] == "ok" for row in rows.values()), rows
     volume = rows["sharded_fetch_bytes"]
