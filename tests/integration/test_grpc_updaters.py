@@ -7,11 +7,13 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 import torch
 from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
+from waiting import wait_until
 
 from weightclient import ServerUnavailable, WeightClient, tensor_parallel
 from weightclient.torchrl.grpc_updaters import (
@@ -207,6 +209,40 @@ def test_remote_updater_raises_after_retries_when_the_server_is_down(caplog):
         updater.update_weights()
     assert updater.version is None
     assert caplog.text.count("retry") == 2
+
+
+def _client_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("weightclient")}
+
+
+def test_remote_updater_close_flushes_and_closes_the_client_it_made(server):
+    """Made from an address: close() lets a background publish in flight finish, then closes the
+    client (it refuses calls; its threads end). Idempotent."""
+    before = _client_threads()
+    updater = GrpcRemoteWeightUpdater(server.address, mlp(0))
+    assert updater.update_weights() == 1
+    made = updater.client
+    in_flight = made.publish(mlp(1), model="policy", wait=False)
+    assert _client_threads() - before  # its background publisher
+    updater.close()
+    assert in_flight.done() and in_flight.result() == 2  # flushed, not dropped
+    with pytest.raises(ValueError, match="closed channel"):
+        made.publish(mlp(2), model="policy")
+    wait_until(lambda: not _client_threads() - before, what="the client's threads to end")
+    updater.close()  # again: nothing to do
+
+
+def test_remote_updater_as_a_context_manager_closes_only_a_client_it_made(server, client):
+    with GrpcRemoteWeightUpdater(client, mlp(0)) as given:
+        assert given.update_weights() == 1
+    assert client.publish(mlp(1), model="policy") == 2  # the caller's client stays open
+    given.close()
+    with GrpcRemoteWeightUpdater(server.address, mlp(0)) as made:
+        assert made.update_weights() == 3
+        its_client = made.client
+    with pytest.raises(ValueError, match="closed channel"):
+        its_client.latest("policy")
+    assert client.latest("policy").version == 3
 
 
 class FakeTrainer:

@@ -47,13 +47,54 @@ class ModelInfo:
     retained_bytes: int
 
 
+class NumberRuns:
+    """A set of version numbers held as sorted, disjoint runs [start, stop): its size grows with the
+    runs, not the numbers. Retention evicts the oldest versions, so evictions extend one run; pins
+    and deletes leave holes, each one more run."""
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._stops: list[int] = []  # sorted too: the runs are disjoint
+
+    def add(self, number: int) -> None:
+        i = bisect.bisect_right(self._starts, number)  # run i - 1 is the last that starts at or before it
+        if i and number < self._stops[i - 1]:
+            return  # held already
+        extends_before = i > 0 and self._stops[i - 1] == number
+        extends_after = i < len(self._starts) and self._starts[i] == number + 1
+        if extends_before and extends_after:  # it fills the hole between two runs: one run now
+            self._stops[i - 1] = self._stops[i]
+            del self._starts[i], self._stops[i]
+        elif extends_before:
+            self._stops[i - 1] = number + 1
+        elif extends_after:
+            self._starts[i] = number
+        else:
+            self._starts.insert(i, number)
+            self._stops.insert(i, number + 1)
+
+    def __contains__(self, number: int) -> bool:
+        i = bisect.bisect_right(self._starts, number)
+        return i > 0 and number < self._stops[i - 1]
+
+    def any_between(self, after: int, before: int) -> bool:
+        """Whether a number n with after < n < before is held."""
+        i = bisect.bisect_right(self._stops, after + 1)  # the first run holding a number above `after`
+        return i < len(self._starts) and max(self._starts[i], after + 1) < before
+
+    @property
+    def runs(self) -> list[tuple[int, int]]:
+        """The runs, [start, stop) each, in order."""
+        return list(zip(self._starts, self._stops, strict=True))
+
+
 @dataclass
 class ModelState:
     versions: dict[int, Version] = field(default_factory=dict)  # insertion order == version order
     high_water: int = 0  # highest version ever committed, retained or not
-    removed: list[int] = field(default_factory=list)  # sorted; evicted or deleted (this process)
+    removed: NumberRuns = field(default_factory=NumberRuns)  # evicted or deleted (this process)
     deleted: set[int] = field(default_factory=set)  # deleted on request (this process)
-    missed: list[int] = field(default_factory=list)  # sorted; upstream versions a relay will never hold
+    missed: NumberRuns = field(default_factory=NumberRuns)  # upstream versions a relay will never hold
     commit_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def evict(self, keep: int) -> list[Version]:
@@ -62,12 +103,12 @@ class ModelState:
         doomed = unpinned[: max(0, len(unpinned) - keep)]
         for record in doomed:
             del self.versions[record.version]
-            bisect.insort(self.removed, record.version)
+            self.removed.add(record.version)
         return doomed
 
     def gap(self, after: int, before: int) -> bool:
         """Whether a version between `after` and `before` (excluded) was removed or missed."""
-        return any(bisect.bisect_right(n, after) < bisect.bisect_left(n, before) for n in (self.removed, self.missed))
+        return self.removed.any_between(after, before) or self.missed.any_between(after, before)
 
 
 class VersionIndex:
@@ -91,7 +132,7 @@ class VersionIndex:
                 raise VersionNotFound(
                     f"model {model!r}: version {version} was deleted; retained versions: {ranges(retained)}"
                 )
-            if 0 < version <= state.high_water and (version < retained[0] or contains(state.removed, version)):
+            if 0 < version <= state.high_water and (version < retained[0] or version in state.removed):
                 raise VersionEvicted(
                     f"model {model!r}: version {version} is no longer retained; the oldest retained is {retained[0]} "
                     f"(retained versions: {ranges(retained)}); pin versions you need to keep"
@@ -143,8 +184,7 @@ class VersionIndex:
         """A relay will never hold `version` of its upstream (or up to it): watchers hear of the gap."""
         state = self._model_state(validate_model_name(model))
         with self._lock:
-            if not contains(state.missed, version):
-                bisect.insort(state.missed, version)
+            state.missed.add(version)
 
     def models(self) -> list[ModelInfo]:
         with self._lock:
@@ -166,11 +206,6 @@ class VersionIndex:
 
 def quoted(names: Sequence[str]) -> str:
     return ", ".join(repr(n) for n in names)
-
-
-def contains(sorted_numbers: list[int], number: int) -> bool:
-    i = bisect.bisect_left(sorted_numbers, number)
-    return i < len(sorted_numbers) and sorted_numbers[i] == number
 
 
 def ranges(numbers: list[int]) -> str:

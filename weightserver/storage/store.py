@@ -3,7 +3,6 @@ a version becomes visible once its bytes passed every check and, with a data dir
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import dataclasses
 import logging
@@ -179,7 +178,7 @@ class VersionStore(VersionIndex):
                 self._disk.delete_files(record, state.high_water)
             with self._lock:
                 del state.versions[version]
-                bisect.insort(state.removed, version)
+                state.removed.add(version)
                 if not evicted:
                     state.deleted.add(version)
         return record

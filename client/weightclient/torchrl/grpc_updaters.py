@@ -567,6 +567,18 @@ class GrpcRemoteWeightUpdater(_LazyClient, RemoteWeightUpdaterBase):
         self._building: dict[WorkerId, tuple[str, Weights]] = {}  # due workers, in `update_weights`
         self.version: int | None = None  # last version published
 
+    def close(self) -> None:
+        """Close the client if the updater made it (from an address): its background publishes
+        (`publish(..., wait=False)` on `client`) are flushed first, as `WeightClient.close` does; a
+        client passed in is the caller's and stays open. Idempotent; a later publish dials again."""
+        self._close_made_client()
+
+    def __enter__(self) -> GrpcRemoteWeightUpdater:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     def all_worker_ids(self) -> list[WorkerId]:
         return list(self.models)
 
