@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import grpc
@@ -317,3 +318,71 @@ def test_stopping_the_server_ends_open_watches_with_unavailable_and_logs_no_erro
         assert "shutting down" in raised.value.details()
     channel.close()
     assert [r.getMessage() for r in caplog.records if r.levelno >= 40] == []
+
+
+def watch_in_a_thread(events: Iterator[VersionEvent]) -> tuple[threading.Thread, queue.Queue]:
+    """Steps `events` in a thread; each event, then "ended" (or the error that ended it), goes to the queue."""
+    seen: queue.Queue = queue.Queue()
+
+    def run() -> None:
+        try:
+            for event in events:
+                seen.put(event)
+            seen.put("ended")
+        except BaseException as exc:
+            seen.put(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, seen
+
+
+def test_cancel_from_another_thread_ends_a_watch_at_once_and_quietly(
+    server, client, other_client, subscriptions, caplog
+) -> None:
+    """`cancel()` ends a Watch blocked in another thread at once: its iterator ends (no error, no
+    "resubscribing"), the server drops its subscription and the client stays usable. Before, a
+    watch could be ended only by `close()` from the thread stepping it (ValueError from any other:
+    "generator already executing") or by closing its client; a stopped follower kept its stream
+    until the call's deadline."""
+    caplog.set_level("INFO", logger="weightclient")
+    client.publish(weights(1), model=MODEL)
+    events = other_client.watch(MODEL, since=0, timeout=WATCH_DEADLINE)
+    thread, seen = watch_in_a_thread(events)
+    assert seen.get(timeout=WAIT).version == 1
+    subscriptions.wait_for(lambda s: s.active == 1)  # and the thread waits for v2
+
+    events.cancel()
+    thread.join(1.0)
+    assert not thread.is_alive()
+    assert seen.get_nowait() == "ended"
+    subscriptions.wait_for(lambda s: s.active == 0, timeout=1.0)
+    events.cancel()  # again: nothing more
+    assert [r.getMessage() for r in caplog.records if "watch of" in r.getMessage()] == []
+    assert other_client.latest(MODEL).version == 1  # its client is still open
+
+    cancelled = other_client.watch(MODEL, since=0, timeout=WATCH_DEADLINE)
+    cancelled.cancel()  # before its first step: it never subscribes
+    assert list(cancelled) == []
+    assert subscriptions.total == 1
+
+
+def test_cancel_ends_a_watch_waiting_to_resubscribe(make_server, caplog) -> None:
+    """A watch whose server went away waits between attempts to resubscribe; `cancel()` ends that
+    wait too, at once."""
+    server = make_server()
+    caplog.set_level("WARNING", logger="weightclient")
+    with WeightClient(server.address, retry_seconds=60) as client:
+        client.publish(weights(1), model=MODEL)
+        events = client.watch(MODEL, since=0)
+        thread, seen = watch_in_a_thread(events)
+        assert seen.get(timeout=WAIT).version == 1
+        server.stop(grace=0)
+        waited = time.monotonic() + WAIT
+        while not any("resubscribing" in r.getMessage() for r in caplog.records) and time.monotonic() < waited:
+            time.sleep(0.05)
+        time.sleep(0.5)  # well into its attempts
+        events.cancel()
+        thread.join(1.0)
+        assert not thread.is_alive()
+        assert seen.get_nowait() == "ended"

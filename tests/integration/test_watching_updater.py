@@ -176,3 +176,31 @@ def test_close_closes_the_client_the_updater_made_and_ends_its_watch(server, cli
     passed()
     passed.close()
     assert passed.version == 1 and client.latest(model).version == 1  # still open
+
+
+def test_close_ends_the_watch_of_a_client_passed_in_at_once(make_server):
+    """close() on an updater given a client (which stays open, the caller's) cancels its Watch call:
+    within a second its follower's threads are gone and the server no longer counts the watcher.
+    Before, stop() only set a flag the follower read between events: its thread and stream lived
+    on until the call's 30 s renewal (and logged "resubscribing" if the server stopped meanwhile)."""
+    server = make_server(metrics_port=0)
+    model = "passed-in"
+
+    def watchers() -> float | None:
+        return server.metrics.registry.get_sample_value("weightserver_active_watchers", {"model": model})
+
+    before = set(threading.enumerate())
+
+    def followers() -> list[str]:
+        prefixes = ("weightclient-follow-", "weightclient-cut-through")
+        return [t.name for t in set(threading.enumerate()) - before if t.name.startswith(prefixes)]
+
+    with WeightClient(server.address) as client:
+        client.publish(make_policy(1), model=model)
+        updater = GrpcLocalWeightUpdater(client, model=model, policy=make_policy(0), watch=True)
+        updater()
+        wait_until(lambda: (updater(), updater.following)[1])
+        assert watchers() == 1 and followers()
+        updater.close()
+        wait_until(lambda: not followers() and watchers() == 0, timeout=2)
+        assert client.latest(model).version == 1  # the caller's client is still open

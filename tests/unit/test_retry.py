@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -36,6 +37,14 @@ def test_a_wake_ends_an_async_wait():
         return time.monotonic() - started
 
     assert asyncio.run(woken()) < 1.0
+
+
+def test_a_wake_ends_a_wait():
+    wake = threading.Event()
+    threading.Timer(0.05, wake.set).start()
+    started = time.monotonic()
+    assert RetryPolicy(first=5.0, longest=5.0, jitter=0.0).wait(0, NEVER, wake=wake)
+    assert time.monotonic() - started < 1.0
 
 
 def test_jitter_leaves_the_global_random_sequence_alone():

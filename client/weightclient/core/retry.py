@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import threading
 import time
 from dataclasses import dataclass
 
@@ -56,11 +57,14 @@ class RetryPolicy:
         delay, left = self.delay(attempt), deadline.remaining()
         return None if left is not None and delay >= left else delay
 
-    def wait(self, attempt: int, deadline: Deadline = NEVER) -> bool:
-        """Sleep before retry `attempt`; False if the deadline would pass first."""
+    def wait(self, attempt: int, deadline: Deadline = NEVER, wake: threading.Event | None = None) -> bool:
+        """Sleep before retry `attempt` (until `wake` is set, if sooner); False if the deadline would pass first."""
         delay = self._delay_within(attempt, deadline)
         if delay is not None:
-            time.sleep(delay)
+            if wake is not None:
+                wake.wait(delay)
+            else:
+                time.sleep(delay)
         return delay is not None
 
     async def wait_async(self, attempt: int, deadline: Deadline = NEVER, wake: asyncio.Event | None = None) -> bool:

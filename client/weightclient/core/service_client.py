@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from weightclient.core.failover import default_address, map_rpc_errors
 from weightclient.core.fetch import FetchedBytes, Fetching, FetchStats
@@ -15,7 +17,55 @@ from weightserver.v1 import weights_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FetchStats", "FetchedBytes", "WeightServiceClient", "default_address"]
+__all__ = ["FetchStats", "FetchedBytes", "WatchStream", "WeightServiceClient", "default_address"]
+
+WatchEvent = VersionEvent | IncomingEvent
+
+
+class _Cancellation:
+    """A watch's cancel: `requested`, and the gRPC call under way cancelled (from any thread)."""
+
+    def __init__(self) -> None:
+        self.requested = threading.Event()
+        self._lock = threading.Lock()
+        self._call: Any = None
+
+    def cancel(self) -> None:
+        with self._lock:
+            self.requested.set()
+            call = self._call
+        if call is not None:
+            call.cancel()
+
+    def calling(self, call: Any) -> None:
+        """`call` is the one under way now (cancelled at once if the watch was)."""
+        with self._lock:
+            self._call = call
+        if self.requested.is_set():
+            call.cancel()
+
+
+class WatchStream(Iterator[WatchEvent]):
+    """What `watch` returns: its events, in order. `cancel()`, from any thread, ends it at once and
+    quietly (the iterator just ends: no error, no resubscription); `close()`, like a generator's,
+    only from the thread that steps it."""
+
+    def __init__(self, events: Callable[[_Cancellation], Iterator[WatchEvent]]) -> None:
+        self._cancellation = _Cancellation()
+        self._events = events(self._cancellation)  # (holds the cancellation, not this: dropping this ends it)
+
+    def __next__(self) -> WatchEvent:
+        return next(self._events)
+
+    def close(self) -> None:
+        self._events.close()  # type: ignore[attr-defined]
+
+    def cancel(self) -> None:
+        self._cancellation.cancel()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancellation.requested.is_set()
 
 
 class WeightServiceClient(Publishing, Fetching):
@@ -54,20 +104,38 @@ class WeightServiceClient(Publishing, Fetching):
         timeout: float | None = None,
         incoming: bool = False,
         on_subscribed: Callable[[dict[str, str]], None] | None = None,
-    ) -> Iterator[VersionEvent | IncomingEvent]:
+    ) -> WatchStream:
         """An event per version committed after `since`; `incoming`: an `IncomingEvent` per publish too.
         `on_subscribed(metadata)`: each subscription's initial metadata (a relay names its primary).
         A server that goes away is resubscribed to from the last version seen, and so is the server in use
-        once the client has moved on from this one and closed its channel."""
+        once the client has moved on from this one and closed its channel. The `WatchStream`'s `cancel()`
+        ends it from any thread, at once."""
+        return WatchStream(
+            lambda cancellation: self._watch(
+                cancellation, model, since, timeout, incoming=incoming, on_subscribed=on_subscribed
+            )
+        )
+
+    def _watch(
+        self,
+        cancellation: _Cancellation,
+        model: str,
+        since: int,
+        timeout: float | None,
+        *,
+        incoming: bool,
+        on_subscribed: Callable[[dict[str, str]], None] | None,
+    ) -> Iterator[WatchEvent]:
         if since < 0:
             raise InvalidRequest(f"since must be >= 0 (a version number, 0 for all retained), got {since}")
         deadline = Deadline.after(timeout)
         cursor, failures, outage = since, 0, Deadline()
-        while True:
+        while not cancellation.requested.is_set():
             request = pb.WatchRequest(model=model, since=cursor, incoming=incoming)
             link = self._link  # the server this stream goes to: the one to move on from
             address = link.address
             stream = link.stub.Watch(request, timeout=deadline.remaining(), metadata=self._metadata)
+            cancellation.calling(stream)
             try:
                 with map_rpc_errors(address):
                     if on_subscribed is not None:
@@ -85,18 +153,23 @@ class WeightServiceClient(Publishing, Fetching):
                             yield IncomingEvent(model, announced.id, announced.byte_size, failed=announced.failed)
                 return
             except Cancelled:
+                if cancellation.requested.is_set():
+                    return
                 if link is self._link:
                     raise  # by the caller, or the client was closed
                 # A link the client moved on from (a fetch's failover) is closed after RETIRED_LINKS more moves.
                 log.info("watch of %r at %s ended with its link; resubscribing at %s", model, address, self.address)
             except ServerUnavailable as exc:
+                if cancellation.requested.is_set():
+                    return
                 if failures == 0:
                     outage = deadline if deadline.at is not None else Deadline.after(self.retry_seconds)
                     log.warning("watch of %r at %s interrupted after v%d; resubscribing", model, address, cursor)
                 if outage.expired():
                     raise
-                if not (self._move_on(address, exc) and failures == 0) and not self.retry.wait(failures, outage):
-                    raise
+                moved = self._move_on(address, exc) and failures == 0
+                if not moved and not self.retry.wait(failures, outage, wake=cancellation.requested):
+                    raise  # (the wait ends once the watch is cancelled: the loop then ends)
                 failures += 1
             finally:
                 stream.cancel()

@@ -13,14 +13,14 @@ from dataclasses import replace
 
 import xxhash
 
-from weightclient.core.service_client import FetchedBytes, WeightServiceClient
+from weightclient.core.service_client import FetchedBytes, WatchStream, WeightServiceClient
 from weightclient.transports.base import receive_buffer
 from weightserver.protocol.errors import Cancelled, DeadlineExceeded, WeightServerError
 from weightserver.protocol.version_info import IncomingEvent, VersionEvent
 
 log = logging.getLogger(__name__)
 
-RENEW_SECONDS = 30.0  # each Watch call ends after this and is renewed: a stopped follower exits then
+RENEW_SECONDS = 30.0  # each Watch call ends after this and is renewed (stop() cancels the one under way)
 RETRY_SECONDS = 1.0  # after a stream failed for good (the client's retry window ran out)
 MAX_RECEIVING = 2  # publishes received at once; an announcement beyond waits its turn
 HASH_STRETCH = 1 << 20  # received bytes are hashed once this many more are in
@@ -139,6 +139,7 @@ class VersionFollower:
         self._heard = 0.0  # time.monotonic() of the stream's last event
         self._lock = threading.Lock()
         self._stopped = threading.Event()
+        self._watch: WatchStream | None = None  # the Watch under way: stop() cancels it
         self._pid = os.getpid()
         self._thread = threading.Thread(target=self._run, name=f"weightclient-follow-{model}", daemon=True)
         self._thread.start()
@@ -179,7 +180,12 @@ class VersionFollower:
         return os.getpid() == self._pid and self._thread.is_alive() and not self._stopped.is_set()
 
     def stop(self) -> None:
+        """End the Watch thread now: its call is cancelled, the server's stream with it."""
         self._stopped.set()
+        with self._lock:
+            watch = self._watch
+        if watch is not None:
+            watch.cancel()
         if self._cut_through is not None:
             self._cut_through.close()
 
@@ -197,11 +203,16 @@ class VersionFollower:
     def _run(self) -> None:
         while not self._stopped.is_set():
             cut_through = self._cut_through
+            # From just before the cursor: the server replays its version, marking the stream open.
+            watch = self._client.watch(
+                self._model, since=max(0, self._cursor - 1), timeout=RENEW_SECONDS, incoming=cut_through is not None
+            )
+            with self._lock:
+                self._watch = watch
+            if self._stopped.is_set():  # stop() came before it was there to cancel
+                watch.cancel()
             try:
-                # From just before the cursor: the server replays its version, marking the stream open.
-                for event in self._client.watch(
-                    self._model, since=max(0, self._cursor - 1), timeout=RENEW_SECONDS, incoming=cut_through is not None
-                ):
+                for event in watch:
                     self._heard = time.monotonic()
                     if isinstance(event, IncomingEvent):
                         cut_through.incoming(event)  # type: ignore[union-attr]
