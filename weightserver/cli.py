@@ -21,8 +21,8 @@ from weightserver import __version__
 from weightserver.config import ServerConfig
 from weightserver.logs import LOG_FORMATS, LOG_LEVELS, configure_logging
 from weightserver.protocol.digests import sha256_hex
-from weightserver.protocol.errors import ModelNotFound, WeightServerError
-from weightserver.protocol.limits import MiB
+from weightserver.protocol.errors import InvalidRequest, ModelNotFound, WeightServerError
+from weightserver.protocol.limits import MiB, version_number
 from weightserver.protocol.version_info import VersionInfo
 
 if TYPE_CHECKING:
@@ -59,14 +59,12 @@ def _model_list(text: str) -> tuple[str, ...]:
 
 
 def _version_number(text: str) -> int:
-    """A --version: a whole number a version field holds (0-2^64-1; the server says which it takes)."""
+    """A --version or --since: a whole number a version field holds (the server says which it takes)."""
     try:
-        number = int(text)
-    except ValueError:
-        number = -1
-    if not 0 <= number < 2**64:
-        raise argparse.ArgumentTypeError(f"invalid version {text!r}: a version number is a whole number, not negative")
-    return number
+        return version_number(int(text), "it")
+    except (ValueError, InvalidRequest) as exc:
+        why = exc if isinstance(exc, InvalidRequest) else "it must be a whole number"
+        raise argparse.ArgumentTypeError(f"invalid version {text!r}: {why}") from None
 
 
 def _parse_meta(text: str) -> tuple[str, str]:
@@ -192,7 +190,9 @@ def _add_client_commands(commands: argparse._SubParsersAction[argparse.ArgumentP
     ls.add_argument("--json", action="store_true", help="print JSON")
 
     watch = command("watch", "print a line for every new version of a model until interrupted", cmd_watch)
-    watch.add_argument("--since", type=int, help="last version you know; later ones come first (default: latest)")
+    watch.add_argument(
+        "--since", type=_version_number, help="last version you know; later ones come first (default: latest)"
+    )
     watch.add_argument("--json", action="store_true", help="print one JSON object per version")
 
     version(command("delete", "delete one version", cmd_delete), "version to delete", required=True)

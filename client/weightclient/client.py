@@ -12,10 +12,12 @@ from tensordict import TensorDict
 
 from weightclient import tensors as tensor_codec
 from weightclient.core.background import BackgroundPublisher, PublishFuture
+from weightclient.core.publish import publish_version
 from weightclient.core.retry import Deadline
 from weightclient.core.service_client import FetchedBytes, WeightServiceClient
 from weightserver.protocol.digests import xxh3_hex
 from weightserver.protocol.errors import IntegrityError, InvalidRequest, NotFoundError
+from weightserver.protocol.limits import version_number
 from weightserver.protocol.safetensors_format import parse_header
 from weightserver.protocol.selection import Selection
 from weightserver.protocol.version_info import TensorInfo, VersionInfo
@@ -104,6 +106,7 @@ class WeightClient(WeightServiceClient):
     ) -> int | PublishFuture:
         """Publish several models (``{"policy": actor, "critic": critic}``) under ONE version."""
         if not wait:
+            publish_version(options.get("version", 0))  # here, not in the future it returns
             publisher = self._publishers.setdefault(
                 frozenset(weights),
                 BackgroundPublisher(lambda data, **o: self.publish_group_bytes(data, **o)[0].version),
@@ -150,7 +153,10 @@ class WeightClient(WeightServiceClient):
             )
         deadline = deadline or self._deadline(timeout)  # a refetch gets what is left of it
         base_info = base.info if isinstance(base, FetchResult) else base if isinstance(base, VersionInfo) else None
-        base_version = base_info.version if base_info is not None else int(base or 0)
+        if base_info is None:
+            base_version = version_number(base or 0, "base", meaning="0 or None: none; or a FetchResult or VersionInfo")
+        else:
+            base_version = base_info.version
         targets: dict[str, torch.Tensor] = {}
 
         def views_for(info: VersionInfo) -> dict[str, memoryview] | None:
@@ -206,10 +212,15 @@ class WeightClient(WeightServiceClient):
 
     def watch_weights(self, model: str = "policy", *, since: int = 0) -> Iterator[FetchResult]:
         """Each version committed after `since`, fetched; each fetch runs as long as its bytes keep coming."""
-        for event in self.watch(model, since=since):
-            try:
-                result = self.fetch(model, version=event.version, stall=self.timeout or 0.0)
-            except NotFoundError:
-                continue
-            if result is not None:
-                yield result
+        events = self.watch(model, since=version_number(since, "since", meaning="0: every retained version"))
+
+        def fetched() -> Iterator[FetchResult]:
+            for event in events:
+                try:
+                    result = self.fetch(model, version=event.version, stall=self.timeout or 0.0)
+                except NotFoundError:
+                    continue
+                if result is not None:
+                    yield result
+
+        return fetched()

@@ -238,3 +238,13 @@ def test_a_version_no_version_field_holds_is_a_usage_error_naming_the_option(com
     result = _cli(*command, "--model", "policy", "--version", "-1", "--server", "127.0.0.1:1")
     assert result.returncode == 2, result.stderr
     assert "argument --version: invalid version '-1'" in result.stderr
+
+
+@pytest.mark.parametrize("value", ["-1", str(2**64)])
+def test_a_watch_since_no_version_field_holds_is_a_usage_error_naming_the_option(value):
+    """`watch --since` takes what a version field holds, as --version does, with the range named.
+    Before, it was any int: 2**64 reached the client and protobuf's ValueError came back."""
+    result = _cli("watch", "--model", "policy", "--since", value, "--server", "127.0.0.1:1")
+    assert result.returncode == 2, result.stderr
+    assert f"argument --since: invalid version '{value}'" in result.stderr
+    assert "from 0 to 2**64-1" in result.stderr

@@ -22,6 +22,7 @@ from waiting import wait_until
 from weightclient import LLAMA_PLAN, InvalidRequest, WeightClient, tensor_parallel
 from weightclient.torchrl.grpc_updaters import GrpcLocalWeightUpdater
 from weightclient.torchrl.key_mapping import KeyMap
+from weightserver.protocol.limits import MAX_SELECTION_RULES
 from weightserver.protocol.selection import Selection, TensorRule
 from weightserver.v1 import weights_pb2 as pb
 from weightserver.v1 import weights_pb2_grpc as pb_grpc
@@ -192,6 +193,36 @@ def test_a_bad_selection_is_invalid_argument_naming_it_and_nothing_is_sent(serve
     with pytest.raises(InvalidRequest, match="select: "):
         client.fetch(MODEL, select=BAD[case][0] if case in BAD else Selection.from_message(select))
     assert client.fetch(MODEL, version=1, select="*.norm.weight").info.tensors  # still serving
+
+
+@pytest.mark.parametrize("count", [MAX_SELECTION_RULES + 1, 200_000])
+@pytest.mark.parametrize("rpc", ["Fetch", "Negotiate"])
+def test_a_selection_over_the_rule_limit_is_invalid_argument_and_the_server_keeps_serving(
+    server, client, other_client, rpc, count
+):
+    """More than MAX_SELECTION_RULES rules (a request of 200,000 is about 5 MB, under the 8 MiB limit)
+    are INVALID_ARGUMENT naming the count and the limit, nothing sent; the client refuses them
+    before any call. Before, the server took any number and matched every rule against every
+    tensor name on its event loop, stalling every other client meanwhile."""
+    client.publish(llama(), model=MODEL)
+    names = [f"model.layers.{i}.w" for i in range(count)]
+    request = pb.FetchRequest(model=MODEL, select=pb.Selection(rules=[pb.TensorRule(name=n) for n in names]))
+    channel, received = grpc.insecure_channel(server.address), []
+    stub = pb_grpc.WeightServiceStub(channel)
+    with channel, pytest.raises(grpc.RpcError) as error:
+        if rpc == "Fetch":
+            received.extend(stub.Fetch(request, timeout=30))
+        else:
+            accept = [pb.TRANSPORT_BULK]
+            stub.Negotiate(pb.NegotiateRequest(direction=pb.DIRECTION_FETCH, accept=accept, fetch=request), timeout=30)
+    assert received == []
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"select: {count} rules, over the limit of {MAX_SELECTION_RULES}" in error.value.details()
+    with WeightClient("127.0.0.1:1") as nowhere, pytest.raises(InvalidRequest, match=f"{count} rules, over the limit"):
+        nowhere.fetch(MODEL, select=names)  # refused before any call: no server is asked
+    with pytest.raises(InvalidRequest, match=f"{count} rules, over the limit"):
+        client.fetch(MODEL, select=names)
+    assert other_client.fetch(MODEL, version=1, select="*.norm.weight", timeout=30).info.tensors  # still serving
 
 
 def shard_policy(rank: int, world: int, full: dict[str, torch.Tensor]) -> TensorDict:

@@ -8,12 +8,14 @@ import itertools
 import pickle
 import re
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from weightclient import tensors as tensor_codec
 from weightserver.protocol.errors import InvalidRequest
+from weightserver.protocol.limits import MAX_SELECTION_RULES
 from weightserver.protocol.safetensors_format import TensorEntry, parse_header
 from weightserver.protocol.selection import LLAMA_PLAN, Selection, TensorRule, shard_bounds, tensor_parallel
 from weightserver.storage.payloads import PayloadCache, select_file
@@ -139,6 +141,33 @@ def test_a_negative_dim_or_index_is_refused_as_a_request_naming_it(settings, mes
     ("Value out of range: -1"), naming neither the rule nor what to change."""
     with pytest.raises(InvalidRequest, match=f"rule glob 'w'.*{message}.*count from 0"):
         Selection((TensorRule("w", **settings),)).message()
+
+
+def test_a_selection_holds_at_most_max_selection_rules_here_and_on_the_wire():
+    """A selection of more than MAX_SELECTION_RULES (1,024) rules is refused, naming the count and
+    the limit: built here (a client's, before anything is sent) and read off the wire (the server's,
+    before a rule is built or matched). Before, any number was taken, and the server matched every
+    rule against every tensor name on its event loop: one request of 8 MiB of rules stalled it."""
+    assert MAX_SELECTION_RULES == 1024
+    names = [f"t{i}" for i in range(MAX_SELECTION_RULES + 1)]
+    most = Selection.of(names[:-1])
+    assert Selection.from_message(most.message()) == most  # the limit itself is taken
+    refusal = f"select: {MAX_SELECTION_RULES + 1} rules, over the limit of {MAX_SELECTION_RULES}"
+    with pytest.raises(InvalidRequest, match=refusal):
+        Selection.of(names)
+    with pytest.raises(InvalidRequest, match=refusal):
+        Selection(tuple(TensorRule(name, "name") for name in names), rest=True)
+    with pytest.raises(InvalidRequest, match=refusal):
+        Selection.from_message(pb.Selection(rules=[pb.TensorRule(name=name) for name in names]))
+    huge = pb.Selection(rules=[pb.TensorRule(name=f"t{i}") for i in range(200_000)])
+    with pytest.raises(InvalidRequest, match="select: 200000 rules, over the limit"):
+        Selection.from_message(huge)
+
+
+def test_the_proto_documents_the_selection_rule_limit():
+    proto = (Path(__file__).parents[2] / "protos/weightserver/v1/weights.proto").read_text()
+    comment = proto.split("message Selection {", 1)[1].split("repeated TensorRule rules", 1)[0]
+    assert f"At most {MAX_SELECTION_RULES:,} of them" in comment
 
 
 def test_an_empty_selection_selects_nothing_and_is_refused():

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import operator
+
+from weightserver.protocol.errors import InvalidRequest, clipped_repr
+
 KiB = 1024
 MiB = 1024 * KiB
 GiB = 1024 * MiB
@@ -32,3 +36,24 @@ MAX_DESCRIPTIONS_PER_REPLY = CLIENT_MESSAGE_BYTES - 64 * KiB
 # bytes per tensor; the header's JSON at most about twice that, plus the file's __metadata__.
 PUBLISH_MAX_TENSORS = MAX_DESCRIPTION_BYTES // 43
 PUBLISH_MAX_HEADER_BYTES = 4 * MAX_DESCRIPTION_BYTES
+# The rules of one selection (FetchRequest.select). The server matches every rule against every
+# tensor name on its event loop, so a list of hundreds of thousands (an 8 MiB message holds them)
+# stalled it; a tensor-parallel plan has a handful (LLAMA_PLAN: 9), and globs or prefixes cover the
+# rest. Over the limit: INVALID_ARGUMENT before anything is matched or sent, and refused client-side.
+MAX_SELECTION_RULES = 1024
+# A version number's field on the wire (uint64). The server hands out at most 2^63-1 and says so;
+# a number no field holds is refused before any call, naming its argument (not protobuf's ValueError).
+MAX_VERSION_FIELD = 2**64 - 1
+
+
+def version_number(value: object, name: str, *, least: int = 0, meaning: str = "") -> int:
+    """`value` if a version field holds it (a whole number from `least` to 2**64-1); else
+    InvalidRequest naming `name`, the range, and `meaning` (what 0 stands for, say "0: the latest")."""
+    try:
+        number = operator.index(value)  # type: ignore[call-overload]
+    except TypeError:
+        number = None
+    if number is None or isinstance(value, bool) or not least <= number <= MAX_VERSION_FIELD:
+        said = f" ({meaning})" if meaning else ""
+        raise InvalidRequest(f"{name} must be a whole number from {least} to 2**64-1{said}, got {clipped_repr(value)}")
+    return number

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from weightserver.protocol.digests import xxh3_hex
 from weightserver.protocol.errors import InvalidRequest, clipped_repr
+from weightserver.protocol.limits import MAX_SELECTION_RULES
 from weightserver.protocol.safetensors_format import TensorEntry
 from weightserver.v1 import weights_pb2 as pb
 
@@ -160,10 +161,14 @@ class Resolved:
 
 @dataclass(frozen=True)
 class Selection:
-    """The part of a version to fetch: the tensors `rules` match, and with `rest` every other one whole."""
+    """The part of a version to fetch: the tensors `rules` match, and with `rest` every other one whole.
+    At most MAX_SELECTION_RULES (1,024) rules: more are InvalidRequest, here and on the server."""
 
     rules: tuple[TensorRule, ...] = ()
     rest: bool = False
+
+    def __post_init__(self) -> None:
+        _check_rule_count(len(self.rules))
 
     @classmethod
     def of(cls, select: Selection | str | Iterable[str]) -> Selection:
@@ -171,6 +176,7 @@ class Selection:
         if isinstance(select, Selection):
             return select
         patterns = [select] if isinstance(select, str) else list(select)
+        _check_rule_count(len(patterns))  # before a glob is compiled
         return cls(tuple(TensorRule(pattern) for pattern in patterns))
 
     def message(self) -> pb.Selection:
@@ -178,6 +184,7 @@ class Selection:
 
     @classmethod
     def from_message(cls, message: pb.Selection) -> Selection:
+        _check_rule_count(len(message.rules))  # before a rule is built
         return cls(tuple(TensorRule.from_message(rule) for rule in message.rules), message.rest)
 
     def resolve(self, tensors: Sequence[TensorEntry]) -> Resolved:
@@ -206,6 +213,14 @@ class Selection:
         whole = len(cuts) == len(tensors) and not any(cuts.values())
         canonical = json.dumps([[name, *(cut or ())] for name, cut in cuts.items()], separators=(",", ":"))
         return Resolved(cuts, "" if whole else xxh3_hex(canonical.encode()))
+
+
+def _check_rule_count(count: int) -> None:
+    if count > MAX_SELECTION_RULES:
+        raise InvalidRequest(
+            f"select: {count} rules, over the limit of {MAX_SELECTION_RULES} rules a selection may have "
+            "(match many tensors with one glob or prefix rule, or with `rest`)"
+        )
 
 
 def tensor_parallel(rank: int, world: int, plan: Mapping[str, int | None], *, rest: bool = True) -> Selection:

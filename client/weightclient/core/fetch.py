@@ -20,6 +20,7 @@ from weightclient.transports import PayloadGone, TransportFailed
 from weightclient.transports.base import Offer, Progress
 from weightserver.protocol import deltas
 from weightserver.protocol.errors import DeadlineExceeded, IntegrityError, InvalidRequest, PublishAborted
+from weightserver.protocol.limits import version_number
 from weightserver.protocol.safetensors_format import parse_header
 from weightserver.protocol.selection import Selection
 from weightserver.protocol.version_info import IncomingEvent, VersionInfo
@@ -93,8 +94,13 @@ class Fetching(Connection):
         size, digest and tensors) under the version's number, and a delta is against the same selection of the base.
         `stall`: the deadline bounds finding the version and starting its transfer; the transfer then runs while its
         bytes keep coming, each wait for them at most `stall` seconds (a large version over a slow link lands)."""
-        if (version is not None and newer_than is not None) or (version or 1) < 1 or (newer_than or 0) < 0:
-            raise InvalidRequest(f"give version >= 1 or newer_than >= 0, not {version=}, {newer_than=}")
+        if version is not None and newer_than is not None:
+            raise InvalidRequest(f"give version or newer_than, not both: {version=}, {newer_than=}")
+        if version is not None:
+            version = version_number(version, "version", least=1, meaning="leave it unset for the latest")
+        if newer_than is not None:
+            newer_than = version_number(newer_than, "newer_than", meaning="0: any version")
+        base_version = version_number(base_version, "base_version", meaning="0: none, the whole version")
         request = pb.FetchRequest(model=model, version=version, newer_than=newer_than, chunk_size=self.chunk_bytes)
         request.base_version, request.dtype = base_version, dtype  # (a None above leaves its field unset)
         if select is not None:

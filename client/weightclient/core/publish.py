@@ -18,6 +18,7 @@ from weightclient.transports import OutgoingFile, Transport, TransportFailed
 from weightclient.transports.base import Progress
 from weightserver.protocol.digests import xxh3_hex
 from weightserver.protocol.errors import InvalidRequest, UploadNotFound
+from weightserver.protocol.limits import version_number
 from weightserver.protocol.version_info import VersionInfo
 from weightserver.v1 import weights_pb2 as pb
 
@@ -27,6 +28,11 @@ Buffer = bytes | bytearray | memoryview
 SPARE_NEGOTIATE_SECONDS = 10.0  # a spare upload's Negotiate, in the background
 SPARE_SECONDS = 45.0  # under the server's 60 s for an upload nobody named
 MAX_SPARE_BYTES = 2 << 30  # above, a spare held in the server's memory costs more (4 GiB ran 24 GiB out)
+
+
+def publish_version(version: object) -> int:
+    """A publish's requested `version`, refused before any call unless a version field holds it."""
+    return version_number(version, "version", meaning="0: the next one; the server takes at most 2**63-1")
 
 
 @dataclass(frozen=True)
@@ -161,6 +167,7 @@ class Publishing(Connection):
         `publish_id` (default: a new one; "" sends none) once: a retry gets the first's version."""
         if not files:
             raise InvalidRequest("publish needs at least one model")
+        version = publish_version(version)
         publish_id = uuid.uuid4().hex if publish_id is None else publish_id
         meta = {str(k): str(v) for k, v in (metadata or {}).items()}
         outgoing = []

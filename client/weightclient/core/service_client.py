@@ -12,6 +12,7 @@ from weightclient.core.fetch import FetchedBytes, Fetching, FetchStats
 from weightclient.core.publish import Publishing
 from weightclient.core.retry import Deadline
 from weightserver.protocol.errors import Cancelled, InvalidRequest, ServerUnavailable
+from weightserver.protocol.limits import version_number
 from weightserver.protocol.version_info import IncomingEvent, ModelSummary, VersionEvent, VersionInfo
 from weightserver.v1 import weights_pb2 as pb
 
@@ -77,7 +78,8 @@ class WeightServiceClient(Publishing, Fetching):
 
     def describe(self, model: str, version: int = 0) -> VersionInfo:
         """`version` of `model` (0: the latest)."""
-        return VersionInfo.from_proto(self._call("Describe", pb.DescribeRequest(model=model, version=version)))
+        request = pb.DescribeRequest(model=model, version=version_number(version, "version", meaning="0: the latest"))
+        return VersionInfo.from_proto(self._call("Describe", request))
 
     def list_models(self) -> list[ModelSummary]:
         return [ModelSummary.from_proto(m) for m in self._call("ListModels", pb.ListModelsRequest()).models]
@@ -88,12 +90,13 @@ class WeightServiceClient(Publishing, Fetching):
         return [VersionInfo.from_proto(v) for v in reply.versions]
 
     def delete(self, model: str, version: int) -> VersionInfo:
-        reply = self._call("DeleteVersion", pb.DeleteVersionRequest(model=model, version=version), change=True)
+        request = pb.DeleteVersionRequest(model=model, version=version_number(version, "version"))
+        reply = self._call("DeleteVersion", request, change=True)
         return VersionInfo.from_proto(reply.deleted)
 
     def pin(self, model: str, version: int, pinned: bool = True) -> VersionInfo:
         """Pin (keep beyond --keep) or unpin a version."""
-        request = pb.PinVersionRequest(model=model, version=version, pinned=pinned)
+        request = pb.PinVersionRequest(model=model, version=version_number(version, "version"), pinned=pinned)
         return VersionInfo.from_proto(self._call("PinVersion", request, change=True))
 
     def watch(
