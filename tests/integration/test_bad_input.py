@@ -541,10 +541,10 @@ def test_bogus_watch_cursors(server, client, other_client, stub, good) -> None:
     live.close()
     assert received == [3]
 
-    # The cursor is a uint64: a negative one is refused by the client, naming the argument, the
-    # way fetch(newer_than=-1) is ("newer_than must be >= 0, got -1").
+    # The cursor is a uint64: a negative one is refused by the client at the call, naming the
+    # argument, the way fetch(newer_than=-1) is (test_version_arguments.py: every such argument).
     with pytest.raises(InvalidRequest, match=r"since.*-1"):
-        next(iter(client.watch(MODEL, since=-1, timeout=WAIT)))
+        client.watch(MODEL, since=-1, timeout=WAIT)
 
 
 # ---------------------------------------------------------------------- racing publishers

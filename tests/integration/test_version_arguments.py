@@ -2,8 +2,8 @@
 method that takes one, is InvalidRequest naming the argument and the range 0..2**64-1 (what 0
 means where it means something), raised by the call itself before anything is sent. Before, building
 the request raised protobuf's bare ValueError ("Value out of range: -1"), not a WeightServerError;
-a negative `version` got a message without the range, and `watch_weights` and `publish(wait=False)`
-raised nothing at the call. The server answers the next call as before: nothing was published,
+a negative `version` got a message without the range, and `watch`, `watch_weights` and
+`publish(wait=False)` raised nothing at the call. The server answers the next call as before: nothing was published,
 deleted or pinned."""
 
 from __future__ import annotations
@@ -37,8 +37,11 @@ CALLS = {
     "publish_group": ("version", 0, lambda c, v: c.publish_group({MODEL: WEIGHTS}, version=v)),
     "publish_bytes": ("version", 0, lambda c, v: c.publish_bytes(MODEL, tensor_codec.encode(WEIGHTS), version=v)),
     "watch_weights": ("since", 0, lambda c, v: c.watch_weights(MODEL, since=v)),
+    "watch": ("since", 0, lambda c, v: c.watch(MODEL, since=v)),
 }
-MEANING = {"describe": "0: the latest", "fetch newer_than": "0: any version", "watch_weights": "0: every retained"}
+EVERY_RETAINED = "0: every retained"
+MEANING = {"describe": "0: the latest", "fetch newer_than": "0: any version"}
+MEANING |= {"watch_weights": EVERY_RETAINED, "watch": EVERY_RETAINED}
 
 
 @pytest.mark.parametrize("value", BAD)

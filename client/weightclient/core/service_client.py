@@ -11,7 +11,7 @@ from weightclient.core.failover import default_address, map_rpc_errors
 from weightclient.core.fetch import FetchedBytes, Fetching, FetchStats
 from weightclient.core.publish import Publishing
 from weightclient.core.retry import Deadline
-from weightserver.protocol.errors import Cancelled, InvalidRequest, ServerUnavailable
+from weightserver.protocol.errors import Cancelled, ServerUnavailable
 from weightserver.protocol.limits import version_number
 from weightserver.protocol.version_info import IncomingEvent, ModelSummary, VersionEvent, VersionInfo
 from weightserver.v1 import weights_pb2 as pb
@@ -113,6 +113,7 @@ class WeightServiceClient(Publishing, Fetching):
         A server that goes away is resubscribed to from the last version seen, and so is the server in use
         once the client has moved on from this one and closed its channel. The `WatchStream`'s `cancel()`
         ends it from any thread, at once."""
+        since = version_number(since, "since", meaning="0: every retained version")  # here, not at the first step
         return WatchStream(
             lambda cancellation: self._watch(
                 cancellation, model, since, timeout, incoming=incoming, on_subscribed=on_subscribed
@@ -129,8 +130,6 @@ class WeightServiceClient(Publishing, Fetching):
         incoming: bool,
         on_subscribed: Callable[[dict[str, str]], None] | None,
     ) -> Iterator[WatchEvent]:
-        if since < 0:
-            raise InvalidRequest(f"since must be >= 0 (a version number, 0 for all retained), got {since}")
         deadline = Deadline.after(timeout)
         cursor, failures, outage = since, 0, Deadline()
         while not cancellation.requested.is_set():
