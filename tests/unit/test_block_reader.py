@@ -46,6 +46,15 @@ def read_checked(fd: int, data: bytes, blocks: list[tuple[memoryview, int]]) -> 
     return order
 
 
+def read_path(path, data: bytes, blocks: list[tuple[memoryview, int]]) -> list[int]:
+    """read_checked on the file at `path`."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return read_checked(fd, data, blocks)
+    finally:
+        os.close(fd)
+
+
 @pytest.mark.parametrize("cpus", [1, 2])
 def test_every_block_lands_with_the_files_bytes_in_order(tmp_path, monkeypatch, cpus):
     monkeypatch.setattr(block_reader, "_usable_cpus", lambda: cpus)
@@ -81,11 +90,7 @@ def test_a_few_blocks_are_read_by_the_caller_alone(tmp_path, monkeypatch):
     monkeypatch.setattr(block_reader, "_helper_pool", lambda: pytest.fail("too few blocks for a helper"))
     data = write_file(tmp_path / "f", 2 * BLOCK)
     target, blocks = plan(len(data))
-    fd = os.open(tmp_path / "f", os.O_RDONLY)
-    try:
-        assert read_checked(fd, data, blocks) == list(range(len(blocks)))
-    finally:
-        os.close(fd)
+    assert read_path(tmp_path / "f", data, blocks) == list(range(len(blocks)))
     assert bytes(target) == data
 
 
@@ -113,11 +118,7 @@ def test_a_short_file_raises_and_leaves_no_read_in_flight(tmp_path, monkeypatch,
 
     monkeypatch.setattr(block_reader, "pread_exactly", noted)
     _, blocks = plan(len(data))
-    fd = os.open(tmp_path / "f", os.O_RDONLY)
-    try:
-        assert read_checked(fd, data, blocks) == list(range(len(blocks)))
-    finally:
-        os.close(fd)
+    assert read_path(tmp_path / "f", data, blocks) == list(range(len(blocks)))
     assert any(name.startswith("weightclient-read") for name in readers) == (cpus == 2), readers
 
 
