@@ -111,7 +111,7 @@ def test_a_relay_serves_selections_from_its_own_copy(make_server):
         assert not any(key[5] for key in on_primary)
 
 
-@pytest.mark.parametrize("transport", ["stream", "shm"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_selection_cast_to_bf16_is_the_cast_of_the_shards(server, client, transport):
     v1 = llama()
     client.publish(v1, model=MODEL)
