@@ -1,6 +1,6 @@
 """Chaos: faults at random against a publisher, fetchers and watchers on a real server.
 
-    .venv/bin/python bench/chaos.py [--seconds 600] [--seed N] [--deadline 10] [--slack 5]
+    .venv/bin/python bench/chaos.py [--seconds 600] [--rounds N] [--seed N] [--deadline 10] [--slack 5]
                                     [--faults stop,fill-shm,fill-data,flood-bulk,drop-reply,kill,delete,
                                               stall-publish,rewrite-upload]
                                     [--json FILE]
@@ -153,6 +153,7 @@ TICK = 0.1
 @dataclass
 class ChaosConfig:
     seconds: float = 600.0
+    rounds: int = 0  # at least this many rounds of every fault, past `seconds` if need be
     seed: int | None = None  # None: drawn at start (and reported)
     deadline: float = 10.0  # of every call
     slack: float = 5.0  # a call may overrun its deadline by this much before it is a hang
@@ -177,8 +178,8 @@ class ChaosConfig:
         unknown = sorted(set(self.faults) - set(FAULTS))
         if unknown:
             raise ValueError(f"unknown fault(s) {', '.join(unknown)}; choose from {', '.join(FAULTS)}")
-        if self.seconds <= 0 or self.deadline <= 0 or self.slack < 0:
-            raise ValueError("seconds and deadline must be > 0, slack >= 0")
+        if self.seconds <= 0 or self.deadline <= 0 or self.slack < 0 or self.rounds < 0:
+            raise ValueError("seconds and deadline must be > 0, slack and rounds >= 0")
         for name in ("hold", "quiet"):
             low, high = getattr(self, name)
             if not 0 <= low <= high:
@@ -871,15 +872,18 @@ class Chaos:
         return result
 
     def _faults(self, enabled: list[str]) -> None:
-        """Faults one at a time, each name once per round in a fresh random order."""
+        """Faults one at a time, each name once per round in a fresh random order, for `seconds`
+        and at least `rounds` whole rounds."""
         config, state = self.config, self.state
         end = state.started + config.seconds
         round_: list[str] = []
+        finished = 0  # rounds in which every fault ran
         self._pause(self.rng.uniform(*config.quiet))
-        while enabled and not self.interrupt.is_set() and time.monotonic() < end:
+        while enabled and not self.interrupt.is_set() and (time.monotonic() < end or finished < config.rounds):
             if not round_:
                 round_ = self.rng.sample(enabled, len(enabled))
             name = round_.pop()
+            finished += not round_
             record = FaultRecord(len(state.faults) + 1, name, round(state.elapsed(), 3))
             self.on_progress(f"chaos: t={record.started:.0f}s {record.label}")
             state.begin(record)
@@ -1613,6 +1617,7 @@ def _range(text: str) -> tuple[float, float]:
 # Options named as ChaosConfig's fields: (field, type, help); the default is the config's.
 _OPTIONS: tuple[tuple[str, Callable[[str], Any], str], ...] = (
     ("seconds", float, "how long faults are injected"),
+    ("rounds", int, "at least this many rounds of every fault (each once, in random order), past --seconds if need be"),
     ("seed", int, "random seed; drawn and reported when not given"),
     ("deadline", float, "deadline of every call, seconds"),
     ("slack", float, "how far past its deadline a call is a hang, seconds"),

@@ -24,7 +24,7 @@ from bench import chaos  # noqa: E402
 
 
 @pytest.mark.slow
-@pytest.mark.alone  # its 20 s must fit every fault: beside another test, the last was left out
+@pytest.mark.alone  # 20 s and a whole round of faults (--rounds 1: past the 20 s if need be), timed alone
 @pytest.mark.timeout(240)
 def test_short_chaos_run_keeps_every_invariant(tmp_path: Path) -> None:
     if os.geteuid() != 0:
@@ -35,7 +35,7 @@ def test_short_chaos_run_keeps_every_invariant(tmp_path: Path) -> None:
     # Through the command line CI runs (`bench/chaos.py --seconds 60`), so that its options
     # are checked by their effect on the run.
     report = tmp_path / "chaos.json"
-    argv = ["--seconds", "20", "--seed", "14", "--deadline", "4", "--slack", "3", "--hold", "1,2"]
+    argv = ["--seconds", "20", "--rounds", "1", "--seed", "14", "--deadline", "4", "--slack", "3", "--hold", "1,2"]
     argv += ["--quiet", "0.3,0.8", "--watchers", "4", "--fetchers", "3", "--publish-interval", "0.25"]
     code = chaos.main([*argv, "--flood-connections", "300", "--keep", "3", "--json", str(report)])
     result = json.loads(report.read_text())
@@ -53,6 +53,23 @@ def test_short_chaos_run_keeps_every_invariant(tmp_path: Path) -> None:
     assert any(d.get("committed_before_reply_lost") for d in dropped), summary
     assert result["acked_versions"] == sorted(set(result["acked_versions"])), summary
     assert len(result["retained_at_end"]) == 3, summary
+
+
+@pytest.mark.slow
+@pytest.mark.alone  # its faults' recoveries are timed, as in the run above
+@pytest.mark.timeout(180)
+def test_rounds_run_past_the_seconds_until_every_fault_ran(tmp_path: Path) -> None:
+    """`--rounds 1` with `--seconds 1`: each fault lasts 1 s and is followed by its recovery and quiet,
+    so without the option the run would end after the first fault."""
+    if os.geteuid() != 0:
+        pytest.skip("chaos mounts small tmpfs folders: run as root")
+    report = tmp_path / "chaos.json"
+    argv = ["--seconds", "1", "--rounds", "1", "--faults", "drop-reply,delete,stop", "--seed", "3", "--hold", "1,1"]
+    argv += ["--quiet", "0.2,0.2", "--watchers", "1", "--fetchers", "1", "--deadline", "4", "--slack", "3"]
+    assert chaos.main([*argv, "--json", str(report)]) == 0
+    result = json.loads(report.read_text())
+    assert sorted(f["name"] for f in result["faults"]) == ["delete", "drop-reply", "stop"]
+    assert result["ok"], result
 
 
 def test_an_unknown_fault_is_refused_before_anything_runs(capsys: pytest.CaptureFixture[str]) -> None:
