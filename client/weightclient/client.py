@@ -212,7 +212,7 @@ class WeightClient(WeightServiceClient):
 
     def watch_weights(self, model: str = "policy", *, since: int = 0) -> Iterator[FetchResult]:
         """Each version committed after `since`, fetched; each fetch runs as long as its bytes keep coming."""
-        events = self.watch(model, since=version_number(since, "since", meaning="0: every retained version"))
+        events = self.watch(model, since=since)  # (a bad `since` is refused here, at the call)
 
         def fetched() -> Iterator[FetchResult]:
             for event in events:
