@@ -120,6 +120,7 @@ class _LazyClient:
     """A WeightClient made on first use (a channel cannot cross processes: a pickle drops it)."""
 
     _made = False  # `_client` was made here, not passed in: `close` closes it
+    _not_pickled = (*_CollectorRegistration._not_pickled, "_client")
 
     def _set_client(self, client: WeightClient | str | None) -> None:
         given = isinstance(client, WeightClient)
@@ -200,7 +201,7 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
     zero-copy too: parameters view its verified receive buffer; the one they leave receives the next version.
     `updater()` is `apply(pull())`; docs/guides/torchrl.md shows both steps."""
 
-    _not_pickled = ("_collector_wr", "_client", "_staging", "_held", "_follower", "_receiver", "_viewed")
+    _not_pickled = (*_LazyClient._not_pickled, "_staging", "_held", "_follower", "_receiver", "_viewed")
 
     def __init__(
         self,
@@ -539,8 +540,6 @@ class GrpcRemoteWeightUpdater(_LazyClient, RemoteWeightUpdaterBase):
     """Trainer side: one `update_weights()` publishes every due worker's model as ONE version.
     `policy_weights`: weights or ``{model: weights}``, or a callable returning them; `models`: worker id
     -> model name; `max_interval`: as torchrl's Ray updater; `retries`: of a publish, `backoff` doubling."""
-
-    _not_pickled = ("_collector_wr", "_client")
 
     def __init__(
         self,
