@@ -153,10 +153,8 @@ class WeightClient(WeightServiceClient):
             )
         deadline = deadline or self._deadline(timeout)  # a refetch gets what is left of it
         base_info = base.info if isinstance(base, FetchResult) else base if isinstance(base, VersionInfo) else None
-        if base_info is None:
-            base_version = version_number(base or 0, "base", meaning="0 or None: none; or a FetchResult or VersionInfo")
-        else:
-            base_version = base_info.version
+        meaning = "0 or None: none; or a FetchResult or VersionInfo"
+        base_version = base_info.version if base_info else version_number(base or 0, "base", meaning=meaning)
         targets: dict[str, torch.Tensor] = {}
 
         def views_for(info: VersionInfo) -> dict[str, memoryview] | None:

@@ -119,7 +119,8 @@ class RemoteWeightUpdaterBase(_CollectorRegistration, metaclass=abc.ABCMeta):
 class _LazyClient:
     """A WeightClient made on first use (a channel cannot cross processes: a pickle drops it)."""
 
-    _made = False  # `_client` was made here, not passed in: `_close_made_client` closes it
+    _made = False  # `_client` was made here, not passed in: `close` closes it
+    _not_pickled = (*_CollectorRegistration._not_pickled, "_client")
 
     def _set_client(self, client: WeightClient | str | None) -> None:
         given = isinstance(client, WeightClient)
@@ -133,8 +134,9 @@ class _LazyClient:
             self._client, self._made = WeightClient(self._address, **self._settings), True
         return self._client
 
-    def _close_made_client(self) -> None:
-        """Close the client made here (its channel, sockets, Watch streams); one passed in is the caller's."""
+    def close(self) -> None:
+        """Close the client if made here, from an address (its channel, Watch streams and background publishes,
+        flushed first); one passed in is the caller's and stays open. Idempotent; a later call dials again."""
         if self._made and self._client is not None:
             client, self._client, self._made = self._client, None, False
             client.close()
@@ -158,10 +160,9 @@ def weights_of(source: Weights) -> TensorDictBase:
 
 @dataclass(frozen=True)
 class Update:
-    """Weights to `apply`; `buffer` (which they may view) is lent until applied, before the next pull;
-    `mapping`: memory the policy may keep: the version's file mapped copy-on-write (shared memory), or
-    the buffer a version received early lies in; `views`: then a weak reference to the array each of
-    its tensors holds, dead once no tensor views that buffer."""
+    """Weights to `apply`; `buffer` (which they may view) is lent until applied, before the next pull.
+    `mapping`: memory the policy may keep (the version's file mapped copy-on-write, or the buffer a version
+    received early lies in); `views`: then a weak reference to the array its tensors hold, dead once none does."""
 
     info: VersionInfo | None
     weights: TensorDictBase = field(repr=False)
@@ -194,14 +195,13 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         keep_storage: copy every version into the parameters' own memory, never swap their storage
             (for code that holds views of them: torchrl's Collector keeps `policy_weights`).
 
-    On the server's host (a fetch went over shared memory) and with no `dtype`, it reads each
-    announced version's file directly, with no call and no delta, and applies it zero-copy: each
-    parameter that can becomes a copy-on-write view of the version's file (`zero_copy`). Elsewhere
-    a version received early (cut-through) is applied zero-copy too: parameters become views of
-    its verified receive buffer, and the buffer they leave receives the next version.
+    On the server's host (a fetch went over shared memory) and with no `dtype`, each announced version's
+    file is read directly (no call, no delta) and applied zero-copy: each parameter that can becomes a
+    copy-on-write view of it (`zero_copy`). Elsewhere a version received early (cut-through) is applied
+    zero-copy too: parameters view its verified receive buffer; the one they leave receives the next version.
     `updater()` is `apply(pull())`; docs/guides/torchrl.md shows both steps."""
 
-    _not_pickled = ("_collector_wr", "_client", "_staging", "_held", "_follower", "_receiver", "_viewed")
+    _not_pickled = (*_LazyClient._not_pickled, "_staging", "_held", "_follower", "_receiver", "_viewed")
 
     def __init__(
         self,
@@ -256,7 +256,7 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         follower, self._follower, self._receiver = getattr(self, "_follower", None), None, None
         if follower is not None:
             follower.stop()
-        self._close_made_client()
+        super().close()
 
     @property
     def announced(self) -> int | None:  # None while no Watch stream is open
@@ -486,9 +486,8 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
         if self._unavailable_since is None:
             self._unavailable_since, self._failures = now, 0
             held = f"v{self.version}" if self.version is not None else "its initial weights"
-            why = str(error)
-            if self._stalled:
-                why = f"no answer within update_timeout={self.update_timeout:g}s (stopped, overloaded, or raise it)"
+            stall = f"no answer within update_timeout={self.update_timeout:g}s (stopped, overloaded, or raise it)"
+            why = stall if self._stalled else error
             log.warning("weight server %s: %s; the policy keeps %s until it is back", self.client.address, why, held)
         self._next_attempt = Deadline.after(max(UNAVAILABLE_RETRY.delay(self._failures), STALL_BACKOFF * (now - began)))
         self._failures += 1
@@ -542,8 +541,6 @@ class GrpcRemoteWeightUpdater(_LazyClient, RemoteWeightUpdaterBase):
     `policy_weights`: weights or ``{model: weights}``, or a callable returning them; `models`: worker id
     -> model name; `max_interval`: as torchrl's Ray updater; `retries`: of a publish, `backoff` doubling."""
 
-    _not_pickled = ("_collector_wr", "_client")
-
     def __init__(
         self,
         client: WeightClient | str | None = None,
@@ -566,12 +563,6 @@ class GrpcRemoteWeightUpdater(_LazyClient, RemoteWeightUpdaterBase):
         self._calls_since_update = dict.fromkeys(self.models, 0)
         self._building: dict[WorkerId, tuple[str, Weights]] = {}  # due workers, in `update_weights`
         self.version: int | None = None  # last version published
-
-    def close(self) -> None:
-        """Close the client if the updater made it (from an address): its background publishes
-        (`publish(..., wait=False)` on `client`) are flushed first, as `WeightClient.close` does; a
-        client passed in is the caller's and stays open. Idempotent; a later publish dials again."""
-        self._close_made_client()
 
     def __enter__(self) -> GrpcRemoteWeightUpdater:
         return self

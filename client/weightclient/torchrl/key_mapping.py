@@ -30,8 +30,7 @@ class KeyMap:
     def map_key(self, key: str) -> str | None:
         if self.select is not None and not key.startswith(self.select):
             return None
-        key = key.removeprefix(self.select or "").removeprefix(self.strip_prefix or "")
-        key = (self.add_prefix or "") + key
+        key = (self.add_prefix or "") + key.removeprefix(self.select or "").removeprefix(self.strip_prefix or "")
         return self.fn(key) if self.fn is not None else key
 
     def apply(self, server: Mapping[str, torch.Tensor], *, partial: bool = False) -> dict[str, torch.Tensor]:
