@@ -80,20 +80,25 @@ class StreamTransport(Transport):
                     raise IntegrityError(f"model {request.model!r}: the server sent more than the fetch expects")
                 return None
             if kind == "payload" and request.incoming:
-                return Offer(info, first.payload, chunks=_started(stream), deadline=deadline)
-            if kind != "header" or request.incoming:
+                payload = first.payload
+            elif kind != "header" or request.incoming:
                 raise IntegrityError(f"model {request.model!r}: the fetch stream did not start with its head")
-            info = VersionInfo.from_proto(first.header)
-            payload = pb.Payload(byte_size=info.byte_size, xxh3=info.xxh3)
-            if request.base_version or request.dtype or request.HasField("select"):
-                second = next(stream, None)
-                if not isinstance(second, pb.FetchResponse) or not second.HasField("payload"):
-                    raise IntegrityError(f"model {request.model!r}: expected a payload description after the header")
-                payload = second.payload
+            else:
+                info = VersionInfo.from_proto(first.header)
+                payload = pb.Payload(byte_size=info.byte_size, xxh3=info.xxh3)
+                if request.base_version or request.dtype or request.HasField("select"):
+                    second = next(stream, None)
+                    if not isinstance(second, pb.FetchResponse) or not second.HasField("payload"):
+                        raise IntegrityError(
+                            f"model {request.model!r}: expected a payload description after the header"
+                        )
+                    payload = second.payload
         except BaseException:
             stream.cancel()
             raise
-        return Offer(info, payload, chunks=_started(stream), deadline=deadline)
+        if stall:
+            stream.head_by = None  # its head read: from here the guard ends it only on a stall
+        return Offer(info, payload, chunks=stream, deadline=deadline)
 
     def receive(self, offer: Offer, *, into: Into, progress: Progress | None) -> memoryview:
         assert offer.chunks is not None, "a stream offer comes from StreamTransport.offer"
@@ -107,13 +112,6 @@ class StreamTransport(Transport):
         finally:
             offer.chunks.cancel()
         return target if isinstance(target, memoryview) else memoryview(b"")
-
-
-def _started(stream: Any) -> Any:
-    """`stream`, its head read: from here, a stall guard ends it only on a stall (not by the deadline)."""
-    if isinstance(stream, _StallGuard):
-        stream.head_by = None
-    return stream
 
 
 class _StallGuard:
