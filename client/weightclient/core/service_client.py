@@ -47,9 +47,8 @@ class _Cancellation:
 
 
 class WatchStream(Iterator[WatchEvent]):
-    """What `watch` returns: its events, in order. `cancel()`, from any thread, ends it at once and
-    quietly (the iterator just ends: no error, no resubscription); `close()`, like a generator's,
-    only from the thread that steps it."""
+    """What `watch` returns: its events, in order. `cancel()`, from any thread, ends it at once and quietly (no error,
+    no resubscription); `close()`, like a generator's, only from the thread that steps it."""
 
     def __init__(self, events: Callable[[_Cancellation], Iterator[WatchEvent]]) -> None:
         self._cancellation = _Cancellation()

@@ -1,6 +1,6 @@
-"""The contract every transport keeps: move one payload either way (`receive` an `Offer`, or
-`upload` where Negotiate said). One that cannot raises `TransportFailed`, and the caller falls
-back along a `TransportChain` ("auto": shm, bulk, stream), where it rests for `rest_seconds`."""
+"""The contract every transport keeps: move one payload either way (`receive` an `Offer`, or `upload` where Negotiate
+said); one that cannot raises `TransportFailed`, and rests `rest_seconds` while the caller falls back along a
+`TransportChain` ("auto": shm, bulk, stream)."""
 
 from __future__ import annotations
 

@@ -93,8 +93,7 @@ class SharedMemoryTransport(Transport):
         return mapping
 
     def receive(self, offer: Offer, *, into: base.Into, progress: Progress | None) -> memoryview:
-        """The file mapped copy-on-write: no copy, writes stay private, valid after removal (a Sink
-        `into` reads it from the mapping, which then goes)."""
+        """The file mapped copy-on-write: no copy, private writes, valid after removal (a Sink: read, then unmapped)."""
         size, sink = offer.payload.byte_size, base.is_sink(into)
         with self._opened(offer) as fd:
             data = memoryview(bytearray())  # mmap cannot map an empty file
@@ -158,9 +157,8 @@ class SharedMemoryTransport(Transport):
         if header.model != model or header.version != version or not header.xxh3:
             return None
         info, path = VersionInfo.from_proto(header), os.path.join(folder, version_file_name(version))
-        return Offer(
-            info, pb.Payload(byte_size=info.byte_size, xxh3=info.xxh3, shared_memory=pb.SharedMemoryFile(path=path))
-        )
+        payload = pb.Payload(byte_size=info.byte_size, xxh3=info.xxh3, shared_memory=pb.SharedMemoryFile(path=path))
+        return Offer(info, payload)
 
     def _learn(self, offer: Offer) -> None:
         """Remember the folder of a version's own file and its owner, if only the owner can change it."""
@@ -252,8 +250,8 @@ class _UploadWrite:
         return self.failed or self.turn == len(self.jobs)
 
     def _advance(self) -> None:
-        """Hash the copied blocks from `turn` on, unless another thread is; stop at one not copied yet,
-        or to unmap a window that fell due (the other thread takes over the hashing meanwhile)."""
+        """Hash the copied blocks from `turn` on, unless another thread is; stop at one not copied yet, or to unmap a
+        window that fell due (the other thread takes over the hashing meanwhile)."""
         with self.changed:
             if self.hashing or self._done() or not self.copied[self.turn]:
                 return
