@@ -86,8 +86,7 @@ class WeightServiceClient(Publishing, Fetching):
 
     def delete(self, model: str, version: int) -> VersionInfo:
         request = pb.DeleteVersionRequest(model=model, version=version_number(version, "version"))
-        reply = self._call("DeleteVersion", request, change=True)
-        return VersionInfo.from_proto(reply.deleted)
+        return VersionInfo.from_proto(self._call("DeleteVersion", request, change=True).deleted)
 
     def pin(self, model: str, version: int, pinned: bool = True) -> VersionInfo:
         """Pin (keep beyond --keep) or unpin a version."""
