@@ -1,5 +1,4 @@
-"""One daemon thread where only the newest item waiting matters: direct reads' reports and
-publishes that must not block the trainer."""
+"""One daemon thread where only the newest item waiting matters: direct reads' reports, publishes off the trainer."""
 
 from __future__ import annotations
 
