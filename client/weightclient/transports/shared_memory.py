@@ -174,13 +174,12 @@ class SharedMemoryTransport(Transport):
 
 
 class _UploadWrite:
-    """`parts` copied into the mapping `target` a block at a time, each block hashed there (file and tensors,
-    in file order, while in cache): the digests describe the bytes the server seals. From UNMAP_FROM, two
-    threads copy (6 GB/s here for one, 12 for two), and each eighth once hashed is unmapped by the thread that
-    hashed its end while the other goes on: else the seal waits for the page tables' teardown (11-19 ms at
-    256 MiB). Each thread copies the next block with the GIL let go; whichever finds the next block copied
-    and nobody hashing hashes and reports it, so none waits on a thread that may have lost its core. A
-    thread that fails stops the others."""
+    """`parts` copied into the mapping `target` a block at a time, each block hashed there (file and tensors, in file
+    order, while in cache): the digests describe the bytes the server seals. From UNMAP_FROM, two threads copy (6 GB/s
+    here for one, 12 for two), and each eighth once hashed is unmapped by the thread that hashed its end while the other
+    goes on: else the seal waits for the page tables' teardown (11-19 ms at 256 MiB). Each thread copies the next block
+    with the GIL let go; whichever finds the next block copied and nobody hashing hashes and reports it, so none waits
+    on a thread that may have lost its core. A thread that fails stops the others."""
 
     def __init__(
         self, target: memoryview, mapping: mmap.mmap, parts: Parts, deadline: Deadline, progress: Progress | None
