@@ -1,5 +1,4 @@
-"""One daemon thread where only the newest item waiting matters: direct reads' reports and
-publishes that must not block the trainer."""
+"""One daemon thread where only the newest item waiting matters: direct reads' reports, publishes off the trainer."""
 
 from __future__ import annotations
 
@@ -29,8 +28,7 @@ class LatestOnlyWorker(Generic[T]):
         self._pid = os.getpid()
 
     def _in_this_process(self) -> None:
-        """In a forked child, start empty: the item the parent was sending or had waiting is the parent's
-        to send (no thread here would ever finish it, so a flush would wait forever)."""
+        """In a forked child, start empty: the parent's items are its own to send (a flush here would wait forever)."""
         if self._pid != os.getpid():
             self._pid, self._changed = os.getpid(), threading.Condition()  # (the parent's may be held)
             self._waiting, self._busy, self._thread = None, False, None
@@ -93,8 +91,8 @@ class _Job:
 
 
 class BackgroundPublisher(LatestOnlyWorker[_Job]):
-    """`send(snapshot, **options) -> version` per submit; a newer one replaces a snapshot still
-    waiting. Sent buffers are reused (`spare_buffer`): no fresh page faults."""
+    """`send(snapshot, **options) -> version` per submit, a newer snapshot replacing one still waiting; sent
+    buffers are reused (`spare_buffer`): no fresh page faults."""
 
     def __init__(self, send: Callable[..., int]) -> None:
         super().__init__(self._publish, "weightclient-publisher")

@@ -85,15 +85,14 @@ class Fetching(Connection):
         stall: float = 0.0,
     ) -> FetchedBytes | None:
         """The latest version, exactly `version`, or the latest if newer than `newer_than` (else None).
-        `base_version`: changed tensors only; `dtype`: float32 cast by the server; `base_xxh3`: the caller's digest
-        of the base (if the server's differs, the whole version is fetched); `base_bytes`: the base's file, which the
-        caller holds, so changed tensors may come as their changed elements; a delta is then rebuilt on a copy of it
-        (in it with `consume_base`) as it arrives, and `data` is the version, unverified, with `changed` naming the
-        tensors the delta carried (one on a base laid out otherwise comes as it is). `select`: only these tensors or
-        slices (a Selection, or glob patterns of whole tensors); then `info` describes the selection's file (its
-        size, digest and tensors) under the version's number, and a delta is against the same selection of the base.
-        `stall`: the deadline bounds finding the version and starting its transfer; the transfer then runs while its
-        bytes keep coming, each wait for them at most `stall` seconds (a large version over a slow link lands)."""
+        `base_version`: changed tensors only; `dtype`: float32 cast by the server; `base_xxh3`: the caller's digest of
+        the base (if the server's differs, the whole version is fetched); `base_bytes`: the base's file, so changed
+        tensors may come as changed elements, rebuilt as they arrive on a copy of it (in it with `consume_base`):
+        `data` is then the version, unverified, and `changed` names the tensors the delta carried (a base laid out
+        otherwise gets the delta as it is). `select`: only these tensors or slices (a Selection, or glob patterns);
+        `info` then describes the selection's file under the version's number, and a delta is against the same
+        selection of the base. `stall`: the deadline bounds finding the version and starting its transfer, which
+        then runs while its bytes keep coming, each wait for them at most `stall` seconds."""
         if version is not None and newer_than is not None:
             raise InvalidRequest(f"give version or newer_than, not both: {version=}, {newer_than=}")
         if version is not None:
@@ -137,9 +136,8 @@ class Fetching(Connection):
         deadline: Deadline,
         stall: float = 0.0,
     ) -> FetchedBytes | None:
-        """A direct read, else the transport the server picks, falling back to the stream for the
-        version named. Bad bytes from the last transport are IntegrityError, and so is a delta that
-        arrived as sent but does not rebuild."""
+        """A direct read, else the transport the server picks, falling back to the stream for the version named.
+        IntegrityError: bad bytes from the last transport, or a delta that arrived as sent but does not rebuild."""
         started, order, asked = time.perf_counter(), self.transports.order(choice), request
         transport, offer = self._shm, None
         exact = request.WhichOneof("selector") == "version" and not request.base_version and not request.dtype
@@ -219,9 +217,8 @@ class Fetching(Connection):
         into: memoryview | None = None,
         progress: Progress | None = None,
     ) -> FetchedBytes:
-        """The bytes of a publish still arriving, over bulk when `transport` allows. UNVERIFIED:
-        apply them only once the commit event names `incoming.id` and they match its xxh3.
-        `timeout` bounds each wait for bytes, not the whole: they come at the publisher's pace."""
+        """The bytes of a publish still arriving, over bulk when `transport` allows. UNVERIFIED: apply them only once
+        the commit event names `incoming.id` and they match its xxh3. `timeout` bounds each wait for bytes."""
         stall = self.timeout if timeout is None else timeout  # the set-up's deadline, then each wait for bytes
         started, deadline = time.perf_counter(), Deadline.after(stall)
         request = pb.FetchRequest(model=incoming.model, incoming=incoming.id, chunk_size=self.chunk_bytes)

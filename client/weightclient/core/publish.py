@@ -84,19 +84,13 @@ class SpareUploads:
     def refill(self, model: str, size: int, transport: Transport) -> None:
         if size > MAX_SPARE_BYTES:
             return
-        key = (model, transport.kind, size)
         try:
             future = self._thread.submit(self._prepare, model, size, transport)
         except RuntimeError:  # closed meanwhile
             return
-        with self._lock:
-            self._preparing[key] = future
-        future.add_done_callback(lambda done: self._forget(key, done))  # (at once if done: not under the lock)
-
-    def _forget(self, key: tuple[str, int, int], future: Future[None]) -> None:
-        with self._lock:
-            if self._preparing.get(key) is future:
-                del self._preparing[key]
+        with self._lock:  # (those done go: `take` would not wait for them)
+            self._preparing = {key: f for key, f in self._preparing.items() if not f.done()}
+            self._preparing[(model, transport.kind, size)] = future
 
     def close(self) -> None:
         with self._lock:

@@ -61,10 +61,7 @@ class RetryPolicy:
         """Sleep before retry `attempt` (until `wake` is set, if sooner); False if the deadline would pass first."""
         delay = self._delay_within(attempt, deadline)
         if delay is not None:
-            if wake is not None:
-                wake.wait(delay)
-            else:
-                time.sleep(delay)
+            (wake or threading.Event()).wait(delay)
         return delay is not None
 
     async def wait_async(self, attempt: int, deadline: Deadline = NEVER, wake: asyncio.Event | None = None) -> bool:

@@ -47,9 +47,8 @@ class _Cancellation:
 
 
 class WatchStream(Iterator[WatchEvent]):
-    """What `watch` returns: its events, in order. `cancel()`, from any thread, ends it at once and
-    quietly (the iterator just ends: no error, no resubscription); `close()`, like a generator's,
-    only from the thread that steps it."""
+    """What `watch` returns: its events, in order. `cancel()`, from any thread, ends it at once and quietly (no error,
+    no resubscription); `close()`, like a generator's, only from the thread that steps it."""
 
     def __init__(self, events: Callable[[_Cancellation], Iterator[WatchEvent]]) -> None:
         self._cancellation = _Cancellation()
@@ -63,10 +62,6 @@ class WatchStream(Iterator[WatchEvent]):
 
     def cancel(self) -> None:
         self._cancellation.cancel()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancellation.requested.is_set()
 
 
 class WeightServiceClient(Publishing, Fetching):
@@ -91,8 +86,7 @@ class WeightServiceClient(Publishing, Fetching):
 
     def delete(self, model: str, version: int) -> VersionInfo:
         request = pb.DeleteVersionRequest(model=model, version=version_number(version, "version"))
-        reply = self._call("DeleteVersion", request, change=True)
-        return VersionInfo.from_proto(reply.deleted)
+        return VersionInfo.from_proto(self._call("DeleteVersion", request, change=True).deleted)
 
     def pin(self, model: str, version: int, pinned: bool = True) -> VersionInfo:
         """Pin (keep beyond --keep) or unpin a version."""
@@ -109,69 +103,55 @@ class WeightServiceClient(Publishing, Fetching):
         on_subscribed: Callable[[dict[str, str]], None] | None = None,
     ) -> WatchStream:
         """An event per version committed after `since`; `incoming`: an `IncomingEvent` per publish too.
-        `on_subscribed(metadata)`: each subscription's initial metadata (a relay names its primary).
-        A server that goes away is resubscribed to from the last version seen, and so is the server in use
-        once the client has moved on from this one and closed its channel. The `WatchStream`'s `cancel()`
-        ends it from any thread, at once."""
+        `on_subscribed(metadata)`: each subscription's initial metadata (a relay names its primary). Once a server
+        goes away or the client moves on from it, the server in use is resubscribed to from the last version seen."""
         since = version_number(since, "since", meaning="0: every retained version")  # here, not at the first step
-        return WatchStream(
-            lambda cancellation: self._watch(
-                cancellation, model, since, timeout, incoming=incoming, on_subscribed=on_subscribed
-            )
-        )
 
-    def _watch(
-        self,
-        cancellation: _Cancellation,
-        model: str,
-        since: int,
-        timeout: float | None,
-        *,
-        incoming: bool,
-        on_subscribed: Callable[[dict[str, str]], None] | None,
-    ) -> Iterator[WatchEvent]:
-        deadline = Deadline.after(timeout)
-        cursor, failures, outage = since, 0, Deadline()
-        while not cancellation.requested.is_set():
-            request = pb.WatchRequest(model=model, since=cursor, incoming=incoming)
-            link = self._link  # the server this stream goes to: the one to move on from
-            address = link.address
-            stream = link.stub.Watch(request, timeout=deadline.remaining(), metadata=self._metadata)
-            cancellation.calling(stream)
-            try:
-                with map_rpc_errors(address):
-                    if on_subscribed is not None:
-                        metadata = dict(stream.initial_metadata() or ())
-                        if not stream.done():  # else refused at once: the loop raises its error
-                            on_subscribed(metadata)
-                    for event in stream:
-                        failures = 0
-                        if event.HasField("version"):
-                            cursor = max(cursor, event.version.version)
-                            info = VersionInfo.from_proto(event.version)
-                            yield VersionEvent(info, gap=event.gap, incoming=event.incoming.id)
-                        else:
-                            announced = event.incoming
-                            yield IncomingEvent(model, announced.id, announced.byte_size, failed=announced.failed)
-                return
-            except Cancelled:
-                if cancellation.requested.is_set():
+        def events(cancellation: _Cancellation) -> Iterator[WatchEvent]:
+            deadline = Deadline.after(timeout)
+            cursor, failures, outage = since, 0, Deadline()
+            while not cancellation.requested.is_set():
+                request = pb.WatchRequest(model=model, since=cursor, incoming=incoming)
+                link = self._link  # the server this stream goes to: the one to move on from
+                address = link.address
+                stream = link.stub.Watch(request, timeout=deadline.remaining(), metadata=self._metadata)
+                cancellation.calling(stream)
+                try:
+                    with map_rpc_errors(address):
+                        if on_subscribed is not None:
+                            metadata = dict(stream.initial_metadata() or ())
+                            if not stream.done():  # else refused at once: the loop raises its error
+                                on_subscribed(metadata)
+                        for event in stream:
+                            failures = 0
+                            if event.HasField("version"):
+                                cursor = max(cursor, event.version.version)
+                                info = VersionInfo.from_proto(event.version)
+                                yield VersionEvent(info, gap=event.gap, incoming=event.incoming.id)
+                            else:
+                                announced = event.incoming
+                                yield IncomingEvent(model, announced.id, announced.byte_size, failed=announced.failed)
                     return
-                if link is self._link:
-                    raise  # by the caller, or the client was closed
-                # A link the client moved on from (a fetch's failover) is closed after RETIRED_LINKS more moves.
-                log.info("watch of %r at %s ended with its link; resubscribing at %s", model, address, self.address)
-            except ServerUnavailable as exc:
-                if cancellation.requested.is_set():
-                    return
-                if failures == 0:
-                    outage = deadline if deadline.at is not None else Deadline.after(self.retry_seconds)
-                    log.warning("watch of %r at %s interrupted after v%d; resubscribing", model, address, cursor)
-                if outage.expired():
-                    raise
-                moved = self._move_on(address, exc) and failures == 0
-                if not moved and not self.retry.wait(failures, outage, wake=cancellation.requested):
-                    raise  # (the wait ends once the watch is cancelled: the loop then ends)
-                failures += 1
-            finally:
-                stream.cancel()
+                except Cancelled:
+                    if cancellation.requested.is_set():
+                        return
+                    if link is self._link:
+                        raise  # by the caller, or the client was closed
+                    # A link the client moved on from (a fetch's failover) is closed after RETIRED_LINKS more moves.
+                    log.info("watch of %r at %s ended with its link; resubscribing at %s", model, address, self.address)
+                except ServerUnavailable as exc:
+                    if cancellation.requested.is_set():
+                        return
+                    if failures == 0:
+                        outage = deadline if deadline.at is not None else Deadline.after(self.retry_seconds)
+                        log.warning("watch of %r at %s interrupted after v%d; resubscribing", model, address, cursor)
+                    if outage.expired():
+                        raise
+                    moved = self._move_on(address, exc) and failures == 0
+                    if not moved and not self.retry.wait(failures, outage, wake=cancellation.requested):
+                        raise  # (the wait ends once the watch is cancelled: the loop then ends)
+                    failures += 1
+                finally:
+                    stream.cancel()
+
+        return WatchStream(events)

@@ -1,6 +1,5 @@
-"""VersionFollower: the newest version announced, kept by a Watch stream in a daemon thread, so an
-updater asks the server only once a newer one exists; with a `CutThrough`, also versions received
-while their publish still arrived (kept only if the commit event's size and xxh3 match)."""
+"""VersionFollower: the newest version, from a Watch stream in a daemon thread (an updater asks the server only once
+a newer one exists); with a `CutThrough`, versions received as published, kept if the commit's size and xxh3 match."""
 
 from __future__ import annotations
 
@@ -151,8 +150,7 @@ class VersionFollower:
             return self._cursor if self._open else None
 
     def take_ready(self, newer_than: int, timeout: float) -> FetchedBytes | None:
-        """The newest version received early and verified, if newer than `newer_than` (each once;
-        `give_back` its buffer once applied)."""
+        """The newest version received early and verified, if newer than `newer_than` (once; `give_back` its buffer)."""
         if os.getpid() != self._pid:
             return None
         settling = self._settling  # (one reference read: no lock needed)

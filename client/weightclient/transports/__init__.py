@@ -1,5 +1,4 @@
-"""One class per way of moving a payload (gRPC stream, bulk TCP, shared memory), behind one
-Protocol and tried in the order of base.TransportChain."""
+"""Ways to move a payload (gRPC stream, bulk TCP, shared memory): one Protocol, tried in TransportChain's order."""
 
 from weightclient.transports.base import (
     NotOffered,

@@ -1,6 +1,6 @@
-"""The contract every transport keeps: move one payload either way (`receive` an `Offer`, or
-`upload` where Negotiate said). One that cannot raises `TransportFailed`, and the caller falls
-back along a `TransportChain` ("auto": shm, bulk, stream), where it rests for `rest_seconds`."""
+"""The contract every transport keeps: move one payload either way (`receive` an `Offer`, or `upload` where Negotiate
+said); one that cannot raises `TransportFailed`, and rests `rest_seconds` while the caller falls back along a
+`TransportChain` ("auto": shm, bulk, stream)."""
 
 from __future__ import annotations
 
@@ -43,9 +43,8 @@ class Offer:
     payload: pb.Payload
     chunks: Iterator[Any] | None = field(default=None, repr=False)
     deadline: Deadline = NEVER  # by when the transfer must have ended
-    # A transfer that runs as long as its bytes keep coming (a publish's, at its publisher's pace; a
-    # large version over a slow link): no end by `deadline`, but no wait for bytes (the first
-    # included) longer than this (0: no such bound).
+    # Else (a publish's bytes at its publisher's pace, a large version over a slow link) no wait for bytes,
+    # the first included, longer than this (0: no such bound).
     stall: float = 0.0
 
     @property
@@ -58,8 +57,8 @@ class Offer:
 
 
 class Uploaded(NamedTuple):
-    """What an upload's writer hashed: the file's xxh3-128 and, where it hashed the bytes where
-    they landed (a same-host upload), each tensor's, which the server then commits as declared."""
+    """The file's xxh3-128 and, where a same-host upload hashed them where they landed, each tensor's
+    (the server commits them as declared)."""
 
     xxh3: str
     tensor_xxh3: Mapping[str, str] | None = None
@@ -97,12 +96,10 @@ class Transport(Protocol):
         """Let go of what `prepare` held."""
 
     def receive(self, offer: Offer, *, into: Into, progress: Progress | None) -> memoryview:
-        """The payload's bytes, unverified, in `into` when it is a buffer large enough; through `into`
-        when it is a Sink (then nothing is returned)."""
+        """The payload's bytes, unverified: in `into` if a buffer large enough; through it if a Sink (returns none)."""
 
     def sealed(self, data: memoryview) -> bool:
-        """Whether `data`, from `receive`, maps a file no process can change any more (the server's,
-        sealed before its commit): the version's bytes themselves, with nothing to check them against."""
+        """Whether `data` maps a file sealed before its commit: the version itself, with nothing to check against."""
         return False
 
     def receive_placed(self, offer: Offer, views: Mapping[str, memoryview]) -> list[str]:
@@ -176,8 +173,7 @@ def blocks(parts: Parts, size: int, progress: Progress | None) -> Iterator[memor
 
 
 def receive_buffer(size: int, into: memoryview | None = None, *, huge: bool = False) -> memoryview:
-    """`into[:size]` if large enough, else fresh anonymous memory (`page_tables.anonymous`; `huge`:
-    for a buffer kept from fetch to fetch)."""
+    """`into[:size]` if large enough, else fresh anonymous memory (`huge`: for a buffer kept from fetch to fetch)."""
     if into is not None and into.nbytes >= size and not into.readonly:
         return into.cast("B")[:size]
     return page_tables.anonymous(size, huge=huge)

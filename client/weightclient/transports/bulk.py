@@ -1,6 +1,6 @@
-"""Bulk TCP to the server's bulk port (a gRPC stream tops out near 0.6x of one loopback TCP
-connection in Python): a 16-byte ticket, then the bytes (an upload ends with a one-byte ACK). The
-first byte waits FIRST_BYTE_TIMEOUT (a server over its connection cap never answers)."""
+"""Bulk TCP to the server's bulk port (a gRPC stream tops out near 0.6x of one loopback TCP connection in Python): a
+16-byte ticket, then the bytes (an upload ends with a one-byte ACK). The first byte waits FIRST_BYTE_TIMEOUT (a server
+over its connection cap never answers)."""
 
 from __future__ import annotations
 
@@ -71,9 +71,8 @@ class BulkTransport(Transport):
         progress: Progress | None = None,
         stall: float = 0.0,
     ) -> str:
-        """Send the ticket, then `parts` (each block hashed just before it goes: their xxh3), then receive
-        `into`, each wait for bytes cut to `stall`. A kept connection the server closed (EOF before the
-        first byte): tried once afresh."""
+        """Send the ticket, then `parts` (each block hashed just before it goes: their xxh3), then receive `into`, each
+        wait for bytes cut to `stall`. A kept connection the server closed (EOF before the first byte): tried afresh."""
         with self._lock:
             try:
                 for kept in (self._socket is not None and self.port == bulk.port, False):  # (kept, then afresh)
@@ -157,13 +156,10 @@ def _connect(host: str, port: int, deadline: Deadline) -> socket.socket:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.settimeout(_wait(CONNECT_TIMEOUT, deadline))
             conn.connect(address)
-        except OSError:
+        except BaseException as exc:
             conn.close()
-            if i == len(found) - 1:
-                raise
+            if not isinstance(exc, OSError) or i == len(found) - 1:
+                raise  # (an interrupt, or the last address's error)
             continue
-        except BaseException:
-            conn.close()
-            raise
         return conn
     raise OSError(f"{host} has no address")  # (getaddrinfo raises rather than find none)

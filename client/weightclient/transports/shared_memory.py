@@ -53,9 +53,7 @@ class SharedMemoryTransport(Transport):
         path, total = payload.shared_memory.path, payload.byte_size
         if sum(p.nbytes for p in parts) != total:
             raise TransportFailed(f"{path} is not an upload file of {total} bytes")
-        mapping = self._prepared.pop(path, None)
-        if mapping is None:
-            mapping = self._mapped(path, total)
+        mapping = self._prepared.pop(path, None) or self._mapped(path, total)
         with mapping, memoryview(mapping) as target:
             return _UploadWrite(target, mapping, parts, deadline, progress).run()
 
@@ -95,8 +93,7 @@ class SharedMemoryTransport(Transport):
         return mapping
 
     def receive(self, offer: Offer, *, into: base.Into, progress: Progress | None) -> memoryview:
-        """The file mapped copy-on-write: no copy, writes stay private, valid after removal (a Sink
-        `into` reads it from the mapping, which then goes)."""
+        """The file mapped copy-on-write: no copy, private writes, valid after removal (a Sink: read, then unmapped)."""
         size, sink = offer.payload.byte_size, base.is_sink(into)
         with self._opened(offer) as fd:
             data = memoryview(bytearray())  # mmap cannot map an empty file
@@ -160,9 +157,8 @@ class SharedMemoryTransport(Transport):
         if header.model != model or header.version != version or not header.xxh3:
             return None
         info, path = VersionInfo.from_proto(header), os.path.join(folder, version_file_name(version))
-        return Offer(
-            info, pb.Payload(byte_size=info.byte_size, xxh3=info.xxh3, shared_memory=pb.SharedMemoryFile(path=path))
-        )
+        payload = pb.Payload(byte_size=info.byte_size, xxh3=info.xxh3, shared_memory=pb.SharedMemoryFile(path=path))
+        return Offer(info, payload)
 
     def _learn(self, offer: Offer) -> None:
         """Remember the folder of a version's own file and its owner, if only the owner can change it."""
@@ -178,16 +174,12 @@ class SharedMemoryTransport(Transport):
 
 
 class _UploadWrite:
-    """`parts` copied into the mapping `target` a block at a time, each block hashed there, file and
-    tensors, in file order while in cache: the digests describe the bytes the server seals. From
-    UNMAP_FROM, two threads copy (one copies at 6 GB/s here, two at 12), and each eighth once hashed
-    is unmapped by the thread that hashed its end (`page_tables.unmap`) while the other goes on: the
-    seal waits for the page tables' teardown (11-19 ms at 256 MiB).
-
-    Each thread takes the next block and copies it with the GIL let go; the blocks are hashed and
-    reported in file order by whichever thread finds the next one copied and no other hashing, so
-    none waits for a block another thread is still copying (on a busy host that thread may have lost
-    its core for a while). A thread that fails stops the others."""
+    """`parts` copied into the mapping `target` a block at a time, each block hashed there (file and tensors, in file
+    order, while in cache): the digests describe the bytes the server seals. From UNMAP_FROM, two threads copy (6 GB/s
+    here for one, 12 for two), and each eighth once hashed is unmapped by the thread that hashed its end while the other
+    goes on: else the seal waits for the page tables' teardown (11-19 ms at 256 MiB). Each thread copies the next block
+    with the GIL let go; whichever finds the next block copied and nobody hashing hashes and reports it, so none waits
+    on a thread that may have lost its core. A thread that fails stops the others."""
 
     def __init__(
         self, target: memoryview, mapping: mmap.mmap, parts: Parts, deadline: Deadline, progress: Progress | None
@@ -219,10 +211,9 @@ class _UploadWrite:
         return Uploaded(digests.xxh3, digests.tensor_xxh3)
 
     def blocks(self) -> None:
-        """Copy blocks until none is left, `step` bytes at a time, then hash as far as they are copied.
-        Once the block's turn has come (the blocks before it hashed), each step is hashed as soon as it
-        is copied, while in this core's cache (one thread, below UNMAP_FROM: 4.8 against 5.4 ms at
-        16 MiB); with two threads a block's turn comes as its copy ends, and it is hashed then."""
+        """Copy blocks until none is left, `step` bytes at a time, then hash as far as they are copied. In a block's
+        turn (one thread, below UNMAP_FROM) each step is hashed as soon as copied, in this core's cache (4.8 against
+        5.4 ms at 16 MiB); with two threads a block's turn comes as its copy ends, and it is hashed then."""
         import numpy  # (here: a client that only fetches starts without it)
 
         target = numpy.frombuffer(self.target, numpy.uint8)
@@ -258,8 +249,8 @@ class _UploadWrite:
         return self.failed or self.turn == len(self.jobs)
 
     def _advance(self) -> None:
-        """Hash the copied blocks from `turn` on, unless another thread is; stop at one not copied yet,
-        or to unmap a window that fell due (the other thread takes over the hashing meanwhile)."""
+        """Hash the copied blocks from `turn` on, unless another thread is; stop at one not copied yet, or to unmap a
+        window that fell due (the other thread takes over the hashing meanwhile)."""
         with self.changed:
             if self.hashing or self._done() or not self.copied[self.turn]:
                 return

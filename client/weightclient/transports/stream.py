@@ -1,5 +1,5 @@
-"""The gRPC streams, Publish and Fetch: always there, under TLS too, and all that clients in other
-languages need. Chunks travel pre-framed (protocol.framing)."""
+"""The gRPC streams, Publish and Fetch: always there, under TLS too, all that clients in other languages need.
+Chunks travel pre-framed (protocol.framing)."""
 
 from __future__ import annotations
 
@@ -43,8 +43,8 @@ class StreamTransport(Transport):
         return self._publish(messages, timeout=deadline.remaining(), metadata=self._metadata)
 
     def _publish_messages(self, files: Sequence[OutgoingFile], progress: Progress | None) -> Iterator[Any]:
-        """Each header, then its parts re-cut into chunks (or the upload that moved them), then
-        the commit; `progress` hears of each chunk once gRPC took it."""
+        """Each header, then its parts as chunks (or the upload that moved them), then the commit; `progress` hears
+        of each chunk once gRPC took it."""
         total = sum(f.header.total_bytes for f in files)
         sent = 0
         for file in files:
@@ -66,9 +66,8 @@ class StreamTransport(Transport):
     def offer(
         self, request: pb.FetchRequest, answer: Answer, deadline: Deadline, info: VersionInfo, stall: float = 0.0
     ) -> Offer | None:
-        """Start a Fetch and read its head: the header (then a payload for a delta or cast), or for
-        incoming bytes only the payload, under `info`. None when up to date. With `stall`, the call
-        has no deadline but ends once no message came for that long (see Offer), and its head by the deadline."""
+        """Start a Fetch and read its head: the header (then a payload for a delta or cast), or for incoming bytes the
+        payload only, under `info`; None when up to date. With `stall`, see Offer: the deadline bounds the head only."""
         stream: Any = self._fetch(request, timeout=None if stall else deadline.remaining(), metadata=self._metadata)
         if stall:
             stream = _StallGuard(stream, stall, head_by=deadline)
@@ -80,20 +79,25 @@ class StreamTransport(Transport):
                     raise IntegrityError(f"model {request.model!r}: the server sent more than the fetch expects")
                 return None
             if kind == "payload" and request.incoming:
-                return Offer(info, first.payload, chunks=_started(stream), deadline=deadline)
-            if kind != "header" or request.incoming:
+                payload = first.payload
+            elif kind != "header" or request.incoming:
                 raise IntegrityError(f"model {request.model!r}: the fetch stream did not start with its head")
-            info = VersionInfo.from_proto(first.header)
-            payload = pb.Payload(byte_size=info.byte_size, xxh3=info.xxh3)
-            if request.base_version or request.dtype or request.HasField("select"):
-                second = next(stream, None)
-                if not isinstance(second, pb.FetchResponse) or not second.HasField("payload"):
-                    raise IntegrityError(f"model {request.model!r}: expected a payload description after the header")
-                payload = second.payload
+            else:
+                info = VersionInfo.from_proto(first.header)
+                payload = pb.Payload(byte_size=info.byte_size, xxh3=info.xxh3)
+                if request.base_version or request.dtype or request.HasField("select"):
+                    second = next(stream, None)
+                    if not isinstance(second, pb.FetchResponse) or not second.HasField("payload"):
+                        raise IntegrityError(
+                            f"model {request.model!r}: expected a payload description after the header"
+                        )
+                    payload = second.payload
         except BaseException:
             stream.cancel()
             raise
-        return Offer(info, payload, chunks=_started(stream), deadline=deadline)
+        if stall:
+            stream.head_by = None  # its head read: from here the guard ends it only on a stall
+        return Offer(info, payload, chunks=stream, deadline=deadline)
 
     def receive(self, offer: Offer, *, into: Into, progress: Progress | None) -> memoryview:
         assert offer.chunks is not None, "a stream offer comes from StreamTransport.offer"
@@ -109,17 +113,9 @@ class StreamTransport(Transport):
         return target if isinstance(target, memoryview) else memoryview(b"")
 
 
-def _started(stream: Any) -> Any:
-    """`stream`, its head read: from here, a stall guard ends it only on a stall (not by the deadline)."""
-    if isinstance(stream, _StallGuard):
-        stream.head_by = None
-    return stream
-
-
 class _StallGuard:
-    """A Fetch call that runs as long as its messages keep coming, cancelled once none came for
-    `seconds`: a deadline on each wait rather than on the whole call (see Offer.stall). While
-    `head_by` is set (until the caller has the stream's head), that deadline ends it too."""
+    """A Fetch call cancelled once no message came for `seconds`, a deadline on each wait rather than the whole call
+    (see Offer.stall); and, while `head_by` is set (until the caller has the stream's head), at that deadline."""
 
     def __init__(self, call: Any, seconds: float, head_by: Deadline | None = None) -> None:
         self._call, self._seconds, self.head_by = call, seconds, head_by
