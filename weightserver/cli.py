@@ -90,18 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_log_options(parser: argparse.ArgumentParser, default: object) -> None:
-    parser.add_argument(
-        "--log-level",
-        default=default,
-        choices=LOG_LEVELS,
-        help="log verbosity (default: $WEIGHTSERVER_LOG_LEVEL, else info)",
-    )
-    parser.add_argument(
-        "--log-format",
-        default=default,
-        choices=LOG_FORMATS,
-        help="text lines, or json: one object per line with its fields (default: $WEIGHTSERVER_LOG_FORMAT, else text)",
-    )
+    level = "log verbosity (default: $WEIGHTSERVER_LOG_LEVEL, else info)"
+    parser.add_argument("--log-level", default=default, choices=LOG_LEVELS, help=level)
+    lines = "text lines, or json: one object per line with its fields (default: $WEIGHTSERVER_LOG_FORMAT, else text)"
+    parser.add_argument("--log-format", default=default, choices=LOG_FORMATS, help=lines)
 
 
 def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -170,8 +162,7 @@ def _add_client_commands(commands: argparse._SubParsersAction[argparse.ArgumentP
         return sub
 
     def version(sub: argparse.ArgumentParser, help_text: str, **kwargs: object) -> None:
-        option = sub.add_argument
-        option("--version", dest="version_number", type=_version_number, help=help_text, **kwargs)  # type: ignore[arg-type]
+        sub.add_argument("--version", dest="version_number", type=_version_number, help=help_text, **kwargs)  # type: ignore[arg-type]
 
     publish = command("publish", "publish a .safetensors file as a new version and print its number", cmd_publish)
     publish.add_argument("file", type=Path, help="a .safetensors file")
@@ -190,9 +181,8 @@ def _add_client_commands(commands: argparse._SubParsersAction[argparse.ArgumentP
     ls.add_argument("--json", action="store_true", help="print JSON")
 
     watch = command("watch", "print a line for every new version of a model until interrupted", cmd_watch)
-    watch.add_argument(
-        "--since", type=_version_number, help="last version you know; later ones come first (default: latest)"
-    )
+    since = "last version you know; later ones come first (default: latest)"
+    watch.add_argument("--since", type=_version_number, help=since)
     watch.add_argument("--json", action="store_true", help="print one JSON object per version")
 
     version(command("delete", "delete one version", cmd_delete), "version to delete", required=True)

@@ -117,8 +117,3 @@ class ServerConfig:
 def url_host(host: str) -> str:
     """`host` as written in an address or URL: an IPv6 address goes in brackets."""
     return f"[{host}]" if ":" in host else host
-
-
-def clamp_chunk_bytes(requested: int, default: int = limits.DEFAULT_CHUNK_BYTES) -> int:
-    """The chunk size to use for a request asking for `requested` bytes (0 = default)."""
-    return default if requested <= 0 else max(limits.MIN_CHUNK_BYTES, min(limits.MAX_CHUNK_BYTES, requested))

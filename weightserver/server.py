@@ -55,8 +55,7 @@ logging.getLogger("grpc._cython.cygrpc").addFilter(
 
 
 def _print_exc(*args: Any, **kwargs: Any) -> None:
-    """`traceback.print_exc` as gRPC's Cython module sees it: gRPC (1.85) also prints that cancellation's
-    traceback to stderr beside the log record; this prints every other traceback."""
+    """`traceback.print_exc` for gRPC's Cython module, which (1.85) also prints that cancellation's traceback."""
     if not isinstance(sys.exc_info()[1], asyncio.CancelledError):
         traceback.print_exc(*args, **kwargs)
 
@@ -253,13 +252,11 @@ class WeightServer:
                     on_removed=servicer.forget_removed,
                 )
             reflection.enable_server_reflection((SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME), server)
-            try:
+            with contextlib.suppress(RuntimeError):  # how gRPC says it could not bind (older releases return 0)
                 if config.tls:
                     self.port = server.add_secure_port(config.address, server_credentials(config))
                 else:
                     self.port = server.add_insecure_port(config.address)
-            except RuntimeError:  # how gRPC says it could not bind (older releases returned 0)
-                self.port = 0
             if self.port == 0:
                 # (gRPC says no more; a certificate or key it cannot use fails here too)
                 tls = ", or are --tls-cert and --tls-key no PEM certificate chain and its key?" if config.tls else "?"

@@ -79,9 +79,8 @@ class _Fetched:
     checked: bool = True  # its xxh3 was checked against the announced one (bytes received early are not)
 
     def upload(self, header_limits: dict[str, int]) -> Upload:
-        """Checked bytes bring their digests (the xxh3 matched, or the file was the upstream's sealed
-        memfd: the tensors' are theirs); hashing 256 MiB again cost 80% of a relay's time. They are
-        committed as declared: the pass after the commit checks them with the sha256."""
+        """Checked bytes (the xxh3 matched, or the upstream's sealed memfd) bring their digests, committed as
+        declared: hashing 256 MiB again cost 80% of a relay's time; the pass after the commit checks the sha256."""
         info, found = self.info, None
         tensor_xxh3 = {t.name: t.xxh3 for t in info.tensors}
         if self.checked and info.xxh3 and all(tensor_xxh3.values()):
@@ -284,8 +283,7 @@ class Relay:
 
     async def _follower(self, model: str) -> None:
         """Watch `model` from the newest version held and relay each; after a failure, back off and resubscribe.
-        The backoff grows until a version is relayed or a Watch runs its course (not merely subscribed:
-        a commit that fails after each subscription, on a full disk, would refetch the version at once)."""
+        The backoff grows until a version is relayed or a Watch runs its course (a commit failing, a full disk)."""
         attempt, failure = 0, ""
 
         def subscribed(metadata: dict[str, str]) -> None:
@@ -390,9 +388,8 @@ class Relay:
                 incoming.task.cancel()
                 incoming.publish.fail("the publish failed upstream")
             return
-        if announced.id in self._incoming or not announced.byte_size:
-            return
-        if self._too_large(announced.model, announced.byte_size):  # (its commit event says so)
+        size = announced.byte_size
+        if announced.id in self._incoming or not size or self._too_large(announced.model, size):  # (its commit says so)
             return
         while len(self._incoming) >= MAX_INCOMING:  # commits that never came (the upstream restarted)
             stale = self._incoming.pop(next(iter(self._incoming)))

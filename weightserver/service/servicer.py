@@ -10,11 +10,12 @@ from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from weightserver.config import ServerConfig, clamp_chunk_bytes
+from weightserver.config import ServerConfig
 from weightserver.metrics import NoMetrics
 from weightserver.protocol import deltas
 from weightserver.protocol.digests import sha256_hex
 from weightserver.protocol.errors import InvalidRequest, PermissionDenied, WeightServerError, clipped_repr
+from weightserver.protocol.limits import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
 from weightserver.protocol.selection import Resolved, Selection
 from weightserver.protocol.version_info import selection_message, summary_message, version_message
 from weightserver.publish.call import PublishCall, Publishes
@@ -174,16 +175,16 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
 
     @streaming
     async def Fetch(self, request: pb.FetchRequest, context: Context) -> AsyncIterator[pb.FetchResponse | bytes]:
-        started, chunk_bytes = time.perf_counter(), clamp_chunk_bytes(request.chunk_size, self.config.chunk_bytes)
+        started, asked = time.perf_counter(), request.chunk_size  # (0: the server's default)
+        chunk_bytes = max(MIN_CHUNK_BYTES, min(MAX_CHUNK_BYTES, asked)) if asked > 0 else self.config.chunk_bytes
         if request.WhichOneof("selector") == "incoming":  # a publish's bytes as they land
             announced = self.incoming.get(request.incoming, request.model)
             yield pb.FetchResponse(payload=pb.Payload(byte_size=announced.byte_size))
             async with contextlib.aclosing(self.stream.send_incoming(announced, chunk_bytes)) as chunks:
                 async for message in chunks:
                     yield message
-            ms = round((time.perf_counter() - started) * 1e3, 3)
             fields = {"model": announced.model, "bytes": announced.byte_size, "transport": "stream"}
-            log_event("fetch_incoming", context, **fields, duration_ms=ms)
+            log_event("fetch_incoming", context, **fields, duration_ms=round((time.perf_counter() - started) * 1e3, 3))
             return
         record = self._chosen(request)
         if record is None:
@@ -306,6 +307,6 @@ def _resolved(record: Version, request: pb.FetchRequest) -> Resolved | None:
     return Selection.from_message(request.select).resolve(record.header.tensors) if request.HasField("select") else None
 
 
-def _rewrite_header(shm: SharedMemoryFiles, model: str, version: int, sha256: Future[str]) -> None:
+def _rewrite_header(shm: SharedMemoryTransport, model: str, version: int, sha256: Future[str]) -> None:
     if sha256.exception() is None:
         shm.write_header(model, version)
