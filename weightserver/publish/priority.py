@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 COMMIT_FIRST_SECONDS = 0.25  # a fetch's longest wait per chunk; each publish's and caller's waiting hold
@@ -40,13 +39,9 @@ class CommitsFirst:
         self._none.set()
         self._buckets: dict[str, _Bucket] = {}
 
-    @contextlib.contextmanager
-    def publish(self, caller: str = "") -> Iterator[PublishTurn]:
-        turn = PublishTurn(self, caller)
-        try:
-            yield turn
-        finally:
-            turn.release()
+    def publish(self, caller: str = "") -> contextlib.closing[PublishTurn]:
+        """A publish's turn, released as its `with` ends."""
+        return contextlib.closing(PublishTurn(self, caller))
 
     async def wait(self) -> None:
         if not self._none.is_set():
@@ -90,6 +85,8 @@ class PublishTurn:
     def release(self) -> None:
         self._committing = False
         self._hold(False)
+
+    close = release  # (contextlib.closing)
 
     def header(self) -> None:
         """A header or `uploaded`: hold for as long as the budgets allow, from now."""
