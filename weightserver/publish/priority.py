@@ -1,8 +1,7 @@
-"""Publish priority: while a publish holds its turn, each stream fetch waits (at most
-COMMIT_FIRST_SECONDS) before its next chunk, so the version every collector waits for does not
-queue behind their chunks on the loop. A publish holds from its commit message to its end, and
-after a header or `uploaded` while budgets last (per publish, and per caller refilling at
-CALLER_REFILL s/s, so a stalling or reopening publisher gains nothing); never while chunks arrive."""
+"""Publish priority: while a publish holds its turn, each stream fetch waits (at most COMMIT_FIRST_SECONDS) before its
+next chunk, so the version every collector waits for does not queue behind their chunks on the loop. A publish holds
+from its commit message to its end, and after a header or `uploaded` while budgets last (per publish, and per caller
+refilling at CALLER_REFILL s/s, so a stalling or reopening publisher gains nothing); never while chunks arrive."""
 
 from __future__ import annotations
 

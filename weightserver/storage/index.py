@@ -48,10 +48,9 @@ class ModelInfo:
 
 
 class NumberRuns:
-    """A set of version numbers held as sorted, disjoint runs [start, stop), their edges in one list:
-    a number is held where an odd count of edges lie at or below it. Its size grows with the runs, not
-    the numbers. Retention evicts the oldest versions, so evictions extend one run; pins and deletes
-    leave holes, each one more run."""
+    """A set of version numbers as the edges of sorted, disjoint runs [start, stop): a number is held where an odd
+    count of edges lie at or below it. Its size grows with the runs, not the numbers: retention evicts the oldest
+    versions, so evictions extend one run; pins and deletes leave holes, each one more run."""
 
     def __init__(self) -> None:
         self._edges: list[int] = []  # start, stop, start, stop, ...
