@@ -78,9 +78,8 @@ class PublishCall:
                     commit = await self._read(messages)
             except TimeoutError:
                 raise DeadlineExceeded(
-                    f"the publish stream took longer than the server's limit of {seconds:g}s and was dropped "
-                    "(nothing was published); raise `weightserver serve --publish-timeout` for larger models "
-                    "or slower links"
+                    f"the publish stream took longer than the server's limit of {seconds:g}s and was dropped (nothing "
+                    "was published); raise `weightserver serve --publish-timeout` for larger models or slower links"
                 ) from None
             self.receive = time.perf_counter() - started
             sha256s = _declared_sha256s(models, commit)
@@ -164,9 +163,8 @@ class PublishCall:
             models[-1].check_complete()
         if header.version and header.version != first.version:
             raise InvalidRequest(
-                f"model {clipped_repr(header.model)}: a multi-model publish has one version number; this header "
-                f"asks for {header.version} but the first asks for {first.version or 'the next one'} (leave later "
-                "ones 0)"
+                f"model {clipped_repr(header.model)}: a multi-model publish has one version number; this header asks "
+                f"for {header.version} but the first asks for {first.version or 'the next one'} (leave later ones 0)"
             )
         if header.publish_id and header.publish_id != first.publish_id:
             raise InvalidRequest(

@@ -1,14 +1,12 @@
-"""Publish priority: while a publish holds its turn, each stream fetch waits (at most
-COMMIT_FIRST_SECONDS) before its next chunk, so the version every collector waits for does not
-queue behind their chunks on the loop. A publish holds from its commit message to its end, and
-after a header or `uploaded` while budgets last (per publish, and per caller refilling at
-CALLER_REFILL s/s, so a stalling or reopening publisher gains nothing); never while chunks arrive."""
+"""Publish priority: while a publish holds its turn, each stream fetch waits (at most COMMIT_FIRST_SECONDS) before its
+next chunk, so the version every collector waits for does not queue behind their chunks on the loop. A publish holds
+from its commit message to its end, and after a header or `uploaded` while budgets last (per publish, and per caller
+refilling at CALLER_REFILL s/s, so a stalling or reopening publisher gains nothing); never while chunks arrive."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 COMMIT_FIRST_SECONDS = 0.25  # a fetch's longest wait per chunk; each publish's and caller's waiting hold
@@ -40,13 +38,9 @@ class CommitsFirst:
         self._none.set()
         self._buckets: dict[str, _Bucket] = {}
 
-    @contextlib.contextmanager
-    def publish(self, caller: str = "") -> Iterator[PublishTurn]:
-        turn = PublishTurn(self, caller)
-        try:
-            yield turn
-        finally:
-            turn.release()
+    def publish(self, caller: str = "") -> contextlib.closing[PublishTurn]:
+        """A publish's turn, released as its `with` ends."""
+        return contextlib.closing(PublishTurn(self, caller))
 
     async def wait(self) -> None:
         if not self._none.is_set():
@@ -90,6 +84,8 @@ class PublishTurn:
     def release(self) -> None:
         self._committing = False
         self._hold(False)
+
+    close = release  # (contextlib.closing)
 
     def header(self) -> None:
         """A header or `uploaded`: hold for as long as the budgets allow, from now."""

@@ -74,8 +74,7 @@ class StagedUploads:
         if upload is None:
             raise UploadNotFound(
                 f"model {model!r}: upload {clipped_repr(upload_id)} is unknown, used already or expired (uploads "
-                f"expire {UPLOAD_TTL_SECONDS:.0f} s after Negotiate, and a server restart forgets them); "
-                "publish again"
+                f"expire {UPLOAD_TTL_SECONDS:.0f} s after Negotiate, and a server restart forgets them); publish again"
             )
         if upload.owner != owner:
             raise PermissionDenied(

@@ -48,44 +48,35 @@ class ModelInfo:
 
 
 class NumberRuns:
-    """A set of version numbers held as sorted, disjoint runs [start, stop): its size grows with the
-    runs, not the numbers. Retention evicts the oldest versions, so evictions extend one run; pins
-    and deletes leave holes, each one more run."""
+    """A set of version numbers as the edges of sorted, disjoint runs [start, stop): a number is held where an odd
+    count of edges lie at or below it. Its size grows with the runs, not the numbers: retention evicts the oldest
+    versions, so evictions extend one run; pins and deletes leave holes, each one more run."""
 
     def __init__(self) -> None:
-        self._starts: list[int] = []
-        self._stops: list[int] = []  # sorted too: the runs are disjoint
+        self._edges: list[int] = []  # start, stop, start, stop, ...
 
     def add(self, number: int) -> None:
-        i = bisect.bisect_right(self._starts, number)  # run i - 1 is the last that starts at or before it
-        if i and number < self._stops[i - 1]:
+        i = bisect.bisect_right(self._edges, number)
+        if i % 2:
             return  # held already
-        extends_before = i > 0 and self._stops[i - 1] == number
-        extends_after = i < len(self._starts) and self._starts[i] == number + 1
-        if extends_before and extends_after:  # it fills the hole between two runs: one run now
-            self._stops[i - 1] = self._stops[i]
-            del self._starts[i], self._stops[i]
-        elif extends_before:
-            self._stops[i - 1] = number + 1
-        elif extends_after:
-            self._starts[i] = number
-        else:
-            self._starts.insert(i, number)
-            self._stops.insert(i, number + 1)
+        self._edges[i:i] = [number, number + 1]
+        if i + 2 < len(self._edges) and self._edges[i + 2] == number + 1:  # it meets the next run: one run
+            del self._edges[i + 1 : i + 3]
+        if i and self._edges[i - 1] == number:  # and the run before
+            del self._edges[i - 1 : i + 1]
 
     def __contains__(self, number: int) -> bool:
-        i = bisect.bisect_right(self._starts, number)
-        return i > 0 and number < self._stops[i - 1]
+        return bisect.bisect_right(self._edges, number) % 2 == 1
 
     def any_between(self, after: int, before: int) -> bool:
         """Whether a number n with after < n < before is held."""
-        i = bisect.bisect_right(self._stops, after + 1)  # the first run holding a number above `after`
-        return i < len(self._starts) and max(self._starts[i], after + 1) < before
+        i = bisect.bisect_right(self._edges, after + 1)  # odd: after + 1 is held; else edges[i] is the next start
+        return after + 1 < before and (i % 2 == 1 or (i < len(self._edges) and self._edges[i] < before))
 
     @property
     def runs(self) -> list[tuple[int, int]]:
         """The runs, [start, stop) each, in order."""
-        return list(zip(self._starts, self._stops, strict=True))
+        return list(zip(self._edges[::2], self._edges[1::2], strict=True))
 
 
 @dataclass
