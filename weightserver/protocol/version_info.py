@@ -57,12 +57,10 @@ def _tensor_messages(record: VersionRecord | SelectionRecord) -> list[pb.TensorI
 
 
 def selection_message(record: SelectionRecord) -> pb.SelectionInfo:
-    """The wire's SelectionInfo of a selection's file."""
     return pb.SelectionInfo(byte_size=record.byte_size, xxh3=record.xxh3, tensors=_tensor_messages(record))
 
 
 def version_message(record: VersionRecord) -> pb.VersionInfo:
-    """The wire's VersionInfo of a server's record."""
     created = Timestamp()
     created.FromNanoseconds(int(record.created * 1e9))
     return pb.VersionInfo(

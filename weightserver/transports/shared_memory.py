@@ -78,8 +78,7 @@ def _write_file(path: Path, parts: tuple[memoryview, ...], mode: int) -> None:
         with open(tmp, "wb") as f:
             if size := sum(p.nbytes for p in parts):
                 os.posix_fallocate(f.fileno(), 0, size)
-            for part in parts:
-                f.write(part)
+            f.writelines(parts)
         os.chmod(tmp, mode)
         tmp.replace(path)
     except OSError:
