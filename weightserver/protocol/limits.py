@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import operator
 
 from weightserver.protocol.errors import InvalidRequest, clipped_repr
@@ -47,11 +48,9 @@ MAX_VERSION_FIELD = 2**64 - 1
 def version_number(value: object, name: str, *, least: int = 0, meaning: str = "") -> int:
     """`value` if a version field holds it (a whole number from `least` to 2**64-1); else
     InvalidRequest naming `name`, the range, and `meaning` (what 0 stands for, say "0: the latest")."""
-    try:
+    with contextlib.suppress(TypeError):  # (not a whole number)
         number = operator.index(value)  # type: ignore[call-overload]
-    except TypeError:
-        number = None
-    if number is None or isinstance(value, bool) or not least <= number <= MAX_VERSION_FIELD:
-        said = f" ({meaning})" if meaning else ""
-        raise InvalidRequest(f"{name} must be a whole number from {least} to 2**64-1{said}, got {clipped_repr(value)}")
-    return number
+        if not isinstance(value, bool) and least <= number <= MAX_VERSION_FIELD:
+            return number
+    said = f" ({meaning})" if meaning else ""
+    raise InvalidRequest(f"{name} must be a whole number from {least} to 2**64-1{said}, got {clipped_repr(value)}")
