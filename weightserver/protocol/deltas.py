@@ -1,12 +1,9 @@
-"""Deltas: a version's changed tensors against a base version's, whole or as element deltas (one
-tensor's changed elements, in the smaller of two forms), and the rebuild of the version from them.
+"""Deltas: a version's changed tensors against a base's, whole or as element deltas (a tensor's
+changed elements in the smaller of the proto's two ElementDelta forms), and the rebuild from them.
 
-A bf16 cast of fp32 master weights changes in a few percent of its elements per optimizer step,
-so a delta that carries whole changed tensors saves nothing in training; one that carries the
-changed elements does. Elements are compared as raw bytes (so -0.0, NaN payloads and every
-dtype alike). The proto's ElementDelta lays out the two forms, ``sparse`` and ``bitmap``, byte
-for byte.
-"""
+A bf16 cast of fp32 master weights changes a few percent of its elements per optimizer step, so
+only element deltas save anything in training. Elements compare as raw bytes (-0.0, NaN payloads
+and every dtype alike)."""
 
 from __future__ import annotations
 
@@ -51,9 +48,8 @@ def sizes(n: int, k: int, itemsize: int) -> dict[str, int]:
 
 
 def worth_encoding(base: Bytes, new: Bytes, itemsize: int, forms: tuple[str, ...] = FORMS) -> bool:
-    """Whether a sample of the elements says a form could save a fifth of the whole tensor: a tensor
-    that changed everywhere (fp32 weights after an optimizer step) is not compared in full. A tensor
-    the sample covers whole (under 2 x SAMPLE elements) takes any saving (the demo's DDPG actor: 13%)."""
+    """Whether a sample says a form could save a fifth of the tensor, so one changed everywhere (fp32
+    after an optimizer step) is not compared in full; one the sample covers whole takes any saving."""
     import numpy as np
 
     old, now = _words(base, itemsize), _words(new, itemsize)
@@ -90,9 +86,8 @@ def encode(base: Bytes, new: Bytes, itemsize: int, forms: tuple[str, ...] = FORM
 
 
 def apply(form: str, delta: Bytes, out: memoryview, itemsize: int, what: str = "tensor") -> int:
-    """Write `delta`'s elements into `out` (the base tensor's bytes, writable): how many changed.
-    Malformed input raises IntegrityError naming `what` and writes nothing. The elements are
-    written WINDOW at a time, so the temporaries stay a few MiB whatever the tensor's size."""
+    """Write `delta`'s elements into `out` (the base tensor's bytes), WINDOW at a time so temporaries
+    stay a few MiB: how many changed. Malformed input: IntegrityError naming `what`, nothing written."""
     import numpy as np
 
     n, delta, words = len(out) // itemsize, memoryview(delta).cast("B"), _words(out, itemsize)
@@ -139,12 +134,10 @@ def apply(form: str, delta: Bytes, out: memoryview, itemsize: int, what: str = "
 
 
 class Rebuild(framing.Regions):
-    """A framing.Sink that rebuilds a version in `rebuilt` (the base's file, writable) as its delta
-    payload arrives: a tensor carried whole lands in its place, an element delta is held (one
-    tensor's at a time) and applied once it is in. So a delta needs no buffer of its own, nor a
-    pass after the transfer. `xxh3()` is the payload's digest and `changed` names its tensors. A
-    malformed payload sets `problem` and the rest is only hashed (whether the bytes are the ones
-    sent tells a bad transfer from a bad delta); `rebuilt` is then spoilt."""
+    """A framing.Sink that rebuilds a version in `rebuilt` (the base's file) as its delta arrives: a
+    whole tensor lands in place, an element delta is held and applied once in; no buffer, no second
+    pass. `xxh3()` is the payload's digest, `changed` its tensors. A malformed payload sets `problem`
+    (`rebuilt` is spoilt) and the rest is only hashed, to tell a bad transfer from a bad delta."""
 
     def __init__(self, rebuilt: memoryview, base_header: SafetensorsHeader, nbytes: int) -> None:
         self.rebuilt, self.problem = rebuilt, ""
@@ -168,10 +161,10 @@ class Rebuild(framing.Regions):
         on `base` (in `base` itself with `in_place`, else in a copy); None if `base` is laid out otherwise."""
         if len(base) != byte_size or [_placement(t) for t in base_header.tensors] != [_placement(t) for t in layout]:
             return None
-        if in_place:
-            return cls(memoryview(base).cast("B"), base_header, nbytes)
-        rebuilt = page_tables.anonymous(byte_size)  # (a copy into fresh pages: 160 ms at 256 MiB, bytearray 290)
-        rebuilt[:] = memoryview(base).cast("B")
+        rebuilt = memoryview(base).cast("B")
+        if not in_place:  # a copy into fresh pages (160 ms at 256 MiB; bytearray 290)
+            rebuilt = page_tables.anonymous(byte_size)
+            rebuilt[:] = memoryview(base).cast("B")
         return cls(rebuilt, base_header, nbytes)
 
     def xxh3(self) -> str:
@@ -240,10 +233,9 @@ def apply_delta(
     *,
     in_place: bool = False,
 ) -> tuple[memoryview, list[str]] | None:
-    """The inverse of `derive(..., keep=changed)`: the base with `delta`'s tensors written over (into
-    `base` itself with `in_place`), and their names; None when the target (`layout`, `byte_size`) is
-    laid out otherwise. A malformed delta raises IntegrityError (in place: the base is then spoilt).
-    The caller checks the digests."""
+    """The inverse of payloads.derive(..., keep=changed): the base (itself with `in_place`) with `delta`'s
+    tensors written over, and their names; None when the target (`layout`, `byte_size`) is laid out
+    otherwise. A malformed delta: IntegrityError (in place, the base is spoilt). The caller checks digests."""
     rebuild = Rebuild.on(base, base_header, layout, byte_size, len(delta), in_place=in_place)
     if rebuild is None:
         return None

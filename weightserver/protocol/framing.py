@@ -87,11 +87,10 @@ class Region(NamedTuple):
 
 
 class Regions:
-    """Scatters a file's received bytes as a queue of regions, planned as it arrives (a region's
-    `then` may push the ones after it: a header, then the tensors it lays out): `target(n)` is a
-    writable view of at most n bytes for the next ones, `advance(n)` says n of them were written;
-    `nbytes` in all, ValueError when they do not fit. At most a block lands at a time, so it is
-    hashed while in cache."""
+    """Scatters a file's `nbytes` received bytes into a queue of regions planned as they arrive (a region's
+    `then` may push the next ones: a header, then its tensors): `target(n)` is a writable view of at most n
+    bytes for the next ones, `advance(n)` says n were written; ValueError when they do not fit the layout.
+    At most a block lands at a time, so it is hashed while in cache."""
 
     def __init__(self, nbytes: int, first: Region) -> None:
         self.nbytes = nbytes

@@ -21,10 +21,9 @@ MAP_FIXED, PROT_NONE = 0x10, 0x0  # (not in the mmap module)
 
 
 def anonymous(size: int, *, huge: bool = False) -> memoryview:
-    """`size` bytes of fresh private memory to receive into (mmap's default for -1 is shared shmem,
-    which fills 40% slower). `huge`: advised as huge pages, for memory kept and reused (a
-    follower's cut-through buffer): first touches cost more, but a collector's small pages made
-    the server's page-table fill of the next upload 3 to 10 times slower (docs/performance.md)."""
+    """`size` bytes of fresh private memory to receive into (mmap's default, shared shmem, fills 40% slower).
+    `huge`: advised as huge pages, for memory kept and reused (a follower's cut-through buffer): a collector's
+    small pages made the server's page-table fill of the next upload 3 to 10 times slower (docs/performance.md)."""
     if not size:
         return memoryview(bytearray())
     memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
@@ -48,10 +47,9 @@ def populate(mapping: mmap.mmap) -> bool:
 
 
 def reserve(fd: int, size: int) -> None:
-    """Allocate `size` bytes of the memfd `fd` now (OSError when there is no room, rather than a
-    writer's SIGBUS later). Where the host gives shared memory huge pages only on advice, through an
-    advised mapping (`populate`), as fallocate would take small pages; elsewhere fallocate (with
-    "always" or "within_size" in huge pages too)."""
+    """Allocate `size` bytes of the memfd `fd` now (OSError when there is no room, not a writer's SIGBUS
+    later): through an advised mapping (`populate`) where the host gives shared memory huge pages only on
+    advice, as fallocate would take small pages; elsewhere fallocate ("always", "within_size": huge too)."""
     if size and shared_huge_pages() == "advise":
         os.ftruncate(fd, size)
         with mmap.mmap(fd, size) as mapping:
@@ -73,10 +71,9 @@ def shared_huge_pages() -> str | None:
 
 
 def unmap(mapping: mmap.mmap, start: int, end: int) -> None:
-    """Replace bytes [start, end) of `mapping` (page-aligned) with inaccessible anonymous memory, off
-    the GIL, so tearing the file's pages down (the file keeps them) overlaps other work; unlike a
-    munmap, it leaves no hole that another mapping could take before `mapping.close()`. Never touch
-    that range afterwards."""
+    """Replace bytes [start, end) of `mapping` (page-aligned) with inaccessible anonymous memory off the
+    GIL, so tearing the file's pages down overlaps other work; unlike a munmap, it leaves no hole another
+    mapping could take before `mapping.close()`. Never touch that range afterwards."""
     anchor = ctypes.c_char.from_buffer(mapping)
     try:
         at = ctypes.addressof(anchor) + start

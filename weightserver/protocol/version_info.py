@@ -4,7 +4,7 @@ server builds the message from its record (`version_message`); a client reads it
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
@@ -35,6 +35,10 @@ class VersionRecord(SelectionRecord, Protocol):
     group: tuple[str, ...]
 
 
+# The fields a VersionInfo message and its Python form share, name and value alike.
+_SAME_FIELDS = ("model", "version", "byte_size", "sha256", "pinned", "xxh3")
+
+
 class SummaryRecord(Protocol):
     model: str
     latest_version: int
@@ -43,39 +47,28 @@ class SummaryRecord(Protocol):
 
 
 def _tensor_messages(record: VersionRecord | SelectionRecord) -> list[pb.TensorInfo]:
+    digest = record.tensor_xxh3.get
     return [
         pb.TensorInfo(
-            name=t.name,
-            dtype=t.dtype,
-            shape=list(t.shape),
-            data_begin=t.begin,
-            data_end=t.end,
-            xxh3=record.tensor_xxh3.get(t.name, ""),
+            name=t.name, dtype=t.dtype, shape=t.shape, data_begin=t.begin, data_end=t.end, xxh3=digest(t.name, "")
         )
         for t in record.header.tensors
     ]
 
 
 def selection_message(record: SelectionRecord) -> pb.SelectionInfo:
-    """The wire's SelectionInfo of a selection's file."""
     return pb.SelectionInfo(byte_size=record.byte_size, xxh3=record.xxh3, tensors=_tensor_messages(record))
 
 
 def version_message(record: VersionRecord) -> pb.VersionInfo:
-    """The wire's VersionInfo of a server's record."""
     created = Timestamp()
     created.FromNanoseconds(int(record.created * 1e9))
     return pb.VersionInfo(
-        model=record.model,
-        version=record.version,
-        byte_size=record.byte_size,
-        sha256=record.sha256,
+        **{name: getattr(record, name) for name in _SAME_FIELDS},
         created=created,
         metadata=dict(record.metadata),
         tensors=_tensor_messages(record),
-        pinned=record.pinned,
         group=list(record.group),
-        xxh3=record.xxh3,
     )
 
 
@@ -85,12 +78,7 @@ def description_bytes(record: VersionRecord) -> int:
 
 
 def summary_message(info: SummaryRecord) -> pb.ModelSummary:
-    return pb.ModelSummary(
-        model=info.model,
-        latest_version=info.latest_version,
-        version_count=info.version_count,
-        retained_bytes=info.retained_bytes,
-    )
+    return pb.ModelSummary(**{f.name: getattr(info, f.name) for f in fields(ModelSummary)})
 
 
 @dataclass(frozen=True)
@@ -120,16 +108,11 @@ class VersionInfo:
     def from_proto(cls, message: pb.VersionInfo) -> VersionInfo:
         created_ns = message.created.ToNanoseconds()
         return cls(
-            model=message.model,
-            version=message.version,
-            byte_size=message.byte_size,
-            sha256=message.sha256,
+            **{name: getattr(message, name) for name in _SAME_FIELDS},
             created=datetime.fromtimestamp(created_ns / 1e9, tz=UTC),
             metadata=dict(message.metadata),
             tensors=_tensors(message.tensors),
-            pinned=message.pinned,
             group=tuple(message.group),
-            xxh3=message.xxh3,
             created_ns=created_ns,
         )
 
@@ -156,7 +139,7 @@ class ModelSummary:
 
     @classmethod
     def from_proto(cls, message: pb.ModelSummary) -> ModelSummary:
-        return cls(message.model, message.latest_version, message.version_count, message.retained_bytes)
+        return cls(*(getattr(message, f.name) for f in fields(cls)))
 
 
 @dataclass(frozen=True)

@@ -230,10 +230,9 @@ class _Loop:
             return
 
         async def cancel_all() -> None:
-            tasks = list(self._tasks)
-            for task in tasks:
+            for task in self._tasks:  # (a task leaves the set in a callback, after this loop)
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*self._tasks, return_exceptions=True)
 
         with contextlib.suppress(RuntimeError, TimeoutError):  # closed already; or a task hangs
             asyncio.run_coroutine_threadsafe(cancel_all(), self._loop).result(timeout=5)

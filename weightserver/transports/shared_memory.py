@@ -78,8 +78,7 @@ def _write_file(path: Path, parts: tuple[memoryview, ...], mode: int) -> None:
         with open(tmp, "wb") as f:
             if size := sum(p.nbytes for p in parts):
                 os.posix_fallocate(f.fileno(), 0, size)
-            for part in parts:
-                f.write(part)
+            f.writelines(parts)
         os.chmod(tmp, mode)
         tmp.replace(path)
     except OSError:
@@ -241,12 +240,11 @@ class UploadFile:
 
 
 class PublisherMemory(UploadFile):
-    """A same-host publisher's upload: a memfd of the server's, which the publisher opens through
-    `path`, a link of its own name (an fd number is reused once closed; kept, valid while held) to
-    /proc/<server pid>/fd/<n> (as the server's user, or root), and writes. The server reads none of
-    it until `seal`: from then on no process can write, grow or shrink it, so the bytes hashed are
-    the bytes served, and one cut short before is DATA_LOSS, not a SIGBUS. No copy: the seal costs a
-    syscall, where copying a 256 MiB publish into a file of the server's cost 70 ms."""
+    """A same-host publisher's upload: a memfd of the server's that the publisher opens (as the server's
+    user, or root) through `path`, a link of its own name (fd numbers are reused) to /proc/<pid>/fd/<n>,
+    and writes. The server reads none of it until `seal`: then nobody can write, grow or shrink it, so
+    the bytes hashed are the bytes served and one cut short is DATA_LOSS, not a SIGBUS. A seal is a
+    syscall where copying a 256 MiB publish into a file of the server's cost 70 ms."""
 
     def __init__(self, path: Path, model: str, size: int) -> None:
         self.size = size
@@ -262,17 +260,21 @@ class PublisherMemory(UploadFile):
         self._lock = threading.Lock()
 
     def seal(self, model: str, *, populate: bool = True) -> memoryview:
-        """Seal it and map it read-only (`populate`: every page now, for a hash that reads them all);
-        InvalidRequest while the publisher maps it writable (or sealed it, not whole), IntegrityError if not the
-        declared size."""
+        """Seal it and map it read-only (`populate`: every page now, for a hash that reads them all); InvalidRequest
+        while the publisher maps it writable (or sealed it, not whole), IntegrityError if not the declared size."""
         # EBUSY may also be a page still referenced past the kernel's own ~150 ms wait: up to 0.75 s more
         for wait in (0.05, 0.1, 0.2, 0.4, None):
             try:
                 fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, SEALS)
                 break
             except OSError as exc:
-                if exc.errno == errno.EPERM:  # F_SEAL_SEAL is on: the publisher added seals itself
-                    self._sealed_by_publisher(model)
+                if exc.errno == errno.EPERM:  # F_SEAL_SEAL is on: the publisher sealed it; enough if it sealed all
+                    if SEALS & ~fcntl.F_SEAL_SEAL & ~fcntl.fcntl(self._fd, fcntl.F_GET_SEALS):
+                        raise InvalidRequest(
+                            f"model {model!r}: the publisher sealed its shared-memory upload (F_SEAL_SEAL) but not "
+                            "against writes, growth and shrinking, so the server cannot make it read-only; add no "
+                            "seals to the upload (the server seals it at `uploaded`) and publish again"
+                        ) from None
                     break
                 if exc.errno != errno.EBUSY:
                     raise
@@ -293,15 +295,6 @@ class PublisherMemory(UploadFile):
             flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
             self.buffer = memoryview(mmap.mmap(self._fd, size, flags=flags, prot=mmap.PROT_READ))
         return self.buffer
-
-    def _sealed_by_publisher(self, model: str) -> None:
-        """Nothing to add once the publisher sealed it against writes, growth and shrinking; else InvalidRequest."""
-        if SEALS & ~fcntl.F_SEAL_SEAL & ~fcntl.fcntl(self._fd, fcntl.F_GET_SEALS):
-            raise InvalidRequest(
-                f"model {model!r}: the publisher sealed its shared-memory upload (F_SEAL_SEAL) but not against "
-                "writes, growth and shrinking, so the server cannot make it read-only; add no seals to the upload "
-                "(the server seals it at `uploaded`) and publish again"
-            )
 
     def close(self) -> None:
         """Let go of the memfd (a mapping of it stays valid)."""

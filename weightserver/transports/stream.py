@@ -6,6 +6,7 @@ not every open one; and each chunk waits while a publish goes first (`CommitsFir
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import AsyncIterator, Sequence
 
 from weightserver.protocol import framing
@@ -26,16 +27,9 @@ class StreamTransport:
 
     async def send(self, parts: Sequence[memoryview], chunk_bytes: int) -> AsyncIterator[bytes]:
         """A payload's consecutive `parts` (`Payload.parts`) as chunk messages."""
-        turns, loop = self._turns, asyncio.get_running_loop()
-        await turns.acquire()
-        held = True
-
-        def give_back() -> None:
-            nonlocal held
-            if held:
-                held = False
-                turns.release()
-
+        loop = asyncio.get_running_loop()
+        await self._turns.acquire()
+        give_back = functools.cache(self._turns.release)  # once: at a slow reader's write or at the end
         try:
             for message in framing.chunk_messages(parts, chunk_bytes):
                 await self._commits_first.wait()
