@@ -132,8 +132,6 @@ class Connection(AbstractContextManager):
         tls_cert: PathLike | None = None,
         tls_key: PathLike | None = None,
     ) -> None:
-        # What a client like this one in another process is made with (a pickled updater dials again).
-        self.settings: dict[str, Any] = {k: v for k, v in locals().items() if k not in ("self", "address", "connect")}
         address = address or default_address()
         self.addresses = [a.strip() for a in (address.split(",") if isinstance(address, str) else address) if a.strip()]
         if not self.addresses:
@@ -142,6 +140,19 @@ class Connection(AbstractContextManager):
             if (port := given.rpartition(":")[2]).isdigit() and not 0 < int(port) < 65536:
                 raise ValueError(f"server address {given!r}: port {port} is not one (1-65535)")
         self.timeout, self.chunk_bytes, self.retry_seconds, self.retry = timeout, chunk_bytes, retry_seconds, retry
+        # What a client like this one in another process is made with (a pickled updater dials again).
+        self.settings: dict[str, Any] = dict(
+            timeout=timeout,
+            chunk_bytes=chunk_bytes,
+            client_id=client_id,
+            token=token,
+            retry_seconds=retry_seconds,
+            retry=retry,
+            tls=tls,
+            tls_ca=tls_ca,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
+        )
         self._metadata = call_metadata(token, client_id)
         self._shm = SharedMemoryTransport()
 
