@@ -15,13 +15,15 @@ Placement = Callable[[VersionInfo], Mapping[str, memoryview] | None]
 
 
 def checked_views(place: Placement, info: VersionInfo) -> dict[str, memoryview] | None:
-    views = place(info) or {}
+    views = place(info)
+    if not views:
+        return None
     tensors = {t.name: t for t in info.tensors}
     for name, view in views.items():
         entry = tensors.get(name)
         if entry is None or not entry.xxh3 or view.readonly or view.nbytes != entry.nbytes:
             return None
-    return {name: view.cast("B") if view.format != "B" else view for name, view in views.items()} or None
+    return {name: view.cast("B") if view.format != "B" else view for name, view in views.items()}
 
 
 def layout(info: VersionInfo, views: Mapping[str, memoryview], header_bytes: int) -> list[tuple[int, str | None]]:

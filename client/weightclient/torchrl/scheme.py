@@ -62,7 +62,8 @@ class GrpcWeightSyncScheme(SharedMemWeightSyncScheme):
             raise ValueError(f"puller= is the whole updater: pass {given} to GrpcLocalWeightUpdater (or your subclass)")
         self.puller: GrpcLocalWeightUpdater | None = puller
         self._in_process = False  # a single Collector: no workers, its policy is updated directly
-        self._server_version = torch.full((), -1, dtype=torch.int64).share_memory_()  # applied version, for workers
+        # The applied server version, shared with the workers.
+        self._server_version = torch.full((), -1, dtype=torch.int64).share_memory_()
 
     @property
     def version(self) -> int | None:
