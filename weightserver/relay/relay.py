@@ -283,7 +283,8 @@ class Relay:
 
     async def _follower(self, model: str) -> None:
         """Watch `model` from the newest version held and relay each; after a failure, back off and resubscribe.
-        The backoff grows until a version is relayed or a Watch runs its course (a commit failing, a full disk)."""
+        The backoff grows until a version is relayed or a Watch runs its course (not merely subscribed:
+        a commit that fails after each subscription, on a full disk, would refetch the version at once)."""
         attempt, failure = 0, ""
 
         def subscribed(metadata: dict[str, str]) -> None:
