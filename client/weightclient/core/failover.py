@@ -83,7 +83,7 @@ def map_rpc_errors(address: str | None = None) -> Iterator[None]:
         yield
     except grpc.RpcError as err:
         error = error_from_rpc(err)
-        if address and err.code() == grpc.StatusCode.UNAVAILABLE:
+        if address and isinstance(error, ServerUnavailable):  # (an RpcError need not have a code())
             error = type(error)(f"weight server at {address} is unavailable: {error}")
         raise error from None
 
