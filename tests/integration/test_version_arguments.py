@@ -15,6 +15,7 @@ import torch
 
 from weightclient import InvalidRequest, WeightClient
 from weightclient import tensors as tensor_codec
+from weightclient.torchrl.grpc_updaters import GrpcLocalWeightUpdater
 
 MODEL = "policy"
 WEIGHTS = {"w": torch.arange(4, dtype=torch.float32)}
@@ -38,9 +39,10 @@ CALLS = {
     "publish_bytes": ("version", 0, lambda c, v: c.publish_bytes(MODEL, tensor_codec.encode(WEIGHTS), version=v)),
     "watch_weights": ("since", 0, lambda c, v: c.watch_weights(MODEL, since=v)),
     "watch": ("since", 0, lambda c, v: c.watch(MODEL, since=v)),
+    "GrpcLocalWeightUpdater": ("version", 1, lambda c, v: GrpcLocalWeightUpdater(c, model=MODEL, version=v)),
 }
 EVERY_RETAINED = "0: every retained"
-MEANING = {"describe": "0: the latest", "fetch newer_than": "0: any version"}
+MEANING = {"describe": "0: the latest", "fetch newer_than": "0: any version", "GrpcLocalWeightUpdater": "None: follow"}
 MEANING |= {"watch_weights": EVERY_RETAINED, "watch": EVERY_RETAINED}
 
 

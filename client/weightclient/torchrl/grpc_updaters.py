@@ -25,6 +25,7 @@ from weightclient.core.version_follower import CutThrough, VersionFollower
 from weightclient.tensors import Weights, decode
 from weightclient.torchrl.key_mapping import IDENTITY, KeyMap, check_weights, map_keys
 from weightserver.protocol import errors
+from weightserver.protocol.limits import version_number
 from weightserver.protocol.safetensors_format import parse_header
 from weightserver.protocol.selection import Selection
 from weightserver.protocol.version_info import VersionInfo
@@ -225,6 +226,8 @@ class GrpcLocalWeightUpdater(_LazyClient, LocalWeightUpdaterBase):
             raise ValueError(f"update_timeout must be a number of seconds > 0, got {update_timeout!r}")
         self._set_client(client)
         self.model, self.policy, self.key_map = model, policy, key_map
+        if version is not None:  # refused here, not at the first update in a collector's worker
+            version = version_number(version, "version", least=1, meaning="None: follow the newest")
         self.pinned_version, self.delta, self.dtype = version, delta, dtype
         self.transport, self.watch, self.incoming, self.keep_storage = transport, watch, incoming, keep_storage
         self.select = Selection.of(select) if select is not None else None
