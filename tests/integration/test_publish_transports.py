@@ -483,6 +483,41 @@ def test_a_client_that_cannot_see_the_servers_shared_memory_publishes_over_bulk(
     assert [t for t in servicer_of(server).staged.transports() if t == "shm"] == ["shm"]
 
 
+def test_a_client_that_cannot_see_the_servers_shared_memory_stops_asking_for_it(server):
+    """As in docker/compose.yaml, where each container has a /dev/shm of its own: the first publish or fetch
+    finds the server's shared-memory folder missing, says so once at INFO, and shm stays off for this
+    server. Before, it failed again after every rest (60 s), each time with a WARNING and a wasted try."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root for unshare --mount")
+    script = textwrap.dedent(
+        f"""
+        import logging, sys, time
+        import torch
+        from weightclient import WeightClient
+        logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(levelname)s %(message)s")
+        with WeightClient({server.address!r}) as c:
+            c.transports.rest_seconds = 0.01  # a rest that ends before each next call
+            for i in range(3):
+                c.publish({{"w": torch.full((1 << 16,), float(i))}}, model={MODEL!r}, transport="auto")
+                time.sleep(0.05)
+                fetched = c.fetch({MODEL!r}, transport="auto")
+                assert fetched.state_dict()["w"][0] == i and fetched.stats.transport == "bulk", fetched.stats
+                time.sleep(0.05)
+            print(c.transports.usable("shm"), c.transports.usable("bulk"))
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    mounts = 'mount -t tmpfs tmpfs /dev/shm && exec "$0" -c "$1"'
+    command = ["unshare", "--mount", "--pid", "--fork", "--mount-proc", "sh", "-c", mounts]
+    done = subprocess.run([*command, sys.executable, script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "True"]
+    said = [line for line in done.stderr.splitlines() if "shm transport" in line]
+    assert len(said) == 1, done.stderr
+    assert said[0].startswith("INFO shm transport is off for this server: its shared memory (/dev/shm/"), said
+    assert "is not visible from this process" in said[0]
+
+
 def test_the_transports_refuse_what_is_not_an_upload_file(tmp_path):
     victim = tmp_path / "notes.txt"
     victim.write_bytes(b"keep me")

@@ -2,6 +2,7 @@
 
 from weightclient.transports.base import (
     NotOffered,
+    NotVisibleHere,
     Offer,
     OutgoingFile,
     PayloadGone,
@@ -16,6 +17,7 @@ from weightclient.transports.stream import StreamTransport
 __all__ = [
     "BulkTransport",
     "NotOffered",
+    "NotVisibleHere",
     "Offer",
     "OutgoingFile",
     "PayloadGone",

@@ -5,6 +5,7 @@ said); one that cannot raises `TransportFailed`, and rests `rest_seconds` while 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -27,6 +28,11 @@ Answer = pb.NegotiateResponse | None  # Negotiate's; None where the stream's Fet
 
 class TransportFailed(Exception):
     """This transport cannot carry the payload here: the caller falls back to the next."""
+
+
+class NotVisibleHere(TransportFailed):
+    """The server's files are not visible from this process (another host, container or mount namespace): the
+    transport stays off for this server rather than failing again every `rest_seconds`."""
 
 
 class PayloadGone(TransportFailed):
@@ -133,12 +139,17 @@ class TransportChain:
         return failed is not None and time.monotonic() - failed < self.rest_seconds
 
     def failed(self, transport: Transport, reason: object) -> None:
+        self._worked.discard(transport.name)
+        if isinstance(reason, NotVisibleHere):  # no use asking again: an expected setup (compose), not a fault
+            if self._failed_at.get(transport.name) != math.inf:
+                log.info("%s transport is off for this server: %s", transport.name, reason)
+            self._failed_at[transport.name] = math.inf  # resting until it works (it is not asked to)
+            return
         if not self.resting(transport):
             log.warning(
                 "%s transport failed (%s); using the next one for %.0fs", transport.name, reason, self.rest_seconds
             )
         self._failed_at[transport.name] = time.monotonic()
-        self._worked.discard(transport.name)
 
     def worked(self, transport: Transport) -> None:
         self._failed_at.pop(transport.name, None)

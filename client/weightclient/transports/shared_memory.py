@@ -22,7 +22,16 @@ from google.protobuf.message import DecodeError
 from weightclient.core.retry import Deadline
 from weightclient.placement import layout, mismatched
 from weightclient.transports import base
-from weightclient.transports.base import Offer, Parts, PayloadGone, Progress, Transport, TransportFailed, Uploaded
+from weightclient.transports.base import (
+    NotVisibleHere,
+    Offer,
+    Parts,
+    PayloadGone,
+    Progress,
+    Transport,
+    TransportFailed,
+    Uploaded,
+)
 from weightclient.transports.block_reader import read_blocks
 from weightserver.protocol import page_tables
 from weightserver.protocol.digests import BLOCK_BYTES, PREFIX_BYTES, IncomingDigests, xxh3_hex
@@ -76,6 +85,7 @@ class SharedMemoryTransport(Transport):
                 raise TransportFailed(f"{path} is not an upload of {total} bytes")
             fd = os.open(memory, os.O_RDWR)
         except OSError as exc:
+            _check_visible(path)
             raise TransportFailed(f"cannot open {path} for writing here ({exc})") from exc
         try:
             st = os.fstat(fd)
@@ -127,6 +137,7 @@ class SharedMemoryTransport(Transport):
         except OSError as exc:
             if not os.path.exists(path) and os.path.isdir(os.path.dirname(path)):  # evicted: ask again
                 raise PayloadGone(f"{path} was removed before it could be read") from exc
+            _check_visible(path)
             raise TransportFailed(f"cannot open {path} here ({exc})") from exc
         try:
             if os.fstat(fd).st_size != size:
@@ -292,6 +303,16 @@ class _UploadWrite:
             return None
         self.given_up += self.window
         return self.given_up - self.window
+
+
+def _check_visible(path: str) -> None:
+    """NotVisibleHere unless the server's folder (`<shm dir>/<server's folder>/<model>/<file>`) is there."""
+    folder = os.path.dirname(os.path.dirname(path))
+    if not os.path.isdir(folder):
+        raise NotVisibleHere(
+            f"its shared memory ({folder}) is not visible from this process (another host, container or mount "
+            "namespace); fetches and publishes use bulk or the stream"
+        )
 
 
 def _read_placed(fd: int, info: VersionInfo, views: Mapping[str, memoryview]) -> list[str]:
