@@ -22,16 +22,7 @@ from google.protobuf.message import DecodeError
 from weightclient.core.retry import Deadline
 from weightclient.placement import layout, mismatched
 from weightclient.transports import base
-from weightclient.transports.base import (
-    NotVisibleHere,
-    Offer,
-    Parts,
-    PayloadGone,
-    Progress,
-    Transport,
-    TransportFailed,
-    Uploaded,
-)
+from weightclient.transports.base import Offer, Parts, PayloadGone, Progress, Transport, TransportFailed, Uploaded
 from weightclient.transports.block_reader import read_blocks
 from weightserver.protocol import page_tables
 from weightserver.protocol.digests import BLOCK_BYTES, PREFIX_BYTES, IncomingDigests, xxh3_hex
@@ -309,7 +300,7 @@ def _check_visible(path: str) -> None:
     """NotVisibleHere unless the server's folder (`<shm dir>/<server's folder>/<model>/<file>`) is there."""
     folder = os.path.dirname(os.path.dirname(path))
     if not os.path.isdir(folder):
-        raise NotVisibleHere(
+        raise base.NotVisibleHere(
             f"its shared memory ({folder}) is not visible from this process (another host, container or mount "
             "namespace); fetches and publishes use bulk or the stream"
         )
