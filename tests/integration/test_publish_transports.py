@@ -151,20 +151,27 @@ def test_bulk_and_shm_publishes_of_a_large_model_are_bit_exact(server, client):
         assert_bit_exact(client.fetch(MODEL, version=version, transport="stream").state_dict(), weights)
 
 
-def test_a_large_shm_upload_written_by_two_threads_declares_its_bytes_digests(server, client, monkeypatch):
-    """From 64 MiB two threads copy a shared-memory upload's blocks into the mapped upload, and the
-    blocks are hashed in file order by whichever thread finds the next one copied. A model of
-    odd-sized tensors, the helper thread's copies held back so that blocks are done out of order:
-    the xxh3s declared at `uploaded` (file and every tensor) are those of the bytes, and the version
-    comes back bit-exact."""
+@pytest.mark.parametrize("cores", [2, 8])
+def test_a_large_shm_upload_written_by_several_threads_declares_its_bytes_digests(server, client, monkeypatch, cores):
+    """From 64 MiB two threads copy a shared-memory upload's blocks into the mapped upload (four where
+    there are 6+ cores), and runs of copied blocks are hashed in file order by whichever thread finds
+    the next one copied; with 4+ cores the file's digest of a run is taken on a thread of its own while
+    that thread hashes the tensors. A model of odd-sized tensors, the helper threads' copies held back
+    so that blocks are done out of order: the xxh3s declared at `uploaded` (file and every tensor) are
+    those of the bytes, and the version comes back bit-exact."""
     import numpy
 
     from weightclient.transports.shared_memory import UNMAP_FROM
+    from weightserver.protocol.digests import IncomingDigests
     from weightserver.protocol.safetensors_format import parse_header
 
     copied_by: set[str] = set()
-    copyto, upload = numpy.copyto, SharedMemoryTransport.upload
-    declared = []
+    copyto, upload, advance = numpy.copyto, SharedMemoryTransport.upload, IncomingDigests.advance
+    declared, spans = [], []
+
+    def hashed(self, end, **options):
+        spans.append(options.get("spans") is not None)
+        advance(self, end, **options)
 
     def held(target, source):
         copied_by.add(threading.current_thread().name)
@@ -182,6 +189,8 @@ def test_a_large_shm_upload_written_by_two_threads_declares_its_bytes_digests(se
     assert len(data) >= UNMAP_FROM
     monkeypatch.setattr(numpy, "copyto", held)
     monkeypatch.setattr(SharedMemoryTransport, "upload", recorded)
+    monkeypatch.setattr(IncomingDigests, "advance", hashed)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
     for step in range(2):  # mapped when it comes, then the upload set up ahead
         weights["odd3"].add_(step)
         data = file_of(weights)
@@ -192,7 +201,9 @@ def test_a_large_shm_upload_written_by_two_threads_declares_its_bytes_digests(se
         assert declared[-1].xxh3 == xxhash.xxh3_128_hexdigest(data)
         tensors = {t.name: xxhash.xxh3_128_hexdigest(view[t.begin : t.end]) for t in header.tensors}
         assert declared[-1].tensor_xxh3 == tensors
-    assert "MainThread" in copied_by and any(name.startswith("weightclient-copy") for name in copied_by), copied_by
+    helpers = {name for name in copied_by if name.startswith("weightclient-copy")}
+    assert "MainThread" in copied_by and len(helpers) == (1 if cores < 4 else 3), copied_by
+    assert any(spans) == (cores >= 4), spans
 
 
 def test_a_shm_upload_past_its_deadline_stops_both_writing_threads(server, client, monkeypatch):
@@ -203,7 +214,11 @@ def test_a_shm_upload_past_its_deadline_stops_both_writing_threads(server, clien
     from weightserver.protocol.digests import IncomingDigests
 
     advance = IncomingDigests.advance
-    monkeypatch.setattr(IncomingDigests, "advance", lambda self, end: (time.sleep(0.05), advance(self, end)))
+    def held(self, end, **options):  # 50 ms per MiB hashed, however many blocks one call takes
+        time.sleep(0.05 * max(1, (end - self.hashed) >> 20))
+        advance(self, end, **options)
+
+    monkeypatch.setattr(IncomingDigests, "advance", held)
     weights = {"w": torch.randn(17 << 20)}  # 68 MiB: two threads, about 4 s of held hashes
     before = client.publish(weights, model=MODEL, transport="shm")  # (sets the next upload up)
     started = time.monotonic()

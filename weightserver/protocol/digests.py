@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import xxhash
 
 from weightserver.protocol.safetensors_format import SafetensorsHeader, parse_header
+
+if TYPE_CHECKING:
+    from concurrent.futures import Executor
 
 PREFIX_BYTES = 8  # the safetensors header's length prefix
 BLOCK_BYTES = 1 << 20  # hashed by every digest in turn while it is in cache
@@ -67,8 +71,17 @@ class IncomingDigests:
         """The header is in: the bytes before `hashed` are not read again."""
         return self._header is not None
 
-    def advance(self, end: int) -> None:
-        """Hash bytes [hashed, end), a block at a time: the second digest finds it in cache."""
+    def advance(self, end: int, *, spans: Executor | None = None) -> None:
+        """Hash bytes [hashed, end), a block at a time: the second digest finds it in cache. With `spans` (once the
+        header is parsed, and no sha256), the file's digest of the range is taken there while this thread takes the
+        tensors': two cores for the two passes."""
+        if spans is not None and self._header is not None and self._sha256 is None and end > self.hashed:
+            span = spans.submit(self._xxh3.update, self.buffer[self.hashed : end])
+            try:
+                self._hash_tensors(self.hashed, end)
+            finally:
+                span.result()
+            self.hashed = end
         while self.hashed < end:
             stop = min(end, self.hashed + BLOCK_BYTES)
             block = self.buffer[self.hashed : stop]

@@ -33,8 +33,10 @@ from weightserver.v1 import weights_pb2 as pb
 
 MAX_HEADER_BYTES = 64 << 20  # far above any real manifest; a larger file is not one of ours
 WRITE_BLOCK = 1 << 20  # a publish writes, then hashes, this much at a time: the hash finds it in cache
-UNMAP_FROM = 64 << 20  # an upload this large is written by two threads and unmapped an eighth at a time
+UNMAP_FROM = 64 << 20  # an upload this large is written by 2+ threads and unmapped an eighth at a time
 COPY_STEP = 256 << 10  # one thread copies, then hashes, this much at a time: the hash finds it in L2
+COPY_THREADS = 4  # at most this many copy a large upload (one per core but two; two on fewer than 4 cores)
+HASH_RUN = 16  # blocks hashed at once at most: with 4+ cores, the file's digest of a run goes to a thread of its own
 UPLOAD_FILE = re.compile(r"upload-[0-9a-f]+\.tmp")  # a link to a memfd of the server's, sealed at `uploaded`
 UPLOAD_MEMORY = re.compile(r"/proc/[0-9]+/fd/[0-9]+")
 
@@ -178,10 +180,13 @@ class SharedMemoryTransport(Transport):
 class _UploadWrite:
     """`parts` copied into the mapping `target` a block at a time, each block hashed there (file and tensors, in file
     order, while in cache): the digests describe the bytes the server seals. From UNMAP_FROM, two threads copy (6 GB/s
-    here for one, 12 for two), and each eighth once hashed is unmapped by the thread that hashed its end while the other
-    goes on: else the seal waits for the page tables' teardown (11-19 ms at 256 MiB). Each thread copies the next block
-    with the GIL let go; whichever finds the next block copied and nobody hashing hashes and reports it, so none waits
-    on a thread that may have lost its core. A thread that fails stops the others."""
+    here for one, 12 for two; up to COPY_THREADS where there are cores), and each eighth once hashed is unmapped by the
+    thread that hashed its end while the others go on: else the seal waits for the page tables' teardown (11-19 ms at
+    256 MiB). Each thread copies the next block with the GIL let go; whichever finds the next block copied and nobody
+    hashing hashes the run of copied blocks from there and reports it, so none waits on a thread that may have lost its
+    core. On 4+ cores the file's digest of each run is taken on a thread of its own while the hashing thread takes the
+    tensors' (two passes of xxh3 at once: there the hash, not the copy, bounds a large upload). A thread that fails
+    stops the others."""
 
     def __init__(
         self, target: memoryview, mapping: mmap.mmap, parts: Parts, deadline: Deadline, progress: Progress | None
@@ -193,6 +198,9 @@ class _UploadWrite:
         self.jobs = list(zip(offsets, sources, strict=False))  # (offset in the file, source block)
         self.window = -(-target.nbytes // 8 // mmap.PAGESIZE) * mmap.PAGESIZE if target.nbytes >= UNMAP_FROM else 0
         self.step = WRITE_BLOCK if self.window else COPY_STEP  # (two threads: a block's turn comes as it ends)
+        cores = len(os.sched_getaffinity(0))
+        self.writers = 1 if not self.window else 2 if cores < 4 else min(cores - 2, COPY_THREADS)
+        self.spans: ThreadPoolExecutor | None = None  # where the file's digest of a run is taken, with 4+ cores
         self.given_up = 0  # bytes [0, given_up) are unmapped, or are being
         self.copied = [False] * len(self.jobs)
         self.taken = self.turn = 0  # blocks taken by a thread; blocks hashed
@@ -200,13 +208,16 @@ class _UploadWrite:
         self.changed = threading.Condition()
 
     def run(self) -> Uploaded:
-        if not self.window:
+        wide = self.writers > 2  # (a thread beside the writers takes the file's digests: none of them waits for it)
+        if self.writers == 1:
             self.blocks()
         else:
-            with ThreadPoolExecutor(1, thread_name_prefix="weightclient-copy") as helper:
-                other = helper.submit(self.blocks)
+            with ThreadPoolExecutor(self.writers - 1 + wide, thread_name_prefix="weightclient-copy") as helpers:
+                self.spans = helpers if wide else None
+                others = [helpers.submit(self.blocks) for _ in range(self.writers - 1)]
                 self.blocks()
-                other.result()
+                for other in others:
+                    other.result()
         if self.found is None:
             return Uploaded(xxh3_hex(self.target))  # (nothing was unmapped: `found` fails at the header)
         digests = self.found.finish()
@@ -251,8 +262,8 @@ class _UploadWrite:
         return self.failed or self.turn == len(self.jobs)
 
     def _advance(self) -> None:
-        """Hash the copied blocks from `turn` on, unless another thread is; stop at one not copied yet, or to unmap a
-        window that fell due (the other thread takes over the hashing meanwhile)."""
+        """Hash the copied blocks from `turn` on, a run of up to HASH_RUN at a time, unless another thread is; stop at
+        one not copied yet, or to unmap the windows that fell due (another thread takes over the hashing meanwhile)."""
         with self.changed:
             if self.hashing or self._done() or not self.copied[self.turn]:
                 return
@@ -260,11 +271,15 @@ class _UploadWrite:
         due = None
         try:
             while due is None:
-                at, block = self.jobs[self.turn]
-                self._in_time(at)
+                with self.changed:
+                    end = self.turn + 1
+                    while end < min(len(self.jobs), self.turn + HASH_RUN) and self.copied[end]:
+                        end += 1
+                self._in_time(self.jobs[self.turn][0])
+                at, block = self.jobs[end - 1]
                 due = self._hashed(at + block.nbytes)
                 with self.changed:
-                    self.turn += 1
+                    self.turn = end
                     if self._done() or not self.copied[self.turn]:
                         break
         finally:
@@ -272,7 +287,7 @@ class _UploadWrite:
                 self.hashing = False
                 self.changed.notify_all()
         if due is not None:
-            page_tables.unmap(self.mapping, due, due + self.window)
+            page_tables.unmap(self.mapping, *due)
 
     def _in_time(self, at: int) -> None:
         if self.deadline.expired():
@@ -281,19 +296,19 @@ class _UploadWrite:
     def _hash(self, end: int) -> None:
         if self.found is not None:
             try:
-                self.found.advance(end)
+                self.found.advance(end, spans=self.spans)
             except InvalidSafetensors:
                 self.found = None  # not a safetensors file: the server says so, with its own error
 
-    def _hashed(self, end: int) -> int | None:
-        """Hash bytes up to `end` (in its turn); the start of a window now due for unmapping, if any."""
+    def _hashed(self, end: int) -> tuple[int, int] | None:
+        """Hash bytes up to `end` (in its turn); the range of the windows now due for unmapping, if any."""
         self._hash(end)
         if self.progress is not None:
             self.progress(end, self.target.nbytes)
-        if not self.window or self.found is None or not self.found.parsed or end - self.given_up < 2 * self.window:
-            return None
-        self.given_up += self.window
-        return self.given_up - self.window
+        start = self.given_up
+        while self.window and self.found is not None and self.found.parsed and end - self.given_up >= 2 * self.window:
+            self.given_up += self.window
+        return (start, self.given_up) if self.given_up > start else None
 
 
 def _check_visible(path: str) -> None:
