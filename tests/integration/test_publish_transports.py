@@ -214,6 +214,7 @@ def test_a_shm_upload_past_its_deadline_stops_both_writing_threads(server, clien
     from weightserver.protocol.digests import IncomingDigests
 
     advance = IncomingDigests.advance
+
     def held(self, end, **options):  # 50 ms per MiB hashed, however many blocks one call takes
         time.sleep(0.05 * max(1, (end - self.hashed) >> 20))
         advance(self, end, **options)
