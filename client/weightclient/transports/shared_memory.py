@@ -21,9 +21,8 @@ from google.protobuf.message import DecodeError
 
 from weightclient.core.retry import Deadline
 from weightclient.placement import layout, mismatched
-from weightclient.transports import base
+from weightclient.transports import base, block_reader
 from weightclient.transports.base import Offer, Parts, PayloadGone, Progress, Transport, TransportFailed, Uploaded
-from weightclient.transports.block_reader import read_blocks
 from weightserver.protocol import page_tables
 from weightserver.protocol.digests import BLOCK_BYTES, PREFIX_BYTES, IncomingDigests, xxh3_hex
 from weightserver.protocol.errors import DeadlineExceeded, InvalidSafetensors
@@ -198,7 +197,7 @@ class _UploadWrite:
         self.jobs = list(zip(offsets, sources, strict=False))  # (offset in the file, source block)
         self.window = -(-target.nbytes // 8 // mmap.PAGESIZE) * mmap.PAGESIZE if target.nbytes >= UNMAP_FROM else 0
         self.step = WRITE_BLOCK if self.window else COPY_STEP  # (two threads: a block's turn comes as it ends)
-        cores = len(os.sched_getaffinity(0))
+        cores = block_reader.usable_cpus()
         self.writers = 1 if not self.window else 2 if cores < 4 else min(cores - 2, COPY_THREADS)
         self.spans: ThreadPoolExecutor | None = None  # where the file's digest of a run is taken, with 4+ cores
         self.given_up = 0  # bytes [0, given_up) are unmapped, or are being
@@ -335,5 +334,5 @@ def _read_placed(fd: int, info: VersionInfo, views: Mapping[str, memoryview]) ->
                 owners.append(name)
         offset += size
     hashers = {name: xxhash.xxh3_128() for name in views}
-    read_blocks(fd, blocks, lambda i: hashers[owners[i]].update(blocks[i][0]))
+    block_reader.read_blocks(fd, blocks, lambda i: hashers[owners[i]].update(blocks[i][0]))
     return mismatched(info, hashers)
