@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from weightserver.protocol import limits
+from weightserver.protocol import cpus, limits
 
 # Stream fetches sending at once: a publish's chunks take turns with them on the one event loop (200
 # open fetchers starved publishes for seconds); on 2 cores 1-2 was fastest, with no fetch loss vs 4-16.
-DEFAULT_MAX_STREAM_FETCHES = max(2, os.cpu_count() or 1)
+DEFAULT_MAX_STREAM_FETCHES = max(2, cpus.usable_cpus())
 
 
 @dataclass(frozen=True)

@@ -161,8 +161,8 @@ def test_a_large_shm_upload_written_by_several_threads_declares_its_bytes_digest
     those of the bytes, and the version comes back bit-exact."""
     import numpy
 
-    from weightclient.transports import block_reader
     from weightclient.transports.shared_memory import UNMAP_FROM
+    from weightserver.protocol import cpus as usable
     from weightserver.protocol.digests import IncomingDigests
     from weightserver.protocol.safetensors_format import parse_header
 
@@ -191,7 +191,7 @@ def test_a_large_shm_upload_written_by_several_threads_declares_its_bytes_digest
     monkeypatch.setattr(numpy, "copyto", held)
     monkeypatch.setattr(SharedMemoryTransport, "upload", recorded)
     monkeypatch.setattr(IncomingDigests, "advance", hashed)
-    monkeypatch.setattr(block_reader, "usable_cpus", lambda: cores)
+    monkeypatch.setattr(usable, "usable_cpus", lambda: cores)
     for step in range(2):  # mapped when it comes, then the upload set up ahead
         weights["odd3"].add_(step)
         data = file_of(weights)

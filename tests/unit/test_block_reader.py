@@ -13,6 +13,7 @@ import pytest
 
 from weightclient.transports import block_reader
 from weightclient.transports.block_reader import read_blocks
+from weightserver.protocol import cpus as usable
 
 BLOCK = 64 << 10
 
@@ -57,7 +58,7 @@ def read_path(path, data: bytes, blocks: list[tuple[memoryview, int]]) -> list[i
 
 @pytest.mark.parametrize("cpus", [1, 2])
 def test_every_block_lands_with_the_files_bytes_in_order(tmp_path, monkeypatch, cpus):
-    monkeypatch.setattr(block_reader, "usable_cpus", lambda: cpus)
+    monkeypatch.setattr(usable, "usable_cpus", lambda: cpus)
     if cpus == 1:
         monkeypatch.setattr(block_reader, "_helper_pool", lambda: pytest.fail("one CPU needs no helper"))
     helper_reads: list[int] = []
@@ -96,7 +97,7 @@ def test_a_few_blocks_are_read_by_the_caller_alone(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("cpus", [1, 2])
 def test_a_short_file_raises_and_leaves_no_read_in_flight(tmp_path, monkeypatch, cpus):
-    monkeypatch.setattr(block_reader, "usable_cpus", lambda: cpus)
+    monkeypatch.setattr(usable, "usable_cpus", lambda: cpus)
     data = write_file(tmp_path / "f", 40 * BLOCK)
     _, blocks = plan(len(data) + 5 * BLOCK)  # the plan wants 5 blocks more than the file has
     seen: list[int] = []
@@ -123,7 +124,7 @@ def test_a_short_file_raises_and_leaves_no_read_in_flight(tmp_path, monkeypatch,
 
 
 def test_concurrent_reads_share_the_helper_and_stay_correct(tmp_path, monkeypatch):
-    monkeypatch.setattr(block_reader, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(usable, "usable_cpus", lambda: 2)
     files = [write_file(tmp_path / f"f{i}", 30 * BLOCK + i, seed=i) for i in range(4)]
     errors: list[BaseException] = []
 
@@ -150,7 +151,7 @@ def test_concurrent_reads_share_the_helper_and_stay_correct(tmp_path, monkeypatc
 
 
 def test_a_forked_child_reads_with_a_helper_of_its_own(tmp_path, monkeypatch):
-    monkeypatch.setattr(block_reader, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(usable, "usable_cpus", lambda: 2)
     data = write_file(tmp_path / "f", 20 * BLOCK)
     _, blocks = plan(len(data))
     fd = os.open(tmp_path / "f", os.O_RDONLY)
@@ -171,21 +172,3 @@ def test_a_forked_child_reads_with_a_helper_of_its_own(tmp_path, monkeypatch):
     finally:
         os.close(fd)
     assert os.waitstatus_to_exitcode(status) == 0
-
-
-@pytest.mark.parametrize(
-    ("cpu_max", "affinity", "usable"),
-    [("max 100000\n", 16, 16), ("200000 100000\n", 16, 2), ("150000 100000\n", 16, 2), ("800000 100000\n", 4, 4)],
-)
-def test_usable_cpus_are_the_affinity_capped_by_a_containers_cpu_quota(
-    tmp_path, monkeypatch, cpu_max, affinity, usable
-):
-    """A container run with `--cpus 2` on a 16-core host sees 16 cores in its affinity and may use
-    two: the shm upload and the block reader size their threads by the quota, rounded up."""
-    quota = tmp_path / "cpu.max"
-    quota.write_text(cpu_max)
-    monkeypatch.setattr(block_reader, "CPU_QUOTA", quota)
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(affinity)))
-    assert block_reader.usable_cpus() == usable
-    monkeypatch.setattr(block_reader, "CPU_QUOTA", tmp_path / "absent")  # no cgroup v2: the affinity alone
-    assert block_reader.usable_cpus() == affinity

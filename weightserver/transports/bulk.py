@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import secrets
 import socket
 import struct
@@ -19,6 +18,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from weightserver.protocol import cpus
 from weightserver.v1 import weights_pb2 as pb
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ IDLE_CONNECTION_SECONDS = 120.0
 SEND_STALL_SECONDS = 30.0
 ACCEPT_RETRY_SECONDS = (0.05, 1.0)  # after a failed accept (out of descriptors): first, longest pause
 REFUSED_LOG_SECONDS = 60.0  # at most one warning this often about connections over the cap
-LOOPS = min(8, os.cpu_count() or 1)  # a send's copy into the kernel costs its thread's CPU
+LOOPS = min(8, cpus.usable_cpus())  # a send's copy into the kernel costs its thread's CPU
 
 
 @dataclass

@@ -9,16 +9,16 @@ import os
 import queue
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
+
+from weightserver.protocol import cpus
 
 Block = tuple[memoryview, int]  # a writable view and the file offset whose bytes it receives
 PARALLEL_MIN_BLOCKS = 4  # below this the helper's hand-off costs more than it saves
-CPU_QUOTA = Path("/sys/fs/cgroup/cpu.max")  # "<quota> <period>" in microseconds, or "max <period>"
 
 
 def read_blocks(fd: int, blocks: Sequence[Block], landed: Callable[[int], None]) -> None:
     """Fill every block, calling `landed(i)` in order in this thread; OSError when the file is short."""
-    if len(blocks) < PARALLEL_MIN_BLOCKS or usable_cpus() < 2:
+    if len(blocks) < PARALLEL_MIN_BLOCKS or cpus.usable_cpus() < 2:
         for i, (view, offset) in enumerate(blocks):
             pread_exactly(fd, view, offset)
             landed(i)
@@ -87,16 +87,6 @@ class _SharedRead:
             self.done[i] = True
         for i in range(len(self.blocks)):
             self._wait_for(i)
-
-
-def usable_cpus() -> int:
-    """CPUs this process may run on: its affinity, capped by a cgroup v2 quota (a container's `--cpus`)."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # (Linux only)
-    try:
-        quota, period = CPU_QUOTA.read_text().split()
-        return min(cpus, max(1, -(-int(quota) // int(period))))
-    except (OSError, ValueError):  # no cgroup v2 here, or "max": no quota
-        return cpus
 
 
 @functools.cache

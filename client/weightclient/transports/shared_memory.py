@@ -23,7 +23,7 @@ from weightclient.core.retry import Deadline
 from weightclient.placement import layout, mismatched
 from weightclient.transports import base, block_reader
 from weightclient.transports.base import Offer, Parts, PayloadGone, Progress, Transport, TransportFailed, Uploaded
-from weightserver.protocol import page_tables
+from weightserver.protocol import cpus, page_tables
 from weightserver.protocol.digests import BLOCK_BYTES, PREFIX_BYTES, IncomingDigests, xxh3_hex
 from weightserver.protocol.errors import DeadlineExceeded, InvalidSafetensors
 from weightserver.protocol.files import header_file_name, version_file_name
@@ -197,7 +197,7 @@ class _UploadWrite:
         self.jobs = list(zip(offsets, sources, strict=False))  # (offset in the file, source block)
         self.window = -(-target.nbytes // 8 // mmap.PAGESIZE) * mmap.PAGESIZE if target.nbytes >= UNMAP_FROM else 0
         self.step = WRITE_BLOCK if self.window else COPY_STEP  # (two threads: a block's turn comes as it ends)
-        cores = block_reader.usable_cpus()
+        cores = cpus.usable_cpus()
         self.writers = 1 if not self.window else 2 if cores < 4 else min(cores - 2, COPY_THREADS)
         self.spans: ThreadPoolExecutor | None = None  # where the file's digest of a run is taken, with 4+ cores
         self.given_up = 0  # bytes [0, given_up) are unmapped, or are being
