@@ -63,6 +63,8 @@ class SpareUploads:
         """The spare for the first transport of `order` that has one; one still being set up is waited
         for, within `deadline` (else this publish would stage a second model-sized upload)."""
         with self._lock:
+            if self._closed:  # (the publish goes on without one, and its own call says the client is closed)
+                return None
             preparing = [self._preparing.get((model, t.kind, size)) for t in order]
         wait([f for f in preparing if f is not None], timeout=deadline.remaining())
         now, stale, found = time.monotonic(), [], None
@@ -96,7 +98,11 @@ class SpareUploads:
         with self._lock:
             self._closed = True
             spares, self._spares = list(self._spares.values()), {}
+            preparing = list(self._preparing.values())
         self._thread.shutdown(wait=False, cancel_futures=True)
+        for future in preparing:
+            if future.cancelled():  # taken off the queue: only this tells a `take` waiting for it (else it waits on)
+                future.set_running_or_notify_cancel()
         for spare in spares:
             spare.let_go()
 
