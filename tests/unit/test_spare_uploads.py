@@ -40,10 +40,12 @@ def _taken_within(seconds: float, spares: SpareUploads, transport: MockTransport
 
 def test_a_publish_after_close_does_not_wait_for_a_set_up_that_closing_dropped():
     """close() takes "b"'s queued set-up off the queue (cancelled); a take after it returns at once.
-    Before, it waited for that future forever: a cancelled future nobody ran never tells its waiters."""
+    Before, it waited for that future forever: `concurrent.futures.wait` is told of a cancel only when
+    a worker dequeues the future, and no worker ever does."""
     spares, release, transport = _spares_with_one_queued()
     try:
         spares.close()
+        spares.close()  # a client closed twice (a `with` block, then close()) closes its spares twice
         assert _taken_within(5, spares, transport, threading.Event())
     finally:
         release.set()

@@ -3,13 +3,14 @@ next upload is set up meanwhile (`SpareUploads`: a page-table fill, about 0.3 ms
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from weightclient.core.failover import Connection, map_rpc_errors
@@ -63,10 +64,10 @@ class SpareUploads:
         """The spare for the first transport of `order` that has one; one still being set up is waited
         for, within `deadline` (else this publish would stage a second model-sized upload)."""
         with self._lock:
-            if self._closed:  # (the publish goes on without one, and its own call says the client is closed)
-                return None
             preparing = [self._preparing.get((model, t.kind, size)) for t in order]
-        wait([f for f in preparing if f is not None], timeout=deadline.remaining())
+        for future in (f for f in preparing if f is not None):  # (not `wait`: a set-up that close() took off
+            with contextlib.suppress(CancelledError, TimeoutError):  # the queue never tells it, and it waits on)
+                future.exception(timeout=deadline.remaining())
         now, stale, found = time.monotonic(), [], None
         with self._lock:
             for transport in order:
@@ -98,11 +99,7 @@ class SpareUploads:
         with self._lock:
             self._closed = True
             spares, self._spares = list(self._spares.values()), {}
-            preparing = list(self._preparing.values())
         self._thread.shutdown(wait=False, cancel_futures=True)
-        for future in preparing:
-            if future.cancelled():  # taken off the queue: only this tells a `take` waiting for it (else it waits on)
-                future.set_running_or_notify_cancel()
         for spare in spares:
             spare.let_go()
 
