@@ -15,12 +15,20 @@ from weightserver.protocol import cpus
 
 @pytest.mark.parametrize(
     ("cpu_max", "affinity", "usable"),
-    [("max 100000\n", 16, 16), ("200000 100000\n", 16, 2), ("150000 100000\n", 16, 2), ("800000 100000\n", 4, 4)],
+    [
+        ("max 100000\n", 16, 16),
+        ("200000 100000\n", 16, 2),
+        ("150000 100000\n", 16, 2),
+        ("800000 100000\n", 4, 4),
+        ("", 16, 16),  # a file not as documented: no limit read from it, rather than an error
+        ("1 2 3\n", 16, 16),
+    ],
 )
 def test_a_cgroup_v2_quota_caps_the_affinity_rounded_up(tmp_path, monkeypatch, cpu_max, affinity, usable):
     """A container run with `--cpus 2` on a 16-core host sees 16 cores in its affinity and may use two."""
     (tmp_path / "cpu.max").write_text(cpu_max)
     monkeypatch.setattr(cpus, "CPU_MAX", tmp_path / "cpu.max")
+    monkeypatch.setattr(cpus, "CFS_QUOTA", tmp_path / "absent")  # (this host's own v1 files play no part)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(affinity)))
     assert cpus.usable_cpus() == usable
 

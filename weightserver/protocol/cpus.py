@@ -24,7 +24,7 @@ def cpu_quota() -> float | None:
     """CPUs of time per period this process's container allows; None without a limit."""
     try:
         quota, period = CPU_MAX.read_text().split()
-    except OSError:
+    except (OSError, ValueError):  # (not "<quota> <period>": not a cgroup v2 file we know)
         try:
             quota, period = CFS_QUOTA.read_text(), CFS_QUOTA.with_name("cpu.cfs_period_us").read_text()
         except OSError:
