@@ -155,7 +155,7 @@ def test_bulk_and_shm_publishes_of_a_large_model_are_bit_exact(server, client):
 def test_a_large_shm_upload_written_by_several_threads_declares_its_bytes_digests(server, client, monkeypatch, cores):
     """From 64 MiB two threads copy a shared-memory upload's blocks into the mapped upload (four where
     there are 6+ cores), and runs of copied blocks are hashed in file order by whichever thread finds
-    the next one copied; with 4+ cores the file's digest of a run is taken on a thread of its own while
+    the next one copied; with 5+ cores the file's digest of a run is taken on a thread of its own while
     that thread hashes the tensors. A model of odd-sized tensors, the helper threads' copies held back
     so that blocks are done out of order: the xxh3s declared at `uploaded` (file and every tensor) are
     those of the bytes, and the version comes back bit-exact."""

@@ -13,6 +13,14 @@ import pytest
 from weightserver.protocol import cpus
 
 
+@pytest.fixture(autouse=True)
+def _quota_read_afresh():
+    """cpu_quota() is read once per process: each test reads the files it points it at."""
+    cpus.cpu_quota.cache_clear()
+    yield
+    cpus.cpu_quota.cache_clear()
+
+
 @pytest.mark.parametrize(
     ("cpu_max", "affinity", "usable"),
     [
@@ -42,6 +50,7 @@ def test_without_cgroup_v2_the_v1_quota_beside_its_period_caps_it(tmp_path, monk
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
     assert cpus.usable_cpus() == usable
     monkeypatch.setattr(cpus, "CFS_QUOTA", tmp_path / "absent" / "cpu.cfs_quota_us")  # no cgroup files: no limit
+    cpus.cpu_quota.cache_clear()  # (read once per process: read again from the new paths)
     assert cpus.usable_cpus() == 8 and cpus.cpu_quota() is None
 
 

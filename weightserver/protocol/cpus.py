@@ -3,6 +3,7 @@ container's CPU quota (`docker run --cpus`, a Kubernetes CPU limit), which the a
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from pathlib import Path
@@ -20,6 +21,7 @@ def usable_cpus() -> int:
     return cpus if quota is None else max(1, min(cpus, math.ceil(quota)))
 
 
+@functools.cache  # (a container's quota is set when it starts; a file read costs 25 us, on every large read)
 def cpu_quota() -> float | None:
     """CPUs of time per period this process's container allows; None without a limit."""
     try:

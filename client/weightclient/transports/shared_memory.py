@@ -21,8 +21,9 @@ from google.protobuf.message import DecodeError
 
 from weightclient.core.retry import Deadline
 from weightclient.placement import layout, mismatched
-from weightclient.transports import base, block_reader
+from weightclient.transports import base
 from weightclient.transports.base import Offer, Parts, PayloadGone, Progress, Transport, TransportFailed, Uploaded
+from weightclient.transports.block_reader import read_blocks
 from weightserver.protocol import cpus, page_tables
 from weightserver.protocol.digests import BLOCK_BYTES, PREFIX_BYTES, IncomingDigests, xxh3_hex
 from weightserver.protocol.errors import DeadlineExceeded, InvalidSafetensors
@@ -35,7 +36,7 @@ WRITE_BLOCK = 1 << 20  # a publish writes, then hashes, this much at a time: the
 UNMAP_FROM = 64 << 20  # an upload this large is written by 2+ threads and unmapped an eighth at a time
 COPY_STEP = 256 << 10  # one thread copies, then hashes, this much at a time: the hash finds it in L2
 COPY_THREADS = 4  # at most this many copy a large upload (one per core but two; two on fewer than 4 cores)
-HASH_RUN = 16  # blocks hashed at once at most: with 4+ cores, the file's digest of a run goes to a thread of its own
+HASH_RUN = 16  # blocks hashed at once at most: with 5+ cores, the file's digest of a run goes to a thread of its own
 UPLOAD_FILE = re.compile(r"upload-[0-9a-f]+\.tmp")  # a link to a memfd of the server's, sealed at `uploaded`
 UPLOAD_MEMORY = re.compile(r"/proc/[0-9]+/fd/[0-9]+")
 
@@ -183,7 +184,7 @@ class _UploadWrite:
     thread that hashed its end while the others go on: else the seal waits for the page tables' teardown (11-19 ms at
     256 MiB). Each thread copies the next block with the GIL let go; whichever finds the next block copied and nobody
     hashing hashes the run of copied blocks from there and reports it, so none waits on a thread that may have lost its
-    core. On 4+ cores the file's digest of each run is taken on a thread of its own while the hashing thread takes the
+    core. On 5+ cores the file's digest of each run is taken on a thread of its own while the hashing thread takes the
     tensors' (two passes of xxh3 at once: there the hash, not the copy, bounds a large upload). A thread that fails
     stops the others."""
 
@@ -199,7 +200,7 @@ class _UploadWrite:
         self.step = WRITE_BLOCK if self.window else COPY_STEP  # (two threads: a block's turn comes as it ends)
         cores = cpus.usable_cpus()
         self.writers = 1 if not self.window else 2 if cores < 4 else min(cores - 2, COPY_THREADS)
-        self.spans: ThreadPoolExecutor | None = None  # where the file's digest of a run is taken, with 4+ cores
+        self.spans: ThreadPoolExecutor | None = None  # where the file's digest of a run is taken, with 5+ cores
         self.given_up = 0  # bytes [0, given_up) are unmapped, or are being
         self.copied = [False] * len(self.jobs)
         self.taken = self.turn = 0  # blocks taken by a thread; blocks hashed
@@ -334,5 +335,5 @@ def _read_placed(fd: int, info: VersionInfo, views: Mapping[str, memoryview]) ->
                 owners.append(name)
         offset += size
     hashers = {name: xxhash.xxh3_128() for name in views}
-    block_reader.read_blocks(fd, blocks, lambda i: hashers[owners[i]].update(blocks[i][0]))
+    read_blocks(fd, blocks, lambda i: hashers[owners[i]].update(blocks[i][0]))
     return mismatched(info, hashers)
